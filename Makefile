@@ -1,0 +1,42 @@
+# Two entry points on a fresh machine:  `make quickstart`  and  `make test`.
+# Both create .venv and install what they need into it.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# C++ ops that DeepSpeed builds on first use are cached per virtualenv.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+# No GPU here: DeepSpeed's CPU accelerator. A machine with CUDA keeps its default.
+ifeq ($(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu),)
+export DS_ACCELERATOR ?= cpu
+endif
+
+.PHONY: quickstart test install clean
+
+quickstart: $(VENV)/.installed
+	$(BIN)/allattn-pipe run configs/quickstart.yaml
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+install: $(VENV)/.installed
+
+# torch: an interpreter that already has torch (a cluster's CUDA build) lends it to the venv;
+# with an NVIDIA GPU and no torch, pip picks its default (CUDA) build; otherwise the CPU
+# wheel 2.13.0. We never replace a torch that is already there.
+$(VENV)/.installed: pyproject.toml
+	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+	    echo "using the torch of $(PYTHON)"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	    $(PYTHON) -m venv $(VENV); \
+	    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	        $(BIN)/pip install --quiet "torch>=2.4"; \
+	    else \
+	        $(BIN)/pip install --quiet torch==2.13.0; \
+	    fi; \
+	fi
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) runs
