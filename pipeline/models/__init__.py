@@ -1,0 +1,36 @@
+"""Model registry. Models are plain torch modules built from a config dataclass."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from pipeline.models.allattn import AllAttnConfig, AllAttnLM, LMOutput
+
+MODELS: dict[str, tuple[type, type[nn.Module]]] = {
+    "allattn": (AllAttnConfig, AllAttnLM),
+}
+"""kind -> (config dataclass, model class taking (cfg, vocab_size))."""
+
+
+def build_model(kind: str, cfg, vocab_size: int) -> nn.Module:
+    """Build a registered model. ``cfg`` is the kind's config dataclass (or a dict of its
+    fields)."""
+    try:
+        cfg_cls, model_cls = MODELS[kind]
+    except KeyError:
+        raise ValueError(f"unknown model kind {kind!r}; known: {sorted(MODELS)}") from None
+    if isinstance(cfg, dict):
+        cfg = cfg_cls(**cfg)
+    elif not isinstance(cfg, cfg_cls):
+        raise ValueError(
+            f"model kind {kind!r} needs a {cfg_cls.__name__}, got {type(cfg).__name__}"
+        )
+    return model_cls(cfg, vocab_size)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameter elements (shared parameters counted once; works on meta)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["MODELS", "AllAttnConfig", "AllAttnLM", "LMOutput", "build_model", "count_parameters"]

@@ -1,0 +1,26 @@
+"""Attention ops. ``attend_reference`` is the plain-PyTorch op; faster backends implement
+the same ``AttendFn`` signature and register in ``ATTENTION_IMPLS``."""
+
+from pipeline.ops.attention import (
+    ATTENTION_IMPLS,
+    RENORM_EPS,
+    AttendFn,
+    adaptive_span_mask,
+    attend_reference,
+    attention_weights,
+    get_attention_impl,
+    skew,
+    unskew,
+)
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "RENORM_EPS",
+    "AttendFn",
+    "adaptive_span_mask",
+    "attend_reference",
+    "attention_weights",
+    "get_attention_impl",
+    "skew",
+    "unskew",
+]

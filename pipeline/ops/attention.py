@@ -1,0 +1,241 @@
+"""Reference (plain PyTorch) all-attention op: equations 10-13 of the all-attention paper
+with the adaptive-span soft mask, written the way the authors' code computes them.
+
+This is the op every faster backend has to match (same signature, same numbers up to
+floating-point reordering). It favours readability over speed, but it keeps the authors'
+memory layout: the attention matrix of a block is M x (L' + M), reduced to M x L' by the
+pad-and-reshape ("skew") trick, never (L' + M)^2.
+
+Context convention (the authors' code, where the paper is loose)
+---------------------------------------------------------------
+Keys and values of one block are ``[B, H, L' + M, d_h]``: the first L' rows come from the
+L' hidden states *before* the block (the cache), the last M rows from the block itself.
+Query i of the block sits at key index L' + i and attends to exactly the previous L'
+tokens, key indices i .. i + L' - 1, i.e. distances x = t - c = L', ..., 1. A token never
+attends to itself (its own information arrives through the residual connection), and every
+query sees the same number of context tokens whatever its place in the block.
+
+Every context-shaped tensor of size L' (the score rows after unskewing, the position table
+slice, the span mask) is indexed by a column j in [0, L') with
+
+    column j  <->  key index i + j  <->  distance x = L' - j
+
+so column L' - 1 is the previous token (x = 1) and column 0 the oldest one (x = L').
+
+The computation, per batch element and head (d_h = head size, N = persistent vectors):
+
+    k_1..k_{L'+N} = Concat(W_k x_c for c in C_t, M_k)                         (10)
+    v_1..v_{L'+N} = Concat(W_v x_c for c in C_t, M_v)                         (11)
+    s_tc = q_t . (k_c + u_{t-c})   context c,  u = key-side relative position (12)
+    s_tn = q_t . M_k[n]            persistent n (zero position term)
+    a_t  = softmax over [s_t,context ; s_t,persistent] / sqrt(d_h)  (jointly)   (13)
+    a_tc <- a_tc * m_z(t - c - 1) for context c; persistent weights untouched
+    a_t  <- a_t / (sum(a_t) + 1e-8)            (joint renormalisation)
+    a_t  <- dropout(a_t)
+    y_t  = sum_c a_tc v_c + sum_n a_tn M_v[n]   (no value-side position term, as in the code)
+
+Only the masking / renormalisation step is skipped when no span mask is given (fixed span).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "AttendFn",
+    "ATTENTION_IMPLS",
+    "RENORM_EPS",
+    "adaptive_span_mask",
+    "attend_reference",
+    "attention_weights",
+    "get_attention_impl",
+    "skew",
+    "unskew",
+]
+
+RENORM_EPS = 1e-8
+"""Added to the denominator of the renormalisation after the span mask (authors' code)."""
+
+
+class AttendFn(Protocol):
+    """The signature every all-attention backend implements (see ``attend_reference``)."""
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        pos: Tensor,
+        *,
+        persistent_k: Tensor | None = None,
+        persistent_v: Tensor | None = None,
+        span_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        training: bool = False,
+    ) -> Tensor: ...
+
+
+# --------------------------------------------------------------------------------------
+# pad-and-reshape helpers
+# --------------------------------------------------------------------------------------
+
+
+def unskew(x: Tensor) -> Tensor:
+    """[..., M, L + M] -> [..., M, L] with ``out[..., i, j] = x[..., i, i + j]``.
+
+    Row i of a query-by-key score matrix keeps the L keys just before query i (key index
+    L + i), oldest first. Works by padding each row with M zeros and re-reading the
+    flat buffer with rows one element longer, which shifts row i left by i.
+    """
+    *lead, m, lm = x.shape
+    ell = lm - m
+    x = x.reshape(*lead, m * lm)
+    x = F.pad(x, (0, m))  # [..., M*(L+M) + M] = [..., M*(L+M+1)]
+    x = x.view(*lead, m, lm + 1)
+    return x[..., :ell]
+
+
+def skew(x: Tensor, pad_value: float = 0.0) -> Tensor:
+    """[..., M, L] -> [..., M, L + M], the inverse placement of ``unskew``:
+    ``out[..., i, i + j] = x[..., i, j]``; every other entry is ``pad_value``."""
+    *lead, m, ell = x.shape
+    x = F.pad(x, (0, m + 1), value=pad_value)  # [..., M, L+M+1]
+    x = x.reshape(*lead, m * (ell + m + 1))
+    x = x[..., : m * (ell + m)]  # drop the trailing M entries
+    return x.view(*lead, m, ell + m)
+
+
+# --------------------------------------------------------------------------------------
+# adaptive-span soft mask
+# --------------------------------------------------------------------------------------
+
+
+def adaptive_span_mask(span: Tensor, ramp: int, span_len: int) -> Tensor:
+    """Soft mask m_z(x) = clamp((R + z - x) / R, 0, 1) for every head and context column.
+
+    span: [H] current span z of each head, in tokens (differentiable).
+    ramp: R, the length of the linear ramp from 1 down to 0.
+    span_len: L', the number of context columns.
+    Returns [H, L']; column j has distance t - c = L' - j and, as in the authors' code, the
+    mask is evaluated at x = distance - 1 (the previous token always gets weight 1 for z >= 0).
+    """
+    dist = torch.arange(span_len, 0, -1, device=span.device, dtype=span.dtype)  # L'..1
+    x = dist - 1
+    return ((ramp + span[:, None] - x) / ramp).clamp(0.0, 1.0)
+
+
+# --------------------------------------------------------------------------------------
+# the op
+# --------------------------------------------------------------------------------------
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    pos: Tensor,
+    *,
+    persistent_k: Tensor | None = None,
+    span_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention weights (before dropout) of equations 12-13 with the span mask.
+
+    Shapes as in ``attend_reference``. Returns ``(a_ctx [B, H, M, L'], a_pers [B, H, M, N])``
+    (``a_pers`` None without persistent vectors); column j of ``a_ctx`` is distance L' - j.
+    """
+    m, d_h = q.shape[-2], q.shape[-1]
+    span_len = k.shape[-2] - m
+    if span_len < 1:
+        raise ValueError(f"keys hold {k.shape[-2]} rows for {m} queries: no context (L' < 1)")
+    if pos.shape != (d_h, span_len):
+        raise ValueError(f"pos must be [d_h, L'] = {(d_h, span_len)}, got {tuple(pos.shape)}")
+
+    # (12), context part: q_t . k_c for the L' keys before each query, then q_t . u_{t-c}.
+    s_ctx = unskew(torch.matmul(q, k.transpose(-1, -2)))  # [B, H, M, L']
+    s_ctx = s_ctx + torch.matmul(q, pos)  # pos column j = u_{L'-j}
+    n_ctx = span_len
+    if persistent_k is not None:
+        # (12), persistent part: position term is zero. persistent_k: [H, N, d_h].
+        s_pers = torch.matmul(q, persistent_k.transpose(-1, -2))  # [B, H, M, N]
+        s = torch.cat([s_ctx, s_pers], dim=-1)
+    else:
+        s = s_ctx
+
+    # (13): one softmax over context and persistent vectors jointly.
+    a = F.softmax(s / math.sqrt(d_h), dim=-1)
+
+    if span_mask is not None:
+        # Adaptive span: mask the context weights only (the mask is padded with 1 for the
+        # persistent vectors), then renormalise jointly.
+        a_ctx = a[..., :n_ctx] * span_mask[:, None, :]  # span_mask: [H, L']
+        a = torch.cat([a_ctx, a[..., n_ctx:]], dim=-1)
+        a = a / (a.sum(dim=-1, keepdim=True) + RENORM_EPS)
+
+    a_ctx = a[..., :n_ctx]
+    a_pers = a[..., n_ctx:] if persistent_k is not None else None
+    return a_ctx, a_pers
+
+
+def attend_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    *,
+    persistent_k: Tensor | None = None,
+    persistent_v: Tensor | None = None,
+    span_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> Tensor:
+    """All-attention of one block, per head, in plain PyTorch.
+
+    q: [B, H, M, d_h] queries of the block (W_q x_t, not yet scaled).
+    k, v: [B, H, L' + M, d_h] keys / values of the L' context tokens before the block
+        followed by the block's own M tokens (see the module docstring).
+    pos: [d_h, L'] key-side relative position embeddings, shared by the heads; column j is
+        u_{L'-j} (so the last column is distance 1). Usually the last L' columns of the
+        model's (d_h x max_span) table.
+    persistent_k, persistent_v: [H, N, d_h] persistent key / value vectors of each head,
+        already reparameterised (sqrt(d_h) k', sqrt(N) v'); both or neither.
+    span_mask: [H, L'] adaptive-span soft mask (``adaptive_span_mask``); None = fixed span,
+        plain softmax without renormalisation.
+    dropout_p, training: dropout on the (joint, renormalised) attention weights.
+    Returns [B, H, M, d_h].
+    """
+    if (persistent_k is None) != (persistent_v is None):
+        raise ValueError("persistent_k and persistent_v go together")
+    a_ctx, a_pers = attention_weights(
+        q, k, pos, persistent_k=persistent_k, span_mask=span_mask
+    )
+    if dropout_p > 0.0 and training:
+        # Dropout after the joint renormalisation, on context and persistent weights alike.
+        if a_pers is None:
+            a_ctx = F.dropout(a_ctx, dropout_p, training=True)
+        else:
+            n_ctx = a_ctx.shape[-1]
+            a = F.dropout(torch.cat([a_ctx, a_pers], dim=-1), dropout_p, training=True)
+            a_ctx, a_pers = a[..., :n_ctx], a[..., n_ctx:]
+
+    # y_t = sum_c a_tc v_c: place row i's L' weights back at key indices i..i+L'-1.
+    out = torch.matmul(skew(a_ctx, 0.0), v)  # [B, H, M, d_h]
+    if a_pers is not None:
+        out = out + torch.matmul(a_pers, persistent_v)  # [H, N, d_h] broadcast over B
+    return out
+
+
+ATTENTION_IMPLS: dict[str, AttendFn] = {"reference": attend_reference}
+"""Attention backends by name; fused ones register here with the same signature."""
+
+
+def get_attention_impl(name: str) -> AttendFn:
+    try:
+        return ATTENTION_IMPLS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention impl {name!r}; known: {sorted(ATTENTION_IMPLS)}"
+        ) from None
