@@ -1,0 +1,57 @@
+"""`allattn-pipe show`: the model's parameter count, and what it is made of."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pipeline.fsutil import read_json
+
+
+def vocab_size_for(spec) -> tuple[int | None, str]:
+    """The vocabulary size and where it came from: the manifest if preprocess ran, else
+    the dataset card's expectation."""
+    manifest = spec.workspace_dir / "preprocess" / "manifest.json"
+    if manifest.exists():
+        return read_json(manifest)["vocab_size"], str(manifest)
+    if spec.dataset.vocab_size:
+        return spec.dataset.vocab_size, f"dataset card '{spec.dataset.name}' (expected)"
+    return None, ""
+
+
+def parameter_groups(model) -> Counter:
+    """Parameter counts grouped by role, read off the parameter names."""
+    groups: Counter = Counter()
+    for name, p in model.named_parameters():
+        groups[_role(name)] += p.numel()
+    return groups
+
+
+def _role(name: str) -> str:
+    leaf = name.lower()
+    for needle, role in (("persist", "persistent vectors"), ("pos", "position table"),
+                         ("span", "adaptive span"), ("norm", "layer norms"),
+                         ("embed", "embeddings"), ("emb", "embeddings"),
+                         ("out", "output"), ("ff", "feed-forward"), ("fc", "feed-forward"),
+                         ("proj", "attention matrices"), ("attn", "attention matrices")):
+        if needle in leaf:
+            return role
+    return "other"
+
+
+def parameter_report(spec) -> str:
+    import torch
+
+    from pipeline.models import build_model
+
+    vocab, origin = vocab_size_for(spec)
+    if vocab is None:
+        return ("parameters: unknown until preprocess has run (the vocabulary size is not "
+                "known; set dataset.vocab_size to estimate)")
+    with torch.device("meta"):
+        model = build_model(spec.model_kind, spec.model_params, vocab)
+    groups = parameter_groups(model)
+    total = sum(groups.values())
+    lines = [f"parameters: {total:,} ({total / 1e6:.1f}M; vocabulary {vocab} from {origin})"]
+    for role, n in groups.most_common():
+        lines.append(f"  {role:<20} {n:>14,}")
+    return "\n".join(lines)

@@ -1,0 +1,498 @@
+"""The experiment spec: YAML in, a validated, fully resolved `Spec` out.
+
+Resolution order: the file and its `extends` (merged in order, the file itself last), a
+dataset card named by string replaced by the card's contents, then `--set` overrides.
+Every key remembers the file and line it came from, so a validation error can point at it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+import typing
+from dataclasses import MISSING, asdict, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from pipeline.errors import PipelineError
+from pipeline.models import MODELS
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate")
+
+
+class SpecError(PipelineError):
+    """A mistake in the user's spec: printed without a traceback."""
+
+
+# ---------------------------------------------------------------- the schema
+
+class Section(BaseModel):
+    # Unknown keys are errors; "12" is not an int. YAML already gives us real types.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SplitSpec(Section):
+    """Tail split of one symbol stream: train = everything before valid and test."""
+    valid: float = Field(0.05, gt=0, description="symbols when >= 1, a fraction when < 1")
+    test: float = Field(0.05, gt=0, description="symbols when >= 1, a fraction when < 1")
+
+
+class ShardSpec(Section):
+    block_tokens: int = Field(65536, gt=0, description="tokens per webdataset sample")
+    blocks_per_shard: int = Field(64, gt=0, description="samples per tar shard")
+
+
+class DatasetSpec(Section):
+    name: str
+    description: str = ""
+    url: str = Field(description="builtin://NAME, file:///path or http(s)://...")
+    sha256: str | None = Field(None, description="of the downloaded file; required for http(s)")
+    archive: Literal["none", "zip", "gz"] = "none"
+    member: str | None = Field(None, description="the file to take out of a zip archive")
+    tokenizer: Literal["byte", "char"] = "byte"
+    split: SplitSpec = SplitSpec()
+    shards: ShardSpec = ShardSpec()
+    vocab_size: int | None = Field(
+        None, gt=0, description="expected vocabulary, for `show` before preprocessing")
+
+
+class OptimizerSpec(Section):
+    type: Literal["adagrad", "adam"] = "adagrad"
+    lr: float = Field(0.07, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="linear warmup: lr * min(1, k / warmup)")
+    clip: Literal["per_param", "global", "none"] = Field(
+        "per_param", description="per_param: the paper's per-tensor step scaling")
+    clip_norm: float = Field(0.03, gt=0)
+    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class DeepSpeedSpec(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    bf16: bool = False
+    gradient_accumulation_steps: int = Field(1, gt=0)
+
+
+class TrainSpec(Section):
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    steps: int = Field(gt=0)
+    batch_size: int = Field(gt=0, description="sequences per optimizer step, all ranks")
+    seq_len: int = Field(gt=0, description="tokens per segment (M)")
+    optimizer: OptimizerSpec = OptimizerSpec()
+    deepspeed: DeepSpeedSpec = DeepSpeedSpec()
+    log_every: int = Field(10, gt=0)
+    eval_every: int = Field(0, ge=0, description="steps between validation estimates; 0 = off")
+    eval_batches: int = Field(16, gt=0, description="batches per validation estimate")
+    checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
+    keep_checkpoints: int = Field(2, gt=0)
+
+    @model_validator(mode="after")
+    def _clipping_fits_optimizer(self):
+        opt = self.optimizer
+        if opt.clip == "per_param" and opt.type != "adagrad":
+            raise ValueError("optimizer.clip per_param scales the Adagrad step per tensor (the "
+                             "paper's optimizer); with adam use clip: global or none")
+        if opt.clip == "per_param" and self.deepspeed.zero_stage > 0:
+            raise ValueError("optimizer.clip per_param needs whole parameter tensors; ZeRO "
+                             f"stage {self.deepspeed.zero_stage} partitions them: use "
+                             "deepspeed.zero_stage 0 or clip: global")
+        return self
+
+
+class FinetuneSpec(Section):
+    steps: int = Field(gt=0)
+    lr_divisor: float = Field(10.0, gt=0)
+
+
+class EvaluateSpec(Section):
+    splits: list[Literal["valid", "test"]] = ["valid", "test"]
+    batch_size: int = Field(8, gt=0)
+    seq_len: int | None = Field(None, gt=0, description="defaults to train.seq_len")
+
+
+class TrackingSpec(Section):
+    enabled: bool = True
+    uri: str | None = Field(None, description="default: MLFLOW_TRACKING_URI, else sqlite "
+                                              "file <workspace.root>/mlflow.db")
+    experiment: str | None = Field(None, description="defaults to the spec's name")
+
+
+class WorkspaceSpec(Section):
+    root: str = "runs"
+
+
+class Spec(Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    dataset: DatasetSpec
+    model: dict[str, Any]
+    train: TrainSpec | None = None
+    finetune: FinetuneSpec | None = None
+    evaluate: EvaluateSpec = EvaluateSpec()
+    tracking: TrackingSpec = TrackingSpec()
+    workspace: WorkspaceSpec = WorkspaceSpec()
+    stages: list[Literal[STAGE_KINDS]] = Field(min_length=1)  # type: ignore[valid-type]
+
+    _model_params: Any = PrivateAttr(None)
+    _source: str = PrivateAttr("")
+
+    @property
+    def model_kind(self) -> str:
+        return self.model["kind"]
+
+    @property
+    def model_params(self):
+        """The model section as the model's own config dataclass."""
+        return self._model_params
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    @property
+    def workspace_dir(self) -> Path:
+        return Path(self.workspace.root) / self.name
+
+    def resolved(self) -> dict:
+        """The spec as plain data, every default filled in: what `show` prints and MLflow keeps."""
+        out = self.model_dump(mode="json")
+        out["model"] = {"kind": self.model_kind, **asdict(self.model_params)}
+        return out
+
+
+# ---------------------------------------------------------------- YAML with line numbers
+
+class Where(str):
+    """Where a value came from: 'file:line' or '--set key=value'."""
+
+
+def _line_loader():
+    class Loader(yaml.SafeLoader):
+        pass
+
+    # YAML 1.1 reads 1e-7 as a string; researchers write learning rates that way.
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(\d[\d_]*)?\.?\d*[eE][-+]?\d+$"),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
+_Loader = _line_loader()
+
+
+def _build(node, path: tuple, origin: str, where: dict, loader: yaml.SafeLoader):
+    """Construct Python data from a YAML node, recording each key path's file:line."""
+    where[path] = Where(f"{origin}:{node.start_mark.line + 1}")
+    if isinstance(node, yaml.MappingNode):
+        out = {}
+        for key_node, value_node in node.value:
+            key = key_node.value
+            if key in out:
+                raise SpecError(f"{origin}:{key_node.start_mark.line + 1}: "
+                                f"{_dotted(path + (key,))}: key given twice")
+            out[key] = _build(value_node, path + (key,), origin, where, loader)
+            where[path + (key,)] = Where(f"{origin}:{key_node.start_mark.line + 1}")
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_build(item, path + (i,), origin, where, loader)
+                for i, item in enumerate(node.value)]
+    return loader.construct_object(node, deep=True)
+
+
+def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        node = yaml.compose(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}{line}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if node is None:
+        return {}
+    return _build(node, prefix, str(path), where, _Loader(""))
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path) or "(top level)"
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """Deep merge: mappings merge key by key, anything else in `top` replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) -> dict:
+    if path.resolve() in chain:
+        cycle = " -> ".join(str(p) for p in chain + (path.resolve(),))
+        raise SpecError(f"{path}: `extends` forms a cycle: {cycle}")
+    own_where: dict = {}
+    data = _load_yaml(path, own_where)
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}:1: a pipeline spec must be a mapping of keys, "
+                        f"found {_kind(data)}")
+    extends = data.pop("extends", [])
+    if isinstance(extends, str):
+        extends = [extends]
+    if not isinstance(extends, list) or not all(isinstance(e, str) for e in extends):
+        raise SpecError(f"{own_where[('extends',)]}: extends: expected a list of file paths, "
+                        f"found {extends!r}")
+    merged: dict = {}
+    for i, parent in enumerate(extends):
+        parent_path = (path.parent / parent)
+        if not parent_path.exists():
+            raise SpecError(f"{own_where[('extends', i)]}: extends: no such file "
+                            f"{parent_path}")
+        merged = _merge(merged, _load_with_extends(parent_path, where, chain + (path.resolve(),)))
+    # The file's own keys win, and so do their locations.
+    where.update({k: v for k, v in own_where.items() if k and k[0] != "extends"})
+    return _merge(merged, data)
+
+
+# ---------------------------------------------------------------- dataset cards
+
+def dataset_card_dirs(spec_path: Path) -> list[Path]:
+    dirs = [spec_path.resolve().parent.parent / "datasets", PROJECT_ROOT / "datasets"]
+    return list(dict.fromkeys(dirs))
+
+
+def _resolve_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
+    dirs = dataset_card_dirs(spec_path)
+    for d in dirs:
+        card = d / f"{name}.yaml"
+        if card.exists():
+            card_where: dict = {}
+            data = _load_yaml(card, card_where, prefix=("dataset",))
+            if not isinstance(data, dict):
+                raise SpecError(f"{card}:1: a dataset card must be a mapping")
+            # the card's keys now live under `dataset`, except the `dataset` key itself
+            where.update({k: v for k, v in card_where.items() if len(k) > 1})
+            return data
+    known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+    hint = difflib.get_close_matches(name, known, n=1)
+    suggest = f" (did you mean '{hint[0]}'?)" if hint else ""
+    raise SpecError(f"{at}: dataset: no dataset card named '{name}'{suggest}; "
+                    f"known cards: {', '.join(known) or 'none'}")
+
+
+# ---------------------------------------------------------------- --set overrides
+
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    if "=" not in text:
+        raise SpecError(f"--set {text}: expected KEY=VALUE, for example --set train.lr=0.05")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise SpecError(f"--set {text}: '{key}' is not a dotted key path")
+    try:
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML: take the text as a string
+    return tuple(key.split(".")), value
+
+
+def _apply_override(data: dict, path: tuple, value, where: dict, text: str,
+                    spec_path: Path) -> None:
+    if path[0] == "dataset" and len(path) > 1 and isinstance(data.get("dataset"), str):
+        data["dataset"] = _resolve_card(data["dataset"], spec_path, where,
+                                        where.get(("dataset",), str(spec_path)))
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise SpecError(f"--set {text}: {_dotted(path[:i + 1])} is {_kind(child)}, "
+                            f"not a mapping, so it has no key '{path[i + 1]}'")
+        node = child
+    node[path[-1]] = value
+    for k in [k for k in where if k[:len(path)] == path]:
+        del where[k]
+    where[path] = Where(f"--set {text}")
+
+
+# ---------------------------------------------------------------- validation errors
+
+def _kind(value) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value),
+                                                                        type(value).__name__)
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _locate(where: dict, loc: tuple, fallback: str) -> str:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in where:
+            return where[loc[:n]]
+    return fallback
+
+
+def _schema_keys(schema, loc: tuple) -> list[str]:
+    """The valid keys of the mapping at `loc` (for 'did you mean ...')."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if isinstance(schema, type) and issubclass(schema, BaseModel):
+            field = schema.model_fields.get(part)
+            schema = _inner_type(field.annotation) if field else None
+        elif is_dataclass(schema):
+            schema = {f.name: f.type for f in fields(schema)}.get(part)
+            schema = _inner_type(schema) if schema else None
+        else:
+            return []
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        return list(schema.model_fields)
+    if is_dataclass(schema):
+        return [f.name for f in fields(schema)]
+    return []
+
+
+def _inner_type(annotation):
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and (issubclass(arg, BaseModel) or is_dataclass(arg)):
+            return arg
+    return annotation
+
+
+def _describe(err: dict, where: dict, fallback: str, schema, loc_prefix: tuple = ()) -> str:
+    loc = loc_prefix + tuple(err["loc"])
+    place = _locate(where, loc, fallback)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        key = loc[-1]
+        valid = _schema_keys(schema, tuple(err["loc"])[:-1])
+        close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else (
+            f" (valid keys: {', '.join(valid)})" if valid else "")
+        return f"{place}: {_dotted(loc)}: unknown key '{key}'{hint}"
+    if kind == "missing":
+        return f"{place}: {_dotted(loc)}: required key is missing"
+    msg = err["msg"]
+    if msg.startswith("Input should be "):
+        msg = "expected " + msg[len("Input should be "):]
+    elif msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    else:
+        msg = msg[0].lower() + msg[1:]
+    found = err.get("input")
+    return f"{place}: {_dotted(loc)}: {msg}; found {_show(found)} ({_kind(found)})"
+
+
+def _validate(data: dict, where: dict, origin: str) -> Spec:
+    errors: list[str] = []
+    try:
+        spec = Spec.model_validate(data)
+    except pydantic.ValidationError as e:
+        spec = None
+        errors += [_describe(err, where, origin, Spec) for err in e.errors()]
+
+    model = data.get("model")
+    params = None
+    if isinstance(model, dict):
+        kind = model.get("kind")
+        if kind not in MODELS:
+            close = difflib.get_close_matches(str(kind), list(MODELS), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            at = _locate(where, ("model", "kind"), origin)
+            what = "required key is missing" if kind is None else f"unknown model kind '{kind}'"
+            errors.append(f"{at}: model.kind: {what}{hint}; known: {', '.join(MODELS)}")
+        else:
+            cfg_cls = MODELS[kind][0]
+            rest = {k: v for k, v in model.items() if k != "kind"}
+            try:
+                checked = _strict_schema(cfg_cls).model_validate(rest)
+                params = cfg_cls(**dict(checked))
+            except pydantic.ValidationError as e:
+                errors += [_describe(err, where, origin, cfg_cls, ("model",))
+                           for err in e.errors()]
+            except ValueError as e:   # the config's own cross-field checks
+                errors.append(f"{_locate(where, ('model',), origin)}: model: {e}")
+
+    if spec is not None and not errors:
+        errors += _check_stages(spec, where, origin)
+    if errors:
+        raise SpecError("\n".join(errors))
+    spec._model_params = params
+    return spec
+
+
+@functools.cache
+def _strict_schema(cfg_cls) -> type[BaseModel]:
+    """A strict pydantic model with the fields of a model's config dataclass: the models
+    stay plain dataclasses, the spec still refuses unknown keys and wrong types."""
+    hints = typing.get_type_hints(cfg_cls)
+    return pydantic.create_model(
+        cfg_cls.__name__, __config__=ConfigDict(extra="forbid", strict=True),
+        **{f.name: (hints[f.name], f.default if f.default is not MISSING
+                    else f.default_factory() if f.default_factory is not MISSING else ...)
+           for f in fields(cfg_cls)})
+
+
+def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:
+    from stages import STAGES
+
+    errors = []
+    at = _locate(where, ("stages",), origin)
+    seen: list[str] = []
+    for name in spec.stages:
+        if name in seen:
+            errors.append(f"{at}: stages: '{name}' is listed twice")
+        stage = STAGES[name]
+        for needed in stage.inputs:
+            options = needed if isinstance(needed, tuple) else (needed,)
+            if not any(o in seen for o in options):
+                errors.append(f"{at}: stages: '{name}' reads the output of "
+                              f"{' or '.join(repr(o) for o in options)}, which must come "
+                              f"before it in the list")
+        section = stage.section_key
+        if section and getattr(spec, section) is None:
+            errors.append(f"{at}: stages: '{name}' needs a `{section}:` section")
+        seen.append(name)
+    return errors
+
+
+# ---------------------------------------------------------------- entry point
+
+def load_spec(path: str | Path, overrides: list[str] = ()) -> Spec:
+    """Read, merge, override and validate a pipeline spec; SpecError on any mistake."""
+    path = Path(path)
+    where: dict = {}
+    data = _load_with_extends(path, where)
+    parsed = [(parse_override(text), text) for text in overrides]
+    for (key, value), text in parsed:
+        if key == ("dataset",):
+            _apply_override(data, key, value, where, text, path)
+    if isinstance(data.get("dataset"), str):
+        data["dataset"] = _resolve_card(data["dataset"], path, where,
+                                        where.get(("dataset",), str(path)))
+    for (key, value), text in parsed:
+        if key != ("dataset",):
+            _apply_override(data, key, value, where, text, path)
+    if isinstance(data.get("dataset"), str):  # --set dataset=NAME
+        data["dataset"] = _resolve_card(data["dataset"], path, where,
+                                        where.get(("dataset",), str(path)))
+    spec = _validate(data, where, str(path))
+    spec._source = str(path)
+    return spec

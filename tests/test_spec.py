@@ -1,0 +1,225 @@
+"""The spec: extends, dataset cards, typed --set overrides, and errors that point at the line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipeline.spec import SpecError, load_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BASE = """\
+name: tiny
+dataset: python_docs
+model:
+  kind: allattn
+  d_model: 32
+  n_layers: 2
+  n_heads: 2
+  n_persistent: 8
+  max_span: 64
+train:
+  steps: 4
+  batch_size: 2
+  seq_len: 16
+  optimizer: {type: adam, lr: 1.0e-3, clip: global, clip_norm: 1.0}
+finetune:
+  steps: 2
+stages: [download, preprocess, train, finetune, evaluate]
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def error_of(path, overrides=()) -> str:
+    with pytest.raises(SpecError) as info:
+        load_spec(path, list(overrides))
+    return str(info.value)
+
+
+def test_quickstart_is_valid_and_resolves_its_card():
+    spec = load_spec(ROOT / "configs" / "quickstart.yaml")
+    assert spec.dataset.name == "python_docs"
+    assert spec.dataset.url == "builtin://python-docs"
+    assert spec.model_kind == "allattn"
+    assert spec.model_params.n_persistent == 64
+    assert spec.stages == ["download", "preprocess", "train", "finetune", "evaluate"]
+
+
+def test_misspelt_key_names_file_line_path_and_suggestion(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("  n_layers: 2", "  n_layer: 2"))
+    msg = error_of(cfg)
+    assert f"{cfg}:6: model.n_layer: unknown key 'n_layer' (did you mean 'n_layers'?)" in msg
+
+
+def test_misspelt_key_in_a_spec_section(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("  seq_len: 16", "  seqlen: 16"))
+    msg = error_of(cfg)
+    assert f"{cfg}:13: train.seqlen: unknown key 'seqlen' (did you mean 'seq_len'?)" in msg
+
+
+def test_string_where_an_int_belongs_says_expected_and_found(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("n_layers: 2", "n_layers: two"))
+    msg = error_of(cfg)
+    assert f"{cfg}:6: model.n_layers: expected a valid integer; found 'two' (a string)" in msg
+
+
+def test_quoted_number_is_not_silently_converted(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("steps: 4", "steps: '4'"))
+    assert "train.steps: expected a valid integer; found '4' (a string)" in error_of(cfg)
+
+
+def test_all_errors_are_reported_at_once(tmp_path):
+    text = BASE.replace("n_layers: 2", "n_layers: two").replace("seq_len: 16", "seq_len: -1")
+    msg = error_of(write(tmp_path, "bad.yaml", text))
+    assert "model.n_layers" in msg and "train.seq_len" in msg
+
+
+def test_missing_required_key(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("  steps: 4\n", "", 1))
+    assert f"{cfg}:10: train.steps: required key is missing" in error_of(cfg)
+
+
+def test_model_config_cross_field_check_is_a_spec_error(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("n_heads: 2", "n_heads: 3"))
+    msg = error_of(cfg)
+    assert msg.startswith(f"{cfg}:3: model:") and "n_heads" in msg
+
+
+def test_unknown_model_kind_suggests(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("kind: allattn", "kind: allatn"))
+    assert "model.kind: unknown model kind 'allatn' (did you mean 'allattn'?)" in error_of(cfg)
+
+
+def test_unknown_dataset_card_suggests(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("dataset: python_docs", "dataset: python_doc"))
+    msg = error_of(cfg)
+    assert "no dataset card named 'python_doc' (did you mean 'python_docs'?)" in msg
+
+
+def test_stage_order_is_checked(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace(
+        "[download, preprocess, train, finetune, evaluate]", "[download, train, preprocess]"))
+    assert "'train' reads the output of 'preprocess', which must come before it" in error_of(cfg)
+
+
+def test_per_param_clipping_is_refused_with_adam(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("clip: global", "clip: per_param"))
+    assert "per_param" in error_of(cfg)
+
+
+def test_set_overrides_are_typed(tmp_path):
+    cfg = write(tmp_path, "ok.yaml", BASE)
+    spec = load_spec(cfg, ["train.optimizer.lr=0.05", "model.n_layers=12",
+                           "train.optimizer.warmup_steps=10", "tracking.enabled=false",
+                           "model.span_loss_coef=2e-7"])
+    assert spec.train.optimizer.lr == 0.05 and isinstance(spec.train.optimizer.lr, float)
+    assert spec.model_params.n_layers == 12
+    assert spec.tracking.enabled is False
+    assert spec.model_params.span_loss_coef == 2e-7
+
+
+def test_set_reaches_into_a_dataset_card(tmp_path):
+    cfg = write(tmp_path, "ok.yaml", BASE)
+    spec = load_spec(cfg, ["dataset.url=file:///data/enwik8.zip", "dataset.split.valid=1000"])
+    assert spec.dataset.url == "file:///data/enwik8.zip"
+    assert spec.dataset.split.valid == 1000
+    assert spec.dataset.name == "python_docs"   # the rest of the card is kept
+
+
+def test_bad_set_names_the_override(tmp_path):
+    cfg = write(tmp_path, "ok.yaml", BASE)
+    msg = error_of(cfg, ["model.n_layer=3"])
+    assert msg.startswith("--set model.n_layer=3: model.n_layer: unknown key")
+    assert "did you mean 'n_layers'" in msg
+    assert "expected KEY=VALUE" in error_of(cfg, ["train.lr"])
+
+
+def test_extends_merges_in_order_and_keeps_locations(tmp_path):
+    write(tmp_path, "base.yaml", BASE)
+    write(tmp_path, "mid.yaml", """\
+        model:
+          n_layers: 3
+        train:
+          steps: 10
+        """)
+    child = write(tmp_path, "child.yaml", """\
+        extends: [base.yaml, mid.yaml]
+        name: child
+        train:
+          steps: 20
+        """)
+    spec = load_spec(child)
+    assert spec.name == "child"
+    assert spec.model_params.n_layers == 3       # from mid
+    assert spec.model_params.d_model == 32       # from base
+    assert spec.train.steps == 20                # the file itself wins
+    assert spec.train.batch_size == 2            # merged, not replaced
+    bad = write(tmp_path, "bad.yaml", """\
+        extends: [base.yaml]
+        model:
+          n_persistant: 4
+        """)
+    assert f"{bad}:3: model.n_persistant: unknown key" in error_of(bad)
+    # an error in a parent is reported at the parent's line
+    write(tmp_path, "badbase.yaml", BASE.replace("n_heads: 2", "n_heads: x"))
+    kid = write(tmp_path, "kid.yaml", "extends: [badbase.yaml]\n")
+    assert f"{tmp_path / 'badbase.yaml'}:7: model.n_heads" in error_of(kid)
+
+
+def test_extends_cycle_and_missing_parent(tmp_path):
+    write(tmp_path, "a.yaml", "extends: [b.yaml]\nname: a\n")
+    write(tmp_path, "b.yaml", "extends: [a.yaml]\n")
+    assert "cycle" in error_of(tmp_path / "a.yaml")
+    missing = write(tmp_path, "m.yaml", "extends: [nope.yaml]\n")
+    assert "extends: no such file" in error_of(missing)
+
+
+def test_yaml_syntax_error_and_missing_file(tmp_path):
+    bad = write(tmp_path, "bad.yaml", "name: x\nmodel: [unclosed\n")
+    assert "not valid YAML" in error_of(bad)
+    assert "no such file" in error_of(tmp_path / "absent.yaml")
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    bad = write(tmp_path, "dup.yaml", BASE + "name: again\n")
+    assert "name: key given twice" in error_of(bad)
+
+
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_validate_reports_without_traceback(tmp_path):
+    cfg = write(tmp_path, "bad.yaml", BASE.replace("  n_layers: 2", "  n_layer: 2"))
+    result = cli("validate", str(cfg))
+    assert result.returncode == 2
+    assert "did you mean 'n_layers'" in result.stderr
+    assert "Traceback" not in result.stderr
+    debug = cli("--debug", "validate", str(cfg))
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_cli_show_prints_resolved_spec_and_parameter_count():
+    result = cli("show", "configs/quickstart.yaml", "--set", "model.n_layers=2")
+    assert result.returncode == 0, result.stderr
+    assert "n_layers: 2" in result.stdout
+    assert "url: builtin://python-docs" in result.stdout
+    assert "parameters: " in result.stdout
+
+
+def test_cli_help_for_every_command():
+    for command in ("run", "validate", "show", "stages"):
+        result = cli(command, "--help")
+        assert result.returncode == 0 and "Usage:" in result.stdout
+    assert "preprocess" in cli("stages").stdout
