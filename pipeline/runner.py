@@ -1,0 +1,268 @@
+"""Runs a spec's stages in order, skipping what is already done.
+
+Workspace layout (one per run name, `<workspace.root>/<name>/`):
+
+    .lock                  held (flock) while a `run` is active; names its holder
+    <stage>/               a completed stage's outputs, published by one rename
+    <stage>/stage.json     its record: fingerprint, build id, summary, timings
+    <stage>.partial/       a stage in progress (or interrupted: train resumes from it)
+
+A stage's fingerprint hashes its resolved config section and the build ids of its inputs.
+A build id is new every time a stage completes, so re-running a stage (even with the same
+config, as `--force` does) re-runs everything downstream of it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_json, read_json
+from pipeline.spec import Spec
+from stages import STAGES, StageContext, resolve_inputs
+
+RECORD = "stage.json"
+PARTIAL_RECORD = "partial.json"
+
+
+def fingerprint(config: dict, input_builds: dict[str, str]) -> str:
+    blob = json.dumps({"config": config, "inputs": input_builds}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Step:
+    """One entry of the plan: what the runner will do with a stage, and why."""
+    stage: str
+    action: str          # "run", "skip" or "hold" (not selected by --only)
+    reason: str
+
+
+class Workspace:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def done_dir(self, stage: str) -> Path:
+        return self.path / stage
+
+    def partial_dir(self, stage: str) -> Path:
+        return self.path / f"{stage}.partial"
+
+    def record(self, stage: str) -> dict | None:
+        path = self.done_dir(stage) / RECORD
+        try:
+            return read_json(path)
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as e:
+            raise PipelineError(f"{path}: unreadable stage record ({e}); delete "
+                                f"{self.done_dir(stage)} to re-run '{stage}'") from None
+
+    def begin(self, stage: str, fp: str) -> Path:
+        """A partial directory for `stage`: kept if it belongs to the same fingerprint
+        (an interrupted run to resume), emptied otherwise."""
+        partial = self.partial_dir(stage)
+        marker = partial / PARTIAL_RECORD
+        if partial.exists():
+            try:
+                same = read_json(marker).get("fingerprint") == fp
+            except (OSError, ValueError):
+                same = False
+            if not same:
+                shutil.rmtree(partial)
+        partial.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(marker, {"fingerprint": fp})
+        return partial
+
+    def publish(self, stage: str, record: dict) -> None:
+        """Make the partial directory the stage's output in one rename."""
+        partial, done = self.partial_dir(stage), self.done_dir(stage)
+        (partial / PARTIAL_RECORD).unlink(missing_ok=True)
+        atomic_write_json(partial / RECORD, record)
+        old = self.path / f"{stage}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        if done.exists():
+            os.rename(done, old)
+        os.rename(partial, done)
+        if old.exists():
+            shutil.rmtree(old)
+
+    def invalidate(self, stage: str) -> None:
+        """Forget a completed stage (its inputs changed and it is about to re-run)."""
+        record = self.done_dir(stage) / RECORD
+        record.unlink(missing_ok=True)
+
+
+class WorkspaceLock:
+    """An exclusive flock on `<workspace>/.lock`; released by the kernel if we die."""
+
+    def __init__(self, workspace: Path):
+        self.path = Path(workspace) / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise PipelineError(f"workspace {self.path.parent} is in use by another run "
+                                f"({holder}); wait for it to finish or stop it") from None
+        os.ftruncate(fd, 0)
+        stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n"
+                  .encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _parse_selection(names: list[str] | None, spec: Spec, flag: str) -> list[str]:
+    out = []
+    for item in names or []:
+        for name in filter(None, (n.strip() for n in item.split(","))):
+            if name not in STAGES:
+                raise PipelineError(f"{flag} {name}: no such stage kind; known: "
+                                    f"{', '.join(STAGES)}")
+            if name not in spec.stages:
+                raise PipelineError(f"{flag} {name}: this pipeline's stages are "
+                                    f"{', '.join(spec.stages)}")
+            out.append(name)
+    return out
+
+
+class Runner:
+    def __init__(self, spec: Spec, *, force: list[str] | None = None,
+                 start_from: str | None = None, only: list[str] | None = None,
+                 log=print):
+        self.spec = spec
+        self.ws = Workspace(spec.workspace_dir)
+        self.force = set(_parse_selection(force, spec, "--force"))
+        self.only = set(_parse_selection(only, spec, "--only"))
+        self.start_from = (_parse_selection([start_from], spec, "--from")[0]
+                           if start_from else None)
+        self.log = log
+
+    def _config(self, name: str) -> dict:
+        return STAGES[name].config(self.spec)
+
+    def plan(self) -> list[Step]:
+        """Decide run/skip for every stage, assuming each run stage gets a new build id."""
+        steps, builds = [], {}
+        rerun: set[str] = set()
+        forced_from = (self.spec.stages[self.spec.stages.index(self.start_from):]
+                       if self.start_from else [])
+        for name in self.spec.stages:
+            stage = STAGES[name]
+            inputs = resolve_inputs(stage, self.spec.stages)
+            record = self.ws.record(name)
+            changed_inputs = [i for i in inputs if i in rerun]
+            fp = None if changed_inputs else fingerprint(
+                self._config(name), {i: builds.get(i) for i in inputs})
+            if self.only and name not in self.only:
+                if record is None:
+                    action, reason = "hold", "not selected by --only (and not done yet)"
+                elif changed_inputs or record.get("fingerprint") != fp:
+                    action, reason = "hold", "not selected by --only (out of date)"
+                else:
+                    action, reason = "hold", "not selected by --only (up to date)"
+            elif name in self.force:
+                action, reason = "run", "forced (--force)"
+            elif name in forced_from:
+                action, reason = "run", f"forced (--from {self.start_from})"
+            elif record is None:
+                action, reason = "run", "not done yet"
+            elif changed_inputs:
+                action, reason = "run", f"input {', '.join(changed_inputs)} will be re-run"
+            elif record.get("fingerprint") != fp:
+                action, reason = "run", "config or inputs changed"
+            else:
+                action, reason = "skip", f"up to date (finished {record.get('finished_at')})"
+            if action == "run":
+                rerun.add(name)
+            elif record is not None:
+                builds[name] = record.get("build")
+            steps.append(Step(name, action, reason))
+        self._check_held_inputs(steps)
+        return steps
+
+    def _check_held_inputs(self, steps: list[Step]) -> None:
+        action = {s.stage: s.action for s in steps}
+        for s in steps:
+            if s.action != "run":
+                continue
+            for i in resolve_inputs(STAGES[s.stage], self.spec.stages):
+                if action[i] == "hold" and self.ws.record(i) is None:
+                    raise PipelineError(f"stage '{s.stage}' needs the output of '{i}', which "
+                                        f"has not run in {self.ws.path}; add it to --only or "
+                                        f"drop --only")
+
+    def run(self, tracker) -> dict[str, dict]:
+        """Execute the plan. Returns each stage's record (run or skipped)."""
+        records: dict[str, dict] = {}
+        with WorkspaceLock(self.ws.path):
+            steps = self.plan()
+            tracker.start(self.spec, plan=steps)
+            try:
+                for step in steps:
+                    records[step.stage] = self._do(step, records, tracker)
+            except BaseException as e:
+                tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+                raise
+            tracker.finish("FINISHED")
+        return records
+
+    def _do(self, step: Step, records: dict, tracker) -> dict | None:
+        name = step.stage
+        stage = STAGES[name]
+        if step.action != "run":
+            self.log(f"[{name}] {'skipped' if step.action == 'skip' else 'held'}: {step.reason}")
+            return self.ws.record(name)
+        inputs = resolve_inputs(stage, self.spec.stages)
+        missing = [i for i in inputs if records.get(i) is None and self.ws.record(i) is None]
+        if missing:
+            raise PipelineError(f"stage '{name}' needs '{missing[0]}', which has no output")
+        input_records = {i: records.get(i) or self.ws.record(i) for i in inputs}
+        config = self._config(name)
+        fp = fingerprint(config, {i: r["build"] for i, r in input_records.items()})
+        self.ws.invalidate(name)
+        out_dir = self.ws.begin(name, fp)
+        self.log(f"[{name}] running: {step.reason}")
+        started = time.time()
+        with tracker.stage(name, config) as stage_tracker:
+            ctx = StageContext(spec=self.spec, out_dir=out_dir,
+                               inputs={i: self.ws.done_dir(i) for i in inputs},
+                               tracker=stage_tracker, log=lambda m: self.log(f"[{name}] {m}"))
+            summary = stage.run(ctx) or {}
+        record = {
+            "stage": name,
+            "fingerprint": fp,
+            "build": uuid.uuid4().hex[:12],
+            "inputs": {i: r["build"] for i, r in input_records.items()},
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "seconds": round(time.time() - started, 2),
+            "summary": summary,
+            "mlflow_run_id": stage_tracker.run_id,
+        }
+        self.ws.publish(name, record)
+        self.log(f"[{name}] done in {record['seconds']:.1f}s")
+        return record

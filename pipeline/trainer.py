@@ -1,0 +1,296 @@
+"""The training loop behind the train and finetune stages, on a DeepSpeed engine.
+
+One `Trainer` owns the model, the engine, the data streams and the Transformer-XL cache.
+Its state is a step number: the data position and the learning rate follow from it, so a
+checkpoint (model, optimizer, cache, RNG, step) resumes exactly where the run stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import resource
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipeline import distributed
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_text
+
+LN2 = math.log(2)
+
+
+def deepspeed_config(train, world_size: int) -> dict:
+    """Render the spec's `train` section as DeepSpeed's JSON config."""
+    ds = train.deepspeed
+    per_step = world_size * ds.gradient_accumulation_steps
+    if train.batch_size % per_step:
+        raise PipelineError(f"train.batch_size {train.batch_size} is not divisible by "
+                            f"world size {world_size} x gradient_accumulation_steps "
+                            f"{ds.gradient_accumulation_steps}")
+    return {
+        "train_batch_size": train.batch_size,
+        "train_micro_batch_size_per_gpu": train.batch_size // per_step,
+        "gradient_accumulation_steps": ds.gradient_accumulation_steps,
+        "zero_optimization": {"stage": ds.zero_stage},
+        "bf16": {"enabled": ds.bf16},
+        "gradient_clipping": (train.optimizer.clip_norm
+                              if train.optimizer.clip == "global" else 0.0),
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise PipelineError("train.device is cuda but torch sees no CUDA device")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+@torch.no_grad()
+def evaluate_nll(model, tokens: np.ndarray, batch_size: int, seq_len: int, device,
+                 max_batches: int | None = None, rank: int = 0,
+                 world_size: int = 1) -> tuple[float, int]:
+    """Sum of per-token nll (nats) and token count over a split, streamed with the cache.
+
+    Every target is scored once (pipeline.data.eval_batches masks the ragged tail)."""
+    from pipeline.data import eval_batches
+
+    was_training = model.training
+    model.eval()
+    cache = model.init_cache(batch_size, device=device)
+    total, count = 0.0, 0
+    for i, (x, y, mask) in enumerate(eval_batches(tokens, batch_size, seq_len,
+                                                  rank=rank, world_size=world_size)):
+        if max_batches is not None and i >= max_batches:
+            break
+        out = model(x.to(device), y.to(device), cache)
+        cache = out.cache
+        mask = mask.to(device=device, dtype=out.nll.dtype)
+        total += float((out.nll.float() * mask).sum())
+        count += int(mask.sum())
+    model.train(was_training)
+    return total, count
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None]):
+        from pipeline.data import StreamBatches
+        from pipeline.models import build_model
+        from pipeline.optim import build_optimizer
+        from stages.preprocess import load_manifest, load_split
+
+        self.spec, self.tracker, self.log = spec, tracker, log
+        train = spec.train
+        self.rank, self.world_size = distributed.init_process_group()
+        import deepspeed
+
+        self.device = resolve_device(train.device)
+        manifest = load_manifest(preprocess_dir)
+        self.vocab_size = manifest["vocab_size"]
+
+        # identical initial weights on every rank, then per-rank streams of randomness
+        torch.manual_seed(train.seed)
+        model = build_model(spec.model_kind, spec.model_params, self.vocab_size)
+        torch.manual_seed(train.seed + self.rank)
+        np.random.seed(train.seed + self.rank)
+        random.seed(train.seed + self.rank)
+
+        self.ds_config = deepspeed_config(train, self.world_size)
+        optimizer = build_optimizer(model.parameters(), train.optimizer)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model.to(self.device), optimizer=optimizer, config=self.ds_config)
+        self.model = self.engine.module
+
+        self.micro_batch = self.ds_config["train_micro_batch_size_per_gpu"]
+        self.accum = self.ds_config["gradient_accumulation_steps"]
+        rows = self.micro_batch * self.accum
+        self.train_tokens = load_split(preprocess_dir, "train")
+        self.valid_tokens = load_split(preprocess_dir, "valid")
+        try:
+            self.batches = StreamBatches(self.train_tokens, rows, train.seq_len,
+                                         rank=self.rank, world_size=self.world_size)
+        except ValueError as e:
+            raise PipelineError(f"train: {e}") from None
+        # one Transformer-XL cache per micro-batch: each holds its own rows' history
+        self.caches = [self.model.init_cache(self.micro_batch, device=self.device)
+                       for _ in range(self.accum)]
+        self.step = 0     # optimizer updates done so far
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, root: Path, keep: int) -> Path:
+        """Write checkpoint `step-N` under `root` atomically, keep the newest `keep`."""
+        tag = f"step-{self.step:08d}"
+        tmp_tag = f"tmp-{tag}"
+        self.engine.save_checkpoint(str(root), tag=tmp_tag, save_latest=False)
+        torch.save({"step": self.step, "caches": [[c.cpu() for c in cache] for cache in self.caches],
+                    "rng": _rng_state()}, root / tmp_tag / f"trainer-rank{self.rank}.pt")
+        distributed.barrier()
+        if self.rank == 0:
+            final = root / tag
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(root / tmp_tag, final)
+            atomic_write_text(root / "latest", tag + "\n")
+            old = sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]
+            for path in old + [p for p in root.glob("tmp-step-*") if p.is_dir()]:
+                shutil.rmtree(path, ignore_errors=True)
+        distributed.barrier()
+        return root / tag
+
+    def load(self, root: Path, *, with_optimizer: bool = True) -> int:
+        """Restore the latest complete checkpoint under `root`; returns its step."""
+        tag = latest_checkpoint(root)
+        if tag is None:
+            raise PipelineError(f"no complete checkpoint under {root}")
+        path, _ = self.engine.load_checkpoint(str(root), tag=tag,
+                                              load_optimizer_states=with_optimizer,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise PipelineError(f"DeepSpeed could not load checkpoint {root / tag}")
+        state = torch.load(root / tag / f"trainer-rank{self.rank}.pt", weights_only=False)
+        self.step = state["step"]
+        self.caches = [[c.to(self.device) for c in cache] for cache in state["caches"]]
+        _set_rng_state(state["rng"])
+        return self.step
+
+    # ------------------------------------------------------------ the loop
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def current_lr(self) -> float:
+        return self.engine.optimizer.param_groups[0]["lr"]
+
+    def train_step(self) -> float:
+        """One optimizer update over all micro-batches; returns the mean token nll."""
+        x, y = self.batches.batch(self.step)
+        x, y = x.to(self.device), y.to(self.device)
+        mb = self.micro_batch
+        losses = []
+        for i in range(self.accum):
+            rows = slice(i * mb, (i + 1) * mb)
+            out = self.engine(x[rows], y[rows], self.caches[i])
+            nll = out.nll.float().mean()
+            self.engine.backward(nll + self.model.span_loss())
+            self.engine.step()
+            self.caches[i] = out.cache
+            losses.append(nll.item())
+        self.model.clamp_spans_()
+        self.step += 1
+        return sum(losses) / len(losses)
+
+    def validate(self) -> float:
+        """Valid bpc estimated on the first `train.eval_batches` batches (not a full eval)."""
+        ev = self.spec.evaluate
+        total, count = evaluate_nll(self.model, self.valid_tokens, ev.batch_size,
+                                    ev.seq_len or self.spec.train.seq_len, self.device,
+                                    max_batches=self.spec.train.eval_batches)
+        return total / count / LN2
+
+    def fit(self, until: int, lr_at: Callable[[int], float], ckpt_root: Path,
+            expect_lr: float | None = None) -> dict:
+        """Train from the current step to `until`, checkpointing into `ckpt_root`.
+
+        `lr_at(k)` gives the lr of update k (1-based). `expect_lr`: after the first update,
+        fail loudly unless the optimizer really ran with this lr (the LR-drop check)."""
+        train = self.spec.train
+        tokens_per_step = train.batch_size * train.seq_len
+        window_loss, window_steps, window_start = 0.0, 0, time.time()
+        first = self.step + 1
+        last_valid = None
+        while self.step < until:
+            self.set_lr(lr_at(self.step + 1))
+            loss = self.train_step()
+            if expect_lr is not None and self.step == first and \
+                    not math.isclose(self.current_lr(), expect_lr, rel_tol=1e-9):
+                raise PipelineError(f"the learning rate in effect is {self.current_lr():g}, "
+                                    f"expected {expect_lr:g}: the LR drop did not take")
+            window_loss += loss
+            window_steps += 1
+            if self.step % train.log_every == 0 or self.step == until:
+                elapsed = time.time() - window_start
+                mean = window_loss / window_steps
+                metrics = {"loss": mean, "bpc": mean / LN2, "lr": self.current_lr(),
+                           "tokens_per_s": tokens_per_step * window_steps / elapsed,
+                           "step_time_s": elapsed / window_steps,
+                           "peak_memory_mb": peak_memory_mb(self.device)}
+                spans = [z for layer in self.model.spans() for z in layer]
+                if spans:
+                    metrics |= {"span_mean": sum(spans) / len(spans), "span_max": max(spans)}
+                if self.rank == 0:
+                    self.tracker.log_metrics(metrics, step=self.step)
+                    eta = (until - self.step) * elapsed / window_steps
+                    self.log(f"step {self.step:>6}/{until}  loss {mean:.4f}  "
+                             f"bpc {mean / LN2:.3f}  lr {metrics['lr']:.3g}  "
+                             f"{metrics['tokens_per_s']:,.0f} tok/s  eta {eta:,.0f}s")
+                window_loss, window_steps, window_start = 0.0, 0, time.time()
+            if train.eval_every and self.step % train.eval_every == 0:
+                last_valid = self.validate()
+                if self.rank == 0:
+                    self.tracker.log_metrics({"valid_bpc": last_valid}, step=self.step)
+                    self.log(f"step {self.step:>6}  valid bpc (estimate) {last_valid:.3f}")
+                window_start = time.time()
+            if train.checkpoint_every and self.step % train.checkpoint_every == 0 \
+                    and self.step < until:
+                self.save(ckpt_root, train.keep_checkpoints)
+                window_start = time.time()
+        path = self.save(ckpt_root, train.keep_checkpoints)
+        return {"step": self.step, "checkpoint": str(path), "valid_bpc_estimate": last_valid,
+                "parameters": self.params}
+
+
+def latest_checkpoint(root: Path) -> str | None:
+    pointer = Path(root) / "latest"
+    if not pointer.exists():
+        return None
+    tag = pointer.read_text().strip()
+    return tag if (Path(root) / tag).is_dir() else None
+
+
+def load_model_weights(model: torch.nn.Module, root: Path) -> str:
+    """Load the module weights of the latest checkpoint under `root` (no engine needed)."""
+    tag = latest_checkpoint(root)
+    if tag is None:
+        raise PipelineError(f"no complete checkpoint under {root}")
+    path = Path(root) / tag / "mp_rank_00_model_states.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["module"])
+    return tag
+

@@ -1,0 +1,53 @@
+"""The stage kinds. Each module defines one `Stage`; `STAGES` maps names to them.
+
+A stage reads the outputs of the stages it names in `inputs`, writes its own outputs into
+`ctx.out_dir`, and returns a small JSON-able summary. The runner does the rest: ordering,
+fingerprints, skipping, atomic publication of `out_dir`, tracking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    summary: str                     # one line, for `allattn-pipe stages`
+    # Stages whose outputs this one reads. A tuple entry means "the last of these that the
+    # pipeline runs" (evaluate reads finetune's checkpoint if there is one, else train's).
+    inputs: tuple[str | tuple[str, ...], ...]
+    section_key: str | None          # the spec section it requires, if any
+    config: Callable[[Any], dict]    # the resolved config that fingerprints it
+    run: Callable[["StageContext"], dict]
+
+
+@dataclass
+class StageContext:
+    spec: Any                        # pipeline.spec.Spec
+    out_dir: Path                    # where outputs go; published atomically on success
+    inputs: dict[str, Path]          # input stage name -> its published output directory
+    tracker: Any                     # pipeline.tracking.StageTracker
+    log: Callable[[str], None] = print
+    info: dict = field(default_factory=dict)   # free-form notes a stage leaves for the runner
+
+
+from stages import download, evaluate, finetune, preprocess, train  # noqa: E402
+
+STAGES: dict[str, Stage] = {
+    s.STAGE.name: s.STAGE for s in (download, preprocess, train, finetune, evaluate)
+}
+
+
+def resolve_inputs(stage: Stage, order: list[str]) -> list[str]:
+    """The concrete input stage names for `stage` in a pipeline that runs `order`."""
+    before = order[:order.index(stage.name)]
+    names = []
+    for needed in stage.inputs:
+        options = needed if isinstance(needed, tuple) else (needed,)
+        present = [o for o in options if o in before]
+        if present:
+            names.append(max(present, key=before.index))
+    return names

@@ -1,0 +1,41 @@
+"""finetune: the paper's LR-drop phase.
+
+Continues from the train stage's final checkpoint with the optimizer state kept, the
+learning rate divided by `finetune.lr_divisor`, for `finetune.steps` more updates. Step
+numbers continue from train's, in the checkpoints and in MLflow.
+"""
+
+from __future__ import annotations
+
+from stages import Stage, StageContext
+
+
+def run(ctx: StageContext) -> dict:
+    from pipeline.trainer import Trainer, latest_checkpoint
+
+    ft = ctx.spec.finetune
+    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)
+    ckpt_root = ctx.out_dir / "checkpoints"
+    if latest_checkpoint(ckpt_root):       # an interrupted finetune resumes from its own
+        start = trainer.load(ckpt_root)
+        ctx.log(f"resuming the LR-drop phase at step {start}")
+        begin = ctx.spec.train.steps
+    else:
+        begin = trainer.load(ctx.inputs["train"] / "checkpoints")
+    lr = ctx.spec.train.optimizer.lr / ft.lr_divisor
+    ctx.log(f"from step {begin}: lr {ctx.spec.train.optimizer.lr:g} / {ft.lr_divisor:g} "
+            f"= {lr:g} for {ft.steps} steps")
+    summary = trainer.fit(begin + ft.steps, lambda k: lr, ckpt_root,
+                          expect_lr=lr if trainer.step == begin else None)
+    ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
+    return summary | {"lr": lr, "from_step": begin}
+
+
+STAGE = Stage(
+    name="finetune",
+    summary="The LR-drop phase: continue train's checkpoint at lr / lr_divisor.",
+    inputs=("preprocess", "train"),
+    section_key="finetune",
+    config=lambda spec: spec.finetune.model_dump(mode="json"),
+    run=run,
+)

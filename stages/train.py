@@ -1,0 +1,45 @@
+"""train: the model on the train split through a DeepSpeed engine.
+
+Outputs: `checkpoints/` (DeepSpeed checkpoints `step-N` plus `latest`) and
+`deepspeed_config.json`. An interrupted run, re-run with the same config, resumes from the
+latest complete checkpoint in its partial directory.
+"""
+
+from __future__ import annotations
+
+from pipeline.fsutil import atomic_write_json
+from stages import Stage, StageContext
+
+
+def run(ctx: StageContext) -> dict:
+    from pipeline.optim import warmup_lr
+    from pipeline.trainer import Trainer, latest_checkpoint
+
+    train = ctx.spec.train
+    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)
+    ckpt_root = ctx.out_dir / "checkpoints"
+    if latest_checkpoint(ckpt_root):
+        ctx.log(f"resuming from step {trainer.load(ckpt_root)}")
+    atomic_write_json(ctx.out_dir / "deepspeed_config.json", trainer.ds_config)
+    ctx.tracker.log_artifact(ctx.out_dir / "deepspeed_config.json")
+    ctx.tracker.log_params({"parameters": trainer.params, "vocab_size": trainer.vocab_size,
+                            "world_size": trainer.world_size})
+    ctx.log(f"{trainer.params:,} parameters, vocabulary {trainer.vocab_size}, "
+            f"{train.steps} steps of {train.batch_size} x {train.seq_len} tokens "
+            f"on {trainer.device} (world size {trainer.world_size})")
+    opt = train.optimizer
+    summary = trainer.fit(train.steps, lambda k: warmup_lr(opt.lr, opt.warmup_steps, k),
+                          ckpt_root)
+    ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
+    return summary
+
+
+STAGE = Stage(
+    name="train",
+    summary="Train the model with DeepSpeed, checkpointing; resumes after an interruption.",
+    inputs=("preprocess",),
+    section_key="train",
+    config=lambda spec: {"model": spec.resolved()["model"],
+                         "train": spec.train.model_dump(mode="json")},
+    run=run,
+)
