@@ -46,6 +46,7 @@ class Step:
     stage: str
     action: str          # "run", "skip" or "hold" (not selected by --only)
     reason: str
+    forced: bool = False # by --force / --from: start clean, even over a resumable partial
 
 
 class Workspace:
@@ -68,11 +69,13 @@ class Workspace:
             raise PipelineError(f"{path}: unreadable stage record ({e}); delete "
                                 f"{self.done_dir(stage)} to re-run '{stage}'") from None
 
-    def begin(self, stage: str, fp: str) -> Path:
+    def begin(self, stage: str, fp: str, fresh: bool = False) -> Path:
         """A partial directory for `stage`: kept if it belongs to the same fingerprint
-        (an interrupted run to resume), emptied otherwise."""
+        (an interrupted run to resume) unless `fresh`, emptied otherwise."""
         partial = self.partial_dir(stage)
         marker = partial / PARTIAL_RECORD
+        if partial.exists() and fresh:
+            shutil.rmtree(partial)
         if partial.exists():
             try:
                 same = read_json(marker).get("fingerprint") == fp
@@ -176,6 +179,7 @@ class Runner:
             inputs = resolve_inputs(stage, self.spec.stages)
             record = self.ws.record(name)
             changed_inputs = [i for i in inputs if i in rerun]
+            forced = False
             fp = None if changed_inputs else fingerprint(
                 self._config(name), {i: builds.get(i) for i in inputs})
             if self.only and name not in self.only:
@@ -186,9 +190,9 @@ class Runner:
                 else:
                     action, reason = "hold", "not selected by --only (up to date)"
             elif name in self.force:
-                action, reason = "run", "forced (--force)"
+                action, reason, forced = "run", "forced (--force)", True
             elif name in forced_from:
-                action, reason = "run", f"forced (--from {self.start_from})"
+                action, reason, forced = "run", f"forced (--from {self.start_from})", True
             elif record is None:
                 action, reason = "run", "not done yet"
             elif changed_inputs:
@@ -201,7 +205,7 @@ class Runner:
                 rerun.add(name)
             elif record is not None:
                 builds[name] = record.get("build")
-            steps.append(Step(name, action, reason))
+            steps.append(Step(name, action, reason, forced))
         self._check_held_inputs(steps)
         return steps
 
@@ -245,7 +249,7 @@ class Runner:
         config = self._config(name)
         fp = fingerprint(config, {i: r["build"] for i, r in input_records.items()})
         self.ws.invalidate(name)
-        out_dir = self.ws.begin(name, fp)
+        out_dir = self.ws.begin(name, fp, fresh=step.forced)
         self.log(f"[{name}] running: {step.reason}")
         started = time.time()
         with tracker.stage(name, config) as stage_tracker:

@@ -6,6 +6,7 @@ the code. Only rank 0 tracks; other ranks get `NullTracker`.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import socket
@@ -121,6 +122,10 @@ class MlflowTracker:
 
     def __init__(self, uri: str):
         from mlflow.tracking import MlflowClient
+
+        # the store's first-use schema migration logs at INFO on every new workspace
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+        logging.getLogger("alembic").setLevel(logging.WARNING)
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         self.run_id: str | None = None

@@ -21,15 +21,18 @@ from pipeline.spec import load_spec
 from pipeline.tracking import NullTracker
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
+SEEN: dict[str, list[str]] = {}   # stage -> files already in its out_dir when it started
 
 
 @pytest.fixture
 def calls(monkeypatch):
     """Replace each stage's work with a stub that writes a file and records the call."""
     ran: list[str] = []
+    SEEN.clear()
 
     def make(name):
         def run(ctx):
+            SEEN[name] = sorted(p.name for p in ctx.out_dir.iterdir())
             if os.environ.get("FAIL_STAGE") == name:
                 (ctx.out_dir / "half-written").write_text("x")
                 raise RuntimeError(f"{name} failed")
@@ -188,3 +191,23 @@ def test_second_concurrent_run_is_refused_naming_the_holder(cfg, calls):
     assert calls == []
     run(cfg)                                     # released: runs
     assert calls == ORDER
+
+
+def test_rerun_after_failure_resumes_in_the_partial_but_force_starts_clean(cfg, calls,
+                                                                           monkeypatch):
+    run(cfg, only=["download"])
+    monkeypatch.setenv("FAIL_STAGE", "preprocess")
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            run(cfg)
+    monkeypatch.delenv("FAIL_STAGE")
+    run(cfg, only=["preprocess"])                   # same config: the partial is kept
+    assert "half-written" in SEEN["preprocess"]
+    run(cfg, only=["preprocess"], force=["preprocess"])
+    assert "half-written" not in SEEN["preprocess"] and "output.txt" not in SEEN["preprocess"]
+    monkeypatch.setenv("FAIL_STAGE", "preprocess")
+    with pytest.raises(RuntimeError):
+        run(cfg, force=["preprocess"])
+    monkeypatch.delenv("FAIL_STAGE")
+    run(cfg, "dataset.split.test=0.1", only=["preprocess"])   # other config: emptied
+    assert "half-written" not in SEEN["preprocess"]

@@ -1,7 +1,7 @@
 """Attention ops. ``attend_reference`` is the plain-PyTorch op; faster backends implement
 the same ``AttendFn`` signature and register in ``ATTENTION_IMPLS``."""
 
-from pipeline.ops.attention import (
+from pipeline.ops.attention import (  # noqa: F401  (the package's public names)
     ATTENTION_IMPLS,
     RENORM_EPS,
     AttendFn,
@@ -13,14 +13,3 @@ from pipeline.ops.attention import (
     unskew,
 )
 
-__all__ = [
-    "ATTENTION_IMPLS",
-    "RENORM_EPS",
-    "AttendFn",
-    "adaptive_span_mask",
-    "attend_reference",
-    "attention_weights",
-    "get_attention_impl",
-    "skew",
-    "unskew",
-]
