@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json, read_json
-from pipeline.spec import Spec
+from pipeline.schema import Spec
 from stages import STAGES, StageContext, resolve_inputs
 
 RECORD = "stage.json"

@@ -11,159 +11,23 @@ import difflib
 import functools
 import re
 import typing
-from dataclasses import MISSING, asdict, fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict
 
 from pipeline.errors import PipelineError
 from pipeline.models import MODELS
+from pipeline.schema import Spec
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate")
 
 
 class SpecError(PipelineError):
     """A mistake in the user's spec: printed without a traceback."""
-
-
-# ---------------------------------------------------------------- the schema
-
-class Section(BaseModel):
-    # Unknown keys are errors; "12" is not an int. YAML already gives us real types.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class SplitSpec(Section):
-    """Tail split of one symbol stream: train = everything before valid and test."""
-    valid: float = Field(0.05, gt=0, description="symbols when >= 1, a fraction when < 1")
-    test: float = Field(0.05, gt=0, description="symbols when >= 1, a fraction when < 1")
-
-
-class ShardSpec(Section):
-    block_tokens: int = Field(65536, gt=0, description="tokens per webdataset sample")
-    blocks_per_shard: int = Field(64, gt=0, description="samples per tar shard")
-
-
-class DatasetSpec(Section):
-    name: str
-    description: str = ""
-    url: str = Field(description="builtin://NAME, file:///path or http(s)://...")
-    sha256: str | None = Field(None, description="of the downloaded file; required for http(s)")
-    archive: Literal["none", "zip", "gz"] = "none"
-    member: str | None = Field(None, description="the file to take out of a zip archive")
-    tokenizer: Literal["byte", "char"] = "byte"
-    split: SplitSpec = SplitSpec()
-    shards: ShardSpec = ShardSpec()
-    vocab_size: int | None = Field(
-        None, gt=0, description="expected vocabulary, for `show` before preprocessing")
-
-
-class OptimizerSpec(Section):
-    type: Literal["adagrad", "adam"] = "adagrad"
-    lr: float = Field(0.07, gt=0)
-    warmup_steps: int = Field(0, ge=0, description="linear warmup: lr * min(1, k / warmup)")
-    clip: Literal["per_param", "global", "none"] = Field(
-        "per_param", description="per_param: the paper's per-tensor step scaling")
-    clip_norm: float = Field(0.03, gt=0)
-    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2)
-    weight_decay: float = Field(0.0, ge=0)
-
-
-class DeepSpeedSpec(Section):
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    bf16: bool = False
-    gradient_accumulation_steps: int = Field(1, gt=0)
-
-
-class TrainSpec(Section):
-    seed: int = 1234
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    steps: int = Field(gt=0)
-    batch_size: int = Field(gt=0, description="sequences per optimizer step, all ranks")
-    seq_len: int = Field(gt=0, description="tokens per segment (M)")
-    optimizer: OptimizerSpec = OptimizerSpec()
-    deepspeed: DeepSpeedSpec = DeepSpeedSpec()
-    log_every: int = Field(10, gt=0)
-    eval_every: int = Field(0, ge=0, description="steps between validation estimates; 0 = off")
-    eval_batches: int = Field(16, gt=0, description="batches per validation estimate")
-    checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
-    keep_checkpoints: int = Field(2, gt=0)
-
-    @model_validator(mode="after")
-    def _clipping_fits_optimizer(self):
-        opt = self.optimizer
-        if opt.clip == "per_param" and opt.type != "adagrad":
-            raise ValueError("optimizer.clip per_param scales the Adagrad step per tensor (the "
-                             "paper's optimizer); with adam use clip: global or none")
-        if opt.clip == "per_param" and self.deepspeed.zero_stage > 0:
-            raise ValueError("optimizer.clip per_param needs whole parameter tensors; ZeRO "
-                             f"stage {self.deepspeed.zero_stage} partitions them: use "
-                             "deepspeed.zero_stage 0 or clip: global")
-        return self
-
-
-class FinetuneSpec(Section):
-    steps: int = Field(gt=0)
-    lr_divisor: float = Field(10.0, gt=0)
-
-
-class EvaluateSpec(Section):
-    splits: list[Literal["valid", "test"]] = ["valid", "test"]
-    batch_size: int = Field(8, gt=0)
-    seq_len: int | None = Field(None, gt=0, description="defaults to train.seq_len")
-
-
-class TrackingSpec(Section):
-    enabled: bool = True
-    uri: str | None = Field(None, description="default: MLFLOW_TRACKING_URI, else sqlite "
-                                              "file <workspace.root>/mlflow.db")
-    experiment: str | None = Field(None, description="defaults to the spec's name")
-
-
-class WorkspaceSpec(Section):
-    root: str = "runs"
-
-
-class Spec(Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    dataset: DatasetSpec
-    model: dict[str, Any]
-    train: TrainSpec | None = None
-    finetune: FinetuneSpec | None = None
-    evaluate: EvaluateSpec = EvaluateSpec()
-    tracking: TrackingSpec = TrackingSpec()
-    workspace: WorkspaceSpec = WorkspaceSpec()
-    stages: list[Literal[STAGE_KINDS]] = Field(min_length=1)  # type: ignore[valid-type]
-
-    _model_params: Any = PrivateAttr(None)
-    _source: str = PrivateAttr("")
-
-    @property
-    def model_kind(self) -> str:
-        return self.model["kind"]
-
-    @property
-    def model_params(self):
-        """The model section as the model's own config dataclass."""
-        return self._model_params
-
-    @property
-    def source(self) -> str:
-        return self._source
-
-    @property
-    def workspace_dir(self) -> Path:
-        return Path(self.workspace.root) / self.name
-
-    def resolved(self) -> dict:
-        """The spec as plain data, every default filled in: what `show` prints and MLflow keeps."""
-        out = self.model_dump(mode="json")
-        out["model"] = {"kind": self.model_kind, **asdict(self.model_params)}
-        return out
 
 
 # ---------------------------------------------------------------- YAML with line numbers

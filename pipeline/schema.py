@@ -1,0 +1,359 @@
+"""The pipeline spec's schema: one pydantic section per block of the YAML file.
+
+Every section refuses unknown keys and wrong types (strict: a quoted "4" is not an int).
+The `model:` section is the exception: it is checked against the registered model's own
+config dataclass (pipeline/models), so models stay plain torch. Loading, merging and error
+reporting are in pipeline/spec.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate")
+
+
+class Section(BaseModel):
+    # Unknown keys are errors; "12" is not an int. YAML already gives us real types.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SplitSpec(Section):
+    """How the source becomes train / valid / test.
+
+    tail: one stream (the download's role 'all'): the last `test` units are test, the `valid`
+    units before them valid, the rest train. Units: bytes for the byte tokenizer, characters
+    for char, lines for word and sentencepiece (a line is never cut). >= 1: a count (a whole
+    number); < 1: a fraction of the stream. enwik8 / text8: valid 5000000, test 5000000.
+    files: the download's roles train / valid / test, one file each, taken as they are.
+    """
+    kind: Literal["tail", "files"] = "tail"
+    valid: float = Field(0.05, gt=0, description="tail: units when >= 1, a fraction when < 1")
+    test: float = Field(0.05, gt=0, description="tail: units when >= 1, a fraction when < 1")
+
+    @model_validator(mode="after")
+    def _sizes_fit_kind(self):
+        if self.kind == "files":
+            given = sorted({"valid", "test"} & self.model_fields_set)
+            if given:
+                verb = "apply" if len(given) > 1 else "applies"
+                raise ValueError(f"{' and '.join(given)} only {verb} to kind 'tail'; kind "
+                                 f"'files' takes the train, valid and test files as they are")
+        for key in ("valid", "test"):
+            value = getattr(self, key)
+            if value >= 1 and value != int(value):
+                raise ValueError(f"{key}: {value} is neither a fraction (< 1) nor a whole "
+                                 f"number of units")
+        return self
+
+
+# which tokenizer settings apply to which kind
+_TOKENIZER_KEYS = {
+    "byte": (), "char": (), "word": ("eos",),
+    "sentencepiece": ("eos", "model_type", "vocab_size", "character_coverage", "byte_fallback",
+                      "normalization", "sample_sentences", "seed", "num_threads"),
+}
+
+
+class TokenizerSpec(Section):
+    """How text becomes tokens. `tokenizer: byte` is short for `tokenizer: {kind: byte}`.
+
+    byte: one token per byte; char: one per unicode character (UTF-8 text); both with the
+    sorted symbol set of the whole source as vocabulary (as the reference code does).
+    word: every line (lines end at "\n") is `line.split()` plus `eos`; the vocabulary is the
+    training split's words by descending frequency (ties: first occurrence); a valid/test word
+    never seen in train is an error. sentencepiece: a BPE or unigram model trained on the
+    training split only, up to `sample_sentences` lines drawn with `seed`; each line is encoded
+    alone and followed by `eos`; the model file is written beside the shards.
+    """
+    kind: Literal["byte", "char", "word", "sentencepiece"] = "byte"
+    eos: str | None = Field("<eos>", description="word, sentencepiece: the token ending every "
+                                                 "line; null: none")
+    model_type: Literal["bpe", "unigram"] = Field("bpe", description="sentencepiece")
+    vocab_size: int | None = Field(None, ge=3, description="sentencepiece: pieces (required)")
+    character_coverage: float = Field(1.0, gt=0, le=1, description="sentencepiece")
+    byte_fallback: bool = Field(False, description="sentencepiece: bytes for unknown chars")
+    normalization: Literal["identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"] = Field(
+        "identity", description="sentencepiece: identity keeps the text recoverable")
+    sample_sentences: int = Field(1_000_000, gt=0, description="sentencepiece: training lines "
+                                                               "drawn from the train split")
+    seed: int = Field(0, description="sentencepiece: the line sample and the trainer")
+    num_threads: int = Field(4, gt=0, description="sentencepiece trainer threads; part of the "
+                                                  "model (unigram results depend on it)")
+
+    @model_validator(mode="after")
+    def _settings_fit_kind(self):
+        allowed = _TOKENIZER_KEYS[self.kind]
+        stray = sorted(k for k in self.model_fields_set - {"kind"} if k not in allowed)
+        if stray:
+            owners = {k: [kind for kind, keys in _TOKENIZER_KEYS.items() if k in keys]
+                      for k in stray}
+            said = "; ".join(f"{k} applies to kind {' / '.join(owners[k])}" for k in stray)
+            raise ValueError(f"{said}, not to kind '{self.kind}'")
+        if self.eos is not None and (not self.eos or self.eos.split() != [self.eos]):
+            raise ValueError(f"eos must be one word without whitespace, got {self.eos!r}")
+        if self.kind == "sentencepiece" and self.vocab_size is None:
+            raise ValueError("kind sentencepiece needs vocab_size (the number of pieces)")
+        return self
+
+    def settings(self) -> dict:
+        """The kind and the settings that apply to it (what the manifest records)."""
+        return {"kind": self.kind, **{k: getattr(self, k) for k in _TOKENIZER_KEYS[self.kind]}}
+
+
+class SplitSizesSpec(Section):
+    train: int = Field(gt=0)
+    valid: int = Field(gt=0)
+    test: int = Field(gt=0)
+
+
+class FrequencySortTask(Section):
+    """The ∞-former's sorting task (PAPERS.md §3): `length` tokens drawn from a mixture of two
+    distributions over `vocab` symbols whose weight drifts from the first to the second along
+    the sequence; target = the symbols by decreasing count (absent ones last, in index order).
+    Each distribution: integer weights drawn uniformly from `weight_range`, normalised."""
+    vocab: int = Field(20, gt=1)
+    length: int = Field(4000, gt=0, description="4,000 / 8,000 / 16,000 in the paper")
+    weight_range: list[int] = Field([1, 9], min_length=2, max_length=2)
+    sequences: SplitSizesSpec = Field(
+        SplitSizesSpec(train=8000, valid=800, test=800), description="sequences per split")
+
+    @model_validator(mode="after")
+    def _range(self):
+        lo, hi = self.weight_range
+        if not 0 < lo <= hi:
+            raise ValueError(f"weight_range must be [low, high] with 0 < low <= high, "
+                             f"got {self.weight_range}")
+        return self
+
+
+class CurriculumSpec(Section):
+    start_length: int = Field(5, gt=0)
+    epochs: int = Field(100, gt=0)
+    steps_per_epoch: int = Field(100, gt=0)
+    check_cases: int = Field(32, gt=0, description="fresh cases tested after each epoch")
+    promote_accuracy: float = Field(1.0, gt=0, le=1, description="grow the length at this "
+                                                                 "accuracy")
+    length_step: int | None = Field(None, gt=0, description="default: 2 for add and mult, "
+                                                            "else 1")
+
+
+class AlgorithmicTask(Section):
+    """The active-memory paper's algorithmic tasks (PAPERS.md §2), generated online with a
+    length curriculum; position-wise targets of the input's length."""
+    problem: Literal["reverse", "sort", "add", "mult", "not", "remember"]
+    vocab: int | None = Field(None, gt=1, description="reverse / sort / remember only; default "
+                                                      "100 / 20 / 20 as in the paper")
+    curriculum: CurriculumSpec = CurriculumSpec()
+
+    @model_validator(mode="after")
+    def _vocab_fits_problem(self):
+        if self.vocab is not None and self.problem in ("add", "mult", "not"):
+            raise ValueError(f"problem '{self.problem}' has a fixed vocabulary of 3 "
+                             f"(0, 1, separator); vocab only applies to reverse, sort and "
+                             f"remember")
+        return self
+
+
+GENERATOR_TASKS = ("frequency_sort", "algorithmic")
+
+
+class GeneratorSpec(Section):
+    """A generated (synthetic) task instead of a download: exactly one task section.
+    The generators themselves are the job of a later task stage."""
+    seed: int = 0
+    frequency_sort: FrequencySortTask | None = None
+    algorithmic: AlgorithmicTask | None = None
+
+    @model_validator(mode="after")
+    def _one_task(self):
+        given = [t for t in GENERATOR_TASKS if getattr(self, t) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one task section ({' or '.join(GENERATOR_TASKS)}); "
+                             f"found {', '.join(given) or 'none'}")
+        return self
+
+    @property
+    def task(self) -> str:
+        return next(t for t in GENERATOR_TASKS if getattr(self, t) is not None)
+
+
+class ShardSpec(Section):
+    block_tokens: int = Field(65536, gt=0, description="tokens per webdataset sample")
+    blocks_per_shard: int = Field(64, gt=0, description="samples per tar shard")
+
+
+class FileSpec(Section):
+    """One data file the dataset is made of, checked after download and extraction."""
+    path: str = Field(description="path inside the archive (the file's name if none)")
+    sha256: str | None = None
+    md5: str | None = Field(None, description="where the publisher gives only an md5")
+
+
+class DatasetSpec(Section):
+    """A dataset card: a source to download (url) or a task to generate (generator)."""
+    name: str
+    description: str = ""
+    url: str | None = Field(None, description="builtin://NAME, file:///path or http(s)://...")
+    generator: GeneratorSpec | None = Field(None, description="a synthetic task instead of url")
+    sha256: str | None = Field(None, description="of the downloaded file; required for http(s)")
+    archive: Literal["none", "zip", "gz"] = "none"
+    files: dict[str, FileSpec] = Field(
+        {}, description="role (all | train | valid | test) -> the file that plays it; "
+                        "empty: every file of the download, role = its name")
+    tokenizer: TokenizerSpec = TokenizerSpec()
+    split: SplitSpec = SplitSpec()
+    shards: ShardSpec = ShardSpec()
+    vocab_size: int | None = Field(
+        None, gt=0, description="expected vocabulary, for `show` before preprocessing")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_shorthand(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("tokenizer"), str):
+            data = {**data, "tokenizer": {"kind": data["tokenizer"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _source_fits_split(self):
+        if self.generator is not None:
+            stray = sorted({"url", "sha256", "archive", "files", "tokenizer", "split"}
+                           & self.model_fields_set)
+            if stray:
+                raise ValueError(f"a generated dataset (generator: {self.generator.task}) has "
+                                 f"no {', '.join(stray)}: its data is made, not downloaded")
+            return self
+        if self.url is None:
+            raise ValueError("a dataset needs a url (builtin://, file://, http(s)://) or a "
+                             "generator section")
+        roles = set(self.files)
+        single = self.archive != "zip" or self.url.startswith("builtin://")
+        if self.split.kind == "tail":
+            if roles and roles != {"all"}:
+                raise ValueError(f"split kind 'tail' reads one stream, the file of role 'all'; "
+                                 f"files has roles {', '.join(sorted(roles))}")
+        else:
+            if single:
+                raise ValueError("split kind 'files' needs train / valid / test files: a zip "
+                                 "archive (archive: zip); this source is a single stream")
+            if roles and roles != {"train", "valid", "test"}:
+                raise ValueError(f"split kind 'files' needs exactly the roles train, valid and "
+                                 f"test in files; found {', '.join(sorted(roles))}")
+        tok = self.tokenizer
+        if tok.kind == "sentencepiece":
+            if self.vocab_size is None:
+                self.vocab_size = tok.vocab_size
+            elif self.vocab_size != tok.vocab_size:
+                raise ValueError(f"vocab_size {self.vocab_size} differs from the sentencepiece "
+                                 f"tokenizer's vocab_size {tok.vocab_size}")
+        return self
+
+
+class OptimizerSpec(Section):
+    type: Literal["adagrad", "adam"] = "adagrad"
+    lr: float = Field(0.07, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="linear warmup: lr * min(1, k / warmup)")
+    clip: Literal["per_param", "global", "none"] = Field(
+        "per_param", description="per_param: the paper's per-tensor step scaling")
+    clip_norm: float = Field(0.03, gt=0)
+    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class DeepSpeedSpec(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    bf16: bool = False
+    gradient_accumulation_steps: int = Field(1, gt=0)
+
+
+class TrainSpec(Section):
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    steps: int = Field(gt=0)
+    batch_size: int = Field(gt=0, description="sequences per optimizer step, all ranks")
+    seq_len: int = Field(gt=0, description="tokens per segment (M)")
+    optimizer: OptimizerSpec = OptimizerSpec()
+    deepspeed: DeepSpeedSpec = DeepSpeedSpec()
+    log_every: int = Field(10, gt=0)
+    eval_every: int = Field(0, ge=0, description="steps between validation estimates; 0 = off")
+    eval_batches: int = Field(16, gt=0, description="batches per validation estimate")
+    checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
+    keep_checkpoints: int = Field(2, gt=0)
+
+    @model_validator(mode="after")
+    def _clipping_fits_optimizer(self):
+        opt = self.optimizer
+        if opt.clip == "per_param" and opt.type != "adagrad":
+            raise ValueError("optimizer.clip per_param scales the Adagrad step per tensor (the "
+                             "paper's optimizer); with adam use clip: global or none")
+        if opt.clip == "per_param" and self.deepspeed.zero_stage > 0:
+            raise ValueError("optimizer.clip per_param needs whole parameter tensors; ZeRO "
+                             f"stage {self.deepspeed.zero_stage} partitions them: use "
+                             "deepspeed.zero_stage 0 or clip: global")
+        return self
+
+
+class FinetuneSpec(Section):
+    steps: int = Field(gt=0)
+    lr_divisor: float = Field(10.0, gt=0)
+
+
+class EvaluateSpec(Section):
+    splits: list[Literal["valid", "test"]] = ["valid", "test"]
+    batch_size: int = Field(8, gt=0)
+    seq_len: int | None = Field(None, gt=0, description="defaults to train.seq_len")
+
+
+class TrackingSpec(Section):
+    enabled: bool = True
+    uri: str | None = Field(None, description="default: MLFLOW_TRACKING_URI, else sqlite "
+                                              "file <workspace.root>/mlflow.db")
+    experiment: str | None = Field(None, description="defaults to the spec's name")
+
+
+class WorkspaceSpec(Section):
+    root: str = "runs"
+    cache: str | None = Field(None, description="downloads cached by sha256, shared by "
+                                                "every run; default <root>/cache")
+
+
+class Spec(Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    dataset: DatasetSpec
+    model: dict[str, Any]
+    train: TrainSpec | None = None
+    finetune: FinetuneSpec | None = None
+    evaluate: EvaluateSpec = EvaluateSpec()
+    tracking: TrackingSpec = TrackingSpec()
+    workspace: WorkspaceSpec = WorkspaceSpec()
+    stages: list[Literal[STAGE_KINDS]] = Field(min_length=1)  # type: ignore[valid-type]
+
+    _model_params: Any = PrivateAttr(None)
+    _source: str = PrivateAttr("")
+
+    @property
+    def model_kind(self) -> str:
+        return self.model["kind"]
+
+    @property
+    def model_params(self):
+        """The model section as the model's own config dataclass."""
+        return self._model_params
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    @property
+    def workspace_dir(self) -> Path:
+        return Path(self.workspace.root) / self.name
+
+    def resolved(self) -> dict:
+        """The spec as plain data, every default filled in: what `show` prints and MLflow keeps."""
+        out = self.model_dump(mode="json")
+        out["model"] = {"kind": self.model_kind, **asdict(self.model_params)}
+        return out
