@@ -1,123 +1,108 @@
-"""download: fetch the dataset's source, verify its sha256, extract it.
+"""download: get the dataset's source onto the machine, verify it, extract its files.
 
-Outputs: `files/` (the extracted data files) and `download.json` (url, sha256 of the
-fetched file and of each extracted file). Sources: `builtin://NAME` (built on this machine,
-no network), `file:///path` (a local mirror) and `http(s)://...`.
+Sources: `builtin://NAME` (built here, no network), `file:///path` (a local mirror, read in
+place) and `http(s)://...` (resumable, cached by sha256 in `workspace.cache`). The work is
+in `pipeline.data.fetch`; this stage decides names and writes the record.
+
+Outputs, in the stage's directory:
+    files/<name>      each extracted file
+    download.json     {"url", "sha256": of the fetched file (or the built-in bytes),
+                       "files": {role: {"path": "files/<name>", "sha256", "bytes"}}}
+Roles are the keys of `dataset.files`; without any: "all" for a plain, gz or built-in
+source, and one per regular member of a zip (role = the member's base name).
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
+import io
 import shutil
-import urllib.error
 import urllib.parse
-import urllib.request
-import zipfile
-from pathlib import Path
+from pathlib import PurePosixPath
 
+from pipeline.data import fetch
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
+from pipeline.fsutil import atomic_write_json
 from stages import Stage, StageContext
 
-CHUNK = 1 << 20
 
+def _builtin(ds, files_dir, log) -> tuple[str, dict]:
+    from pipeline.data.corpus import build
 
-def _fetch(url: str, dest: Path, log) -> None:
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme == "file":
-        src = Path(urllib.request.url2pathname(parsed.path))
-        if not src.is_file():
-            raise PipelineError(f"dataset.url {url}: no such file {src}")
-        shutil.copyfile(src, dest)
-        return
-    if parsed.scheme not in ("http", "https"):
-        raise PipelineError(f"dataset.url {url}: unsupported scheme '{parsed.scheme}' "
-                            f"(use builtin://, file:// or http(s)://)")
-    log(f"fetching {url}")
+    name = ds.url.split("://", 1)[1]
+    if ds.archive != "none":
+        raise PipelineError(f"dataset.url {ds.url}: a built-in corpus is plain text; "
+                            f"dataset.archive must be none, not {ds.archive}")
+    log(f"building the built-in corpus '{name}' (no network)")
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(dest, "wb") as out:
-            while block := response.read(CHUNK):
-                out.write(block)
-    except urllib.error.HTTPError as e:
-        raise PipelineError(f"dataset.url {url}: HTTP {e.code} {e.reason}") from None
-    except (urllib.error.URLError, TimeoutError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise PipelineError(f"dataset.url {url}: cannot download ({reason}); on a machine "
-                            f"without internet, point --set dataset.url=file:///... at a "
-                            f"local copy") from None
-
-
-def _extract(archive: str, src: Path, member: str | None, files: Path) -> None:
-    if archive == "none":
-        shutil.copyfile(src, files / (member or "data"))
-    elif archive == "gz":
-        try:
-            with gzip.open(src, "rb") as f, open(files / (member or "data"), "wb") as out:
-                shutil.copyfileobj(f, out, CHUNK)
-        except (OSError, EOFError) as e:
-            raise PipelineError(f"downloaded file is not a valid gzip archive: {e}") from None
-    elif archive == "zip":
-        try:
-            with zipfile.ZipFile(src) as z:
-                names = [n for n in z.namelist() if not n.endswith("/")]
-                if member is not None and member not in names:
-                    raise PipelineError(f"dataset.member '{member}' is not in the zip archive "
-                                        f"(it holds {', '.join(names[:10])})")
-                for name in [member] if member else names:
-                    target = files / Path(name).name
-                    with z.open(name) as f, open(target, "wb") as out:
-                        shutil.copyfileobj(f, out, CHUNK)
-        except zipfile.BadZipFile as e:
-            raise PipelineError(f"downloaded file is not a valid zip archive: {e}") from None
+        data = build(name)
+    except ValueError as e:
+        raise PipelineError(f"dataset.url {ds.url}: {e}") from None
+    sha = hashlib.sha256(data).hexdigest()
+    if ds.sha256 and sha != ds.sha256.lower():
+        raise PipelineError(f"dataset.url {ds.url}: sha256 mismatch: expected "
+                            f"{ds.sha256.lower()}, found {sha} (the corpus depends on the "
+                            f"Python version)")
+    if len(ds.files) > 1:
+        raise PipelineError(f"dataset.url {ds.url}: a built-in corpus is a single file; "
+                            f"dataset.files names {len(ds.files)} ({', '.join(ds.files)})")
+    role, spec = next(iter(ds.files.items())) if ds.files else ("all", None)
+    target = files_dir / ((PurePosixPath(spec.path).name if spec else "") or f"{name}.txt")
+    extracted = fetch.write_verified(
+        io.BytesIO(data), target, label=ds.url, size=len(data), role=role,
+        sha256=spec.sha256 if spec else None, md5=spec.md5 if spec else None)
+    return sha, {role: extracted}
 
 
 def run(ctx: StageContext) -> dict:
     ds = ctx.spec.dataset
-    files = ctx.out_dir / "files"
-    if files.exists():
-        shutil.rmtree(files)
-    files.mkdir()
-    scheme = urllib.parse.urlparse(ds.url).scheme
-    if scheme == "builtin":
-        from pipeline.data.corpus import build
-
-        name = ds.url.split("://", 1)[1]
-        ctx.log(f"building the built-in corpus '{name}' (no network)")
-        try:
-            data = build(name)
-        except ValueError as e:
-            raise PipelineError(f"dataset.url {ds.url}: {e}") from None
-        fetched_sha = hashlib.sha256(data).hexdigest()
-        atomic_write_bytes(files / (ds.member or f"{name}.txt"), data)
+    if ds.url is None:
+        raise PipelineError(f"dataset '{ds.name}' is generated, not downloaded: it has no url "
+                            f"for the download stage; remove 'download' from stages")
+    files_dir = ctx.out_dir / "files"
+    if files_dir.exists():          # left by an interrupted attempt
+        shutil.rmtree(files_dir)
+    files_dir.mkdir(parents=True)
+    cached = False
+    if urllib.parse.urlparse(ds.url).scheme == "builtin":
+        sha, extracted = _builtin(ds, files_dir, ctx.log)
     else:
-        fetched = ctx.out_dir / "fetched.tmp"
-        _fetch(ds.url, fetched, ctx.log)
-        fetched_sha = sha256_file(fetched)
-        if ds.sha256 and fetched_sha != ds.sha256.lower():
-            fetched.unlink()
-            raise PipelineError(f"dataset.url {ds.url}: sha256 mismatch: the card expects "
-                                f"{ds.sha256}, the file has {fetched_sha}")
-        if not ds.sha256 and scheme != "file":
-            ctx.log(f"warning: no dataset.sha256 to check; the file has {fetched_sha}")
-        _extract(ds.archive, fetched, ds.member, files)
-        fetched.unlink()
-    extracted = {p.name: sha256_file(p) for p in sorted(files.iterdir())}
-    info = {"url": ds.url, "sha256": fetched_sha, "files": extracted}
+        checked = any(f.sha256 or f.md5 for f in ds.files.values())
+        hint = ("; if this is a repacked mirror of the same files, --set "
+                "dataset.sha256={found} accepts it (dataset.files still checks each file)"
+                if checked else "")
+        fetched = fetch.fetch(ds.url, fetch.cache_dir(ctx.spec), sha256=ds.sha256,
+                              log=ctx.log, mismatch_hint=hint)
+        sha, cached = fetched.sha256, fetched.cached
+        if not ds.sha256:
+            ctx.log(f"note: no dataset.sha256 to check {ds.url} against; it is {sha}")
+        extracted = fetch.extract(fetched.path, ds.archive, files_dir, ds.files,
+                                  name=fetch.file_name(ds.url, ds.archive), label=ds.url,
+                                  log=ctx.log)
+
+    info = {
+        "url": ds.url,
+        "sha256": sha,
+        "files": {role: {"path": f"files/{e.path.name}", "sha256": e.sha256, "bytes": e.bytes}
+                  for role, e in extracted.items()},
+    }
     atomic_write_json(ctx.out_dir / "download.json", info)
-    size = sum(p.stat().st_size for p in files.iterdir())
-    ctx.log(f"{len(extracted)} file(s), {size:,} bytes, sha256 {fetched_sha[:16]}…")
+    size = sum(e.bytes for e in {e.path: e for e in extracted.values()}.values())
+    ctx.log(f"{len(extracted)} file(s), {size:,} bytes; source sha256 {sha[:16]}…")
     ctx.tracker.log_metrics({"bytes": size}, step=0)
-    ctx.tracker.set_tags({"sha256": fetched_sha})
-    return {"sha256": fetched_sha, "bytes": size, "files": list(extracted)}
+    ctx.tracker.set_tags({"sha256": sha})
+    ctx.tracker.log_artifact(ctx.out_dir / "download.json")
+    return {"sha256": sha, "bytes": size, "cached": cached,
+            "files": {role: e.path.name for role, e in extracted.items()}}
 
 
 STAGE = Stage(
     name="download",
-    summary="Fetch the dataset (builtin://, file://, http(s)://), check sha256, extract.",
+    summary="Fetch the dataset (builtin://, file://, http(s)://; cached, resumable), "
+            "check sha256, extract.",
     inputs=(),
     section_key=None,
     config=lambda spec: spec.dataset.model_dump(
-        include={"name", "url", "sha256", "archive", "member"}),
+        include={"name", "url", "sha256", "archive", "files"}),
     run=run,
 )

@@ -1,8 +1,14 @@
-"""Data layer: symbol vocabularies, webdataset token shards, ordered seekable LM batching.
+"""Data layer: vocabularies and tokenizers, webdataset token shards, ordered seekable LM batching.
 
 No yaml, mlflow or deepspeed imports here: stages and the runner build on these pieces.
 """
 
+from pipeline.data.sentencepiece_tokenizer import (
+    SentencePieceOptions,
+    SentencePieceTokenizer,
+    sample_lines,
+    train_sentencepiece,
+)
 from pipeline.data.shards import (
     ShardError,
     dtype_extension,
@@ -12,19 +18,37 @@ from pipeline.data.shards import (
     write_shards,
 )
 from pipeline.data.stream import StreamBatches, eval_batches, eval_num_batches
-from pipeline.data.vocab import Vocab, smallest_uint_dtype, unigram_entropy_bits
+from pipeline.data.vocab import (
+    UnknownWordError,
+    Vocab,
+    WordVocab,
+    count_lines,
+    smallest_uint_dtype,
+    split_words,
+    unigram_entropy_bits,
+    vocab_from_json,
+)
 
 __all__ = [
+    "SentencePieceOptions",
+    "SentencePieceTokenizer",
     "ShardError",
     "StreamBatches",
+    "UnknownWordError",
     "Vocab",
+    "WordVocab",
+    "count_lines",
     "dtype_extension",
     "eval_batches",
     "eval_num_batches",
     "read_shards",
+    "sample_lines",
     "shard_name",
     "smallest_uint_dtype",
+    "split_words",
+    "train_sentencepiece",
     "unigram_entropy_bits",
     "verify_shard",
+    "vocab_from_json",
     "write_shards",
 ]
