@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.models import MODELS, AllAttnConfig, AllAttnLM, LMOutput, build_model, count_parameters
-from pipeline.models.allattn import attn_span_len, cache_len
+from pipeline.models.layers import attn_span_len, cache_len
 
 DT = torch.float64
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +59,10 @@ def test_config_defaults_are_the_papers_small_model():
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_persistent, cfg.ff_dim) == (512, 18, 8, 1024, 0)
     assert (cfg.max_span, cfg.adaptive_span, cfg.span_ramp, cfg.span_init) == (8192, True, 32, 0.0)
     assert (cfg.span_loss_coef, cfg.attn_dropout, cfg.emb_dropout, cfg.out_dropout) == (1e-7, 0.3, 0.0, 0.0)
+    # the paper's model (joint softmax) and the paper's word-level adaptive I/O settings
+    assert (cfg.persistent_mode, cfg.ff_kind) == ("all_attn", "relu")
+    assert (cfg.adaptive_io, cfg.adaptive_cutoffs, cfg.adaptive_div, cfg.adaptive_tied) == (
+        False, [20000, 40000, 200000], 4, True)
 
 
 @pytest.mark.parametrize(
@@ -447,3 +451,301 @@ def test_tiny_model_overfits_a_repeated_sequence():
     assert losses[0] > 0.8 * math.log(vocab)
     assert max(losses[-5:]) < 0.25 * losses[0]
     assert all(0.0 <= z <= 64.0 for row in model.spans() for z in row)
+
+
+# ======================================================================================
+# the ablations of section 5.3 against their definitions (float64, explicit loops)
+# ======================================================================================
+
+
+def _softmax(s: list) -> torch.Tensor:
+    s = torch.stack(s) if isinstance(s[0], torch.Tensor) else torch.tensor(s, dtype=DT)
+    return torch.softmax(s, 0)
+
+
+def direct_variant(attn, pos_table, max_span, ctx, blk, span_len, spans, r, mode):
+    """One layer's attention sublayer for persistent_mode ``mode``, from the definitions:
+
+    attn_split:  y_t = sum_c softmax_ctx(s)_c v_c + sum_n softmax_pers(s)_n M_v[n] per head
+    head_split:  heads < H/2: the context part only; heads >= H/2: the persistent part only
+    single_head: the context part per head, concatenated, plus one d-dimensional persistent
+                 attention of the full query W_q x_t: sum_n softmax_n(q . M_k[n] / sqrt d) M_v[n]
+    The context part is softmax over the L' previous tokens (eq. 12 scores / sqrt d_h), times
+    the span mask at distance - 1, renormalised over the context with +1e-8.
+    Persistent vectors: k = sqrt(e) k', v = sqrt(N) v' (e = d_h, or d for single_head)."""
+    X = torch.cat([ctx, blk], 1)
+    bsz, m, d = blk.shape
+    H, dh, n = attn.n_heads, attn.head_dim, attn.n_persistent
+    hc = H // 2 if mode == "head_split" else H
+    wq, wk, wv, wo = (p.weight for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+    e = d if mode == "single_head" else dh
+    pk = attn.persistent_k * math.sqrt(e)
+    pv = attn.persistent_v * math.sqrt(n)
+    y = torch.zeros(bsz, m, d, dtype=DT)
+    for b in range(bsz):
+        for i in range(m):
+            t = span_len + i
+            q_full = wq @ X[b, t]
+            for h in range(H):
+                rows = slice(h * dh, (h + 1) * dh)
+                q = q_full[rows]
+                out = torch.zeros(dh, dtype=DT)
+                if h < hc:  # context part
+                    cs = range(t - span_len, t)
+                    s = [q @ (wk[rows] @ X[b, c] + pos_table[:, max_span - (t - c)]) / math.sqrt(dh) for c in cs]
+                    a = _softmax(s)
+                    if spans is not None:
+                        a = a * torch.tensor([ramp(spans[h], r, (t - c) - 1) for c in cs], dtype=DT)
+                        a = a / (a.sum() + 1e-8)
+                    for j, c in enumerate(cs):
+                        out = out + a[j] * (wv[rows] @ X[b, c])
+                if mode == "attn_split" or (mode == "head_split" and h >= hc):
+                    g = h - hc if mode == "head_split" else h
+                    a = _softmax([q @ pk[g, j] / math.sqrt(dh) for j in range(n)])
+                    for j in range(n):
+                        out = out + a[j] * pv[g, j]
+                y[b, i, rows] = out
+            if mode == "single_head":
+                a = _softmax([q_full @ pk[0, j] / math.sqrt(d) for j in range(n)])
+                for j in range(n):
+                    y[b, i] = y[b, i] + a[j] * pv[0, j]
+    return y @ wo.T
+
+
+@pytest.mark.parametrize("mode", ["attn_split", "head_split", "single_head"])
+def test_ablation_attention_equals_its_definition(mode):
+    model = tiny_model(persistent_mode=mode, n_heads=4, n_persistent=6, max_span=64, span_ramp=8)
+    spans = [10.5, 3.0, 20.25, 0.0] if mode != "head_split" else [10.5, 20.25]
+    set_spans(model, [spans, [0.0] * len(spans)])
+    layer = model.layers[0]
+    span_len = model.span_lens()[0]
+    assert span_len == 64
+    mk = layer.attn.adaptive_span.mask(span_len)
+    assert ((mk > 0) & (mk < 1)).any() and (mk == 0).any()  # mid-ramp and cut context
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, model.cache_lens()[0], 16, generator=g, dtype=DT)
+    blk = torch.randn(2, 5, 16, generator=g, dtype=DT)
+    got = layer.attn(blk, cache, model.pos_table)
+    want = direct_variant(layer.attn, model.pos_table, 64, cache[:, -span_len:], blk, span_len, spans, 8, mode)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    # and it is not the joint softmax: the same weights under all_attn give another output
+    joint = tiny_model(n_heads=4, n_persistent=6, max_span=64, span_ramp=8).layers[0].attn
+    if mode != "single_head" and mode != "head_split":
+        joint.load_state_dict(layer.attn.state_dict())
+        assert (joint(blk, cache, model.pos_table) - got).abs().max() > 1e-3
+
+
+def test_ablation_shapes_spans_and_fixed_span():
+    hs = tiny_model(persistent_mode="head_split", n_heads=4)
+    attn = hs.layers[0].attn
+    assert attn.n_ctx_heads == 2
+    assert attn.persistent_k.shape == attn.persistent_v.shape == (2, 5, 4)  # only H/2 heads
+    assert attn.adaptive_span.frac.shape == (2,) and len(hs.spans()[0]) == 2
+    sh = tiny_model(persistent_mode="single_head", n_heads=4)
+    assert sh.layers[0].attn.persistent_k.shape == (1, 5, 16)  # one set of dimension d
+    # effective persistent vectors start with unit variance (k = sqrt(d) k', v = sqrt(N) v')
+    torch.manual_seed(0)
+    big = AllAttnLM(AllAttnConfig(n_layers=1, persistent_mode="single_head"), 27).layers[0].attn
+    pk, pv = big.persistent_vectors()
+    assert pk.std().item() == pytest.approx(1.0, abs=0.01) and pv.std().item() == pytest.approx(1.0, abs=0.01)
+    # fixed span: every query sees exactly max_span tokens, no renormalisation
+    fixed = tiny_model(persistent_mode="attn_split", n_heads=4, adaptive_span=False, max_span=12)
+    assert fixed.spans() == [[12.0] * 4] * 2
+    g = torch.Generator().manual_seed(6)
+    cache, blk = torch.randn(1, 12, 16, generator=g, dtype=DT), torch.randn(1, 4, 16, generator=g, dtype=DT)
+    got = fixed.layers[1].attn(blk, cache, fixed.pos_table)
+    want = direct_variant(fixed.layers[1].attn, fixed.pos_table, 12, cache, blk, 12, None, 1, "attn_split")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    hsf = tiny_model(persistent_mode="head_split", n_heads=4, adaptive_span=False)
+    assert hsf.spans() == [[128.0] * 2] * 2
+
+
+def test_ff_attn_and_softmax_ff_sublayers_equal_their_definitions():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 5, 16, generator=g, dtype=DT)
+    # FF-attn: W_o' sum_n softmax_n(W_q' x . k_n / sqrt(d)) v_n, k = sqrt(d) k', v = sqrt(N) v'
+    model = tiny_model(n_persistent=0, ff_dim=7, ff_kind="ff_attn")
+    ff = model.layers[0].ff
+    assert model.layers[0].attn.persistent_k is None
+    assert ff.persistent_k.shape == ff.persistent_v.shape == (1, 7, 16)
+    assert ff.q_proj.bias is None and ff.o_proj.bias is None
+    want = torch.zeros_like(x)
+    for b in range(2):
+        for t in range(5):
+            q = ff.q_proj.weight @ x[b, t]
+            a = _softmax([q @ (ff.persistent_k[0, j] * 4.0) / 4.0 for j in range(7)])  # sqrt(16) = 4
+            want[b, t] = ff.o_proj.weight @ sum(a[j] * ff.persistent_v[0, j] * math.sqrt(7) for j in range(7))
+    torch.testing.assert_close(ff(x), want, rtol=0, atol=1e-12)
+    # the layer is post-norm attention then FF-attn, each with its AddNorm
+    layer = model.layers[0]
+    cache = torch.randn(2, model.cache_lens()[0], 16, generator=g, dtype=DT)
+    h = layer.norm1(x + layer.attn(x, cache, model.pos_table))
+    torch.testing.assert_close(layer(x, cache, model.pos_table), layer.norm2(h + ff(h)), rtol=0, atol=1e-12)
+    # eq. 9 literally: U softmax(V x), no biases
+    sm = tiny_model(n_persistent=0, ff_dim=7, ff_kind="softmax").layers[0].ff
+    assert sm.fc1.bias is None and sm.fc2.bias is None
+    want = torch.softmax(x @ sm.fc1.weight.T, -1) @ sm.fc2.weight.T
+    torch.testing.assert_close(sm(x), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(persistent_mode="attn_split"),
+        dict(persistent_mode="head_split", n_heads=4),
+        dict(persistent_mode="single_head"),
+        dict(n_persistent=0, ff_dim=12, ff_kind="ff_attn"),
+        dict(adaptive_io=True, adaptive_cutoffs=[3, 6, 9], adaptive_div=2),
+    ],
+    ids=["attn_split", "head_split", "single_head", "ff_attn", "adaptive_io"],
+)
+def test_variants_stream_with_the_cache_like_one_pass(kw):
+    model = tiny_model(vocab=13, max_span=64, **kw)
+    spans = [[7.5, 30.0] + [0.0] * (len(model.spans()[0]) - 2), [2.0] * len(model.spans()[0])]
+    set_spans(model, spans)
+    g = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, 13, (2, 60), generator=g)
+    targets = torch.randint(0, 13, (2, 60), generator=g)
+    with torch.no_grad():
+        whole = model(tokens, targets)
+        cache, nlls = None, []
+        for s in range(3):
+            out = model(tokens[:, 20 * s : 20 * (s + 1)], targets[:, 20 * s : 20 * (s + 1)], cache)
+            cache = out.cache
+            nlls.append(out.nll)
+    torch.testing.assert_close(torch.cat(nlls, 1), whole.nll, rtol=0, atol=1e-10)
+    assert (whole.logits is None) == bool(kw.get("adaptive_io"))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("persistent_mode", "joint"), ("persistent_mode", 3), ("ff_kind", "gelu"),
+        ("adaptive_cutoffs", [5, 3]), ("adaptive_cutoffs", []), ("adaptive_cutoffs", [0, 4]),
+        ("adaptive_cutoffs", "20000"), ("adaptive_cutoffs", [2.5]), ("adaptive_div", 0),
+        ("adaptive_io", "yes"), ("adaptive_tied", 1),
+    ],
+)
+def test_new_fields_reject_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        AllAttnConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(persistent_mode="attn_split", n_persistent=0), "persistent_mode"),
+        (dict(persistent_mode="head_split", n_heads=1, d_model=512), "n_heads"),
+        (dict(ff_kind="ff_attn", ff_dim=0), "ff_kind"),
+        (dict(adaptive_io=True, d_model=32, n_heads=2, adaptive_div=4), "adaptive_div"),
+    ],
+)
+def test_bad_combinations_are_refused_naming_the_field(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        AllAttnConfig(**kw)
+
+
+# ======================================================================================
+# adaptive input and adaptive softmax (word level)
+# ======================================================================================
+
+
+def _adaptive_model(tied=True, seed=0):
+    torch.manual_seed(seed)
+    cfg = tiny_cfg(
+        d_model=64, n_heads=4, max_span=32, adaptive_io=True, adaptive_cutoffs=[5, 12, 30],
+        adaptive_div=4, adaptive_tied=tied,
+    )
+    return AllAttnLM(cfg, 50).to(DT).eval()
+
+
+def test_adaptive_input_has_four_bands_at_the_right_dims_and_equals_its_definition():
+    model = _adaptive_model()
+    emb = model.embed
+    assert emb.bounds == [0, 5, 12, 30, 50]
+    assert [b.weight.shape for b in emb.bands] == [(5, 64), (7, 16), (18, 4), (20, 1)]  # d, d/4, d/16, d/64
+    assert [tuple(p.shape) for p in emb.projs] == [(64, 64), (64, 16), (64, 4), (64, 1)]
+    tokens = torch.tensor([[0, 4, 5, 11, 12, 29, 30, 49], [49, 7, 3, 20, 31, 0, 6, 13]])
+    got = emb(tokens)
+    for b in range(2):
+        for t in range(8):
+            w = int(tokens[b, t])
+            i = sum(w >= c for c in (5, 12, 30))
+            lo = [0, 5, 12, 30][i]
+            want = math.sqrt(64) * emb.projs[i] @ emb.bands[i].weight[w - lo]
+            torch.testing.assert_close(got[b, t], want, rtol=0, atol=1e-12)
+
+
+def direct_adaptive_nll(out, h, w):
+    """-log P(w | h) of the four-band adaptive softmax, written out for one token:
+    head = [P_0-projected shortlist logits ; cluster logits], band i >= 1 adds its tail."""
+    bounds = out.bounds
+    i = sum(w >= c for c in bounds[1:-1])
+    p0 = h @ out.projs[0]
+    head = torch.cat([out.weights[0] @ p0 + out.biases[0], out.cluster.weight @ h + out.cluster.bias])
+    head_lp = head - torch.logsumexp(head, 0)
+    if i == 0:
+        return -head_lp[w]
+    pi = h @ out.projs[i]
+    tail = out.weights[i] @ pi + out.biases[i]
+    return -(head_lp[bounds[1] + i - 1] + tail[w - bounds[i]] - torch.logsumexp(tail, 0))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_adaptive_softmax_nll_is_the_four_band_factorisation(tied):
+    model = _adaptive_model(tied)
+    out = model.out
+    assert out.n_clusters == 3 and out.shortlist == 5
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(3, 7, 64, generator=g, dtype=DT)
+    w = torch.randint(0, 50, (3, 7), generator=g)
+    w[0, :4] = torch.tensor([0, 6, 20, 45])  # every band present
+    nll = out.nll(h, w)
+    assert nll.shape == (3, 7) and nll.dtype == DT
+    for b in range(3):
+        for t in range(7):
+            torch.testing.assert_close(nll[b, t], direct_adaptive_nll(out, h[b, t], int(w[b, t])), rtol=0, atol=1e-12)
+    lp = out.log_prob(h)
+    assert lp.shape == (3, 7, 50)
+    torch.testing.assert_close(torch.logsumexp(lp, -1), torch.zeros(3, 7, dtype=DT), rtol=0, atol=1e-12)
+    torch.testing.assert_close(-lp.gather(-1, w[..., None])[..., 0], nll, rtol=0, atol=1e-12)
+
+
+def test_adaptive_io_weights_are_really_tied():
+    model = _adaptive_model(tied=True)
+    for i in range(4):
+        assert model.out.weights[i] is model.embed.bands[i].weight
+        assert model.out.projs[i] is model.embed.projs[i]
+    names = [n for n, _ in model.named_parameters()]
+    assert not any(n.startswith("out.weight") or n.startswith("out.proj") for n in names)
+    # counted once: bands + projections + output biases + cluster
+    io = sum(n * d for n, d in [(5, 64), (7, 16), (18, 4), (20, 1)]) + 64 * (64 + 16 + 4 + 1) + 50 + (3 * 64 + 3)
+    body = count_parameters(model) - io
+    untied = _adaptive_model(tied=False)
+    assert count_parameters(untied) - body == io + sum(n * d for n, d in [(5, 64), (7, 16), (18, 4), (20, 1)]) + 64 * 85
+    # one tensor: the output loss alone gives the input embedding a gradient, and a change
+    # to the embedding changes the output distribution
+    h = torch.randn(4, 64, dtype=DT)
+    w = torch.tensor([1, 8, 20, 40])
+    model.out.nll(h, w).sum().backward()
+    for band in model.embed.bands:
+        assert band.weight.grad is not None and band.weight.grad.abs().sum() > 0
+    before = model.out.nll(h, w).detach()
+    with torch.no_grad():
+        model.embed.bands[3].weight[40 - 30].add_(1.0)  # word 40's vector
+    assert model.out.nll(h, w)[3] != before[3] and model.out.nll(h, w)[0] == before[0]
+
+
+def test_adaptive_lm_returns_nll_without_logits():
+    model = _adaptive_model()
+    tokens = torch.randint(0, 50, (2, 9))
+    targets = torch.randint(0, 50, (2, 9))
+    seen = {}
+    model.out.register_forward_hook(lambda mod, args, out: seen.update(h=args[0]))
+    out = model(tokens, targets)
+    assert out.logits is None and out.nll.shape == (2, 9)
+    want = -model.out.log_prob(seen["h"]).gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(out.nll, want, rtol=0, atol=1e-12)
+    assert model(tokens).nll is None
+    with pytest.raises(ValueError, match="adaptive_cutoffs"):
+        AllAttnLM(tiny_cfg(d_model=64, adaptive_io=True, adaptive_cutoffs=[5, 12, 30]), 30)

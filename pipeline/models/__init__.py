@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from pipeline.models.allattn import AllAttnConfig, AllAttnLM, LMOutput
+from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
+from pipeline.models.allattn import FF_KINDS, PERSISTENT_MODES, AllAttnConfig, AllAttnLM, LMOutput
 
 MODELS: dict[str, tuple[type, type[nn.Module]]] = {
     "allattn": (AllAttnConfig, AllAttnLM),
@@ -33,4 +34,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["MODELS", "AllAttnConfig", "AllAttnLM", "LMOutput", "build_model", "count_parameters"]
+__all__ = [
+    "FF_KINDS", "MODELS", "PERSISTENT_MODES", "AdaptiveInput", "AdaptiveLogSoftmax",
+    "AllAttnConfig", "AllAttnLM", "LMOutput", "build_model", "count_parameters",
+]

@@ -1,6 +1,9 @@
 """All-attention language model (Sukhbaatar et al. 2019, "Augmenting Self-attention with
 Persistent Memory"), following the authors' code: the adaptive-span codebase with its
-persistent-memory option. Character level (full softmax output).
+persistent-memory option. The same code builds the paper's baseline (the Transformer +
+adaptive span of Sukhbaatar et al. 2019b: ``ff_dim > 0``, ``n_persistent: 0``), the ablations
+of its section 5.3 (``persistent_mode``, ``ff_kind``, ``n_persistent: 0``) and the word-level
+model (``adaptive_io``: tied adaptive input and adaptive softmax, ``pipeline.models.adaptive``).
 
 Where the paper and the code differ, this module does what the code does:
 - a query attends to the L' tokens *before* it, never to itself;
@@ -9,14 +12,49 @@ Where the paper and the code differ, this module does what the code does:
 - the adaptive-span mask is evaluated at distance - 1 and padded with 1 for the persistent
   vectors; weights are renormalised jointly (+1e-8) and dropout comes after that;
 - W_{q,k,v,o} have no bias and PyTorch's default Linear init (not U(-sqrt d, sqrt d));
-- the cache holds each layer's input hidden states, detached, starting as zeros (unmasked).
+- the cache holds each layer's input hidden states, detached, starting as zeros (unmasked);
+- the adaptive input is scaled by sqrt(d) (character level: a plain N(0, 1) embedding).
 The attention math itself lives in ``pipeline.ops.attention`` (the reference op).
+
+The ablations (paper section 5.3, text8, large model), as implemented here
+---------------------------------------------------------------------------
+- all-attn (``persistent_mode: all_attn``, the default): one softmax over the L' context
+  scores and the N persistent scores of each head (eq. 13).
+- attn-split (``attn_split``): "the softmax in eq. 13 replaced by two separate softmax
+  functions": a_ctx = softmax over the context only (span-masked and renormalised over the
+  context, +1e-8, as the adaptive-span code does without persistent memory), a_pers =
+  softmax over the N persistent vectors only; the head output is their SUM,
+  y_t = sum_c a_ctx,tc v_c + sum_n a_pers,tn M_v[n] (eq. 13's sum over C_t^+, each half
+  normalised on its own). Same parameters as all-attn.
+- head-split (``head_split``): heads 0 .. H/2-1 attend only to the context (softmax, span
+  mask, renormalisation over the context; they alone have spans), heads H/2 .. H-1 only to
+  their N persistent vectors (softmax over those). Persistent vectors exist only for the
+  persistent heads, so the layer has H/2 * N * d_h * 2 = N * d fewer parameters than
+  all-attn, the paper's "fewer parameters because half of its persistent vectors are not
+  used". W_{q,k,v,o} keep their d x d shape (the code's projections); the W_k / W_v rows of
+  the persistent-only heads are not used (no gradient), which the paper's count ignores.
+- single-head (``single_head``): as attn-split, but each layer has ONE set of N persistent
+  key / value vectors of dimension d (not split into heads): a_pers = softmax_n(q_t . M_k[n]
+  / sqrt(d)) with q_t = W_q x_t the full d-dimensional query (all heads' queries
+  concatenated), and sum_n a_pers,tn M_v[n] (d-dimensional) is added to the concatenated
+  context outputs of the heads before W_o. Reparameterised like the per-head vectors
+  (k = sqrt(d) k', v = sqrt(N) v', k' ~ N(0, 1/d), v' ~ N(0, 1/N)). Same parameters as
+  all-attn (2 N d per layer).
+- FF-attn (``ff_kind: ff_attn`` with ``n_persistent: 0``, ``ff_dim: 3072``, 24 layers): a
+  Transformer whose feed-forward ReLU is a softmax, "the same as single-head except that
+  the persistent vectors are a separate sublayer after the self-attention sublayer". The
+  sublayer is the single-head persistent attention on its own: q = W_q' h, ff_dim persistent
+  vectors of dimension d, softmax(q . M_k / sqrt(d)), dropout, W_o' (no biases), with its
+  own AddNorm. With its W_q' and W_o' a 24-layer model with ff_dim 3072 has EXACTLY the
+  non-embedding parameters of the 36-layer all-attn model with N = 2048
+  (24 (6 d^2 + 2 * 3072 d) = 36 (4 d^2 + 2 * 2048 d)), the paper's reason for that size.
+  ``ff_kind: softmax`` is eq. 9 taken literally instead (U softmax(V x), no biases, no
+  projections, no scaling; 11% fewer parameters at that size).
+- N = 0 (``n_persistent: 0``, ``ff_dim: 0``): self-attention sublayers only.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -24,255 +62,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.ops.attention import AttendFn, adaptive_span_mask, get_attention_impl
+from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
+from pipeline.models.config import FF_KINDS, PERSISTENT_MODES, AllAttnConfig
+from pipeline.models.layers import AllAttnLayer, attn_span_len, cache_len
+from pipeline.ops.attention import AttendFn, get_attention_impl
 
-__all__ = ["AllAttnConfig", "AllAttnLM", "AllAttnLayer", "AllAttention", "LMOutput"]
-
-SPAN_GRANULARITY = 64
-"""Attention spans are trimmed in steps of this many tokens, and the cache keeps this many
-extra tokens so a span may grow between two blocks (authors' code)."""
-
-
-@dataclass
-class AllAttnConfig:
-    """Architecture of an all-attention LM. Defaults: the paper's enwik8 / text8 small model."""
-
-    d_model: int = 512
-    """Model width d (paper: 512)."""
-    n_layers: int = 18
-    """Number of layers (paper, character level: 18 small, 36 large)."""
-    n_heads: int = 8
-    """Attention heads H; head size d_h = d_model / n_heads (paper: 8)."""
-    n_persistent: int = 1024
-    """Persistent key/value vectors N per head and layer; 0 = none (paper: 1024 small,
-    2048 large)."""
-    ff_dim: int = 0
-    """Feed-forward inner size: 0 = all-attention layer without feed-forward (the paper's
-    model); > 0 = Transformer layer with a ReLU feed-forward sublayer (the baseline)."""
-    max_span: int = 8192
-    """L: the maximum attention span and the length of the relative position table
-    (paper: 8192 character level, 2048 word level)."""
-    adaptive_span: bool = True
-    """Learn a span per head with the adaptive-span soft mask (paper: on). Off = every
-    query attends to exactly max_span previous tokens."""
-    span_ramp: int = 32
-    """R: length of the soft mask's linear ramp in tokens (paper: 32)."""
-    span_init: float = 0.0
-    """Initial span of every head as a fraction of max_span, in [0, 1] (code: 0)."""
-    span_loss_coef: float = 1e-7
-    """Lambda of the L1 span penalty lambda * sum_layers mean_heads(z), z in tokens
-    (paper: 1e-7 character level, 5e-7 word level)."""
-    attn_dropout: float = 0.3
-    """Dropout on attention weights (and, as in the code, on the feed-forward hidden units
-    when ff_dim > 0) (paper: 0.3 small, 0.4 large)."""
-    emb_dropout: float = 0.0
-    """Dropout on the input embeddings (paper: 0 character level, 0.1 word level)."""
-    out_dropout: float = 0.0
-    """Dropout on the final representation before the output layer (paper: 0 character
-    level, 0.1 word level)."""
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"{f.name} must be an int, got {value!r}")
-            if f.type in ("bool", bool) and not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be a bool, got {value!r}")
-            if f.type in ("float", float) and (
-                not isinstance(value, (int, float)) or isinstance(value, bool)
-            ):
-                raise ValueError(f"{f.name} must be a number, got {value!r}")
-        for name in ("d_model", "n_layers", "n_heads", "max_span", "span_ramp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("n_persistent", "ff_dim"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
-            )
-        if not 0.0 <= self.span_init <= 1.0:
-            raise ValueError(
-                f"span_init must be in [0, 1] (a fraction of max_span), got {self.span_init}"
-            )
-        if not (self.span_loss_coef >= 0.0 and math.isfinite(self.span_loss_coef)):
-            raise ValueError(f"span_loss_coef must be finite and >= 0, got {self.span_loss_coef}")
-        for name in ("attn_dropout", "emb_dropout", "out_dropout"):
-            p = getattr(self, name)
-            if not 0.0 <= p < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {p}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+__all__ = ["AllAttnConfig", "AllAttnLM", "FF_KINDS", "LMOutput", "PERSISTENT_MODES"]
 
 
 class LMOutput(NamedTuple):
-    logits: Tensor
-    """[B, M, V] unnormalised next-token scores."""
+    logits: Tensor | None
+    """[B, M, V] unnormalised next-token scores; None with ``adaptive_io`` (the adaptive
+    softmax never forms them: use ``nll``, or ``model.out.log_prob(h)`` for inspection)."""
     nll: Tensor | None
     """[B, M] per-token negative log-likelihood in nats; None without targets."""
     cache: list[Tensor]
     """Per layer [B, C_l, d] input hidden states to carry to the next block (detached)."""
-
-
-# --------------------------------------------------------------------------------------
-# adaptive span
-# --------------------------------------------------------------------------------------
-
-
-def attn_span_len(max_frac: float, max_span: int, ramp: int) -> int:
-    """L': how many previous tokens a layer attends to, from its largest head span.
-
-    The authors' code: s = ceil(max_h z_h) + R clipped to [0, L]; trim the oldest
-    floor(min(L - 1, L - s) / 64) * 64 positions. For L a multiple of 64 this is
-    ceil_to_64(s) (at least 64), never more than L and never less than 1.
-    """
-    needed = max(0, min(max_span, math.ceil(max_frac * max_span) + ramp))
-    trim = min(max_span - 1, max_span - needed)
-    trim = (trim // SPAN_GRANULARITY) * SPAN_GRANULARITY
-    return max_span - trim
-
-
-def cache_len(span_len: int, max_span: int) -> int:
-    """Hidden states a layer keeps for the next block: L' + 64 (room for the span to grow
-    by one step of granularity), at most L."""
-    return min(max_span, span_len + SPAN_GRANULARITY)
-
-
-class AdaptiveSpan(nn.Module):
-    """One learned span per head, stored as a fraction of max_span (``frac``, in [0, 1])."""
-
-    def __init__(self, n_heads: int, max_span: int, ramp: int, init: float) -> None:
-        super().__init__()
-        self.max_span = max_span
-        self.ramp = ramp
-        self.frac = nn.Parameter(torch.full((n_heads,), float(init)))
-
-    def span(self) -> Tensor:
-        """[H] z in tokens (differentiable)."""
-        return self.frac * self.max_span
-
-    def mask(self, span_len: int) -> Tensor:
-        """[H, L'] soft mask for the last L' distances (column j = distance L' - j)."""
-        return adaptive_span_mask(self.span(), self.ramp, span_len)
-
-    def extra_repr(self) -> str:
-        return f"n_heads={self.frac.numel()}, max_span={self.max_span}, ramp={self.ramp}"
-
-
-# --------------------------------------------------------------------------------------
-# layers
-# --------------------------------------------------------------------------------------
-
-
-class AllAttention(nn.Module):
-    """Multi-head attention over the previous L' tokens plus N persistent vectors per head."""
-
-    def __init__(self, cfg: AllAttnConfig) -> None:
-        super().__init__()
-        d, h, n = cfg.d_model, cfg.n_heads, cfg.n_persistent
-        self.n_heads, self.head_dim, self.n_persistent = h, cfg.head_dim, n
-        self.max_span = cfg.max_span
-        self.dropout_p = cfg.attn_dropout
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
-        if n > 0:
-            # Reparameterised persistent vectors: k = sqrt(d_h) k', v = sqrt(N) v' with
-            # k' ~ N(0, 1/d_h), v' ~ N(0, 1/N): unit variance at init, like context vectors.
-            dh = self.head_dim
-            self.persistent_k = nn.Parameter(torch.randn(h, n, dh) / math.sqrt(dh))
-            self.persistent_v = nn.Parameter(torch.randn(h, n, dh) / math.sqrt(n))
-        else:
-            self.register_parameter("persistent_k", None)
-            self.register_parameter("persistent_v", None)
-        self.adaptive_span = None
-        if cfg.adaptive_span:
-            self.adaptive_span = AdaptiveSpan(h, cfg.max_span, cfg.span_ramp, cfg.span_init)
-        self.attend: AttendFn = get_attention_impl("reference")
-
-    def span_len(self) -> int:
-        """L' for the current spans (one host sync when adaptive)."""
-        if self.adaptive_span is None:
-            return self.max_span
-        span = self.adaptive_span
-        return attn_span_len(float(span.frac.detach().max()), self.max_span, span.ramp)
-
-    def _heads(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, d_h]
-
-    def forward(
-        self, h: Tensor, context: Tensor, pos_table: Tensor, span_len: int | None = None
-    ) -> Tensor:
-        """h: [B, M, d] the block; context: [B, C, d] hidden states before it (cache);
-        pos_table: [d_h, max_span] the model's shared relative position table
-        (column L - x = distance x); span_len: L' (computed if None).
-        Attends to the last L' rows of context (zero rows in front if C < L')."""
-        if span_len is None:
-            span_len = self.span_len()
-        c = context.shape[1]
-        if c >= span_len:
-            context = context[:, c - span_len :]
-        else:  # cache shorter than the span (spans grew, or a short cache): zero states
-            context = F.pad(context, (0, 0, span_len - c, 0))
-        h_all = torch.cat([context, h], dim=1)  # [B, L' + M, d]
-
-        q = self._heads(self.q_proj(h))
-        k = self._heads(self.k_proj(h_all))
-        v = self._heads(self.v_proj(h_all))
-        pos = pos_table[:, self.max_span - span_len :]  # [d_h, L'], last column = distance 1
-        pk = pv = None
-        if self.persistent_k is not None:
-            pk = self.persistent_k * math.sqrt(self.head_dim)
-            pv = self.persistent_v * math.sqrt(self.n_persistent)
-        mask = self.adaptive_span.mask(span_len) if self.adaptive_span is not None else None
-        out = self.attend(
-            q, k, v, pos,
-            persistent_k=pk, persistent_v=pv, span_mask=mask,
-            dropout_p=self.dropout_p, training=self.training,
-        )  # [B, H, M, d_h]
-        b, _, m, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, m, -1))
-
-
-class FeedForward(nn.Module):
-    """Transformer baseline sublayer: Linear -> ReLU -> dropout -> Linear (with biases)."""
-
-    def __init__(self, d: int, ff_dim: int, dropout: float) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d, ff_dim)
-        self.fc2 = nn.Linear(ff_dim, d)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.dropout(F.relu(self.fc1(x))))
-
-
-class AllAttnLayer(nn.Module):
-    """Post-norm layer: h = LN(x + AllAttn(x)); with ff_dim > 0 also h = LN(h + FF(h))."""
-
-    def __init__(self, cfg: AllAttnConfig) -> None:
-        super().__init__()
-        self.attn = AllAttention(cfg)
-        self.norm1 = nn.LayerNorm(cfg.d_model)
-        if cfg.ff_dim > 0:
-            self.ff = FeedForward(cfg.d_model, cfg.ff_dim, cfg.attn_dropout)
-            self.norm2 = nn.LayerNorm(cfg.d_model)
-        else:
-            self.ff = None
-            self.norm2 = None
-
-    def forward(
-        self, x: Tensor, context: Tensor, pos_table: Tensor, span_len: int | None = None
-    ) -> Tensor:
-        h = self.norm1(x + self.attn(x, context, pos_table, span_len))
-        if self.ff is not None:
-            h = self.norm2(h + self.ff(h))
-        return h
 
 
 # --------------------------------------------------------------------------------------
@@ -281,7 +86,8 @@ class AllAttnLayer(nn.Module):
 
 
 class AllAttnLM(nn.Module):
-    """Embedding -> n_layers all-attention layers -> linear output over the vocabulary.
+    """Embedding -> n_layers all-attention layers -> linear output over the vocabulary
+    (or, with ``adaptive_io``, adaptive input -> layers -> tied adaptive softmax).
 
     Streams a text in blocks: ``forward`` takes the previous block's ``cache`` (each layer's
     input hidden states, detached) and returns the next one.
@@ -293,14 +99,25 @@ class AllAttnLM(nn.Module):
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.embed = nn.Embedding(vocab_size, cfg.d_model)  # default init N(0, 1), as the code
+        if cfg.adaptive_io:
+            # tied adaptive input / softmax (pipeline.models.adaptive): four bands for the
+            # paper's cutoffs; ``out`` shares ``embed``'s band weights and projections
+            self.embed = AdaptiveInput(vocab_size, cfg.d_model, cfg.adaptive_cutoffs, cfg.adaptive_div)
+        else:
+            self.embed = nn.Embedding(vocab_size, cfg.d_model)  # default init N(0, 1), as the code
         # One key-side relative position table shared by all heads and layers, N(0, 1);
         # column L - x holds u_x, the embedding of distance x in [1, L].
         self.pos_table = nn.Parameter(torch.randn(cfg.head_dim, cfg.max_span))
         self.layers = nn.ModuleList(AllAttnLayer(cfg) for _ in range(cfg.n_layers))
         self.emb_dropout = nn.Dropout(cfg.emb_dropout)
         self.out_dropout = nn.Dropout(cfg.out_dropout)
-        self.out = nn.Linear(cfg.d_model, vocab_size)
+        if cfg.adaptive_io:
+            self.out = AdaptiveLogSoftmax(
+                vocab_size, cfg.d_model, cfg.adaptive_cutoffs, cfg.adaptive_div,
+                tie=self.embed if cfg.adaptive_tied else None,
+            )
+        else:
+            self.out = nn.Linear(cfg.d_model, vocab_size)
 
     # ---- spans -------------------------------------------------------------------------
 
@@ -322,10 +139,11 @@ class AllAttnLM(nn.Module):
         return [cache_len(s, self.cfg.max_span) for s in self.span_lens()]
 
     def spans(self) -> list[list[float]]:
-        """Current span z in tokens, per layer per head (max_span everywhere when fixed)."""
+        """Current span z in tokens, per layer per head (max_span everywhere when fixed).
+        With head_split only the context heads have a span (n_heads / 2 per layer)."""
         fracs = self._span_fracs()
         if fracs is None:
-            return [[float(self.cfg.max_span)] * self.cfg.n_heads for _ in self.layers]
+            return [[float(self.cfg.max_span)] * layer.attn.n_ctx_heads for layer in self.layers]
         return [[f * self.cfg.max_span for f in row] for row in fracs]
 
     def span_loss(self) -> Tensor:
@@ -371,7 +189,8 @@ class AllAttnLM(nn.Module):
         cache: list[Tensor] | None = None,
     ) -> LMOutput:
         """tokens, targets: [B, M] int64; cache: the previous block's ``LMOutput.cache``
-        (None = zeros). Returns logits [B, M, V], nll [B, M] (nats) and the next cache."""
+        (None = zeros). Returns logits [B, M, V] (None with adaptive_io), nll [B, M] in nats
+        (None without targets) and the next cache."""
         bsz, m = tokens.shape
         if cache is None:
             cache = self.init_cache(bsz, device=tokens.device)
@@ -389,7 +208,11 @@ class AllAttnLM(nn.Module):
                 nxt = h[:, m - keep :]
             new_cache.append(nxt.detach())
             h = layer(h, past, self.pos_table, span_len)
-        logits = self.out(self.out_dropout(h))
+        h = self.out_dropout(h)
+        if self.cfg.adaptive_io:
+            nll = self.out(h, targets) if targets is not None else None
+            return LMOutput(logits=None, nll=nll, cache=new_cache)
+        logits = self.out(h)
         nll = None
         if targets is not None:
             lg = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()

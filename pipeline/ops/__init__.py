@@ -6,6 +6,7 @@ from pipeline.ops.attention import (  # noqa: F401  (the package's public names)
     RENORM_EPS,
     AttendFn,
     adaptive_span_mask,
+    attend_persistent,
     attend_reference,
     attention_weights,
     get_attention_impl,

@@ -35,6 +35,13 @@ The computation, per batch element and head (d_h = head size, N = persistent vec
     y_t  = sum_c a_tc v_c + sum_n a_tn M_v[n]   (no value-side position term, as in the code)
 
 Only the masking / renormalisation step is skipped when no span mask is given (fixed span).
+
+The paper's ablations that give the persistent vectors a softmax of their own (attn-split,
+head-split, single-head, FF-attn) are built from two pieces: this op *without* persistent
+vectors (context only: softmax over the L' context scores, span mask, renormalisation over
+the context alone, as the adaptive-span code does without persistent memory) and
+``attend_persistent`` (softmax over the persistent vectors alone). Backends only implement
+the joint op; the model combines the pieces (``pipeline.models.allattn.AllAttention``).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ __all__ = [
     "ATTENTION_IMPLS",
     "RENORM_EPS",
     "adaptive_span_mask",
+    "attend_persistent",
     "attend_reference",
     "attention_weights",
     "get_attention_impl",
@@ -226,6 +234,36 @@ def attend_reference(
     if a_pers is not None:
         out = out + torch.matmul(a_pers, persistent_v)  # [H, N, d_h] broadcast over B
     return out
+
+
+def attend_persistent(
+    q: Tensor,
+    persistent_k: Tensor,
+    persistent_v: Tensor,
+    *,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> Tensor:
+    """Attention over persistent vectors only, with a softmax of its own (no context, no
+    position term, no span mask): the persistent half of the ablations that do not share the
+    softmax with the context (attn-split, head-split, single-head) and the FF-attn sublayer.
+
+        a_tn = softmax_n(q_t . M_k[n] / sqrt(e))      y_t = sum_n dropout(a)_tn M_v[n]
+
+    q: [B, G, M, e] queries of G groups (the heads, or G = 1 for one set of vectors of the
+        model width, e = d); persistent_k, persistent_v: [G, N, e], already reparameterised.
+    Returns [B, G, M, e]. Plain PyTorch; not a backend hook (the joint op is).
+    """
+    if persistent_k.shape != persistent_v.shape or persistent_k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"persistent_k {tuple(persistent_k.shape)} / persistent_v "
+            f"{tuple(persistent_v.shape)} do not fit queries {tuple(q.shape)}"
+        )
+    s = torch.matmul(q, persistent_k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    a = F.softmax(s, dim=-1)
+    if dropout_p > 0.0 and training:
+        a = F.dropout(a, dropout_p, training=True)
+    return torch.matmul(a, persistent_v)
 
 
 ATTENTION_IMPLS: dict[str, AttendFn] = {"reference": attend_reference}
