@@ -1,0 +1,189 @@
+"""Short learning curves on real text: the all-attention network against the Transformer +
+adaptive span baseline at (nearly) equal parameter count, character level, on CPU.
+
+    python bench/curves.py [--steps 400] [--eval-every 50] [--models allattn,transformer]
+
+Data: WikiText-2 (the shared copy, ../shared/data/wikitext-2 beside the checkout) read as
+unicode characters; the vocabulary is the training file's characters plus one id for
+characters only the validation file has. Training: B parallel streams over the training
+text, consecutive segments of M characters, the cache carried from segment to segment (the
+paper's Transformer-XL-style training), the project's model and optimizers
+(``pipeline.optim``: Adam with global clipping, or the paper's ClippedAdagrad), linear warmup.
+Validation: the first --valid-chars characters of the validation file, cut into 8 streams,
+scored block by block with the cache (every character once), in bits per character.
+
+Equal parameters, matched the way the paper matches its small models (18 all-attention
+layers with N = 2d vs 12 Transformer layers with FF 4d: 18 x 8d^2 = 12 x 12d^2): here
+6 all-attention layers with N = 2d persistent vectors per head against 4 Transformer layers
+with a 4d ReLU feed-forward; both have d, H, the span settings, embeddings and output in
+common. The exact counts are printed.
+
+A benchmark: it prints a table and asserts nothing. The numbers depend on the machine only
+through floating-point reordering (seeded; threads fixed with --threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.models import AllAttnConfig, AllAttnLM, count_parameters  # noqa: E402
+from pipeline.optim import ClippedAdagrad, warmup_lr  # noqa: E402
+from pipeline.report import parameter_groups  # noqa: E402
+
+
+def find_data() -> Path:
+    for base in (ROOT.parent / "shared" / "data", ROOT / "shared" / "data"):
+        if (base / "wikitext-2" / "wiki.train.tokens.gz").exists():
+            return base / "wikitext-2"
+    raise SystemExit("WikiText-2 not found in ../shared/data/wikitext-2 (see shared/data/README.md)")
+
+
+def load_chars(data: Path, train_chars: int, valid_chars: int):
+    train = gzip.open(data / "wiki.train.tokens.gz", "rt", encoding="utf-8").read()
+    valid = gzip.open(data / "wiki.valid.tokens.gz", "rt", encoding="utf-8").read()
+    if train_chars:
+        train = train[:train_chars]
+    valid = valid[:valid_chars]
+    chars = sorted(set(train))
+    index = {c: i for i, c in enumerate(chars)}
+    unk = len(chars)  # characters the training text never has
+    enc = lambda text: torch.tensor([index.get(c, unk) for c in text], dtype=torch.long)  # noqa: E731
+    return enc(train), enc(valid), len(chars) + 1
+
+
+def model_configs(args) -> dict[str, AllAttnConfig]:
+    common = dict(
+        d_model=args.d, n_heads=args.heads, max_span=args.max_span, adaptive_span=True,
+        span_ramp=32, span_loss_coef=args.span_loss, attn_dropout=args.dropout,
+    )
+    return {
+        "allattn": AllAttnConfig(
+            n_layers=args.allattn_layers, n_persistent=args.n_persistent, ff_dim=0, **common
+        ),
+        "transformer": AllAttnConfig(
+            n_layers=args.transformer_layers, n_persistent=0, ff_dim=args.ff_dim,
+            ff_kind="relu", **common
+        ),
+    }
+
+
+@torch.no_grad()
+def valid_bpc(model, valid: torch.Tensor, seq_len: int, streams: int = 8) -> float:
+    """Every character of ``valid`` after the first of each stream scored once, with the
+    cache, in bits per character."""
+    model.eval()
+    per = (valid.numel() - 1) // streams
+    x_all = valid[: streams * per].view(streams, per)
+    y_all = valid[1 : streams * per + 1].view(streams, per)
+    cache = model.init_cache(streams)
+    total, count = 0.0, 0
+    for s in range(0, per, seq_len):
+        out = model(x_all[:, s : s + seq_len], y_all[:, s : s + seq_len], cache)
+        cache = out.cache
+        total += float(out.nll.sum())
+        count += out.nll.numel()
+    model.train()
+    return total / count / math.log(2)
+
+
+def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, float, float]]:
+    torch.manual_seed(args.seed)
+    model = AllAttnLM(cfg, vocab)
+    groups = parameter_groups(model)
+    print(f"\n[{name}] {cfg.n_layers} layers, d {cfg.d_model}, H {cfg.n_heads}, "
+          f"N {cfg.n_persistent}, ff {cfg.ff_dim}: {count_parameters(model):,} parameters "
+          f"({', '.join(f'{k} {v:,}' for k, v in groups.most_common())})", flush=True)
+    if args.optimizer == "adagrad":
+        opt = ClippedAdagrad(model.parameters(), lr=args.lr, clip_norm=args.clip)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    bsz, m = args.batch, args.seq_len
+    per = (train.numel() - 1) // bsz
+    x_all = train[: bsz * per].view(bsz, per)
+    y_all = train[1 : bsz * per + 1].view(bsz, per)
+    cache = model.init_cache(bsz)
+    curve = [(0, valid_bpc(model, valid, m), float("nan"), 0.0)]
+    print(f"[{name}] step {0:>5}  valid bpc {curve[0][1]:.3f}", flush=True)
+    start, pos, run_loss, run_n = time.perf_counter(), 0, 0.0, 0
+    for step in range(1, args.steps + 1):
+        if pos + m > per:  # wrapped around the training text: start the streams afresh
+            pos, cache = 0, model.init_cache(bsz)
+        out = model(x_all[:, pos : pos + m], y_all[:, pos : pos + m], cache)
+        cache, pos = out.cache, pos + m
+        loss = out.nll.mean()
+        (loss + model.span_loss()).backward()
+        for group in opt.param_groups:
+            group["lr"] = warmup_lr(args.lr, args.warmup, step)
+        if args.optimizer == "adam":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.clamp_spans_()
+        run_loss, run_n = run_loss + loss.item(), run_n + 1
+        if step % args.eval_every == 0 or step == args.steps:
+            bpc = valid_bpc(model, valid, m)
+            train_bpc = run_loss / run_n / math.log(2)
+            run_loss, run_n = 0.0, 0
+            elapsed = time.perf_counter() - start
+            spans = [z for layer in model.spans() for z in layer]
+            curve.append((step, bpc, train_bpc, elapsed))
+            print(f"[{name}] step {step:>5}  valid bpc {bpc:.3f}  train bpc {train_bpc:.3f}  "
+                  f"max span {max(spans):6.1f}  {elapsed:6.0f}s", flush=True)
+    return curve
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="allattn,transformer")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--allattn-layers", type=int, default=6)
+    p.add_argument("--n-persistent", type=int, default=256, help="N per head (paper: 2d)")
+    p.add_argument("--transformer-layers", type=int, default=4)
+    p.add_argument("--ff-dim", type=int, default=512, help="paper's baseline: 4d")
+    p.add_argument("--max-span", type=int, default=512)
+    p.add_argument("--span-loss", type=float, default=1e-6)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--optimizer", choices=["adam", "adagrad"], default="adam")
+    p.add_argument("--lr", type=float, default=3e-3, help="adagrad: the paper's 0.07")
+    p.add_argument("--clip", type=float, default=1.0, help="adagrad: the paper's 0.03 per tensor")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--train-chars", type=int, default=0, help="0 = the whole training file")
+    p.add_argument("--valid-chars", type=int, default=32768)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    train, valid, vocab = load_chars(find_data(), args.train_chars, args.valid_chars)
+    print(f"WikiText-2 as characters: train {train.numel():,}, valid slice {valid.numel():,}, "
+          f"vocabulary {vocab}; batch {args.batch} x {args.seq_len}, {args.optimizer} "
+          f"lr {args.lr}, {args.steps} steps, {args.threads} threads")
+    cfgs = model_configs(args)
+    curves = {}
+    for name in args.models.split(","):
+        curves[name] = train_curve(name, cfgs[name], train, valid, vocab, args)
+
+    names = list(curves)
+    print("\nvalid bpc by step")
+    print("  step  " + "  ".join(f"{n:>12}" for n in names))
+    for row in zip(*(curves[n] for n in names)):
+        print(f"{row[0][0]:>6}  " + "  ".join(f"{r[1]:>12.3f}" for r in row))
+
+
+if __name__ == "__main__":
+    main()
