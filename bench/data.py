@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.data import StreamBatches  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
-from stages.preprocess import load_split, preprocess  # noqa: E402
+from pipeline.data.manifest import load_split  # noqa: E402
+from stages.preprocess import preprocess  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 

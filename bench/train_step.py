@@ -9,7 +9,6 @@ step is timed at several span fractions (of model.max_span). Prints a table; ass
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
@@ -22,12 +21,7 @@ from pipeline.models import build_model  # noqa: E402
 from pipeline.optim import build_optimizer  # noqa: E402
 from pipeline.report import vocab_size_for  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
-
-
-def peak_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from pipeline.trainer import peak_memory_mb  # noqa: E402
 
 
 def main() -> None:
@@ -80,7 +74,7 @@ def main() -> None:
         ms = (time.perf_counter() - start) / args.steps * 1000
         span_len = max(model.span_lens()) if hasattr(model, "span_lens") else 0
         print(f"{frac:>9.2f} {span_len:>10} {ms:>9.1f} {batch * seq / ms * 1000:>11,.0f} "
-              f"{peak_mb(device):>9.0f}")
+              f"{peak_memory_mb(device):>9.0f}")
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ class Trainer:
         from pipeline.data import StreamBatches
         from pipeline.models import build_model
         from pipeline.optim import build_optimizer
-        from stages.preprocess import load_manifest, load_split
+        from pipeline.data.manifest import load_manifest, load_split
 
         self.spec, self.tracker, self.log = spec, tracker, log
         train = spec.train

@@ -17,7 +17,7 @@ def run(ctx: StageContext) -> dict:
 
     from pipeline.models import build_model
     from pipeline.trainer import LN2, evaluate_nll, load_model_weights, resolve_device
-    from stages.preprocess import load_manifest, load_split
+    from pipeline.data.manifest import load_manifest, load_split
 
     spec, ev = ctx.spec, ctx.spec.evaluate
     manifest = load_manifest(ctx.inputs["preprocess"])

@@ -54,36 +54,6 @@ def split_sizes(total: int, valid: float, test: float) -> dict[str, int]:
     return {"train": n_train, "valid": n_valid, "test": n_test}
 
 
-def load_manifest(preprocess_dir: Path) -> dict:
-    return read_json(Path(preprocess_dir) / "manifest.json")
-
-
-def load_split(preprocess_dir: Path, split: str):
-    """The token array of one split, checksums verified."""
-    from pipeline.data import read_shards
-
-    manifest = load_manifest(preprocess_dir)
-    try:
-        entry = manifest["splits"][split]
-    except KeyError:
-        raise PipelineError(f"{preprocess_dir}/manifest.json has no split '{split}'") from None
-    return read_shards(Path(preprocess_dir) / "shards", entry["shards"], manifest["dtype"])
-
-
-def load_tokenizer(preprocess_dir: Path):
-    """The manifest's tokenizer: a Vocab (byte, char), WordVocab or SentencePieceTokenizer."""
-    from pipeline.data import SentencePieceTokenizer, vocab_from_json
-
-    vocab = load_manifest(preprocess_dir)["vocab"]
-    if vocab["kind"] != "sentencepiece":
-        return vocab_from_json(vocab)
-    path = Path(preprocess_dir) / "shards" / vocab["model"]
-    if not path.is_file() or sha256_file(path) != vocab["sha256"]:
-        raise PipelineError(f"{path}: the sentencepiece model is missing or does not match "
-                            f"its sha256 in the manifest; re-run preprocess")
-    return SentencePieceTokenizer.load(path)
-
-
 # ---------------------------------------------------------------- reading the download
 
 def _download_roles(download_dir: Path, ds) -> tuple[dict, dict]:

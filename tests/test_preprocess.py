@@ -27,7 +27,8 @@ import pytest
 from pipeline.data import SentencePieceTokenizer, Vocab, WordVocab
 from pipeline.errors import PipelineError
 from pipeline.spec import SpecError, load_spec
-from stages.preprocess import SPLITS, load_manifest, load_split, load_tokenizer, preprocess
+from pipeline.data.manifest import load_manifest, load_split, load_tokenizer
+from stages.preprocess import SPLITS, preprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(__file__).resolve().parents[2] / "shared/data"
