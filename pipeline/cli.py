@@ -24,7 +24,7 @@ class Main(click.Group):
             if ctx.params.get("debug"):
                 raise
             click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+            sys.exit(e.exit_code)
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_json, read_json
 from pipeline.schema import Spec
 from stages import STAGES, StageContext, resolve_inputs
@@ -230,7 +230,8 @@ class Runner:
                 for step in steps:
                     records[step.stage] = self._do(step, records, tracker)
             except BaseException as e:
-                tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+                killed = isinstance(e, (KeyboardInterrupt, Preempted))
+                tracker.finish("KILLED" if killed else "FAILED")
                 raise
             tracker.finish("FINISHED")
         return records

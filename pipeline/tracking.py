@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.errors import Preempted
 from pipeline.spec import PROJECT_ROOT
 
 _MAX_PARAM = 6000       # MLflow's limit on a param value
@@ -173,7 +174,7 @@ class MlflowTracker:
         try:
             yield tracker
         except BaseException as e:
-            status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+            status = "KILLED" if isinstance(e, (KeyboardInterrupt, Preempted)) else "FAILED"
             self.client.set_terminated(run.info.run_id, status=status)
             raise
         self.client.set_terminated(run.info.run_id, status="FINISHED")

@@ -11,6 +11,8 @@ import math
 import os
 import random
 import resource
+import signal
+import threading
 import shutil
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from pipeline import distributed
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_text
 
 LN2 = math.log(2)
@@ -229,51 +231,104 @@ class Trainer:
         """Train from the current step to `until`, checkpointing into `ckpt_root`.
 
         `lr_at(k)` gives the lr of update k (1-based). `expect_lr`: after the first update,
-        fail loudly unless the optimizer really ran with this lr (the LR-drop check)."""
+        fail loudly unless the optimizer really ran with this lr (the LR-drop check).
+        SIGTERM or SIGINT (a Slurm preemption, ctrl-C) finishes the current update, saves a
+        checkpoint and raises `Preempted`: running the pipeline again resumes from there."""
         train = self.spec.train
-        tokens_per_step = train.batch_size * train.seq_len
-        window_loss, window_steps, window_start = 0.0, 0, time.time()
         first = self.step + 1
+        window = _Window(train.batch_size * train.seq_len)
         last_valid = None
-        while self.step < until:
-            self.set_lr(lr_at(self.step + 1))
-            loss = self.train_step()
-            if expect_lr is not None and self.step == first and \
-                    not math.isclose(self.current_lr(), expect_lr, rel_tol=1e-9):
-                raise PipelineError(f"the learning rate in effect is {self.current_lr():g}, "
-                                    f"expected {expect_lr:g}: the LR drop did not take")
-            window_loss += loss
-            window_steps += 1
-            if self.step % train.log_every == 0 or self.step == until:
-                elapsed = time.time() - window_start
-                mean = window_loss / window_steps
-                metrics = {"loss": mean, "bpc": mean / LN2, "lr": self.current_lr(),
-                           "tokens_per_s": tokens_per_step * window_steps / elapsed,
-                           "step_time_s": elapsed / window_steps,
-                           "peak_memory_mb": peak_memory_mb(self.device)}
-                spans = [z for layer in self.model.spans() for z in layer]
-                if spans:
-                    metrics |= {"span_mean": sum(spans) / len(spans), "span_max": max(spans)}
-                if self.rank == 0:
-                    self.tracker.log_metrics(metrics, step=self.step)
-                    eta = (until - self.step) * elapsed / window_steps
-                    self.log(f"step {self.step:>6}/{until}  loss {mean:.4f}  "
-                             f"bpc {mean / LN2:.3f}  lr {metrics['lr']:.3g}  "
-                             f"{metrics['tokens_per_s']:,.0f} tok/s  eta {eta:,.0f}s")
-                window_loss, window_steps, window_start = 0.0, 0, time.time()
-            if train.eval_every and self.step % train.eval_every == 0:
-                last_valid = self.validate()
-                if self.rank == 0:
-                    self.tracker.log_metrics({"valid_bpc": last_valid}, step=self.step)
-                    self.log(f"step {self.step:>6}  valid bpc (estimate) {last_valid:.3f}")
-                window_start = time.time()
-            if train.checkpoint_every and self.step % train.checkpoint_every == 0 \
-                    and self.step < until:
-                self.save(ckpt_root, train.keep_checkpoints)
-                window_start = time.time()
+        with StopSignal() as stop:
+            while self.step < until:
+                self.set_lr(lr_at(self.step + 1))
+                window.add(self.train_step())
+                if expect_lr is not None and self.step == first and \
+                        not math.isclose(self.current_lr(), expect_lr, rel_tol=1e-9):
+                    raise PipelineError(f"the learning rate in effect is "
+                                        f"{self.current_lr():g}, expected {expect_lr:g}: "
+                                        f"the LR drop did not take")
+                if self.step % train.log_every == 0 or self.step == until:
+                    self._report(window, until)
+                if train.eval_every and self.step % train.eval_every == 0:
+                    last_valid = self.validate()
+                    if self.rank == 0:
+                        self.tracker.log_metrics({"valid_bpc": last_valid}, step=self.step)
+                        self.log(f"step {self.step:>6}  valid bpc (estimate) "
+                                 f"{last_valid:.3f}")
+                    window.restart_clock()
+                if stop.received:
+                    path = self.save(ckpt_root, train.keep_checkpoints)
+                    raise Preempted(f"{stop.received} at step {self.step}: checkpoint {path} "
+                                    f"saved; run the pipeline again to resume from it")
+                if train.checkpoint_every and self.step % train.checkpoint_every == 0 \
+                        and self.step < until:
+                    self.save(ckpt_root, train.keep_checkpoints)
+                    window.restart_clock()
         path = self.save(ckpt_root, train.keep_checkpoints)
         return {"step": self.step, "checkpoint": str(path), "valid_bpc_estimate": last_valid,
                 "parameters": self.params}
+
+    def _report(self, window: "_Window", until: int) -> None:
+        """Log the mean loss, lr, throughput and memory since the last report."""
+        mean, seconds_per_step, tokens_per_s = window.take()
+        metrics = {"loss": mean, "bpc": mean / LN2, "lr": self.current_lr(),
+                   "tokens_per_s": tokens_per_s, "step_time_s": seconds_per_step,
+                   "peak_memory_mb": peak_memory_mb(self.device)}
+        spans = [z for layer in self.model.spans() for z in layer]
+        if spans:
+            metrics |= {"span_mean": sum(spans) / len(spans), "span_max": max(spans)}
+        if self.rank == 0:
+            self.tracker.log_metrics(metrics, step=self.step)
+            eta = (until - self.step) * seconds_per_step
+            self.log(f"step {self.step:>6}/{until}  loss {mean:.4f}  bpc {mean / LN2:.3f}  "
+                     f"lr {metrics['lr']:.3g}  {tokens_per_s:,.0f} tok/s  eta {eta:,.0f}s")
+
+
+class _Window:
+    """Loss and wall time accumulated between two progress reports."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.loss, self.steps, self.start = 0.0, 0, time.time()
+
+    def add(self, loss: float) -> None:
+        self.loss += loss
+        self.steps += 1
+
+    def restart_clock(self) -> None:
+        """Leave validation and checkpoint time out of the throughput."""
+        self.start = time.time()
+
+    def take(self) -> tuple[float, float, float]:
+        """(mean loss, seconds per step, tokens per second), and start a new window."""
+        elapsed = time.time() - self.start
+        out = (self.loss / self.steps, elapsed / self.steps,
+               self.tokens_per_step * self.steps / elapsed)
+        self.loss, self.steps, self.start = 0.0, 0, time.time()
+        return out
+
+
+class StopSignal:
+    """Turns SIGTERM / SIGINT into a flag the loop checks after each update, so a
+    preempted job stops at a step boundary with a checkpoint instead of mid-update."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.signals, self.received, self._previous = signals, None, {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:              # a second signal: stop now, without a checkpoint
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def latest_checkpoint(root: Path) -> str | None:

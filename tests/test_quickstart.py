@@ -164,8 +164,10 @@ def _final_weights(ws: Path) -> dict:
     return torch.load(root / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
 
 
-def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
-    """kill -9 in the middle of train; the re-run resumes from the last complete checkpoint
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_interrupted_training_resumes_to_the_same_weights(tmp_path, sig):
+    """Stop `train` in the middle (kill -9, or SIGTERM as a Slurm preemption sends); the re-run
+    resumes from the last complete checkpoint (SIGTERM: one saved at the step it stopped)
     and ends with exactly the weights of an uninterrupted run (dropout on, so RNG matters)."""
     straight = tiny_config(tmp_path, "straight", attn_dropout=0.2)
     cli("run", straight, "--only", "download,preprocess,train")
@@ -175,7 +177,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(killed),
                              "--only", "train"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     latest = tmp_path / "runs" / "killed" / "train.partial" / "checkpoints" / "latest"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -183,12 +185,20 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "training finished before it could be interrupted"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.kill(proc.pid, sig)
+    _, stderr = proc.communicate(timeout=120)
     assert not (tmp_path / "runs" / "killed" / "train" / "stage.json").exists()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143, stderr
+        stopped = re.search(r"SIGTERM at step (\d+): checkpoint .* saved", stderr)
+        assert stopped, stderr
+        assert latest.read_text().strip() == f"step-{int(stopped.group(1)):08d}"
 
     resumed = cli("run", killed, "--only", "train")
-    assert "resuming from step" in resumed.stdout
+    step = int(re.search(r"resuming from step (\d+)", resumed.stdout).group(1))
+    if sig == signal.SIGTERM:
+        assert step == int(stopped.group(1))
+    assert 16 <= step < STEPS
     a, b = _final_weights(tmp_path / "runs" / "straight"), _final_weights(
         tmp_path / "runs" / "killed")
     assert a.keys() == b.keys()
