@@ -242,11 +242,8 @@ class Runner:
         if step.action != "run":
             self.log(f"[{name}] {'skipped' if step.action == 'skip' else 'held'}: {step.reason}")
             return self.ws.record(name)
-        inputs = resolve_inputs(stage, self.spec.stages)
-        missing = [i for i in inputs if records.get(i) is None and self.ws.record(i) is None]
-        if missing:
-            raise PipelineError(f"stage '{name}' needs '{missing[0]}', which has no output")
-        input_records = {i: records.get(i) or self.ws.record(i) for i in inputs}
+        # every input ran or was skipped/held with a record before this stage (plan() checks)
+        input_records = {i: records[i] for i in resolve_inputs(stage, self.spec.stages)}
         config = self._config(name)
         fp = fingerprint(config, {i: r["build"] for i, r in input_records.items()})
         self.ws.invalidate(name)
@@ -255,7 +252,7 @@ class Runner:
         started = time.time()
         with tracker.stage(name, config) as stage_tracker:
             ctx = StageContext(spec=self.spec, out_dir=out_dir,
-                               inputs={i: self.ws.done_dir(i) for i in inputs},
+                               inputs={i: self.ws.done_dir(i) for i in input_records},
                                tracker=stage_tracker, log=lambda m: self.log(f"[{name}] {m}"))
             summary = stage.run(ctx) or {}
         record = {

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from pipeline import distributed
+from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_text
 
@@ -113,7 +114,6 @@ class Trainer:
         from pipeline.data import StreamBatches
         from pipeline.models import build_model
         from pipeline.optim import build_optimizer
-        from pipeline.data.manifest import load_manifest, load_split
 
         self.spec, self.tracker, self.log = spec, tracker, log
         train = spec.train
@@ -141,7 +141,8 @@ class Trainer:
         self.accum = self.ds_config["gradient_accumulation_steps"]
         rows = self.micro_batch * self.accum
         self.train_tokens = load_split(preprocess_dir, "train")
-        self.valid_tokens = load_split(preprocess_dir, "valid")
+        self.preprocess_dir = preprocess_dir
+        self.valid_tokens = None
         try:
             self.batches = StreamBatches(self.train_tokens, rows, train.seq_len,
                                          rank=self.rank, world_size=self.world_size)
@@ -221,6 +222,8 @@ class Trainer:
     def validate(self) -> float:
         """Valid bpc estimated on the first `train.eval_batches` batches (not a full eval)."""
         ev = self.spec.evaluate
+        if self.valid_tokens is None:          # read (and checksum) only if validating
+            self.valid_tokens = load_split(self.preprocess_dir, "valid")
         total, count = evaluate_nll(self.model, self.valid_tokens, ev.batch_size,
                                     ev.seq_len or self.spec.train.seq_len, self.device,
                                     max_batches=self.spec.train.eval_batches)
