@@ -26,19 +26,21 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import math
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pipeline.data import StreamBatches  # noqa: E402
 from pipeline.models import AllAttnConfig, AllAttnLM, count_parameters  # noqa: E402
 from pipeline.optim import ClippedAdagrad, warmup_lr  # noqa: E402
 from pipeline.report import parameter_groups  # noqa: E402
+from pipeline.trainer import LN2, evaluate_nll  # noqa: E402
 
 
 def find_data() -> Path:
@@ -49,6 +51,8 @@ def find_data() -> Path:
 
 
 def load_chars(data: Path, train_chars: int, valid_chars: int):
+    """Character ids of the train text and a valid slice; a character the training text
+    never has gets one extra id."""
     train = gzip.open(data / "wiki.train.tokens.gz", "rt", encoding="utf-8").read()
     valid = gzip.open(data / "wiki.valid.tokens.gz", "rt", encoding="utf-8").read()
     if train_chars:
@@ -56,8 +60,8 @@ def load_chars(data: Path, train_chars: int, valid_chars: int):
     valid = valid[:valid_chars]
     chars = sorted(set(train))
     index = {c: i for i, c in enumerate(chars)}
-    unk = len(chars)  # characters the training text never has
-    enc = lambda text: torch.tensor([index.get(c, unk) for c in text], dtype=torch.long)  # noqa: E731
+    unk = len(chars)
+    enc = lambda text: np.array([index.get(c, unk) for c in text], dtype=np.int64)  # noqa: E731
     return enc(train), enc(valid), len(chars) + 1
 
 
@@ -77,23 +81,11 @@ def model_configs(args) -> dict[str, AllAttnConfig]:
     }
 
 
-@torch.no_grad()
-def valid_bpc(model, valid: torch.Tensor, seq_len: int, streams: int = 8) -> float:
-    """Every character of ``valid`` after the first of each stream scored once, with the
-    cache, in bits per character."""
-    model.eval()
-    per = (valid.numel() - 1) // streams
-    x_all = valid[: streams * per].view(streams, per)
-    y_all = valid[1 : streams * per + 1].view(streams, per)
-    cache = model.init_cache(streams)
-    total, count = 0.0, 0
-    for s in range(0, per, seq_len):
-        out = model(x_all[:, s : s + seq_len], y_all[:, s : s + seq_len], cache)
-        cache = out.cache
-        total += float(out.nll.sum())
-        count += out.nll.numel()
-    model.train()
-    return total / count / math.log(2)
+def valid_bpc(model, valid: np.ndarray, seq_len: int) -> float:
+    """The pipeline's full evaluation (every character scored once, with the cache)."""
+    total, count = evaluate_nll(model, valid, batch_size=8, seq_len=seq_len,
+                                device=torch.device("cpu"))
+    return total / count / LN2
 
 
 def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, float, float]]:
@@ -108,18 +100,16 @@ def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, 
     else:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     bsz, m = args.batch, args.seq_len
-    per = (train.numel() - 1) // bsz
-    x_all = train[: bsz * per].view(bsz, per)
-    y_all = train[1 : bsz * per + 1].view(bsz, per)
+    batches = StreamBatches(train, bsz, m)
     cache = model.init_cache(bsz)
     curve = [(0, valid_bpc(model, valid, m), float("nan"), 0.0)]
     print(f"[{name}] step {0:>5}  valid bpc {curve[0][1]:.3f}", flush=True)
-    start, pos, run_loss, run_n = time.perf_counter(), 0, 0.0, 0
+    start, run_loss, run_n = time.perf_counter(), 0.0, 0
     for step in range(1, args.steps + 1):
-        if pos + m > per:  # wrapped around the training text: start the streams afresh
-            pos, cache = 0, model.init_cache(bsz)
-        out = model(x_all[:, pos : pos + m], y_all[:, pos : pos + m], cache)
-        cache, pos = out.cache, pos + m
+        if step > 1 and batches.starts_epoch(step - 1):  # streams restart: so does the cache
+            cache = model.init_cache(bsz)
+        out = model(*batches.batch(step - 1), cache)
+        cache = out.cache
         loss = out.nll.mean()
         (loss + model.span_loss()).backward()
         for group in opt.param_groups:
@@ -132,7 +122,7 @@ def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, 
         run_loss, run_n = run_loss + loss.item(), run_n + 1
         if step % args.eval_every == 0 or step == args.steps:
             bpc = valid_bpc(model, valid, m)
-            train_bpc = run_loss / run_n / math.log(2)
+            train_bpc = run_loss / run_n / LN2
             run_loss, run_n = 0.0, 0
             elapsed = time.perf_counter() - start
             spans = [z for layer in model.spans() for z in layer]
@@ -170,7 +160,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     train, valid, vocab = load_chars(find_data(), args.train_chars, args.valid_chars)
-    print(f"WikiText-2 as characters: train {train.numel():,}, valid slice {valid.numel():,}, "
+    print(f"WikiText-2 as characters: train {train.size:,}, valid slice {valid.size:,}, "
           f"vocabulary {vocab}; batch {args.batch} x {args.seq_len}, {args.optimizer} "
           f"lr {args.lr}, {args.steps} steps, {args.threads} threads")
     cfgs = model_configs(args)
