@@ -267,7 +267,36 @@ class OptimizerSpec(Section):
 class DeepSpeedSpec(Section):
     zero_stage: Literal[0, 1, 2, 3] = 0
     bf16: bool = False
+    fp16: bool = False
     gradient_accumulation_steps: int = Field(1, gt=0)
+    activation_checkpointing: bool = Field(
+        False, description="recompute each layer's activations in backward to save memory")
+
+    @model_validator(mode="after")
+    def _one_precision(self):
+        if self.bf16 and self.fp16:
+            raise ValueError("choose one of bf16 and fp16")
+        return self
+
+
+class LauncherSpec(Section):
+    """How many processes train: more than one starts the `deepspeed` launcher."""
+    nodes: int = Field(1, gt=0)
+    procs_per_node: int = Field(1, gt=0, description="processes per node (one per GPU)")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile ('host slots=N' lines); "
+                                                   "required for more than one node")
+    master_port: int | None = Field(None, gt=0, lt=65536,
+                                    description="rendezvous port; default: a free one")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @model_validator(mode="after")
+    def _hostfile_for_many_nodes(self):
+        if self.nodes > 1 and not self.hostfile:
+            raise ValueError(f"nodes {self.nodes} needs a hostfile naming them")
+        return self
 
 
 class TrainSpec(Section):
@@ -278,6 +307,7 @@ class TrainSpec(Section):
     seq_len: int = Field(gt=0, description="tokens per segment (M)")
     optimizer: OptimizerSpec = OptimizerSpec()
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
+    launcher: LauncherSpec = LauncherSpec()
     log_every: int = Field(10, gt=0)
     eval_every: int = Field(0, ge=0, description="steps between validation estimates; 0 = off")
     eval_batches: int = Field(16, gt=0, description="batches per validation estimate")
@@ -300,6 +330,10 @@ class TrainSpec(Section):
 class FinetuneSpec(Section):
     steps: int = Field(gt=0)
     lr_divisor: float = Field(10.0, gt=0)
+    patience: int | None = Field(
+        None, gt=0, description="start the LR drop once validation has not improved for this "
+                                "many evaluations (train stops early); default: after "
+                                "train.steps, as the published scripts do")
 
 
 class EvaluateSpec(Section):
@@ -334,6 +368,13 @@ class Spec(Section):
 
     _model_params: Any = PrivateAttr(None)
     _source: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _patience_needs_validation(self):
+        if self.finetune and self.finetune.patience and not (self.train and
+                                                             self.train.eval_every):
+            raise ValueError("finetune.patience counts validations: set train.eval_every")
+        return self
 
     @property
     def model_kind(self) -> str:
