@@ -1,0 +1,225 @@
+"""`allattn-pipe launch slurm`: the rendered batch script, parsed and run by bash against fake
+scontrol / deepspeed / pdsh commands (no Slurm needed), and the renderer's refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "configs/enwik8_large.yaml"
+JOB_ID = "123456"
+
+# Stand-ins for the cluster's commands. They record what they were asked into $FAKE_LOG.
+FAKES = {
+    "scontrol": """\
+        if [ "$1 $2" = "show hostnames" ]; then printf 'nodeA\\nnodeB\\n'; exit 0; fi
+        echo "scontrol $*" >> "$FAKE_LOG/scontrol"
+        """,
+    # Records its arguments and working directory. With FAKE_RANK set it runs one "rank": a
+    # process whose command line looks like the one deepspeed starts (launch/train.py
+    # --local_rank=0 <user args>), which saves on SIGTERM and exits 143, as the trainer does.
+    "deepspeed": """\
+        printf '%s\\n' "$@" > "$FAKE_LOG/deepspeed.argv"
+        pwd > "$FAKE_LOG/deepspeed.cwd"
+        [ -n "${FAKE_RANK:-}" ] || exit 0
+        while [ "$1" != launch/train.py ]; do shift; done
+        shift
+        bash -c 'trap "echo TERM > \\"$FAKE_LOG/rank\\"; exit 143" TERM
+                 touch "$FAKE_LOG/rank.started"
+                 while :; do sleep 0.05; done' launch/train.py --local_rank=0 "$@" &
+        wait $!
+        """,
+    # pdsh -R ssh -w HOSTS CMD: run CMD here, once (every "node" is this machine).
+    "pdsh": """\
+        echo "pdsh $*" >> "$FAKE_LOG/pdsh"
+        bash -c "${@: -1}"
+        """,
+}
+
+
+def render(*args: str, workspace: Path | None = None):
+    extra = ["--set", f"workspace.root={workspace}"] if workspace else []
+    return CliRunner().invoke(main, ["launch", "slurm", *args, *extra])
+
+
+@pytest.fixture
+def project(monkeypatch):
+    monkeypatch.chdir(ROOT)   # the config path is relative to the project, as users type it
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A PATH with the fake commands, a log directory they write to, and the job's env."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, body in FAKES.items():
+        fake = bin_dir / name
+        fake.write_text("#!/bin/bash\n" + textwrap.dedent(body))
+        fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+           "SLURM_JOB_NODELIST": "node[A-B]", "SLURM_JOB_ID": JOB_ID}
+    return env, log
+
+
+def acceptance_script(tmp_path: Path) -> str:
+    result = render(CONFIG, "--nodes", "2", "--gpus-per-node", "8", "--dry-run",
+                    workspace=tmp_path / "runs")
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def sbatch_options(script: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", script, re.MULTILINE))
+
+
+def test_sbatch_directives(project, tmp_path):
+    script = acceptance_script(tmp_path)
+    assert script.startswith("#!/bin/bash\n")
+    slurm_dir = tmp_path / "runs" / "enwik8_large" / "slurm"
+    assert sbatch_options(script) == {
+        "job-name": "enwik8_large", "nodes": "2", "ntasks-per-node": "1",
+        "gpus-per-node": "8", "output": f"{slurm_dir}/logs/%x-%j.out",
+        "requeue": "", "signal": "B:USR1@300"}
+    # Slurm stops reading directives at the first command.
+    first_command = re.search(r"^[^#\n]", script, re.MULTILINE).start()
+    assert script.rfind("#SBATCH") < first_command
+
+
+def test_partition_and_time(project, tmp_path):
+    result = render(CONFIG, "--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu",
+                    "--time", "1-00:00:00", "--dry-run", workspace=tmp_path)
+    assert result.exit_code == 0, result.output
+    options = sbatch_options(result.stdout)
+    assert options["partition"] == "gpu" and options["time"] == "1-00:00:00"
+
+
+def test_script_builds_hostfile_and_starts_deepspeed(project, tmp_path, cluster):
+    env, log = cluster
+    script = acceptance_script(tmp_path)
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=20, check=False)
+    assert done.returncode == 0, done.stderr
+
+    hostfile = tmp_path / "runs" / "enwik8_large" / "slurm" / "hostfile"
+    assert hostfile.read_text() == "nodeA slots=8\nnodeB slots=8\n"
+    argv = (log / "deepspeed.argv").read_text().splitlines()
+    port = 20000 + int(JOB_ID) % 10000
+    assert argv == [
+        "--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "8",  # 2 x 8 = 16
+        "--master_addr", "nodeA", "--master_port", str(port),
+        "launch/train.py", "--config", CONFIG,
+        "--set", f"workspace.root={tmp_path / 'runs'}",
+        "--set", "train.launcher.nodes=2", "--set", "train.launcher.procs_per_node=8",
+        "--set", f"train.launcher.hostfile={hostfile}"]
+    assert (log / "deepspeed.cwd").read_text().strip() == str(ROOT)
+
+
+def test_spec_the_job_runs_records_its_world_size(project, tmp_path, cluster):
+    from pipeline.spec import load_spec
+
+    env, log = cluster
+    script = acceptance_script(tmp_path)
+    subprocess.run(["bash", "-c", script], env=env, check=True, timeout=20,
+                   capture_output=True)
+    argv = (log / "deepspeed.argv").read_text().splitlines()
+    user_args = argv[argv.index("launch/train.py") + 1:]
+    config = user_args[user_args.index("--config") + 1]
+    sets = [user_args[i + 1] for i, a in enumerate(user_args) if a == "--set"]
+    launcher = load_spec(config, sets).train.launcher
+    assert (launcher.nodes, launcher.procs_per_node, launcher.world_size) == (2, 8, 16)
+
+
+@pytest.mark.parametrize("sig, requeued", [(signal.SIGTERM, False), (signal.SIGUSR1, True)])
+def test_signal_reaches_the_ranks_and_their_exit_code_comes_back(project, tmp_path, cluster,
+                                                                 sig, requeued):
+    """SIGTERM (scancel, preemption) or USR1 (time limit near) to the batch script: the
+    ranks get SIGTERM, the script waits for their exit code 143; only USR1 requeues."""
+    env, log = cluster
+    script = acceptance_script(tmp_path)
+    # its own process group, so that a failing test can take its fakes down with it
+    job = subprocess.Popen(["bash", "-c", script], env={**env, "FAKE_RANK": "1"},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (log / "rank.started").exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.02)
+        job.send_signal(sig)
+        _, err = job.communicate(timeout=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 143, err
+    assert (log / "rank").read_text() == "TERM\n"
+    assert "pdsh -R ssh -w nodeA,nodeB pkill -TERM -f" in (log / "pdsh").read_text()
+    requeue = log / "scontrol"
+    assert (requeue.read_text() if requeue.exists() else "") == \
+        (f"scontrol requeue {JOB_ID}\n" if requeued else "")
+
+
+def test_writes_the_script_and_says_how_to_submit(project, tmp_path):
+    args = [CONFIG, "--nodes", "2", "--gpus-per-node", "8"]
+    path = tmp_path / "enwik8_large" / "slurm" / "enwik8_large.sbatch"
+    first = render(*args, workspace=tmp_path)
+    assert first.exit_code == 0, first.output
+    assert first.output == f"{path}: written\nsubmit with: sbatch {path}\n"
+    assert path.read_text() == render(*args, "--dry-run", workspace=tmp_path).stdout
+    assert (path.parent / "logs").is_dir()  # Slurm needs it before the job starts
+
+    assert render(*args, workspace=tmp_path).output.startswith(f"{path}: unchanged\n")
+    changed = render(*args, "--time", "2:00:00", workspace=tmp_path)
+    assert changed.output.startswith(f"{path}: replaced a different earlier script\n")
+    assert "#SBATCH --time=2:00:00" in path.read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0", "--gpus-per-node", "8"], "--nodes must be at least 1, got 0"),
+    (["--nodes", "2", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1, got 0"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--time", "24h"],
+     "--time '24h': not a Slurm time limit"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--time", "5"],
+     "--time 5: the job is asked to checkpoint 300 s before its time limit"),
+    (["--nodes", "3", "--gpus-per-node", "8"],
+     ("train.batch_size 64 is not divisible by 3 nodes x 8 GPUs x 1 gradient accumulation "
+      "steps = 24")),
+    (["--nodes", "2", "--gpus-per-node", "8",
+      "--set", "train.deepspeed.gradient_accumulation_steps=8"],
+     ("train.batch_size 64 is not divisible by 2 nodes x 8 GPUs x 8 gradient accumulation "
+      "steps = 128")),
+    (["--nodes", "2", "--gpus-per-node", "8", "--set", "stages=[download,preprocess]"],
+     "has no train stage"),
+])
+def test_refuses_with_a_clear_message(project, args, message):
+    result = render(CONFIG, *args, "--dry-run")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert message in result.stderr
+
+
+def test_missing_config_fails_with_the_spec_loader_message(project):
+    result = render("configs/nope.yaml", "--nodes", "2", "--gpus-per-node", "8", "--dry-run")
+    assert result.exit_code == 2
+    assert result.stderr == "error: configs/nope.yaml: no such file\n"
+
+
+@pytest.mark.parametrize("time_limit, seconds", [
+    ("90", 5400), ("90:30", 5430), ("24:00:00", 86400), ("1-12", 129600),
+    ("1-00:30", 88200), ("1-00:00:00", 86400)])
+def test_slurm_time_formats(time_limit, seconds):
+    from pipeline.slurm import time_limit_seconds
+
+    assert time_limit_seconds(time_limit) == seconds
