@@ -11,7 +11,7 @@ import difflib
 import functools
 import re
 import typing
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import MISSING, asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +222,7 @@ def _schema_keys(schema, loc: tuple) -> list[str]:
             field = schema.model_fields.get(part)
             schema = _inner_type(field.annotation) if field else None
         elif is_dataclass(schema):
-            schema = {f.name: f.type for f in fields(schema)}.get(part)
+            schema = typing.get_type_hints(schema).get(part)
             schema = _inner_type(schema) if schema else None
         else:
             return []
@@ -287,7 +287,7 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
             rest = {k: v for k, v in model.items() if k != "kind"}
             try:
                 checked = _strict_schema(cfg_cls).model_validate(rest)
-                params = cfg_cls(**dict(checked))
+                params = cfg_cls(**checked.model_dump())  # nested mappings as dicts
             except pydantic.ValidationError as e:
                 errors += [_describe(err, where, origin, cfg_cls, ("model",))
                            for err in e.errors()]
@@ -305,13 +305,19 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
 @functools.cache
 def _strict_schema(cfg_cls) -> type[BaseModel]:
     """A strict pydantic model with the fields of a model's config dataclass: the models
-    stay plain dataclasses, the spec still refuses unknown keys and wrong types."""
-    hints = typing.get_type_hints(cfg_cls)
+    stay plain dataclasses, the spec still refuses unknown keys and wrong types. A field
+    whose type is itself a dataclass (model.attention) is checked the same way."""
+    hints = {name: _strict_schema(t) if is_dataclass(t) else t
+             for name, t in typing.get_type_hints(cfg_cls).items()}
     return pydantic.create_model(
         cfg_cls.__name__, __config__=ConfigDict(extra="forbid", strict=True),
-        **{f.name: (hints[f.name], f.default if f.default is not MISSING
-                    else f.default_factory() if f.default_factory is not MISSING else ...)
-           for f in fields(cfg_cls)})
+        **{f.name: (hints[f.name], _default(f)) for f in fields(cfg_cls)})
+
+
+def _default(f):
+    value = f.default if f.default is not MISSING else (
+        f.default_factory() if f.default_factory is not MISSING else ...)
+    return _strict_schema(type(value))(**asdict(value)) if is_dataclass(value) else value
 
 
 def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:

@@ -61,11 +61,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
 from pipeline.models.config import FF_KINDS, PERSISTENT_MODES, AllAttnConfig
 from pipeline.models.layers import AllAttnLayer, attn_span_len, cache_len
-from pipeline.ops.attention import AttendFn, get_attention_impl
+from pipeline.ops import AttendFn, describe_auto, get_attention_impl
 
 __all__ = ["AllAttnConfig", "AllAttnLM", "FF_KINDS", "LMOutput", "PERSISTENT_MODES"]
 
@@ -91,7 +92,12 @@ class AllAttnLM(nn.Module):
 
     Streams a text in blocks: ``forward`` takes the previous block's ``cache`` (each layer's
     input hidden states, detached) and returns the next one.
+
+    ``activation_checkpointing = True``: in training, each layer's activations are recomputed
+    in backward instead of stored (torch's RNG state is replayed, so dropout is identical).
     """
+
+    activation_checkpointing: bool = False
 
     def __init__(self, cfg: AllAttnConfig, vocab_size: int) -> None:
         super().__init__()
@@ -118,6 +124,7 @@ class AllAttnLM(nn.Module):
             )
         else:
             self.out = nn.Linear(cfg.d_model, vocab_size)
+        self.set_attention_impl(cfg.attention.impl)
 
     # ---- spans -------------------------------------------------------------------------
 
@@ -167,8 +174,16 @@ class AllAttnLM(nn.Module):
     def set_attention_impl(self, impl: str | AttendFn) -> None:
         """Use another attention backend (a name in ``ATTENTION_IMPLS`` or a callable)."""
         fn = get_attention_impl(impl) if isinstance(impl, str) else impl
+        self.attention_impl = impl if isinstance(impl, str) else getattr(fn, "__name__", "custom")
         for layer in self.layers:
             layer.attn.attend = fn
+
+    def attention_impl_description(self) -> str:
+        """One line naming the attention backend; for ``auto``, what it picks on the model's
+        current device and dtype (call after moving the model)."""
+        if self.attention_impl != "auto":
+            return f"attention impl {self.attention_impl}"
+        return describe_auto(self.pos_table.device.type, self.pos_table.dtype, self.cfg.attn_dropout)
 
     # ---- streaming ---------------------------------------------------------------------
 
@@ -207,7 +222,10 @@ class AllAttnLM(nn.Module):
             else:
                 nxt = h[:, m - keep :]
             new_cache.append(nxt.detach())
-            h = layer(h, past, self.pos_table, span_len)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                h = checkpoint(layer, h, past, self.pos_table, span_len, use_reentrant=False)
+            else:
+                h = layer(h, past, self.pos_table, span_len)
         h = self.out_dropout(h)
         if self.cfg.adaptive_io:
             nll = self.out(h, targets) if targets is not None else None

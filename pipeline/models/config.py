@@ -18,6 +18,27 @@ FF_KINDS = ("relu", "ff_attn", "softmax")
 """The feed-forward sublayer when ff_dim > 0: the Transformer's ReLU FF (the baseline), the
 ablation's FF-attn, or eq. 9 literally."""
 
+ATTENTION_IMPL_NAMES = ("reference", "sdpa", "flex", "auto")
+"""Backends of the attention op (pipeline.ops): same numbers, different speed and memory."""
+
+
+@dataclass
+class AttentionConfig:
+    """How the attention op is computed (the `model.attention` mapping); not the model."""
+
+    impl: str = "reference"
+    """reference = plain PyTorch (pipeline/ops/attention.py); sdpa = scaled_dot_product_attention
+    with a float bias (trains; no attention dropout); flex = FlexAttention (CUDA: trains, with
+    the seeded dropout; CPU: forward only); auto = picks one per call by device, dtype and
+    whether attention dropout is on (``AllAttnLM.attention_impl_description()``)."""
+
+    def __post_init__(self) -> None:
+        if self.impl not in ATTENTION_IMPL_NAMES:
+            raise ValueError(
+                f"attention.impl must be one of {', '.join(ATTENTION_IMPL_NAMES)}; "
+                f"got {self.impl!r}"
+            )
+
 
 @dataclass
 class AllAttnConfig:
@@ -90,8 +111,14 @@ class AllAttnConfig:
     adaptive_tied: bool = True
     """Tie the adaptive softmax's weights and projections to the adaptive input's (paper:
     tied)."""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """The attention op's backend (``impl``); every backend computes the same numbers."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.attention, dict):  # from YAML, or dataclasses.asdict
+            self.attention = AttentionConfig(**self.attention)
+        if not isinstance(self.attention, AttentionConfig):
+            raise ValueError(f"attention must be a mapping, got {self.attention!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):

@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.ops.dropout import key_coords, seeded_keep_mask
+
 __all__ = [
     "AttendFn",
     "ATTENTION_IMPLS",
@@ -62,6 +64,7 @@ __all__ = [
     "attend_reference",
     "attention_weights",
     "get_attention_impl",
+    "log_span_mask",
     "skew",
     "unskew",
 ]
@@ -85,6 +88,7 @@ class AttendFn(Protocol):
         span_mask: Tensor | None = None,
         dropout_p: float = 0.0,
         training: bool = False,
+        dropout_seed: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -135,6 +139,13 @@ def adaptive_span_mask(span: Tensor, ramp: int, span_len: int) -> Tensor:
     dist = torch.arange(span_len, 0, -1, device=span.device, dtype=span.dtype)  # L'..1
     x = dist - 1
     return ((ramp + span[:, None] - x) / ramp).clamp(0.0, 1.0)
+
+
+def log_span_mask(span_mask: Tensor) -> Tensor:
+    """log m for the fused backends, which add it to the scores: -inf where m = 0, and a
+    gradient of zero there (a plain log would send 0 * inf = NaN back to the span)."""
+    tiny = torch.finfo(span_mask.dtype).tiny
+    return torch.where(span_mask > 0, span_mask.clamp_min(tiny).log(), float("-inf"))
 
 
 # --------------------------------------------------------------------------------------
@@ -199,6 +210,7 @@ def attend_reference(
     span_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     training: bool = False,
+    dropout_seed: Tensor | None = None,
 ) -> Tensor:
     """All-attention of one block, per head, in plain PyTorch.
 
@@ -213,6 +225,8 @@ def attend_reference(
     span_mask: [H, L'] adaptive-span soft mask (``adaptive_span_mask``); None = fixed span,
         plain softmax without renormalisation.
     dropout_p, training: dropout on the (joint, renormalised) attention weights.
+    dropout_seed: int32 scalar tensor: draw the dropout mask with ``seeded_keep_mask``
+        (the mask every backend reproduces) instead of torch's RNG.
     Returns [B, H, M, d_h].
     """
     if (persistent_k is None) != (persistent_v is None):
@@ -222,12 +236,15 @@ def attend_reference(
     )
     if dropout_p > 0.0 and training:
         # Dropout after the joint renormalisation, on context and persistent weights alike.
-        if a_pers is None:
-            a_ctx = F.dropout(a_ctx, dropout_p, training=True)
+        n_ctx = a_ctx.shape[-1]
+        a = a_ctx if a_pers is None else torch.cat([a_ctx, a_pers], dim=-1)
+        if dropout_seed is None:
+            a = F.dropout(a, dropout_p, training=True)
         else:
-            n_ctx = a_ctx.shape[-1]
-            a = F.dropout(torch.cat([a_ctx, a_pers], dim=-1), dropout_p, training=True)
-            a_ctx, a_pers = a[..., :n_ctx], a[..., n_ctx:]
+            keys = key_coords(n_ctx, a.shape[-1] - n_ctx, device=a.device)
+            keep = seeded_keep_mask(dropout_seed, tuple(a.shape[:3]), keys, dropout_p)
+            a = a * keep / (1.0 - dropout_p)
+        a_ctx, a_pers = a[..., :n_ctx], (None if a_pers is None else a[..., n_ctx:])
 
     # y_t = sum_c a_tc v_c: place row i's L' weights back at key indices i..i+L'-1.
     out = torch.matmul(skew(a_ctx, 0.0), v)  # [B, H, M, d_h]

@@ -1,0 +1,288 @@
+"""Fused backends of the all-attention op (same signature and numbers as
+``attend_reference``), and ``auto``, which picks one per call.
+
+Both express the reference as one softmax over [context window ; persistent vectors] of
+
+    s_tc = q_t . k_c / sqrt(d_h) + T[t, x]     T = q_t . u_x / sqrt(d_h) + log m(x)
+    s_tn = q_t . M_k[n] / sqrt(d_h)
+
+where x = t - c is the distance and m the adaptive-span mask (log 0 = -inf). softmax(s)
+equals the reference's masked, renormalised weights a m / sum(a m), without the reference's
++1e-8 in the denominator: that term is a guard against 0 / 0 which cannot trigger here (the
+previous token always has m = 1); leaving it out changes the weights by a relative
+1e-8 * sum(a) / sum(a m), below float32 resolution unless the mask removes almost all
+of the softmax mass.
+
+- ``sdpa``: ``F.scaled_dot_product_attention`` with T placed in a dense additive bias
+  [B, H, M, L' + M + N]. Trains on CPU (math path) and CUDA (memory-efficient kernel). Has
+  no seeded dropout (SDPA does not return the log-sum-exp the construction below needs).
+- ``flex``: FlexAttention. T is a [B, H, M, L'] table gathered by score_mod; the block mask
+  keeps the window of L' keys before each query and the persistent vectors. Attention
+  dropout: dropped entries get -inf in score_mod (``pipeline.ops.dropout``, the reference's
+  mask), and out = out_kept * exp(lse_kept - lse_all) / (1 - p), i.e. the kept weights
+  keep the denominator of all weights. On CPU (torch 2.13) forward-only and without
+  dropout: compiled FlexAttention has no backward and no log-sum-exp output there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pipeline.ops.attention import ATTENTION_IMPLS, log_span_mask, skew
+from pipeline.ops.dropout import (
+    dropout_key_hash,
+    dropout_keep,
+    dropout_row_hash,
+    keep_threshold,
+)
+
+__all__ = [
+    "attend_auto", "attend_flex", "attend_sdpa", "compile_count", "describe_auto",
+    "flex_bucket", "pick_attention_impl",
+]
+
+
+def _position_table(q: Tensor, pos: Tensor, span_mask: Tensor | None) -> Tensor:
+    """T = q . u / sqrt(d_h) + log m: [B, H, M, L'], column j = distance L' - j."""
+    table = torch.matmul(q, pos.to(q.dtype)) / math.sqrt(q.shape[-1])
+    if span_mask is not None:
+        table = table + log_span_mask(span_mask).to(q.dtype)[:, None, :]
+    return table
+
+
+def _with_persistent(k: Tensor, pk: Tensor | None) -> Tensor:
+    """[B, H, L' + M, d] keys (or values) followed by the [H, N, d] persistent ones."""
+    if pk is None:
+        return k
+    return torch.cat([k, pk.to(k.dtype).expand(k.shape[0], -1, -1, -1)], dim=2)
+
+
+def _check(q: Tensor, k: Tensor, pos: Tensor, pk, pv) -> int:
+    if (pk is None) != (pv is None):
+        raise ValueError("persistent_k and persistent_v go together")
+    span_len = k.shape[-2] - q.shape[-2]
+    if span_len < 1 or pos.shape != (q.shape[-1], span_len):
+        raise ValueError(
+            f"keys {tuple(k.shape)}, queries {tuple(q.shape)}, pos {tuple(pos.shape)}: "
+            "need L' >= 1 context rows and pos [d_h, L']"
+        )
+    return span_len
+
+
+# --------------------------------------------------------------------------------------
+# sdpa
+# --------------------------------------------------------------------------------------
+
+
+def attend_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    *,
+    persistent_k: Tensor | None = None,
+    persistent_v: Tensor | None = None,
+    span_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    dropout_seed: Tensor | None = None,
+) -> Tensor:
+    """The all-attention op through ``scaled_dot_product_attention`` with a float bias."""
+    _check(q, k, pos, persistent_k, persistent_v)
+    if dropout_p > 0.0 and training:
+        raise ValueError(
+            "attention impl sdpa cannot reproduce the seeded attention dropout; "
+            "use flex, reference or auto"
+        )
+    # skew puts T's row i at key columns i .. i + L' - 1, -inf elsewhere (own position, and
+    # the keys after it); the persistent vectors get a zero bias.
+    bias = skew(_position_table(q, pos, span_mask), float("-inf"))
+    if persistent_k is not None:
+        bias = F.pad(bias, (0, persistent_k.shape[-2]))
+    return F.scaled_dot_product_attention(
+        q, _with_persistent(k, persistent_k), _with_persistent(v, persistent_v), attn_mask=bias
+    )
+
+
+# --------------------------------------------------------------------------------------
+# flex
+# --------------------------------------------------------------------------------------
+
+
+def flex_bucket(span_len: int) -> int:
+    """The context length FlexAttention is compiled for: L' rounded up to 64 * 2^i or
+    96 * 2^i. Spans change every step; a compiled kernel is specialised to its shapes, so
+    this bounds the compilations to ~2 per doubling of the span (15 up to 8192) at the
+    cost of at most 50% padded (fully masked) key blocks."""
+    bucket = 64
+    while bucket < span_len:
+        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
+    return bucket
+
+
+_compiles = 0
+_flex_compiled = None
+_block_masks: dict = {}
+
+
+def compile_count() -> int:
+    """How many graphs the fused (flex) path has compiled in this process."""
+    return _compiles
+
+
+def _counting_inductor(gm, example_inputs):
+    global _compiles
+    from torch._inductor.compile_fx import compile_fx
+
+    _compiles += 1
+    return compile_fx(gm, example_inputs)
+
+
+def _flex():
+    global _flex_compiled
+    if _flex_compiled is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex_compiled = torch.compile(
+            flex_attention, backend=_counting_inductor, fullgraph=True, dynamic=False
+        )
+    return _flex_compiled
+
+
+def _block_mask(m: int, bucket: int, n: int, device: torch.device):
+    """Query i (key index bucket + i) sees keys i .. bucket + i - 1 and the N persistent
+    keys at bucket + M ...; cached per shape (building one evaluates the mask everywhere)."""
+    key = (m, bucket, n, str(device))
+    if key not in _block_masks:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def window_or_persistent(b, h, qi, kv):
+            return ((kv >= qi) & (kv < qi + bucket)) | (kv >= bucket + m)
+
+        _block_masks[key] = create_block_mask(
+            window_or_persistent, None, None, m, bucket + m + n, device=device
+        )
+    return _block_masks[key]
+
+
+def attend_flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    *,
+    persistent_k: Tensor | None = None,
+    persistent_v: Tensor | None = None,
+    span_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    dropout_seed: Tensor | None = None,
+) -> Tensor:
+    """The all-attention op through FlexAttention (see the module docstring)."""
+    span_len = _check(q, k, pos, persistent_k, persistent_v)
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (q, k, v, pos, persistent_k, persistent_v, span_mask)
+    ):
+        raise ValueError(
+            "attention impl flex runs forward only on CPU (torch 2.13 has no CPU backward "
+            "for FlexAttention); use sdpa or reference to train on CPU, or auto"
+        )
+    drop = dropout_p > 0.0 and training
+    if drop and (dropout_seed is None or q.device.type == "cpu"):
+        raise ValueError(
+            "attention impl flex needs dropout_seed for attention dropout, and a CUDA device "
+            "(torch 2.13 compiles FlexAttention's log-sum-exp output for CUDA only)"
+        )
+    b, _, m, _ = q.shape
+    bucket = flex_bucket(span_len)
+    pad = bucket - span_len
+    # Pad the context in front to the bucket: padded keys are zeros and their table columns
+    # -inf, so they get exactly zero weight.
+    table = F.pad(_position_table(q, pos, span_mask), (pad, 0), value=float("-inf"))
+    keys = _with_persistent(F.pad(k, (0, 0, pad, 0)), persistent_k)
+    values = _with_persistent(F.pad(v, (0, 0, pad, 0)), persistent_v)
+    block_mask = _block_mask(m, bucket, keys.shape[2] - bucket - m, q.device)
+    ctx_end = bucket + m
+
+    def add_position(score, bi, hi, qi, kv):
+        x = (kv - qi).clamp(0, bucket - 1)  # table column; clamped outside the window
+        return torch.where(kv < ctx_end, score + table[bi, hi, qi, x], score)
+
+    flex = _flex()
+    if not drop:
+        return flex(q, keys, values, score_mod=add_position, block_mask=block_mask)
+
+    seed = dropout_seed.to(q.device)
+    threshold = keep_threshold(dropout_p)
+
+    def add_position_and_drop(score, bi, hi, qi, kv):
+        # key coordinate of pipeline.ops.dropout: distance for context, -1 - n for persistent
+        c = torch.where(kv < ctx_end, ctx_end - kv + qi - m, ctx_end - 1 - kv)
+        row = dropout_row_hash(seed, bi, hi, qi)
+        keep = dropout_keep(row, dropout_key_hash(c), threshold)
+        return torch.where(keep, add_position(score, bi, hi, qi, kv), float("-inf"))
+
+    out_kept, lse_kept = flex(
+        q, keys, values, score_mod=add_position_and_drop, block_mask=block_mask, return_lse=True
+    )
+    _, lse_all = flex(q, keys, values, score_mod=add_position, block_mask=block_mask, return_lse=True)
+    scale = (torch.exp(lse_kept - lse_all) / (1.0 - dropout_p)).unsqueeze(-1)
+    # a row whose weights were all dropped has out_kept 0/0: its output is 0
+    return torch.where(scale > 0, out_kept * scale, 0.0).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# auto
+# --------------------------------------------------------------------------------------
+
+
+def pick_attention_impl(device_type: str, dtype: torch.dtype, dropout: bool, grad: bool) -> str:
+    """The backend ``auto`` uses for a call on this device and dtype, with attention
+    dropout on or off and autograd recording or not."""
+    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return "flex"  # trains on CUDA, with the seeded dropout, memory O(B H M L')
+    if device_type == "cpu" and dtype == torch.float32 and not dropout:
+        return "flex" if not grad else "sdpa"  # flex is forward-only on CPU
+    return "reference"
+
+
+def describe_auto(device_type: str, dtype: torch.dtype, dropout_p: float) -> str:
+    """One line saying what ``auto`` runs for training and for evaluation."""
+    dt = str(dtype).replace("torch.", "")
+    train = pick_attention_impl(device_type, dtype, dropout_p > 0.0, True)
+    evaluate = pick_attention_impl(device_type, dtype, False, False)
+    return (
+        f"attention impl auto on {device_type} {dt} (attention dropout {dropout_p}): "
+        f"{train} for training, {evaluate} for evaluation"
+    )
+
+
+def attend_auto(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    *,
+    persistent_k: Tensor | None = None,
+    persistent_v: Tensor | None = None,
+    span_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    dropout_seed: Tensor | None = None,
+) -> Tensor:
+    """Dispatch each call to ``pick_attention_impl``'s choice."""
+    name = pick_attention_impl(
+        q.device.type, q.dtype, dropout_p > 0.0 and training, torch.is_grad_enabled()
+    )
+    return ATTENTION_IMPLS[name](
+        q, k, v, pos, persistent_k=persistent_k, persistent_v=persistent_v,
+        span_mask=span_mask, dropout_p=dropout_p, training=training, dropout_seed=dropout_seed,
+    )
+
+
+ATTENTION_IMPLS.update(sdpa=attend_sdpa, flex=attend_flex, auto=attend_auto)
