@@ -320,10 +320,8 @@ class TrainSpec(Section):
         if opt.clip == "per_param" and opt.type != "adagrad":
             raise ValueError("optimizer.clip per_param scales the Adagrad step per tensor (the "
                              "paper's optimizer); with adam use clip: global or none")
-        if opt.clip == "per_param" and self.deepspeed.zero_stage > 0:
-            raise ValueError("optimizer.clip per_param needs whole parameter tensors; ZeRO "
-                             f"stage {self.deepspeed.zero_stage} partitions them: use "
-                             "deepspeed.zero_stage 0 or clip: global")
+        # every ZeRO stage is fine: pipeline.optim.bind_to_engine assembles the per-tensor
+        # norms across DeepSpeed's partitions
         return self
 
 

@@ -117,6 +117,15 @@ def test_per_param_clipping_is_refused_with_adam(tmp_path):
     assert "per_param" in error_of(cfg)
 
 
+def test_per_param_clipping_is_accepted_with_adagrad_in_every_zero_stage(tmp_path):
+    cfg = write(tmp_path, "ok.yaml", BASE.replace("type: adam", "type: adagrad")
+                .replace("clip: global", "clip: per_param"))
+    for stage in (0, 1, 2, 3):
+        # (ZeRO 3 is refused with adaptive spans for a reason of its own)
+        spec = load_spec(cfg, [f"train.deepspeed.zero_stage={stage}", "model.adaptive_span=false"])
+        assert spec.train.optimizer.clip == "per_param"
+
+
 def test_set_overrides_are_typed(tmp_path):
     cfg = write(tmp_path, "ok.yaml", BASE)
     spec = load_spec(cfg, ["train.optimizer.lr=0.05", "model.n_layers=12",
