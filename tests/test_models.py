@@ -749,3 +749,34 @@ def test_adaptive_lm_returns_nll_without_logits():
     assert model(tokens).nll is None
     with pytest.raises(ValueError, match="adaptive_cutoffs"):
         AllAttnLM(tiny_cfg(d_model=64, adaptive_io=True, adaptive_cutoffs=[5, 12, 30]), 30)
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_with_dropout():
+    def run(checkpointing: bool):
+        model = tiny_model(attn_dropout=0.3, emb_dropout=0.1, ff_dim=12, span_init=0.2).train()
+        model.activation_checkpointing = checkpointing
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randint(11, (2, 16), generator=g), torch.randint(11, (2, 16), generator=g)
+        torch.manual_seed(5)
+        loss = model(x, y).nll.mean() + model.span_loss()
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters()}
+
+    loss, grads = run(True)
+    want_loss, want = run(False)
+    assert torch.equal(loss, want_loss)
+    assert want["layers.0.attn.adaptive_span.frac"].abs().max() > 0
+    for name, g in want.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-12, msg=name)
+
+
+def test_attention_impl_config_and_description():
+    assert AllAttnConfig().attention.impl == "reference"
+    with pytest.raises(ValueError, match="attention.impl"):
+        AllAttnConfig(attention={"impl": "fast"})
+    model = AllAttnLM(tiny_cfg(attention={"impl": "auto"}, attn_dropout=0.3), 11)
+    assert model.attention_impl_description() == (
+        "attention impl auto on cpu float32 (attention dropout 0.3): "
+        "reference for training, flex for evaluation")
+    model.set_attention_impl("sdpa")
+    assert model.attention_impl_description() == "attention impl sdpa"

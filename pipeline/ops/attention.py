@@ -142,10 +142,15 @@ def adaptive_span_mask(span: Tensor, ramp: int, span_len: int) -> Tensor:
 
 
 def log_span_mask(span_mask: Tensor) -> Tensor:
-    """log m for the fused backends, which add it to the scores: -inf where m = 0, and a
-    gradient of zero there (a plain log would send 0 * inf = NaN back to the span)."""
-    tiny = torch.finfo(span_mask.dtype).tiny
-    return torch.where(span_mask > 0, span_mask.clamp_min(tiny).log(), float("-inf"))
+    """log m, in at least float32, for the backends that add it to the scores instead of multiplying
+    the weights by m.
+
+    log(m + 1e-30), not log m: where m = 0 a weight of 1e-30 a is zero to every float
+    precision, and the backward stays finite (a plain log sends 0 * inf = NaN back to the
+    span). It also keeps the reference's gradient where the ramp ends exactly (m = 0 at
+    x = z + R, e.g. spans at 0), which the clamp in ``adaptive_span_mask`` lets through.
+    """
+    return torch.log(span_mask.to(torch.promote_types(span_mask.dtype, torch.float32)) + 1e-30)
 
 
 # --------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Both express the reference as one softmax over [context window ; persistent vect
     s_tc = q_t . k_c / sqrt(d_h) + T[t, x]     T = q_t . u_x / sqrt(d_h) + log m(x)
     s_tn = q_t . M_k[n] / sqrt(d_h)
 
-where x = t - c is the distance and m the adaptive-span mask (log 0 = -inf). softmax(s)
+where x = t - c is the distance and m the adaptive-span mask (``log_span_mask``). softmax(s)
 equals the reference's masked, renormalised weights a m / sum(a m), without the reference's
 +1e-8 in the denominator: that term is a guard against 0 / 0 which cannot trigger here (the
 previous token always has m = 1); leaving it out changes the weights by a relative
