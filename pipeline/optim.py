@@ -221,11 +221,21 @@ def _master_layouts(engine) -> dict[torch.Tensor, _Layout]:
     return layouts
 
 
+def _stepped_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed really steps: for torch's Adagrad, ZeRO builds a new one
+    over its fp32 partitions instead of the client's."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
 def bind_to_engine(engine) -> None:
     """Call right after `deepspeed.initialize`: tells a ClippedAdagrad how DeepSpeed cut the
     parameters into the tensors it steps. A no-op for other optimizers."""
-    if isinstance(engine.basic_optimizer, ClippedAdagrad):
-        engine.basic_optimizer.bind_layouts(_master_layouts(engine))
+    opt = engine.basic_optimizer
+    if isinstance(opt, ClippedAdagrad):
+        if _stepped_optimizer(engine) is not opt:
+            raise PipelineError(f"{type(engine.optimizer).__name__} replaced ClippedAdagrad "
+                                "by an optimizer of its own: per-tensor clipping would be lost")
+        opt.bind_layouts(_master_layouts(engine))
 
 
 def master_clamp(engine, params: Iterable[torch.Tensor], lo: float,
@@ -249,6 +259,28 @@ def master_clamp(engine, params: Iterable[torch.Tensor], lo: float,
         for view in views:
             view.clamp_(lo, hi)
     return clamp
+
+
+def before_save_checkpoint(engine) -> None:
+    """Call right before `engine.save_checkpoint`. torch's Adagrad creates its state for the
+    model parameters when it is built; DeepSpeed's bf16 wrappers then swap in fp32 copies,
+    and that stale state makes torch's `state_dict` fail (KeyError). Drop it."""
+    opt = _stepped_optimizer(engine)
+    stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+    for p in [p for p in engine.module.parameters() if p in opt.state and id(p) not in stepped]:
+        del opt.state[p]
+
+
+def before_load_checkpoint(engine) -> None:
+    """Call right before `engine.load_checkpoint`. ZeRO 3 steps each sub-group with its
+    param group holding just that flat partition and leaves it empty afterwards, so saved
+    groups are empty; a fresh torch Adagrad still lists the model parameters, and loading
+    fails on the size mismatch. Empty them as ZeRO 3 would."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if type(engine.optimizer) is DeepSpeedZeroOptimizer_Stage3:
+        for group in _stepped_optimizer(engine).param_groups:
+            group["params"] = []
 
 
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:
