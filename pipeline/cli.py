@@ -57,7 +57,18 @@ def run(config, overrides, start_from, only, force, dry_run):
         for step in runner.plan():
             click.echo(f"  {step.stage:<11} {step.action:<5} {step.reason}")
         return
+    if runner.needs_launcher():
+        from pipeline.launcher import run_under_launcher
+
+        args = ["--config", config, *_repeat("--set", overrides), *_repeat("--only", only),
+                *_repeat("--force", force), *_repeat("--from", [start_from] if start_from else [])]
+        run_under_launcher(spec, args)
+        return
     runner.run(make_tracker(spec))
+
+
+def _repeat(flag: str, values) -> list[str]:
+    return [item for v in values for item in (flag, v)]
 
 
 @main.command()
@@ -96,6 +107,50 @@ def stages():
         reads = ", ".join(i if isinstance(i, str) else " or ".join(i) for i in stage.inputs)
         click.echo(f"{stage.name:<11} {stage.summary}")
         click.echo(f"{'':<11} reads: {reads or 'nothing'}")
+
+
+@main.group()
+def launch():
+    """Run a pipeline's training on a cluster."""
+
+
+@launch.command()
+@CONFIG
+@click.option("--nodes", type=int, required=True, help="Nodes to train on.")
+@click.option("--gpus-per-node", type=int, required=True,
+              help="GPUs per node, one training process each.")
+@click.option("--partition", help="Slurm partition (default: the cluster's).")
+@click.option("--time", "time_limit", metavar="TIME",
+              help="Slurm time limit, e.g. 24:00:00 or 1-00:00:00; the job checkpoints and "
+                   "requeues itself shortly before it.")
+@SET
+@click.option("--dry-run", is_flag=True, help="Print the script instead of writing it.")
+@click.option("--output", type=click.Path(dir_okay=False),
+              help="Where to write the script (default <workspace>/<name>/slurm/<name>.sbatch).")
+def slurm(config, nodes, gpus_per_node, partition, time_limit, overrides, dry_run, output):
+    """Render a Slurm batch script that trains CONFIG on NODES x GPUS-PER-NODE processes."""
+    from pathlib import Path
+
+    from pipeline.fsutil import atomic_write_text
+    from pipeline.slurm import render_sbatch, slurm_dir
+    from pipeline.spec import load_spec
+
+    spec = load_spec(config, list(overrides))
+    script = render_sbatch(config, spec, nodes, gpus_per_node, partition=partition,
+                           time=time_limit, overrides=list(overrides))
+    if dry_run:
+        click.echo(script, nl=False)
+        return
+    path = Path(output) if output else slurm_dir(spec) / f"{spec.name}.sbatch"
+    previous = path.read_text(encoding="utf-8") if path.is_file() else None
+    # Slurm opens the job's --output file before the script runs: its directory must exist.
+    (slurm_dir(spec) / "logs").mkdir(parents=True, exist_ok=True)
+    if previous == script:
+        click.echo(f"{path}: unchanged")
+    else:
+        atomic_write_text(path, script)
+        click.echo(f"{path}: {'replaced a different earlier script' if previous else 'written'}")
+    click.echo(f"submit with: sbatch {path}")
 
 
 if __name__ == "__main__":

@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 
+# Ranks other than 0 wait in a collective while rank 0 downloads and preprocesses (minutes to
+# an hour for the large corpora); the default 30-minute collective timeout would kill them.
+TIMEOUT = timedelta(minutes=int(os.environ.get("ALLATTN_DIST_TIMEOUT_MIN", "180")))
 
-def _free_port() -> int:
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -27,7 +32,7 @@ def prepare_environment() -> None:
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
+                           "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port()))})
 
 
 def init_process_group() -> tuple[int, int]:
@@ -39,8 +44,57 @@ def init_process_group() -> tuple[int, int]:
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=TIMEOUT)
     return dist.get_rank(), dist.get_world_size()
+
+
+def launched() -> bool:
+    """True inside a multi-process launch (deepspeed, torchrun, srun set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def broadcast_object(obj=None, src: int = 0):
+    """`obj` from rank `src` on every rank (a no-op in one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank (a one-element all_reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def mean_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
 
 
 def barrier() -> None:

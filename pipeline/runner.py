@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pipeline import distributed
 from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_json, read_json
 from pipeline.schema import Spec
@@ -220,15 +221,35 @@ class Runner:
                                         f"has not run in {self.ws.path}; add it to --only or "
                                         f"drop --only")
 
+    def needs_launcher(self) -> bool:
+        """True when a stage that trains will run and the spec asks for more processes than
+        this one (and we are not already one of them)."""
+        train = self.spec.train
+        if train is None or train.launcher.world_size == 1 or distributed.launched():
+            return False
+        return any(s.action == "run" and STAGES[s.stage].distributed for s in self.plan())
+
     def run(self, tracker) -> dict[str, dict]:
-        """Execute the plan. Returns each stage's record (run or skipped)."""
+        """Execute the plan. Returns each stage's record (run or skipped).
+
+        In a multi-process launch rank 0 does all of this (lock, plan, tracking, the
+        single-process stages, publishing); the other ranks only join the distributed stages,
+        which rank 0 announces one at a time (`_follow`)."""
+        if distributed.rank() != 0:
+            self._follow()
+            return {}
         records: dict[str, dict] = {}
         with WorkspaceLock(self.ws.path):
             steps = self.plan()
+            together = [s for s in steps if s.action == "run" and STAGES[s.stage].distributed]
             tracker.start(self.spec, plan=steps)
             try:
+                if not together:
+                    distributed.broadcast_object(None)      # nothing for the other ranks
                 for step in steps:
                     records[step.stage] = self._do(step, records, tracker)
+                    if together and step is together[-1]:
+                        distributed.broadcast_object(None)  # let them go; evaluate is ours
             except BaseException as e:
                 killed = isinstance(e, (KeyboardInterrupt, Preempted))
                 tracker.finish("KILLED" if killed else "FAILED")
@@ -251,10 +272,15 @@ class Runner:
         self.log(f"[{name}] running: {step.reason}")
         started = time.time()
         with tracker.stage(name, config) as stage_tracker:
-            ctx = StageContext(spec=self.spec, out_dir=out_dir,
-                               inputs={i: self.ws.done_dir(i) for i in input_records},
+            inputs = {i: self.ws.done_dir(i) for i in input_records}
+            if stage.distributed:
+                distributed.broadcast_object({"stage": name, "out_dir": out_dir,
+                                              "inputs": inputs})
+            ctx = StageContext(spec=self.spec, out_dir=out_dir, inputs=inputs,
                                tracker=stage_tracker, log=lambda m: self.log(f"[{name}] {m}"))
             summary = stage.run(ctx) or {}
+            if stage.distributed:
+                distributed.barrier()
         record = {
             "stage": name,
             "fingerprint": fp,
@@ -268,3 +294,14 @@ class Runner:
         self.ws.publish(name, record)
         self.log(f"[{name}] done in {record['seconds']:.1f}s")
         return record
+
+    def _follow(self) -> None:
+        """A rank other than 0: run each distributed stage rank 0 announces, until it says
+        there are no more. Rank 0 alone logs, tracks and publishes."""
+        from pipeline.tracking import NullStageTracker
+
+        while (job := distributed.broadcast_object()) is not None:
+            ctx = StageContext(spec=self.spec, out_dir=job["out_dir"], inputs=job["inputs"],
+                               tracker=NullStageTracker(), log=lambda m: None)
+            STAGES[job["stage"]].run(ctx)
+            distributed.barrier()

@@ -22,6 +22,8 @@ class Stage:
     section_key: str | None          # the spec section it requires, if any
     config: Callable[[Any], dict]    # the resolved config that fingerprints it
     run: Callable[["StageContext"], dict]
+    # Runs on every rank of a multi-process launch; the others run on rank 0 alone.
+    distributed: bool = False
 
 
 @dataclass

@@ -1,0 +1,104 @@
+"""Many processes: the `deepspeed` launcher command the runner starts, and what each launched
+process runs (`launch/train.py` calls `main`).
+
+Every launched process runs the same pipeline through the same `Runner`; rank 0 does the
+single-process stages and the bookkeeping, all ranks train (see `Runner.run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline import distributed
+from pipeline.errors import PipelineError, Preempted
+
+ENTRY = Path(__file__).resolve().parents[1] / "launch" / "train.py"
+
+
+def launcher_command(spec, pipeline_args: list[str]) -> list[str]:
+    """The `deepspeed` command that runs this pipeline on `spec.train.launcher`'s processes."""
+    launcher = spec.train.launcher
+    if not ENTRY.is_file():
+        raise PipelineError(f"{ENTRY} is missing: multi-process runs need the project's "
+                            f"launch/ directory (a source checkout)")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if launcher.hostfile:
+        if not Path(launcher.hostfile).is_file():
+            raise PipelineError(f"train.launcher.hostfile {launcher.hostfile}: no such file")
+        cmd += ["--hostfile", launcher.hostfile]
+    port = launcher.master_port or distributed.free_port()
+    cmd += ["--num_nodes", str(launcher.nodes), "--num_gpus", str(launcher.procs_per_node),
+            "--master_port", str(port), str(ENTRY)]
+    return cmd + pipeline_args
+
+
+def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
+    """Start the launcher for `spec` and wait for it. SIGTERM / ctrl-C are passed on as
+    SIGTERM, which makes every rank checkpoint and stop (exit 143, `Preempted`)."""
+    cmd = launcher_command(spec, pipeline_args)
+    env = dict(os.environ)
+    if env.get("DS_ACCELERATOR") == "cpu" or not _has_cuda():
+        # processes on one CPU host share its cores instead of each taking all of them
+        per_proc = max(1, (os.cpu_count() or 1) // spec.train.launcher.procs_per_node)
+        env.setdefault("OMP_NUM_THREADS", str(per_proc))
+    log(f"starting {spec.train.launcher.world_size} processes: {' '.join(cmd)}")
+    proc = subprocess.Popen(cmd, env=env)
+    stopped: list[str] = []
+
+    def forward(signum, frame):
+        stopped.append(signal.Signals(signum).name)
+        proc.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopped or code == Preempted.exit_code:
+        raise Preempted(f"training stopped by {stopped[0] if stopped else 'a signal'}; "
+                        f"run the pipeline again to resume from its last checkpoint")
+    if code != 0:
+        raise PipelineError(f"the deepspeed launcher exited with code {code} (the failing "
+                            f"rank's error is printed above)")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One launched process: the pipeline of --config, this process being one rank."""
+    from pipeline.runner import Runner
+    from pipeline.spec import load_spec
+    from pipeline.tracking import make_tracker
+
+    parser = argparse.ArgumentParser(
+        prog="launch/train.py", description="Run a pipeline as one rank of a multi-process "
+        "launch: deepspeed --hostfile hosts launch/train.py --config CFG")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE")
+    parser.add_argument("--from", dest="start_from", metavar="STAGE")
+    parser.add_argument("--only", action="append", default=[], metavar="STAGE")
+    parser.add_argument("--force", action="append", default=[], metavar="STAGE")
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # older launchers
+    args = parser.parse_args(argv)
+    rank = 0
+    try:
+        spec = load_spec(args.config, args.overrides)
+        rank, _ = distributed.init_process_group()
+        runner = Runner(spec, force=args.force, start_from=args.start_from, only=args.only,
+                        log=print if rank == 0 else (lambda m: None))
+        runner.run(make_tracker(spec, rank=rank))
+    except PipelineError as e:
+        print(f"error (rank {rank}): {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
