@@ -11,9 +11,10 @@ import math
 import os
 import random
 import resource
-import signal
-import threading
 import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,7 @@ from pipeline import distributed
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_text
+from pipeline.optim import before_load_checkpoint, before_save_checkpoint
 
 LN2 = math.log(2)
 
@@ -43,6 +45,8 @@ def deepspeed_config(train, world_size: int) -> dict:
         "gradient_accumulation_steps": ds.gradient_accumulation_steps,
         "zero_optimization": {"stage": ds.zero_stage},
         "bf16": {"enabled": ds.bf16},
+        # dynamic loss scaling: fp16 gradients underflow without it
+        "fp16": {"enabled": ds.fp16, "loss_scale": 0, "initial_scale_power": 16},
         "gradient_clipping": (train.optimizer.clip_norm
                               if train.optimizer.clip == "global" else 0.0),
         "zero_allow_untested_optimizer": True,
@@ -113,7 +117,7 @@ class Trainer:
     def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None]):
         from pipeline.data import StreamBatches
         from pipeline.models import build_model
-        from pipeline.optim import build_optimizer
+        from pipeline.optim import bind_to_engine, build_optimizer, master_clamp
 
         self.spec, self.tracker, self.log = spec, tracker, log
         train = spec.train
@@ -121,6 +125,9 @@ class Trainer:
         import deepspeed
 
         self.device = resolve_device(train.device)
+        if train.deepspeed.fp16 and self.device.type != "cuda":
+            raise PipelineError("train.deepspeed.fp16 needs a GPU (DeepSpeed refuses fp16 on "
+                                "CPU); use bf16 or neither")
         manifest = load_manifest(preprocess_dir)
         self.vocab_size = manifest["vocab_size"]
 
@@ -136,6 +143,12 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model.to(self.device), optimizer=optimizer, config=self.ds_config)
         self.model = self.engine.module
+        # ZeRO and bf16 hand the optimizer flat partitions: tell the per-tensor clipping
+        # which elements belong to which parameter, and clamp the spans on the fp32 masters.
+        bind_to_engine(self.engine)
+        self.clamp_spans = master_clamp(
+            self.engine, [p for n, p in self.model.named_parameters()
+                          if n.endswith("adaptive_span.frac")], 0.0, 1.0)
 
         self.micro_batch = self.ds_config["train_micro_batch_size_per_gpu"]
         self.accum = self.ds_config["gradient_accumulation_steps"]
@@ -152,26 +165,35 @@ class Trainer:
         self.caches = [self.model.init_cache(self.micro_batch, device=self.device)
                        for _ in range(self.accum)]
         self.step = 0     # optimizer updates done so far
+        self.best_valid: float | None = None
+        self.evals_since_best = 0
         self.params = sum(p.numel() for p in self.model.parameters())
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, root: Path, keep: int) -> Path:
-        """Write checkpoint `step-N` under `root` atomically, keep the newest `keep`."""
+    def save(self, root: Path, keep: int, best: bool = False) -> Path:
+        """Write checkpoint `step-N` under `root` atomically (once per step) and point
+        `latest` at it; `best=True` also points `best` at it. The newest `keep` checkpoints
+        and the best one survive."""
         tag = f"step-{self.step:08d}"
-        tmp_tag = f"tmp-{tag}"
-        self.engine.save_checkpoint(str(root), tag=tmp_tag, save_latest=False)
-        torch.save({"step": self.step, "caches": [[c.cpu() for c in cache] for cache in self.caches],
-                    "rng": _rng_state()}, root / tmp_tag / f"trainer-rank{self.rank}.pt")
-        distributed.barrier()
+        if not (root / tag).is_dir():
+            tmp_tag = f"tmp-{tag}"
+            before_save_checkpoint(self.engine)
+            self.engine.save_checkpoint(str(root), tag=tmp_tag, save_latest=False)
+            torch.save({"step": self.step, "rng": _rng_state(),
+                        "caches": [[c.cpu() for c in cache] for cache in self.caches],
+                        "valid": {"best": self.best_valid, "since_best": self.evals_since_best}},
+                       root / tmp_tag / f"trainer-rank{self.rank}.pt")
+            distributed.barrier()
+            if self.rank == 0:
+                os.rename(root / tmp_tag, root / tag)
         if self.rank == 0:
-            final = root / tag
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(root / tmp_tag, final)
             atomic_write_text(root / "latest", tag + "\n")
+            if best:
+                atomic_write_text(root / "best", tag + "\n")
+            best_tag = _read_pointer(root / "best")
             old = sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]
-            for path in old + [p for p in root.glob("tmp-step-*") if p.is_dir()]:
+            for path in [p for p in old if p.name != best_tag] + list(root.glob("tmp-step-*")):
                 shutil.rmtree(path, ignore_errors=True)
         distributed.barrier()
         return root / tag
@@ -181,6 +203,14 @@ class Trainer:
         tag = latest_checkpoint(root)
         if tag is None:
             raise PipelineError(f"no complete checkpoint under {root}")
+        writers = len(list((root / tag).glob("trainer-rank*.pt")))
+        if writers != self.world_size:
+            # ZeRO partitions optimizer state per process and each rank owns its batch rows'
+            # caches: a checkpoint resumes only at the world size that wrote it.
+            raise PipelineError(f"checkpoint {root / tag} was written by {writers} process(es) "
+                                f"but this run has {self.world_size}: resume with the "
+                                f"train.launcher it was written with, or start over (--force)")
+        before_load_checkpoint(self.engine)
         path, _ = self.engine.load_checkpoint(str(root), tag=tag,
                                               load_optimizer_states=with_optimizer,
                                               load_lr_scheduler_states=False)
@@ -189,6 +219,8 @@ class Trainer:
         state = torch.load(root / tag / f"trainer-rank{self.rank}.pt", weights_only=False)
         self.step = state["step"]
         self.caches = [[c.to(self.device) for c in cache] for cache in state["caches"]]
+        self.best_valid = state["valid"]["best"]
+        self.evals_since_best = state["valid"]["since_best"]
         _set_rng_state(state["rng"])
         return self.step
 
@@ -202,7 +234,7 @@ class Trainer:
         return self.engine.optimizer.param_groups[0]["lr"]
 
     def train_step(self) -> float:
-        """One optimizer update over all micro-batches; returns the mean token nll."""
+        """One optimizer update over all micro-batches; returns this rank's mean token nll."""
         x, y = self.batches.batch(self.step)
         x, y = x.to(self.device), y.to(self.device)
         mb = self.micro_batch
@@ -215,76 +247,134 @@ class Trainer:
             self.engine.step()
             self.caches[i] = out.cache
             losses.append(nll.item())
-        self.model.clamp_spans_()
+        self.clamp_spans()
         self.step += 1
         return sum(losses) / len(losses)
 
     def validate(self) -> float:
-        """Valid bpc estimated on the first `train.eval_batches` batches (not a full eval)."""
+        """Valid bpc estimated on the first `train.eval_batches` batches (not a full eval),
+        rank 0's value on every rank so that decisions taken on it agree."""
         ev = self.spec.evaluate
         if self.valid_tokens is None:          # read (and checksum) only if validating
             self.valid_tokens = load_split(self.preprocess_dir, "valid")
         total, count = evaluate_nll(self.model, self.valid_tokens, ev.batch_size,
                                     ev.seq_len or self.spec.train.seq_len, self.device,
                                     max_batches=self.spec.train.eval_batches)
-        return total / count / LN2
+        return distributed.broadcast_object(total / count / LN2)
 
     def fit(self, until: int, lr_at: Callable[[int], float], ckpt_root: Path,
-            expect_lr: float | None = None) -> dict:
+            expect_lr: float | None = None, patience: int | None = None) -> dict:
         """Train from the current step to `until`, checkpointing into `ckpt_root`.
 
         `lr_at(k)` gives the lr of update k (1-based). `expect_lr`: after the first update,
         fail loudly unless the optimizer really ran with this lr (the LR-drop check).
-        SIGTERM or SIGINT (a Slurm preemption, ctrl-C) finishes the current update, saves a
-        checkpoint and raises `Preempted`: running the pipeline again resumes from there."""
+        `patience`: stop early once validation has not improved for that many evaluations.
+        SIGTERM or SIGINT (a Slurm preemption, ctrl-C) on any rank finishes the current
+        update, saves a checkpoint and raises `Preempted`: running the pipeline again
+        resumes from there."""
         train = self.spec.train
         first = self.step + 1
         window = _Window(train.batch_size * train.seq_len)
-        last_valid = None
-        with StopSignal() as stop:
+        progress = Progress(self.step, until, enabled=self.rank == 0)
+        stopped_early = False
+        with StopSignal() as stop, progress:
             while self.step < until:
                 self.set_lr(lr_at(self.step + 1))
                 window.add(self.train_step())
+                progress.advance()
                 if expect_lr is not None and self.step == first and \
                         not math.isclose(self.current_lr(), expect_lr, rel_tol=1e-9):
                     raise PipelineError(f"the learning rate in effect is "
                                         f"{self.current_lr():g}, expected {expect_lr:g}: "
                                         f"the LR drop did not take")
                 if self.step % train.log_every == 0 or self.step == until:
-                    self._report(window, until)
+                    self._report(window, until, progress)
                 if train.eval_every and self.step % train.eval_every == 0:
-                    last_valid = self.validate()
-                    if self.rank == 0:
-                        self.tracker.log_metrics({"valid_bpc": last_valid}, step=self.step)
-                        self.log(f"step {self.step:>6}  valid bpc (estimate) "
-                                 f"{last_valid:.3f}")
+                    if self._track_validation(progress):
+                        self.save(ckpt_root, train.keep_checkpoints, best=True)
                     window.restart_clock()
-                if stop.received:
+                    if patience and self.evals_since_best >= patience:
+                        progress.log(self.log, f"step {self.step}: validation has not "
+                                     f"improved for {patience} evaluations, stopping")
+                        stopped_early = True
+                        break
+                if distributed.any_rank(stop.received is not None):
                     path = self.save(ckpt_root, train.keep_checkpoints)
-                    raise Preempted(f"{stop.received} at step {self.step}: checkpoint {path} "
-                                    f"saved; run the pipeline again to resume from it")
+                    raise Preempted(f"{stop.received or 'a signal on another rank'} at step "
+                                    f"{self.step}: checkpoint {path} saved; run the pipeline "
+                                    f"again to resume from it")
                 if train.checkpoint_every and self.step % train.checkpoint_every == 0 \
                         and self.step < until:
                     self.save(ckpt_root, train.keep_checkpoints)
                     window.restart_clock()
         path = self.save(ckpt_root, train.keep_checkpoints)
-        return {"step": self.step, "checkpoint": str(path), "valid_bpc_estimate": last_valid,
-                "parameters": self.params}
+        return {"step": self.step, "checkpoint": str(path), "stopped_early": stopped_early,
+                "best_valid_bpc_estimate": self.best_valid, "parameters": self.params}
 
-    def _report(self, window: "_Window", until: int) -> None:
-        """Log the mean loss, lr, throughput and memory since the last report."""
+    def _track_validation(self, progress: "Progress") -> bool:
+        """Validate, log, and count evaluations since the best; True on a new best."""
+        valid = self.validate()
+        improved = self.best_valid is None or valid < self.best_valid
+        if improved:
+            self.best_valid, self.evals_since_best = valid, 0
+        else:
+            self.evals_since_best += 1
+        if self.rank == 0:
+            self.tracker.log_metrics({"valid_bpc": valid}, step=self.step)
+            progress.log(self.log, f"step {self.step:>6}  valid bpc (estimate) {valid:.3f}"
+                                   f"{'  (best)' if improved else ''}")
+        return improved
+
+    def _report(self, window: "_Window", until: int, progress: "Progress") -> None:
+        """Log the mean loss (over all ranks), lr, throughput and memory since the last
+        report. Called on every rank: the loss is averaged with a collective."""
         mean, seconds_per_step, tokens_per_s = window.take()
+        mean = distributed.mean_over_ranks(mean)
+        if self.rank != 0:
+            return
         metrics = {"loss": mean, "bpc": mean / LN2, "lr": self.current_lr(),
                    "tokens_per_s": tokens_per_s, "step_time_s": seconds_per_step,
                    "peak_memory_mb": peak_memory_mb(self.device)}
         spans = [z for layer in self.model.spans() for z in layer]
         if spans:
             metrics |= {"span_mean": sum(spans) / len(spans), "span_max": max(spans)}
-        if self.rank == 0:
-            self.tracker.log_metrics(metrics, step=self.step)
-            eta = (until - self.step) * seconds_per_step
-            self.log(f"step {self.step:>6}/{until}  loss {mean:.4f}  bpc {mean / LN2:.3f}  "
-                     f"lr {metrics['lr']:.3g}  {tokens_per_s:,.0f} tok/s  eta {eta:,.0f}s")
+        self.tracker.log_metrics(metrics, step=self.step)
+        eta = (until - self.step) * seconds_per_step
+        progress.show(f"loss {mean:.4f} lr {metrics['lr']:.3g} {tokens_per_s:,.0f} tok/s")
+        progress.log(self.log, f"step {self.step:>6}/{until}  loss {mean:.4f}  "
+                               f"bpc {mean / LN2:.3f}  lr {metrics['lr']:.3g}  "
+                               f"{tokens_per_s:,.0f} tok/s  eta {eta:,.0f}s")
+
+
+class Progress:
+    """A progress bar (steps, ETA, loss / lr / tokens/s) on rank 0 when stderr is a terminal;
+    log lines are printed above it. In a log file it stays silent: the log lines say it all."""
+
+    def __init__(self, start: int, total: int, enabled: bool):
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
+                        leave=False, disable=not (enabled and sys.stderr.isatty()))
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def show(self, text: str) -> None:
+        self.bar.set_postfix_str(text, refresh=False)
+
+    def log(self, log: Callable[[str], None], message: str) -> None:
+        if self.bar.disable:
+            log(message)
+        else:
+            with self._tqdm.external_write_mode():
+                log(message)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()
 
 
 class _Window:
@@ -319,9 +409,12 @@ class StopSignal:
         self.signals, self.received, self._previous = signals, None, {}
 
     def _handle(self, signum, frame) -> None:
-        if self.received:              # a second signal: stop now, without a checkpoint
+        name = signal.Signals(signum).name
+        # ctrl-C twice: stop now, without a checkpoint. Other repeats are not impatience:
+        # under a launcher ctrl-C reaches every process and the launcher adds a SIGTERM.
+        if self.received == name == "SIGINT":
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+        self.received = self.received or name
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -334,12 +427,24 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def latest_checkpoint(root: Path) -> str | None:
-    pointer = Path(root) / "latest"
+def _read_pointer(pointer: Path) -> str | None:
+    """The checkpoint tag a pointer file (`latest`, `best`) names, if that checkpoint exists."""
     if not pointer.exists():
         return None
     tag = pointer.read_text().strip()
-    return tag if (Path(root) / tag).is_dir() else None
+    return tag if (pointer.parent / tag).is_dir() else None
+
+
+def latest_checkpoint(root: Path) -> str | None:
+    return _read_pointer(Path(root) / "latest")
+
+
+def checkpoint_step(root: Path) -> int:
+    """The step of the latest complete checkpoint under `root`."""
+    tag = latest_checkpoint(root)
+    if tag is None:
+        raise PipelineError(f"no complete checkpoint under {root}")
+    return int(tag.removeprefix("step-"))
 
 
 def load_model_weights(model: torch.nn.Module, root: Path) -> str:
@@ -348,7 +453,11 @@ def load_model_weights(model: torch.nn.Module, root: Path) -> str:
     if tag is None:
         raise PipelineError(f"no complete checkpoint under {root}")
     path = Path(root) / tag / "mp_rank_00_model_states.pt"
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["module"])
+    if path.exists():
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["module"])
+    else:   # ZeRO 3 saves each rank's shard only: assemble the fp32 weights from the shards
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag))
     return tag
 

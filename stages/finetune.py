@@ -1,8 +1,10 @@
 """finetune: the paper's LR-drop phase.
 
 Continues from the train stage's final checkpoint with the optimizer state kept, the
-learning rate divided by `finetune.lr_divisor`, for `finetune.steps` more updates. Step
-numbers continue from train's, in the checkpoints and in MLflow.
+learning rate divided by `finetune.lr_divisor`, for `finetune.steps` more updates. Train ends
+at `train.steps` (as the published scripts do) or earlier when `finetune.patience`
+validations pass without improvement (the paper's wording); either way step numbers continue
+from train's, in the checkpoints and in MLflow.
 """
 
 from __future__ import annotations
@@ -11,17 +13,16 @@ from stages import Stage, StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.trainer import Trainer, latest_checkpoint
+    from pipeline.trainer import Trainer, checkpoint_step, latest_checkpoint
 
     ft = ctx.spec.finetune
     trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)
     ckpt_root = ctx.out_dir / "checkpoints"
+    begin = checkpoint_step(ctx.inputs["train"] / "checkpoints")
     if latest_checkpoint(ckpt_root):       # an interrupted finetune resumes from its own
-        start = trainer.load(ckpt_root)
-        ctx.log(f"resuming the LR-drop phase at step {start}")
-        begin = ctx.spec.train.steps
+        ctx.log(f"resuming the LR-drop phase at step {trainer.load(ckpt_root)}")
     else:
-        begin = trainer.load(ctx.inputs["train"] / "checkpoints")
+        trainer.load(ctx.inputs["train"] / "checkpoints")
     lr = ctx.spec.train.optimizer.lr / ft.lr_divisor
     ctx.log(f"from step {begin}: lr {ctx.spec.train.optimizer.lr:g} / {ft.lr_divisor:g} "
             f"= {lr:g} for {ft.steps} steps")
@@ -38,4 +39,5 @@ STAGE = Stage(
     section_key="finetune",
     config=lambda spec: spec.finetune.model_dump(mode="json"),
     run=run,
+    distributed=True,
 )
