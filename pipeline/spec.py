@@ -296,6 +296,14 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
 
     if spec is not None and not errors:
         errors += _check_stages(spec, where, origin)
+        if spec.train and spec.train.deepspeed.zero_stage == 3 and \
+                getattr(params, "adaptive_span", False):
+            errors.append(
+                f"{_locate(where, ('train', 'deepspeed', 'zero_stage'), origin)}: "
+                f"train.deepspeed.zero_stage: ZeRO stage 3 partitions every parameter "
+                f"between forward passes, but an adaptive-span model reads its span "
+                f"parameters outside forward (to size its cache and clamp them): use "
+                f"zero_stage 1 or 2, or model.adaptive_span: false")
     if errors:
         raise SpecError("\n".join(errors))
     spec._model_params = params
