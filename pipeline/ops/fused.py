@@ -145,8 +145,12 @@ def _counting_inductor(gm, example_inputs):
 def _flex():
     global _flex_compiled
     if _flex_compiled is None:
+        import torch._dynamo
         from torch.nn.attention.flex_attention import flex_attention
 
+        # one graph per bucket, batch size, and with/without dropout or persistent vectors:
+        # more than dynamo's default limit of 8 per function over a whole training run
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         _flex_compiled = torch.compile(
             flex_attention, backend=_counting_inductor, fullgraph=True, dynamic=False
         )
