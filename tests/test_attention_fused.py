@@ -185,6 +185,21 @@ def test_model_backends_equal_reference_loss_and_gradients():
         torch.testing.assert_close(grads[name], want[name], rtol=1e-6, atol=1e-8, msg=name)
 
 
+def test_flex_dropout_construction_equals_reference_with_the_same_seed_on_cpu():
+    # Forward only (FlexAttention has no CPU backward), uncompiled: the score_mod that drops
+    # entries and the exp(lse_kept - lse_all) / (1 - p) rescaling, against the reference's
+    # seeded mask. float32 is what flex computes in; tolerance for its reassociation.
+    xs, spans = _inputs(dtype=torch.float32, m=16, span=40, d=8, n=6)
+    kw = dict(dropout_p=0.3, training=True, dropout_seed=torch.tensor(11, dtype=torch.int32))
+    with torch.no_grad():
+        out = _run(get_attention_impl("flex"), xs, spans, **kw)
+        want = _run(attend_reference, [x.double() for x in xs], spans.double(), **kw)
+        other_seed = _run(attend_reference, [x.double() for x in xs], spans.double(),
+                          **(kw | {"dropout_seed": torch.tensor(12, dtype=torch.int32)}))
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    assert (other_seed - want).abs().max() > 1e-2   # the mask really depends on the seed
+
+
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_flex_on_cuda_equals_reference_with_dropout_forward_and_backward(dtype, tol):

@@ -20,8 +20,8 @@ of the softmax mass.
   keeps the window of L' keys before each query and the persistent vectors. Attention
   dropout: dropped entries get -inf in score_mod (``pipeline.ops.dropout``, the reference's
   mask), and out = out_kept * exp(lse_kept - lse_all) / (1 - p), i.e. the kept weights
-  keep the denominator of all weights. On CPU (torch 2.13) forward-only and without
-  dropout: compiled FlexAttention has no backward and no log-sum-exp output there.
+  keep the denominator of all weights. On CPU (torch 2.13) forward-only: FlexAttention has
+  no backward there, and its compiled form no log-sum-exp, so dropout runs uncompiled.
 """
 
 from __future__ import annotations
@@ -197,11 +197,8 @@ def attend_flex(
             "for FlexAttention); use sdpa or reference to train on CPU, or auto"
         )
     drop = dropout_p > 0.0 and training
-    if drop and (dropout_seed is None or q.device.type == "cpu"):
-        raise ValueError(
-            "attention impl flex needs dropout_seed for attention dropout, and a CUDA device "
-            "(torch 2.13 compiles FlexAttention's log-sum-exp output for CUDA only)"
-        )
+    if drop and dropout_seed is None:
+        raise ValueError("attention impl flex needs dropout_seed for attention dropout")
     b, _, m, _ = q.shape
     bucket = flex_bucket(span_len)
     pad = bucket - span_len
@@ -217,9 +214,15 @@ def attend_flex(
         x = (kv - qi).clamp(0, bucket - 1)  # table column; clamped outside the window
         return torch.where(kv < ctx_end, score + table[bi, hi, qi, x], score)
 
-    flex = _flex()
     if not drop:
-        return flex(q, keys, values, score_mod=add_position, block_mask=block_mask)
+        return _flex()(q, keys, values, score_mod=add_position, block_mask=block_mask)
+    # torch 2.13 compiles FlexAttention's log-sum-exp output for CUDA only; on CPU the dropout
+    # construction runs through flex_attention uncompiled (exact, not fused): the same
+    # score_mod and rescaling, checkable against the reference without a GPU.
+    if q.device.type == "cuda":
+        flex = _flex()
+    else:
+        from torch.nn.attention.flex_attention import flex_attention as flex
 
     seed = dropout_seed.to(q.device)
     threshold = keep_threshold(dropout_p)
