@@ -178,26 +178,23 @@ def _master_layouts(engine) -> dict[torch.Tensor, _Layout]:
     if type(wrapper) is FP16_UnfusedOptimizer:      # ZeRO 0, bf16: one fp32 copy per tensor
         for masters, params in zip(wrapper.fp32_groups, wrapper.fp16_groups):
             layouts |= {m: _whole(m, p) for m, p in zip(masters, params)}
-    elif type(wrapper) is DeepSpeedZeroOptimizer:   # ZeRO 1 and 2
-        for i, params in enumerate(wrapper.bit16_groups):
-            flat = wrapper.bit16_groups_flat[i]
+    elif type(wrapper) in (DeepSpeedZeroOptimizer, BF16_Optimizer):
+        # ZeRO 1 and 2, and bf16 with fp32 gradient accumulation: one flat buffer per group,
+        # cut into equal partitions, the same layout under two sets of attribute names
+        if type(wrapper) is DeepSpeedZeroOptimizer:
+            names = ("bit16_groups", "bit16_groups_flat", "parallel_partitioned_bit16_groups",
+                     "single_partition_of_fp32_groups")
+        else:
+            names = ("bf16_groups", "bf16_groups_flat", "bf16_partitioned_groups",
+                     "fp32_groups_flat_partition")
+        groups, flats, partitions, masters = (getattr(wrapper, n) for n in names)
+        for i, params in enumerate(groups):
             rank = dist.get_rank(group=wrapper.real_dp_process_group[i])
-            part = wrapper.parallel_partitioned_bit16_groups[i][rank]
-            start = _offset(part, flat)
-            master = wrapper.single_partition_of_fp32_groups[i]
-            layouts[master] = _flat_layout(master, part, params,
-                                           _clip_pieces(params, flat, start, part.numel()),
-                                           wrapper.real_dp_process_group[i])
-    elif type(wrapper) is BF16_Optimizer:           # bf16 with fp32 gradient accumulation
-        for i, params in enumerate(wrapper.bf16_groups):
-            flat = wrapper.bf16_groups_flat[i]
-            rank = dist.get_rank(group=wrapper.real_dp_process_group[i])
-            part = wrapper.bf16_partitioned_groups[i][rank]
-            start = _offset(part, flat)
-            master = wrapper.fp32_groups_flat_partition[i]
-            layouts[master] = _flat_layout(master, part, params,
-                                           _clip_pieces(params, flat, start, part.numel()),
-                                           wrapper.real_dp_process_group[i])
+            part = partitions[i][rank]
+            start = _offset(part, flats[i])
+            layouts[masters[i]] = _flat_layout(
+                masters[i], part, params, _clip_pieces(params, flats[i], start, part.numel()),
+                wrapper.real_dp_process_group[i])
     elif type(wrapper) is DeepSpeedZeroOptimizer_Stage3:
         # each parameter is cut into equal ds_tensor slices, rank r holding elements from
         # r * slice; a sub-group's slices sit side by side in one flat buffer
