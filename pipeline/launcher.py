@@ -39,7 +39,9 @@ def launcher_command(spec, pipeline_args: list[str]) -> list[str]:
 
 def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
     """Start the launcher for `spec` and wait for it. SIGTERM / ctrl-C are passed on as
-    SIGTERM, which makes every rank checkpoint and stop (exit 143, `Preempted`)."""
+    SIGTERM to the ranks, which checkpoint together and exit 143 (`Preempted`)."""
+    import psutil
+
     cmd = launcher_command(spec, pipeline_args)
     env = dict(os.environ)
     if env.get("DS_ACCELERATOR") == "cpu" or not _has_cuda():
@@ -47,16 +49,27 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
         per_proc = max(1, (os.cpu_count() or 1) // spec.train.launcher.procs_per_node)
         env.setdefault("OMP_NUM_THREADS", str(per_proc))
     log(f"starting {spec.train.launcher.world_size} processes: {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd, env=env)
+    # Its own process group: a ctrl-C in the terminal reaches only us, and we decide how the
+    # launcher's processes hear of it.
+    proc = subprocess.Popen(cmd, env=env, process_group=0)
     stopped: list[str] = []
+    signalled: list = []
 
     def forward(signum, frame):
+        # To the ranks themselves: deepspeed's launchers answer a signal by killing their
+        # children (the outer one at once, the inner one 30 s later), not by waiting for a
+        # checkpoint. A rank's exit 143 then travels up through both launchers.
         stopped.append(signal.Signals(signum).name)
-        proc.send_signal(signal.SIGTERM)
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                 if _is_rank(c)]
+        for rank in ranks:
+            rank.send_signal(signal.SIGTERM)
+        signalled.extend(ranks)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = proc.wait()
+        psutil.wait_procs(signalled, timeout=600)   # the ranks finish saving
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -66,6 +79,18 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
     if code != 0:
         raise PipelineError(f"the deepspeed launcher exited with code {code} (the failing "
                             f"rank's error is printed above)")
+
+
+def _is_rank(process) -> bool:
+    import psutil
+
+    try:
+        argv = process.cmdline()
+    except psutil.Error:          # already gone
+        return False
+    # `python -u launch/train.py ...`; the launchers run as `python -u -m deepspeed...` with
+    # the script among their arguments
+    return str(ENTRY) in argv and "-m" not in argv
 
 
 def _has_cuda() -> bool:
@@ -99,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                         log=print if rank == 0 else (lambda m: None))
         runner.run(make_tracker(spec, rank=rank))
     except PipelineError as e:
-        print(f"error (rank {rank}): {e}", file=sys.stderr)
+        if rank == 0 or not isinstance(e, Preempted):    # every rank stops the same way
+            print(f"error (rank {rank}): {e}", file=sys.stderr)
         return e.exit_code
     return 0

@@ -26,6 +26,7 @@ from pipeline import distributed
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_text
+from pipeline.ops import compile_count
 from pipeline.optim import before_load_checkpoint, before_save_checkpoint
 
 LN2 = math.log(2)
@@ -143,6 +144,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model.to(self.device), optimizer=optimizer, config=self.ds_config)
         self.model = self.engine.module
+        self.model.activation_checkpointing = train.deepspeed.activation_checkpointing
         # ZeRO and bf16 hand the optimizer flat partitions: tell the per-tensor clipping
         # which elements belong to which parameter, and clamp the spans on the fp32 masters.
         bind_to_engine(self.engine)
@@ -334,7 +336,8 @@ class Trainer:
             return
         metrics = {"loss": mean, "bpc": mean / LN2, "lr": self.current_lr(),
                    "tokens_per_s": tokens_per_s, "step_time_s": seconds_per_step,
-                   "peak_memory_mb": peak_memory_mb(self.device)}
+                   "peak_memory_mb": peak_memory_mb(self.device),
+                   "attention_compiles": compile_count()}
         spans = [z for layer in self.model.spans() for z in layer]
         if spans:
             metrics |= {"span_mean": sum(spans) / len(spans), "span_max": max(spans)}

@@ -32,7 +32,8 @@ def run(ctx: StageContext) -> dict:
                                 "world_size": trainer.world_size})
     ctx.log(f"{trainer.params:,} parameters, vocabulary {trainer.vocab_size}, "
             f"{train.steps} steps of {train.batch_size} x {train.seq_len} tokens "
-            f"on {trainer.device} (world size {trainer.world_size})")
+            f"on {trainer.device} (world size {trainer.world_size}), "
+            f"{trainer.model.attention_impl_description()}")
     opt = train.optimizer
     summary = trainer.fit(train.steps, lambda k: warmup_lr(opt.lr, opt.warmup_steps, k),
                           ckpt_root, patience=patience(ctx.spec))

@@ -12,16 +12,19 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
+LONG = 80      # long enough that a signal sent at step 4 lands mid-training
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +35,7 @@ ADAM = "{type: adam, lr: 0.01, clip: global, clip_norm: 1.0, warmup_steps: 4}"
 
 
 def tiny_config(tmp: Path, *, procs: int, zero: int, adaptive_span: bool = True,
-                root: str = "runs", optimizer: str = ADAGRAD) -> Path:
+                root: str = "runs", optimizer: str = ADAGRAD, steps: int = STEPS) -> Path:
     path = tmp / f"tiny-{procs}-{zero}-{int(adaptive_span)}.yaml"
     path.write_text(f"""\
 extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
@@ -40,7 +43,7 @@ name: dist
 model: {{d_model: 32, n_layers: 2, n_heads: 2, n_persistent: 8, max_span: 64,
         adaptive_span: {str(adaptive_span).lower()}}}
 train:
-  steps: {STEPS}
+  steps: {steps}
   batch_size: 8
   seq_len: 32
   log_every: 1
@@ -119,24 +122,41 @@ def test_two_processes_zero_3_gives_the_single_process_losses(shared):
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
 
 
-def test_kill_9_mid_training_then_rerun_gives_the_uninterrupted_losses(tmp_path):
-    uninterrupted = run_losses(tmp_path, procs=2, zero=2, optimizer=ADAM)
-    cfg = tiny_config(tmp_path, procs=2, zero=2, root="killed", optimizer=ADAM)
-    ckpts = tmp_path / "killed" / "dist" / "train.partial" / "checkpoints"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_losses(tmp_path_factory.mktemp("whole"), procs=2, zero=2, optimizer=ADAM,
+                      steps=LONG)
+
+
+@pytest.mark.parametrize("how", ["kill -9 every process", "SIGTERM to allattn-pipe"])
+def test_interrupted_two_process_training_resumes_to_the_same_losses(tmp_path, uninterrupted,
+                                                                     how):
+    cfg = tiny_config(tmp_path, procs=2, zero=2, optimizer=ADAM, steps=LONG)
+    ckpts = tmp_path / "runs" / "dist" / "train.partial" / "checkpoints"
     proc = cli("run", cfg, start_new_session=True)
     deadline = time.time() + 300
     while not (ckpts / "latest").exists() or "step-00000004" not in (ckpts / "latest").read_text():
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline, "no checkpoint after 300 s"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)         # the runner, the launcher and both ranks
-    proc.wait()
-    assert not (tmp_path / "killed" / "dist" / "train").exists()
+    if how.startswith("kill"):
+        # the runner, both deepspeed launchers and both ranks, at once
+        everything = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
+        for p in everything:
+            p.kill()
+        psutil.wait_procs(everything)
+    else:
+        proc.send_signal(signal.SIGTERM)        # passed on: the ranks save together, exit 143
+        out = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 143, out
+        assert "run the pipeline again to resume" in out
+    assert not (tmp_path / "runs" / "dist" / "train").exists()
     out = cli("run", cfg).stdout
-    assert "resuming from step" in out
-    resumed = metric_history(tmp_path / "killed", "procs2-zero2-span1", "train", "loss")
-    assert sorted(resumed) == list(range(1, STEPS + 1))
-    after = [s for s in range(5, STEPS + 1)]
+    resumed_at = int(re.search(r"resuming from step (\d+)", out).group(1))
+    assert 4 <= resumed_at < LONG
+    resumed = metric_history(tmp_path / "runs", "procs2-zero2-span1", "train", "loss")
+    assert sorted(resumed) == list(range(1, LONG + 1))
+    after = range(resumed_at + 1, LONG + 1)
     assert [resumed[s] for s in after] == [uninterrupted[s] for s in after]
 
 
