@@ -53,7 +53,7 @@ def measure(tmp: Path, steps: int, procs: int, zero: int) -> dict:
     subprocess.run(cmd + ["--only", "download,preprocess"], check=True, env=env,
                    capture_output=True)
     started = time.time()
-    subprocess.run(cmd, check=True, env=env, capture_output=True)
+    subprocess.run(cmd + ["--force", "train"], check=True, env=env, capture_output=True)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name(f"procs{procs}-zero{zero}")
     run = client.search_runs([exp.experiment_id], "tags.stage = 'train'")[0]
