@@ -113,9 +113,8 @@ def render_sbatch(config_path: str | Path, spec: Spec, nodes: int, gpus_per_node
 
     files = slurm_dir(spec)
     hostfile = _plain("hostfile", files / "hostfile")
-    # The job's spec records its real world size (train.launcher). That is part of the train
-    # stage's fingerprint, so it must not change between the jobs of one run: the hostfile
-    # path is fixed per workspace and the per-job master port is left out (see README).
+    # The job's spec records its real world size (train.launcher; not part of the train
+    # stage's fingerprint). A checkpoint resumes only at the world size that wrote it.
     launcher_sets = [f"train.launcher.nodes={nodes}",
                      f"train.launcher.procs_per_node={gpus_per_node}",
                      f"train.launcher.hostfile={hostfile}"]
