@@ -26,7 +26,7 @@ from pipeline.ops.fused import flex_bucket, pick_attention_impl
 
 DT = torch.float64
 CUDA = torch.cuda.is_available()
-NO_CUDA = "needs CUDA (FlexAttention backward and its dropout are CUDA-only in torch 2.13)"
+NO_CUDA = "needs CUDA (FlexAttention backward and its compiled dropout are CUDA-only in torch 2.13)"
 
 
 def _inputs(dtype=DT, device="cpu", b=2, h=3, m=5, span=7, d=4, n=6, seed=0):
