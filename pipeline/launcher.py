@@ -49,9 +49,9 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
         per_proc = max(1, (os.cpu_count() or 1) // spec.train.launcher.procs_per_node)
         env.setdefault("OMP_NUM_THREADS", str(per_proc))
     log(f"starting {spec.train.launcher.world_size} processes: {' '.join(cmd)}")
-    # Its own process group: a ctrl-C in the terminal reaches only us, and we decide how the
-    # launcher's processes hear of it.
-    proc = subprocess.Popen(cmd, env=env, process_group=0)
+    # Its own session (so its own process group): a ctrl-C in the terminal reaches only us,
+    # and we decide how the launcher's processes hear of it.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     stopped: list[str] = []
     signalled: list = []
 
