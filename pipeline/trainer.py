@@ -25,6 +25,7 @@ import torch
 from pipeline import distributed
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
+from pipeline.checkpoints import latest_checkpoint, read_pointer, rng_state, set_rng_state
 from pipeline.fsutil import atomic_write_text
 from pipeline.ops import compile_count
 from pipeline.optim import before_load_checkpoint, before_save_checkpoint
@@ -98,22 +99,6 @@ def evaluate_nll(model, tokens: np.ndarray, batch_size: int, seq_len: int, devic
     return total, count
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-             "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 class Trainer:
     def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None]):
         from pipeline.data import StreamBatches
@@ -182,7 +167,7 @@ class Trainer:
             tmp_tag = f"tmp-{tag}"
             before_save_checkpoint(self.engine)
             self.engine.save_checkpoint(str(root), tag=tmp_tag, save_latest=False)
-            torch.save({"step": self.step, "rng": _rng_state(),
+            torch.save({"step": self.step, "rng": rng_state(),
                         "caches": [[c.cpu() for c in cache] for cache in self.caches],
                         "valid": {"best": self.best_valid, "since_best": self.evals_since_best}},
                        root / tmp_tag / f"trainer-rank{self.rank}.pt")
@@ -193,7 +178,7 @@ class Trainer:
             atomic_write_text(root / "latest", tag + "\n")
             if best:
                 atomic_write_text(root / "best", tag + "\n")
-            best_tag = _read_pointer(root / "best")
+            best_tag = read_pointer(root / "best")
             old = sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]
             for path in [p for p in old if p.name != best_tag] + list(root.glob("tmp-step-*")):
                 shutil.rmtree(path, ignore_errors=True)
@@ -223,7 +208,7 @@ class Trainer:
         self.caches = [[c.to(self.device) for c in cache] for cache in state["caches"]]
         self.best_valid = state["valid"]["best"]
         self.evals_since_best = state["valid"]["since_best"]
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         return self.step
 
     # ------------------------------------------------------------ the loop
@@ -428,39 +413,3 @@ class StopSignal:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _read_pointer(pointer: Path) -> str | None:
-    """The checkpoint tag a pointer file (`latest`, `best`) names, if that checkpoint exists."""
-    if not pointer.exists():
-        return None
-    tag = pointer.read_text().strip()
-    return tag if (pointer.parent / tag).is_dir() else None
-
-
-def latest_checkpoint(root: Path) -> str | None:
-    return _read_pointer(Path(root) / "latest")
-
-
-def checkpoint_step(root: Path) -> int:
-    """The step of the latest complete checkpoint under `root`."""
-    tag = latest_checkpoint(root)
-    if tag is None:
-        raise PipelineError(f"no complete checkpoint under {root}")
-    return int(tag.removeprefix("step-"))
-
-
-def load_model_weights(model: torch.nn.Module, root: Path) -> str:
-    """Load the module weights of the latest checkpoint under `root` (no engine needed)."""
-    tag = latest_checkpoint(root)
-    if tag is None:
-        raise PipelineError(f"no complete checkpoint under {root}")
-    path = Path(root) / tag / "mp_rank_00_model_states.pt"
-    if path.exists():
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["module"])
-    else:   # ZeRO 3 saves each rank's shard only: assemble the fp32 weights from the shards
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag))
-    return tag
-

@@ -16,7 +16,8 @@ def run(ctx: StageContext) -> dict:
     import torch
 
     from pipeline.models import build_model
-    from pipeline.trainer import LN2, evaluate_nll, load_model_weights, resolve_device
+    from pipeline.checkpoints import load_model_weights
+    from pipeline.trainer import LN2, evaluate_nll, resolve_device
     from pipeline.data.manifest import load_manifest, load_split
 
     spec, ev = ctx.spec, ctx.spec.evaluate

@@ -13,7 +13,8 @@ from stages import Stage, StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.trainer import Trainer, checkpoint_step, latest_checkpoint
+    from pipeline.checkpoints import checkpoint_step, latest_checkpoint
+    from pipeline.trainer import Trainer
 
     ft = ctx.spec.finetune
     trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)

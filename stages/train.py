@@ -18,7 +18,8 @@ def patience(spec) -> int | None:
 
 def run(ctx: StageContext) -> dict:
     from pipeline.optim import warmup_lr
-    from pipeline.trainer import Trainer, latest_checkpoint
+    from pipeline.checkpoints import latest_checkpoint
+    from pipeline.trainer import Trainer
 
     train = ctx.spec.train
     trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)
