@@ -59,46 +59,52 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _several() -> bool:
+    """True when there are other ranks to talk to."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def broadcast_object(obj=None, src: int = 0):
     """`obj` from rank `src` on every rank (a no-op in one process)."""
     import torch.distributed as dist
 
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not _several():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is true on any rank (a one-element all_reduce)."""
+def _all_reduce(value: float, op) -> float:
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def mean_over_ranks(value: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
     t = torch.tensor([value], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank (a one-element all_reduce)."""
+    import torch.distributed as dist
+
+    return bool(_all_reduce(float(flag), dist.ReduceOp.MAX)) if _several() else flag
+
+
+def mean_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    if not _several():
+        return value
+    return _all_reduce(value, dist.ReduceOp.SUM) / dist.get_world_size()
 
 
 def barrier() -> None:
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _several():
         dist.barrier()
