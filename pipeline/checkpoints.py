@@ -45,19 +45,22 @@ def latest_checkpoint(root: Path) -> str | None:
     return read_pointer(Path(root) / "latest")
 
 
-def checkpoint_step(root: Path) -> int:
-    """The step of the latest complete checkpoint under `root`."""
+def require_latest(root: Path) -> str:
+    """The tag of the latest complete checkpoint under `root`; an error if there is none."""
     tag = latest_checkpoint(root)
     if tag is None:
         raise PipelineError(f"no complete checkpoint under {root}")
-    return int(tag.removeprefix("step-"))
+    return tag
+
+
+def checkpoint_step(root: Path) -> int:
+    """The step of the latest complete checkpoint under `root`."""
+    return int(require_latest(root).removeprefix("step-"))
 
 
 def load_model_weights(model: torch.nn.Module, root: Path) -> str:
     """Load the module weights of the latest checkpoint under `root` (no engine needed)."""
-    tag = latest_checkpoint(root)
-    if tag is None:
-        raise PipelineError(f"no complete checkpoint under {root}")
+    tag = require_latest(root)
     path = Path(root) / tag / "mp_rank_00_model_states.pt"
     if path.exists():
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["module"])

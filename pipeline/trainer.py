@@ -25,7 +25,7 @@ import torch
 from pipeline import distributed
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
-from pipeline.checkpoints import latest_checkpoint, read_pointer, rng_state, set_rng_state
+from pipeline.checkpoints import read_pointer, require_latest, rng_state, set_rng_state
 from pipeline.fsutil import atomic_write_text
 from pipeline.ops import compile_count
 from pipeline.optim import before_load_checkpoint, before_save_checkpoint
@@ -187,9 +187,7 @@ class Trainer:
 
     def load(self, root: Path, *, with_optimizer: bool = True) -> int:
         """Restore the latest complete checkpoint under `root`; returns its step."""
-        tag = latest_checkpoint(root)
-        if tag is None:
-            raise PipelineError(f"no complete checkpoint under {root}")
+        tag = require_latest(root)
         writers = len(list((root / tag).glob("trainer-rank*.pt")))
         if writers != self.world_size:
             # ZeRO partitions optimizer state per process and each rank owns its batch rows'
