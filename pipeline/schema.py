@@ -324,6 +324,18 @@ class TrainSpec(Section):
         # norms across DeepSpeed's partitions
         return self
 
+    @model_validator(mode="after")
+    def _batch_splits_over_processes(self):
+        nodes, procs = self.launcher.nodes, self.launcher.procs_per_node
+        gas = self.deepspeed.gradient_accumulation_steps
+        per_step = nodes * procs * gas
+        if self.batch_size % per_step:
+            raise ValueError(
+                f"train.batch_size {self.batch_size} is not divisible by {nodes} nodes x "
+                f"{procs} processes x {gas} gradient accumulation steps = {per_step}: every "
+                f"process needs the same whole number of sequences per micro-batch")
+        return self
+
 
 class FinetuneSpec(Section):
     steps: int = Field(gt=0)

@@ -118,16 +118,9 @@ def render_sbatch(config_path: str | Path, spec: Spec, nodes: int, gpus_per_node
     launcher_sets = [f"train.launcher.nodes={nodes}",
                      f"train.launcher.procs_per_node={gpus_per_node}",
                      f"train.launcher.hostfile={hostfile}"]
+    # the spec refuses a train.batch_size that does not split over the job's processes
     job_spec = load_spec(config_path, [*overrides, *launcher_sets])
-
     train = job_spec.train
-    gas = train.deepspeed.gradient_accumulation_steps
-    per_step = nodes * gpus_per_node * gas
-    if train.batch_size % per_step:
-        raise PipelineError(
-            f"train.batch_size {train.batch_size} is not divisible by {nodes} nodes x "
-            f"{gpus_per_node} GPUs x {gas} gradient accumulation steps = {per_step}: every "
-            f"process needs the same whole number of sequences per micro-batch")
 
     port = train.launcher.master_port
     train_args = "".join(f" \\\n    --set {shlex.quote(kv)}"
