@@ -115,8 +115,11 @@ def test_two_processes_zero_1_2_give_the_single_process_losses(shared, reference
 def test_two_processes_zero_3_gives_the_single_process_losses(shared):
     # ZeRO 3 runs without adaptive span (the spec refuses the two together), and the
     # evaluate-free pipeline still reassembles the sharded weights for later stages.
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     reference = run_losses(shared, procs=1, zero=0, adaptive_span=False)
     losses = run_losses(shared, procs=2, zero=3, adaptive_span=False)
+    # DeepSpeed's CPU all-reduce buffers (~69 MB per rank) are not left behind in /dev/shm
+    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
