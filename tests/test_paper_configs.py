@@ -6,7 +6,6 @@ authors' code AND against an explicit formula, and their hyperparameters against
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,17 +23,8 @@ VOCAB = {"enwik8": 205, "text8": 27, "wikitext103": 267_735}
 
 
 def load(rel: str):
-    """The spec of a config file. Its dataset card is used when it exists; until the card
-    is written the config is loaded with the built-in card instead (the model section, which
-    is what the counts read, does not depend on it) and a warning says so."""
-    path = CONFIGS / rel
-    try:
-        return load_spec(path)
-    except SpecError as e:
-        if "no dataset card named" not in str(e):
-            raise
-        warnings.warn(f"{rel}: {str(e).split(': ', 1)[-1]}; counted with the model section only")
-        return load_spec(path, ["dataset=python_docs"])
+    """The spec of a config file, with the dataset card it names (a missing card fails)."""
+    return load_spec(CONFIGS / rel)
 
 
 def dataset_of(rel: str) -> str:
