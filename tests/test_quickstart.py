@@ -95,6 +95,14 @@ def test_first_run_runs_every_stage_and_learns(pipeline_runs):
                for name in (x["name"] for x in s["shards"]))
 
 
+def test_show_counts_the_parameters_of_the_trained_model(pipeline_runs):
+    # `show` builds on the meta device; the train stage counts the real model it trained
+    ws = pipeline_runs["tmp"] / "runs" / "tiny"
+    trained = json.loads((ws / "train" / "stage.json").read_text())["summary"]["parameters"]
+    shown = re.search(r"^parameters: ([\d,]+) \(", cli("show", pipeline_runs["cfg"]).stdout, re.M)
+    assert shown and int(shown.group(1).replace(",", "")) == trained
+
+
 def test_second_run_skips_everything(pipeline_runs):
     out = pipeline_runs["again"].stdout
     assert ran(out) == []
