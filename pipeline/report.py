@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pipeline.fsutil import read_json
+from pipeline.data.manifest import MANIFEST, load_manifest
 
 
 def vocab_size_for(spec) -> tuple[int | None, str]:
     """The vocabulary size and where it came from: the manifest if preprocess ran, else
     the dataset card's expectation."""
-    manifest = spec.workspace_dir / "preprocess" / "manifest.json"
-    if manifest.exists():
-        return read_json(manifest)["vocab_size"], str(manifest)
+    preprocess = spec.workspace_dir / "preprocess"
+    if (preprocess / MANIFEST).exists():
+        return load_manifest(preprocess)["vocab_size"], str(preprocess / MANIFEST)
     if spec.dataset.vocab_size:
         return spec.dataset.vocab_size, f"dataset card '{spec.dataset.name}' (expected)"
     return None, ""

@@ -29,7 +29,8 @@ import hashlib
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from pipeline.data.manifest import write_manifest
+from pipeline.fsutil import atomic_write_bytes, read_json, sha256_file
 from stages import Stage, StageContext
 
 SPLITS = ("train", "valid", "test")
@@ -258,7 +259,7 @@ def preprocess(ds, download_dir: Path, out_dir: Path, log=print) -> dict:
         "unigram_entropy_bits": entropy,
         "splits": splits,
     }
-    atomic_write_json(out_dir / "manifest.json", manifest)
+    manifest = write_manifest(out_dir, manifest)
     log(f"unigram entropy of train: {entropy:.3f} bits per token")
     return manifest
 
