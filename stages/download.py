@@ -96,13 +96,21 @@ def run(ctx: StageContext) -> dict:
             "files": {role: e.path.name for role, e in extracted.items()}}
 
 
+def config(spec) -> dict:
+    ds = spec.dataset
+    out = ds.model_dump(include={"name", "url", "sha256", "archive", "files"})
+    # a local file without a sha256 is pinned by its content: replaced in place, it is new data
+    if ds.url and not ds.sha256 and (local := fetch.local_source_identity(ds.url)):
+        out["local_source"] = local
+    return out
+
+
 STAGE = Stage(
     name="download",
     summary="Fetch the dataset (builtin://, file://, http(s)://; cached, resumable), "
             "check sha256, extract.",
     inputs=(),
     section_key=None,
-    config=lambda spec: spec.dataset.model_dump(
-        include={"name", "url", "sha256", "archive", "files"}),
+    config=config,
     run=run,
 )

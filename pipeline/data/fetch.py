@@ -183,6 +183,27 @@ def fetch(url: str, cache: str | os.PathLike, *, sha256: str | None = None, log:
     return Fetched(url, final, key, final.stat().st_size, cached=False)
 
 
+_LOCAL_SHA256: dict[tuple, str] = {}
+
+
+def local_source_identity(url: str) -> dict | None:
+    """The size and sha256 of a file:// source (None for other schemes, or if it cannot be
+    read now): what a download of it depends on when no sha256 pins it. Hashed once per
+    (path, size, mtime) in a process, since plans are made more than once."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme.lower() != "file":
+        return None
+    src = Path(urllib.request.url2pathname(parsed.path))
+    try:
+        st = src.stat()
+        key = (str(src), st.st_size, st.st_mtime_ns)
+        if key not in _LOCAL_SHA256:
+            _LOCAL_SHA256[key] = digests(src)[0]
+    except OSError:
+        return None
+    return {"bytes": st.st_size, "sha256": _LOCAL_SHA256[key]}
+
+
 def _fetch_file(url: str, sha256: str | None, mismatch_hint: str) -> Fetched:
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):
