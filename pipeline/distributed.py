@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +30,7 @@ def prepare_environment() -> None:
     # C++ ops DeepSpeed builds on first use: cached per interpreter prefix (virtualenv),
     # so two environments never clobber each other's builds.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    _pin_ninja()
     # Launched by hand as a single process: give the process group what a launcher would.
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
@@ -43,10 +46,64 @@ def init_process_group() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        _load_comm_op()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=TIMEOUT)
         _unlink_shm_buffer(dist.get_rank())
     return dist.get_rank(), dist.get_world_size()
+
+
+def _pin_ninja() -> None:
+    """torch builds C++ ops with the first `ninja` on PATH. The image's ninja (1.11) and the
+    virtualenv's (the pip package DeepSpeed requires, 1.13) each read the other's .ninja_log as
+    too old or as different commands, and rebuild the whole op: an activated virtualenv or not
+    decided which one ran. The environment's own ninja first on PATH makes every entry point
+    (and every rank a launcher starts, which inherits PATH) build with it, once."""
+    from ninja import BIN_DIR
+
+    path = os.environ.get("PATH", "")
+    if BIN_DIR and path.split(os.pathsep)[0] != BIN_DIR:
+        os.environ["PATH"] = os.pathsep.join([BIN_DIR, path])
+
+
+# In TORCH_EXTENSIONS_DIR: held (flock) by whichever process builds or loads an op there.
+OP_BUILD_LOCK = "allattn-op-build.lock"
+
+
+@contextmanager
+def _op_build_lock(extensions: Path):
+    """Exclusive hold of `extensions` for one process. A flock, so the kernel releases it when
+    its holder dies, however it dies (torch's own `lock` file stays behind a killed build)."""
+    extensions.mkdir(parents=True, exist_ok=True)
+    with open(extensions / OP_BUILD_LOCK, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process building DeepSpeed's C++ ops in {extensions}",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _load_comm_op() -> None:
+    """Build (or load) the shared-memory comm op that deepspeed.init_distributed loads on CPU,
+    the same op on the same condition, but under OP_BUILD_LOCK; init_distributed then finds
+    it loaded. While we hold the lock no other process is building, so a torch `lock` file in
+    the op's build directory is what a killed build left: torch would wait on it forever."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    extensions = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    with _op_build_lock(extensions):
+        stale = extensions / builder.name / "lock"
+        if stale.exists():
+            print(f"removing {stale}: an interrupted build of DeepSpeed's {builder.name} op "
+                  f"left it (no process is building it now)", file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        builder.load()
 
 
 def _unlink_shm_buffer(rank: int) -> None:
