@@ -6,11 +6,11 @@ import collections
 import json
 import math
 import tarfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import find_shared_data
 
 from pipeline.data import (
     ShardError,
@@ -25,15 +25,14 @@ from pipeline.data import (
 )
 from pipeline.fsutil import sha256_file
 
-# the project's shared/ data sits beside the checkout (on CI too)
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare/input.txt"
-
 
 @pytest.fixture(scope="module")
 def text() -> str:
-    """60k characters of real text: Tiny Shakespeare, or Python's help topics without it."""
-    if SHAKESPEARE.exists():
-        with open(SHAKESPEARE, encoding="utf-8") as f:
+    """60k characters of real text: Tiny Shakespeare, or Python's help topics on a checkout
+    without the shared data (CI has it)."""
+    shakespeare = find_shared_data("tinyshakespeare/input.txt")
+    if shakespeare is not None:
+        with open(shakespeare, encoding="utf-8") as f:
             return f.read(60_000)
     from pydoc_data.topics import topics
     return "\n".join(topics[k] for k in sorted(topics))[:60_000]

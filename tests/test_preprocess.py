@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import shared_data
 
 from pipeline.data import SentencePieceTokenizer, Vocab, WordVocab
 from pipeline.errors import PipelineError
@@ -31,28 +32,21 @@ from pipeline.data.manifest import load_manifest, load_split, load_tokenizer
 from stages.preprocess import SPLITS, preprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(__file__).resolve().parents[2] / "shared/data"
 WT2 = {"train": (36_718, 2_088_628), "valid": (3_760, 217_646), "test": (4_358, 245_569)}
 WT2_TYPES = 33_278
 
 
-# ---------------------------------------------------------------- real text, never skipped
-
-def _shared(rel: str) -> Path:
-    path = SHARED / rel
-    assert path.is_file(), f"{path} is missing: these tests need the shared benchmark text"
-    return path
-
+# ---------------------------------------------------------------- real text (skipped without it)
 
 @pytest.fixture(scope="module")
 def wikitext2() -> dict[str, bytes]:
-    return {s: gzip.decompress(_shared(f"wikitext-2/wiki.{s}.tokens.gz").read_bytes())
+    return {s: gzip.decompress(shared_data(f"wikitext-2/wiki.{s}.tokens.gz").read_bytes())
             for s in SPLITS}
 
 
 @pytest.fixture(scope="module")
 def shakespeare() -> bytes:
-    return _shared("tinyshakespeare/input.txt").read_bytes()
+    return shared_data("tinyshakespeare/input.txt").read_bytes()
 
 
 def tokenized_lines(data: bytes) -> list[list[str]]:
