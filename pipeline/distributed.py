@@ -6,6 +6,7 @@ import fcntl
 import os
 import socket
 import sys
+import threading
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -70,18 +71,25 @@ def _pin_ninja() -> None:
 OP_BUILD_LOCK = "allattn-op-build.lock"
 
 
+# Ranks started together take turns loading a built op in a fraction of a second: only a
+# longer wait (a build) is worth a line on the terminal.
+QUIET_WAIT_S = 3.0
+
+
 @contextmanager
 def _op_build_lock(extensions: Path):
     """Exclusive hold of `extensions` for one process. A flock, so the kernel releases it when
     its holder dies, however it dies (torch's own `lock` file stays behind a killed build)."""
     extensions.mkdir(parents=True, exist_ok=True)
     with open(extensions / OP_BUILD_LOCK, "a") as f:
+        notice = threading.Timer(QUIET_WAIT_S, print, [
+            f"waiting for another process building DeepSpeed's C++ ops in {extensions}"],
+            {"file": sys.stderr, "flush": True})
+        notice.start()
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another process building DeepSpeed's C++ ops in {extensions}",
-                  file=sys.stderr, flush=True)
             fcntl.flock(f, fcntl.LOCK_EX)
+        finally:
+            notice.cancel()
         yield
 
 
