@@ -100,7 +100,7 @@ def main() -> None:
         ids = load_split(out, "train")
         sb = StreamBatches(ids, batch_size=args.batch, seq_len=args.seq)
         sb.batch(0)
-        steps = min(args.steps, sb.steps_per_epoch)
+        steps = min(args.steps, sb.epoch_steps(0))
         t0 = time.perf_counter()
         for k in range(steps):
             sb.batch(k)

@@ -145,7 +145,8 @@ class Trainer:
         self.valid_tokens = None
         try:
             self.batches = StreamBatches(self.train_tokens, rows, train.seq_len,
-                                         rank=self.rank, world_size=self.world_size)
+                                         rank=self.rank, world_size=self.world_size,
+                                         seed=train.seed)
         except ValueError as e:
             raise PipelineError(f"train: {e}") from None
         # one Transformer-XL cache per micro-batch: each holds its own rows' history
@@ -220,6 +221,11 @@ class Trainer:
 
     def train_step(self) -> float:
         """One optimizer update over all micro-batches; returns this rank's mean token nll."""
+        if self.step > 0 and self.batches.starts_epoch(self.step):
+            # The streams restart at a new offset: the cached states are no longer the rows'
+            # left context, so start from zeros, as the authors' trainer does at the wrap.
+            self.caches = [self.model.init_cache(self.micro_batch, device=self.device)
+                           for _ in range(self.accum)]
         x, y = self.batches.batch(self.step)
         x, y = x.to(self.device), y.to(self.device)
         mb = self.micro_batch

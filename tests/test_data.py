@@ -272,11 +272,11 @@ def test_stream_contiguous_rows():
     toks = np.arange(10_007, dtype=np.int64)
     sb = StreamBatches(toks, batch_size=4, seq_len=32)
     L = sb.stream_len
-    assert L == 10_007 // 4 and sb.steps_per_epoch == (L - 1) // 32
+    assert L == 10_007 // 4 and sb.epoch_steps(0) == (L - 1) // 32
     assert sb.tokens_per_step == 4 * 32 and sb.dropped_tokens == 10_007 - 4 * L
     prev = None
     rows = [[] for _ in range(4)]
-    for k in range(sb.steps_per_epoch):
+    for k in range(sb.epoch_steps(0)):
         x, y = sb.batch(k)
         assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, 32)
         assert torch.equal(y, x + 1)  # next-token targets from the same stream
@@ -287,7 +287,7 @@ def test_stream_contiguous_rows():
             rows[i].append(x[i].numpy())
     for i in range(4):
         got = np.concatenate(rows[i])
-        assert np.array_equal(got, toks[i * L : i * L + sb.steps_per_epoch * 32])
+        assert np.array_equal(got, toks[i * L : i * L + sb.epoch_steps(0) * 32])
 
 
 def test_stream_ranks_disjoint_and_cover():
@@ -297,7 +297,7 @@ def test_stream_ranks_disjoint_and_cover():
     for r in range(W):
         sb = StreamBatches(toks, B, T, rank=r, world_size=W)
         seen = set()
-        for k in range(sb.steps_per_epoch):
+        for k in range(sb.epoch_steps(0)):
             x, y = sb.batch(k)
             seen.update(x.flatten().tolist())
             seen.update(y.flatten().tolist())
@@ -308,7 +308,7 @@ def test_stream_ranks_disjoint_and_cover():
         for b in range(a + 1, W):
             assert not per_rank[a] & per_rank[b]
     L = N // (B * W)
-    used = sb.steps_per_epoch * T + 1
+    used = sb.epoch_steps(0) * T + 1
     expected = {s * L + j for s in range(B * W) for j in range(used)}
     assert set().union(*per_rank) == expected
 
@@ -329,20 +329,48 @@ def test_stream_resume_equals_sequential(text):
     assert row in text and len(row) == 5 * 64
 
 
-def test_stream_wraps_at_epoch():
+def test_stream_wraps_at_a_seeded_random_offset():
+    """After epoch 0 (offset 0) every stream restarts at an offset drawn from (seed, epoch)
+    in [0, seq_len), the same on every rank; the epoch then has the full segments left."""
     toks = np.arange(1_000, dtype=np.int32)
-    sb = StreamBatches(toks, batch_size=2, seq_len=30, world_size=2, rank=0)
-    spe = sb.steps_per_epoch
-    assert spe == (250 - 1) // 30 == 8
-    for k in (0, 3, spe - 1):
-        for a, b in zip(sb.batch(k), sb.batch(k + spe)):
-            assert torch.equal(a, b)
-        assert torch.equal(sb.batch(k)[0], sb.batch(k + 5 * spe)[0])
-    assert sb.starts_epoch(spe) and sb.starts_epoch(0) and not sb.starts_epoch(spe + 1)
-    assert sb.epoch(spe - 1) == 0 and sb.epoch(spe) == 1 and sb.epoch(3 * spe + 2) == 3
-    # the last step of an epoch stays inside the stream
-    x, y = sb.batch(spe - 1)
-    assert int(y.max()) < sb.stream_len * 2 and int(y[0, -1]) <= sb.stream_len - 1
+    T = 30
+    ranks = [StreamBatches(toks, batch_size=2, seq_len=T, world_size=2, rank=r, seed=7)
+             for r in range(2)]
+    sb = ranks[0]
+    L = sb.stream_len
+    assert L == 250 and sb.epoch_steps(0) == (L - 1) // T == 8
+    offsets = [sb.epoch_offset(e) for e in range(40)]
+    assert offsets[0] == 0 and all(0 <= o < T for o in offsets)
+    assert len(set(offsets[1:])) > 10                  # drawn, not a constant
+    step = 0
+    for e, off in enumerate(offsets):
+        steps = (L - 1 - off) // T
+        assert sb.epoch_steps(e) == steps and steps in (7, 8)
+        for k in range(steps):
+            for r, rb in enumerate(ranks):
+                x, y = rb.batch(step + k)
+                first = (r * 2 + np.arange(2)) * L + off + k * T   # rows r*B .. r*B+B-1
+                assert x[:, 0].tolist() == first.tolist() and torch.equal(y, x + 1)
+                assert int(y[:, -1].max()) < (r * 2 + 2) * L        # never past the stream
+                assert rb.epoch(step + k) == e and rb.starts_epoch(step + k) == (k == 0)
+                assert rb.offset(step + k) == off + k * T
+        step += steps
+    # a fresh object (a resumed run) seeks straight to a late step; another seed differs
+    late = StreamBatches(toks, batch_size=2, seq_len=T, world_size=2, rank=1, seed=7)
+    for k in (step - 1, 200, 57):
+        assert torch.equal(late.batch(k)[0], ranks[1].batch(k)[0])
+    other = StreamBatches(toks, batch_size=2, seq_len=T, world_size=2, seed=8)
+    assert [other.epoch_offset(e) for e in range(40)] != offsets
+
+
+def test_stream_offset_leaves_a_full_segment_in_a_short_stream():
+    """A stream of fewer than 2 * seq_len tokens: offsets are drawn below stream_len - seq_len
+    so that every epoch still has one step."""
+    sb = StreamBatches(np.arange(40) % 5, batch_size=1, seq_len=32, seed=3)
+    assert sb.stream_len == 40
+    assert {sb.epoch_offset(e) for e in range(1, 200)} == set(range(8))
+    assert all(sb.epoch_steps(e) == 1 for e in range(200))
+    assert [sb.offset(k) for k in range(200)] == [sb.epoch_offset(e) for e in range(200)]
 
 
 def test_stream_validation():
@@ -350,7 +378,7 @@ def test_stream_validation():
     with pytest.raises(ValueError, match=r"need 132 tokens.*has 100"):
         StreamBatches(toks, batch_size=2, seq_len=32, world_size=2)
     ok = StreamBatches(np.arange(132) % 7, batch_size=2, seq_len=32, world_size=2)  # just enough
-    assert ok.steps_per_epoch == 1
+    assert ok.epoch_steps(0) == 1
     with pytest.raises(ValueError, match="rank"):
         StreamBatches(toks, 1, 4, rank=2, world_size=2)
     with pytest.raises(ValueError, match="batch_size"):

@@ -3,11 +3,16 @@
 Training (:class:`StreamBatches`): the split is cut into ``world_size * batch_size`` contiguous
 streams of equal length (the few tokens left at the end are dropped); rank ``r`` owns streams
 ``r*B .. r*B+B-1``, one per batch row. Step ``k`` of an epoch reads ``seq_len`` inputs from every
-stream starting at ``k * seq_len`` and targets shifted by one token, so each row continues
-exactly where the previous step stopped and the cached hidden states of the last segment are the
-true left context. The read position is a pure function of the step number: resuming at step
-``k`` is ``batch(k)``; no iterator state needs to be saved. A stream that runs out wraps to its
-start, which is an epoch boundary (``steps_per_epoch`` steps per epoch, identical on every rank).
+stream starting at ``offset + k * seq_len`` and targets shifted by one token, so each row
+continues exactly where the previous step stopped and the cached hidden states of the last
+segment are the true left context. An epoch ends when a stream has no full segment left; the
+next one restarts every stream at a new offset in ``[0, seq_len)``, as the authors' trainer does
+to vary the segment boundaries (it draws ``random.randrange(block_size)``; epoch 0 starts at 0).
+Here the offset of epoch ``e`` is drawn from a generator seeded with ``(seed, e)``, so the read
+position stays a pure function of the step number: resuming at step ``k`` is ``batch(k)``, no
+iterator state needs to be saved, and every rank (same seed, same stream length) wraps at the
+same step. At the first step of every epoch after the first the rows restart, so the
+Transformer-XL cache must be reset (``starts_epoch``).
 
 Evaluation (:func:`eval_batches`): the split's targets ``tokens[1:]`` are cut into
 ``world_size * batch_size`` contiguous streams of nearly equal length (they differ by at most
@@ -18,6 +23,7 @@ padding rows/batches where needed) so collectives in the evaluation loop never h
 
 from __future__ import annotations
 
+import bisect
 from typing import Iterator
 
 import numpy as np
@@ -55,6 +61,7 @@ class StreamBatches:
         seq_len: int,
         rank: int = 0,
         world_size: int = 1,
+        seed: int = 0,
     ):
         arr = _check_tokens(tokens)
         _check_layout(batch_size, seq_len, rank, world_size)
@@ -76,24 +83,53 @@ class StreamBatches:
         self.dropped_tokens = int(arr.size - self.stream_len * n_streams)
         streams = arr[: self.stream_len * n_streams].reshape(n_streams, self.stream_len)
         self._rows = streams[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        self.steps_per_epoch = int((self.stream_len - 1) // self.seq_len)
+        self.seed = int(seed)
+        # Offsets are drawn below min(seq_len, stream_len - seq_len) so that every epoch has at
+        # least one full segment (stream_len >= seq_len + 1 is all the check above asks).
+        self._offset_bound = min(self.seq_len, self.stream_len - self.seq_len)
+        # first step of epochs 0, 1, ...: extended on demand, a memo of a pure function of seed
+        self._epoch_starts = [0]
 
     @property
     def tokens_per_step(self) -> int:
         """Target tokens per step over all ranks."""
         return self.n_streams * self.seq_len
 
+    def epoch_offset(self, epoch: int) -> int:
+        """Where every stream starts in epoch ``epoch``: 0 for the first, then drawn from
+        ``(seed, epoch)`` in ``[0, min(seq_len, stream_len - seq_len))``."""
+        if epoch == 0:
+            return 0
+        # SeedSequence takes non-negative entropy; a negative train.seed is still one seed
+        rng = np.random.default_rng([self.seed % 2**64, int(epoch)])
+        return int(rng.integers(self._offset_bound))
+
+    def epoch_steps(self, epoch: int) -> int:
+        """How many steps epoch ``epoch`` has: full segments (plus the target token) from its
+        offset on (``(stream_len - 1) // seq_len`` for epoch 0, at most one fewer after)."""
+        return (self.stream_len - 1 - self.epoch_offset(epoch)) // self.seq_len
+
+    def _locate(self, step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of ``step``."""
+        step = self._check_step(step)
+        starts = self._epoch_starts
+        while starts[-1] <= step:
+            starts.append(starts[-1] + self.epoch_steps(len(starts) - 1))
+        epoch = bisect.bisect_right(starts, step) - 1
+        return epoch, step - starts[epoch]
+
     def epoch(self, step: int) -> int:
         """The (0-based) epoch that ``step`` belongs to."""
-        return self._check_step(step) // self.steps_per_epoch
+        return self._locate(step)[0]
 
     def offset(self, step: int) -> int:
         """Start of step ``step``'s inputs within every stream."""
-        return (self._check_step(step) % self.steps_per_epoch) * self.seq_len
+        epoch, k = self._locate(step)
+        return self.epoch_offset(epoch) + k * self.seq_len
 
     def starts_epoch(self, step: int) -> bool:
         """True when ``step`` begins an epoch: rows restart, so a segment cache must be reset."""
-        return self._check_step(step) % self.steps_per_epoch == 0
+        return self._locate(step)[1] == 0
 
     def _check_step(self, step) -> int:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
@@ -119,8 +155,7 @@ class StreamBatches:
     def __repr__(self) -> str:
         return (
             f"StreamBatches(streams={self.n_streams}, stream_len={self.stream_len}, "
-            f"seq_len={self.seq_len}, rank={self.rank}/{self.world_size}, "
-            f"steps_per_epoch={self.steps_per_epoch})"
+            f"seq_len={self.seq_len}, rank={self.rank}/{self.world_size}, seed={self.seed})"
         )
 
 
