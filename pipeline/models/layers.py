@@ -51,7 +51,11 @@ def cache_len(span_len: int, max_span: int) -> int:
 
 
 class AdaptiveSpan(nn.Module):
-    """One learned span per head, stored as a fraction of max_span (``frac``, in [0, 1])."""
+    """One learned span per head, stored as a fraction of max_span (``frac``, in [0, 1]).
+
+    ``frac`` stays float32 when the module is cast to bf16 or fp16 (``model.to(dtype)``,
+    ``.bfloat16()``, ``.half()``): in bf16 a span near 3000 tokens moves in steps of 8 to 16
+    tokens, a large part of the 32-token ramp, and updates of lr * grad vanish in rounding."""
 
     def __init__(self, n_heads: int, max_span: int, ramp: int, init: float) -> None:
         super().__init__()
@@ -59,12 +63,23 @@ class AdaptiveSpan(nn.Module):
         self.ramp = ramp
         self.frac = nn.Parameter(torch.full((n_heads,), float(init)))
 
+    def _apply(self, fn, recurse=True):
+        value, grad = self.frac.data, self.frac.grad
+        super()._apply(fn, recurse)
+        if self.frac.dtype in (torch.bfloat16, torch.float16):  # a cast to low precision
+            # keep the values from before the cast, not their rounding, on fn's device
+            self.frac.data = value.to(self.frac.device, torch.float32)
+            if grad is not None:
+                self.frac.grad = grad.to(self.frac.device, torch.float32)
+        return self
+
     def span(self) -> Tensor:
-        """[H] z in tokens (differentiable)."""
+        """[H] z in tokens (differentiable), float32 or wider."""
         return self.frac * self.max_span
 
     def mask(self, span_len: int) -> Tensor:
-        """[H, L'] soft mask for the last L' distances (column j = distance L' - j)."""
+        """[H, L'] soft mask for the last L' distances (column j = distance L' - j), in float32
+        or wider whatever the model's dtype (``adaptive_span_mask``)."""
         return adaptive_span_mask(self.span(), self.ramp, span_len)
 
     def extra_repr(self) -> str:

@@ -133,9 +133,15 @@ def adaptive_span_mask(span: Tensor, ramp: int, span_len: int) -> Tensor:
     span: [H] current span z of each head, in tokens (differentiable).
     ramp: R, the length of the linear ramp from 1 down to 0.
     span_len: L', the number of context columns.
-    Returns [H, L']; column j has distance t - c = L' - j and, as in the authors' code, the
-    mask is evaluated at x = distance - 1 (the previous token always gets weight 1 for z >= 0).
+    Returns [H, L'] in at least float32 (cast it to the attention's dtype where it is used);
+    column j has distance t - c = L' - j and, as in the authors' code, the mask is evaluated
+    at x = distance - 1 (the previous token always gets weight 1 for z >= 0).
+
+    In at least float32 whatever ``span``'s dtype: bf16 holds integers exactly only up to
+    256, so at distances of thousands the 32-token ramp would be a staircase (errors up to
+    ~0.5 in the mask, a wrong gradient for z).
     """
+    span = span.to(torch.promote_types(span.dtype, torch.float32))
     dist = torch.arange(span_len, 0, -1, device=span.device, dtype=span.dtype)  # L'..1
     x = dist - 1
     return ((ramp + span[:, None] - x) / ramp).clamp(0.0, 1.0)
@@ -195,7 +201,7 @@ def attention_weights(
     if span_mask is not None:
         # Adaptive span: mask the context weights only (the mask is padded with 1 for the
         # persistent vectors), then renormalise jointly.
-        a_ctx = a[..., :n_ctx] * span_mask[:, None, :]  # span_mask: [H, L']
+        a_ctx = a[..., :n_ctx] * span_mask.to(a.dtype)[:, None, :]  # span_mask: [H, L']
         a = torch.cat([a_ctx, a[..., n_ctx:]], dim=-1)
         a = a / (a.sum(dim=-1, keepdim=True) + RENORM_EPS)
 
