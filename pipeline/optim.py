@@ -258,6 +258,63 @@ def master_clamp(engine, params: Iterable[torch.Tensor], lo: float,
     return clamp
 
 
+def float32_from_master(engine, params: Iterable[torch.Tensor],
+                        initial: Iterable[torch.Tensor]) -> Callable[[], None]:
+    """A function that makes each of `params` (model parameters) a float32 tensor holding its
+    fp32 master's values: for parameters the forward must not read rounded to bf16 / fp16
+    (the span fractions, see pipeline.models.layers.AdaptiveSpan). DeepSpeed casts every
+    parameter to the training precision and ZeRO 1/2 point the parameters back at that
+    rounded copy after every step, so call it before every forward and after clamping.
+
+    Build it once after `deepspeed.initialize` (and before anything re-points parameters):
+    it writes `initial` (their float32 values from before DeepSpeed's cast) into the
+    masters. Under ZeRO 1/2 a master is cut across ranks, so each call sums the pieces over
+    the group (one all_reduce of the few span values). A no-op when no parameter is in bf16
+    or fp16 (fp32 training) and under ZeRO 3, whose parameters exist only inside forward:
+    there they stay in the training precision."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    params = list(params)
+    low = (torch.bfloat16, torch.float16)
+    if (not any(p.dtype in low for p in params)
+            or type(engine.optimizer) is DeepSpeedZeroOptimizer_Stage3):
+        return lambda: None
+    index = {id(p): i for i, p in enumerate(params)}
+    starts = [0]
+    for p in params:
+        starts.append(starts[-1] + p.numel())
+    values = torch.cat([v.detach().reshape(-1).float() for v in initial])
+    pieces, groups = [], set()
+    for master, layout in _master_layouts(engine).items():
+        flat_master = master.data.view(-1)
+        for run in layout.runs:
+            if run.owner == len(layout.params) or id(layout.params[run.owner]) not in index:
+                continue
+            param = layout.params[run.owner]
+            at = starts[index[id(param)]] + (
+                run.lp.data_ptr() - param.data.data_ptr()) // param.element_size()
+            view = flat_master[run.start:run.start + run.length]
+            view.copy_(values[at:at + run.length])
+            pieces.append((view, at))
+            groups.add(layout.group)
+    if len(groups) != 1:
+        raise PipelineError("the span parameters are spread over several DeepSpeed process "
+                            "groups: cannot gather their fp32 masters")
+    (group,) = groups
+
+    @torch.no_grad()
+    def to_float32() -> None:
+        buf = torch.zeros(starts[-1], dtype=torch.float32, device=params[0].device)
+        for view, at in pieces:
+            buf[at:at + view.numel()] = view
+        if group is not None:
+            dist.all_reduce(buf, group=group)
+        for p, a, b in zip(params, starts, starts[1:]):
+            p.data = buf[a:b].view(p.shape)
+    to_float32()
+    return to_float32
+
+
 def before_save_checkpoint(engine) -> None:
     """Call right before `engine.save_checkpoint`. torch's Adagrad creates its state for the
     model parameters when it is built; DeepSpeed's bf16 wrappers then swap in fp32 copies,

@@ -103,7 +103,8 @@ class Trainer:
     def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None]):
         from pipeline.data import StreamBatches
         from pipeline.models import build_model
-        from pipeline.optim import bind_to_engine, build_optimizer, master_clamp
+        from pipeline.optim import (bind_to_engine, build_optimizer, float32_from_master,
+                                    master_clamp)
 
         self.spec, self.tracker, self.log = spec, tracker, log
         train = spec.train
@@ -126,6 +127,8 @@ class Trainer:
 
         self.ds_config = deepspeed_config(train, self.world_size)
         optimizer = build_optimizer(model.parameters(), train.optimizer)
+        spans = {n: p.detach().clone() for n, p in model.named_parameters()
+                 if n.endswith("adaptive_span.frac")}  # float32, before DeepSpeed's cast
         self.engine, _, _, _ = deepspeed.initialize(
             model=model.to(self.device), optimizer=optimizer, config=self.ds_config)
         self.model = self.engine.module
@@ -133,9 +136,12 @@ class Trainer:
         # ZeRO and bf16 hand the optimizer flat partitions: tell the per-tensor clipping
         # which elements belong to which parameter, and clamp the spans on the fp32 masters.
         bind_to_engine(self.engine)
-        self.clamp_spans = master_clamp(
-            self.engine, [p for n, p in self.model.named_parameters()
-                          if n.endswith("adaptive_span.frac")], 0.0, 1.0)
+        pairs = [(p, spans[n]) for n, p in self.model.named_parameters() if n in spans]
+        span_params = [p for p, _ in pairs]
+        self.clamp_spans = master_clamp(self.engine, span_params, 0.0, 1.0)
+        # bf16 / fp16: the forward reads the spans from their fp32 masters (see AdaptiveSpan)
+        self.spans_to_float32 = float32_from_master(self.engine, span_params,
+                                                    [init for _, init in pairs])
 
         self.micro_batch = self.ds_config["train_micro_batch_size_per_gpu"]
         self.accum = self.ds_config["gradient_accumulation_steps"]
@@ -226,6 +232,7 @@ class Trainer:
             # left context, so start from zeros, as the authors' trainer does at the wrap.
             self.caches = [self.model.init_cache(self.micro_batch, device=self.device)
                            for _ in range(self.accum)]
+        self.spans_to_float32()  # after a resume, too: the masters are what was loaded
         x, y = self.batches.batch(self.step)
         x, y = x.to(self.device), y.to(self.device)
         mb = self.micro_batch
@@ -239,6 +246,7 @@ class Trainer:
             self.caches[i] = out.cache
             losses.append(nll.item())
         self.clamp_spans()
+        self.spans_to_float32()
         self.step += 1
         return sum(losses) / len(losses)
 

@@ -19,12 +19,42 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a worker script
-    sys.path.insert(0, str(ROOT))
 
 STEPS, SAVE_AT, SEQ_LEN, ROWS = 12, 3, 16, 4
 
 pytestmark = pytest.mark.slow
+
+
+def tiny_corpus(tmp: Path) -> tuple[Path, Path]:
+    """(config, preprocess output) for a training run on the first 420 bytes of
+    tinyshakespeare: 378 train tokens, 94 per stream of a batch of 4."""
+    from pipeline.spec import load_spec
+    from stages.preprocess import preprocess
+
+    text = (Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare/input.txt"
+            ).read_bytes()[:420]
+    download = tmp / "download"
+    (download / "files").mkdir(parents=True)
+    (download / "files" / "all.data").write_bytes(text)
+    digest = hashlib.sha256(text).hexdigest()
+    (download / "download.json").write_text(json.dumps({
+        "url": "file:///test", "sha256": digest,
+        "files": {"all": {"path": "files/all.data", "sha256": digest, "bytes": len(text)}}}))
+    cfg = _config(tmp)
+    preprocess(load_spec(cfg).dataset, download, tmp / "preprocess", log=lambda _: None)
+    return cfg, tmp / "preprocess"
+
+
+def run_worker(script: str, *args) -> dict:
+    """Run `script` (a test file's worker) in a fresh process as one DeepSpeed rank; the
+    JSON it wrote to its last argument."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    result = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(Path(args[-1]).read_text())
 
 
 def _config(tmp: Path) -> Path:
@@ -82,38 +112,14 @@ def _worker(cfg: Path, preprocess_dir: Path, ckpt: Path, resume: bool, out: Path
     torch.distributed.destroy_process_group()
 
 
-def _run_worker(*args) -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    result = subprocess.run([sys.executable, __file__, *map(str, args)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(Path(args[-1]).read_text())
-
-
 def test_the_wrap_resets_the_cache_at_a_seeded_offset_and_resumes_exactly(tmp_path):
     from pipeline.data.manifest import load_split
-    from pipeline.spec import load_spec
-    from stages.preprocess import preprocess
 
-    text = (Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare/input.txt"
-            ).read_bytes()[:420]
-    download = tmp_path / "download"
-    (download / "files").mkdir(parents=True)
-    (download / "files" / "all.data").write_bytes(text)
-    digest = hashlib.sha256(text).hexdigest()
-    (download / "download.json").write_text(json.dumps({
-        "url": "file:///test", "sha256": digest,
-        "files": {"all": {"path": "files/all.data", "sha256": digest, "bytes": len(text)}}}))
-    cfg = _config(tmp_path)
-    pre = tmp_path / "preprocess"
-    preprocess(load_spec(cfg).dataset, download, pre, log=lambda _: None)
+    cfg, pre = tiny_corpus(tmp_path)
     train = load_split(pre, "train")
-
     ckpt = tmp_path / "checkpoints"
-    straight = _run_worker(cfg, pre, ckpt, "straight", tmp_path / "straight.json")
-    resumed = _run_worker(cfg, pre, ckpt, "resume", tmp_path / "resumed.json")
+    straight = run_worker(__file__, cfg, pre, ckpt, "straight", tmp_path / "straight.json")
+    resumed = run_worker(__file__, cfg, pre, ckpt, "resume", tmp_path / "resumed.json")
 
     L = straight["stream_len"]
     assert L == len(train) // ROWS

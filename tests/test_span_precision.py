@@ -8,6 +8,9 @@ turns the 32-token ramp into a staircase and gives the span a wrong gradient.
 from __future__ import annotations
 
 import copy
+import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +95,80 @@ def test_bf16_model_trains_with_float32_spans():
     (out.nll.mean() + model.span_loss()).backward()
     assert all(f.grad is not None and f.grad.dtype == torch.float32 and f.grad.abs().sum() > 0
                for f in fracs)
+
+
+# ------------------------------------------------------------------ DeepSpeed's bf16 engine
+
+SPAN_INIT, DS_STEPS = 0.37, 4
+
+
+def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
+    """bf16 Trainers (one process) under ZeRO 0, 1 and 2: what the forward sees of the spans,
+    the losses; under ZeRO 1 also a save after 2 steps and a fresh Trainer resumed from it."""
+    from pipeline.spec import load_spec
+    from pipeline.trainer import Trainer
+
+    def trainer(stage: int) -> Trainer:
+        spec = load_spec(cfg, ["train.deepspeed.bf16=true", f"train.deepspeed.zero_stage={stage}",
+                               f"model.span_init={SPAN_INIT}", "model.span_loss_coef=0.01"])
+        return Trainer(spec, preprocess_dir, tracker=None, log=print)
+
+    def fracs(t: Trainer) -> list[list[float]]:
+        return [layer.attn.adaptive_span.frac.tolist() for layer in t.model.layers]
+
+    def seen_by_forward(module, args) -> None:
+        spans = [layer.attn.adaptive_span.frac for layer in module.layers]
+        seen.append({"dtypes": sorted({str(f.dtype) for f in spans}),
+                     "pos": str(module.pos_table.dtype), "fracs": [f.tolist() for f in spans]})
+
+    result = {}
+    for stage in (0, 1, 2):
+        t = trainer(stage)
+        seen: list[dict] = []
+        t.model.register_forward_pre_hook(seen_by_forward)
+        losses, after = [], []
+        for step in range(DS_STEPS):
+            losses.append(t.train_step())
+            after.append(fracs(t))
+            if stage == 1 and step == 1:
+                t.save(ckpt, keep=1)
+        result[stage] = {"seen": seen, "losses": losses, "fracs": after}
+        if stage == 1:
+            resumed = trainer(1)
+            resumed.load(ckpt)
+            result["resumed"] = {"losses": [resumed.train_step() for _ in range(2)],
+                                 "fracs": fracs(resumed)}
+    out.write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_deepspeed_bf16_trains_with_float32_spans(tmp_path):
+    """DeepSpeed casts every parameter to bf16 and, under ZeRO 1/2, points them back at its
+    bf16 flat buffer after every step; the forward must still see the spans in float32, the
+    fp32 masters' values (not on bf16's grid), starting exactly at span_init, while the rest
+    of the model stays bf16; resuming from a checkpoint continues exactly."""
+    from test_epoch_wrap import run_worker, tiny_corpus
+
+    cfg, pre = tiny_corpus(tmp_path)
+    got = run_worker(__file__, cfg, pre, tmp_path / "ckpt", tmp_path / "bf16.json")
+    init = torch.tensor(SPAN_INIT).item()  # float32(0.37), which bf16 cannot hold
+    assert torch.tensor(SPAN_INIT).bfloat16().item() != init
+    for stage in ("0", "1", "2"):
+        run = got[stage]
+        assert len(run["seen"]) == DS_STEPS * 2                 # 2 micro-batches per step
+        assert all(s["dtypes"] == ["torch.float32"] and s["pos"] == "torch.bfloat16"
+                   for s in run["seen"]), stage
+        assert run["seen"][0]["fracs"] == [[init] * 2] * 2, stage
+        # the spans moved, to values bf16 cannot represent, and the model learned
+        last = torch.tensor(run["fracs"][-1])
+        assert (last < init).all() and not torch.equal(last, last.bfloat16().float()), stage
+        assert run["losses"][-1] < run["losses"][0], stage
+        # what each forward sees is what the previous step left
+        seen = [s["fracs"] for s in run["seen"]]
+        assert seen[2::2] == run["fracs"][:-1], stage
+    assert got["resumed"]["losses"] == got["1"]["losses"][2:]
+    assert got["resumed"]["fracs"] == got["1"]["fracs"][-1]
+
+
+if __name__ == "__main__":
+    _ds_worker(*map(Path, sys.argv[1:]))

@@ -66,7 +66,8 @@ class AdaptiveSpan(nn.Module):
     def _apply(self, fn, recurse=True):
         value, grad = self.frac.data, self.frac.grad
         super()._apply(fn, recurse)
-        if self.frac.dtype in (torch.bfloat16, torch.float16):  # a cast to low precision
+        low = (torch.bfloat16, torch.float16)
+        if self.frac.dtype in low and value.dtype not in low:  # this call cast it down
             # keep the values from before the cast, not their rounding, on fn's device
             self.frac.data = value.to(self.frac.device, torch.float32)
             if grad is not None:
