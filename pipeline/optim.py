@@ -286,8 +286,10 @@ def float32_from_master(engine, params: Iterable[torch.Tensor],
     values = torch.cat([v.detach().reshape(-1).float() for v in initial])
     pieces, groups = [], set()
     for master, layout in _master_layouts(engine).items():
+        if any(id(p) in index for p in layout.params):  # the same on every rank
+            groups.add(layout.group)
         flat_master = master.data.view(-1)
-        for run in layout.runs:
+        for run in layout.runs:  # this rank's pieces (none, under ZeRO 1/2, on some ranks)
             if run.owner == len(layout.params) or id(layout.params[run.owner]) not in index:
                 continue
             param = layout.params[run.owner]
@@ -296,7 +298,6 @@ def float32_from_master(engine, params: Iterable[torch.Tensor],
             view = flat_master[run.start:run.start + run.length]
             view.copy_(values[at:at + run.length])
             pieces.append((view, at))
-            groups.add(layout.group)
     if len(groups) != 1:
         raise PipelineError("the span parameters are spread over several DeepSpeed process "
                             "groups: cannot gather their fp32 masters")
