@@ -270,14 +270,9 @@ def float32_from_master(engine, params: Iterable[torch.Tensor],
     it writes `initial` (their float32 values from before DeepSpeed's cast) into the
     masters. Under ZeRO 1/2 a master is cut across ranks, so each call sums the pieces over
     the group (one all_reduce of the few span values). A no-op when no parameter is in bf16
-    or fp16 (fp32 training) and under ZeRO 3, whose parameters exist only inside forward:
-    there they stay in the training precision."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
+    or fp16 (fp32 training). Not for ZeRO 3 (the spec refuses it for adaptive-span models)."""
     params = list(params)
-    low = (torch.bfloat16, torch.float16)
-    if (not any(p.dtype in low for p in params)
-            or type(engine.optimizer) is DeepSpeedZeroOptimizer_Stage3):
+    if not any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
         return lambda: None
     index = {id(p): i for i, p in enumerate(params)}
     starts = [0]
