@@ -25,6 +25,11 @@ class Main(click.Group):
                 raise
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
+        except KeyboardInterrupt:     # a second ctrl-C, or one outside `run`'s stages
+            if ctx.params.get("debug"):
+                raise
+            click.echo("error: interrupted (SIGINT)", err=True)
+            sys.exit(130)
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -65,6 +70,17 @@ def run(config, overrides, start_from, only, force, dry_run):
         run_under_launcher(spec, args)
         return
     runner.run(make_tracker(spec))
+
+
+@main.command()
+@CONFIG
+@SET
+def sync(config, overrides):
+    """Send the tracking records a run kept while its MLflow server was down."""
+    from pipeline.spec import load_spec
+    from pipeline.tracking import sync as sync_backlog
+
+    sync_backlog(load_spec(config, list(overrides)), log=click.echo)
 
 
 def _repeat(flag: str, values) -> list[str]:

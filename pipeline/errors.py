@@ -9,3 +9,14 @@ class PipelineError(Exception):
 class Preempted(PipelineError):
     """Training stopped on a signal after saving a checkpoint; a re-run resumes from it."""
     exit_code = 143   # 128 + SIGTERM, what a scheduler expects of a job it terminated
+
+
+class Interrupted(Preempted):
+    """A stage stopped on SIGTERM / SIGINT outside the training loop, with nothing saved
+    mid-stage: a re-run redoes the stage. Exits 128 + the signal's number, as a shell does."""
+
+    def __init__(self, signal_name: str, signal_number: int):
+        super().__init__(f"stopped by {signal_name}; the stage that was running is left "
+                         f"unfinished (its MLflow run is marked KILLED): run the pipeline "
+                         f"again to redo it")
+        self.exit_code = 128 + signal_number

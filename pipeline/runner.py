@@ -30,6 +30,7 @@ from pipeline import distributed
 from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_json, read_json
 from pipeline.schema import Spec
+from pipeline.signals import RaiseOnSignal
 from stages import STAGES, StageContext, resolve_inputs
 
 RECORD = "stage.json"
@@ -239,11 +240,11 @@ class Runner:
             self._follow()
             return {}
         records: dict[str, dict] = {}
-        with WorkspaceLock(self.ws.path):
+        with WorkspaceLock(self.ws.path), RaiseOnSignal():
             steps = self.plan()
             together = [s for s in steps if s.action == "run" and STAGES[s.stage].distributed]
-            tracker.start(self.spec, plan=steps)
             try:
+                tracker.start(self.spec, plan=steps)
                 if not together:
                     distributed.broadcast_object(None)      # nothing for the other ranks
                 for step in steps:

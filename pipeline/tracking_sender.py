@@ -1,0 +1,263 @@
+"""Tracking records sent to MLflow by a background thread, and kept when they cannot be.
+
+A record is one MLflow call as a JSON-able dict. Runs are named in records by a local key
+until MLflow has created them (`create` binds the key to MLflow's run id), so records can
+wait in memory while the server is down, be written to a backlog file, and be replayed from
+it later in the same order. Metrics carry their own step and timestamp, and artifacts their
+bytes (they are small: json, yaml, a tokenizer model), so a late delivery records what a
+timely one would have.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+RETRY_SECONDS = 10.0    # between attempts while the server is not answering
+
+
+def is_transient(error: BaseException) -> bool:
+    """True when the server could take the record later (down, overloaded, timing out);
+    False when it refused the record itself (an MLflow 4xx), which no retry fixes."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(error, MlflowException):
+        status = error.get_http_status_code()
+        return not 400 <= status < 500 or status == 429
+    return isinstance(error, OSError)      # requests' connection errors are OSErrors
+
+
+class Delivery:
+    """Performs records against one MLflow client; remembers which run each key became."""
+
+    def __init__(self, client, run_ids: dict[str, str] | None = None):
+        self.client = client
+        self.run_ids: dict[str, str] = dict(run_ids or {})
+        self._experiments: dict[str, str] = {}
+
+    def send(self, record: dict) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        op = record["op"]
+        if op == "create":
+            tags = dict(record["tags"])
+            if record["parent"] is not None:
+                tags["mlflow.parentRunId"] = self.run_ids[record["parent"]]
+            run = self.client.create_run(self._experiment(record["experiment"],
+                                                          record["artifact_location"]),
+                                         start_time=record["time"], tags=tags)
+            self.run_ids[record["key"]] = run.info.run_id
+        elif op == "batch":
+            self.client.log_batch(
+                self.run_ids[record["key"]],
+                metrics=[Metric(k, v, t, s) for k, v, t, s in record.get("metrics", [])],
+                params=[Param(k, v) for k, v in record.get("params", [])],
+                tags=[RunTag(k, v) for k, v in record.get("tags", [])])
+        elif op == "artifact":
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / record["name"]
+                path.write_bytes(base64.b64decode(record["data"]))
+                self.client.log_artifact(self.run_ids[record["key"]], str(path),
+                                         record["artifact_path"])
+        elif op == "end":
+            self.client.set_terminated(self.run_ids[record["key"]], status=record["status"],
+                                       end_time=record["time"])
+        else:
+            raise ValueError(f"unknown tracking record {op!r}")
+
+    def _experiment(self, name: str, artifact_location: str | None) -> str:
+        if name not in self._experiments:
+            found = self.client.get_experiment_by_name(name)
+            self._experiments[name] = (found.experiment_id if found is not None else
+                                       self.client.create_experiment(
+                                           name, artifact_location=artifact_location))
+        return self._experiments[name]
+
+
+def describe(record: dict) -> str:
+    return f"{record['op']} record for run {record['key']}"
+
+
+class Sender:
+    """Sends records in order from a daemon thread, so the caller never waits on the server.
+
+    While the server does not answer, records stay queued and the head one is retried every
+    `retry_s` seconds; `warn` hears about the first failure and the recovery, once each. A
+    record MLflow refuses (see `is_transient`) is reported and dropped. `spill` writes what is
+    left to a backlog file, and every later record goes straight there."""
+
+    def __init__(self, delivery: Delivery, warn: Callable[[str], None],
+                 retry_s: float = RETRY_SECONDS):
+        self.delivery, self.warn, self.retry_s = delivery, warn, retry_s
+        self.pending: deque[dict] = deque()
+        self.failing = False
+        self.spilled_to: Path | None = None
+        self._lost: set[str] = set()      # keys whose `create` MLflow refused
+        self._hurry = False               # a flush is waiting: try now, not at _next_try
+        self._next_try = 0.0
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def run_id(self, key: str | None) -> str | None:
+        return self.delivery.run_ids.get(key)
+
+    def submit(self, record: dict) -> None:
+        with self._cond:
+            if self.spilled_to is not None:
+                append_records(self.spilled_to, [record])
+                return
+            self.pending.append(record)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="mlflow-sender",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the queue to empty (trying at once even if the
+        server was failing); True when everything was sent."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._hurry = True
+            self._cond.notify_all()
+            while self.pending and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            self._hurry = False
+            return not self.pending
+
+    def stop(self, join_s: float) -> None:
+        """Stop sending, waiting up to `join_s` for a request in flight to settle (so that
+        a record is neither lost nor sent twice)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(join_s)
+
+    def spill(self, path: Path, join_s: float) -> int:
+        """Stop sending and append what is left to `path`, after the run ids known so far;
+        every later record goes there too. Returns the number of records written."""
+        self.stop(join_s)
+        with self._cond:
+            records = list(self.pending)
+            self.pending.clear()
+            if records:
+                binds = [{"op": "bind", "key": k, "run_id": v}
+                         for k, v in self.delivery.run_ids.items()]
+                append_records(path, binds + records)
+            self.spilled_to = path
+            return len(records)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopped or self.pending and
+                           (self._hurry or time.monotonic() >= self._next_try)):
+                    self._cond.wait(max(0.0, self._next_try - time.monotonic())
+                                    if self.pending else None)
+                if self._stopped:
+                    return
+                record = self.pending[0]
+            try:
+                if record["key"] not in self._lost:
+                    self.delivery.send(record)
+            except Exception as e:
+                if is_transient(e):
+                    self._failed(e)
+                    continue
+                self.warn(f"MLflow refused a {describe(record)} ({first_line(e)}); "
+                          f"dropped it")
+                if record["op"] == "create":
+                    self._lost.add(record["key"])
+            with self._cond:
+                self.pending.popleft()
+                if self.failing:
+                    self.failing = False
+                    self.warn("tracking server answers again; sending the records kept "
+                              "meanwhile")
+                self._cond.notify_all()
+
+    def _failed(self, error: Exception) -> None:
+        with self._cond:
+            if not self.failing:
+                self.failing = True
+                self.warn(f"tracking server not answering ({reason(error)}); training goes "
+                          f"on, its records are kept and sent when the server is back")
+            self._next_try = time.monotonic() + self.retry_s
+            self._hurry = False
+
+
+def append_records(path: Path, records: list[dict]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.flush()
+
+
+def read_records(path: Path) -> list[dict]:
+    from pipeline.errors import PipelineError
+
+    records = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise PipelineError(f"{path}:{n}: not a tracking record ({e.msg})") from None
+    return records
+
+
+def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple[int, int]:
+    """Send the records of a backlog file in order. Stops at the first failure that a later
+    try could fix, and leaves exactly what was not sent in the file (with the run ids
+    learnt, so nothing is created or logged twice); removes the file when all went.
+    Returns (records sent, records left)."""
+    records = read_records(path)
+    sent, lost = 0, set()
+    for i, record in enumerate(records):
+        if record["op"] == "bind":
+            delivery.run_ids[record["key"]] = record["run_id"]
+            continue
+        if record["key"] in lost:
+            continue
+        try:
+            delivery.send(record)
+        except Exception as e:
+            if is_transient(e):
+                binds = [{"op": "bind", "key": k, "run_id": v}
+                         for k, v in delivery.run_ids.items()]
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.unlink(missing_ok=True)
+                append_records(tmp, binds + records[i:])
+                tmp.replace(path)
+                return sent, sum(r["op"] != "bind" for r in records[i:])
+            warn(f"MLflow refused a {describe(record)} ({first_line(e)}); dropped it")
+            if record["op"] == "create":
+                lost.add(record["key"])
+            continue
+        sent += 1
+    path.unlink()
+    return sent, 0
+
+
+def reason(error: BaseException) -> str:
+    """The cause in a few words, not MLflow's paragraph about the URL and retries."""
+    import re
+
+    text = str(error)
+    if m := re.search(r"\[Errno -?\d+\] ([^'\")]+)", text):
+        return m.group(1).strip()
+    if "timed out" in text or "timeout" in text.lower():
+        return "no answer in time"
+    return first_line(error)
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
