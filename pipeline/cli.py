@@ -65,6 +65,8 @@ def run(config, overrides, start_from, only, force, dry_run):
     if runner.needs_launcher():
         from pipeline.launcher import run_under_launcher
 
+        make_tracker(spec).check(spec)   # here, not after every process has started
+
         args = ["--config", config, *_repeat("--set", overrides), *_repeat("--only", only),
                 *_repeat("--force", force), *_repeat("--from", [start_from] if start_from else [])]
         run_under_launcher(spec, args)

@@ -96,6 +96,7 @@ class NullStageTracker:
 class NullTracker:
     run_id = None
 
+    def check(self, spec) -> None: ...
     def start(self, spec, plan) -> None: ...
     def finish(self, status: str) -> None: ...
 
@@ -177,7 +178,7 @@ class MlflowTracker:
         self.uri, self.flush_s = uri, flush_s
         self.client = MlflowClient(tracking_uri=uri)
         self.warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
-        self.sender = Sender(Delivery(self.client), self._warn_tracking, retry_s)
+        self.sender = Sender(Delivery(self.client), self.warn_server, retry_s)
         self.spec = None
         self.parent: StageTracker | None = None
 
@@ -185,7 +186,7 @@ class MlflowTracker:
     def run_id(self) -> str | None:
         return self.parent.run_id if self.parent else None
 
-    def _warn_tracking(self, message: str) -> None:
+    def warn_server(self, message: str) -> None:
         self.warn(f"MLflow {self.uri}: {message}")
 
     def check(self, spec) -> None:
@@ -285,7 +286,7 @@ def sync(spec, log=print) -> None:
             return
         tracker = MlflowTracker(tracking_uri(spec))
         tracker.check(spec)
-        sent, left = replay(path, Delivery(tracker.client), tracker._warn_tracking)
+        sent, left = replay(path, Delivery(tracker.client), tracker.warn_server)
     if left:
         raise PipelineError(f"tracking server {tracker.uri} stopped answering: {sent} records "
                             f"sent, {left} still in {path}; run `{sync_command(spec)}` again")
