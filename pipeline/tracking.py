@@ -27,8 +27,7 @@ import yaml
 
 from pipeline.errors import PipelineError, Preempted
 from pipeline.spec import PROJECT_ROOT
-from pipeline.tracking_sender import (RETRY_SECONDS, Delivery, Sender, first_line,
-                                      is_transient, reason, replay)
+from pipeline.tracking_sender import RETRY_SECONDS, Delivery, Sender, is_transient, reason, replay
 
 _MAX_PARAM = 6000       # MLflow's limit on a param value
 _BATCH = 100            # params / metrics per log_batch call
@@ -198,7 +197,7 @@ class MlflowTracker:
         except Exception as e:
             if not is_transient(e):
                 raise PipelineError(f"tracking server {self.uri} refused a request "
-                                    f"({first_line(e)})") from None
+                                    f"({reason(e)})") from None
             raise PipelineError(
                 f"tracking server {self.uri} is not answering ({reason(e)}); start it, or "
                 f"unset tracking.uri and MLFLOW_TRACKING_URI to record runs in the local "

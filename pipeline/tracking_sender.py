@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import tempfile
 import threading
 import time
@@ -23,14 +24,28 @@ RETRY_SECONDS = 10.0    # between attempts while the server is not answering
 
 
 def is_transient(error: BaseException) -> bool:
-    """True when the server could take the record later (down, overloaded, timing out);
-    False when it refused the record itself (an MLflow 4xx), which no retry fixes."""
+    """True when the server did not answer (down, unreachable, timing out) or said to come
+    back later (429, 502-504): the record may go through later. False when it answered with
+    an error (a 4xx, or a 500 such as MLflow's for a param logged twice with another value),
+    which no retry fixes."""
     from mlflow.exceptions import MlflowException
 
-    if isinstance(error, MlflowException):
-        status = error.get_http_status_code()
-        return not 400 <= status < 500 or status == 429
-    return isinstance(error, OSError)      # requests' connection errors are OSErrors
+    if not isinstance(error, MlflowException):
+        return isinstance(error, OSError)      # requests' connection errors are OSErrors
+    status = _answered_status(error)
+    if status is None and _NO_ANSWER in str(error):
+        return True
+    return (status or error.get_http_status_code()) in (429, 502, 503, 504)
+
+
+# MLflow's words for a request that got no usable answer; with MLFLOW_HTTP_REQUEST_MAX_RETRIES
+# at 0, an error status MLflow would retry arrives the same way, as "too many N error responses"
+_NO_ANSWER = "failed with exception"
+
+
+def _answered_status(error: BaseException) -> int | None:
+    m = re.search(r"too many (\d{3}) error responses", str(error))
+    return int(m.group(1)) if m else None
 
 
 class Delivery:
@@ -172,11 +187,13 @@ class Sender:
                 if is_transient(e):
                     self._failed(e)
                     continue
-                self.warn(f"MLflow refused a {describe(record)} ({first_line(e)}); "
+                self.warn(f"MLflow refused a {describe(record)} ({reason(e)}); "
                           f"dropped it")
                 if record["op"] == "create":
                     self._lost.add(record["key"])
             with self._cond:
+                if self._stopped and not self.pending:
+                    return      # `spill` gave up waiting for this request and kept the record
                 self.pending.popleft()
                 if self.failing:
                     self.failing = False
@@ -238,7 +255,7 @@ def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple
                 append_records(tmp, binds + records[i:])
                 tmp.replace(path)
                 return sent, sum(r["op"] != "bind" for r in records[i:])
-            warn(f"MLflow refused a {describe(record)} ({first_line(e)}); dropped it")
+            warn(f"MLflow refused a {describe(record)} ({reason(e)}); dropped it")
             if record["op"] == "create":
                 lost.add(record["key"])
             continue
@@ -249,9 +266,9 @@ def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple
 
 def reason(error: BaseException) -> str:
     """The cause in a few words, not MLflow's paragraph about the URL and retries."""
-    import re
-
     text = str(error)
+    if status := _answered_status(error):
+        return f"HTTP {status}"
     if m := re.search(r"\[Errno -?\d+\] ([^'\")]+)", text):
         return m.group(1).strip()
     if "timed out" in text or "timeout" in text.lower():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import socket
 import threading
@@ -90,8 +89,8 @@ def mlflow_env(monkeypatch):
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """Stages that log a few records each; `actions[stage]` runs in the middle of one (its
-    argument: the metric step it is at)."""
+    """Stages that log a few records each; `actions[stage](ctx, step)` runs before each of
+    the stage's metric steps."""
     actions = {}
 
     def make(name):
@@ -99,7 +98,7 @@ def stand_ins(monkeypatch):
             ctx.tracker.log_params({"stand_in": name})
             for step in range(1, STEPS + 1):
                 if name in actions:
-                    actions[name](step)
+                    actions[name](ctx, step)
                 ctx.tracker.log_metrics({"loss": 1.0 / step}, step=step)
             (ctx.out_dir / "result.json").write_text(json.dumps({"stage": name}))
             ctx.tracker.log_artifact(ctx.out_dir / "result.json")
@@ -186,7 +185,7 @@ def test_healthy_server_gets_every_record_once_and_the_stage_run_ids(tmp_path, s
 def test_server_down_mid_train_and_back_later_gets_the_kept_records(tmp_path, server,
                                                                     stand_ins):
     """Down at step 4 of train, back at step 10: nothing waits, nothing lost, nothing twice."""
-    def outage(step):
+    def outage(ctx, step):
         if step == 4:
             server.stop()
         if step == 10:
@@ -211,7 +210,7 @@ def test_server_down_until_the_end_leaves_a_backlog_that_sync_sends(tmp_path, se
                                                                    stand_ins):
     """Down from step 5 of train on: the run finishes, the records wait in the backlog file,
     `sync` sends them once the server is back, and a second `sync` has nothing to send."""
-    stand_ins["train"] = lambda step: step == 5 and server.stop()
+    stand_ins["train"] = lambda ctx, step: step == 5 and server.stop()
     cfg = config(tmp_path, server.url, "backlog")
     backlog = tmp_path / "runs" / "backlog" / BACKLOG
     warnings: list[str] = []
@@ -250,7 +249,7 @@ def test_server_down_until_the_end_leaves_a_backlog_that_sync_sends(tmp_path, se
 
 
 def test_a_failing_stage_is_marked_failed(tmp_path, server, stand_ins):
-    def fail(step):
+    def fail(ctx, step):
         if step == 3:
             raise RuntimeError("preprocess broke")
     stand_ins["preprocess"] = fail
@@ -267,7 +266,7 @@ def test_a_failing_stage_is_marked_failed(tmp_path, server, stand_ins):
 def test_a_signal_outside_training_ends_the_runs_killed_with_one_line(tmp_path, server,
                                                                       stand_ins, stage,
                                                                       sig, code):
-    stand_ins[stage] = lambda step: step == 3 and signal.raise_signal(sig)
+    stand_ins[stage] = lambda ctx, step: step == 3 and signal.raise_signal(sig)
     name = f"signal-{stage}"
     # the original code had no handler: a SIGTERM would end pytest itself
     previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("SIGTERM not handled"))
@@ -286,3 +285,21 @@ def test_a_signal_outside_training_ends_the_runs_killed_with_one_line(tmp_path, 
     assert {n: r.info.status for n, r in runs.items()} == expected
     assert loss_steps(server, runs[stage]) == [1, 2]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_record_mlflow_refuses_is_reported_and_dropped_and_the_rest_goes_on(tmp_path,
+                                                                              server,
+                                                                              stand_ins):
+    """A param logged again with another value: MLflow answers with an error (a 500 from
+    its server) that no retry fixes."""
+    stand_ins["evaluate"] = lambda ctx, step: step == 1 and ctx.tracker.log_params(
+        {"stand_in": "another value"})
+    warnings: list[str] = []
+    run_pipeline(config(tmp_path, server.url, "refused"), warnings)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"MLflow {server.url}: MLflow refused a batch record for "
+                                  f"run ")
+    assert warnings[0].endswith(" (HTTP 500); dropped it")
+    runs = runs_of(server, "refused")
+    assert runs["evaluate"].info.status == "FINISHED"
+    assert loss_steps(server, runs["evaluate"]) == list(range(1, STEPS + 1))
