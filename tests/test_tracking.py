@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -303,3 +304,57 @@ def test_a_record_mlflow_refuses_is_reported_and_dropped_and_the_rest_goes_on(tm
     runs = runs_of(server, "refused")
     assert runs["evaluate"].info.status == "FINISHED"
     assert loss_steps(server, runs["evaluate"]) == list(range(1, STEPS + 1))
+
+
+class FlakyClient:
+    """Stands in for MlflowClient: notes each write; the `fail_at`-th one finds no server."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls: list[tuple] = []
+        self.fail_at, self.count = fail_at, 0
+
+    def _write(self, call: tuple) -> None:
+        self.count += 1
+        if self.count == self.fail_at:
+            raise ConnectionRefusedError(111, "Connection refused")
+        self.calls.append(call)
+
+    def get_experiment_by_name(self, name):
+        return SimpleNamespace(experiment_id="7")
+
+    def create_run(self, experiment_id, start_time, tags):
+        name = tags["mlflow.runName"]
+        self._write(("create", name, tags.get("mlflow.parentRunId")))
+        return SimpleNamespace(info=SimpleNamespace(run_id=f"id-{name}"))
+
+    def log_batch(self, run_id, metrics, params, tags):
+        self._write(("metrics", run_id, [(m.key, m.value, m.step) for m in metrics]))
+
+    def set_terminated(self, run_id, status, end_time):
+        self._write(("end", run_id, status))
+
+
+def test_sync_cut_short_keeps_exactly_what_was_not_sent(tmp_path):
+    """A replay that loses the server half-way leaves the rest, and the run ids it learnt, in
+    the file; the next replay sends only that: no run created twice, no metric twice."""
+    from pipeline.tracking_sender import Delivery, append_records, replay
+
+    def create(key, name, parent=None):
+        return {"op": "create", "key": key, "experiment": "e", "artifact_location": None,
+                "tags": {"mlflow.runName": name}, "parent": parent, "time": 1}
+    backlog = tmp_path / BACKLOG
+    append_records(backlog, [
+        create("p", "pipe"), create("t", "train", parent="p"),
+        *({"op": "batch", "key": "t", "metrics": [["loss", 1 / s, 5, s]]} for s in (1, 2, 3)),
+        {"op": "end", "key": "t", "status": "FINISHED", "time": 9},
+        {"op": "end", "key": "p", "status": "FINISHED", "time": 9}])
+    first = FlakyClient(fail_at=4)
+    assert replay(backlog, Delivery(first), warn=pytest.fail) == (3, 4)
+    second = FlakyClient()
+    assert replay(backlog, Delivery(second), warn=pytest.fail) == (4, 0)
+    assert not backlog.exists()
+    assert first.calls + second.calls == [
+        ("create", "pipe", None), ("create", "train", "id-pipe"),
+        ("metrics", "id-train", [("loss", 1.0, 1)]), ("metrics", "id-train", [("loss", 0.5, 2)]),
+        ("metrics", "id-train", [("loss", 1 / 3, 3)]), ("end", "id-train", "FINISHED"),
+        ("end", "id-pipe", "FINISHED")]
