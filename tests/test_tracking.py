@@ -358,3 +358,19 @@ def test_sync_cut_short_keeps_exactly_what_was_not_sent(tmp_path):
         ("metrics", "id-train", [("loss", 1.0, 1)]), ("metrics", "id-train", [("loss", 0.5, 2)]),
         ("metrics", "id-train", [("loss", 1 / 3, 3)]), ("end", "id-train", "FINISHED"),
         ("end", "id-pipe", "FINISHED")]
+
+
+def test_the_training_loops_handler_takes_over_inside_and_hands_back_after():
+    from pipeline.errors import Interrupted
+    from pipeline.signals import RaiseOnSignal
+    from pipeline.trainer import StopSignal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with RaiseOnSignal():
+        with StopSignal() as stop:
+            signal.raise_signal(signal.SIGTERM)      # the loop's: a flag, checkpoint next
+        assert stop.received == "SIGTERM"
+        with pytest.raises(Interrupted) as raised:
+            signal.raise_signal(signal.SIGTERM)
+    assert raised.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is before
