@@ -16,7 +16,6 @@ class Interrupted(Preempted):
     mid-stage: a re-run redoes the stage. Exits 128 + the signal's number, as a shell does."""
 
     def __init__(self, signal_name: str, signal_number: int):
-        super().__init__(f"stopped by {signal_name}; the stage that was running is left "
-                         f"unfinished (its MLflow run is marked KILLED): run the pipeline "
-                         f"again to redo it")
+        super().__init__(f"stopped by {signal_name}: the stage that was running is left "
+                         f"unfinished; run the pipeline again to redo it")
         self.exit_code = 128 + signal_number

@@ -276,9 +276,8 @@ def test_a_signal_outside_training_ends_the_runs_killed_with_one_line(tmp_path, 
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert result.exit_code == code, result.output
-    assert result.stderr == (f"error: stopped by {sig.name}; the stage that was running is "
-                             f"left unfinished (its MLflow run is marked KILLED): run the "
-                             f"pipeline again to redo it\n")
+    assert result.stderr == (f"error: stopped by {sig.name}: the stage that was running is "
+                             f"left unfinished; run the pipeline again to redo it\n")
     runs = runs_of(server, name)
     expected = {"pipeline": "KILLED", stage: "KILLED"}
     if stage == "preprocess":
