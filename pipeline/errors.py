@@ -13,9 +13,15 @@ class Preempted(PipelineError):
 
 class Interrupted(Preempted):
     """A stage stopped on SIGTERM / SIGINT outside the training loop, with nothing saved
-    mid-stage: a re-run redoes the stage. Exits 128 + the signal's number, as a shell does."""
+    mid-stage (or, `at_once`, any stage on a second signal): a re-run redoes the stage, or
+    resumes training from its last checkpoint. Exits 128 + the signal's number, as a shell
+    does."""
 
-    def __init__(self, signal_name: str, signal_number: int):
-        super().__init__(f"stopped by {signal_name}: the stage that was running is left "
-                         f"unfinished; run the pipeline again to redo it")
+    def __init__(self, signal_name: str, signal_number: int, at_once: bool = False):
+        super().__init__(
+            f"stopped at once by a second signal ({signal_name}): nothing more was saved; run "
+            f"the pipeline again to resume from the last checkpoint or redo the stage"
+            if at_once else
+            f"stopped by {signal_name}: the stage that was running is left unfinished; run "
+            f"the pipeline again to redo it")
         self.exit_code = 128 + signal_number

@@ -39,7 +39,8 @@ def launcher_command(spec, pipeline_args: list[str]) -> list[str]:
 
 def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
     """Start the launcher for `spec` and wait for it. SIGTERM / ctrl-C are passed on as
-    SIGTERM to the ranks, which checkpoint together and exit 143 (`Preempted`)."""
+    SIGTERM to the ranks, which checkpoint together and exit 143 (`Preempted`); a second one
+    as SIGINT, which stops them at once."""
     import psutil
 
     cmd = launcher_command(spec, pipeline_args)
@@ -59,11 +60,14 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
         # To the ranks themselves: deepspeed's launchers answer a signal by killing their
         # children (the outer one at once, the inner one 30 s later), not by waiting for a
         # checkpoint. A rank's exit 143 then travels up through both launchers.
+        # Asked again: SIGINT, which a rank takes as "stop now" (a repeated SIGTERM may be
+        # one preemption delivered twice; see pipeline.signals).
+        to_ranks = signal.SIGINT if stopped else signal.SIGTERM
         stopped.append(signal.Signals(signum).name)
         ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
                  if _is_rank(c)]
         for rank in ranks:
-            rank.send_signal(signal.SIGTERM)
+            rank.send_signal(to_ranks)
         signalled.extend(ranks)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}

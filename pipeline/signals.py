@@ -1,32 +1,47 @@
-"""SIGTERM / SIGINT outside the training loop (download, preprocess, evaluate, bookkeeping).
+"""SIGTERM / SIGINT: what the pipeline does on the first one and on a second.
 
-Python's default is a bare death on SIGTERM and a KeyboardInterrupt on SIGINT; either way the
-MLflow runs would stay RUNNING. Here both raise `Interrupted` where the program is, so the
-stage and the pipeline unwind through their normal failure path (runs marked KILLED) and the
-command exits 143 / 130 with one line. The training loop installs its own handler
-(`trainer.StopSignal`, which checkpoints first) while it runs and restores this one after.
+- Inside the training loop (`StopSignal`) the first signal becomes a flag: the loop finishes
+  the update, every rank saves a checkpoint, and the run exits 143 (`Preempted`).
+- Outside it (`RaiseOnSignal`: download, preprocess, evaluate, bookkeeping) the first signal
+  raises `Interrupted` where the program is, so the stage and the pipeline unwind through their
+  normal failure path (MLflow runs marked KILLED) and the command exits 143 / 130 with one line.
+  The training loop installs its handler while it runs and restores this one after.
+- A second signal stops at once (no checkpoint, no cleanup), as the README promises, with
+  one exception: a SIGTERM within `DUPLICATE_WINDOW_S` of the first is the same request
+  delivered twice (Slurm signals the job's processes and the job script's trap passes the
+  preemption on too), not impatience. A launcher that is asked twice escalates to SIGINT.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 
 from pipeline.errors import Interrupted
 
+DUPLICATE_WINDOW_S = 5.0
 
-class RaiseOnSignal:
+
+class _Handler:
+    """Installs `_first` / `_again` for SIGTERM and SIGINT (main thread only) and restores
+    the previous handlers on exit."""
+
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
-        self.signals, self.received, self._previous = signals, None, {}
+        self.signals, self._previous = signals, {}
+        self.received: str | None = None     # the first signal's name
+        self._first_at = 0.0
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
-            self.received = signum
-            raise Interrupted(signal.Signals(signum).name, signum)
-        # while the first one unwinds: a second ctrl-C means stop now, skipping the cleanup;
-        # a launcher's SIGTERM after ctrl-C is the same request again
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            self.received, self._first_at = signal.Signals(signum).name, time.monotonic()
+            self._first(signum)
+        elif not (signum == signal.SIGTERM
+                  and time.monotonic() - self._first_at < DUPLICATE_WINDOW_S):
+            raise Interrupted(signal.Signals(signum).name, signum, at_once=True)
+
+    def _first(self, signum) -> None:
+        """What the first signal does beyond recording itself in `received`."""
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -37,3 +52,13 @@ class RaiseOnSignal:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class RaiseOnSignal(_Handler):
+    def _first(self, signum) -> None:
+        raise Interrupted(signal.Signals(signum).name, signum)
+
+
+class StopSignal(_Handler):
+    """The training loop's: the first signal only sets `received`, which the loop checks
+    after each update, so a preempted job stops at a step boundary with a checkpoint."""

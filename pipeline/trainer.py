@@ -12,9 +12,7 @@ import os
 import random
 import resource
 import shutil
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,6 +27,7 @@ from pipeline.checkpoints import read_pointer, require_latest, rng_state, set_rn
 from pipeline.fsutil import atomic_write_text
 from pipeline.ops import compile_count
 from pipeline.optim import before_load_checkpoint, before_save_checkpoint
+from pipeline.signals import StopSignal
 
 LN2 = math.log(2)
 
@@ -399,29 +398,3 @@ class _Window:
                self.tokens_per_step * self.steps / elapsed)
         self.loss, self.steps, self.start = 0.0, 0, time.time()
         return out
-
-
-class StopSignal:
-    """Turns SIGTERM / SIGINT into a flag the loop checks after each update, so a
-    preempted job stops at a step boundary with a checkpoint instead of mid-update."""
-
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
-        self.signals, self.received, self._previous = signals, None, {}
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        # ctrl-C twice: stop now, without a checkpoint. Other repeats are not impatience:
-        # under a launcher ctrl-C reaches every process and the launcher adds a SIGTERM.
-        if self.received == name == "SIGINT":
-            raise KeyboardInterrupt
-        self.received = self.received or name
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)

@@ -362,7 +362,7 @@ def test_sync_cut_short_keeps_exactly_what_was_not_sent(tmp_path):
 def test_the_training_loops_handler_takes_over_inside_and_hands_back_after():
     from pipeline.errors import Interrupted
     from pipeline.signals import RaiseOnSignal
-    from pipeline.trainer import StopSignal
+    from pipeline.signals import StopSignal
 
     before = signal.getsignal(signal.SIGTERM)
     with RaiseOnSignal():
