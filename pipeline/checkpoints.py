@@ -1,20 +1,32 @@
 """The checkpoint directory's conventions, readable without a DeepSpeed engine.
 
-    <root>/step-N/       one complete checkpoint (DeepSpeed's files + trainer-rank<r>.pt)
+    <root>/step-N/       one complete checkpoint (DeepSpeed's files + trainer-rank<r>.pt),
+                         with checksums.json (sha256 and size of every other file) written last
     <root>/tmp-step-N/   one being written; renamed to step-N when every rank is done
-    <root>/latest        names the newest complete checkpoint
+    <root>/latest        names the newest complete checkpoint (a hint: loading scans step-*)
     <root>/best          names the one with the best validation so far
+
+A checkpoint is trusted only when every file matches checksums.json; loading takes the newest
+intact one and says in one line which newer ones it passed over and why.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import random
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_json, sha256_file
+
+CHECKSUMS = "checksums.json"
+HASH_BLOCK = 4 << 20   # bytes read at a time: a 114M-parameter model's checkpoint is ~2 GB
 
 
 def rng_state() -> dict:
@@ -58,9 +70,13 @@ def checkpoint_step(root: Path) -> int:
     return int(require_latest(root).removeprefix("step-"))
 
 
-def load_model_weights(model: torch.nn.Module, root: Path) -> str:
-    """Load the module weights of the latest checkpoint under `root` (no engine needed)."""
-    tag = require_latest(root)
+def load_model_weights(model: torch.nn.Module, root: Path,
+                       log: Callable[[str], None]) -> str:
+    """Load the module weights of the newest intact checkpoint under `root` (no engine
+    needed); returns its tag."""
+    tag = newest_intact(root, log)
+    if tag is None:
+        raise PipelineError(f"no checkpoint under {root}")
     path = Path(root) / tag / "mp_rank_00_model_states.pt"
     if path.exists():
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["module"])
@@ -70,3 +86,111 @@ def load_model_weights(model: torch.nn.Module, root: Path) -> str:
         model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag))
     return tag
 
+
+
+def write_checksums(path: Path) -> int:
+    """Record the sha256 and size of every file of the checkpoint directory `path`; written
+    last, it is what makes the checkpoint complete. Returns the checkpoint's size in bytes."""
+    files = {f.relative_to(path).as_posix(): {"sha256": sha256_file(f, HASH_BLOCK),
+                                               "bytes": f.stat().st_size}
+             for f in sorted(p for p in path.rglob("*") if p.is_file())}
+    atomic_write_json(path / CHECKSUMS, {"files": files})
+    return sum(f["bytes"] for f in files.values())
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint directory `path` cannot be trusted, or None when it can. One written
+    before checksums were recorded is trusted if it holds the files of a complete one."""
+    try:
+        files = json.loads((path / CHECKSUMS).read_text())["files"]
+    except FileNotFoundError:
+        present = [p for p in path.rglob("*") if p.is_file()]
+        if not present:
+            return "empty"
+        if not (list(path.glob("*model_states.pt")) and list(path.glob("trainer-rank*.pt"))):
+            return f"incomplete, no {CHECKSUMS}"
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{CHECKSUMS} is unreadable"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            return f"{name} has {size:,} bytes, {expected['bytes']:,} were written"
+        if sha256_file(file, HASH_BLOCK) != expected["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """The `step-N` directories under `root`, newest first."""
+    found = [p for p in Path(root).glob("step-*")
+             if p.is_dir() and p.name.removeprefix("step-").isdigit()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")), reverse=True)
+
+
+def newest_intact(root: Path, log: Callable[[str], None]) -> str | None:
+    """The tag of the newest intact checkpoint under `root`, found by verifying the `step-*`
+    directories newest first (`latest` is only a hint); None when there is no checkpoint at
+    all. Passing over damaged ones, or a `latest` that names a missing one, is said in one
+    line; a checkpoint without checksums is used with a one-line warning. When there are
+    checkpoints but none is intact: a PipelineError naming the directory."""
+    root = Path(root)
+    dirs = step_dirs(root)
+    if not dirs:
+        return None
+    passed = []
+    for path in dirs:
+        why = damage(path)
+        if why is None:
+            break
+        passed.append(f"damaged checkpoint {path.name} ({why})")
+    else:
+        raise PipelineError(f"no intact checkpoint under {root}: {'; '.join(passed)}; "
+                            f"run the stage that wrote them again with --force")
+    tag = path.name
+    hint = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    if hint and hint != tag and not (root / hint).is_dir():
+        passed.insert(0, f"latest names {hint}, which does not exist")
+    if passed:
+        log(f"{root}: {'; '.join(passed)}; using {tag}, the newest intact checkpoint")
+    if not (root / tag / CHECKSUMS).exists():
+        log(f"checkpoint {root / tag} has no {CHECKSUMS} (it was written before checkpoints "
+            f"carried checksums): it cannot be verified")
+    return tag
+
+
+def checkpoint_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 2**10:,.1f} KiB"
+
+
+def has_room(root: Path, needed: int) -> bool:
+    return shutil.disk_usage(root).free >= needed
+
+
+def out_of_space(error: BaseException, root: Path, needed: int) -> bool:
+    """Whether a failed checkpoint write ran out of space. An OSError says so itself; torch's
+    zip writer only says its stream failed, so then the disk must be short of room too."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return (isinstance(error, RuntimeError)
+            and any(s in str(error) for s in ("iostream error", "PytorchStreamWriter",
+                                              "inline_container"))
+            and not has_room(root, needed))
+
+
+def disk_full(path: Path, needed: int) -> PipelineError:
+    """The one-line error for a checkpoint `path` of about `needed` bytes that does not fit."""
+    free = shutil.disk_usage(path.parent).free
+    return PipelineError(f"disk full: checkpoint {path} needs about {_size(needed)} but "
+                         f"{path.parent} has {_size(free)} free; free "
+                         f"{_size(max(needed - free, 1))} or more and run again to resume")

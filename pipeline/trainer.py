@@ -23,7 +23,9 @@ import torch
 from pipeline import distributed
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
-from pipeline.checkpoints import read_pointer, require_latest, rng_state, set_rng_state
+from pipeline.checkpoints import (CHECKSUMS, checkpoint_bytes, disk_full, has_room, newest_intact,
+                                  out_of_space, read_pointer, rng_state, set_rng_state,
+                                  step_dirs, write_checksums)
 from pipeline.fsutil import atomic_write_text
 from pipeline.ops import compile_count
 from pipeline.optim import before_load_checkpoint, before_save_checkpoint
@@ -158,6 +160,8 @@ class Trainer:
         self.caches = [self.model.init_cache(self.micro_batch, device=self.device)
                        for _ in range(self.accum)]
         self.step = 0     # optimizer updates done so far
+        # checkpoint directories this run wrote or verified: saving at their step writes none
+        self.trusted: set[Path] = set()
         self.best_valid: float | None = None
         self.evals_since_best = 0
         self.params = sum(p.numel() for p in self.model.parameters())
@@ -165,35 +169,88 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def save(self, root: Path, keep: int, best: bool = False) -> Path:
-        """Write checkpoint `step-N` under `root` atomically (once per step) and point
-        `latest` at it; `best=True` also points `best` at it. The newest `keep` checkpoints
-        and the best one survive."""
+        """Write checkpoint `step-N` under `root` atomically (once per step), its checksums
+        last, and point `latest` at it; `best=True` also points `best` at it. The newest
+        `keep` checkpoints and the best one survive. A disk without room for it: a one-line
+        PipelineError, and the checkpoints already there are left as they were."""
         tag = f"step-{self.step:08d}"
-        if not (root / tag).is_dir():
-            tmp_tag = f"tmp-{tag}"
-            before_save_checkpoint(self.engine)
-            self.engine.save_checkpoint(str(root), tag=tmp_tag, save_latest=False)
-            torch.save({"step": self.step, "rng": rng_state(),
-                        "caches": [[c.cpu() for c in cache] for cache in self.caches],
-                        "valid": {"best": self.best_valid, "since_best": self.evals_since_best}},
-                       root / tmp_tag / f"trainer-rank{self.rank}.pt")
-            distributed.barrier()
-            if self.rank == 0:
-                os.rename(root / tmp_tag, root / tag)
+        if root / tag not in self.trusted:
+            self._write(root, tag)
+            self.trusted.add(root / tag)
         if self.rank == 0:
             atomic_write_text(root / "latest", tag + "\n")
             if best:
                 atomic_write_text(root / "best", tag + "\n")
             best_tag = read_pointer(root / "best")
-            old = sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]
-            for path in [p for p in old if p.name != best_tag] + list(root.glob("tmp-step-*")):
+            # Newer ones are damaged leftovers of the run this one resumed: the run rewrites
+            # them as it reaches their steps, and they never take an intact one's place.
+            older = [p for p in step_dirs(root) if int(p.name.removeprefix("step-")) < self.step]
+            for path in [p for p in older[keep - 1:] if p.name != best_tag] + \
+                    list(root.glob("tmp-step-*")):
                 shutil.rmtree(path, ignore_errors=True)
         distributed.barrier()
         return root / tag
 
+    def _write(self, root: Path, tag: str) -> None:
+        """Every rank writes its files into `tmp-<tag>`; then rank 0 records their checksums
+        and renames it to `tag` (replacing a damaged one left from before a resume)."""
+        path, tmp = root / tag, root / f"tmp-{tag}"
+        root.mkdir(parents=True, exist_ok=True)
+        previous = [p for p in step_dirs(root) if (p / CHECKSUMS).exists()]
+        # the previous checkpoint's size, or fp32 weights plus Adam's two moments
+        needed = checkpoint_bytes(previous[0]) if previous else 12 * self.params
+        if not distributed.broadcast_object(has_room(root, needed) if self.rank == 0 else None):
+            raise disk_full(path, needed)
+        failure = None
+        try:
+            before_save_checkpoint(self.engine)
+            self.engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+            torch.save({"step": self.step, "rng": rng_state(),
+                        "caches": [[c.cpu() for c in cache] for cache in self.caches],
+                        "valid": {"best": self.best_valid, "since_best": self.evals_since_best}},
+                       tmp / f"trainer-rank{self.rank}.pt")
+        except (OSError, RuntimeError) as e:
+            failure = e
+        self._settle(failure, tmp, needed)      # every rank's files are written past this
+        failure = None
+        if self.rank == 0:
+            try:
+                write_checksums(tmp)
+                if path.is_dir():
+                    shutil.rmtree(path)
+                os.rename(tmp, path)
+            except OSError as e:
+                failure = e
+        self._settle(failure, tmp, needed)
+
+    def _settle(self, failure: BaseException | None, tmp: Path, needed: int) -> None:
+        """Raise on every rank if writing failed on any. The half-written `tmp` goes first:
+        on a full disk that frees the room MLflow's store needs to record the failure."""
+        full = failure is not None and out_of_space(failure, tmp.parent, needed)
+        if not distributed.any_rank(failure is not None):
+            return
+        full = distributed.any_rank(full)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise disk_full(tmp.parent / tmp.name.removeprefix("tmp-"), needed) from None
+        if failure is not None:
+            raise failure
+        raise PipelineError(f"writing checkpoint {tmp} failed on another rank")
+
     def load(self, root: Path, *, with_optimizer: bool = True) -> int:
-        """Restore the latest complete checkpoint under `root`; returns its step."""
-        tag = require_latest(root)
+        """Restore the newest intact checkpoint under `root` (chosen on rank 0, so every rank
+        loads the same one); returns its step."""
+        choice = None
+        if self.rank == 0:
+            try:
+                tag = newest_intact(root, self.log)
+                choice = (tag, None) if tag else (None, f"no checkpoint under {root}")
+            except PipelineError as e:
+                choice = (None, str(e))
+        tag, refusal = distributed.broadcast_object(choice)
+        if refusal:
+            raise PipelineError(refusal)
         writers = len(list((root / tag).glob("trainer-rank*.pt")))
         if writers != self.world_size:
             # ZeRO partitions optimizer state per process and each rank owns its batch rows'
@@ -213,6 +270,7 @@ class Trainer:
         self.best_valid = state["valid"]["best"]
         self.evals_since_best = state["valid"]["since_best"]
         set_rng_state(state["rng"])
+        self.trusted.add(root / tag)
         return self.step
 
     # ------------------------------------------------------------ the loop

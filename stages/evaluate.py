@@ -25,7 +25,7 @@ def run(ctx: StageContext) -> dict:
     source = "finetune" if "finetune" in ctx.inputs else "train"
     device = resolve_device(spec.train.device if spec.train else "auto")
     model = build_model(spec.model_kind, spec.model_params, manifest["vocab_size"])
-    tag = load_model_weights(model, ctx.inputs[source] / "checkpoints")
+    tag = load_model_weights(model, ctx.inputs[source] / "checkpoints", ctx.log)
     model.to(device)
     seq_len = ev.seq_len or spec.train.seq_len
     results = {"checkpoint": f"{source}/{tag}",

@@ -13,17 +13,18 @@ from stages import Stage, StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.checkpoints import checkpoint_step, latest_checkpoint
+    from pipeline.checkpoints import checkpoint_step, step_dirs
     from pipeline.trainer import Trainer
 
     ft = ctx.spec.finetune
     trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)
     ckpt_root = ctx.out_dir / "checkpoints"
-    begin = checkpoint_step(ctx.inputs["train"] / "checkpoints")
-    if latest_checkpoint(ckpt_root):       # an interrupted finetune resumes from its own
+    train_root = ctx.inputs["train"] / "checkpoints"
+    if step_dirs(ckpt_root):               # an interrupted finetune resumes from its own
         ctx.log(f"resuming the LR-drop phase at step {trainer.load(ckpt_root)}")
+        begin = checkpoint_step(train_root)
     else:
-        trainer.load(ctx.inputs["train"] / "checkpoints")
+        begin = trainer.load(train_root)
     lr = ctx.spec.train.optimizer.lr / ft.lr_divisor
     ctx.log(f"from step {begin}: lr {ctx.spec.train.optimizer.lr:g} / {ft.lr_divisor:g} "
             f"= {lr:g} for {ft.steps} steps")

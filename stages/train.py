@@ -2,7 +2,7 @@
 
 Outputs: `checkpoints/` (DeepSpeed checkpoints `step-N`, `latest`, and `best` by validation)
 and `deepspeed_config.json`. An interrupted run, re-run with the same config, resumes from the
-latest complete checkpoint in its partial directory. With `finetune.patience`, training stops
+newest intact checkpoint in its partial directory. With `finetune.patience`, training stops
 early once validation has stalled, and the finetune stage takes over from there.
 """
 
@@ -18,13 +18,13 @@ def patience(spec) -> int | None:
 
 def run(ctx: StageContext) -> dict:
     from pipeline.optim import warmup_lr
-    from pipeline.checkpoints import latest_checkpoint
+    from pipeline.checkpoints import step_dirs
     from pipeline.trainer import Trainer
 
     train = ctx.spec.train
     trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)
     ckpt_root = ctx.out_dir / "checkpoints"
-    if latest_checkpoint(ckpt_root):
+    if step_dirs(ckpt_root):          # the newest intact one, or a refusal if none is
         ctx.log(f"resuming from step {trainer.load(ckpt_root)}")
     if trainer.rank == 0:
         atomic_write_json(ctx.out_dir / "deepspeed_config.json", trainer.ds_config)
