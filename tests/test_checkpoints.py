@@ -261,8 +261,6 @@ def disk_full_line(ckpts: Path, step: int) -> str:
 
 def test_a_disk_without_room_for_the_next_checkpoint_is_refused_before_writing(
         full_disk_spec, monkeypatch):
-    import pipeline.checkpoints
-
     real = shutil.disk_usage
     ckpts = Path(full_disk_spec.workspace_dir) / "train.partial" / "checkpoints"
 
@@ -270,7 +268,7 @@ def test_a_disk_without_room_for_the_next_checkpoint_is_refused_before_writing(
         usage = real(path)
         return usage._replace(free=1 << 10) if (ckpts / tag(4)).exists() else usage
 
-    monkeypatch.setattr(pipeline.checkpoints.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
     message, ckpts = run_failing_train(full_disk_spec)
     assert re.match(disk_full_line(ckpts, 8), message), message
     assert "has 1.0 KiB free" in message
@@ -285,7 +283,6 @@ def test_a_disk_without_room_for_the_next_checkpoint_is_refused_before_writing(
 def test_a_disk_that_fills_while_writing_says_disk_full(full_disk_spec, monkeypatch, error):
     """The write itself fails (the free-space check passed): the half-written checkpoint is
     removed, the previous one is intact, MLflow records the failure."""
-    import pipeline.checkpoints
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     real_save, real_usage = DeepSpeedEngine.save_checkpoint, shutil.disk_usage
@@ -304,7 +301,7 @@ def test_a_disk_that_fills_while_writing_says_disk_full(full_disk_spec, monkeypa
         return usage._replace(free=0) if writing else usage
 
     monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", save_checkpoint)
-    monkeypatch.setattr(pipeline.checkpoints.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
     message, ckpts = run_failing_train(full_disk_spec)
     assert writing == ["tmp-" + tag(8)]
     assert re.match(disk_full_line(ckpts, 8), message), message
