@@ -87,7 +87,6 @@ def load_model_weights(model: torch.nn.Module, root: Path,
     return tag
 
 
-
 def write_checksums(path: Path) -> int:
     """Record the sha256 and size of every file of the checkpoint directory `path`; written
     last, it is what makes the checkpoint complete. Returns the checkpoint's size in bytes."""
