@@ -47,7 +47,8 @@ def main(debug: bool) -> None:
 @click.option("--only", multiple=True, metavar="STAGE[,STAGE]",
               help="Run only these stages (if out of date); the others are left as they are.")
 @click.option("--force", multiple=True, metavar="STAGE",
-              help="Re-run STAGE even if up to date (and so everything reading its output).")
+              help="Re-run STAGE even if up to date (and so everything reading its output), "
+                   "discarding the checkpoints of an interrupted run of it.")
 @click.option("--dry-run", is_flag=True, help="Print what would run and why; run nothing.")
 def run(config, overrides, start_from, only, force, dry_run):
     """Run the pipeline CONFIG, skipping stages whose outputs are up to date."""
@@ -60,7 +61,7 @@ def run(config, overrides, start_from, only, force, dry_run):
     if dry_run:
         click.echo(f"workspace {spec.workspace_dir}")
         for step in runner.plan():
-            click.echo(f"  {step.stage:<11} {step.action:<5} {step.reason}")
+            click.echo(f"  {step.stage:<11} {step.action:<5} {step.describe()}")
         return
     if runner.needs_launcher():
         from pipeline.launcher import run_under_launcher

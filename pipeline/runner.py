@@ -2,14 +2,23 @@
 
 Workspace layout (one per run name, `<workspace.root>/<name>/`):
 
-    .lock                  held (flock) while a `run` is active; names its holder
-    <stage>/               a completed stage's outputs, published by one rename
-    <stage>/stage.json     its record: fingerprint, build id, summary, timings
-    <stage>.partial/       a stage in progress (or interrupted: train resumes from it)
+    .lock                       held (flock) while a `run` is active; names its holder
+    <stage>/                    a completed stage's outputs
+    <stage>/stage.json          its record: fingerprint, config, build id, summary, timings
+    <stage>.partial/            a stage in progress (or interrupted: train resumes from it)
+    <stage>.partial/partial.json  the fingerprint, config and input builds it was started with
+    <stage>.old/                the outputs a publish is replacing, deleted once it is done
 
-A stage's fingerprint hashes its resolved config section and the build ids of its inputs.
-A build id is new every time a stage completes, so re-running a stage (even with the same
-config, as `--force` does) re-runs everything downstream of it.
+A stage's fingerprint hashes its resolved config section, less the keys that do not change
+its result (`Stage.runtime_only`), and the build ids of its inputs. A build id is new every
+time a stage completes, so re-running a stage (even with the same config, as `--force` does)
+re-runs everything downstream of it.
+
+Nothing that can be resumed is deleted without an explicit flag: a partial directory holding
+checkpoints that another config started is refused, naming the changed keys, until the user
+passes `--force STAGE` (or `--from`). Publishing commits by writing `stage.json` into the
+partial directory; the renames that move it into place are finished by the next run if the
+process dies between them (`Workspace.finish_publish`).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline import distributed
+from pipeline.checkpoints import checkpoint_step, latest_checkpoint
 from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_json, read_json
 from pipeline.schema import Spec
@@ -35,11 +45,27 @@ from stages import STAGES, StageContext, resolve_inputs
 
 RECORD = "stage.json"
 PARTIAL_RECORD = "partial.json"
+CHECKPOINTS = "checkpoints"     # where train and finetune keep theirs in their output
 
 
 def fingerprint(config: dict, input_builds: dict[str, str]) -> str:
     blob = json.dumps({"config": config, "inputs": input_builds}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _dotted(data, prefix: str = "") -> dict[str, object]:
+    if isinstance(data, dict) and data:
+        return {k: v for key, value in data.items()
+                for k, v in _dotted(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}
+
+
+def config_changes(old: dict, new: dict) -> list[str]:
+    """What differs between two stage configs, as 'dotted.key old -> new' (sorted)."""
+    old, new = _dotted(old), _dotted(new)
+    show = lambda d, k: json.dumps(d[k]) if k in d else "(absent)"  # noqa: E731
+    return [f"{k} {show(old, k)} -> {show(new, k)}"
+            for k in sorted(old.keys() | new.keys()) if old.get(k, ...) != new.get(k, ...)]
 
 
 @dataclass
@@ -49,6 +75,17 @@ class Step:
     action: str          # "run", "skip" or "hold" (not selected by --only)
     reason: str
     forced: bool = False # by --force / --from: start clean, even over a resumable partial
+    # run: the step of the newest checkpoint in its partial directory, which it resumes
+    # from (or, forced, discards); None when there is none
+    checkpoint: int | None = None
+
+    def describe(self) -> str:
+        """The reason, and what happens to the checkpoints of an interrupted run."""
+        if self.checkpoint is None:
+            return self.reason
+        if self.forced:
+            return f"{self.reason}; would discard checkpoints up to step {self.checkpoint}"
+        return f"{self.reason}; resume from step {self.checkpoint}"
 
 
 class Workspace:
@@ -61,52 +98,76 @@ class Workspace:
     def partial_dir(self, stage: str) -> Path:
         return self.path / f"{stage}.partial"
 
-    def record(self, stage: str) -> dict | None:
-        path = self.done_dir(stage) / RECORD
-        try:
-            return read_json(path)
-        except FileNotFoundError:
-            return None
-        except (OSError, json.JSONDecodeError) as e:
-            raise PipelineError(f"{path}: unreadable stage record ({e}); delete "
-                                f"{self.done_dir(stage)} to re-run '{stage}'") from None
+    def old_dir(self, stage: str) -> Path:
+        return self.path / f"{stage}.old"
 
-    def begin(self, stage: str, fp: str, fresh: bool = False) -> Path:
-        """A partial directory for `stage`: kept if it belongs to the same fingerprint
-        (an interrupted run to resume) unless `fresh`, emptied otherwise."""
-        partial = self.partial_dir(stage)
-        marker = partial / PARTIAL_RECORD
-        if partial.exists() and fresh:
-            shutil.rmtree(partial)
-        if partial.exists():
+    def record(self, stage: str) -> dict | None:
+        """The stage's committed record: a partial directory holding one is the output of a
+        publish not yet moved into place (`finish_publish`)."""
+        for path in (self.partial_dir(stage) / RECORD, self.done_dir(stage) / RECORD):
             try:
-                same = read_json(marker).get("fingerprint") == fp
-            except (OSError, ValueError):
-                same = False
-            if not same:
-                shutil.rmtree(partial)
+                return read_json(path)
+            except FileNotFoundError:
+                continue
+            except (OSError, json.JSONDecodeError) as e:
+                raise PipelineError(f"{path}: unreadable stage record ({e}); delete "
+                                    f"{path.parent} to re-run '{stage}'") from None
+        return None
+
+    def partial_marker(self, stage: str) -> dict | None:
+        """What the partial directory was started with ({} when unreadable); None if none."""
+        partial = self.partial_dir(stage)
+        if not partial.exists():
+            return None
+        try:
+            return read_json(partial / PARTIAL_RECORD)
+        except (OSError, ValueError):
+            return {}
+
+    def partial_checkpoint(self, stage: str) -> int | None:
+        """The step of the newest complete checkpoint in the partial directory, if any."""
+        root = self.partial_dir(stage) / CHECKPOINTS
+        return checkpoint_step(root) if latest_checkpoint(root) else None
+
+    def begin(self, stage: str, marker: dict, fresh: bool = False) -> Path:
+        """A partial directory for `stage`: kept if `marker` (fingerprint, config, inputs)
+        has its fingerprint (an interrupted run to resume) unless `fresh`, emptied otherwise.
+        The caller has refused to empty one holding checkpoints (`Runner._check_partial`)."""
+        partial = self.partial_dir(stage)
+        kept = self.partial_marker(stage)
+        if kept is not None and (fresh or kept.get("fingerprint") != marker["fingerprint"]):
+            shutil.rmtree(partial)
         partial.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(marker, {"fingerprint": fp})
+        atomic_write_json(partial / PARTIAL_RECORD, marker)
         return partial
 
     def publish(self, stage: str, record: dict) -> None:
-        """Make the partial directory the stage's output in one rename."""
-        partial, done = self.partial_dir(stage), self.done_dir(stage)
-        (partial / PARTIAL_RECORD).unlink(missing_ok=True)
-        atomic_write_json(partial / RECORD, record)
-        old = self.path / f"{stage}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        if done.exists():
-            os.rename(done, old)
-        os.rename(partial, done)
-        if old.exists():
-            shutil.rmtree(old)
+        """Make the partial directory the stage's output. Writing its record is the commit:
+        from then on `record()` finds it, nothing treats the directory as an interrupted run,
+        and `finish_publish` (here, or on the next run after a crash) moves it into place."""
+        atomic_write_json(self.partial_dir(stage) / RECORD, record)
+        self.finish_publish(stage)
+
+    def finish_publish(self, stage: str) -> None:
+        """Move a committed partial directory to `<stage>/`, the output it replaces aside to
+        `<stage>.old/` and then deleted. Every step can be interrupted and done again: a
+        rename cannot replace a non-empty directory, hence the aside."""
+        partial, done, old = self.partial_dir(stage), self.done_dir(stage), self.old_dir(stage)
+        if (partial / RECORD).exists():
+            if done.exists():
+                if old.exists():            # an earlier, superseded output
+                    shutil.rmtree(old)
+                os.rename(done, old)
+            os.rename(partial, done)
+        if (done / RECORD).exists():
+            (done / PARTIAL_RECORD).unlink(missing_ok=True)
+            if old.exists():
+                shutil.rmtree(old)
 
     def invalidate(self, stage: str) -> None:
-        """Forget a completed stage (its inputs changed and it is about to re-run)."""
-        record = self.done_dir(stage) / RECORD
-        record.unlink(missing_ok=True)
+        """Forget a completed stage that --force / --from is re-running: if that run is
+        interrupted, the next plain run resumes it instead of keeping the old output."""
+        (self.done_dir(stage) / RECORD).unlink(missing_ok=True)
 
 
 class WorkspaceLock:
@@ -141,6 +202,15 @@ class WorkspaceLock:
             self._fd = None
 
 
+def _differences(kept: dict, config: dict, input_builds: dict) -> list[str]:
+    """How `config` and `input_builds` differ from what a record or partial marker kept;
+    [] when it kept no config (written by an older allattn-pipe): then nobody can tell."""
+    if "config" not in kept:
+        return []
+    return config_changes(kept["config"], config) + [f"input {i} is another build ({kept.get('inputs', {}).get(i)} -> {b})"
+                      for i, b in input_builds.items() if kept.get("inputs", {}).get(i) != b]
+
+
 def _parse_selection(names: list[str] | None, spec: Spec, flag: str) -> list[str]:
     out = []
     for item in names or []:
@@ -167,11 +237,10 @@ class Runner:
                            if start_from else None)
         self.log = log
 
-    def _config(self, name: str) -> dict:
-        return STAGES[name].config(self.spec)
-
     def plan(self) -> list[Step]:
-        """Decide run/skip for every stage, assuming each run stage gets a new build id."""
+        """Decide run/skip for every stage, assuming each run stage gets a new build id.
+        Refuses (PipelineError) a run that would discard an interrupted run's checkpoints
+        without --force."""
         steps, builds = [], {}
         rerun: set[str] = set()
         forced_from = (self.spec.stages[self.spec.stages.index(self.start_from):]
@@ -182,8 +251,9 @@ class Runner:
             record = self.ws.record(name)
             changed_inputs = [i for i in inputs if i in rerun]
             forced = False
-            fp = None if changed_inputs else fingerprint(
-                self._config(name), {i: builds.get(i) for i in inputs})
+            config = stage.fingerprinted(self.spec)
+            input_builds = {i: builds.get(i) for i in inputs}
+            fp = None if changed_inputs else fingerprint(config, input_builds)
             if self.only and name not in self.only:
                 if record is None:
                     action, reason = "hold", "not selected by --only (and not done yet)"
@@ -200,16 +270,50 @@ class Runner:
             elif changed_inputs:
                 action, reason = "run", f"input {', '.join(changed_inputs)} will be re-run"
             elif record.get("fingerprint") != fp:
-                action, reason = "run", "config or inputs changed"
+                changes = _differences(record, config, input_builds)
+                action, reason = "run", (f"changed: {'; '.join(changes)}" if changes
+                                         else "config or inputs changed")
             else:
                 action, reason = "skip", f"up to date (finished {record.get('finished_at')})"
+            checkpoint = None
             if action == "run":
                 rerun.add(name)
+                checkpoint = self._check_partial(name, fp, config, input_builds,
+                                                 changed_inputs, forced)
             elif record is not None:
                 builds[name] = record.get("build")
-            steps.append(Step(name, action, reason, forced))
+            steps.append(Step(name, action, reason, forced, checkpoint))
         self._check_held_inputs(steps)
         return steps
+
+    def _check_partial(self, name: str, fp: str | None, config: dict, input_builds: dict,
+                       changed_inputs: list[str], forced: bool) -> int | None:
+        """The step of the newest checkpoint in `name`'s partial directory (None if it has
+        none), which the run will resume or, forced, discard. Refuses to run when those
+        checkpoints belong to other result-changing settings and nothing forces it."""
+        step = self.ws.partial_checkpoint(name)
+        if step is None or forced:
+            return step
+        kept = self.ws.partial_marker(name)
+        if fp is not None and kept.get("fingerprint") == fp:
+            return step
+        partial = self.ws.partial_dir(name)
+        discard = (f"re-run with --force {name} to discard its checkpoints and start over "
+                   f"(nothing was deleted)")
+        if changed_inputs:
+            changes = [f"input {i} will be re-run" for i in changed_inputs]
+        elif "config" not in kept:
+            raise PipelineError(
+                f"{name}: {partial} holds an interrupted run with checkpoints up to step "
+                f"{step}, started with other settings that its {PARTIAL_RECORD} does not "
+                f"record (missing, or written by an older allattn-pipe); run it with the config that started "
+                f"it to resume, or {discard}")
+        else:
+            changes = _differences(kept, config, input_builds)
+        raise PipelineError(
+            f"{name}: {partial} holds an interrupted run with checkpoints up to step {step}, "
+            f"started with other settings that change its result: {'; '.join(changes)}. "
+            f"Set them back to resume it, or {discard}")
 
     def _check_held_inputs(self, steps: list[Step]) -> None:
         action = {s.stage: s.action for s in steps}
@@ -241,6 +345,8 @@ class Runner:
             return {}
         records: dict[str, dict] = {}
         with WorkspaceLock(self.ws.path), RaiseOnSignal():
+            for name in self.spec.stages:
+                self.ws.finish_publish(name)      # one a crash interrupted
             steps = self.plan()
             together = [s for s in steps if s.action == "run" and STAGES[s.stage].distributed]
             try:
@@ -266,13 +372,19 @@ class Runner:
             return self.ws.record(name)
         # every input ran or was skipped/held with a record before this stage (plan() checks)
         input_records = {i: records[i] for i in resolve_inputs(stage, self.spec.stages)}
-        config = self._config(name)
-        fp = fingerprint(config, {i: r["build"] for i, r in input_records.items()})
-        self.ws.invalidate(name)
-        out_dir = self.ws.begin(name, fp, fresh=step.forced)
+        config = stage.fingerprinted(self.spec)
+        builds = {i: r["build"] for i, r in input_records.items()}
+        fp = fingerprint(config, builds)
+        if step.forced:
+            self.ws.invalidate(name)
+            if step.checkpoint is not None:
+                self.log(f"[{name}] discarding the interrupted run's checkpoints up to step "
+                         f"{step.checkpoint}")
+        out_dir = self.ws.begin(name, {"fingerprint": fp, "config": config, "inputs": builds},
+                                fresh=step.forced)
         self.log(f"[{name}] running: {step.reason}")
         started = time.time()
-        with tracker.stage(name, config) as stage_tracker:
+        with tracker.stage(name, stage.config(self.spec)) as stage_tracker:
             inputs = {i: self.ws.done_dir(i) for i in input_records}
             if stage.distributed:
                 distributed.broadcast_object({"stage": name, "out_dir": out_dir,
@@ -285,8 +397,9 @@ class Runner:
         record = {
             "stage": name,
             "fingerprint": fp,
+            "config": config,
             "build": uuid.uuid4().hex[:12],
-            "inputs": {i: r["build"] for i, r in input_records.items()},
+            "inputs": builds,
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(time.time() - started, 2),
             "summary": summary,

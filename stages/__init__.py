@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
@@ -20,10 +20,18 @@ class Stage:
     # pipeline runs" (evaluate reads finetune's checkpoint if there is one, else train's).
     inputs: tuple[str | tuple[str, ...], ...]
     section_key: str | None          # the spec section it requires, if any
-    config: Callable[[Any], dict]    # the resolved config that fingerprints it
+    config: Callable[[Any], dict]    # the resolved config the stage runs with
     run: Callable[["StageContext"], dict]
     # Runs on every rank of a multi-process launch; the others run on rank 0 alone.
     distributed: bool = False
+    # Dotted key paths of `config` that change how the stage runs but not its result, each
+    # with the reason. The fingerprint leaves them out: editing them resumes an interrupted
+    # run and keeps a finished one.
+    runtime_only: Mapping[str, str] = field(default_factory=dict)
+
+    def fingerprinted(self, spec) -> dict:
+        """The config less its runtime-only keys: what decides whether outputs are reusable."""
+        return without(self.config(spec), self.runtime_only)
 
 
 @dataclass
@@ -41,6 +49,22 @@ from stages import download, evaluate, finetune, preprocess, train  # noqa: E402
 STAGES: dict[str, Stage] = {
     s.STAGE.name: s.STAGE for s in (download, preprocess, train, finetune, evaluate)
 }
+
+
+def without(config: dict, paths) -> dict:
+    """A copy of `config` without the dotted key paths `paths` (absent ones are ignored)."""
+    out = dict(config)
+    nested: dict[str, list[str]] = {}
+    for path in paths:
+        head, _, rest = path.partition(".")
+        if rest:
+            nested.setdefault(head, []).append(rest)
+        else:
+            out.pop(head, None)
+    for head, rests in nested.items():
+        if isinstance(out.get(head), dict):
+            out[head] = without(out[head], rests)
+    return out
 
 
 def resolve_inputs(stage: Stage, order: list[str]) -> list[str]:

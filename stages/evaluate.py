@@ -54,6 +54,8 @@ STAGE = Stage(
     summary="Score every token of valid/test with the cache: bpc, perplexity.",
     inputs=("preprocess", ("train", "finetune")),
     section_key=None,
+    # Every key changes the numbers (batch_size and seq_len set where the cached streams cut
+    # the splits): no runtime_only.
     config=lambda spec: spec.evaluate.model_dump(mode="json"),
     run=run,
 )

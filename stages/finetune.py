@@ -39,6 +39,9 @@ STAGE = Stage(
     summary="The LR-drop phase: continue train's checkpoint at lr / lr_divisor.",
     inputs=("preprocess", "train"),
     section_key="finetune",
+    # Every key changes the result (no runtime_only). The train.* and model.* settings it also
+    # runs with reach its fingerprint through train's build id; train's RUNTIME_ONLY keys
+    # (logging, validation, checkpoint cadence) are runtime-only here too.
     config=lambda spec: spec.finetune.model_dump(mode="json"),
     run=run,
     distributed=True,

@@ -1,9 +1,10 @@
 """train: the model on the train split through a DeepSpeed engine.
 
 Outputs: `checkpoints/` (DeepSpeed checkpoints `step-N`, `latest`, and `best` by validation)
-and `deepspeed_config.json`. An interrupted run, re-run with the same config, resumes from the
-newest intact checkpoint in its partial directory. With `finetune.patience`, training stops
-early once validation has stalled, and the finetune stage takes over from there.
+and `deepspeed_config.json`. An interrupted run resumes from the newest intact checkpoint in
+its partial directory when re-run with the same settings (`RUNTIME_ONLY` ones may differ).
+With `finetune.patience`, training stops early once validation has stalled, and the finetune
+stage takes over from there.
 """
 
 from __future__ import annotations
@@ -43,11 +44,32 @@ def run(ctx: StageContext) -> dict:
 
 
 def config(spec) -> dict:
-    # The launcher is left out: the numbers do not depend on how many processes compute them
-    # (the global batch is fixed), so a finished stage stays valid under another launcher.
-    return {"model": spec.resolved()["model"],
-            "train": spec.train.model_dump(mode="json", exclude={"launcher"}),
-            "patience": patience(spec)}
+    train = spec.train
+    out = {"model": spec.resolved()["model"], "train": train.model_dump(mode="json"),
+           "finetune": {"patience": patience(spec)}}
+    if patience(spec) is not None:
+        # the validations decide when train stops: here their settings change the result
+        out["validation"] = {"eval_every": train.eval_every, "eval_batches": train.eval_batches,
+                             "batch_size": spec.evaluate.batch_size,
+                             "seq_len": spec.evaluate.seq_len}
+    return out
+
+
+# What does not change the trained weights. Everything else in `config` does, deliberately
+# including train.device (cpu and cuda draw dropout from different generators) and
+# train.deepspeed.activation_checkpointing (recomputation replays dropout: not proven exact).
+RUNTIME_ONLY = {
+    "train.launcher": "the global batch is fixed, so the process count does not change the "
+                      "numbers (a checkpoint still resumes only at the world size that wrote it)",
+    "train.log_every": "logging reads the loss and changes no state",
+    "train.eval_every": "validation runs in eval mode under no_grad with its own cache: no "
+                        "dropout, no RNG draw (with finetune.patience it is under validation.*)",
+    "train.eval_batches": "as eval_every: it only sizes the validation estimate",
+    "train.checkpoint_every": "saving reads the state; a resumed run is the uninterrupted run",
+    "train.keep_checkpoints": "only which older checkpoints are deleted",
+    "model.attention.impl": "every backend computes the reference op's numbers (up to float "
+                            "rounding) or refuses the configuration",
+}
 
 
 STAGE = Stage(
@@ -58,4 +80,5 @@ STAGE = Stage(
     config=config,
     run=run,
     distributed=True,
+    runtime_only=RUNTIME_ONLY,
 )

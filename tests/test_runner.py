@@ -151,12 +151,15 @@ def test_failed_stage_publishes_nothing_and_keeps_earlier_outputs(cfg, calls, mo
     calls.clear()
     ws = Path(load_spec(cfg).workspace_dir)
     before = json.loads((ws / "evaluate" / "stage.json").read_text())
+    finetune_before = json.loads((ws / "finetune" / "stage.json").read_text())
     monkeypatch.setenv("FAIL_STAGE", "finetune")
     with pytest.raises(RuntimeError, match="finetune failed"):
         run(cfg, force=["train"])
     assert calls == ["train"]
     assert (ws / "train" / "stage.json").exists()            # train completed: published
-    assert not (ws / "finetune" / "stage.json").exists()     # finetune is no longer valid
+    # finetune's previous output stays until a new one is complete (its record names the
+    # old train build, so the next run re-runs it)
+    assert json.loads((ws / "finetune" / "stage.json").read_text()) == finetune_before
     assert (ws / "finetune.partial" / "half-written").exists()
     assert not (ws / "finetune" / "half-written").exists()
     assert json.loads((ws / "evaluate" / "stage.json").read_text()) == before
