@@ -7,16 +7,18 @@ tests/test_quickstart.py runs the real stages.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
 import pytest
 
 import stages
-from pipeline.errors import PipelineError
-from pipeline.runner import Runner, WorkspaceLock
+from pipeline.errors import PipelineError, Preempted
+from pipeline.runner import Runner, Workspace, WorkspaceLock
 from pipeline.spec import load_spec
 from pipeline.tracking import NullTracker
 
@@ -33,6 +35,10 @@ def calls(monkeypatch):
     def make(name):
         def run(ctx):
             SEEN[name] = sorted(p.name for p in ctx.out_dir.iterdir())
+            if os.environ.get("PREEMPT_STAGE") == name:     # a checkpoint, then a signal
+                (ctx.out_dir / "checkpoints" / "step-00000004").mkdir(parents=True)
+                (ctx.out_dir / "checkpoints" / "latest").write_text("step-00000004\n")
+                raise Preempted(f"{name} preempted")
             if os.environ.get("FAIL_STAGE") == name:
                 (ctx.out_dir / "half-written").write_text("x")
                 raise RuntimeError(f"{name} failed")
@@ -214,3 +220,147 @@ def test_rerun_after_failure_resumes_in_the_partial_but_force_starts_clean(cfg, 
     monkeypatch.delenv("FAIL_STAGE")
     run(cfg, "dataset.split.test=0.1", only=["preprocess"])   # other config: emptied
     assert "half-written" not in SEEN["preprocess"]
+
+
+# ------------------------------------------------ edits after an interruption, crash-safe publish
+
+def interrupt(cfg, monkeypatch, stage, *overrides):
+    """Run until `stage` has saved a checkpoint (step 4) and been preempted."""
+    monkeypatch.setenv("PREEMPT_STAGE", stage)
+    with pytest.raises(Preempted):
+        run(cfg, *overrides)
+    monkeypatch.delenv("PREEMPT_STAGE")
+
+
+def train_step(plan) -> str:
+    return next(s.describe() for s in plan if s.stage == "train")
+
+
+RUNTIME_EDITS = ["train.log_every=3", "train.eval_every=5", "train.eval_batches=3",
+                 "train.checkpoint_every=2", "train.keep_checkpoints=5",
+                 "model.attention.impl=sdpa", "train.launcher.procs_per_node=2"]
+
+
+def test_runtime_only_edits_resume_an_interrupted_train_and_keep_a_finished_one(cfg, calls,
+                                                                                monkeypatch):
+    interrupt(cfg, monkeypatch, "train")
+    assert train_step(Runner(load_spec(cfg, RUNTIME_EDITS)).plan()) == \
+        "not done yet; resume from step 4"
+    calls.clear()
+    run(cfg, *RUNTIME_EDITS)
+    assert calls == ["train", "finetune", "evaluate"]
+    assert SEEN["train"] == ["checkpoints", "partial.json"]       # resumed in its partial
+    run(cfg)                                      # finished: the edits undone change nothing
+    run(cfg, "train.log_every=7", "train.eval_every=3", "model.attention.impl=auto")
+    assert calls == ["train", "finetune", "evaluate"]
+
+
+def test_a_result_edit_is_refused_naming_the_keys_and_deletes_nothing(cfg, calls, monkeypatch):
+    interrupt(cfg, monkeypatch, "train")
+    partial = Path(load_spec(cfg).workspace_dir) / "train.partial"
+    files = sorted(p.relative_to(partial) for p in partial.rglob("*"))
+    calls.clear()
+    with pytest.raises(PipelineError) as info:
+        run(cfg, "train.optimizer.lr=0.05", "train.log_every=3")
+    assert str(info.value) == (
+        f"train: {partial} holds an interrupted run with checkpoints up to step 4, started "
+        f"with other settings that change its result: train.optimizer.lr 0.001 -> 0.05. Set "
+        f"them back to resume it, or re-run with --force train to discard its checkpoints "
+        f"and start over (nothing was deleted)")
+    with pytest.raises(PipelineError, match=r"step 4, started with other settings that "
+                                            r"change its result: input preprocess will be "
+                                            r"re-run\. Set them back"):
+        run(cfg, "dataset.split.valid=0.1")
+    assert calls == []
+    assert sorted(p.relative_to(partial) for p in partial.rglob("*")) == files
+    forced = Runner(load_spec(cfg, ["train.optimizer.lr=0.05"]), force=["train"]).plan()
+    assert train_step(forced) == "forced (--force); would discard checkpoints up to step 4"
+    run(cfg, "train.optimizer.lr=0.05", force=["train"])
+    assert calls == ["train", "finetune", "evaluate"]
+    assert SEEN["train"] == ["partial.json"]                      # started over
+
+
+def test_a_partial_from_an_older_version_is_refused_without_keys(cfg, calls, monkeypatch):
+    interrupt(cfg, monkeypatch, "train")
+    partial = Path(load_spec(cfg).workspace_dir) / "train.partial"
+    (partial / "partial.json").write_text('{"fingerprint": "0123456789abcdef"}')
+    with pytest.raises(PipelineError) as info:
+        run(cfg)
+    assert str(info.value) == (
+        f"train: {partial} holds an interrupted run with checkpoints up to step 4, started "
+        f"with other settings that its partial.json does not record (missing, or written by "
+        f"an older allattn-pipe); run it with the config that started it to resume, or re-run "
+        f"with --force train to discard its checkpoints and start over (nothing was deleted)")
+    assert (partial / "checkpoints" / "step-00000004").is_dir()
+
+
+def test_a_changed_config_keeps_the_finished_output_until_the_new_one_is_complete(
+        cfg, calls, monkeypatch):
+    run(cfg)
+    ws = Path(load_spec(cfg).workspace_dir)
+    record = (ws / "train" / "stage.json").read_text()
+    plan = Runner(load_spec(cfg, ["train.optimizer.lr=0.05"])).plan()
+    assert train_step(plan) == "changed: train.optimizer.lr 0.001 -> 0.05"
+    monkeypatch.setenv("FAIL_STAGE", "train")
+    with pytest.raises(RuntimeError, match="train failed"):
+        run(cfg, "train.optimizer.lr=0.05")
+    monkeypatch.delenv("FAIL_STAGE")
+    assert (ws / "train" / "stage.json").read_text() == record
+    calls.clear()
+    run(cfg)                           # the edit undone: the finished output is still good
+    assert calls == []
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["first-publish", "re-publish"])
+def test_publish_interrupted_at_any_operation_loses_nothing(cfg, calls, monkeypatch, earlier):
+    """Fail the k-th filesystem operation of train's publish, for every k (over an earlier
+    output of train or not); the next run finds train either published or resumable."""
+    import pipeline.runner
+
+    ws = Path(load_spec(cfg).workspace_dir)
+    overrides = ["train.optimizer.lr=0.05"] if earlier else []
+    real_publish = Workspace.publish
+    ops = [(pipeline.runner, "atomic_write_json"), (os, "rename"), (shutil, "rmtree"),
+           (Path, "unlink")]
+    for k in itertools.count(1):
+        shutil.rmtree(ws, ignore_errors=True)
+        if earlier:
+            run(cfg)
+        done = 0
+
+        def failing(real):
+            def op(*args, **kwargs):
+                nonlocal done
+                done += 1
+                if done == k:
+                    raise OSError(f"injected failure at operation {k}")
+                return real(*args, **kwargs)
+            return op
+
+        def publish(self, stage, record):
+            with monkeypatch.context() as m:
+                if stage == "train":
+                    for owner, name in ops:
+                        m.setattr(owner, name, failing(getattr(owner, name)))
+                real_publish(self, stage, record)
+
+        with monkeypatch.context() as m:
+            m.setattr(Workspace, "publish", publish)
+            try:
+                run(cfg, *overrides)
+            except OSError:
+                pass
+            else:
+                break                              # k is past publish's last operation
+        calls.clear()
+        run(cfg, *overrides)
+        # the record is the commit: written (k > 1), train is published by the next run;
+        # not written, the next run resumes train in its partial directory
+        assert ("train" in calls) == (k == 1), k
+        if k == 1:
+            assert "output.txt" in SEEN["train"]
+        assert sorted(p.name for p in ws.iterdir() if p.name.startswith("train")) == ["train"]
+        assert (ws / "train" / "output.txt").read_text() == "train"
+        assert [s.action for s in Runner(load_spec(cfg, overrides)).plan()] == ["skip"] * 5
+    # the record, [the earlier output aside,] the rename, the marker[, the earlier output]
+    assert k - 1 == (5 if earlier else 3)
