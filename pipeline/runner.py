@@ -207,8 +207,10 @@ def _differences(kept: dict, config: dict, input_builds: dict) -> list[str]:
     [] when it kept no config (written by an older allattn-pipe): then nobody can tell."""
     if "config" not in kept:
         return []
-    return config_changes(kept["config"], config) + [f"input {i} is another build ({kept.get('inputs', {}).get(i)} -> {b})"
-                      for i, b in input_builds.items() if kept.get("inputs", {}).get(i) != b]
+    kept_builds = kept.get("inputs", {})
+    return config_changes(kept["config"], config) + [
+        f"input {i} is another build ({kept_builds.get(i)} -> {b})"
+        for i, b in input_builds.items() if kept_builds.get(i) != b]
 
 
 def _parse_selection(names: list[str] | None, spec: Spec, flag: str) -> list[str]:
@@ -306,8 +308,8 @@ class Runner:
             raise PipelineError(
                 f"{name}: {partial} holds an interrupted run with checkpoints up to step "
                 f"{step}, started with other settings that its {PARTIAL_RECORD} does not "
-                f"record (missing, or written by an older allattn-pipe); run it with the config that started "
-                f"it to resume, or {discard}")
+                f"record (missing, or written by an older allattn-pipe); run it with the "
+                f"config that started it to resume, or {discard}")
         else:
             changes = _differences(kept, config, input_builds)
         raise PipelineError(
