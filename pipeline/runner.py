@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline import distributed
-from pipeline.checkpoints import checkpoint_step, latest_checkpoint
+from pipeline.checkpoints import step_dirs
 from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_json, read_json
 from pipeline.schema import Spec
@@ -125,9 +125,11 @@ class Workspace:
             return {}
 
     def partial_checkpoint(self, stage: str) -> int | None:
-        """The step of the newest complete checkpoint in the partial directory, if any."""
-        root = self.partial_dir(stage) / CHECKPOINTS
-        return checkpoint_step(root) if latest_checkpoint(root) else None
+        """The step of the newest checkpoint directory in the partial directory, if any.
+        Not `latest`: a damaged pointer must not make days of checkpoints look absent (and
+        so deletable); whether each one is intact is the training stage's to check."""
+        dirs = step_dirs(self.partial_dir(stage) / CHECKPOINTS)
+        return int(dirs[0].name.removeprefix("step-")) if dirs else None
 
     def begin(self, stage: str, marker: dict, fresh: bool = False) -> Path:
         """A partial directory for `stage`: kept if `marker` (fingerprint, config, inputs)

@@ -364,3 +364,13 @@ def test_publish_interrupted_at_any_operation_loses_nothing(cfg, calls, monkeypa
         assert [s.action for s in Runner(load_spec(cfg, overrides)).plan()] == ["skip"] * 5
     # the record, [the earlier output aside,] the rename, the marker[, the earlier output]
     assert k - 1 == (5 if earlier else 3)
+
+
+def test_a_broken_latest_pointer_does_not_make_checkpoints_deletable(cfg, calls, monkeypatch):
+    # `latest` names a step that is gone: the step directories beside it still count
+    interrupt(cfg, monkeypatch, "train")
+    partial = Path(load_spec(cfg).workspace_dir) / "train.partial"
+    (partial / "checkpoints" / "latest").write_text("step-00000099\n")
+    with pytest.raises(PipelineError, match="checkpoints up to step 4"):
+        run(cfg, "train.optimizer.lr=0.05")
+    assert (partial / "checkpoints" / "step-00000004").is_dir()
