@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipeline import distributed
+from pipeline import distributed, reshard
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
 from pipeline.checkpoints import (CHECKSUMS, checkpoint_bytes, disk_full, has_room, newest_intact,
@@ -252,24 +252,32 @@ class Trainer:
         if refusal:
             raise PipelineError(refusal)
         writers = len(list((root / tag).glob("trainer-rank*.pt")))
-        if writers != self.world_size:
-            # ZeRO partitions optimizer state per process and each rank owns its batch rows'
-            # caches: a checkpoint resumes only at the world size that wrote it.
-            raise PipelineError(f"checkpoint {root / tag} was written by {writers} process(es) "
-                                f"but this run has {self.world_size}: resume with the "
-                                f"train.launcher it was written with, or start over (--force)")
+        # another world size: ZeRO's optimizer partitions and the caches of each rank's batch
+        # rows are redistributed (pipeline.reshard)
+        resharding = writers != self.world_size
+        partitioned = resharding and reshard.optimizer_partitioned(self.engine, root / tag)
+        if resharding:
+            self.log(reshard.message(writers, self.world_size))
         before_load_checkpoint(self.engine)
         path, _ = self.engine.load_checkpoint(str(root), tag=tag,
-                                              load_optimizer_states=with_optimizer,
+                                              load_optimizer_states=with_optimizer
+                                              and not partitioned,
                                               load_lr_scheduler_states=False)
         if path is None:
             raise PipelineError(f"DeepSpeed could not load checkpoint {root / tag}")
-        state = torch.load(root / tag / f"trainer-rank{self.rank}.pt", weights_only=False)
+        if partitioned and with_optimizer:
+            reshard.load_zero_partitions(self.engine, root / tag, writers)
+        if resharding:
+            state = reshard.trainer_state(root / tag, writers, self.rank, self.world_size,
+                                          self.accum)
+        else:
+            state = torch.load(root / tag / f"trainer-rank{self.rank}.pt", weights_only=False)
         self.step = state["step"]
         self.caches = [[c.to(self.device) for c in cache] for cache in state["caches"]]
         self.best_valid = state["valid"]["best"]
         self.evals_since_best = state["valid"]["since_best"]
-        set_rng_state(state["rng"])
+        if state["rng"] is not None:
+            set_rng_state(state["rng"])
         self.trusted.add(root / tag)
         return self.step
 
