@@ -36,6 +36,27 @@ def message(writers: int, world_size: int) -> str:
             f"{writers}")
 
 
+def load_engine(engine, root: Path, tag: str, writers: int, *, with_optimizer: bool) -> None:
+    """`engine.load_checkpoint` of checkpoint `tag` under `root`, written by `writers`
+    processes; where that is not this engine's world size, this rank's ZeRO 1/2 optimizer
+    partitions are cut out of the writers' ones."""
+    from pipeline.optim import before_load_checkpoint
+
+    ckpt = root / tag
+    partitioned = (writers != torch.distributed.get_world_size()
+                   and optimizer_partitioned(engine, ckpt))
+    before_load_checkpoint(engine)
+    # DeepSpeed refuses ZeRO optimizer files of another world size: load the module weights
+    # (every world size reads the same file), then the partitions here
+    path, _ = engine.load_checkpoint(str(root), tag=tag,
+                                     load_optimizer_states=with_optimizer and not partitioned,
+                                     load_lr_scheduler_states=False)
+    if path is None:
+        raise PipelineError(f"DeepSpeed could not load checkpoint {ckpt}")
+    if partitioned and with_optimizer:
+        load_zero_partitions(engine, ckpt, writers)
+
+
 def optimizer_partitioned(engine, ckpt: Path) -> bool:
     """True if the checkpoint's optimizer state is split over its writers' files (ZeRO 1/2),
     False if it is whole in the model-states file (ZeRO 0); refuses what cannot be resharded."""
@@ -69,7 +90,9 @@ def load_zero_partitions(engine, ckpt: Path, writers: int) -> None:
                                                 SINGLE_PARTITION_OF_FP32_GROUPS)
 
     wrapper = engine.optimizer
-    files = [ckpt / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(writers)]
+    prefix = "bf16_" if engine.bfloat16_enabled() else ""      # DeepSpeed's naming
+    files = [ckpt / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+             for r in range(writers)]
     missing = [f.name for f in files if not f.exists()]
     if missing:
         raise PipelineError(f"checkpoint {ckpt} lacks {', '.join(missing)}: it was not written "
@@ -104,7 +127,7 @@ def load_zero_partitions(engine, ckpt: Path, writers: int) -> None:
                 pieces = [sd[BASE_OPTIMIZER_STATE]["state"][i][key][:m.numel()]
                           for sd, m in zip(old, masters)]
                 value = _slice(pieces, start, master.numel())
-            state[i][key] = value
+            state[i][key] = value.clone() if torch.is_tensor(value) else value   # off the mmap
     wrapper.optimizer.load_state_dict({"state": state, "param_groups": base["param_groups"]})
     wrapper._link_all_hp_params()     # DeepSpeed's per-parameter views into the new state
 

@@ -28,7 +28,7 @@ from pipeline.checkpoints import (CHECKSUMS, checkpoint_bytes, disk_full, has_ro
                                   step_dirs, write_checksums)
 from pipeline.fsutil import atomic_write_text
 from pipeline.ops import compile_count
-from pipeline.optim import before_load_checkpoint, before_save_checkpoint
+from pipeline.optim import before_save_checkpoint
 from pipeline.signals import StopSignal
 
 LN2 = math.log(2)
@@ -252,22 +252,9 @@ class Trainer:
         if refusal:
             raise PipelineError(refusal)
         writers = len(list((root / tag).glob("trainer-rank*.pt")))
-        # another world size: ZeRO's optimizer partitions and the caches of each rank's batch
-        # rows are redistributed (pipeline.reshard)
-        resharding = writers != self.world_size
-        partitioned = resharding and reshard.optimizer_partitioned(self.engine, root / tag)
-        if resharding:
+        reshard.load_engine(self.engine, root, tag, writers, with_optimizer=with_optimizer)
+        if writers != self.world_size:
             self.log(reshard.message(writers, self.world_size))
-        before_load_checkpoint(self.engine)
-        path, _ = self.engine.load_checkpoint(str(root), tag=tag,
-                                              load_optimizer_states=with_optimizer
-                                              and not partitioned,
-                                              load_lr_scheduler_states=False)
-        if path is None:
-            raise PipelineError(f"DeepSpeed could not load checkpoint {root / tag}")
-        if partitioned and with_optimizer:
-            reshard.load_zero_partitions(self.engine, root / tag, writers)
-        if resharding:
             state = reshard.trainer_state(root / tag, writers, self.rank, self.world_size,
                                           self.accum)
         else:
