@@ -30,10 +30,13 @@ from pipeline.errors import PipelineError
 
 def message(writers: int, world_size: int) -> str:
     """The one line logged when a checkpoint is resharded."""
-    return (f"resuming a {writers}-process checkpoint on {world_size} process"
-            f"{'es' if world_size > 1 else ''}: optimizer partitions and caches redistributed; "
-            f"random streams are per process, so dropout differs from a run that stayed on "
-            f"{writers}")
+    return (f"resuming a {writers}-process checkpoint on {_processes(world_size)}: optimizer "
+            f"partitions and caches redistributed; random streams are per process, so dropout "
+            f"differs from a run that stayed on {_processes(writers)}")
+
+
+def _processes(n: int) -> str:
+    return f"{n} process{'es' if n > 1 else ''}"
 
 
 def load_engine(engine, root: Path, tag: str, writers: int, *, with_optimizer: bool) -> None:
@@ -134,10 +137,15 @@ def load_zero_partitions(engine, ckpt: Path, writers: int) -> None:
 
 def _slice(pieces: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
     """Elements start .. start+length-1 of the concatenated `pieces`, zero past their end
-    (the end padding of the flat buffer)."""
+    (the end padding of the flat buffer). Only the overlapping parts of pieces are read."""
     out = torch.zeros(length, dtype=pieces[0].dtype)
-    whole = torch.cat([p.reshape(-1) for p in pieces])[start:start + length]
-    out[:whole.numel()] = whole
+    offset = 0
+    for piece in pieces:
+        piece = piece.reshape(-1)
+        lo, hi = max(start, offset), min(start + length, offset + piece.numel())
+        if lo < hi:
+            out[lo - start:hi - start] = piece[lo - offset:hi - offset]
+        offset += piece.numel()
     return out
 
 

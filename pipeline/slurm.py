@@ -114,7 +114,7 @@ def render_sbatch(config_path: str | Path, spec: Spec, nodes: int, gpus_per_node
     files = slurm_dir(spec)
     hostfile = _plain("hostfile", files / "hostfile")
     # The job's spec records its real world size (train.launcher; not part of the train
-    # stage's fingerprint). A checkpoint resumes only at the world size that wrote it.
+    # stage's fingerprint); pipeline.reshard resumes a checkpoint of another world size.
     launcher_sets = [f"train.launcher.nodes={nodes}",
                      f"train.launcher.procs_per_node={gpus_per_node}",
                      f"train.launcher.hostfile={hostfile}"]

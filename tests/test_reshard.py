@@ -115,7 +115,7 @@ def test_two_processes_resume_in_one_and_back_with_the_uninterrupted_losses(tmp_
     assert "resuming from step 4" in out
     assert ("resuming a 2-process checkpoint on 1 process: optimizer partitions and caches "
             "redistributed; random streams are per process, so dropout differs from a run "
-            "that stayed on 2") in out
+            "that stayed on 2 processes\n") in out
     in_one = losses(runs, f"procs1-zero{zero}-span1")
     assert sorted(in_one) == list(range(5, STEPS + 1))
     for step in in_one:
