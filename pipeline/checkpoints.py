@@ -70,11 +70,15 @@ def checkpoint_step(root: Path) -> int:
     return int(require_latest(root).removeprefix("step-"))
 
 
-def load_model_weights(model: torch.nn.Module, root: Path,
-                       log: Callable[[str], None]) -> str:
-    """Load the module weights of the newest intact checkpoint under `root` (no engine
-    needed); returns its tag."""
-    tag = newest_intact(root, log)
+def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], None],
+                       tag: str | None = None) -> str:
+    """Load the module weights of checkpoint `tag` under `root`, verified, or of the newest
+    intact one (no engine needed); returns its tag."""
+    if tag is not None:
+        if (why := damage(Path(root) / tag)) is not None:
+            raise PipelineError(f"checkpoint {Path(root) / tag}: {why}")
+    else:
+        tag = newest_intact(root, log)
     if tag is None:
         raise PipelineError(f"no checkpoint under {root}")
     path = Path(root) / tag / "mp_rank_00_model_states.pt"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -310,7 +310,12 @@ class TrainSpec(Section):
     launcher: LauncherSpec = LauncherSpec()
     log_every: int = Field(10, gt=0)
     eval_every: int = Field(0, ge=0, description="steps between validation estimates; 0 = off")
-    eval_batches: int = Field(16, gt=0, description="batches per validation estimate")
+    eval_batches: Annotated[int, Field(gt=0)] | Literal["all"] = Field(
+        16, description="batches per validation estimate; all: the whole valid split")
+    eval_batch_size: int = Field(8, gt=0, description="rows of a validation batch (train's "
+                                                      "own: evaluate.* is the final score's)")
+    eval_seq_len: int | None = Field(None, gt=0, description="validation segment length; "
+                                                             "default: seq_len")
     checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
     keep_checkpoints: int = Field(2, gt=0)
 
@@ -350,6 +355,9 @@ class EvaluateSpec(Section):
     splits: list[Literal["valid", "test"]] = ["valid", "test"]
     batch_size: int = Field(8, gt=0)
     seq_len: int | None = Field(None, gt=0, description="defaults to train.seq_len")
+    checkpoint: Literal["latest", "best"] = Field(
+        "latest", description="latest: the last step; best: the best validation of train and "
+                              "finetune (needs train.eval_every)")
 
 
 class TrackingSpec(Section):
@@ -384,6 +392,14 @@ class Spec(Section):
         if self.finetune and self.finetune.patience and not (self.train and
                                                              self.train.eval_every):
             raise ValueError("finetune.patience counts validations: set train.eval_every")
+        return self
+
+    @model_validator(mode="after")
+    def _best_needs_validation(self):
+        if self.evaluate.checkpoint == "best" and "evaluate" in self.stages and not (
+                self.train and self.train.eval_every):
+            raise ValueError("evaluate.checkpoint best is the checkpoint of the best "
+                             "validation: set train.eval_every")
         return self
 
     @property

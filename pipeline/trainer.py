@@ -302,16 +302,21 @@ class Trainer:
         self.step += 1
         return sum(losses) / len(losses)
 
-    def validate(self) -> float:
-        """Valid bpc estimated on the first `train.eval_batches` batches (not a full eval),
-        rank 0's value on every rank so that decisions taken on it agree."""
-        ev = self.spec.evaluate
+    def validate(self) -> tuple[float, int]:
+        """Valid bpc over the first `train.eval_batches` batches of the valid split (or all
+        of it) with train's own validation settings, and the number of tokens it covered;
+        rank 0's values on every rank so that decisions taken on them agree."""
+        train = self.spec.train
         if self.valid_tokens is None:          # read (and checksum) only if validating
             self.valid_tokens = load_split(self.preprocess_dir, "valid")
-        total, count = evaluate_nll(self.model, self.valid_tokens, ev.batch_size,
-                                    ev.seq_len or self.spec.train.seq_len, self.device,
-                                    max_batches=self.spec.train.eval_batches)
-        return distributed.broadcast_object(total / count / LN2)
+        total, count = evaluate_nll(
+            self.model, self.valid_tokens, train.eval_batch_size,
+            train.eval_seq_len or train.seq_len, self.device,
+            max_batches=None if train.eval_batches == "all" else train.eval_batches)
+        if count == 0:
+            raise PipelineError(f"the valid split has {len(self.valid_tokens)} token(s): "
+                                f"nothing to validate on; make dataset.split.valid larger")
+        return distributed.broadcast_object((total / count / LN2, count))
 
     def fit(self, until: int, lr_at: Callable[[int], float], ckpt_root: Path,
             expect_lr: float | None = None, patience: int | None = None) -> dict:
@@ -364,16 +369,19 @@ class Trainer:
 
     def _track_validation(self, progress: "Progress") -> bool:
         """Validate, log, and count evaluations since the best; True on a new best."""
-        valid = self.validate()
+        valid, tokens = self.validate()
         improved = self.best_valid is None or valid < self.best_valid
         if improved:
             self.best_valid, self.evals_since_best = valid, 0
         else:
             self.evals_since_best += 1
         if self.rank == 0:
-            self.tracker.log_metrics({"valid_bpc": valid}, step=self.step)
-            progress.log(self.log, f"step {self.step:>6}  valid bpc (estimate) {valid:.3f}"
-                                   f"{'  (best)' if improved else ''}")
+            self.tracker.log_metrics({"valid_bpc": valid, "valid_tokens": tokens},
+                                     step=self.step)
+            scope = ("the whole split" if self.spec.train.eval_batches == "all"
+                     else "an estimate")
+            progress.log(self.log, f"step {self.step:>6}  valid bpc {valid:.3f} ({scope}, "
+                                   f"{tokens:,} tokens){'  (best)' if improved else ''}")
         return improved
 
     def _report(self, window: "_Window", until: int, progress: "Progress") -> None:

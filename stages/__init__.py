@@ -74,6 +74,6 @@ def resolve_inputs(stage: Stage, order: list[str]) -> list[str]:
     for needed in stage.inputs:
         options = needed if isinstance(needed, tuple) else (needed,)
         present = [o for o in options if o in before]
-        if present:
-            names.append(max(present, key=before.index))
+        if present and (name := max(present, key=before.index)) not in names:
+            names.append(name)
     return names

@@ -1,4 +1,5 @@
-"""evaluate: bits per character (and perplexity) of the final checkpoint.
+"""evaluate: bits per character (and perplexity) of the last checkpoint, or of the best
+validation's (`evaluate.checkpoint: best`).
 
 Every token of each split is scored exactly once, streamed with the cache ("full eval").
 Outputs `results.json`; prints the numbers beside the train split's unigram entropy.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
 from stages import Stage, StageContext
 
@@ -22,10 +24,10 @@ def run(ctx: StageContext) -> dict:
 
     spec, ev = ctx.spec, ctx.spec.evaluate
     manifest = load_manifest(ctx.inputs["preprocess"])
-    source = "finetune" if "finetune" in ctx.inputs else "train"
+    source, tag = _checkpoint(ctx)
     device = resolve_device(spec.train.device if spec.train else "auto")
     model = build_model(spec.model_kind, spec.model_params, manifest["vocab_size"])
-    tag = load_model_weights(model, ctx.inputs[source] / "checkpoints", ctx.log)
+    tag = load_model_weights(model, ctx.inputs[source] / "checkpoints", ctx.log, tag)
     model.to(device)
     seq_len = ev.seq_len or spec.train.seq_len
     results = {"checkpoint": f"{source}/{tag}",
@@ -49,10 +51,29 @@ def run(ctx: StageContext) -> dict:
     return results
 
 
+def _checkpoint(ctx: StageContext) -> tuple[str, str | None]:
+    """The stage whose checkpoint is scored, and its tag (None: the newest intact one).
+    `best`: finetune starts from train's best validation and points its own `best` only at
+    a checkpoint that beats it, so finetune's pointer if it has one, else train's."""
+    from pipeline.checkpoints import read_pointer
+
+    if ctx.spec.evaluate.checkpoint == "latest":
+        return ("finetune" if "finetune" in ctx.inputs else "train"), None
+    for source in ("finetune", "train"):
+        if source in ctx.inputs and (tag := read_pointer(ctx.inputs[source] / "checkpoints"
+                                                         / "best")):
+            return source, tag
+    searched = ", ".join(str(ctx.inputs[s] / "checkpoints")
+                         for s in ("finetune", "train") if s in ctx.inputs)
+    raise PipelineError(f"evaluate.checkpoint is best, but no checkpoint is marked best under "
+                        f"{searched} (it is set by train.eval_every's validations)")
+
+
 STAGE = Stage(
     name="evaluate",
     summary="Score every token of valid/test with the cache: bpc, perplexity.",
-    inputs=("preprocess", ("train", "finetune")),
+    # train too: with evaluate.checkpoint best, the best may be train's
+    inputs=("preprocess", ("train", "finetune"), "train"),
     section_key=None,
     # Every key changes the numbers (batch_size and seq_len set where the cached streams cut
     # the splits): no runtime_only.

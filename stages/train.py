@@ -43,15 +43,17 @@ def run(ctx: StageContext) -> dict:
     return summary
 
 
+# train's validation settings: runtime-only, unless finetune.patience stops training on them
+VALIDATION = ("eval_every", "eval_batches", "eval_batch_size", "eval_seq_len")
+
+
 def config(spec) -> dict:
     train = spec.train
     out = {"model": spec.resolved()["model"], "train": train.model_dump(mode="json"),
            "finetune": {"patience": patience(spec)}}
     if patience(spec) is not None:
         # the validations decide when train stops: here their settings change the result
-        out["validation"] = {"eval_every": train.eval_every, "eval_batches": train.eval_batches,
-                             "batch_size": spec.evaluate.batch_size,
-                             "seq_len": spec.evaluate.seq_len}
+        out["validation"] = {key: getattr(train, key) for key in VALIDATION}
     return out
 
 
@@ -65,6 +67,8 @@ RUNTIME_ONLY = {
     "train.eval_every": "validation runs in eval mode under no_grad with its own cache: no "
                         "dropout, no RNG draw (with finetune.patience it is under validation.*)",
     "train.eval_batches": "as eval_every: it only sizes the validation estimate",
+    "train.eval_batch_size": "as eval_batches",
+    "train.eval_seq_len": "as eval_batches",
     "train.checkpoint_every": "saving reads the state; a resumed run is the uninterrupted run",
     "train.keep_checkpoints": "only which older checkpoints are deleted",
     "model.attention.impl": "every backend computes the reference op's numbers (up to float "
