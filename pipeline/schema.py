@@ -194,6 +194,10 @@ class FileSpec(Section):
     md5: str | None = Field(None, description="where the publisher gives only an md5")
 
 
+# what a generated dataset has no use for
+_DOWNLOAD_ONLY = ("url", "sha256", "archive", "files", "tokenizer", "split")
+
+
 class DatasetSpec(Section):
     """A dataset card: a source to download (url) or a task to generate (generator)."""
     name: str
@@ -211,6 +215,19 @@ class DatasetSpec(Section):
     vocab_size: int | None = Field(
         None, gt=0, description="expected vocabulary, for `show` before preprocessing")
 
+    def resolved(self) -> dict:
+        """The card as plain data with only the settings that apply to its source, tokenizer
+        kind and split kind: the validators refuse the others when the card is read back."""
+        out = self.model_dump(mode="json")
+        if self.generator is not None:
+            for key in _DOWNLOAD_ONLY:
+                del out[key]
+            return out
+        out["tokenizer"] = self.tokenizer.settings()
+        if self.split.kind == "files":
+            out["split"] = {"kind": "files"}
+        return out
+
     @model_validator(mode="before")
     @classmethod
     def _tokenizer_shorthand(cls, data):
@@ -221,8 +238,7 @@ class DatasetSpec(Section):
     @model_validator(mode="after")
     def _source_fits_split(self):
         if self.generator is not None:
-            stray = sorted({"url", "sha256", "archive", "files", "tokenizer", "split"}
-                           & self.model_fields_set)
+            stray = sorted(set(_DOWNLOAD_ONLY) & self.model_fields_set)
             if stray:
                 raise ValueError(f"a generated dataset (generator: {self.generator.task}) has "
                                  f"no {', '.join(stray)}: its data is made, not downloaded")
@@ -422,5 +438,6 @@ class Spec(Section):
     def resolved(self) -> dict:
         """The spec as plain data, every default filled in: what `show` prints and MLflow keeps."""
         out = self.model_dump(mode="json")
+        out["dataset"] = self.dataset.resolved()
         out["model"] = {"kind": self.model_kind, **asdict(self.model_params)}
         return out

@@ -8,8 +8,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from pipeline.cli import main
+from pipeline.runner import fingerprint
 from pipeline.spec import SpecError, load_spec
+from stages import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -232,3 +236,31 @@ def test_cli_help_for_every_command():
         result = cli(command, "--help")
         assert result.returncode == 0 and "Usage:" in result.stdout
     assert "preprocess" in cli("stages").stdout
+
+
+# configs/base holds fragments that pipelines extend, not pipelines
+PIPELINE_CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if p.parent.name != "base")
+
+
+def stage_fingerprints(spec) -> dict[str, str]:
+    return {name: fingerprint(STAGES[name].config(spec), {}) for name in spec.stages}
+
+
+@pytest.mark.parametrize(
+    "config, overrides",
+    [(p, ()) for p in PIPELINE_CONFIGS]
+    # a generated dataset (no url, tokenizer or split) and a sentencepiece tokenizer
+    + [(ROOT / "configs" / "quickstart.yaml", ("--set", "dataset=sort_synthetic")),
+       (ROOT / "configs" / "quickstart.yaml",
+        ("--set", "dataset.tokenizer={kind: sentencepiece, vocab_size: 111}"))],
+    ids=lambda v: v.stem if isinstance(v, Path) else " ".join(v))
+def test_show_prints_a_valid_spec_with_the_same_fingerprints(config, overrides, tmp_path):
+    result = CliRunner().invoke(main, ["show", str(config), *overrides])
+    assert result.exit_code == 0, result.output
+    printed_spec = result.output.split("\n\nparameters:")[0]
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(printed_spec)
+    original = load_spec(config, list(overrides[1::2]))
+    reloaded = load_spec(copy)
+    assert reloaded.resolved() == original.resolved()
+    assert stage_fingerprints(reloaded) == stage_fingerprints(original)
