@@ -5,13 +5,18 @@ from __future__ import annotations
 from collections import Counter
 
 from pipeline.data.manifest import MANIFEST, load_manifest
+from pipeline.errors import PipelineError
 
 
 def vocab_size_for(spec) -> tuple[int | None, str]:
     """The vocabulary size and where it came from: the manifest if preprocess ran, else
     the dataset card's expectation."""
     preprocess = spec.workspace_dir / "preprocess"
-    if (preprocess / MANIFEST).exists():
+    try:
+        preprocessed = (preprocess / MANIFEST).is_file()
+    except OSError as e:   # workspace.root too long for the filesystem, say
+        raise PipelineError(f"{preprocess / MANIFEST}: cannot read: {e.strerror}") from None
+    if preprocessed:
         return load_manifest(preprocess)["vocab_size"], str(preprocess / MANIFEST)
     if spec.dataset.vocab_size:
         return spec.dataset.vocab_size, f"dataset card '{spec.dataset.name}' (expected)"
@@ -47,8 +52,12 @@ def parameter_report(spec) -> str:
     if vocab is None:
         return ("parameters: unknown until preprocess has run (the vocabulary size is not "
                 "known; set dataset.vocab_size to estimate)")
-    with torch.device("meta"):
-        model = build_model(spec.model_kind, spec.model_params, vocab)
+    with torch.device("meta"):   # sizes only: nothing is allocated
+        try:
+            model = build_model(spec.model_kind, spec.model_params, vocab)
+        except ValueError as e:   # the model refuses this vocabulary (adaptive_cutoffs)
+            raise PipelineError(f"{spec.source}: model: {e} (vocabulary {vocab} from "
+                                f"{origin})") from None
     groups = parameter_groups(model)
     total = sum(groups.values())
     lines = [f"parameters: {total:,} ({total / 1e6:.1f}M; vocabulary {vocab} from {origin})"]

@@ -17,9 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate")
 
 
+# The output layer scores every token of the vocabulary at every position; far larger
+# vocabularies than any tokenizer makes would not fit in an accelerator's memory.
+VOCAB_LIMIT = 1 << 24
+
+
 class Section(BaseModel):
     # Unknown keys are errors; "12" is not an int. YAML already gives us real types.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # No setting means infinity, and NaN would pass no check (.inf and .nan are YAML floats).
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class SplitSpec(Section):
@@ -74,7 +80,8 @@ class TokenizerSpec(Section):
     eos: str | None = Field("<eos>", description="word, sentencepiece: the token ending every "
                                                  "line; null: none")
     model_type: Literal["bpe", "unigram"] = Field("bpe", description="sentencepiece")
-    vocab_size: int | None = Field(None, ge=3, description="sentencepiece: pieces (required)")
+    vocab_size: int | None = Field(None, ge=3, le=VOCAB_LIMIT,
+                                   description="sentencepiece: pieces (required)")
     character_coverage: float = Field(1.0, gt=0, le=1, description="sentencepiece")
     byte_fallback: bool = Field(False, description="sentencepiece: bytes for unknown chars")
     normalization: Literal["identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"] = Field(
@@ -213,7 +220,8 @@ class DatasetSpec(Section):
     split: SplitSpec = SplitSpec()
     shards: ShardSpec = ShardSpec()
     vocab_size: int | None = Field(
-        None, gt=0, description="expected vocabulary, for `show` before preprocessing")
+        None, gt=0, le=VOCAB_LIMIT, description="expected vocabulary, for `show` before "
+                                                "preprocessing")
 
     def resolved(self) -> dict:
         """The card as plain data with only the settings that apply to its source, tokenizer
@@ -390,7 +398,8 @@ class WorkspaceSpec(Section):
 
 
 class Spec(Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    # the workspace directory's name: a file name has at most 255 bytes
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
     dataset: DatasetSpec
     model: dict[str, Any]
     train: TrainSpec | None = None

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipeline.errors import PipelineError
 from pipeline.models import MODELS
-from pipeline.schema import Spec
+from pipeline.schema import VOCAB_LIMIT, Spec
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,9 +36,28 @@ class Where(str):
     """Where a value came from: 'file:line' or '--set key=value'."""
 
 
+# A spec is a few levels deep and has hundreds of values. The bounds stop what a file can do
+# to the loader: nesting that would exhaust Python's stack, an alias inside itself, and
+# aliases of aliases that expand a few lines into billions of values.
+MAX_DEPTH = 64
+MAX_VALUES = 10_000
+
+
 def _line_loader():
     class Loader(yaml.SafeLoader):
-        pass
+        depth = 0
+
+        def compose_node(self, parent, index):
+            # PyYAML composes nested collections by recursion
+            self.depth += 1
+            try:
+                if self.depth > MAX_DEPTH:
+                    raise yaml.composer.ComposerError(
+                        None, None, f"nested more than {MAX_DEPTH} levels deep",
+                        self.peek_event().start_mark)
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
 
     # YAML 1.1 reads 1e-7 as a string; researchers write learning rates that way.
     Loader.add_implicit_resolver(
@@ -52,23 +71,64 @@ def _line_loader():
 _Loader = _line_loader()
 
 
-def _build(node, path: tuple, origin: str, where: dict, loader: yaml.SafeLoader):
-    """Construct Python data from a YAML node, recording each key path's file:line."""
-    where[path] = Where(f"{origin}:{node.start_mark.line + 1}")
-    if isinstance(node, yaml.MappingNode):
+class _Builder:
+    """Python data from a composed YAML node, recording each key path's origin in `where`.
+
+    An alias is the node it names, so the node graph can be cyclic or expand exponentially:
+    the depth and the number of values built are bounded."""
+
+    def __init__(self, origin: str, where: dict):
+        self.origin, self.where, self.values = origin, where, 0
+        self.scalars = _Loader("")
+
+    def place(self, node) -> Where:
+        if self.origin.startswith("--set "):
+            return Where(self.origin)
+        return Where(f"{self.origin}:{node.start_mark.line + 1}")
+
+    def build(self, node, path: tuple):
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise SpecError(f"{self.place(node)}: more than {MAX_VALUES:,} values once YAML "
+                            f"aliases are expanded; a spec has hundreds")
+        if len(path) > MAX_DEPTH:
+            raise SpecError(f"{self.place(node)}: nested more than {MAX_DEPTH} levels deep "
+                            f"(an alias inside its own anchor?)")
+        self.where[path] = self.place(node)
+        if isinstance(node, yaml.MappingNode):
+            return self._mapping(node, path)
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
+        try:
+            return self.scalars.construct_object(node, deep=True)
+        except yaml.constructor.ConstructorError as e:   # a tag the safe loader does not know
+            raise SpecError(f"{self.place(node)}: {_dotted(path)}: {e.problem}") from None
+        # !!int abc, !!timestamp 2020-99-99, an int of 5,000 digits; !!bool maybe
+        except (ValueError, KeyError):
+            raise SpecError(f"{self.place(node)}: {_dotted(path)}: {_show(node.value)} is not "
+                            f"a valid {_tag_name(node.tag)}") from None
+
+    def _mapping(self, node, path: tuple) -> dict:
         out = {}
         for key_node, value_node in node.value:
+            at = self.place(key_node)
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise SpecError(f"{at}: {_dotted(path)}: merge keys (<<) are not supported; "
+                                f"share settings between files with `extends`")
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise SpecError(f"{at}: {_dotted(path)}: a key must be a name, found "
+                                f"{'a list' if isinstance(key_node, yaml.SequenceNode) else 'a mapping'}")
             key = key_node.value
             if key in out:
-                raise SpecError(f"{origin}:{key_node.start_mark.line + 1}: "
-                                f"{_dotted(path + (key,))}: key given twice")
-            out[key] = _build(value_node, path + (key,), origin, where, loader)
-            where[path + (key,)] = Where(f"{origin}:{key_node.start_mark.line + 1}")
+                raise SpecError(f"{at}: {_dotted(path + (key,))}: key given twice")
+            out[key] = self.build(value_node, path + (key,))
+            self.where[path + (key,)] = at
         return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_build(item, path + (i,), origin, where, loader)
-                for i, item in enumerate(node.value)]
-    return loader.construct_object(node, deep=True)
+
+
+def _tag_name(tag: str) -> str:
+    return "!!" + tag.removeprefix("tag:yaml.org,2002:") if tag.startswith("tag:yaml.org") \
+        else tag
 
 
 def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
@@ -78,15 +138,23 @@ def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
         raise SpecError(f"{path}: no such file") from None
     except OSError as e:
         raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
+                        f"{e.start}") from None
     try:
         node = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}{line}: not valid YAML: {getattr(e, 'problem', e)}") from None
+        raise SpecError(f"{path}{line}: not valid YAML: {_yaml_problem(e)}") from None
     if node is None:
         return {}
-    return _build(node, prefix, str(path), where, _Loader(""))
+    return _Builder(str(path), where).build(node, prefix)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    # a ReaderError (a control character) has a reason instead of a problem
+    return getattr(e, "problem", None) or getattr(e, "reason", None) or str(e).splitlines()[0]
 
 
 def _dotted(path: tuple) -> str:
@@ -122,16 +190,26 @@ def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) ->
     merged: dict = {}
     for i, parent in enumerate(extends):
         parent_path = (path.parent / parent)
-        if not parent_path.exists():
-            raise SpecError(f"{own_where[('extends', i)]}: extends: no such file "
-                            f"{parent_path}")
+        at = own_where.get(("extends", i), own_where.get(("extends",)))  # `extends: FILE`
+        if not _is_file(parent_path, at):
+            raise SpecError(f"{at}: extends: no such file {parent_path}")
         merged = _merge(merged, _load_with_extends(parent_path, where, chain + (path.resolve(),)))
     # The file's own keys win, and so do their locations.
     where.update({k: v for k, v in own_where.items() if k and k[0] != "extends"})
     return _merge(merged, data)
 
 
+def _is_file(path: Path, at: str) -> bool:
+    try:
+        return path.is_file()
+    except OSError as e:   # a name too long for the filesystem
+        raise SpecError(f"{at}: cannot read {_show(str(path))}: {e.strerror}") from None
+
+
 # ---------------------------------------------------------------- dataset cards
+
+# a card is a file datasets/NAME.yaml; nothing else (a path, a name too long for a file) is
+CARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 def dataset_card_dirs(spec_path: Path) -> list[Path]:
     dirs = [spec_path.resolve().parent.parent / "datasets", PROJECT_ROOT / "datasets"]
@@ -139,6 +217,9 @@ def dataset_card_dirs(spec_path: Path) -> list[Path]:
 
 
 def _resolve_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
+    if not CARD_NAME.fullmatch(name):
+        raise SpecError(f"{at}: dataset: {_show(name)} is not a dataset card's name (letters, "
+                        f"digits, _ . -, at most 100 characters) nor a mapping")
     dirs = dataset_card_dirs(spec_path)
     for d in dirs:
         card = d / f"{name}.yaml"
@@ -166,11 +247,14 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise SpecError(f"--set {text}: '{key}' is not a dotted key path")
+    path = tuple(key.split("."))
+    if not raw.strip():
+        return path, ""
     try:
-        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
+        node = yaml.compose(raw, Loader=_Loader)
     except yaml.YAMLError:
-        value = raw  # not YAML: take the text as a string
-    return tuple(key.split(".")), value
+        return path, raw  # not YAML: take the text as a string
+    return path, None if node is None else _Builder(f"--set {text}", {}).build(node, path)
 
 
 def _apply_override(data: dict, path: tuple, value, where: dict, text: str,
@@ -276,11 +360,14 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
     params = None
     if isinstance(model, dict):
         kind = model.get("kind")
-        if kind not in MODELS:
-            close = difflib.get_close_matches(str(kind), list(MODELS), n=1)
+        if not isinstance(kind, str) or kind not in MODELS:
+            close = difflib.get_close_matches(kind, list(MODELS), n=1) \
+                if isinstance(kind, str) else []
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             at = _locate(where, ("model", "kind"), origin)
-            what = "required key is missing" if kind is None else f"unknown model kind '{kind}'"
+            what = ("required key is missing" if kind is None else
+                    f"unknown model kind '{kind}'" if isinstance(kind, str) else
+                    f"expected the name of a model kind, found {_show(kind)} ({_kind(kind)})")
             errors.append(f"{at}: model.kind: {what}{hint}; known: {', '.join(MODELS)}")
         else:
             cfg_cls = MODELS[kind][0]
@@ -310,15 +397,43 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
     return spec
 
 
+# Upper bounds on model sizes (by config field name), with what the paper uses: far above any
+# model this pipeline trains, low enough that no tensor size overflows and that `show` builds
+# the model on the meta device (no memory) in a moment.
+MODEL_LIMITS = {
+    "d_model": (1 << 16, "512 and 768"),
+    "n_layers": (1 << 10, "up to 36"),
+    "n_persistent": (1 << 20, "up to 2,048"),
+    "ff_dim": (1 << 20, "up to 4,096"),
+    "max_span": (1 << 20, "up to 8,192"),
+    "span_ramp": (1 << 20, "32"),
+    "adaptive_div": (1 << 10, "4"),
+    "adaptive_cutoffs": (VOCAB_LIMIT, "up to 200,000"),
+}
+
+
+def _at_most(name: str):
+    limit, paper = MODEL_LIMITS[name]
+
+    def check(value):
+        if any(v > limit for v in (value if isinstance(value, list) else [value])):
+            raise ValueError(f"at most {limit:,} (the paper's models use {paper})")
+        return value
+    return pydantic.AfterValidator(check)
+
+
 @functools.cache
 def _strict_schema(cfg_cls) -> type[BaseModel]:
     """A strict pydantic model with the fields of a model's config dataclass: the models
-    stay plain dataclasses, the spec still refuses unknown keys and wrong types. A field
-    whose type is itself a dataclass (model.attention) is checked the same way."""
-    hints = {name: _strict_schema(t) if is_dataclass(t) else t
+    stay plain dataclasses, the spec still refuses unknown keys, wrong types, infinities and
+    sizes above MODEL_LIMITS. A field whose type is itself a dataclass (model.attention) is
+    checked the same way."""
+    hints = {name: _strict_schema(t) if is_dataclass(t) else
+             typing.Annotated[t, _at_most(name)] if name in MODEL_LIMITS else t
              for name, t in typing.get_type_hints(cfg_cls).items()}
     return pydantic.create_model(
-        cfg_cls.__name__, __config__=ConfigDict(extra="forbid", strict=True),
+        cfg_cls.__name__, __config__=ConfigDict(extra="forbid", strict=True,
+                                                allow_inf_nan=False),
         **{f.name: (hints[f.name], _default(f)) for f in fields(cfg_cls)})
 
 
