@@ -116,8 +116,8 @@ class _Builder:
                 raise SpecError(f"{at}: {_dotted(path)}: merge keys (<<) are not supported; "
                                 f"share settings between files with `extends`")
             if not isinstance(key_node, yaml.ScalarNode):
-                raise SpecError(f"{at}: {_dotted(path)}: a key must be a name, found "
-                                f"{'a list' if isinstance(key_node, yaml.SequenceNode) else 'a mapping'}")
+                found = "a list" if isinstance(key_node, yaml.SequenceNode) else "a mapping"
+                raise SpecError(f"{at}: {_dotted(path)}: a key must be a name, found {found}")
             key = key_node.value
             if key in out:
                 raise SpecError(f"{at}: {_dotted(path + (key,))}: key given twice")
@@ -240,13 +240,19 @@ def _resolve_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
 
 # ---------------------------------------------------------------- --set overrides
 
+def _set_origin(text: str) -> str:
+    # an error is one line, even for an override with a newline in it
+    return "--set " + (text if text.isprintable() else repr(text)[1:-1])
+
+
 def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     if "=" not in text:
-        raise SpecError(f"--set {text}: expected KEY=VALUE, for example --set train.lr=0.05")
+        raise SpecError(f"{_set_origin(text)}: expected KEY=VALUE, for example "
+                        f"--set train.lr=0.05")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise SpecError(f"--set {text}: '{key}' is not a dotted key path")
+        raise SpecError(f"{_set_origin(text)}: '{key}' is not a dotted key path")
     path = tuple(key.split("."))
     if not raw.strip():
         return path, ""
@@ -254,7 +260,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
         node = yaml.compose(raw, Loader=_Loader)
     except yaml.YAMLError:
         return path, raw  # not YAML: take the text as a string
-    return path, None if node is None else _Builder(f"--set {text}", {}).build(node, path)
+    return path, None if node is None else _Builder(_set_origin(text), {}).build(node, path)
 
 
 def _apply_override(data: dict, path: tuple, value, where: dict, text: str,
@@ -268,13 +274,13 @@ def _apply_override(data: dict, path: tuple, value, where: dict, text: str,
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, dict):
-            raise SpecError(f"--set {text}: {_dotted(path[:i + 1])} is {_kind(child)}, "
+            raise SpecError(f"{_set_origin(text)}: {_dotted(path[:i + 1])} is {_kind(child)}, "
                             f"not a mapping, so it has no key '{path[i + 1]}'")
         node = child
     node[path[-1]] = value
     for k in [k for k in where if k[:len(path)] == path]:
         del where[k]
-    where[path] = Where(f"--set {text}")
+    where[path] = Where(_set_origin(text))
 
 
 # ---------------------------------------------------------------- validation errors
