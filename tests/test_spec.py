@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -264,3 +266,103 @@ def test_show_prints_a_valid_spec_with_the_same_fingerprints(config, overrides, 
     reloaded = load_spec(copy)
     assert reloaded.resolved() == original.resolved()
     assert stage_fingerprints(reloaded) == stage_fingerprints(original)
+
+
+LAUGHS = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10))
+
+
+@pytest.mark.parametrize("replace, by, error", [
+    ("n_layers: 2", "n_layers: !!int abc", ":6: model.n_layers: 'abc' is not a valid !!int"),
+    ("n_layers: 2", "n_layers: " + "9" * 5000,
+     ":6: model.n_layers: '" + "9" * 56 + "... is not a valid !!int"),
+    ("n_layers: 2", "n_layers: !!bool maybe",
+     ":6: model.n_layers: 'maybe' is not a valid !!bool"),
+    ("name: tiny", "name: !!timestamp 2020-99-99",
+     ":1: name: '2020-99-99' is not a valid !!timestamp"),
+    ("name: tiny", "name: !!merge x", ":1: name: could not determine a constructor for the "
+                                      "tag 'tag:yaml.org,2002:merge'"),
+    ("name: tiny", "name: tiny\n{[1]: 2}: 3", ":2: (top level): a key must be a name, found "
+                                              "a mapping"),
+    ("  n_layers: 2", "  n_layers: 2\n  <<: {n_heads: 4}",
+     ":7: model: merge keys (<<) are not supported; share settings between files with "
+     "`extends`"),
+    ("name: tiny", "name: " + "[" * 5000 + "]" * 5000,
+     ":1: not valid YAML: nested more than 64 levels deep"),
+    ("name: tiny", "name: &a [*a]",
+     ":1: nested more than 64 levels deep (an alias inside its own anchor?)"),
+    ("name: tiny", "name: tiny\nl0: &l0 [lol, lol]\n" + LAUGHS,
+     ":2: more than 10,000 values once YAML aliases are expanded; a spec has hundreds"),
+    ("kind: allattn", "kind: [allattn]", ":4: model.kind: expected the name of a model kind, "
+                                         "found ['allattn'] (a list); known: allattn"),
+    ("name: tiny", "name: " + "n" * 300, ":1: name: string should have at most 100 "
+                                         "characters; found '" + "n" * 56 + "... (a string)"),
+    ("dataset: python_docs", "dataset: " + "d" * 300,
+     ":2: dataset: '" + "d" * 56 + "... is not a dataset card's name (letters, digits, _ . -, "
+     "at most 100 characters) nor a mapping"),
+    ("  max_span: 64", "  max_span: 1000000000000000",
+     ":9: model.max_span: at most 1,048,576 (the paper's models use up to 8,192); found "
+     "1000000000000000 (an integer)"),
+    ("  d_model: 32", "  d_model: 8000000000",
+     ":5: model.d_model: at most 65,536 (the paper's models use 512 and 768); found "
+     "8000000000 (an integer)"),
+    # aliases within the bounds still work
+    ("  n_heads: 2\n  n_persistent: 8", "  n_heads: &h 2\n  n_persistent: *h", None),
+])
+def test_broken_yaml_is_one_located_error(tmp_path, replace, by, error):
+    path = write(tmp_path, "spec.yaml", BASE.replace(replace, by, 1))
+    with time_limit(seconds=10):   # the alias cases used to hang
+        if error is None:
+            load_spec(path)
+        else:
+            assert error_of(path) == f"{path}{error}"
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    def stop(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_unreadable_files_are_one_located_error(tmp_path):
+    (tmp_path / "latin1.yaml").write_bytes(b"name: caf\xe9\n")
+    assert error_of(tmp_path / "latin1.yaml") == \
+        f"{tmp_path / 'latin1.yaml'}: not UTF-8 text: byte 0xe9 at offset 9"
+    child = write(tmp_path, "child.yaml", "extends: latin1.yaml\n" + BASE)
+    assert error_of(child) == f"{tmp_path / 'latin1.yaml'}: not UTF-8 text: byte 0xe9 at " \
+                              f"offset 9"
+    long_parent = write(tmp_path, "long.yaml", "extends: " + "p" * 300 + "\n" + BASE)
+    assert error_of(long_parent) == (f"{long_parent}:1: cannot read "
+                                     f"{repr(str(tmp_path / ('p' * 300)))[:57]}...: File name "
+                                     f"too long")
+
+
+@pytest.mark.parametrize("override, error", [
+    ("dataset.split.valid=.inf", "dataset.split.valid: expected a finite number; found inf "
+                                 "(a number)"),
+    ("dataset.vocab_size=1000000000000", "dataset.vocab_size: expected less than or equal to "
+                                         "16777216; found 1000000000000 (an integer)"),
+    ("model.span_loss_coef=.nan", "model.span_loss_coef: expected a finite number; found nan "
+                                  "(a number)"),
+    ("model.n_layers=!!int abc", "model.n_layers: 'abc' is not a valid !!int"),
+])
+def test_bad_numbers_and_tags_in_set_are_one_error(tmp_path, override, error):
+    path = write(tmp_path, "spec.yaml", BASE)
+    assert error_of(path, [override]) == f"--set {override}: {error}"
+
+
+def test_show_refuses_a_model_the_vocabulary_cannot_hold_in_one_line(tmp_path):
+    path = write(tmp_path, "spec.yaml", BASE)
+    result = CliRunner().invoke(main, ["show", str(path), "--set", "model.adaptive_io=true",
+                                       "--set", "model.d_model=128"])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"error: {path}: model: adaptive_cutoffs [20000, 40000, 200000] need a vocabulary "
+        f"larger than the last cutoff; vocab_size is 111 (vocabulary 111 from dataset card "
+        f"'python_docs' (expected))\n")
