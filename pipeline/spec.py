@@ -127,8 +127,8 @@ class _Builder:
 
 
 def _tag_name(tag: str) -> str:
-    return "!!" + tag.removeprefix("tag:yaml.org,2002:") if tag.startswith("tag:yaml.org") \
-        else tag
+    standard = "tag:yaml.org,2002:"
+    return "!!" + tag[len(standard):] if tag.startswith(standard) else tag
 
 
 def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
@@ -210,6 +210,7 @@ def _is_file(path: Path, at: str) -> bool:
 
 # a card is a file datasets/NAME.yaml; nothing else (a path, a name too long for a file) is
 CARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
 
 def dataset_card_dirs(spec_path: Path) -> list[Path]:
     dirs = [spec_path.resolve().parent.parent / "datasets", PROJECT_ROOT / "datasets"]
@@ -408,7 +409,7 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
 # the model on the meta device (no memory) in a moment.
 MODEL_LIMITS = {
     "d_model": (1 << 16, "512 and 768"),
-    "n_layers": (1 << 10, "up to 36"),
+    "n_layers": (256, "up to 36"),
     "n_persistent": (1 << 20, "up to 2,048"),
     "ff_dim": (1 << 20, "up to 4,096"),
     "max_span": (1 << 20, "up to 8,192"),
