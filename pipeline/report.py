@@ -15,7 +15,8 @@ def vocab_size_for(spec) -> tuple[int | None, str]:
     try:
         preprocessed = (preprocess / MANIFEST).is_file()
     except OSError as e:   # workspace.root too long for the filesystem, say
-        raise PipelineError(f"{preprocess / MANIFEST}: cannot read: {e.strerror}") from None
+        raise PipelineError(f"{spec.source}: workspace.root: cannot read "
+                            f"{preprocess / MANIFEST}: {e.strerror}") from None
     if preprocessed:
         return load_manifest(preprocess)["vocab_size"], str(preprocess / MANIFEST)
     if spec.dataset.vocab_size:

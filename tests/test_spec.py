@@ -366,3 +366,12 @@ def test_show_refuses_a_model_the_vocabulary_cannot_hold_in_one_line(tmp_path):
         f"error: {path}: model: adaptive_cutoffs [20000, 40000, 200000] need a vocabulary "
         f"larger than the last cutoff; vocab_size is 111 (vocabulary 111 from dataset card "
         f"'python_docs' (expected))\n")
+
+
+def test_show_with_a_workspace_root_too_long_for_the_filesystem_is_one_line(tmp_path):
+    path = write(tmp_path, "spec.yaml", BASE)
+    root = "w" * 300
+    result = CliRunner().invoke(main, ["show", str(path), "--set", f"workspace.root={root}"])
+    assert result.exit_code == 2
+    assert result.stderr == (f"error: {path}: workspace.root: cannot read "
+                             f"{root}/tiny/preprocess/manifest.json: File name too long\n")
