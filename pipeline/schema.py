@@ -88,7 +88,8 @@ class TokenizerSpec(Section):
         "identity", description="sentencepiece: identity keeps the text recoverable")
     sample_sentences: int = Field(1_000_000, gt=0, description="sentencepiece: training lines "
                                                                "drawn from the train split")
-    seed: int = Field(0, description="sentencepiece: the line sample and the trainer")
+    seed: int = Field(0, ge=0, lt=2**31, description="sentencepiece: the line sample and the "
+                                                     "trainer")
     num_threads: int = Field(4, gt=0, description="sentencepiece trainer threads; part of the "
                                                   "model (unigram results depend on it)")
 
@@ -172,7 +173,7 @@ GENERATOR_TASKS = ("frequency_sort", "algorithmic")
 class GeneratorSpec(Section):
     """A generated (synthetic) task instead of a download: exactly one task section.
     The generators themselves are the job of a later task stage."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
     frequency_sort: FrequencySortTask | None = None
     algorithmic: AlgorithmicTask | None = None
 
@@ -284,8 +285,20 @@ class OptimizerSpec(Section):
     clip: Literal["per_param", "global", "none"] = Field(
         "per_param", description="per_param: the paper's per-tensor step scaling")
     clip_norm: float = Field(0.03, gt=0)
-    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2)
-    weight_decay: float = Field(0.0, ge=0)
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
+        [0.9, 0.999], min_length=2, max_length=2, description="adam only")
+    weight_decay: float = Field(0.0, ge=0, description="adam, or adagrad without per_param")
+
+    @model_validator(mode="after")
+    def _every_setting_acts(self):
+        # a key the chosen optimizer would ignore is refused, not silently dropped
+        if self.type == "adagrad" and "betas" in self.model_fields_set:
+            raise ValueError("betas are Adam's moment decays; adagrad has none: remove "
+                             "optimizer.betas or use type: adam")
+        if self.type == "adagrad" and self.clip == "per_param" and self.weight_decay:
+            raise ValueError("the paper's Adagrad (clip: per_param) has no weight decay: "
+                             "remove optimizer.weight_decay, or use clip: global or none")
+        return self
 
 
 class DeepSpeedSpec(Section):
@@ -324,7 +337,8 @@ class LauncherSpec(Section):
 
 
 class TrainSpec(Section):
-    seed: int = 1234
+    # numpy seeds each rank with seed + rank, and takes only seeds below 2^32
+    seed: int = Field(1234, ge=0, lt=2**31)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     steps: int = Field(gt=0)
     batch_size: int = Field(gt=0, description="sequences per optimizer step, all ranks")
@@ -395,6 +409,23 @@ class WorkspaceSpec(Section):
     root: str = "runs"
     cache: str | None = Field(None, description="downloads cached by sha256, shared by "
                                                 "every run; default <root>/cache")
+
+    @model_validator(mode="after")
+    def _directories(self):
+        for key in ("root", "cache"):
+            if (value := getattr(self, key)) is not None:
+                _check_directory(f"workspace.{key}", Path(value))
+        return self
+
+
+def _check_directory(key: str, path: Path) -> None:
+    """`path` is a directory, or can be made one: its nearest existing ancestor is one."""
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except OSError as e:           # a name too long for the filesystem, say
+        raise ValueError(f"{key} {path}: {e.strerror}") from None
+    if not existing.is_dir():
+        raise ValueError(f"{key} {path}: {existing} is not a directory")
 
 
 class Spec(Section):

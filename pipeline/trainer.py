@@ -103,9 +103,9 @@ def evaluate_nll(model, tokens: np.ndarray, batch_size: int, seq_len: int, devic
 class Trainer:
     def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None]):
         from pipeline.data import StreamBatches
-        from pipeline.models import build_model
         from pipeline.optim import (bind_to_engine, build_optimizer, float32_from_master,
                                     master_clamp)
+        from pipeline.report import build_model_for
 
         self.spec, self.tracker, self.log = spec, tracker, log
         train = spec.train
@@ -121,7 +121,7 @@ class Trainer:
 
         # identical initial weights on every rank, then per-rank streams of randomness
         torch.manual_seed(train.seed)
-        model = build_model(spec.model_kind, spec.model_params, self.vocab_size)
+        model = build_model_for(spec, self.vocab_size, f"{preprocess_dir}/manifest.json")
         torch.manual_seed(train.seed + self.rank)
         np.random.seed(train.seed + self.rank)
         random.seed(train.seed + self.rank)

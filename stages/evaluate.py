@@ -14,10 +14,15 @@ from pipeline.fsutil import atomic_write_json
 from stages import Stage, StageContext
 
 
+# below this many tokens a split's bpc is too noisy to compare runs on (its standard error
+# is roughly 1/sqrt(n) of the per-token spread), so evaluate says so
+FEW_TOKENS = 1000
+
+
 def run(ctx: StageContext) -> dict:
     import torch
 
-    from pipeline.models import build_model
+    from pipeline.report import build_model_for
     from pipeline.checkpoints import load_model_weights
     from pipeline.trainer import LN2, evaluate_nll, resolve_device
     from pipeline.data.manifest import load_manifest, load_split
@@ -26,7 +31,8 @@ def run(ctx: StageContext) -> dict:
     manifest = load_manifest(ctx.inputs["preprocess"])
     source, tag = _checkpoint(ctx)
     device = resolve_device(spec.train.device if spec.train else "auto")
-    model = build_model(spec.model_kind, spec.model_params, manifest["vocab_size"])
+    model = build_model_for(spec, manifest["vocab_size"],
+                            f"{ctx.inputs['preprocess']}/manifest.json")
     tag = load_model_weights(model, ctx.inputs[source] / "checkpoints", ctx.log, tag)
     model.to(device)
     seq_len = ev.seq_len or spec.train.seq_len
@@ -37,6 +43,9 @@ def run(ctx: StageContext) -> dict:
         with torch.no_grad():
             total, count = evaluate_nll(model, tokens, ev.batch_size, seq_len, device)
         nats = total / count
+        if count < FEW_TOKENS:
+            ctx.log(f"warning: the {split} split has only {count:,} scored tokens: its bpc is "
+                    f"a rough estimate (make dataset.split.{split} larger)")
         results[split] = {"tokens": count, "loss": nats, "bpc": nats / LN2,
                           "ppl": math.exp(nats)}
         ctx.tracker.log_metrics({f"{split}_bpc": nats / LN2, f"{split}_loss": nats,

@@ -234,8 +234,11 @@ def preprocess(ds, download_dir: Path, out_dir: Path, log=print) -> dict:
 
     splits = {}
     for name in SPLITS:
-        if ids[name].size == 0:
-            raise PipelineError(f"dataset '{ds.name}': the {name} split has no tokens")
+        if ids[name].size < 2:     # one input and its target, at the very least
+            raise PipelineError(f"dataset '{ds.name}': the {name} split has {ids[name].size} "
+                                f"token(s); it needs at least 2 to be scored: make "
+                                f"dataset.split.{'valid or test' if name == 'train' else name} "
+                                f"{'smaller' if name == 'train' else 'larger'}")
         shards = write_shards(ids[name], shard_dir, name, ds.shards.block_tokens,
                               ds.shards.blocks_per_shard)
         splits[name] = {"tokens": int(ids[name].size), "shards": shards}
