@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate")
 
@@ -20,6 +20,14 @@ STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate")
 # The output layer scores every token of the vocabulary at every position; far larger
 # vocabularies than any tokenizer makes would not fit in an accelerator's memory.
 VOCAB_LIMIT = 1 << 24
+
+
+# Upper bounds on counts and sizes: a value past them cannot run on any machine (it
+# overflows, or asks for more memory than exists), so `validate` refuses it rather than `run`
+# failing deep inside. They are far above the papers' settings (batch 64 x 512, 450k steps).
+MAX_STEPS = 10**12
+MAX_ROWS = 2**20
+MAX_SEQ_LEN = 2**20
 
 
 class Section(BaseModel):
@@ -38,8 +46,10 @@ class SplitSpec(Section):
     files: the download's roles train / valid / test, one file each, taken as they are.
     """
     kind: Literal["tail", "files"] = "tail"
-    valid: float = Field(0.05, gt=0, description="tail: units when >= 1, a fraction when < 1")
-    test: float = Field(0.05, gt=0, description="tail: units when >= 1, a fraction when < 1")
+    valid: float = Field(0.05, gt=0, le=2**53, description="tail: units when >= 1, a fraction "
+                                                             "when < 1")
+    test: float = Field(0.05, gt=0, le=2**53, description="tail: units when >= 1, a fraction "
+                                                            "when < 1")
 
     @model_validator(mode="after")
     def _sizes_fit_kind(self):
@@ -86,11 +96,11 @@ class TokenizerSpec(Section):
     byte_fallback: bool = Field(False, description="sentencepiece: bytes for unknown chars")
     normalization: Literal["identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"] = Field(
         "identity", description="sentencepiece: identity keeps the text recoverable")
-    sample_sentences: int = Field(1_000_000, gt=0, description="sentencepiece: training lines "
+    sample_sentences: int = Field(1_000_000, gt=0, le=2**31, description="sentencepiece: training lines "
                                                                "drawn from the train split")
     seed: int = Field(0, ge=0, lt=2**31, description="sentencepiece: the line sample and the "
                                                      "trainer")
-    num_threads: int = Field(4, gt=0, description="sentencepiece trainer threads; part of the "
+    num_threads: int = Field(4, gt=0, le=1024, description="sentencepiece trainer threads; part of the "
                                                   "model (unigram results depend on it)")
 
     @model_validator(mode="after")
@@ -114,9 +124,9 @@ class TokenizerSpec(Section):
 
 
 class SplitSizesSpec(Section):
-    train: int = Field(gt=0)
-    valid: int = Field(gt=0)
-    test: int = Field(gt=0)
+    train: int = Field(gt=0, le=2**31)
+    valid: int = Field(gt=0, le=2**31)
+    test: int = Field(gt=0, le=2**31)
 
 
 class FrequencySortTask(Section):
@@ -125,7 +135,7 @@ class FrequencySortTask(Section):
     the sequence; target = the symbols by decreasing count (absent ones last, in index order).
     Each distribution: integer weights drawn uniformly from `weight_range`, normalised."""
     vocab: int = Field(20, gt=1)
-    length: int = Field(4000, gt=0, description="4,000 / 8,000 / 16,000 in the paper")
+    length: int = Field(4000, gt=0, le=2**24, description="4,000 / 8,000 / 16,000 in the paper")
     weight_range: list[int] = Field([1, 9], min_length=2, max_length=2)
     sequences: SplitSizesSpec = Field(
         SplitSizesSpec(train=8000, valid=800, test=800), description="sequences per split")
@@ -140,10 +150,10 @@ class FrequencySortTask(Section):
 
 
 class CurriculumSpec(Section):
-    start_length: int = Field(5, gt=0)
-    epochs: int = Field(100, gt=0)
-    steps_per_epoch: int = Field(100, gt=0)
-    check_cases: int = Field(32, gt=0, description="fresh cases tested after each epoch")
+    start_length: int = Field(5, gt=0, le=2**24)
+    epochs: int = Field(100, gt=0, le=MAX_STEPS)
+    steps_per_epoch: int = Field(100, gt=0, le=MAX_STEPS)
+    check_cases: int = Field(32, gt=0, le=2**20, description="fresh cases tested after each epoch")
     promote_accuracy: float = Field(1.0, gt=0, le=1, description="grow the length at this "
                                                                  "accuracy")
     length_step: int | None = Field(None, gt=0, description="default: 2 for add and mult, "
@@ -191,8 +201,8 @@ class GeneratorSpec(Section):
 
 
 class ShardSpec(Section):
-    block_tokens: int = Field(65536, gt=0, description="tokens per webdataset sample")
-    blocks_per_shard: int = Field(64, gt=0, description="samples per tar shard")
+    block_tokens: int = Field(65536, gt=0, le=2**28, description="tokens per webdataset sample")
+    blocks_per_shard: int = Field(64, gt=0, le=2**20, description="samples per tar shard")
 
 
 class FileSpec(Section):
@@ -281,7 +291,7 @@ class DatasetSpec(Section):
 class OptimizerSpec(Section):
     type: Literal["adagrad", "adam"] = "adagrad"
     lr: float = Field(0.07, gt=0)
-    warmup_steps: int = Field(0, ge=0, description="linear warmup: lr * min(1, k / warmup)")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="linear warmup: lr * min(1, k / warmup)")
     clip: Literal["per_param", "global", "none"] = Field(
         "per_param", description="per_param: the paper's per-tensor step scaling")
     clip_norm: float = Field(0.03, gt=0)
@@ -305,7 +315,7 @@ class DeepSpeedSpec(Section):
     zero_stage: Literal[0, 1, 2, 3] = 0
     bf16: bool = False
     fp16: bool = False
-    gradient_accumulation_steps: int = Field(1, gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0, le=2**16)
     activation_checkpointing: bool = Field(
         False, description="recompute each layer's activations in backward to save memory")
 
@@ -318,8 +328,8 @@ class DeepSpeedSpec(Section):
 
 class LauncherSpec(Section):
     """How many processes train: more than one starts the `deepspeed` launcher."""
-    nodes: int = Field(1, gt=0)
-    procs_per_node: int = Field(1, gt=0, description="processes per node (one per GPU)")
+    nodes: int = Field(1, gt=0, le=2**16)
+    procs_per_node: int = Field(1, gt=0, le=1024, description="processes per node (one per GPU)")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile ('host slots=N' lines); "
                                                    "required for more than one node")
     master_port: int | None = Field(None, gt=0, lt=65536,
@@ -340,22 +350,22 @@ class TrainSpec(Section):
     # numpy seeds each rank with seed + rank, and takes only seeds below 2^32
     seed: int = Field(1234, ge=0, lt=2**31)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    steps: int = Field(gt=0)
-    batch_size: int = Field(gt=0, description="sequences per optimizer step, all ranks")
-    seq_len: int = Field(gt=0, description="tokens per segment (M)")
+    steps: int = Field(gt=0, le=MAX_STEPS)
+    batch_size: int = Field(gt=0, le=MAX_ROWS, description="sequences per optimizer step, all ranks")
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, description="tokens per segment (M)")
     optimizer: OptimizerSpec = OptimizerSpec()
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     launcher: LauncherSpec = LauncherSpec()
-    log_every: int = Field(10, gt=0)
-    eval_every: int = Field(0, ge=0, description="steps between validation estimates; 0 = off")
-    eval_batches: Annotated[int, Field(gt=0)] | Literal["all"] = Field(
+    log_every: int = Field(10, gt=0, le=MAX_STEPS)
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between validation estimates; 0 = off")
+    eval_batches: Annotated[int, Field(gt=0, le=MAX_STEPS)] | Literal["all"] = Field(
         16, description="batches per validation estimate; all: the whole valid split")
-    eval_batch_size: int = Field(8, gt=0, description="rows of a validation batch (train's "
+    eval_batch_size: int = Field(8, gt=0, le=MAX_ROWS, description="rows of a validation batch (train's "
                                                       "own: evaluate.* is the final score's)")
-    eval_seq_len: int | None = Field(None, gt=0, description="validation segment length; "
+    eval_seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN, description="validation segment length; "
                                                              "default: seq_len")
-    checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
-    keep_checkpoints: int = Field(2, gt=0)
+    checkpoint_every: int = Field(0, ge=0, le=MAX_STEPS, description="0 = only at the end")
+    keep_checkpoints: int = Field(2, gt=0, le=10**6)
 
     @model_validator(mode="after")
     def _clipping_fits_optimizer(self):
@@ -381,7 +391,7 @@ class TrainSpec(Section):
 
 
 class FinetuneSpec(Section):
-    steps: int = Field(gt=0)
+    steps: int = Field(gt=0, le=MAX_STEPS)
     lr_divisor: float = Field(10.0, gt=0)
     patience: int | None = Field(
         None, gt=0, description="start the LR drop once validation has not improved for this "
@@ -391,8 +401,9 @@ class FinetuneSpec(Section):
 
 class EvaluateSpec(Section):
     splits: list[Literal["valid", "test"]] = ["valid", "test"]
-    batch_size: int = Field(8, gt=0)
-    seq_len: int | None = Field(None, gt=0, description="defaults to train.seq_len")
+    batch_size: int = Field(8, gt=0, le=MAX_ROWS)
+    seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN,
+                                description="defaults to train.seq_len")
     checkpoint: Literal["latest", "best"] = Field(
         "latest", description="latest: the last step; best: the best validation of train and "
                               "finetune (needs train.eval_every)")
@@ -410,22 +421,20 @@ class WorkspaceSpec(Section):
     cache: str | None = Field(None, description="downloads cached by sha256, shared by "
                                                 "every run; default <root>/cache")
 
-    @model_validator(mode="after")
-    def _directories(self):
-        for key in ("root", "cache"):
-            if (value := getattr(self, key)) is not None:
-                _check_directory(f"workspace.{key}", Path(value))
-        return self
-
-
-def _check_directory(key: str, path: Path) -> None:
-    """`path` is a directory, or can be made one: its nearest existing ancestor is one."""
-    try:
-        existing = next(p for p in (path, *path.parents) if p.exists())
-    except OSError as e:           # a name too long for the filesystem, say
-        raise ValueError(f"{key} {path}: {e.strerror}") from None
-    if not existing.is_dir():
-        raise ValueError(f"{key} {path}: {existing} is not a directory")
+    @field_validator("root", "cache")
+    @classmethod
+    def _a_directory(cls, value: str | None) -> str | None:
+        """A directory, or one that can be made: its nearest existing ancestor is one."""
+        if value is None:
+            return value
+        path = Path(value)
+        try:
+            existing = next(p for p in (path, *path.parents) if p.exists())
+        except OSError as e:           # a name too long for the filesystem, say
+            raise ValueError(e.strerror) from None
+        if not existing.is_dir():
+            raise ValueError(f"{existing} is not a directory")
+        return value
 
 
 class Spec(Section):
@@ -480,4 +489,6 @@ class Spec(Section):
         out = self.model_dump(mode="json")
         out["dataset"] = self.dataset.resolved()
         out["model"] = {"kind": self.model_kind, **asdict(self.model_params)}
+        if self.train and self.train.optimizer.type == "adagrad":
+            del out["train"]["optimizer"]["betas"]      # Adam's; refused when read back
         return out

@@ -157,8 +157,15 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return getattr(e, "problem", None) or getattr(e, "reason", None) or str(e).splitlines()[0]
 
 
+def _shown(key) -> str:
+    """A key as an error line shows it: control characters escaped, so that a key holding
+    one never breaks the one-line error."""
+    text = str(key)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def _dotted(path: tuple) -> str:
-    return ".".join(str(p) for p in path) or "(top level)"
+    return ".".join(_shown(p) for p in path) or "(top level)"
 
 
 def _merge(base: dict, top: dict) -> dict:
@@ -235,7 +242,7 @@ def _resolve_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
     known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
     hint = difflib.get_close_matches(name, known, n=1)
     suggest = f" (did you mean '{hint[0]}'?)" if hint else ""
-    raise SpecError(f"{at}: dataset: no dataset card named '{name}'{suggest}; "
+    raise SpecError(f"{at}: dataset: no dataset card named '{_shown(name)}'{suggest}; "
                     f"known cards: {', '.join(known) or 'none'}")
 
 
@@ -253,7 +260,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise SpecError(f"{_set_origin(text)}: '{key}' is not a dotted key path")
+        raise SpecError(f"{_set_origin(text)}: '{_shown(key)}' is not a dotted key path")
     path = tuple(key.split("."))
     if not raw.strip():
         return path, ""
@@ -341,7 +348,7 @@ def _describe(err: dict, where: dict, fallback: str, schema, loc_prefix: tuple =
         close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
         hint = f" (did you mean '{close[0]}'?)" if close else (
             f" (valid keys: {', '.join(valid)})" if valid else "")
-        return f"{place}: {_dotted(loc)}: unknown key '{key}'{hint}"
+        return f"{place}: {_dotted(loc)}: unknown key '{_shown(key)}'{hint}"
     if kind == "missing":
         return f"{place}: {_dotted(loc)}: required key is missing"
     msg = err["msg"]

@@ -23,11 +23,17 @@ ADAGRAD = ["train.optimizer.type=adagrad", "train.optimizer.clip=per_param",
     (["train.optimizer.betas=[2, -1]"], "train.optimizer.betas"),
     (["train.seed=1180591620717411303424"], "train.seed"),        # 2**70
     (["train.seed=-1"], "train.seed"),
-    (["workspace.root=/dev/null"], "workspace.root /dev/null: /dev/null is not a directory"),
+    (["workspace.root=/dev/null"], "workspace.root: /dev/null is not a directory"),
     (["workspace.root=/dev/null/runs"], "/dev/null is not a directory"),
-    (["workspace.cache=/dev/null"], "workspace.cache /dev/null: /dev/null is not a directory"),
+    (["workspace.cache=/dev/null"], "workspace.cache: /dev/null is not a directory"),
     ([*ADAGRAD, "train.optimizer.betas=[0.8, 0.9]"], "adagrad has none"),
     ([*ADAGRAD, "train.optimizer.weight_decay=0.01"], "has no weight decay"),
+    # counts past any machine: refused here, not overflowing or allocating inside `run`
+    (["train.steps=100000000000000000000000"], "train.steps: expected less than or equal"),
+    (["train.batch_size=100000000000000000000000"], "train.batch_size: expected less than"),
+    (["train.seq_len=10000000000000000000000"], "train.seq_len: expected less than"),
+    (["dataset.split.valid=1e300"], "dataset.split.valid: expected less than"),
+    (["dataset.shards.block_tokens=100000000000000000000"], "dataset.shards.block_tokens"),
 ])
 def test_refused_before_anything_runs(sets, needle):
     with pytest.raises(SpecError) as e:

@@ -66,13 +66,12 @@ stages: [download, preprocess, train, evaluate]
 @pytest.fixture(scope="module", autouse=True)
 def one_process_group():
     """The stages initialise torch.distributed in this process: keep the environment it sets
-    (RANK, MASTER_PORT...) away from the other tests' subprocesses, and the group with it."""
+    (RANK, MASTER_PORT...) away from the other tests' subprocesses. The group itself stays
+    for the session: DeepSpeed caches its groups in module globals, so a group destroyed and
+    made again in one process breaks the next in-process engine ("Group ... is not
+    registered")."""
     saved = dict(os.environ)
     yield
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
 

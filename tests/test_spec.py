@@ -371,7 +371,9 @@ def test_show_refuses_a_model_the_vocabulary_cannot_hold_in_one_line(tmp_path):
 def test_show_with_a_workspace_root_too_long_for_the_filesystem_is_one_line(tmp_path):
     path = write(tmp_path, "spec.yaml", BASE)
     root = "w" * 300
-    result = CliRunner().invoke(main, ["show", str(path), "--set", f"workspace.root={root}"])
-    assert result.exit_code == 2
-    assert result.stderr == (f"error: {path}: workspace.root: cannot read "
-                             f"{root}/tiny/preprocess/manifest.json: File name too long\n")
+    for command in ("validate", "show"):
+        result = CliRunner().invoke(main, [command, str(path), "--set", f"workspace.root={root}"])
+        assert result.exit_code == 2
+        assert result.stderr.startswith(f"error: --set workspace.root={root}: workspace.root: "
+                                        f"File name too long; found 'www")
+        assert result.stderr.count("\n") == 1
