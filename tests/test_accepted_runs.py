@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.spec import SpecError, load_spec
+from test_damaged_data import config as local_corpus_config
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -48,28 +49,16 @@ def test_keys_that_act_are_accepted():
                            "train.optimizer.weight_decay=0.01"])     # torch Adagrad's
 
 
-def config(tmp: Path, corpus: bytes, *extra: str) -> Path:
+def config(tmp: Path, corpus: bytes) -> Path:
     source = tmp / "corpus.txt"
     source.write_bytes(corpus)
-    path = tmp / "small.yaml"
-    path.write_text(f"""\
-extends: [{QUICKSTART}]
-name: small
-dataset:
-  name: local
-  url: file://{source}
-  tokenizer: {{kind: byte}}
-  split: {{kind: tail, valid: 0.1, test: 0.1}}
-  shards: {{block_tokens: 4096, blocks_per_shard: 4}}
-model: {{d_model: 16, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 16}}
-train: {{steps: 2, batch_size: 1, seq_len: 2, log_every: 1, eval_every: 0,
-        optimizer: {{warmup_steps: 0}}}}
-finetune: {{steps: 1}}
-evaluate: {{splits: [valid], batch_size: 1}}
-tracking: {{enabled: false}}
-workspace: {{root: {tmp / 'runs'}}}
-""" + "".join(f"{line}\n" for line in extra))
-    return path
+    return local_corpus_config(
+        tmp, source, "model: {d_model: 16, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 16}",
+        "train: {steps: 2, batch_size: 1, seq_len: 2, log_every: 1, eval_every: 0,",
+        "        optimizer: {warmup_steps: 0}}",
+        "finetune: {steps: 1}",
+        "evaluate: {splits: [valid], batch_size: 1}",
+        name="small", stages="[download, preprocess, train, finetune, evaluate]")
 
 
 def cli(*args):

@@ -18,11 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT = b"".join(b"line %d of a small local corpus, read as bytes.\n" % i for i in range(3000))
 
 
-def config(tmp: Path, source: Path) -> Path:
-    path = tmp / "damaged.yaml"
+def config(tmp: Path, source: Path, *extra: str, name: str = "damaged",
+           stages: str = "[download, preprocess]") -> Path:
+    """A quickstart pipeline on the local corpus file `source`; `extra` lines are appended."""
+    path = tmp / f"{name}.yaml"
     path.write_text(f"""\
 extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
-name: damaged
+name: {name}
 dataset:
   name: local
   url: file://{source}
@@ -31,8 +33,8 @@ dataset:
   shards: {{block_tokens: 4096, blocks_per_shard: 4}}
 tracking: {{enabled: false}}
 workspace: {{root: {tmp / 'runs'}}}
-stages: [download, preprocess]
-""")
+stages: {stages}
+""" + "".join(f"{line}\n" for line in extra))
     return path
 
 
