@@ -96,12 +96,14 @@ class TokenizerSpec(Section):
     byte_fallback: bool = Field(False, description="sentencepiece: bytes for unknown chars")
     normalization: Literal["identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"] = Field(
         "identity", description="sentencepiece: identity keeps the text recoverable")
-    sample_sentences: int = Field(1_000_000, gt=0, le=2**31, description="sentencepiece: training lines "
-                                                               "drawn from the train split")
+    sample_sentences: int = Field(1_000_000, gt=0, le=2**31,
+            description="sentencepiece: training lines "
+                        "drawn from the train split")
     seed: int = Field(0, ge=0, lt=2**31, description="sentencepiece: the line sample and the "
                                                      "trainer")
-    num_threads: int = Field(4, gt=0, le=1024, description="sentencepiece trainer threads; part of the "
-                                                  "model (unigram results depend on it)")
+    num_threads: int = Field(4, gt=0, le=1024,
+            description="sentencepiece trainer threads; part of the "
+                        "model (unigram results depend on it)")
 
     @model_validator(mode="after")
     def _settings_fit_kind(self):
@@ -291,7 +293,8 @@ class DatasetSpec(Section):
 class OptimizerSpec(Section):
     type: Literal["adagrad", "adam"] = "adagrad"
     lr: float = Field(0.07, gt=0)
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="linear warmup: lr * min(1, k / warmup)")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS,
+            description="linear warmup: lr * min(1, k / warmup)")
     clip: Literal["per_param", "global", "none"] = Field(
         "per_param", description="per_param: the paper's per-tensor step scaling")
     clip_norm: float = Field(0.03, gt=0)
@@ -351,19 +354,23 @@ class TrainSpec(Section):
     seed: int = Field(1234, ge=0, lt=2**31)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     steps: int = Field(gt=0, le=MAX_STEPS)
-    batch_size: int = Field(gt=0, le=MAX_ROWS, description="sequences per optimizer step, all ranks")
+    batch_size: int = Field(gt=0, le=MAX_ROWS,
+            description="sequences per optimizer step, all ranks")
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, description="tokens per segment (M)")
     optimizer: OptimizerSpec = OptimizerSpec()
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     launcher: LauncherSpec = LauncherSpec()
     log_every: int = Field(10, gt=0, le=MAX_STEPS)
-    eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between validation estimates; 0 = off")
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS,
+            description="steps between validation estimates; 0 = off")
     eval_batches: Annotated[int, Field(gt=0, le=MAX_STEPS)] | Literal["all"] = Field(
         16, description="batches per validation estimate; all: the whole valid split")
-    eval_batch_size: int = Field(8, gt=0, le=MAX_ROWS, description="rows of a validation batch (train's "
-                                                      "own: evaluate.* is the final score's)")
-    eval_seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN, description="validation segment length; "
-                                                             "default: seq_len")
+    eval_batch_size: int = Field(8, gt=0, le=MAX_ROWS,
+            description="rows of a validation batch (train's "
+                        "own: evaluate.* is the final score's)")
+    eval_seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN,
+            description="validation segment length; "
+                        "default: seq_len")
     checkpoint_every: int = Field(0, ge=0, le=MAX_STEPS, description="0 = only at the end")
     keep_checkpoints: int = Field(2, gt=0, le=10**6)
 
