@@ -302,16 +302,6 @@ class OptimizerSpec(Section):
         [0.9, 0.999], min_length=2, max_length=2, description="adam only")
     weight_decay: float = Field(0.0, ge=0, description="adam, or adagrad without per_param")
 
-    @model_validator(mode="after")
-    def _every_setting_acts(self):
-        # a key the chosen optimizer would ignore is refused, not silently dropped
-        if self.type == "adagrad" and "betas" in self.model_fields_set:
-            raise ValueError("betas are Adam's moment decays; adagrad has none: remove "
-                             "optimizer.betas or use type: adam")
-        if self.type == "adagrad" and self.clip == "per_param" and self.weight_decay:
-            raise ValueError("the paper's Adagrad (clip: per_param) has no weight decay: "
-                             "remove optimizer.weight_decay, or use clip: global or none")
-        return self
 
 
 class DeepSpeedSpec(Section):
@@ -496,6 +486,34 @@ class Spec(Section):
         out = self.model_dump(mode="json")
         out["dataset"] = self.dataset.resolved()
         out["model"] = {"kind": self.model_kind, **asdict(self.model_params)}
-        if self.train and self.train.optimizer.type == "adagrad":
-            del out["train"]["optimizer"]["betas"]      # Adam's; refused when read back
+        for path, _ in self.inert_keys():       # they would be refused when read back
+            parent = out
+            for part in path[:-1]:
+                parent = parent[part]
+            parent.pop(path[-1], None)
+        return out
+
+    def inert_keys(self) -> list[tuple[tuple[str, ...], str]]:
+        """The keys that do nothing under this spec's other settings, each with why. Written
+        in the config being run (or by --set) they are refused; inherited from a shared base
+        that a variant switches off, they are accepted (pipeline.spec)."""
+        out = []
+        opt = self.train.optimizer if self.train else None
+        params = self.model_params
+        for applies, keys, why in (
+            (opt and opt.type == "adagrad", ("train.optimizer.betas",),
+             "betas are Adam's moment decays; adagrad has none"),
+            (opt and opt.type == "adagrad" and opt.clip == "per_param",
+             ("train.optimizer.weight_decay",),
+             "the paper's Adagrad (clip: per_param) has no weight decay"),
+            (opt and opt.clip == "none", ("train.optimizer.clip_norm",), "clip is none"),
+            (params is not None and not params.adaptive_span,
+             ("model.span_ramp", "model.span_init", "model.span_loss_coef"),
+             "model.adaptive_span is false"),
+            (params is not None and not params.adaptive_io,
+             ("model.adaptive_cutoffs", "model.adaptive_div", "model.adaptive_tied"),
+             "model.adaptive_io is false"),
+        ):
+            if applies:
+                out += [(tuple(key.split(".")), why) for key in keys]
         return out

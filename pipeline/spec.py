@@ -502,4 +502,18 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> Spec:
                                         where.get(("dataset",), str(path)))
     spec = _validate(data, where, str(path))
     spec._source = str(path)
+    _refuse_inert_keys(spec, where, str(path))
     return spec
+
+
+def _refuse_inert_keys(spec: Spec, where: dict, top: str) -> None:
+    """Every key acts or is refused: one that does nothing under the other settings is an
+    error where the user wrote it (this file, or --set). From an `extends` base it is
+    accepted: a shared base sets what some of its variants switch off."""
+    errors = []
+    for key, why in spec.inert_keys():
+        origin = where.get(key)
+        if origin and (origin.startswith("--set ") or origin.rsplit(":", 1)[0] == top):
+            errors.append(f"{origin}: {_dotted(key)}: does nothing here ({why}); remove it")
+    if errors:
+        raise SpecError("\n".join(errors))

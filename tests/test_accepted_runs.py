@@ -94,3 +94,28 @@ def test_a_tiny_split_is_scored_with_a_warning(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert ("warning: the valid split has only 51 scored tokens: its bpc is a rough estimate "
             "(make dataset.split.valid larger)") in result.stdout
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["train.optimizer.clip=none", "train.optimizer.clip_norm=2.0"], "train.optimizer.clip_norm"),
+    (["model.adaptive_span=false", "model.span_ramp=16"], "model.span_ramp"),
+    (["model.adaptive_cutoffs=[10, 20]"], "model.adaptive_cutoffs"),
+])
+def test_a_key_written_where_it_does_nothing_is_refused(sets, key):
+    with pytest.raises(SpecError) as e:
+        load_spec(QUICKSTART, sets)
+    assert f"--set {sets[-1]}: {key}: does nothing here (" in str(e.value)
+
+
+def test_an_inherited_key_a_variant_switches_off_is_accepted_and_show_drops_it(tmp_path):
+    # char.yaml (a shared base) sets the span ramp and Adagrad's clip_norm
+    import yaml
+
+    spec = load_spec(ROOT / "configs" / "enwik8_small.yaml",
+                     ["model.adaptive_span=false", "train.optimizer.clip=none"])
+    resolved = spec.resolved()
+    assert "span_ramp" not in resolved["model"]
+    assert "clip_norm" not in resolved["train"]["optimizer"]
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(yaml.safe_dump(resolved))
+    assert load_spec(copy).resolved() == resolved          # what show prints validates
