@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import socket
@@ -51,7 +52,19 @@ def init_process_group() -> tuple[int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=TIMEOUT)
         _unlink_shm_buffer(dist.get_rank())
+        atexit.register(_destroy_process_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _destroy_process_group() -> None:
+    """At exit, while the interpreter is still whole. A gloo group left for finalization
+    aborts the process now and then ("terminate called without an active exception", exit
+    -6): its worker threads still hold tensors when Python is torn down. Not earlier: in one
+    process DeepSpeed caches the group in module globals, so it must live as long as we do."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _pin_ninja() -> None:
