@@ -53,21 +53,9 @@ def read_pointer(pointer: Path) -> str | None:
     return tag if (pointer.parent / tag).is_dir() else None
 
 
-def latest_checkpoint(root: Path) -> str | None:
-    return read_pointer(Path(root) / "latest")
-
-
-def require_latest(root: Path) -> str:
-    """The tag of the latest complete checkpoint under `root`; an error if there is none."""
-    tag = latest_checkpoint(root)
-    if tag is None:
-        raise PipelineError(f"no complete checkpoint under {root}")
-    return tag
-
-
-def checkpoint_step(root: Path) -> int:
-    """The step of the latest complete checkpoint under `root`."""
-    return int(require_latest(root).removeprefix("step-"))
+def step_of(tag: str) -> int:
+    """The step a checkpoint tag (`step-N`, or its directory's name) names."""
+    return int(tag.removeprefix("step-"))
 
 
 def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], None],
@@ -131,7 +119,7 @@ def step_dirs(root: Path) -> list[Path]:
     """The `step-N` directories under `root`, newest first."""
     found = [p for p in Path(root).glob("step-*")
              if p.is_dir() and p.name.removeprefix("step-").isdigit()]
-    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")), reverse=True)
+    return sorted(found, key=lambda p: step_of(p.name), reverse=True)
 
 
 def newest_intact(root: Path, log: Callable[[str], None]) -> str | None:

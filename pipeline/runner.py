@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline import distributed
-from pipeline.checkpoints import step_dirs
+from pipeline.checkpoints import step_dirs, step_of
 from pipeline.errors import PipelineError, Preempted
 from pipeline.fsutil import atomic_write_json, read_json
 from pipeline.schema import Spec
@@ -129,7 +129,7 @@ class Workspace:
         Not `latest`: a damaged pointer must not make days of checkpoints look absent (and
         so deletable); whether each one is intact is the training stage's to check."""
         dirs = step_dirs(self.partial_dir(stage) / CHECKPOINTS)
-        return int(dirs[0].name.removeprefix("step-")) if dirs else None
+        return step_of(dirs[0].name) if dirs else None
 
     def begin(self, stage: str, marker: dict, fresh: bool = False) -> Path:
         """A partial directory for `stage`: kept if `marker` (fingerprint, config, inputs)

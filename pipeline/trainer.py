@@ -25,7 +25,7 @@ from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
 from pipeline.checkpoints import (CHECKSUMS, checkpoint_bytes, disk_full, has_room, newest_intact,
                                   out_of_space, read_pointer, rng_state, set_rng_state,
-                                  step_dirs, write_checksums)
+                                  step_dirs, step_of, write_checksums)
 from pipeline.fsutil import atomic_write_text
 from pipeline.ops import compile_count
 from pipeline.optim import before_save_checkpoint
@@ -184,7 +184,7 @@ class Trainer:
             best_tag = read_pointer(root / "best")
             # Newer ones are damaged leftovers of the run this one resumed: the run rewrites
             # them as it reaches their steps, and they never take an intact one's place.
-            older = [p for p in step_dirs(root) if int(p.name.removeprefix("step-")) < self.step]
+            older = [p for p in step_dirs(root) if step_of(p.name) < self.step]
             for path in [p for p in older[keep - 1:] if p.name != best_tag] + \
                     list(root.glob("tmp-step-*")):
                 shutil.rmtree(path, ignore_errors=True)

@@ -13,7 +13,7 @@ from stages import Stage, StageContext
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.checkpoints import checkpoint_step, step_dirs
+    from pipeline.checkpoints import newest_intact, step_dirs, step_of
     from pipeline.trainer import Trainer
 
     ft = ctx.spec.finetune
@@ -22,7 +22,9 @@ def run(ctx: StageContext) -> dict:
     train_root = ctx.inputs["train"] / "checkpoints"
     if step_dirs(ckpt_root):               # an interrupted finetune resumes from its own
         ctx.log(f"resuming the LR-drop phase at step {trainer.load(ckpt_root)}")
-        begin = checkpoint_step(train_root)
+        # where the first attempt began: train's newest intact checkpoint, as trainer.load
+        # chose it (not `latest`, which may name a damaged one)
+        begin = step_of(newest_intact(train_root, ctx.log))
     else:
         begin = trainer.load(train_root)
     lr = ctx.spec.train.optimizer.lr / ft.lr_divisor
