@@ -44,18 +44,6 @@ def _role(name: str) -> str:
     return "other"
 
 
-def build_model_for(spec, vocab: int, origin: str):
-    """The spec's model for a vocabulary of `vocab` (from `origin`); a model that refuses
-    it (adaptive_cutoffs past the vocabulary, say) is one line naming both."""
-    from pipeline.models import build_model
-
-    try:
-        return build_model(spec.model_kind, spec.model_params, vocab)
-    except ValueError as e:
-        raise PipelineError(f"{spec.source}: model: {e} (vocabulary {vocab} from "
-                            f"{origin})") from None
-
-
 def parameter_report(spec) -> str:
     import torch
 
@@ -64,7 +52,7 @@ def parameter_report(spec) -> str:
         return ("parameters: unknown until preprocess has run (the vocabulary size is not "
                 "known; set dataset.vocab_size to estimate)")
     with torch.device("meta"):   # sizes only: nothing is allocated
-        model = build_model_for(spec, vocab, origin)
+        model = spec.build_model(vocab, origin)
     groups = parameter_groups(model)
     total = sum(groups.values())
     lines = [f"parameters: {total:,} ({total / 1e6:.1f}M; vocabulary {vocab} from {origin})"]

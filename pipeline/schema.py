@@ -481,6 +481,18 @@ class Spec(Section):
     def workspace_dir(self) -> Path:
         return Path(self.workspace.root) / self.name
 
+    def build_model(self, vocab_size: int, origin: str):
+        """The spec's model for a vocabulary of `vocab_size` (from `origin`); a model that
+        refuses it (adaptive_cutoffs past the vocabulary, say) is one line naming both."""
+        from pipeline.errors import PipelineError
+        from pipeline.models import build_model
+
+        try:
+            return build_model(self.model_kind, self.model_params, vocab_size)
+        except ValueError as e:
+            raise PipelineError(f"{self.source}: model: {e} (vocabulary {vocab_size} from "
+                                f"{origin})") from None
+
     def resolved(self) -> dict:
         """The spec as plain data, every default filled in: what `show` prints and MLflow keeps."""
         out = self.model_dump(mode="json")

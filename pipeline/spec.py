@@ -250,7 +250,7 @@ def _resolve_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
 
 def _set_origin(text: str) -> str:
     # an error is one line, even for an override with a newline in it
-    return "--set " + (text if text.isprintable() else repr(text)[1:-1])
+    return "--set " + _shown(text)
 
 
 def parse_override(text: str) -> tuple[tuple[str, ...], Any]:

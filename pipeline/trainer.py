@@ -105,7 +105,6 @@ class Trainer:
         from pipeline.data import StreamBatches
         from pipeline.optim import (bind_to_engine, build_optimizer, float32_from_master,
                                     master_clamp)
-        from pipeline.report import build_model_for
 
         self.spec, self.tracker, self.log = spec, tracker, log
         train = spec.train
@@ -121,7 +120,7 @@ class Trainer:
 
         # identical initial weights on every rank, then per-rank streams of randomness
         torch.manual_seed(train.seed)
-        model = build_model_for(spec, self.vocab_size, f"{preprocess_dir}/manifest.json")
+        model = spec.build_model(self.vocab_size, f"{preprocess_dir}/manifest.json")
         torch.manual_seed(train.seed + self.rank)
         np.random.seed(train.seed + self.rank)
         random.seed(train.seed + self.rank)

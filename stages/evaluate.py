@@ -22,7 +22,6 @@ FEW_TOKENS = 1000
 def run(ctx: StageContext) -> dict:
     import torch
 
-    from pipeline.report import build_model_for
     from pipeline.checkpoints import load_model_weights
     from pipeline.trainer import LN2, evaluate_nll, resolve_device
     from pipeline.data.manifest import load_manifest, load_split
@@ -31,8 +30,8 @@ def run(ctx: StageContext) -> dict:
     manifest = load_manifest(ctx.inputs["preprocess"])
     source, tag = _checkpoint(ctx)
     device = resolve_device(spec.train.device if spec.train else "auto")
-    model = build_model_for(spec, manifest["vocab_size"],
-                            f"{ctx.inputs['preprocess']}/manifest.json")
+    model = spec.build_model(manifest["vocab_size"],
+                             f"{ctx.inputs['preprocess']}/manifest.json")
     tag = load_model_weights(model, ctx.inputs[source] / "checkpoints", ctx.log, tag)
     model.to(device)
     seq_len = ev.seq_len or spec.train.seq_len
