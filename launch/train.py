@@ -12,7 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
+from pipeline import distributed  # noqa: E402
 from pipeline.launcher import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.exit_process(main())

@@ -172,5 +172,16 @@ def slurm(config, nodes, gpus_per_node, partition, time_limit, overrides, dry_ru
     click.echo(f"submit with: sbatch {path}")
 
 
+def entry() -> None:
+    """The console script: `main`, then `distributed.exit_process` with its exit code (tests
+    call `main` in-process, where exiting the interpreter is not ours to do)."""
+    from pipeline import distributed
+
+    try:
+        main()
+    except SystemExit as e:
+        distributed.exit_process(e.code)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

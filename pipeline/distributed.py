@@ -11,6 +11,7 @@ import threading
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 # Ranks other than 0 wait in a collective while rank 0 downloads and preprocesses (minutes to
 # an hour for the large corpora); the default 30-minute collective timeout would kill them.
@@ -53,18 +54,45 @@ def init_process_group() -> tuple[int, int]:
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=TIMEOUT)
         _unlink_shm_buffer(dist.get_rank())
         atexit.register(_destroy_process_group)
+        global _group_started
+        _group_started = True
     return dist.get_rank(), dist.get_world_size()
 
 
+_group_started = False
+
+
 def _destroy_process_group() -> None:
-    """At exit, while the interpreter is still whole. A gloo group left for finalization
-    aborts the process now and then ("terminate called without an active exception", exit
-    -6): its worker threads still hold tensors when Python is torn down. Not earlier: in one
-    process DeepSpeed caches the group in module globals, so it must live as long as we do."""
+    """At exit, while the interpreter is still whole: a gloo group left for finalization
+    holds tensors in its worker threads when Python is torn down. Not earlier: in one process
+    DeepSpeed caches the group in module globals, so it must live as long as we do."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code=0) -> NoReturn:
+    """End a program's main process with `code` (SystemExit's meaning: None, an int, or a
+    message for stderr and 1). Once a process group was started, Python's exit handlers run
+    (the group is destroyed, logs flushed) and then the process ends without the C++ static
+    destructors: with the group destroyed, they still abort a run that succeeded now and then
+    ("terminate called without an active exception", exit -6, no Python frame left), which a
+    launcher reports as a failed rank."""
+    if not isinstance(code, int | None):
+        print(code, file=sys.stderr)
+        code = 1
+    if not _group_started:
+        sys.exit(code)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):     # closed, or its reader went away
+                pass
+        os._exit(code or 0)
 
 
 def _pin_ninja() -> None:

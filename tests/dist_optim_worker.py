@@ -166,3 +166,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)

@@ -93,3 +93,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)
