@@ -1,0 +1,95 @@
+"""What the trainer, the evaluate stage, checkpoints and `show` know of a model.
+
+Every registered model family subclasses `SequenceModel` (a plain `nn.Module`) and nothing
+outside `pipeline/models` looks further into it: no parameter is found by name, no state is
+taken apart. Adding a family is a config dataclass, a module, and one line in the registry
+(`pipeline.models.MODELS`).
+
+A model maps a block of tokens [B, M] (with the state the previous block left) to a per-token
+loss [B, M] and the next state:
+
+    out = model(tokens, targets, state)      # ModelOutput(logits, nll, state)
+    loss = out.nll.mean() + model.aux_loss() # training
+    ... optimizer step ...
+    model.after_step()
+
+The state is what a model carries from one block of a stream to the next (the
+Transformer-XL cache, the ∞-former's long-term memory); a model without one returns [].
+It is a list of tensors, each with the batch as its first dimension and detached from the
+graph, so that the trainer can checkpoint it, and cut and join it by batch rows when a run
+resumes on another number of processes, without knowing what it holds.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+State = list[Tensor]
+"""Tensors carried from block to block, each [B, ...] (batch first), detached."""
+
+
+class ModelOutput(NamedTuple):
+    logits: Tensor | None
+    """[B, M, V] unnormalised scores; None where the model never forms them (an adaptive
+    softmax: use ``nll``)."""
+    nll: Tensor | None
+    """[B, M] per-token negative log-likelihood in nats; None without targets."""
+    state: State
+    """The state for the next block (see the module doc)."""
+
+
+class SequenceModel(nn.Module):
+    """Base class of every model family. Subclasses implement ``forward`` and
+    ``init_state``; the rest has defaults for a model with nothing more to say."""
+
+    activation_checkpointing: bool = False
+    """Set by the trainer from ``train.deepspeed.activation_checkpointing``: recompute each
+    layer's activations in backward instead of storing them (a model may ignore it)."""
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None,
+                state: State | None = None) -> ModelOutput:
+        """tokens, targets: [B, M] int64; state: the previous block's ``ModelOutput.state``
+        (None: ``init_state``)."""
+        raise NotImplementedError
+
+    def init_state(self, batch_size: int, device=None) -> State:
+        """The state before a stream's first block (zeros, or [] for a stateless model)."""
+        return []
+
+    def aux_loss(self) -> Tensor:
+        """A scalar the trainer adds to the mean token loss in training (the adaptive-span
+        L1 penalty, the ∞-former's KL term); zero by default."""
+        return next(self.parameters()).new_zeros(())
+
+    def bounded_parameters(self) -> list[tuple[nn.Parameter, float, float]]:
+        """(parameter, low, high): parameters that must stay within [low, high] after every
+        optimizer step. The trainer clamps their fp32 master copies (under bf16 / fp16 the
+        module's copy is a rounded view) and the model reads them in float32."""
+        return []
+
+    def after_step(self) -> None:
+        """Called after every optimizer step: clamps ``bounded_parameters`` in place."""
+        with torch.no_grad():
+            for p, low, high in self.bounded_parameters():
+                p.clamp_(low, high)
+
+    def describe(self) -> str:
+        """One line for the training log: how this model computes (backends and the like)."""
+        return type(self).__name__
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers about the model itself worth tracking while it trains (learned spans,
+        memory usage); logged with the loss at every report."""
+        return {}
+
+    def parameter_groups(self) -> dict[str, int]:
+        """Parameter elements by role, for `show` (default: by top-level submodule)."""
+        groups: dict[str, int] = {}
+        for name, p in self.named_parameters():
+            role = name.split(".", 1)[0]
+            groups[role] = groups.get(role, 0) + p.numel()
+        return groups
