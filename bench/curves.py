@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.data import StreamBatches  # noqa: E402
 from pipeline.models import AllAttnConfig, AllAttnLM, count_parameters  # noqa: E402
-from pipeline.optim import ClippedAdagrad, warmup_lr  # noqa: E402
+from pipeline.optim import ClippedAdagrad, scheduled_lr  # noqa: E402
 from pipeline.report import parameter_groups  # noqa: E402
 from pipeline.trainer import LN2, evaluate_nll  # noqa: E402
 
@@ -113,7 +113,7 @@ def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, 
         loss = out.nll.mean()
         (loss + model.span_loss()).backward()
         for group in opt.param_groups:
-            group["lr"] = warmup_lr(args.lr, args.warmup, step)
+            group["lr"] = scheduled_lr(args.lr, args.warmup, step)
         if args.optimizer == "adam":
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()

@@ -345,8 +345,11 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
                             weight_decay=cfg.weight_decay)
 
 
-def warmup_lr(base_lr: float, warmup_steps: int, update: int) -> float:
-    """The lr of optimizer update number `update` (1-based): linear warmup, then constant."""
+def scheduled_lr(base_lr: float, warmup_steps: int, update: int,
+                 schedule: str = "linear_warmup") -> float:
+    """The lr of optimizer update number `update` (1-based) under train.optimizer.schedule."""
+    if schedule == "transformer":
+        return base_lr * min(update ** -0.5, update * warmup_steps ** -1.5)
     if warmup_steps <= 0:
         return base_lr
     return base_lr * min(1.0, update / warmup_steps)

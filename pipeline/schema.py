@@ -293,8 +293,11 @@ class DatasetSpec(Section):
 class OptimizerSpec(Section):
     type: Literal["adagrad", "adam"] = "adagrad"
     lr: float = Field(0.07, gt=0)
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS,
-            description="linear warmup: lr * min(1, k / warmup)")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="updates of warm-up")
+    schedule: Literal["linear_warmup", "transformer"] = Field(
+        "linear_warmup", description="the lr of update k: linear_warmup = lr * min(1, k / "
+        "warmup_steps), then constant; transformer = lr * min(k^-0.5, k * warmup_steps^-1.5), "
+        "the Transformer's (Vaswani et al. 2017), whose peak is lr / sqrt(warmup_steps)")
     clip: Literal["per_param", "global", "none"] = Field(
         "per_param", description="per_param: the paper's per-tensor step scaling")
     clip_norm: float = Field(0.03, gt=0)
@@ -363,6 +366,13 @@ class TrainSpec(Section):
                         "default: seq_len")
     checkpoint_every: int = Field(0, ge=0, le=MAX_STEPS, description="0 = only at the end")
     keep_checkpoints: int = Field(2, gt=0, le=10**6)
+
+    @model_validator(mode="after")
+    def _schedule_has_warmup(self):
+        if self.optimizer.schedule == "transformer" and not self.optimizer.warmup_steps:
+            raise ValueError("optimizer.schedule transformer needs warmup_steps > 0 (its lr "
+                             "grows over them, then decays as k^-0.5)")
+        return self
 
     @model_validator(mode="after")
     def _clipping_fits_optimizer(self):
@@ -454,6 +464,15 @@ class Spec(Section):
         if self.finetune and self.finetune.patience and not (self.train and
                                                              self.train.eval_every):
             raise ValueError("finetune.patience counts validations: set train.eval_every")
+        return self
+
+    @model_validator(mode="after")
+    def _lr_drop_needs_a_constant_lr(self):
+        if "finetune" in self.stages and self.train and \
+                self.train.optimizer.schedule != "linear_warmup":
+            raise ValueError(f"the finetune stage divides a constant lr; train.optimizer."
+                             f"schedule {self.train.optimizer.schedule} decays it already: "
+                             f"drop finetune from stages or use schedule linear_warmup")
         return self
 
     @model_validator(mode="after")

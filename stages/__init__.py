@@ -30,8 +30,35 @@ class Stage:
     runtime_only: Mapping[str, str] = field(default_factory=dict)
 
     def fingerprinted(self, spec) -> dict:
-        """The config less its runtime-only keys: what decides whether outputs are reusable."""
-        return without(self.config(spec), self.runtime_only)
+        """The config less its runtime-only keys, and less the later-added keys that hold the
+        value reproducing what came before them (ADDED_KEYS): what decides whether outputs
+        are reusable."""
+        config = self.config(spec)
+        at_old_value = [path for path, value in ADDED_KEYS.items()
+                        if _lookup(config, path) == value]
+        return without(config, [*self.runtime_only, *at_old_value])
+
+
+# Keys a stage's config gained after runs of it already existed, each with the value that
+# does what the code did before the key existed. At that value a key is left out of the
+# fingerprint: upgrading neither re-runs a finished stage nor refuses to resume an
+# interrupted one. Any other value is a different result and counts.
+ADDED_KEYS = {
+    "train.optimizer.schedule": "linear_warmup",
+}
+
+
+def _lookup(config: dict, path: str):
+    """The value at a dotted key path of `config`, or a sentinel nothing equals if absent."""
+    node = config
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+_ABSENT = object()
 
 
 @dataclass

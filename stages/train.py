@@ -18,7 +18,7 @@ def patience(spec) -> int | None:
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.optim import warmup_lr
+    from pipeline.optim import scheduled_lr
     from pipeline.checkpoints import step_dirs
     from pipeline.trainer import Trainer
 
@@ -37,7 +37,8 @@ def run(ctx: StageContext) -> dict:
             f"on {trainer.device} (world size {trainer.world_size}), "
             f"{trainer.model.attention_impl_description()}")
     opt = train.optimizer
-    summary = trainer.fit(train.steps, lambda k: warmup_lr(opt.lr, opt.warmup_steps, k),
+    summary = trainer.fit(train.steps,
+                          lambda k: scheduled_lr(opt.lr, opt.warmup_steps, k, opt.schedule),
                           ckpt_root, patience=patience(ctx.spec))
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
     return summary
