@@ -422,6 +422,9 @@ MODEL_LIMITS = {
     "max_span": (1 << 20, "up to 8,192"),
     "span_ramp": (1 << 20, "32"),
     "adaptive_div": (1 << 10, "4"),
+    "kernel_size": (1 << 12, "20"),
+    "n_heads": (1 << 12, "8"),
+    "head_dim": (1 << 12, "64"),
     "adaptive_cutoffs": (VOCAB_LIMIT, "up to 200,000"),
 }
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from pipeline.models.active_memory import ActiveMemoryConfig, ActiveMemoryModel
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
 from pipeline.models.allattn import FF_KINDS, PERSISTENT_MODES, AllAttnConfig, AllAttnLM, LMOutput
 
 MODELS: dict[str, tuple[type, type[nn.Module]]] = {
     "allattn": (AllAttnConfig, AllAttnLM),
+    "active_memory": (ActiveMemoryConfig, ActiveMemoryModel),
 }
 """kind -> (config dataclass, model class taking (cfg, vocab_size))."""
 
