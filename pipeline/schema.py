@@ -538,10 +538,11 @@ class Spec(Section):
              ("train.optimizer.weight_decay",),
              "the paper's Adagrad (clip: per_param) has no weight decay"),
             (opt and opt.clip == "none", ("train.optimizer.clip_norm",), "clip is none"),
-            (params is not None and not params.adaptive_span,
+            # the all-attention switches (other model kinds have neither)
+            (params is not None and not getattr(params, "adaptive_span", True),
              ("model.span_ramp", "model.span_init", "model.span_loss_coef"),
              "model.adaptive_span is false"),
-            (params is not None and not params.adaptive_io,
+            (params is not None and not getattr(params, "adaptive_io", True),
              ("model.adaptive_cutoffs", "model.adaptive_div", "model.adaptive_tied"),
              "model.adaptive_io is false"),
         ):
