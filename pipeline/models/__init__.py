@@ -7,10 +7,12 @@ import torch.nn as nn
 from pipeline.models.active_memory import ActiveMemoryConfig, ActiveMemoryModel
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
 from pipeline.models.allattn import FF_KINDS, PERSISTENT_MODES, AllAttnConfig, AllAttnLM, LMOutput
+from pipeline.models.infinity_former import InfinityFormerConfig, InfinityFormerLM
 
 MODELS: dict[str, tuple[type, type[nn.Module]]] = {
     "allattn": (AllAttnConfig, AllAttnLM),
     "active_memory": (ActiveMemoryConfig, ActiveMemoryModel),
+    "infinity_former": (InfinityFormerConfig, InfinityFormerLM),
 }
 """kind -> (config dataclass, model class taking (cfg, vocab_size))."""
 

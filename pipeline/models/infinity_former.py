@@ -1,0 +1,478 @@
+"""The ∞-former (Martins, Marinho, Martins, 2022): a Transformer-XL whose attention also reads
+a continuous long-term memory (LTM). ../shared/PAPERS.md §3 has the facts; where the paper is
+silent this follows the authors' sorting code (deep-spin/infinite-former, sorting/).
+
+Per layer and block of M tokens (batch first throughout):
+- the short-term memory is the Transformer-XL cache: the layer's input hidden states of the
+  last ``mem_len`` tokens. The states that drop out of it this block (the oldest ones) are what
+  the LTM takes in, before the block reads it, as in the authors' code: they are all past
+  tokens, so the read stays causal, and the gate gets a gradient through them;
+- the LTM is N coefficient vectors B [N, d] of a signal X(t) = Bᵀψ(t) on [0, 1], ψ = N
+  normalised Gaussian densities (centres linspace(0, 1, N/2), each with every width of
+  ``basis_widths``). Taking in vectors X [L, d]: gate X̃ = sigmoid(conv1d_k3(X)) ⊙ X, then the
+  ridge fit B = Gᵀ X̃, G = Fᵀ(FFᵀ + λI)⁻¹ precomputed in float64 over positions on about
+  [−0.5, 1.5] of which the vectors occupy the middle (the zero-padded boundary of the code);
+- unbounded memory: once the LTM holds something, ``n_samples`` samples of the old signal are
+  contracted into [0, τ] and the new vectors placed in (τ, 1], and B is refit from both; the
+  old B is detached (the memory history carries no gradient);
+- sticky memories: the old signal is sampled where the previous block's Gaussians put their
+  mass (a histogram over ``sticky_bins`` bins, bin mass via erf) instead of evenly. The
+  authors draw the positions at random; here they are the histogram's quantiles at
+  (k + 1/2)/n_samples, so a stream and its resumed copy sample the same places. The samples
+  still land evenly on [0, τ], so regions read often take more of the new memory;
+- the read: keys K = B W_K and values V = B W_V split by heads; the query is the short-term
+  attention's own query q; s = K q / sqrt(d_head), μ = sigmoid(w_μ·s), σ² = softplus(w_σ·s)
+  (one pair of Linear(N, 1) per layer, shared by heads; σ² ≥ 1e-6); z = Vᵀ r with the closed
+  form r_j = N(μ; μ_j, σ_j² + σ²) (the density of N(μ, σ²) integrated against ψ_j over the
+  line); z's heads go through the LTM's own output map and are added to the short-term
+  attention's output (after its output projection);
+- loss + kl_weight · Σ_layers mean KL(N(μ, σ²) ‖ N(μ, σ0²)) (the variance only).
+
+``ltm: false`` is the Transformer-XL baseline with the same short-term memory.
+
+The state (``init_state``): per layer the cache [B, mem_len, d]; with the LTM also its
+coefficients [B, N, d], and with sticky memories the bin masses [B, sticky_bins]; last, the
+number of tokens seen so far in the stream [B] (int64), which tells which cache rows hold
+states (the rest are masked) and whether the LTM holds anything. A stream is reset (a new
+document) by starting again from ``init_state``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from pipeline.models.protocol import ModelOutput, SequenceModel, State
+
+MIN_SIGMA_SQ = 1e-6
+"""Lower bound of a query's variance σ² (the authors' code)."""
+
+
+@dataclass
+class InfinityFormerConfig:
+    """Architecture of an ∞-former LM (the `model:` section with ``kind: infinity_former``).
+    Defaults: the paper's sorting model (3 layers, 6 heads, STM 1,024 + 1,024 RBFs)."""
+
+    d_model: int = 300
+    """Model width d (the authors' sorting script: 300 = 6 heads of 50)."""
+    n_layers: int = 3
+    """Transformer-XL layers."""
+    n_heads: int = 6
+    """Attention heads; d_model must be a multiple (head size d / n_heads)."""
+    ff_dim: int = 300
+    """Inner size of each layer's feed-forward sublayer (the authors' sorting script: 300)."""
+    dropout: float = 0.1
+    """Dropout on embeddings, sublayer outputs and the feed-forward's hidden units."""
+    attn_dropout: float = 0.0
+    """Dropout on the short-term attention's probabilities."""
+    mem_len: int = 1024
+    """Short-term memory: hidden states each layer keeps from earlier blocks (Transformer-XL
+    cache). With the LTM it must be at least the block length (train.seq_len)."""
+    ltm: bool = True
+    """Read a continuous long-term memory; false = the Transformer-XL baseline."""
+    n_basis: int = 1024
+    """N Gaussian basis functions (paper: 1,024; the authors' script: 512); a multiple of the
+    number of ``basis_widths``."""
+    basis_widths: list[float] = field(default_factory=lambda: [0.01, 0.05])
+    """Standard deviations of the basis densities; every centre gets each width."""
+    ridge_penalty: float = 1.0
+    """λ of the ridge fit of the coefficients (the authors' code: 1)."""
+    n_samples: int = 512
+    """M samples of the old signal taken into each refit (the authors' code: 512)."""
+    tau: float = 0.75
+    """The old signal is contracted into [0, τ], the new vectors fill (τ, 1]."""
+    gate: bool = True
+    """Smooth what enters the LTM with X̃ = sigmoid(conv1d_k3(X)) ⊙ X."""
+    sticky: bool = False
+    """Sticky memories: sample the old signal where the previous block attended."""
+    sticky_bins: int = 128
+    """Histogram bins on [0, 1] for sticky memories."""
+    sigma_0: float = 0.05
+    """σ0 of the KL penalty's reference N(μ, σ0²)."""
+    kl_weight: float = 1e-6
+    """λ_KL: weight of Σ_layers mean KL in the loss (0 = none)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name} must be an int, got {value!r}")
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be a bool, got {value!r}")
+            if f.type == "float" and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+        for name in ("d_model", "n_layers", "n_heads", "ff_dim", "mem_len", "n_basis",
+                     "n_samples", "sticky_bins"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        for name in ("dropout", "attn_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        widths = self.basis_widths
+        if (not isinstance(widths, list) or not widths
+                or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                           and math.isfinite(w) and w > 0 for w in widths)):
+            raise ValueError(f"basis_widths must be a non-empty list of numbers > 0, got {widths!r}")
+        if self.n_basis % len(widths) or self.n_basis // len(widths) < 2:
+            raise ValueError(
+                f"n_basis ({self.n_basis}) must be a multiple of len(basis_widths) "
+                f"({len(widths)}) with at least 2 centres")
+        if self.ridge_penalty <= 0:
+            raise ValueError(f"ridge_penalty must be > 0, got {self.ridge_penalty}")
+        if not 0 < self.tau < 1:
+            raise ValueError(f"tau must be in (0, 1), got {self.tau}")
+        if self.sigma_0 <= 0:
+            raise ValueError(f"sigma_0 must be > 0, got {self.sigma_0}")
+        if self.kl_weight < 0:
+            raise ValueError(f"kl_weight must be >= 0, got {self.kl_weight}")
+
+
+# --- the continuous memory's mathematics (float64 where precomputed) -------------------------
+
+def gaussian_basis(n_basis: int, widths: list[float]) -> tuple[Tensor, Tensor]:
+    """Centres and widths [N] (float64): n_basis / len(widths) centres evenly on [0, 1], each
+    with every width, in the code's order (centre-major)."""
+    centres = torch.linspace(0, 1, n_basis // len(widths), dtype=torch.float64)
+    sig = torch.tensor(widths, dtype=torch.float64)
+    return centres.repeat_interleave(len(widths)), sig.repeat(len(centres))
+
+
+def basis_values(t: Tensor, centres: Tensor, widths: Tensor) -> Tensor:
+    """ψ(t): [..., N] Gaussian densities N(t; μ_j, σ_j²) at positions t [...]."""
+    z = (t.unsqueeze(-1) - centres) / widths
+    return torch.exp(-0.5 * z * z) / (widths * math.sqrt(2 * math.pi))
+
+
+def fit_positions(n_old: int, n_new: int, tau: float) -> tuple[Tensor, int]:
+    """Where the vectors of one fit sit on [0, 1] (float64), with the zero-padding around
+    them, and the padding count on the left (as many on the right).
+
+    Without old samples (n_old 0) the n_new vectors sit at (i + 1/2)/n_new; with them, the
+    samples at τ(k + 1/2)/n_old and the new vectors at τ + (1 − τ)(i + 1/2)/n_new. Either way
+    ⌊L/2⌋ padding positions continue each side at spacing 1/L (L = n_old + n_new), so the fit
+    sees the signal fall to zero outside [0, 1] as the authors' code does."""
+    total = n_old + n_new
+    pad = total // 2
+    if n_old:
+        inner = torch.cat([
+            tau * (torch.arange(n_old, dtype=torch.float64) + 0.5) / n_old,
+            tau + (1 - tau) * (torch.arange(n_new, dtype=torch.float64) + 0.5) / n_new,
+        ])
+    else:
+        inner = (torch.arange(n_new, dtype=torch.float64) + 0.5) / n_new
+    offsets = (torch.arange(pad, dtype=torch.float64) + 0.5) / total
+    return torch.cat([-offsets.flip(0), inner, 1 + offsets]), pad
+
+
+def ridge_fit_matrix(positions: Tensor, pad: int, centres: Tensor, widths: Tensor,
+                     ridge: float) -> Tensor:
+    """G [L, N] (float64) with B = Gᵀ X: the rows of Fᵀ(FFᵀ + λI)⁻¹ of the L inner positions
+    (F = ψ at every position, padding included: zero vectors there)."""
+    basis_t = basis_values(positions, centres, widths)               # Fᵀ [P, N]
+    gram = basis_t.T @ basis_t + ridge * torch.eye(len(centres), dtype=torch.float64)
+    g = torch.linalg.solve(gram, basis_t.T).T                        # Fᵀ (FFᵀ + λI)⁻¹
+    return g[pad:len(positions) - pad]
+
+
+def expected_basis(mu: Tensor, sigma_sq: Tensor, centres: Tensor, widths: Tensor) -> Tensor:
+    """r [..., N] = E_{t ~ N(μ, σ²)}[ψ(t)] = N(μ; μ_j, σ_j² + σ²) for μ, σ² [...]."""
+    var = sigma_sq.unsqueeze(-1) + widths * widths
+    diff = mu.unsqueeze(-1) - centres
+    return torch.exp(-0.5 * diff * diff / var) / torch.sqrt(2 * math.pi * var)
+
+
+def bin_masses(mu: Tensor, sigma_sq: Tensor, n_bins: int) -> Tensor:
+    """The sticky histogram [B, n_bins]: the probability each N(μ, σ²) of a row (μ, σ² [B, Q],
+    all heads and queries of a block) puts on each of n_bins equal bins of [0, 1], summed over
+    the row's Gaussians and normalised to sum 1."""
+    edges = torch.linspace(0, 1, n_bins + 1, dtype=mu.dtype, device=mu.device)
+    z = (edges - mu.unsqueeze(-1)) / torch.sqrt(2 * sigma_sq).unsqueeze(-1)
+    cdf = 0.5 * (1 + torch.erf(z))                                  # [B, Q, n_bins + 1]
+    mass = (cdf[..., 1:] - cdf[..., :-1]).sum(1)
+    return mass / mass.sum(-1, keepdim=True)
+
+
+def sticky_positions(hist: Tensor, n_samples: int) -> Tensor:
+    """[B, n_samples] positions on [0, 1]: the quantiles (k + 1/2)/n_samples of the density
+    that is uniform within each bin with the bin's mass (hist [B, D], rows summing to 1)."""
+    n_bins = hist.shape[-1]
+    cum = hist.cumsum(-1)
+    start = cum - hist
+    q = (torch.arange(n_samples, dtype=hist.dtype, device=hist.device) + 0.5) / n_samples
+    q = q.expand(hist.shape[0], n_samples).contiguous()
+    b = torch.searchsorted(cum.contiguous(), q, right=True).clamp(max=n_bins - 1)
+    frac = (q - start.gather(1, b)) / hist.gather(1, b)
+    return (b + frac.clamp(0, 1)) / n_bins
+
+
+def kl_variance(sigma_sq: Tensor, sigma_0: float) -> Tensor:
+    """KL(N(μ, σ²) ‖ N(μ, σ0²)) elementwise: (σ²/σ0² − log(σ²/σ0²) − 1) / 2."""
+    ratio = sigma_sq / (sigma_0 * sigma_0)
+    return 0.5 * (ratio - torch.log(ratio) - 1)
+
+
+class ContinuousMemory(nn.Module):
+    """One layer's LTM: takes in vectors (``update``) and answers queries (``read``)."""
+
+    def __init__(self, cfg: InfinityFormerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.gate = nn.Conv1d(d, d, 3, padding=1) if cfg.gate else None
+        self.key = nn.Linear(d, d, bias=False)
+        self.value = nn.Linear(d, d, bias=False)
+        self.mu = nn.Linear(cfg.n_basis, 1, bias=False)
+        self.sigma = nn.Linear(cfg.n_basis, 1, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        centres, widths = gaussian_basis(cfg.n_basis, cfg.basis_widths)
+        self.register_buffer("centres", centres, persistent=False)
+        self.register_buffer("widths", widths, persistent=False)
+        self._fits: dict[tuple, Tensor] = {}
+
+    def _fit_matrix(self, n_old: int, n_new: int, like: Tensor) -> Tensor:
+        key = (n_old, n_new, like.dtype, like.device)
+        if key not in self._fits:
+            positions, pad = fit_positions(n_old, n_new, self.cfg.tau)
+            g = ridge_fit_matrix(positions, pad, self.centres.double().cpu(),
+                                 self.widths.double().cpu(), self.cfg.ridge_penalty)
+            self._fits[key] = g.to(device=like.device, dtype=like.dtype)
+        return self._fits[key]
+
+    def old_samples(self, coeff: Tensor, hist: Tensor | None) -> Tensor:
+        """[B, n_samples, d]: the signal of ``coeff`` [B, N, d] at the sample positions
+        (evenly spaced midpoints, or the sticky histogram's quantiles)."""
+        n = self.cfg.n_samples
+        if hist is None:
+            u = (torch.arange(n, dtype=coeff.dtype, device=coeff.device) + 0.5) / n
+        else:
+            u = sticky_positions(hist.to(coeff.dtype), n)
+        return basis_values(u, self.centres.to(coeff.dtype), self.widths.to(coeff.dtype)) @ coeff
+
+    def update(self, coeff: Tensor | None, hist: Tensor | None, new: Tensor) -> Tensor:
+        """The coefficients [B, N, d] after taking in ``new`` [B, L, d]; ``coeff`` is the old
+        LTM (None: empty), detached by the caller."""
+        if self.gate is not None:
+            new = torch.sigmoid(self.gate(new.transpose(1, 2))).transpose(1, 2) * new
+        if coeff is not None:
+            new = torch.cat([self.old_samples(coeff, hist), new], 1)
+            g = self._fit_matrix(self.cfg.n_samples, new.shape[1] - self.cfg.n_samples, new)
+        else:
+            g = self._fit_matrix(0, new.shape[1], new)
+        return torch.einsum("ln,bld->bnd", g, new)
+
+    def read(self, q: Tensor, coeff: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, H, M, d_head] (the short-term attention's queries), coeff [B, N, d] ->
+        (output [B, M, d], μ [B, H, M], σ² [B, H, M])."""
+        bsz, n_heads, m, d_head = q.shape
+        n = coeff.shape[1]
+        keys = self.key(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)
+        values = self.value(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)
+        scores = q @ keys.transpose(-1, -2) / math.sqrt(d_head)           # [B, H, M, N]
+        mu = torch.sigmoid(self.mu(scores)).squeeze(-1)
+        sigma_sq = F.softplus(self.sigma(scores)).squeeze(-1).clamp(min=MIN_SIGMA_SQ)
+        r = expected_basis(mu, sigma_sq, self.centres.to(q.dtype), self.widths.to(q.dtype))
+        z = (r @ values).transpose(1, 2).reshape(bsz, m, n_heads * d_head)
+        return self.out(z), mu, sigma_sq
+
+
+# --- the Transformer-XL host --------------------------------------------------------------
+
+def sinusoid(distances: Tensor, d_model: int) -> Tensor:
+    """Transformer-XL's relative position embeddings [K, d] of the distances [K]."""
+    inv_freq = 1 / (10000 ** (torch.arange(0, d_model, 2, dtype=torch.float32,
+                                            device=distances.device) / d_model))
+    angles = distances.float().unsqueeze(-1) * inv_freq
+    return torch.cat([angles.sin(), angles.cos()], -1)
+
+
+class XLLayer(nn.Module):
+    """Relative-position attention over [cache; block] (Transformer-XL, post-norm), then a
+    feed-forward sublayer; with the LTM, its read is added to the attention's output."""
+
+    def __init__(self, cfg: InfinityFormerConfig) -> None:
+        super().__init__()
+        d, h = cfg.d_model, cfg.n_heads
+        self.n_heads, self.d_head = h, d // h
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.pos = nn.Linear(d, d, bias=False)
+        self.content_bias = nn.Parameter(torch.zeros(h, d // h))
+        self.position_bias = nn.Parameter(torch.zeros(h, d // h))
+        self.attn_out = nn.Linear(d, d, bias=False)
+        self.norm1 = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, cfg.ff_dim), nn.ReLU(), nn.Dropout(cfg.dropout),
+                                nn.Linear(cfg.ff_dim, d))
+        self.norm2 = nn.LayerNorm(d)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.attn_drop = nn.Dropout(cfg.attn_dropout)
+        self.ltm = ContinuousMemory(cfg) if cfg.ltm else None
+
+    def forward(self, x: Tensor, cache: Tensor, n_valid: int, coeff: Tensor | None
+                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """x [B, M, d], cache [B, C, d] whose last n_valid rows hold states, coeff the LTM to
+        read (None: nothing to read) -> (output, μ, σ²)."""
+        bsz, m, d = x.shape
+        c = cache.shape[1]
+        h, dh = self.n_heads, self.d_head
+        q, k, v = self.qkv(torch.cat([cache, x], 1)).chunk(3, -1)
+        q = q[:, c:].view(bsz, m, h, dh).transpose(1, 2)                  # [B, H, M, dh]
+        k = k.view(bsz, c + m, h, dh).transpose(1, 2)
+        v = v.view(bsz, c + m, h, dh).transpose(1, 2)
+        # distance of key j from query i is (c + i) − j; scores by distance, then gathered
+        dist = (c + torch.arange(m, device=x.device)).unsqueeze(1) - torch.arange(c + m, device=x.device)
+        rel = self.pos(sinusoid(torch.arange(c + m, device=x.device), d).to(x.dtype))
+        rel = rel.view(c + m, h, dh).transpose(0, 1)                      # [H, K, dh]
+        content = (q + self.content_bias.unsqueeze(1)) @ k.transpose(-1, -2)
+        by_dist = (q + self.position_bias.unsqueeze(1)) @ rel.transpose(-1, -2)
+        position = by_dist.gather(-1, dist.clamp(min=0).expand(bsz, h, m, c + m))
+        scores = (content + position) / math.sqrt(dh)
+        masked = (dist < 0) | (torch.arange(c + m, device=x.device) < c - n_valid)
+        scores = scores.masked_fill(masked, float("-inf"))
+        attn = self.attn_drop(torch.softmax(scores, -1))
+        out = self.attn_out((attn @ v).transpose(1, 2).reshape(bsz, m, d))
+        mu = sigma_sq = None
+        if coeff is not None:
+            ltm_out, mu, sigma_sq = self.ltm.read(q, coeff)
+            out = out + ltm_out
+        x = self.norm1(x + self.drop(out))
+        x = self.norm2(x + self.drop(self.ff(x)))
+        return x, mu, sigma_sq
+
+
+class InfinityFormerLM(SequenceModel):
+    """The ∞-former language model (``ltm: false``: Transformer-XL); see the module doc."""
+
+    def __init__(self, cfg: InfinityFormerConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(XLLayer(cfg) for _ in range(cfg.n_layers))
+        self.head = nn.Linear(cfg.d_model, vocab_size)
+        self._kl: Tensor | None = None
+        self._last: dict[str, float] = {}
+
+    def _per_layer(self) -> int:
+        return 1 + (self.cfg.ltm) + (self.cfg.ltm and self.cfg.sticky)
+
+    def init_state(self, batch_size: int, device=None) -> State:
+        cfg = self.cfg
+        dtype = self.head.weight.dtype
+        state: State = []
+        for _ in range(cfg.n_layers):
+            state.append(torch.zeros(batch_size, cfg.mem_len, cfg.d_model, device=device, dtype=dtype))
+            if cfg.ltm:
+                state.append(torch.zeros(batch_size, cfg.n_basis, cfg.d_model, device=device, dtype=dtype))
+                if cfg.sticky:
+                    state.append(torch.full((batch_size, cfg.sticky_bins), 1 / cfg.sticky_bins,
+                                            device=device, dtype=dtype))
+        state.append(torch.zeros(batch_size, dtype=torch.int64, device=device))
+        return state
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None,
+                state: State | None = None) -> ModelOutput:
+        cfg = self.cfg
+        bsz, m = tokens.shape
+        if state is None:
+            state = self.init_state(bsz, tokens.device)
+        per = self._per_layer()
+        if len(state) != per * cfg.n_layers + 1:
+            raise ValueError(f"state has {len(state)} tensors; this model carries "
+                             f"{per * cfg.n_layers + 1}")
+        seen_rows = state[-1]
+        seen = int(seen_rows[0])
+        if bool((seen_rows != seen).any()):
+            raise ValueError("state: the rows of a batch must have seen the same number of tokens")
+        if cfg.ltm and m > cfg.mem_len:
+            raise ValueError(f"the ∞-former needs model.mem_len ({cfg.mem_len}) >= the block "
+                             f"length ({m}): the cache is where the LTM takes its vectors from")
+        n_valid = min(seen, cfg.mem_len)
+        # cache rows [C − n_valid, C) hold states; those among the oldest m drop out now
+        first, evict_end = cfg.mem_len - n_valid, m
+        takes_in = evict_end > first
+        holds = seen > cfg.mem_len            # something dropped out in an earlier block
+        x = self.drop(self.embed(tokens) * math.sqrt(cfg.d_model))
+        new_state: State = []
+        kls: list[Tensor] = []
+        sig_means: list[float] = []
+        for i, layer in enumerate(self.layers):
+            cache = state[i * per]
+            coeff = hist = None
+            if cfg.ltm:
+                old = state[i * per + 1].detach() if holds else None
+                hist = state[i * per + 2] if cfg.sticky else None
+                if takes_in:
+                    coeff = layer.ltm.update(old, hist, cache[:, first:evict_end])
+                else:
+                    coeff = old
+            out, mu, sigma_sq = layer(x, cache, n_valid, coeff)
+            new_state.append(torch.cat([cache, x], 1)[:, -cfg.mem_len:].detach())
+            if cfg.ltm:
+                new_state.append((coeff if coeff is not None else state[i * per + 1]).detach())
+                if cfg.sticky:
+                    if mu is not None:
+                        hist = bin_masses(mu.detach().reshape(bsz, -1),
+                                          sigma_sq.detach().reshape(bsz, -1), cfg.sticky_bins)
+                    new_state.append(hist)
+            if mu is not None:
+                kls.append(kl_variance(sigma_sq, cfg.sigma_0).mean())
+                sig_means.append(float(sigma_sq.detach().mean()))
+            x = out
+        new_state.append(seen_rows + m)
+        self._kl = torch.stack(kls).sum() if kls else None
+        self._last = {"ltm_kl": float(self._kl.detach()), "ltm_sigma_sq": sum(sig_means) / len(sig_means)} \
+            if kls else {}
+        logits = self.head(self.drop(x))
+        nll = None
+        if targets is not None:
+            nll = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+        return ModelOutput(logits=logits, nll=nll, state=new_state)
+
+    def aux_loss(self) -> Tensor:
+        """kl_weight · Σ_layers mean KL of the last forward's LTM reads (0 without reads)."""
+        if self._kl is None:
+            return self.head.weight.new_zeros(())
+        return self.cfg.kl_weight * self._kl
+
+    def describe(self) -> str:
+        cfg = self.cfg
+        host = f"Transformer-XL {cfg.n_layers}x{cfg.d_model}, {cfg.n_heads} heads, mem_len {cfg.mem_len}"
+        if not cfg.ltm:
+            return f"{host}; no long-term memory"
+        widths = "/".join(f"{w:g}" for w in cfg.basis_widths)
+        sampling = f"sticky ({cfg.sticky_bins} bins)" if cfg.sticky else "even"
+        return (f"∞-former: {host}; LTM {cfg.n_basis} Gaussian RBFs (widths {widths}), "
+                f"tau {cfg.tau:g}, {cfg.n_samples} samples, {sampling}")
+
+    def metrics(self) -> dict[str, float]:
+        """The last forward's Σ_layers mean KL and mean σ² of the LTM reads (none before the
+        LTM holds anything)."""
+        return dict(self._last)
+
+    def parameter_groups(self) -> dict[str, int]:
+        groups = {"embedding": self.embed.weight.numel(), "attention": 0, "feed_forward": 0,
+                  "long_term_memory": 0, "norms": 0,
+                  "output": sum(p.numel() for p in self.head.parameters())}
+        for layer in self.layers:
+            for name, p in layer.named_parameters():
+                role = name.split(".", 1)[0]
+                if role == "ltm":
+                    groups["long_term_memory"] += p.numel()
+                elif role == "ff":
+                    groups["feed_forward"] += p.numel()
+                elif role.startswith("norm"):
+                    groups["norms"] += p.numel()
+                else:
+                    groups["attention"] += p.numel()
+        if not self.cfg.ltm:
+            del groups["long_term_memory"]
+        return groups
