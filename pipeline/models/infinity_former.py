@@ -222,7 +222,8 @@ def kl_variance(sigma_sq: Tensor, sigma_0: float) -> Tensor:
 
 
 class ContinuousMemory(nn.Module):
-    """One layer's LTM: takes in vectors (``update``) and answers queries (``read``)."""
+    """One layer's LTM: takes in vectors (``update``) and answers queries (``read``); its
+    ``forward`` is one block's step, both."""
 
     def __init__(self, cfg: InfinityFormerConfig) -> None:
         super().__init__()
@@ -270,6 +271,13 @@ class ContinuousMemory(nn.Module):
             g = self._fit_matrix(0, new.shape[1], new)
         return torch.einsum("ln,bld->bnd", g, new)
 
+    def forward(self, coeff: Tensor | None, hist: Tensor | None, new: Tensor, q: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``update`` then ``read``: (output [B, M, d], the new coefficients, μ, σ²)."""
+        coeff = self.update(coeff, hist, new)
+        out, mu, sigma_sq = self.read(q, coeff)
+        return out, coeff, mu, sigma_sq
+
     def read(self, q: Tensor, coeff: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q [B, H, M, d_head] (the short-term attention's queries), coeff [B, N, d] ->
         (output [B, M, d], μ [B, H, M], σ² [B, H, M])."""
@@ -316,10 +324,12 @@ class XLLayer(nn.Module):
         self.attn_drop = nn.Dropout(cfg.attn_dropout)
         self.ltm = ContinuousMemory(cfg) if cfg.ltm else None
 
-    def forward(self, x: Tensor, cache: Tensor, n_valid: int, coeff: Tensor | None
-                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """x [B, M, d], cache [B, C, d] whose last n_valid rows hold states, coeff the LTM to
-        read (None: nothing to read) -> (output, μ, σ²)."""
+    def forward(self, x: Tensor, cache: Tensor, n_valid: int,
+                ltm_in: tuple[Tensor | None, Tensor | None, Tensor] | None
+                ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+        """x [B, M, d], cache [B, C, d] whose last n_valid rows hold states; ltm_in: what the
+        LTM steps with (old coefficients or None, sticky histogram or None, vectors to take
+        in), None when it has nothing to read -> (output, (coefficients, μ, σ²) or None)."""
         bsz, m, d = x.shape
         c = cache.shape[1]
         h, dh = self.n_heads, self.d_head
@@ -339,13 +349,13 @@ class XLLayer(nn.Module):
         scores = scores.masked_fill(masked, float("-inf"))
         attn = self.attn_drop(torch.softmax(scores, -1))
         out = self.attn_out((attn @ v).transpose(1, 2).reshape(bsz, m, d))
-        mu = sigma_sq = None
-        if coeff is not None:
-            ltm_out, mu, sigma_sq = self.ltm.read(q, coeff)
+        read = None
+        if ltm_in is not None:
+            ltm_out, *read = self.ltm(*ltm_in, q)
             out = out + ltm_out
         x = self.norm1(x + self.drop(out))
         x = self.norm2(x + self.drop(self.ff(x)))
-        return x, mu, sigma_sq
+        return x, read
 
 
 class InfinityFormerLM(SequenceModel):
@@ -398,7 +408,7 @@ class InfinityFormerLM(SequenceModel):
         n_valid = min(seen, cfg.mem_len)
         # cache rows [C − n_valid, C) hold states; those among the oldest m drop out now
         first, evict_end = cfg.mem_len - n_valid, m
-        takes_in = evict_end > first
+        takes_in = cfg.ltm and evict_end > first
         holds = seen > cfg.mem_len            # something dropped out in an earlier block
         x = self.drop(self.embed(tokens) * math.sqrt(cfg.d_model))
         new_state: State = []
@@ -406,26 +416,25 @@ class InfinityFormerLM(SequenceModel):
         sig_means: list[float] = []
         for i, layer in enumerate(self.layers):
             cache = state[i * per]
-            coeff = hist = None
-            if cfg.ltm:
+            ltm_in = None
+            if takes_in:
                 old = state[i * per + 1].detach() if holds else None
                 hist = state[i * per + 2] if cfg.sticky else None
-                if takes_in:
-                    coeff = layer.ltm.update(old, hist, cache[:, first:evict_end])
-                else:
-                    coeff = old
-            out, mu, sigma_sq = layer(x, cache, n_valid, coeff)
+                ltm_in = (old, hist, cache[:, first:evict_end])
+            out, read = layer(x, cache, n_valid, ltm_in)
             new_state.append(torch.cat([cache, x], 1)[:, -cfg.mem_len:].detach())
             if cfg.ltm:
-                new_state.append((coeff if coeff is not None else state[i * per + 1]).detach())
-                if cfg.sticky:
-                    if mu is not None:
-                        hist = bin_masses(mu.detach().reshape(bsz, -1),
-                                          sigma_sq.detach().reshape(bsz, -1), cfg.sticky_bins)
-                    new_state.append(hist)
-            if mu is not None:
-                kls.append(kl_variance(sigma_sq, cfg.sigma_0).mean())
-                sig_means.append(float(sigma_sq.detach().mean()))
+                if read is None:
+                    new_state.extend(state[i * per + 1:(i + 1) * per])
+                else:
+                    coeff, mu, sigma_sq = read
+                    new_state.append(coeff.detach())
+                    if cfg.sticky:
+                        new_state.append(bin_masses(mu.detach().reshape(bsz, -1),
+                                                    sigma_sq.detach().reshape(bsz, -1),
+                                                    cfg.sticky_bins))
+                    kls.append(kl_variance(sigma_sq, cfg.sigma_0).mean())
+                    sig_means.append(float(sigma_sq.detach().mean()))
             x = out
         new_state.append(seen_rows + m)
         self._kl = torch.stack(kls).sum() if kls else None

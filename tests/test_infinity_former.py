@@ -1,0 +1,261 @@
+"""The ∞-former (pipeline/models/infinity_former.py): its continuous memory against the
+formulas (float64), and the model as a stream. Tiny sizes throughout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipeline.models import MODELS, build_model
+from pipeline.models.infinity_former import (
+    ContinuousMemory, InfinityFormerConfig, InfinityFormerLM, basis_values, bin_masses,
+    expected_basis, fit_positions, gaussian_basis, kl_variance, ridge_fit_matrix,
+    sticky_positions,
+)
+
+TINY = dict(d_model=8, n_layers=1, n_heads=2, ff_dim=16, dropout=0.0, mem_len=4,
+            n_basis=16, n_samples=6, sticky_bins=8)
+
+
+def tiny_model(**over) -> InfinityFormerLM:
+    torch.manual_seed(0)
+    return build_model("infinity_former", {**TINY, **over}, 13).double().eval()
+
+
+def smooth(t: torch.Tensor) -> torch.Tensor:
+    """Two channels of a signal that is smooth and vanishes at both ends of [0, 1]."""
+    return torch.stack([torch.sin(math.pi * t) ** 2, t * (1 - t) * (1 + 2 * t)], -1)
+
+
+def test_closed_form_equals_numerical_integration():
+    centres, widths = gaussian_basis(8, [0.01, 0.05])
+    mu = torch.tensor([0.0, 0.3, 0.71, 1.0], dtype=torch.float64)
+    sigma_sq = torch.tensor([1e-4, 0.002, 0.05, 0.3], dtype=torch.float64)
+    t = torch.linspace(-3, 4, 200_001, dtype=torch.float64)
+    psi = basis_values(t, centres, widths)                                 # [T, N]
+    for m, s in zip(mu, sigma_sq):
+        density = torch.exp(-0.5 * (t - m) ** 2 / s) / torch.sqrt(2 * math.pi * s)
+        numeric = torch.trapezoid(density.unsqueeze(-1) * psi, t, dim=0)
+        closed = expected_basis(m, s, centres, widths)
+        torch.testing.assert_close(closed, numeric, rtol=1e-6, atol=1e-9)
+
+
+def test_basis_layout_is_the_codes():
+    centres, widths = gaussian_basis(6, [0.01, 0.05])
+    assert centres.tolist() == [0.0, 0.0, 0.5, 0.5, 1.0, 1.0]
+    assert widths.tolist() == [0.01, 0.05] * 3
+
+
+def test_ridge_fit_is_the_ridge_solution_and_reconstructs_a_smooth_signal():
+    centres, widths = gaussian_basis(64, [0.01, 0.05])
+    n_new = 101
+    positions, pad = fit_positions(0, n_new, 0.75)
+    assert pad == 50 and len(positions) == 2 * n_new - 1
+    inner = positions[pad:pad + n_new]
+    torch.testing.assert_close(inner, (torch.arange(n_new, dtype=torch.float64) + 0.5) / n_new)
+    torch.testing.assert_close(positions.diff(), torch.full((len(positions) - 1,), 1 / n_new,
+                                                            dtype=torch.float64))
+    g = ridge_fit_matrix(positions, pad, centres, widths, 1.0)
+    x = smooth(inner)                                                      # [L, 2]
+    coeff = g.T @ x                                                        # [N, 2]
+    # the ridge regression of the zero-padded signal, solved another way
+    basis_t = basis_values(positions, centres, widths)
+    padded = torch.cat([torch.zeros(pad, 2), x, torch.zeros(pad, 2)]).double()
+    design = torch.cat([basis_t, torch.eye(64, dtype=torch.float64)])
+    target = torch.cat([padded, torch.zeros(64, 2, dtype=torch.float64)])
+    torch.testing.assert_close(coeff, torch.linalg.lstsq(design, target).solution)
+    fitted = basis_values(inner, centres, widths) @ coeff
+    assert (fitted - x).abs().max() < 0.02
+
+
+def test_contraction_keeps_the_old_signal_at_the_contracted_positions():
+    torch.manual_seed(0)
+    cfg = InfinityFormerConfig(d_model=2, n_heads=1, n_basis=64, n_samples=60, gate=False,
+                               mem_len=40)
+    memory = ContinuousMemory(cfg).double()
+    t_old = (torch.arange(80, dtype=torch.float64) + 0.5) / 80
+    old = memory.update(None, None, smooth(t_old).unsqueeze(0))            # [1, N, 2]
+    new = memory.update(old, None, torch.zeros(1, 40, 2, dtype=torch.float64))
+    u = torch.linspace(0.1, 0.9, 33, dtype=torch.float64)
+    before = basis_values(u, memory.centres, memory.widths) @ old[0]
+    after = basis_values(cfg.tau * u, memory.centres, memory.widths) @ new[0]
+    assert (before - smooth(u)).abs().max() < 0.02
+    assert (after - before).abs().max() < 0.03
+    # the new vectors (zeros) fill (τ, 1]
+    tail = torch.linspace(0.85, 0.95, 5, dtype=torch.float64)
+    assert (basis_values(tail, memory.centres, memory.widths) @ new[0]).abs().max() < 0.03
+
+
+def test_sticky_histogram_equals_a_direct_computation():
+    torch.manual_seed(1)
+    mu = torch.rand(2, 5, dtype=torch.float64)
+    sigma_sq = torch.rand(2, 5, dtype=torch.float64) * 0.02 + 1e-4
+    hist = bin_masses(mu, sigma_sq, 8)
+    for b in range(2):
+        direct = []
+        for k in range(8):
+            lo, hi = k / 8, (k + 1) / 8
+            direct.append(sum(
+                0.5 * (math.erf((hi - m) / math.sqrt(2 * s)) - math.erf((lo - m) / math.sqrt(2 * s)))
+                for m, s in zip(mu[b].tolist(), sigma_sq[b].tolist())))
+        total = sum(direct)
+        torch.testing.assert_close(hist[b], torch.tensor([v / total for v in direct],
+                                                         dtype=torch.float64))
+
+
+def test_sticky_positions_are_the_histograms_quantiles():
+    hist = torch.tensor([[0.5, 0.0, 0.25, 0.25], [0.25] * 4], dtype=torch.float64)
+    u = sticky_positions(hist, 8)
+    q = (torch.arange(8, dtype=torch.float64) + 0.5) / 8
+    for b in range(2):
+        # the piecewise-linear CDF of the histogram at each position is its quantile level
+        cdf = [sum(hist[b, :int(x * 4)].tolist()) + hist[b, min(int(x * 4), 3)].item() * (x * 4 - int(x * 4))
+               for x in u[b].tolist()]
+        torch.testing.assert_close(torch.tensor(cdf, dtype=torch.float64), q)
+    torch.testing.assert_close(u[1], q)        # a flat histogram samples evenly
+    assert not ((u[0] > 0.25) & (u[0] < 0.5)).any()   # an empty bin gets no sample
+
+
+def test_kl_term_equals_its_formula_and_is_the_aux_loss(monkeypatch):
+    sigma_sq = torch.tensor([1e-6, 0.0025, 0.1, 2.0], dtype=torch.float64)
+    mu = torch.full_like(sigma_sq, 0.4)
+    expected = torch.distributions.kl_divergence(
+        torch.distributions.Normal(mu, sigma_sq.sqrt()), torch.distributions.Normal(mu, 0.05))
+    torch.testing.assert_close(kl_variance(sigma_sq, 0.05), expected)
+
+    model = tiny_model(n_layers=2, kl_weight=0.3)
+    reads: list[torch.Tensor] = []
+    for layer in model.layers:
+        read = layer.ltm.read
+
+        def recording(q, coeff, read=read):
+            out = read(q, coeff)
+            reads.append(out[2])
+            return out
+        monkeypatch.setattr(layer.ltm, "read", recording)
+    tokens = torch.randint(0, 13, (2, 12))
+    state = model.init_state(2)
+    for block in tokens.split(4, 1):
+        reads.clear()
+        state = model(block, block, state).state
+    assert len(reads) == 2
+    direct = sum(0.5 * (s / 0.0025 - torch.log(s / 0.0025) - 1).mean() for s in reads)
+    torch.testing.assert_close(model.aux_loss(), 0.3 * direct)
+    assert model.metrics()["ltm_kl"] == pytest.approx(float(direct.detach()))
+
+
+@pytest.mark.parametrize("sticky", [False, True])
+def test_gradcheck_through_the_whole_ltm_read(sticky):
+    """Old coefficients sampled (evenly or sticky), gate, refit, keys/values, μ and σ², the
+    closed-form read and the output map: every input and parameter gets the gradient that
+    finite differences give."""
+    torch.manual_seed(2)
+    cfg = InfinityFormerConfig(d_model=4, n_heads=2, n_basis=8, n_samples=4, mem_len=3,
+                               sticky=sticky, sticky_bins=4)
+    memory = ContinuousMemory(cfg).double()
+    names = [n for n, _ in memory.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for p in memory.parameters())
+    hist = torch.tensor([[0.1, 0.4, 0.2, 0.3]], dtype=torch.float64) if sticky else None
+    old = torch.randn(1, 8, 4, dtype=torch.float64, requires_grad=True)
+    new = torch.randn(1, 3, 4, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(1, 2, 2, 2, dtype=torch.float64, requires_grad=True)
+
+    def step(old, new, q, *ps):
+        return functional_call(memory, dict(zip(names, ps)), (old, hist, new, q))
+
+    assert torch.autograd.gradcheck(step, (old, new, q, *params))
+
+
+def run_blocks(model, tokens, block, state=None):
+    """Logits of the blocks of ``tokens`` streamed through ``model``, and the last state."""
+    state = model.init_state(tokens.shape[0]) if state is None else state
+    logits = []
+    for chunk in tokens.split(block, 1):
+        out = model(chunk, chunk, state)
+        logits.append(out.logits)
+        state = out.state
+    return torch.cat(logits, 1), state
+
+
+@pytest.mark.parametrize("ltm", [True, False])
+def test_streaming_equals_one_pass_while_nothing_leaves_the_cache(ltm):
+    model = tiny_model(ltm=ltm, n_layers=2, mem_len=8)
+    tokens = torch.randint(0, 13, (2, 8))
+    whole, _ = run_blocks(model, tokens, 8)
+    streamed, state = run_blocks(model, tokens, 4)
+    torch.testing.assert_close(streamed, whole)
+    assert state[-1].tolist() == [8, 8]
+
+
+def test_state_carries_and_a_reset_gives_the_first_block_again():
+    model = tiny_model(sticky=True)
+    tokens = torch.randint(0, 13, (2, 16))
+    first, state = run_blocks(model, tokens, 4)
+    assert state[1].abs().sum() > 0 and not torch.equal(state[2], torch.full((2, 8), 1 / 8,
+                                                                               dtype=torch.float64))
+    again, _ = run_blocks(model, tokens[:, :4], 4)                 # from init_state
+    torch.testing.assert_close(again, first[:, :4], rtol=0, atol=0)
+    carried = model(tokens[:, :4], None, state).logits             # same block after a stream
+    assert (carried - again).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("ltm", [True, False])
+def test_the_ltm_carries_what_the_cache_dropped(ltm):
+    """One layer, cache of one block: block 4 can see block 1 only through the LTM; no block
+    sees a later token."""
+    model = tiny_model(ltm=ltm)
+    tokens = torch.randint(0, 13, (1, 16))
+    changed = tokens.clone()
+    changed[0, 1] = (tokens[0, 1] + 1) % 13
+    base, _ = run_blocks(model, tokens, 4)
+    other, _ = run_blocks(model, changed, 4)
+    torch.testing.assert_close(other[:, :1], base[:, :1], rtol=0, atol=0)
+    assert (other[:, 12:] - base[:, 12:]).abs().max() > 1e-6 if ltm else \
+        torch.equal(other[:, 12:], base[:, 12:])
+
+
+def test_ltm_cost_does_not_grow_with_the_segments_stored():
+    model = tiny_model(n_layers=2)
+    tokens = torch.randint(0, 13, (2, 24))
+    run_blocks(model, tokens, 4)          # the fit matrices are computed once, on first use
+    state = model.init_state(2)
+    flops, sizes = [], []
+    for chunk in tokens.split(4, 1):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            state = model(chunk, chunk, state).state
+        flops.append(counter.get_total_flops())
+        sizes.append([tuple(t.shape) for t in state])
+    # block 1 fills the cache, block 2 starts the LTM, from block 3 on it holds samples of
+    # the old signal plus the block the cache drops: the same work however much is stored
+    assert len(set(flops[2:])) == 1 and flops[2] > flops[1] > flops[0]
+    assert all(s == sizes[0] for s in sizes)
+    assert state[-1].tolist() == [24, 24]
+
+
+def test_registry_config_errors_and_description():
+    assert MODELS["infinity_former"] == (InfinityFormerConfig, InfinityFormerLM)
+    with pytest.raises(ValueError, match=r"^tau must be in \(0, 1\), got 1.5$"):
+        InfinityFormerConfig(tau=1.5)
+    with pytest.raises(ValueError, match=r"^n_basis \(9\) must be a multiple of len\(basis_widths\)"):
+        InfinityFormerConfig(n_basis=9)
+    with pytest.raises(ValueError, match=r"^mem_len must be an int, got '8'$"):
+        InfinityFormerConfig(mem_len="8")
+    with pytest.raises(ValueError, match=r"^basis_widths must be a non-empty list"):
+        InfinityFormerConfig(basis_widths=[0.01, -1])
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"mem_len \(4\) >= the block length \(5\)"):
+        model(torch.zeros(1, 5, dtype=torch.long))
+    assert model.describe() == (
+        "∞-former: Transformer-XL 1x8, 2 heads, mem_len 4; LTM 16 Gaussian RBFs "
+        "(widths 0.01/0.05), tau 0.75, 6 samples, even")
+    assert tiny_model(ltm=False).describe() == \
+        "Transformer-XL 1x8, 2 heads, mem_len 4; no long-term memory"
+    groups = model.parameter_groups()
+    assert sum(groups.values()) == sum(p.numel() for p in model.parameters())
+    assert groups["long_term_memory"] == sum(p.numel() for p in model.layers[0].ltm.parameters())
+    assert "long_term_memory" not in tiny_model(ltm=False).parameter_groups()
