@@ -369,7 +369,7 @@ class InfinityFormerLM(SequenceModel):
         self.layers = nn.ModuleList(XLLayer(cfg) for _ in range(cfg.n_layers))
         self.head = nn.Linear(cfg.d_model, vocab_size)
         self._kl: Tensor | None = None
-        self._last: dict[str, float] = {}
+        self._sigma_sq: Tensor | None = None
 
     def _per_layer(self) -> int:
         return 1 + (self.cfg.ltm) + (self.cfg.ltm and self.cfg.sticky)
@@ -413,7 +413,7 @@ class InfinityFormerLM(SequenceModel):
         x = self.drop(self.embed(tokens) * math.sqrt(cfg.d_model))
         new_state: State = []
         kls: list[Tensor] = []
-        sig_means: list[float] = []
+        sig_means: list[Tensor] = []
         for i, layer in enumerate(self.layers):
             cache = state[i * per]
             ltm_in = None
@@ -434,12 +434,12 @@ class InfinityFormerLM(SequenceModel):
                                                     sigma_sq.detach().reshape(bsz, -1),
                                                     cfg.sticky_bins))
                     kls.append(kl_variance(sigma_sq, cfg.sigma_0).mean())
-                    sig_means.append(float(sigma_sq.detach().mean()))
+                    sig_means.append(sigma_sq.detach().mean())
             x = out
         new_state.append(seen_rows + m)
+        # kept as tensors: metrics() reads them only when the trainer reports
         self._kl = torch.stack(kls).sum() if kls else None
-        self._last = {"ltm_kl": float(self._kl.detach()), "ltm_sigma_sq": sum(sig_means) / len(sig_means)} \
-            if kls else {}
+        self._sigma_sq = torch.stack(sig_means).mean() if kls else None
         logits = self.head(self.drop(x))
         nll = None
         if targets is not None:
@@ -465,7 +465,9 @@ class InfinityFormerLM(SequenceModel):
     def metrics(self) -> dict[str, float]:
         """The last forward's Σ_layers mean KL and mean σ² of the LTM reads (none before the
         LTM holds anything)."""
-        return dict(self._last)
+        if self._kl is None:
+            return {}
+        return {"ltm_kl": float(self._kl.detach()), "ltm_sigma_sq": float(self._sigma_sq)}
 
     def parameter_groups(self) -> dict[str, int]:
         groups = {"embedding": self.embed.weight.numel(), "attention": 0, "feed_forward": 0,
