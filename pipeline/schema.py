@@ -538,14 +538,9 @@ class Spec(Section):
              ("train.optimizer.weight_decay",),
              "the paper's Adagrad (clip: per_param) has no weight decay"),
             (opt and opt.clip == "none", ("train.optimizer.clip_norm",), "clip is none"),
-            # the all-attention switches (other model kinds have neither)
-            (params is not None and not getattr(params, "adaptive_span", True),
-             ("model.span_ramp", "model.span_init", "model.span_loss_coef"),
-             "model.adaptive_span is false"),
-            (params is not None and not getattr(params, "adaptive_io", True),
-             ("model.adaptive_cutoffs", "model.adaptive_div", "model.adaptive_tied"),
-             "model.adaptive_io is false"),
         ):
             if applies:
                 out += [(tuple(key.split(".")), why) for key in keys]
+        if params is not None:      # each model kind's config knows its own
+            out += [(("model", key), why) for key, why in params.inert_keys()]
         return out

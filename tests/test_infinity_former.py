@@ -16,6 +16,7 @@ from pipeline.models.infinity_former import (
     expected_basis, fit_positions, gaussian_basis, kl_variance, ridge_fit_matrix,
     sticky_positions,
 )
+from pipeline.spec import SpecError, load_spec
 
 TINY = dict(d_model=8, n_layers=1, n_heads=2, ff_dim=16, dropout=0.0, mem_len=4,
             n_basis=16, n_samples=6, sticky_bins=8)
@@ -259,3 +260,25 @@ def test_registry_config_errors_and_description():
     assert sum(groups.values()) == sum(p.numel() for p in model.parameters())
     assert groups["long_term_memory"] == sum(p.numel() for p in model.layers[0].ltm.parameters())
     assert "long_term_memory" not in tiny_model(ltm=False).parameter_groups()
+
+
+SPEC = """\
+name: inf
+dataset: python_docs
+model: {{kind: infinity_former, d_model: 16, n_heads: 2, mem_len: 8, {model}}}
+train: {{steps: 2, batch_size: 2, seq_len: 8, optimizer: {{type: adam, lr: 1.0e-3, clip: global}}}}
+stages: [download, preprocess, train]
+"""
+
+
+def test_a_spec_builds_it_and_refuses_keys_that_do_nothing(tmp_path):
+    path = tmp_path / "inf.yaml"
+    path.write_text(SPEC.format(model="n_basis: 8, n_samples: 4, sticky: true, sticky_bins: 4"))
+    spec = load_spec(path)
+    assert spec.model_params == InfinityFormerConfig(d_model=16, n_heads=2, mem_len=8,
+                                                     n_basis=8, n_samples=4, sticky=True,
+                                                     sticky_bins=4)
+    path.write_text(SPEC.format(model="ltm: false, tau: 0.5"))
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert str(err.value) == f"{path}:3: model.tau: does nothing here (model.ltm is false); remove it"

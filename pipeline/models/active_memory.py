@@ -115,6 +115,23 @@ class ActiveMemoryConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    def inert_keys(self) -> list[tuple[str, str]]:
+        """Fields that do nothing under this mixer, each with why (the spec refuses them
+        where the user wrote them)."""
+        out = []
+        if self.operator is None:
+            out += [(k, f"mixer {self.mixer} has no convolution")
+                    for k in ("kernel_size", "conv_activation", "cgru_gate")]
+        elif self.operator not in ("conv", "persistent_conv"):
+            out.append(("conv_activation", f"only conv and persistent_conv have an activation "
+                                           f"(mixer {self.mixer})"))
+        if self.operator is not None and self.operator != "cgru":
+            out.append(("cgru_gate", f"mixer {self.mixer} has no CGRU"))
+        if not self.uses_attention:
+            out += [(k, f"mixer {self.mixer} has no self-attention")
+                    for k in ("n_heads", "head_dim", "attn_double_scale")]
+        return out
+
     @property
     def operator(self) -> str | None:
         """The active-memory operator of the mixer (None: self-attention alone)."""

@@ -190,3 +190,15 @@ class AllAttnConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def inert_keys(self) -> list[tuple[str, str]]:
+        """Fields that do nothing under the other fields' values, each with why (the spec
+        refuses them where the user wrote them)."""
+        out = []
+        if not self.adaptive_span:
+            out += [(k, "model.adaptive_span is false")
+                    for k in ("span_ramp", "span_init", "span_loss_coef")]
+        if not self.adaptive_io:
+            out += [(k, "model.adaptive_io is false")
+                    for k in ("adaptive_cutoffs", "adaptive_div", "adaptive_tied")]
+        return out

@@ -136,6 +136,17 @@ class InfinityFormerConfig:
         if self.kl_weight < 0:
             raise ValueError(f"kl_weight must be >= 0, got {self.kl_weight}")
 
+    def inert_keys(self) -> list[tuple[str, str]]:
+        """Fields that do nothing under the other fields' values, each with why (the spec
+        refuses them where the user wrote them)."""
+        if not self.ltm:
+            return [(k, "model.ltm is false") for k in (
+                "n_basis", "basis_widths", "ridge_penalty", "n_samples", "tau", "gate",
+                "sticky", "sticky_bins", "sigma_0", "kl_weight")]
+        if not self.sticky:
+            return [("sticky_bins", "model.sticky is false")]
+        return []
+
 
 # --- the continuous memory's mathematics (float64 where precomputed) -------------------------
 
