@@ -2,12 +2,13 @@
 short-term memory of one segment plus the continuous LTM) versus a Transformer-XL whose cache
 keeps the same context (mem_len = segments stored × segment length).
 
-    python bench/infinity_memory.py [--segments 1,4,16,64] [--seg-len 128] [--repeat 3]
-                                    [--device cpu|cuda]
+    python bench/infinity_memory.py [--segments 1,4,16,64] [--seg-len 128] [--repeat 5]
+                                    [--device cpu|cuda] [--threads 1]
 
 For each number of segments stored, both models stream that many segments (no grad), then one
-more segment is timed, forward + backward as in training (median of --repeat from the same
-state). Columns: ms per segment, the state carried (MB), forward FLOPs (torch's
+more segment is timed, forward + backward as in training (the fastest of --repeat from the
+same state, after two warm-up steps: the least disturbed by other work on a shared machine;
+CPU threads default to 1 for the same reason). Columns: ms per segment, the state carried (MB), forward FLOPs (torch's
 FlopCounterMode) and, on CUDA, the peak memory of the timed step above what was allocated
 before it. Model: d 128, 2 layers, 4 heads, FF 256; LTM 128 basis functions, 128 samples.
 Prints a markdown table; asserts nothing.
@@ -16,7 +17,6 @@ Prints a markdown table; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,7 +50,8 @@ def measure(model, n_segments, seg_len, device, repeat):
         out = model(tokens, tokens, state)
         (out.nll.mean() + model.aux_loss()).backward()
 
-    step()  # warm-up: the fit matrices, allocator
+    step()  # warm-up: the fit matrices, kernels' first calls, allocator
+    step()
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(tokens, tokens, state)
     peak = None
@@ -68,19 +69,21 @@ def measure(model, n_segments, seg_len, device, repeat):
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     state_mb = sum(t.numel() * t.element_size() for t in state) / 2**20
-    return statistics.median(times) * 1e3, state_mb, counter.get_total_flops(), peak
+    return min(times) * 1e3, state_mb, counter.get_total_flops(), peak
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--segments", default="1,4,16,64")
     ap.add_argument("--seg-len", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
     segments = [int(s) for s in args.segments.split(",")]
-    print(f"segment {args.seg_len} tokens, {device.type}; ∞-former: mem_len {args.seg_len} + "
+    print(f"segment {args.seg_len} tokens, {device.type} ({args.threads} CPU threads); ∞-former: mem_len {args.seg_len} + "
           f"LTM {BASE['n_basis']} RBFs; Transformer-XL: mem_len = stored × {args.seg_len}\n")
     print("| segments stored | model | ms / segment | state MB | GFLOP fwd | peak MB |")
     print("|---:|---|---:|---:|---:|---:|")
