@@ -1,0 +1,110 @@
+"""The sorting task at CPU scale: the ∞-former against a Transformer-XL with the same
+short-term memory, at doubling lengths, several seeds; prints the sorted output's accuracy.
+
+    python bench/infinity_sort.py [--lengths 128,256,512] [--seeds 0,1,2] [--steps 300]
+                                  [--segment 32] [--threads 1]
+
+Each document (pipeline/data/frequency_sort.py: vocabulary 20, input, separator, the 20
+symbols by decreasing count) is read in segments of --segment tokens; the short-term memory
+is one segment (mem_len = segment) and the state (cache and LTM) carries across a document's
+segments and starts afresh for each document. Only the targets after the separator are
+scored and trained on (the authors' code backpropagates the final segment's loss only; the
+state is detached between segments). Accuracy is teacher-forced: token accuracy of the 20
+target symbols and the share of documents with all 20 right, on 64 held-out documents.
+This is the issue's acceptance bench in miniature, run in-process (document-level training in
+the trainer is issue 13 part 2). Prints a markdown table; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.data.frequency_sort import generate_split  # noqa: E402
+from pipeline.models import build_model  # noqa: E402
+
+VOCAB = 20
+MODEL = dict(d_model=64, n_layers=2, n_heads=4, ff_dim=128, dropout=0.0, n_basis=64,
+             n_samples=64)
+
+
+def run_documents(model, docs: torch.Tensor, segment: int, length: int, train: bool):
+    """Streams a batch of documents [B, length + 1 + VOCAB] segment by segment; returns the
+    loss over the scored targets and the predictions [B, VOCAB] of the sorted symbols."""
+    tokens, targets = docs[:, :-1], docs[:, 1:]
+    state = model.init_state(docs.shape[0])
+    first_scored = length              # targets[length:] are the symbols after the separator
+    losses, preds = [], []
+    for start in range(0, tokens.shape[1], segment):
+        seg_tokens, seg_targets = tokens[:, start:start + segment], targets[:, start:start + segment]
+        scored = max(first_scored - start, 0)
+        if scored >= seg_tokens.shape[1]:
+            with torch.no_grad():
+                state = model(seg_tokens, None, state).state
+            continue
+        with torch.set_grad_enabled(train):
+            out = model(seg_tokens, seg_targets, state)
+        state = out.state
+        losses.append(out.nll[:, scored:])
+        preds.append(out.logits[:, scored:].argmax(-1))
+    return torch.cat(losses, 1).mean(), torch.cat(preds, 1)
+
+
+def train_and_score(ltm: bool, length: int, seed: int, args) -> tuple[float, float]:
+    torch.manual_seed(seed)
+    model = build_model("infinity_former", dict(MODEL, mem_len=args.segment, ltm=ltm),
+                        VOCAB + 2)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
+    train = torch.from_numpy(generate_split(seed, "train", args.steps * args.batch, VOCAB,
+                                            length, (1, 9)))
+    test = torch.from_numpy(generate_split(seed, "test", 64, VOCAB, length, (1, 9)))
+    model.train()
+    for step in range(args.steps):
+        loss, _ = run_documents(model, train[step * args.batch:(step + 1) * args.batch],
+                                args.segment, length, True)
+        opt.zero_grad()
+        (loss + model.aux_loss()).backward()
+        opt.step()
+        sched.step()
+    model.eval()
+    _, preds = run_documents(model, test, args.segment, length, False)
+    right = preds == test[:, length + 1:]
+    return float(right.float().mean()), float(right.all(1).float().mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default="128,256,512")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--segment", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    print(f"{args.steps} steps x {args.batch} documents, segment = mem_len = {args.segment}, "
+          f"model {MODEL}, seeds {seeds}\n")
+    print("| length | model | token accuracy (mean ± sd) | exact match | minutes |")
+    print("|---:|---|---:|---:|---:|")
+    for length in (int(s) for s in args.lengths.split(",")):
+        for name, ltm in (("Transformer-XL", False), ("∞-former", True)):
+            start = time.perf_counter()
+            scores = [train_and_score(ltm, length, seed, args) for seed in seeds]
+            acc = np.array([s[0] for s in scores])
+            exact = np.mean([s[1] for s in scores])
+            print(f"| {length} | {name} | {acc.mean():.3f} ± {acc.std():.3f} | {exact:.3f} | "
+                  f"{(time.perf_counter() - start) / 60:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
