@@ -8,9 +8,10 @@ keeps the same context (mem_len = segments stored × segment length).
 For each number of segments stored, both models stream that many segments (no grad), then one
 more segment is timed, forward + backward as in training (the fastest of --repeat from the
 same state, after two warm-up steps: the least disturbed by other work on a shared machine;
-CPU threads default to 1 for the same reason). Columns: ms per segment, the state carried (MB), forward FLOPs (torch's
-FlopCounterMode) and, on CUDA, the peak memory of the timed step above what was allocated
-before it. Model: d 128, 2 layers, 4 heads, FF 256; LTM 128 basis functions, 128 samples.
+CPU threads default to 1 for the same reason). Columns: ms per segment, the state carried
+(MB), forward FLOPs (torch's FlopCounterMode) and, on CUDA, the peak memory of the timed
+step above what was allocated before it. Model: d 128, 2 layers, 4 heads, FF 256; LTM 128
+basis functions, 128 samples.
 Prints a markdown table; asserts nothing.
 """
 
@@ -83,8 +84,9 @@ def main() -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     segments = [int(s) for s in args.segments.split(",")]
-    print(f"segment {args.seg_len} tokens, {device.type} ({args.threads} CPU threads); ∞-former: mem_len {args.seg_len} + "
-          f"LTM {BASE['n_basis']} RBFs; Transformer-XL: mem_len = stored × {args.seg_len}\n")
+    print(f"segment {args.seg_len} tokens, {device.type} ({args.threads} CPU threads); "
+          f"∞-former: mem_len {args.seg_len} + LTM {BASE['n_basis']} RBFs; "
+          f"Transformer-XL: mem_len = stored × {args.seg_len}\n")
     print("| segments stored | model | ms / segment | state MB | GFLOP fwd | peak MB |")
     print("|---:|---|---:|---:|---:|---:|")
     for n in segments:

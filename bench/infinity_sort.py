@@ -43,7 +43,8 @@ def run_documents(model, docs: torch.Tensor, segment: int, length: int, train: b
     first_scored = length              # targets[length:] are the symbols after the separator
     losses, preds = [], []
     for start in range(0, tokens.shape[1], segment):
-        seg_tokens, seg_targets = tokens[:, start:start + segment], targets[:, start:start + segment]
+        seg_tokens = tokens[:, start:start + segment]
+        seg_targets = targets[:, start:start + segment]
         scored = max(first_scored - start, 0)
         if scored >= seg_tokens.shape[1]:
             with torch.no_grad():

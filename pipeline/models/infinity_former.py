@@ -122,7 +122,8 @@ class InfinityFormerConfig:
         if (not isinstance(widths, list) or not widths
                 or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
                            and math.isfinite(w) and w > 0 for w in widths)):
-            raise ValueError(f"basis_widths must be a non-empty list of numbers > 0, got {widths!r}")
+            raise ValueError(
+                f"basis_widths must be a non-empty list of numbers > 0, got {widths!r}")
         if self.n_basis % len(widths) or self.n_basis // len(widths) < 2:
             raise ValueError(
                 f"n_basis ({self.n_basis}) must be a multiple of len(basis_widths) "
@@ -254,9 +255,10 @@ class ContinuousMemory(nn.Module):
     def _fit_matrix(self, n_old: int, n_new: int, like: Tensor) -> Tensor:
         key = (n_old, n_new, like.dtype, like.device)
         if key not in self._fits:
+            # from the config, not the buffers: casting the module (bf16) rounds those
             positions, pad = fit_positions(n_old, n_new, self.cfg.tau)
-            g = ridge_fit_matrix(positions, pad, self.centres.double().cpu(),
-                                 self.widths.double().cpu(), self.cfg.ridge_penalty)
+            basis = gaussian_basis(self.cfg.n_basis, self.cfg.basis_widths)
+            g = ridge_fit_matrix(positions, pad, *basis, self.cfg.ridge_penalty)
             self._fits[key] = g.to(device=like.device, dtype=like.dtype)
         return self._fits[key]
 
@@ -349,14 +351,15 @@ class XLLayer(nn.Module):
         k = k.view(bsz, c + m, h, dh).transpose(1, 2)
         v = v.view(bsz, c + m, h, dh).transpose(1, 2)
         # distance of key j from query i is (c + i) − j; scores by distance, then gathered
-        dist = (c + torch.arange(m, device=x.device)).unsqueeze(1) - torch.arange(c + m, device=x.device)
-        rel = self.pos(sinusoid(torch.arange(c + m, device=x.device), d).to(x.dtype))
+        keys_at = torch.arange(c + m, device=x.device)
+        dist = (c + torch.arange(m, device=x.device)).unsqueeze(1) - keys_at
+        rel = self.pos(sinusoid(keys_at, d).to(x.dtype))
         rel = rel.view(c + m, h, dh).transpose(0, 1)                      # [H, K, dh]
         content = (q + self.content_bias.unsqueeze(1)) @ k.transpose(-1, -2)
         by_dist = (q + self.position_bias.unsqueeze(1)) @ rel.transpose(-1, -2)
         position = by_dist.gather(-1, dist.clamp(min=0).expand(bsz, h, m, c + m))
         scores = (content + position) / math.sqrt(dh)
-        masked = (dist < 0) | (torch.arange(c + m, device=x.device) < c - n_valid)
+        masked = (dist < 0) | (keys_at < c - n_valid)
         scores = scores.masked_fill(masked, float("-inf"))
         attn = self.attn_drop(torch.softmax(scores, -1))
         out = self.attn_out((attn @ v).transpose(1, 2).reshape(bsz, m, d))
@@ -387,15 +390,15 @@ class InfinityFormerLM(SequenceModel):
 
     def init_state(self, batch_size: int, device=None) -> State:
         cfg = self.cfg
-        dtype = self.head.weight.dtype
+        like = dict(device=device, dtype=self.head.weight.dtype)
         state: State = []
         for _ in range(cfg.n_layers):
-            state.append(torch.zeros(batch_size, cfg.mem_len, cfg.d_model, device=device, dtype=dtype))
+            state.append(torch.zeros(batch_size, cfg.mem_len, cfg.d_model, **like))
             if cfg.ltm:
-                state.append(torch.zeros(batch_size, cfg.n_basis, cfg.d_model, device=device, dtype=dtype))
+                state.append(torch.zeros(batch_size, cfg.n_basis, cfg.d_model, **like))
                 if cfg.sticky:
                     state.append(torch.full((batch_size, cfg.sticky_bins), 1 / cfg.sticky_bins,
-                                            device=device, dtype=dtype))
+                                            **like))
         state.append(torch.zeros(batch_size, dtype=torch.int64, device=device))
         return state
 
@@ -465,7 +468,8 @@ class InfinityFormerLM(SequenceModel):
 
     def describe(self) -> str:
         cfg = self.cfg
-        host = f"Transformer-XL {cfg.n_layers}x{cfg.d_model}, {cfg.n_heads} heads, mem_len {cfg.mem_len}"
+        host = (f"Transformer-XL {cfg.n_layers}x{cfg.d_model}, {cfg.n_heads} heads, "
+                f"mem_len {cfg.mem_len}")
         if not cfg.ltm:
             return f"{host}; no long-term memory"
         widths = "/".join(f"{w:g}" for w in cfg.basis_widths)
