@@ -238,8 +238,7 @@ model:
   n_layers: {n_layers}
   d_model: {d_model}
   ff_dim: {ff_dim}
-  kernel_size: {kernel_size}
-train:
+{kernel}train:
   steps: 4
   batch_size: 2
   seq_len: 16
@@ -251,7 +250,9 @@ stages: [download, preprocess, train]
 def write_spec(tmp_path, mixer="conv", causal="false", **sizes):
     sizes = {**TASK, **sizes}
     path = tmp_path / "am.yaml"
-    path.write_text(SPEC.format(mixer=mixer, causal=causal, **sizes))
+    # self-attention alone has no kernel: the spec refuses the key there
+    kernel = "" if mixer == "self_attention" else f"  kernel_size: {sizes['kernel_size']}\n"
+    path.write_text(SPEC.format(mixer=mixer, causal=causal, kernel=kernel, **sizes))
     return path
 
 
@@ -294,3 +295,18 @@ def test_bad_values_are_one_line_naming_the_field(tmp_path, override, message):
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith(message), result.output
+
+
+@pytest.mark.parametrize("mixer,override,why", [
+    ("conv", "model.n_heads=4", "mixer conv has no self-attention"),
+    ("self_attention", "model.conv_activation=relu", "mixer self_attention has no convolution"),
+    ("highway_conv", "model.conv_activation=relu", "only conv and persistent_conv have an "
+                                                   "activation (mixer highway_conv)"),
+    ("sa+conv", "model.cgru_gate=sigmoid", "mixer sa+conv has no CGRU"),
+])
+def test_a_setting_the_mixer_does_not_use_is_refused(tmp_path, mixer, override, why):
+    result = CliRunner().invoke(main, ["validate", str(write_spec(tmp_path, mixer)),
+                                       "--set", override])
+    assert result.exit_code == 2
+    key = override.split("=")[0]
+    assert f"{key}: does nothing here ({why}); remove it" in result.output, result.output
