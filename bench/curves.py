@@ -28,6 +28,7 @@ import argparse
 import gzip
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.data import StreamBatches  # noqa: E402
+from pipeline.evaluation import LN2, evaluate_nll  # noqa: E402
 from pipeline.models import AllAttnConfig, AllAttnLM, count_parameters  # noqa: E402
 from pipeline.optim import ClippedAdagrad, scheduled_lr  # noqa: E402
-from pipeline.report import parameter_groups  # noqa: E402
-from pipeline.trainer import LN2, evaluate_nll  # noqa: E402
 
 
 def find_data() -> Path:
@@ -91,7 +91,7 @@ def valid_bpc(model, valid: np.ndarray, seq_len: int) -> float:
 def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, float, float]]:
     torch.manual_seed(args.seed)
     model = AllAttnLM(cfg, vocab)
-    groups = parameter_groups(model)
+    groups = Counter(model.parameter_groups())
     print(f"\n[{name}] {cfg.n_layers} layers, d {cfg.d_model}, H {cfg.n_heads}, "
           f"N {cfg.n_persistent}, ff {cfg.ff_dim}: {count_parameters(model):,} parameters "
           f"({', '.join(f'{k} {v:,}' for k, v in groups.most_common())})", flush=True)
@@ -101,24 +101,24 @@ def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, 
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     bsz, m = args.batch, args.seq_len
     batches = StreamBatches(train, bsz, m)
-    cache = model.init_cache(bsz)
+    state = model.init_state(bsz)
     curve = [(0, valid_bpc(model, valid, m), float("nan"), 0.0)]
     print(f"[{name}] step {0:>5}  valid bpc {curve[0][1]:.3f}", flush=True)
     start, run_loss, run_n = time.perf_counter(), 0.0, 0
     for step in range(1, args.steps + 1):
-        if step > 1 and batches.starts_epoch(step - 1):  # streams restart: so does the cache
-            cache = model.init_cache(bsz)
-        out = model(*batches.batch(step - 1), cache)
-        cache = out.cache
+        if step > 1 and batches.starts_epoch(step - 1):  # streams restart: so does the state
+            state = model.init_state(bsz)
+        out = model(*batches.batch(step - 1), state)
+        state = out.state
         loss = out.nll.mean()
-        (loss + model.span_loss()).backward()
+        (loss + model.aux_loss()).backward()
         for group in opt.param_groups:
             group["lr"] = scheduled_lr(args.lr, args.warmup, step)
         if args.optimizer == "adam":
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        model.clamp_spans_()
+        model.after_step()
         run_loss, run_n = run_loss + loss.item(), run_n + 1
         if step % args.eval_every == 0 or step == args.steps:
             bpc = valid_bpc(model, valid, m)

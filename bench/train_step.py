@@ -25,7 +25,7 @@ from pipeline.models import build_model  # noqa: E402
 from pipeline.optim import build_optimizer  # noqa: E402
 from pipeline.report import vocab_size_for  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
-from pipeline.trainer import peak_memory_mb  # noqa: E402
+from pipeline.device import peak_memory_mb  # noqa: E402
 
 
 def main() -> None:
@@ -54,31 +54,29 @@ def main() -> None:
 
     print(f"{spec.name}: {params:,} parameters, micro-batch {batch} x {seq}, {device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{model.attention_impl_description()}\n")
+          f"{model.describe()}\n")
     gpu = device.type == "cuda"
     print("| span frac | L' tokens | ms/step | tokens/s | peak MB |" + (" MFU |" if gpu else ""))
     print("|---|---|---|---|---|" + ("---|" if gpu else ""))
     for frac in (float(f) for f in args.span.split(",")):
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "span" in name:
-                    p.fill_(frac)
-        cache = model.init_cache(batch, device=device)
+            for p, _, _ in model.bounded_parameters():
+                p.fill_(frac)
+        state = model.init_state(batch, device=device)
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-            out = model(x, y, cache)
-            loss = out.nll.mean() + model.span_loss()
+            out = model(x, y, state)
+            loss = out.nll.mean() + model.aux_loss()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if "span" in name:
-                        p.fill_(frac)          # hold the span fixed while timing
-            cache = out.cache
+                for p, _, _ in model.bounded_parameters():
+                    p.fill_(frac)          # hold the span fixed while timing
+            state = out.state
         if device.type == "cuda":
             torch.cuda.synchronize()
         ms = (time.perf_counter() - start) / args.steps * 1000

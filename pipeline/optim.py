@@ -235,34 +235,38 @@ def bind_to_engine(engine) -> None:
         opt.bind_layouts(_master_layouts(engine))
 
 
-def master_clamp(engine, params: Iterable[torch.Tensor], lo: float,
-                 hi: float) -> Callable[[], None]:
-    """A function that clamps `params` (model parameters) to [lo, hi] in every copy this rank
-    holds: the fp32 master the optimizer steps, from which DeepSpeed overwrites the model's
-    copy at the next step, and the model's copy itself. Build it once after
-    `deepspeed.initialize` (and `bind_to_engine`); call it after every optimizer step."""
-    wanted = {id(p) for p in params}
+def master_clamp(engine, bounded: Iterable[tuple[torch.Tensor, float, float]]
+                 ) -> Callable[[], None]:
+    """A function that clamps each model parameter of `bounded` (parameter, low, high: a
+    model's `bounded_parameters()`) to [low, high] in every copy this rank holds: the fp32
+    master the optimizer steps, from which DeepSpeed overwrites the model's copy at the next
+    step, and the model's copy itself. Build it once after `deepspeed.initialize` (and
+    `bind_to_engine`); call it after every optimizer step."""
+    bounds = {id(p): (low, high) for p, low, high in bounded}
     views = []
     for master, layout in _master_layouts(engine).items():
         flat_master = master.data.view(-1)
         for run in layout.runs:
-            if run.owner < len(layout.params) and id(layout.params[run.owner]) in wanted:
-                views += [flat_master[run.start:run.start + run.length], run.lp]
+            if run.owner < len(layout.params) and id(layout.params[run.owner]) in bounds:
+                low_high = bounds[id(layout.params[run.owner])]
+                views += [(flat_master[run.start:run.start + run.length], low_high),
+                          (run.lp, low_high)]
     # ZeRO 0-2 keep every parameter whole on every rank (ZeRO 3: empty outside forward)
-    views += [p.data for p in engine.module.parameters() if id(p) in wanted and p.numel()]
+    views += [(p.data, bounds[id(p)]) for p in engine.module.parameters()
+              if id(p) in bounds and p.numel()]
 
     @torch.no_grad()
     def clamp() -> None:
-        for view in views:
-            view.clamp_(lo, hi)
+        for view, (low, high) in views:
+            view.clamp_(low, high)
     return clamp
 
 
 def float32_from_master(engine, params: Iterable[torch.Tensor],
                         initial: Iterable[torch.Tensor]) -> Callable[[], None]:
     """A function that makes each of `params` (model parameters) a float32 tensor holding its
-    fp32 master's values: for parameters the forward must not read rounded to bf16 / fp16
-    (the span fractions, see pipeline.models.layers.AdaptiveSpan). DeepSpeed casts every
+    fp32 master's values: for a model's `bounded_parameters()`, which it reads in float32
+    (the span fractions: pipeline.models.layers.AdaptiveSpan). DeepSpeed casts every
     parameter to the training precision and ZeRO 1/2 point the parameters back at that
     rounded copy after every step, so call it before every forward and after clamping.
 
@@ -294,7 +298,7 @@ def float32_from_master(engine, params: Iterable[torch.Tensor],
             view.copy_(values[at:at + run.length])
             pieces.append((view, at))
     if len(groups) != 1:
-        raise PipelineError("the span parameters are spread over several DeepSpeed process "
+        raise PipelineError("the bounded parameters are spread over several DeepSpeed process "
                             "groups: cannot gather their fp32 masters")
     (group,) = groups
 

@@ -24,26 +24,6 @@ def vocab_size_for(spec) -> tuple[int | None, str]:
     return None, ""
 
 
-def parameter_groups(model) -> Counter:
-    """Parameter counts grouped by role, read off the parameter names."""
-    groups: Counter = Counter()
-    for name, p in model.named_parameters():
-        groups[_role(name)] += p.numel()
-    return groups
-
-
-def _role(name: str) -> str:
-    leaf = name.lower()
-    for needle, role in (("persist", "persistent vectors"), ("pos", "position table"),
-                         ("span", "adaptive span"), ("norm", "layer norms"),
-                         ("embed", "embeddings"), ("emb", "embeddings"),
-                         ("out", "output"), ("ff", "feed-forward"), ("fc", "feed-forward"),
-                         ("proj", "attention matrices"), ("attn", "attention matrices")):
-        if needle in leaf:
-            return role
-    return "other"
-
-
 def parameter_report(spec) -> str:
     import torch
 
@@ -53,7 +33,7 @@ def parameter_report(spec) -> str:
                 "known; set dataset.vocab_size to estimate)")
     with torch.device("meta"):   # sizes only: nothing is allocated
         model = spec.build_model(vocab, origin)
-    groups = parameter_groups(model)
+    groups = Counter(model.parameter_groups())
     total = sum(groups.values())
     lines = [f"parameters: {total:,} ({total / 1e6:.1f}M; vocabulary {vocab} from {origin})"]
     for role, n in groups.most_common():

@@ -9,9 +9,10 @@ checkpoint depend on the world size that wrote it:
   rank's end padding removed from the master. Concatenated in rank order they are the whole
   buffer again, and each new rank cuts its own slice out of it. (ZeRO 0 keeps the whole
   optimizer in the model-states file that every world size reads.)
-- The Transformer-XL caches. Rank r owns rows r*B .. r*B+B-1 of the global batch
+- The model's states (pipeline.models.protocol: tensors with the batch first, the
+  Transformer-XL cache for instance). Rank r owns rows r*B .. r*B+B-1 of the global batch
   (B = micro-batch x accumulation steps) and its micro-batch i rows i*mb .. (i+1)*mb-1 of
-  those; concatenated in that order they are the global batch's cache, cut again for the
+  those; concatenated in that order they are the global batch's state, cut again for the
   new layout.
 
 Random streams are per process and have no counterpart at another world size: new rank r
@@ -39,7 +40,7 @@ def _processes(n: int) -> str:
     return f"{n} process{'es' if n > 1 else ''}"
 
 
-def load_engine(engine, root: Path, tag: str, writers: int, *, with_optimizer: bool) -> None:
+def load_engine(engine, root: Path, tag: str, writers: int) -> None:
     """`engine.load_checkpoint` of checkpoint `tag` under `root`, written by `writers`
     processes; where that is not this engine's world size, this rank's ZeRO 1/2 optimizer
     partitions are cut out of the writers' ones."""
@@ -52,11 +53,11 @@ def load_engine(engine, root: Path, tag: str, writers: int, *, with_optimizer: b
     # DeepSpeed refuses ZeRO optimizer files of another world size: load the module weights
     # (every world size reads the same file), then the partitions here
     path, _ = engine.load_checkpoint(str(root), tag=tag,
-                                     load_optimizer_states=with_optimizer and not partitioned,
+                                     load_optimizer_states=not partitioned,
                                      load_lr_scheduler_states=False)
     if path is None:
         raise PipelineError(f"DeepSpeed could not load checkpoint {ckpt}")
-    if partitioned and with_optimizer:
+    if partitioned:
         load_zero_partitions(engine, ckpt, writers)
 
 
@@ -149,21 +150,22 @@ def _slice(pieces: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
     return out
 
 
-def trainer_state(ckpt: Path, writers: int, rank: int, world_size: int, accum: int) -> dict:
-    """This rank's `trainer-rank<r>.pt` state at `world_size` processes of `accum`
-    micro-batches, built from the `writers` old ranks' files: the same step and validation
-    record, the caches cut for the new rows, and old rank `rank`'s random state (None for a
-    rank that did not exist)."""
-    old = [torch.load(ckpt / f"trainer-rank{r}.pt", weights_only=False) for r in range(writers)]
-    # per cache tensor (one per layer): the global batch's rows in order
-    rows = [torch.cat([cache[layer] for state in old for cache in state["caches"]])
-            for layer in range(len(old[0]["caches"][0]))]
+def trainer_state(old: list[dict], rank: int, world_size: int, accum: int,
+                  ckpt: Path) -> dict:
+    """This rank's trainer state at `world_size` processes of `accum` micro-batches, from the
+    old ranks' ones (`old[r]`: rank r's `trainer-rank<r>.pt`, read by
+    pipeline.checkpoint_io.read_trainer_file) of checkpoint `ckpt`: the same step and
+    validation record, the model states cut for the new rows, and old rank `rank`'s random
+    state (None for a rank that did not exist)."""
+    # per state tensor: the global batch's rows in order
+    rows = [torch.cat([state[i] for saved in old for state in saved["states"]])
+            for i in range(len(old[0]["states"][0]))]
     batch = rows[0].shape[0] if rows else 0
     if batch % (world_size * accum):
-        raise PipelineError(f"checkpoint {ckpt}: its {batch} cached batch rows do not split "
+        raise PipelineError(f"checkpoint {ckpt}: its {batch} saved batch rows do not split "
                             f"over {world_size} processes x {accum} micro-batches")
     micro = batch // (world_size * accum)
     first = rank * accum * micro
-    caches = [[t[first + i * micro:first + (i + 1) * micro] for t in rows] for i in range(accum)]
-    return {"step": old[0]["step"], "valid": old[0]["valid"], "caches": caches,
-            "rng": old[rank]["rng"] if rank < writers else None}
+    states = [[t[first + i * micro:first + (i + 1) * micro] for t in rows] for i in range(accum)]
+    return {"step": old[0]["step"], "valid": old[0]["valid"], "states": states,
+            "rng": old[rank]["rng"] if rank < len(old) else None}

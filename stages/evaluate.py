@@ -23,8 +23,9 @@ def run(ctx: StageContext) -> dict:
     import torch
 
     from pipeline.checkpoints import load_model_weights
-    from pipeline.trainer import LN2, evaluate_nll, resolve_device
     from pipeline.data.manifest import load_manifest, load_split
+    from pipeline.device import resolve_device
+    from pipeline.evaluation import LN2, evaluate_nll
 
     spec, ev = ctx.spec, ctx.spec.evaluate
     manifest = load_manifest(ctx.inputs["preprocess"])

@@ -35,7 +35,7 @@ def run(ctx: StageContext) -> dict:
     ctx.log(f"{trainer.params:,} parameters, vocabulary {trainer.vocab_size}, "
             f"{train.steps} steps of {train.batch_size} x {train.seq_len} tokens "
             f"on {trainer.device} (world size {trainer.world_size}), "
-            f"{trainer.model.attention_impl_description()}")
+            f"{trainer.model.describe()}")
     opt = train.optimizer
     summary = trainer.fit(train.steps,
                           lambda k: scheduled_lr(opt.lr, opt.warmup_steps, k, opt.schedule),

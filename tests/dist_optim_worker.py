@@ -128,7 +128,7 @@ def run(name: str, extra: dict, rank: int, world: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     bind_to_engine(engine)
     params = dict(engine.module.p.items())
-    clamp = master_clamp(engine, [params["frac"]], 0.0, 1.0)
+    clamp = master_clamp(engine, [(params["frac"], 0.0, 1.0)])
     bf16 = "bf16" in extra
     expected, counts = reference(init, world, bf16)
     errors = []

@@ -81,7 +81,7 @@ def main() -> None:
         if "resume" in phases:
             engine = engine_for(name)
             try:
-                load_engine(engine, root / name / str(other), "ckpt", other, with_optimizer=True)
+                load_engine(engine, root / name / str(other), "ckpt", other)
             except PipelineError as e:
                 results[name]["refused"] = str(e)
                 continue

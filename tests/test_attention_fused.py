@@ -148,7 +148,7 @@ def test_flex_model_forward_equals_reference_and_training_compiles_a_bounded_num
         opt.zero_grad()
         loss.backward()
         opt.step()
-        model.clamp_spans_()
+        model.after_step()
         spans_seen.append(model.spans()[0][0])
         model.eval()
         with torch.no_grad():
@@ -172,7 +172,7 @@ def test_model_backends_equal_reference_loss_and_gradients():
         model.train()
         g = torch.Generator().manual_seed(0)
         x, y = torch.randint(11, (2, 16), generator=g), torch.randint(11, (2, 16), generator=g)
-        loss = model(x, y).nll.mean() + model.span_loss()
+        loss = model(x, y).nll.mean() + model.aux_loss()
         loss.backward()
         return loss, dict((n, p.grad) for n, p in model.named_parameters())
 

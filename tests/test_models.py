@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models import MODELS, AllAttnConfig, AllAttnLM, LMOutput, build_model, count_parameters
+from pipeline.models import MODELS, AllAttnConfig, AllAttnLM, ModelOutput, build_model, count_parameters
 from pipeline.models.layers import attn_span_len, cache_len
 
 DT = torch.float64
@@ -130,16 +130,16 @@ def test_span_lens_spans_loss_and_clamp():
     assert model.cache_lens() == [128, 192, 256]
     assert model.spans() == [[0.0, 10.0], [60.0, 3.5], [200.0, 256.0]]  # exact in binary
     want = model.cfg.span_loss_coef * ((0 + 10) / 2 + (60 + 3.5) / 2 + (200 + 256) / 2)
-    assert model.span_loss().item() == pytest.approx(want, rel=1e-12)
+    assert model.aux_loss().item() == pytest.approx(want, rel=1e-12)
     with torch.no_grad():
         model.layers[0].attn.adaptive_span.frac.copy_(torch.tensor([-0.5, 1.5]))
-    model.clamp_spans_()
+    model.after_step()
     assert model.layers[0].attn.adaptive_span.frac.tolist() == [0.0, 1.0]
     fixed = tiny_model(adaptive_span=False, max_span=40)
     assert fixed.span_lens() == [40, 40] and fixed.cache_lens() == [40, 40]
     assert fixed.spans() == [[40.0, 40.0], [40.0, 40.0]]
-    assert float(fixed.span_loss()) == 0.0
-    fixed.clamp_spans_()  # no-op
+    assert float(fixed.aux_loss()) == 0.0
+    fixed.after_step()  # no-op
     assert not any("span" in n for n, _ in fixed.named_parameters())
 
 
@@ -305,29 +305,29 @@ def test_streaming_with_cache_matches_whole_sequence(kw, spans, block):
     outs = []
     with torch.no_grad():
         for s in range(3):
-            out = model(tokens[:, s * block : (s + 1) * block], cache=cache)
-            assert isinstance(out, LMOutput) and out.nll is None
-            assert [c.shape[1] for c in out.cache] == model.cache_lens()
-            cache = out.cache
+            out = model(tokens[:, s * block : (s + 1) * block], state=cache)
+            assert isinstance(out, ModelOutput) and out.nll is None
+            assert [c.shape[1] for c in out.state] == model.cache_lens()
+            cache = out.state
             outs.append(out.logits)
     got = torch.cat(outs, 1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     # the second segment alone (with the first one's cache) equals the whole-sequence pass
     first = model(tokens[:, :block])
-    second = model(tokens[:, block : 2 * block], cache=first.cache)
+    second = model(tokens[:, block : 2 * block], state=first.state)
     torch.testing.assert_close(second.logits, want[:, block : 2 * block], rtol=0, atol=1e-10)
 
 
 def test_cache_shapes_zero_start_and_detach():
     model = tiny_model(max_span=192)
     set_spans(model, [[12.0, 61.0], [3.0, 0.5]])
-    cache = model.init_cache(3)
+    cache = model.init_state(3)
     assert [c.shape for c in cache] == [(3, 192, 16), (3, 128, 16)]
     assert all(c.dtype == DT and not c.any() for c in cache)
     tok = torch.randint(0, 11, (3, 10))
     tgt = torch.randint(0, 11, (3, 10))
     out = model(tok, tgt)
-    torch.testing.assert_close(out.logits, model(tok, cache=cache).logits, rtol=0, atol=0)
+    torch.testing.assert_close(out.logits, model(tok, state=cache).logits, rtol=0, atol=0)
     assert out.logits.shape == (3, 10, 11)
     assert out.nll.shape == (3, 10)
     torch.testing.assert_close(
@@ -335,10 +335,10 @@ def test_cache_shapes_zero_start_and_detach():
     )
     model.train()
     out = model(tok, tgt)
-    assert [c.shape for c in out.cache] == [(3, 192, 16), (3, 128, 16)]
-    assert all(not c.requires_grad for c in out.cache)
+    assert [c.shape for c in out.state] == [(3, 192, 16), (3, 128, 16)]
+    assert all(not c.requires_grad for c in out.state)
     # the cache holds the layers' *input* hidden states: layer 0's is the embedding
-    torch.testing.assert_close(out.cache[0][:, -10:], model.embed(tok).detach(), rtol=0, atol=0)
+    torch.testing.assert_close(out.state[0][:, -10:], model.embed(tok).detach(), rtol=0, atol=0)
 
 
 # ======================================================================================
@@ -416,7 +416,7 @@ def test_backward_reaches_spans_through_mask_and_loss():
     for name, p in model.named_parameters():
         assert p.grad is not None, name
     model.zero_grad()
-    loss = model.span_loss()
+    loss = model.aux_loss()
     loss.backward()
     for layer in model.layers:  # d/dfrac of lambda * mean_h(frac * L) = lambda * L / H
         torch.testing.assert_close(
@@ -442,10 +442,10 @@ def test_tiny_model_overfits_a_repeated_sequence():
         y = torch.stack([data[s + 1 : s + 33] for s in starts])
         out = model(x, y)
         loss = out.nll.mean()
-        (loss + model.span_loss()).backward()
+        (loss + model.aux_loss()).backward()
         opt.step()
         opt.zero_grad()
-        model.clamp_spans_()
+        model.after_step()
         losses.append(loss.item())
     print(f"\noverfit: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert losses[0] > 0.8 * math.log(vocab)
@@ -611,7 +611,7 @@ def test_variants_stream_with_the_cache_like_one_pass(kw):
         cache, nlls = None, []
         for s in range(3):
             out = model(tokens[:, 20 * s : 20 * (s + 1)], targets[:, 20 * s : 20 * (s + 1)], cache)
-            cache = out.cache
+            cache = out.state
             nlls.append(out.nll)
     torch.testing.assert_close(torch.cat(nlls, 1), whole.nll, rtol=0, atol=1e-10)
     assert (whole.logits is None) == bool(kw.get("adaptive_io"))
@@ -758,7 +758,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_with_dropout
         g = torch.Generator().manual_seed(0)
         x, y = torch.randint(11, (2, 16), generator=g), torch.randint(11, (2, 16), generator=g)
         torch.manual_seed(5)
-        loss = model(x, y).nll.mean() + model.span_loss()
+        loss = model(x, y).nll.mean() + model.aux_loss()
         loss.backward()
         return loss, {n: p.grad for n, p in model.named_parameters()}
 
@@ -775,8 +775,8 @@ def test_attention_impl_config_and_description():
     with pytest.raises(ValueError, match="attention.impl"):
         AllAttnConfig(attention={"impl": "fast"})
     model = AllAttnLM(tiny_cfg(attention={"impl": "auto"}, attn_dropout=0.3), 11)
-    assert model.attention_impl_description() == (
+    assert model.describe() == (
         "attention impl auto on cpu float32 (attention dropout 0.3): "
         "reference for training, flex for evaluation")
     model.set_attention_impl("sdpa")
-    assert model.attention_impl_description() == "attention impl sdpa"
+    assert model.describe() == "attention impl sdpa"

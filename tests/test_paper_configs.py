@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pipeline.models import build_model, count_parameters
-from pipeline.report import parameter_groups
 from pipeline.spec import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +118,7 @@ def test_parameter_count_matches_the_authors_code_and_the_formula(rel, published
     assert n == sum(parts.values())
     assert abs(n - published) / published < 0.01
     # `allattn-pipe show` groups every parameter somewhere sensible
-    groups = parameter_groups(model)
+    groups = model.parameter_groups()
     assert "other" not in groups and sum(groups.values()) == n
     assert groups["persistent vectors"] == parts["persistent vectors"]
     assert groups["attention matrices"] == parts["attention matrices W_qkvo"]
@@ -227,7 +226,7 @@ def test_each_ablation_changes_only_its_own_fields(rel):
     parts = formula(spec.model_params, vocab)
     show(rel, n, parts)
     assert n == sum(parts.values())
-    assert "other" not in parameter_groups(model)
+    assert "other" not in model.parameter_groups()
 
 
 def test_ablation_parameter_counts_are_the_papers():

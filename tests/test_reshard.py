@@ -4,8 +4,9 @@ On DeepSpeed engines (tests/reshard_worker.py): checkpoints of ZeRO 0, 1 and 2 (
 written by 1 process resume in 2 and the other way round, continuing as the run that wrote
 them would have; ZeRO 3 is refused with a message.
 
-Caches: each old rank's rows of the Transformer-XL cache land on the new rank and micro-batch
-that own those global batch rows.
+Model states: each old rank's rows of the model's state (the Transformer-XL cache) land on the
+new rank and micro-batch that own those global batch rows, from files written before models had
+a state of their own too.
 
 Through the pipeline: a 2-process ZeRO-2 run with the paper's optimizer (Adagrad, step clipped
 per tensor) and adaptive span, preempted after step 4, resumes in 1 process with the losses of
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.checkpoint_io import read_trainer_file
 from pipeline.distributed import free_port
 from pipeline.reshard import trainer_state
 from test_distributed import ROOT, cli, metric_history, tiny_config
@@ -33,31 +35,34 @@ STEPS = 8                       # checkpoints at steps 4 and 8 (tiny_config)
 STEPS_TOY, SAVE = 4, 2          # tests/reshard_worker.py's
 
 
-def write_trainer_states(ckpt: Path, writers: int, accum: int, batch: int) -> None:
-    """trainer-rank<r>.pt files whose cache rows (two layers) hold their global row index."""
+def write_trainer_states(ckpt: Path, writers: int, accum: int, batch: int, key: str) -> None:
+    """trainer-rank<r>.pt files whose model states (two tensors) hold their global row index,
+    under `key`: "states", or "caches" as written before models had a state of their own."""
     micro = batch // (writers * accum)
     for r in range(writers):
-        caches = []
+        states = []
         for i in range(accum):
             rows = r * accum * micro + i * micro + torch.arange(micro, dtype=torch.float32)
-            caches.append([rows.view(micro, 1, 1).expand(micro, length, 3).clone()
+            states.append([rows.view(micro, 1, 1).expand(micro, length, 3).clone()
                            for length in (2, 5)])
         torch.save({"step": 7, "valid": {"best": 1.5, "since_best": 1}, "rng": f"rank {r}",
-                    "caches": caches}, ckpt / f"trainer-rank{r}.pt")
+                    key: states}, ckpt / f"trainer-rank{r}.pt")
 
 
+@pytest.mark.parametrize("key", ["states", "caches"])
 @pytest.mark.parametrize("writers, world_size", [(2, 1), (1, 2), (4, 2)])
 def test_cache_rows_go_to_the_rank_and_micro_batch_that_own_them(tmp_path, writers,
-                                                                  world_size):
+                                                                  world_size, key):
     accum, batch = 2, 8
-    write_trainer_states(tmp_path, writers, accum, batch)
+    write_trainer_states(tmp_path, writers, accum, batch, key)
+    old = [read_trainer_file(tmp_path / f"trainer-rank{r}.pt") for r in range(writers)]
     micro = batch // (world_size * accum)
     for rank in range(world_size):
-        state = trainer_state(tmp_path, writers, rank, world_size, accum)
+        state = trainer_state(old, rank, world_size, accum, tmp_path)
         assert state["step"] == 7 and state["valid"] == {"best": 1.5, "since_best": 1}
         assert state["rng"] == (f"rank {rank}" if rank < writers else None)
-        assert len(state["caches"]) == accum
-        for i, cache in enumerate(state["caches"]):
+        assert len(state["states"]) == accum
+        for i, cache in enumerate(state["states"]):
             first = rank * accum * micro + i * micro
             assert [tuple(t.shape) for t in cache] == [(micro, 2, 3), (micro, 5, 3)]
             for t in cache:

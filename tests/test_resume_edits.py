@@ -32,7 +32,7 @@ RUNTIME_EDITS = ["train.log_every=1", "train.eval_every=2", "train.checkpoint_ev
 def test_validation_draws_no_random_numbers_and_restores_train_mode():
     """Why train.eval_every / eval_batches are runtime-only (without finetune.patience)."""
     from pipeline.models import build_model
-    from pipeline.trainer import evaluate_nll
+    from pipeline.evaluation import evaluate_nll
 
     torch.manual_seed(0)
     model = build_model("allattn", {"d_model": 16, "n_layers": 2, "n_heads": 2,

@@ -91,8 +91,8 @@ def test_bf16_model_trains_with_float32_spans():
     assert model.pos_table.dtype == torch.bfloat16
     tokens = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(0))
     out = model(tokens, tokens)
-    assert out.nll.dtype == torch.float32 and model.span_loss().dtype == torch.float32
-    (out.nll.mean() + model.span_loss()).backward()
+    assert out.nll.dtype == torch.float32 and model.aux_loss().dtype == torch.float32
+    (out.nll.mean() + model.aux_loss()).backward()
     assert all(f.grad is not None and f.grad.dtype == torch.float32 and f.grad.abs().sum() > 0
                for f in fracs)
 

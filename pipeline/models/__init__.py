@@ -6,8 +6,9 @@ import torch.nn as nn
 
 from pipeline.models.active_memory import ActiveMemoryConfig, ActiveMemoryModel
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
-from pipeline.models.allattn import FF_KINDS, PERSISTENT_MODES, AllAttnConfig, AllAttnLM, LMOutput
+from pipeline.models.allattn import FF_KINDS, PERSISTENT_MODES, AllAttnConfig, AllAttnLM
 from pipeline.models.infinity_former import InfinityFormerConfig, InfinityFormerLM
+from pipeline.models.protocol import ModelOutput, SequenceModel, State
 
 MODELS: dict[str, tuple[type, type[nn.Module]]] = {
     "allattn": (AllAttnConfig, AllAttnLM),
@@ -17,7 +18,7 @@ MODELS: dict[str, tuple[type, type[nn.Module]]] = {
 """kind -> (config dataclass, model class taking (cfg, vocab_size))."""
 
 
-def build_model(kind: str, cfg, vocab_size: int) -> nn.Module:
+def build_model(kind: str, cfg, vocab_size: int) -> SequenceModel:
     """Build a registered model. ``cfg`` is the kind's config dataclass (or a dict of its
     fields)."""
     try:
@@ -40,5 +41,6 @@ def count_parameters(model: nn.Module) -> int:
 
 __all__ = [
     "FF_KINDS", "MODELS", "PERSISTENT_MODES", "AdaptiveInput", "AdaptiveLogSoftmax",
-    "AllAttnConfig", "AllAttnLM", "LMOutput", "build_model", "count_parameters",
+    "AllAttnConfig", "AllAttnLM", "ModelOutput", "SequenceModel", "State", "build_model",
+    "count_parameters",
 ]

@@ -55,8 +55,6 @@ The ablations (paper section 5.3, text8, large model), as implemented here
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -66,19 +64,10 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
 from pipeline.models.config import FF_KINDS, PERSISTENT_MODES, AllAttnConfig
 from pipeline.models.layers import AllAttnLayer, attn_span_len, cache_len
+from pipeline.models.protocol import ModelOutput, SequenceModel, State
 from pipeline.ops import AttendFn, describe_auto, get_attention_impl
 
-__all__ = ["AllAttnConfig", "AllAttnLM", "FF_KINDS", "LMOutput", "PERSISTENT_MODES"]
-
-
-class LMOutput(NamedTuple):
-    logits: Tensor | None
-    """[B, M, V] unnormalised next-token scores; None with ``adaptive_io`` (the adaptive
-    softmax never forms them: use ``nll``, or ``model.out.log_prob(h)`` for inspection)."""
-    nll: Tensor | None
-    """[B, M] per-token negative log-likelihood in nats; None without targets."""
-    cache: list[Tensor]
-    """Per layer [B, C_l, d] input hidden states to carry to the next block (detached)."""
+__all__ = ["AllAttnConfig", "AllAttnLM", "FF_KINDS", "PERSISTENT_MODES"]
 
 
 # --------------------------------------------------------------------------------------
@@ -86,18 +75,16 @@ class LMOutput(NamedTuple):
 # --------------------------------------------------------------------------------------
 
 
-class AllAttnLM(nn.Module):
+class AllAttnLM(SequenceModel):
     """Embedding -> n_layers all-attention layers -> linear output over the vocabulary
     (or, with ``adaptive_io``, adaptive input -> layers -> tied adaptive softmax).
 
-    Streams a text in blocks: ``forward`` takes the previous block's ``cache`` (each layer's
-    input hidden states, detached) and returns the next one.
+    Streams a text in blocks: its state is the Transformer-XL cache, one [B, C_l, d] tensor
+    per layer holding that layer's input hidden states of the tokens before the block.
 
     ``activation_checkpointing = True``: in training, each layer's activations are recomputed
     in backward instead of stored (torch's RNG state is replayed, so dropout is identical).
     """
-
-    activation_checkpointing: bool = False
 
     def __init__(self, cfg: AllAttnConfig, vocab_size: int) -> None:
         super().__init__()
@@ -153,21 +140,46 @@ class AllAttnLM(nn.Module):
             return [[float(self.cfg.max_span)] * layer.attn.n_ctx_heads for layer in self.layers]
         return [[f * self.cfg.max_span for f in row] for row in fracs]
 
-    def span_loss(self) -> Tensor:
-        """lambda * sum_layers mean_heads(z), z in tokens; zero when spans are fixed.
-        The trainer adds it to the loss in training only."""
+    # ---- the protocol (pipeline.models.protocol) -------------------------------------
+
+    def aux_loss(self) -> Tensor:
+        """The span loss: lambda * sum_layers mean_heads(z), z in tokens; zero when spans
+        are fixed."""
         if not self.cfg.adaptive_span:
             return self.pos_table.new_zeros(())
         total = sum(layer.attn.adaptive_span.span().mean() for layer in self.layers)
         return self.cfg.span_loss_coef * total
 
-    def clamp_spans_(self) -> None:
-        """Clamp the span fractions to [0, 1]; call after every optimizer step."""
+    def bounded_parameters(self) -> list[tuple[nn.Parameter, float, float]]:
+        """The span fractions, in [0, 1]."""
         if not self.cfg.adaptive_span:
-            return
-        with torch.no_grad():
-            for layer in self.layers:
-                layer.attn.adaptive_span.frac.clamp_(0.0, 1.0)
+            return []
+        return [(layer.attn.adaptive_span.frac, 0.0, 1.0) for layer in self.layers]
+
+    def describe(self) -> str:
+        """The attention backend; for ``auto``, what it picks on the model's current device
+        and dtype (call after moving the model)."""
+        if self.attention_impl != "auto":
+            return f"attention impl {self.attention_impl}"
+        return describe_auto(self.pos_table.device.type, self.pos_table.dtype, self.cfg.attn_dropout)
+
+    def metrics(self) -> dict[str, float]:
+        """Mean and largest span over all heads, in tokens."""
+        spans = [z for row in self.spans() for z in row]
+        if not spans:
+            return {}
+        return {"span_mean": sum(spans) / len(spans), "span_max": max(spans)}
+
+    def parameter_groups(self) -> dict[str, int]:
+        """Parameter elements by role: embeddings, position table, attention matrices,
+        persistent vectors (the FF-attn sublayer's too), adaptive span, layer norms,
+        feed-forward, output (an adaptive softmax's own weights; tied ones are the
+        embeddings')."""
+        groups: dict[str, int] = {}
+        for name, p in self.named_parameters():
+            role = _ROLES.get(name.split(".", 1)[0]) or _layer_role(name.split(".")[2:])
+            groups[role] = groups.get(role, 0) + p.numel()
+        return groups
 
     # ---- backends ----------------------------------------------------------------------
 
@@ -178,22 +190,14 @@ class AllAttnLM(nn.Module):
         for layer in self.layers:
             layer.attn.attend = fn
 
-    def attention_impl_description(self) -> str:
-        """One line naming the attention backend; for ``auto``, what it picks on the model's
-        current device and dtype (call after moving the model)."""
-        if self.attention_impl != "auto":
-            return f"attention impl {self.attention_impl}"
-        return describe_auto(self.pos_table.device.type, self.pos_table.dtype, self.cfg.attn_dropout)
-
     # ---- streaming ---------------------------------------------------------------------
 
-    def init_cache(self, batch_size: int, device=None, dtype=None) -> list[Tensor]:
+    def init_state(self, batch_size: int, device=None) -> State:
         """Zero hidden states, one [B, C_l, d] tensor per layer (C_l = ``cache_lens()``)."""
         ref = self.pos_table
         device = ref.device if device is None else device
-        dtype = ref.dtype if dtype is None else dtype
         return [
-            torch.zeros(batch_size, c, self.cfg.d_model, device=device, dtype=dtype)
+            torch.zeros(batch_size, c, self.cfg.d_model, device=device, dtype=ref.dtype)
             for c in self.cache_lens()
         ]
 
@@ -201,16 +205,16 @@ class AllAttnLM(nn.Module):
         self,
         tokens: Tensor,
         targets: Tensor | None = None,
-        cache: list[Tensor] | None = None,
-    ) -> LMOutput:
-        """tokens, targets: [B, M] int64; cache: the previous block's ``LMOutput.cache``
-        (None = zeros). Returns logits [B, M, V] (None with adaptive_io), nll [B, M] in nats
-        (None without targets) and the next cache."""
+        state: State | None = None,
+    ) -> ModelOutput:
+        """tokens, targets: [B, M] int64; state: the previous block's ``ModelOutput.state``
+        (None = zeros). Returns logits [B, M, V] (None with adaptive_io: the adaptive softmax
+        never forms them; ``model.out.log_prob(h)`` does for inspection), nll [B, M] in nats
+        (None without targets) and the next state."""
         bsz, m = tokens.shape
-        if cache is None:
-            cache = self.init_cache(bsz, device=tokens.device)
+        cache = self.init_state(bsz, device=tokens.device) if state is None else state
         if len(cache) != len(self.layers):
-            raise ValueError(f"cache has {len(cache)} entries for {len(self.layers)} layers")
+            raise ValueError(f"state has {len(cache)} entries for {len(self.layers)} layers")
         span_lens = self.span_lens()  # fixed for the whole block
         h = self.emb_dropout(self.embed(tokens))
         new_cache: list[Tensor] = []
@@ -229,7 +233,7 @@ class AllAttnLM(nn.Module):
         h = self.out_dropout(h)
         if self.cfg.adaptive_io:
             nll = self.out(h, targets) if targets is not None else None
-            return LMOutput(logits=None, nll=nll, cache=new_cache)
+            return ModelOutput(logits=None, nll=nll, state=new_cache)
         logits = self.out(h)
         nll = None
         if targets is not None:
@@ -237,4 +241,18 @@ class AllAttnLM(nn.Module):
             nll = F.cross_entropy(
                 lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), reduction="none"
             ).view(bsz, m)
-        return LMOutput(logits=logits, nll=nll, cache=new_cache)
+        return ModelOutput(logits=logits, nll=nll, state=new_cache)
+
+
+_ROLES = {"embed": "embeddings", "pos_table": "position table", "out": "output"}
+"""Roles of the parameters outside the layers, by the attribute that holds them."""
+
+
+def _layer_role(path: list[str]) -> str:
+    """Role of a layer's parameter from its path below ``layers.<i>``."""
+    sublayer, name = path[0], path[1]
+    if name.startswith("persistent_"):
+        return "persistent vectors"
+    if sublayer == "attn":
+        return "adaptive span" if name == "adaptive_span" else "attention matrices"
+    return "feed-forward" if sublayer == "ff" else "layer norms"

@@ -30,7 +30,7 @@ class AttentionConfig:
     """reference = plain PyTorch (pipeline/ops/attention.py); sdpa = scaled_dot_product_attention
     with a float bias (trains; no attention dropout); flex = FlexAttention (CUDA: trains, with
     the seeded dropout; CPU: forward only); auto = picks one per call by device, dtype and
-    whether attention dropout is on (``AllAttnLM.attention_impl_description()``)."""
+    whether attention dropout is on (``AllAttnLM.describe()``)."""
 
     def __post_init__(self) -> None:
         if self.impl not in ATTENTION_IMPL_NAMES:
@@ -100,7 +100,7 @@ class AllAttnConfig:
     level, 0.1 word level; the code applies its emb_dropout at both places)."""
     adaptive_io: bool = False
     """Adaptive input + adaptive softmax instead of a full embedding and softmax (paper: on
-    at word level). ``forward`` then returns logits None: use nll (see LMOutput)."""
+    at word level). ``forward`` then returns logits None: use nll (see ModelOutput)."""
     adaptive_cutoffs: list[int] = field(default_factory=lambda: [20000, 40000, 200000])
     """Band boundaries of the frequency-ordered vocabulary: K cutoffs give K + 1 bands
     (paper: 20000, 40000, 200000, i.e. four bands 0-20k, 20k-40k, 40k-200k, 200k-V as the
