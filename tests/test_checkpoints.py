@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import stages
-from pipeline.checkpoints import CHECKSUMS, damage, step_dirs
+from pipeline.checkpoints import CHECKSUMS, damage, step_dirs, write_checksums
 from pipeline.errors import PipelineError
 from pipeline.runner import Runner
 from pipeline.spec import load_spec
@@ -192,6 +192,25 @@ def test_a_checkpoint_from_before_checksums_loads_with_a_warning(reference, tmp_
     assert f"checkpoint {ckpts / tag(8)} has no {CHECKSUMS} (it was written before " \
            f"checkpoints carried checksums): it cannot be verified" in lines
     assert "resuming from step 8" in lines
+
+
+def test_a_checkpoint_from_before_model_states_resumes_exactly(reference, tmp_path):
+    """trainer-rank0.pt as written before models had a state of their own: the same tensors
+    (the all-attention model's cache) under "caches". Resumed, the run ends with the
+    uninterrupted run's weights, bit for bit."""
+    out = interrupted(reference, tmp_path)
+    ckpt = out / "checkpoints" / tag(8)
+    saved = torch.load(ckpt / "trainer-rank0.pt", weights_only=False)
+    saved["caches"] = saved.pop("states")
+    torch.save(saved, ckpt / "trainer-rank0.pt")
+    (ckpt / CHECKSUMS).unlink()             # recorded again, for the file as rewritten
+    write_checksums(ckpt)
+    lines = run_train(reference, out)
+    assert "resuming from step 8" in lines
+    ref = weights(reference[1] / "train" / "checkpoints" / tag(12))
+    got = weights(out / "checkpoints" / tag(12))
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
 def run_evaluate(reference, train_dir: Path) -> tuple[dict, list[str]]:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models import MODELS, AllAttnConfig, AllAttnLM, ModelOutput, build_model, count_parameters
+from pipeline.models import (MODELS, AllAttnConfig, AllAttnLM, ModelOutput, SequenceModel, build_model,
+                             count_parameters)
 from pipeline.models.layers import attn_span_len, cache_len
 
 DT = torch.float64
@@ -768,6 +769,28 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_with_dropout
     assert want["layers.0.attn.adaptive_span.frac"].abs().max() > 0
     for name, g in want.items():
         torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-12, msg=name)
+
+
+def test_the_model_protocol_spans_bounds_metrics_and_groups():
+    """What the trainer, evaluate and show see of the model (pipeline.models.protocol)."""
+    model = tiny_model(n_layers=3, n_heads=2, max_span=256, span_ramp=8)
+    assert isinstance(model, SequenceModel)
+    set_spans(model, [[0.0, 10.0], [60.0, 3.5], [200.0, 256.0]])
+    bounded = model.bounded_parameters()
+    assert [(p, low, high) for p, low, high in bounded] == [
+        (layer.attn.adaptive_span.frac, 0.0, 1.0) for layer in model.layers]
+    assert model.metrics() == {"span_mean": (10.0 + 63.5 + 456.0) / 6, "span_max": 256.0}
+    state = model.init_state(2)
+    out = model(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), state)
+    assert [t.shape for t in out.state] == [(2, c, 16) for c in model.cache_lens()]
+    groups = model.parameter_groups()
+    assert sum(groups.values()) == count_parameters(model)
+    assert groups["adaptive span"] == 6 and groups["position table"] == 8 * 256
+    assert groups["persistent vectors"] == 3 * 2 * 2 * 5 * 8
+    fixed = tiny_model(adaptive_span=False, max_span=40)
+    assert fixed.bounded_parameters() == [] and float(fixed.aux_loss()) == 0.0
+    assert fixed.metrics() == {"span_mean": 40.0, "span_max": 40.0}
+    assert "adaptive span" not in fixed.parameter_groups()
 
 
 def test_attention_impl_config_and_description():
