@@ -23,6 +23,7 @@ from pipeline.device import peak_memory_mb, resolve_device
 from pipeline.ds_config import deepspeed_config
 from pipeline.errors import PipelineError, Preempted
 from pipeline.evaluation import LN2, evaluate_nll
+from pipeline.models.protocol import State
 from pipeline.ops import compile_count
 from pipeline.progress import LossWindow, Progress
 from pipeline.signals import StopSignal
@@ -92,7 +93,8 @@ class Trainer:
         self.checkpoints = CheckpointIO(self.engine, self.rank, self.world_size, self.params,
                                         log)
 
-    def _initial_states(self) -> list:
+    def _initial_states(self) -> list[State]:
+        """The model's state before a stream's first block, one per micro-batch."""
         return [self.model.init_state(self.micro_batch, device=self.device)
                 for _ in range(self.accum)]
 
@@ -167,8 +169,8 @@ class Trainer:
             self.engine.step()
             self.states[i] = out.state
             losses.append(nll.item())
-        self.clamp_masters()
-        self.model.after_step()
+        self.clamp_masters()      # the fp32 masters DeepSpeed steps, and the model's copies
+        self.model.after_step()   # the model's own hook (the base clamps as above)
         self.bounded_to_float32()
         self.step += 1
         return sum(losses) / len(losses)
