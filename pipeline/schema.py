@@ -414,6 +414,10 @@ class EvaluateSpec(Section):
     checkpoint: Literal["latest", "best"] = Field(
         "latest", description="latest: the last step; best: the best validation of train and "
                               "finetune (needs train.eval_every)")
+    line_losses: bool = Field(
+        False, description="also score every line on its own, as the active-memory paper "
+                           "does: its padded 'loss per token' and the true per-token NLL "
+                           "of those lines (pipeline/paper_loss.py); needs an eos token")
 
 
 class TrackingSpec(Section):

@@ -28,24 +28,19 @@ class Stage:
     # with the reason. The fingerprint leaves them out: editing them resumes an interrupted
     # run and keeps a finished one.
     runtime_only: Mapping[str, str] = field(default_factory=dict)
+    # Dotted key paths `config` gained after runs of the stage already existed, each with the
+    # value that does what the stage did before the key existed. At that value a key is left
+    # out of the fingerprint: upgrading neither re-runs a finished stage nor refuses to
+    # resume an interrupted one. Any other value is a different result and counts.
+    added_keys: Mapping[str, object] = field(default_factory=dict)
 
     def fingerprinted(self, spec) -> dict:
-        """The config less its runtime-only keys, and less the later-added keys that hold the
-        value reproducing what came before them (ADDED_KEYS): what decides whether outputs
-        are reusable."""
+        """The config less its runtime-only keys, and less the added keys that hold their
+        earlier value: what decides whether outputs are reusable."""
         config = self.config(spec)
-        at_old_value = [path for path, value in ADDED_KEYS.items()
+        at_old_value = [path for path, value in self.added_keys.items()
                         if _lookup(config, path) == value]
         return without(config, [*self.runtime_only, *at_old_value])
-
-
-# Keys a stage's config gained after runs of it already existed, each with the value that
-# does what the code did before the key existed. At that value a key is left out of the
-# fingerprint: upgrading neither re-runs a finished stage nor refuses to resume an
-# interrupted one. Any other value is a different result and counts.
-ADDED_KEYS = {
-    "train.optimizer.schedule": "linear_warmup",
-}
 
 
 def _lookup(config: dict, path: str):

@@ -26,6 +26,7 @@ def run(ctx: StageContext) -> dict:
     from pipeline.data.manifest import load_manifest, load_split
     from pipeline.device import resolve_device
     from pipeline.evaluation import LN2, evaluate_nll
+    from pipeline.paper_loss import line_losses
 
     spec, ev = ctx.spec, ctx.spec.evaluate
     manifest = load_manifest(ctx.inputs["preprocess"])
@@ -35,6 +36,7 @@ def run(ctx: StageContext) -> dict:
                              f"{ctx.inputs['preprocess']}/manifest.json")
     tag = load_model_weights(model, ctx.inputs[source] / "checkpoints", ctx.log, tag)
     model.to(device)
+    eos_id = _eos_id(ctx) if ev.line_losses else None
     seq_len = ev.seq_len or spec.train.seq_len
     results = {"checkpoint": f"{source}/{tag}",
                "unigram_entropy_bits": manifest["unigram_entropy_bits"]}
@@ -50,6 +52,11 @@ def run(ctx: StageContext) -> dict:
                           "ppl": math.exp(nats)}
         ctx.tracker.log_metrics({f"{split}_bpc": nats / LN2, f"{split}_loss": nats,
                                  f"{split}_ppl": math.exp(nats)}, step=0)
+        if ev.line_losses:
+            lines = line_losses(model, tokens, eos_id, ev.batch_size, device)
+            results[split]["lines"] = lines
+            ctx.tracker.log_metrics({f"{split}_paper_loss": lines["paper_loss"],
+                                     f"{split}_line_nll": lines["line_nll"]}, step=0)
     atomic_write_json(ctx.out_dir / "results.json", results)
     ctx.tracker.log_artifact(ctx.out_dir / "results.json")
     ctx.log(f"checkpoint {source}/{tag}; unigram entropy of the train split "
@@ -57,7 +64,25 @@ def run(ctx: StageContext) -> dict:
     for split in ev.splits:
         r = results[split]
         ctx.log(f"{split:<5} bpc {r['bpc']:.3f}   ppl {r['ppl']:.2f}   ({r['tokens']:,} tokens)")
+        if "lines" in r:
+            lines = r["lines"]
+            ctx.log(f"{split:<5} line by line: loss per token {lines['paper_loss']:.4f} as the "
+                    f"active-memory paper averages it (padding included), "
+                    f"{lines['line_nll']:.4f} nats per token ({lines['lines']:,} lines, "
+                    f"{lines['skipped_lines']:,} longer ones skipped)")
     return results
+
+
+def _eos_id(ctx: StageContext) -> int:
+    """The end-of-line id that evaluate.line_losses splits lines at."""
+    from pipeline.data.manifest import load_tokenizer
+
+    eos = getattr(load_tokenizer(ctx.inputs["preprocess"]), "eos_id", None)
+    if eos is None:
+        raise PipelineError(f"evaluate.line_losses scores lines, but the dataset's tokenizer "
+                            f"({ctx.spec.dataset.tokenizer.kind}) marks no line ends: give it "
+                            f"an eos (word or sentencepiece tokenizers)")
+    return eos
 
 
 def _checkpoint(ctx: StageContext) -> tuple[str, str | None]:
@@ -88,4 +113,5 @@ STAGE = Stage(
     # the splits): no runtime_only.
     config=lambda spec: spec.evaluate.model_dump(mode="json"),
     run=run,
+    added_keys={"line_losses": False},
 )

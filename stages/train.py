@@ -86,4 +86,5 @@ STAGE = Stage(
     run=run,
     distributed=True,
     runtime_only=RUNTIME_ONLY,
+    added_keys={"train.optimizer.schedule": "linear_warmup"},
 )
