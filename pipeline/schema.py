@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate")
+STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate", "curriculum")
 
 
 # The output layer scores every token of the vocabulary at every position; far larger
@@ -176,6 +176,17 @@ class AlgorithmicTask(Section):
             raise ValueError(f"problem '{self.problem}' has a fixed vocabulary of 3 "
                              f"(0, 1, separator); vocab only applies to reverse, sort and "
                              f"remember")
+        return self
+
+    @model_validator(mode="after")
+    def _lengths_fit_problem(self):
+        cur = self.curriculum
+        if self.problem in ("add", "mult") and (cur.start_length % 2 == 0 or cur.start_length < 3
+                                                or (cur.length_step or 2) % 2):
+            raise ValueError(f"problem '{self.problem}' needs odd lengths of at least 3 (two "
+                             f"operands of (length - 1) / 2 bits and a separator): an odd "
+                             f"curriculum.start_length and an even length_step; found "
+                             f"{cur.start_length} and {cur.length_step}")
         return self
 
 
@@ -346,10 +357,11 @@ class TrainSpec(Section):
     # numpy seeds each rank with seed + rank, and takes only seeds below 2^32
     seed: int = Field(1234, ge=0, lt=2**31)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    steps: int = Field(gt=0, le=MAX_STEPS)
+    # required by the train stage (pipeline.spec checks it); a curriculum has no use for them
+    steps: int | None = Field(None, gt=0, le=MAX_STEPS)
     batch_size: int = Field(gt=0, le=MAX_ROWS,
             description="sequences per optimizer step, all ranks")
-    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, description="tokens per segment (M)")
+    seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN, description="tokens per segment (M)")
     optimizer: OptimizerSpec = OptimizerSpec()
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     launcher: LauncherSpec = LauncherSpec()
@@ -418,6 +430,12 @@ class EvaluateSpec(Section):
         False, description="also score every line on its own, as the active-memory paper "
                            "does: its padded 'loss per token' and the true per-token NLL "
                            "of those lines (pipeline/paper_loss.py); needs an eos token")
+
+
+# the train.* keys of a language-model run that a curriculum has no use for
+CURRICULUM_UNUSED_TRAIN = tuple(f"train.{key}" for key in (
+    "steps", "seq_len", "log_every", "eval_every", "eval_batches", "eval_batch_size",
+    "eval_seq_len", "checkpoint_every", "keep_checkpoints"))
 
 
 class TrackingSpec(Section):
@@ -535,7 +553,15 @@ class Spec(Section):
         out = []
         opt = self.train.optimizer if self.train else None
         params = self.model_params
+        curriculum = "curriculum" in self.stages
         for applies, keys, why in (
+            (curriculum, CURRICULUM_UNUSED_TRAIN,
+             "the curriculum stage's epochs, lengths and checkpoints are set by "
+             "dataset.generator.algorithmic.curriculum"),
+            (curriculum, ("train.deepspeed", "train.launcher"),
+             "the curriculum stage trains in one process with plain torch"),
+            (curriculum, tuple(f"evaluate.{key}" for key in EvaluateSpec.model_fields),
+             "an algorithmic task is scored on generated cases at the curriculum's lengths"),
             (opt and opt.type == "adagrad", ("train.optimizer.betas",),
              "betas are Adam's moment decays; adagrad has none"),
             (opt and opt.type == "adagrad" and opt.clip == "per_param",

@@ -480,6 +480,19 @@ def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:
         if section and getattr(spec, section) is None:
             errors.append(f"{at}: stages: '{name}' needs a `{section}:` section")
         seen.append(name)
+    if "train" in spec.stages and spec.train:
+        errors += [f"{_locate(where, ('train', key), origin)}: train.{key}: required key is "
+                   f"missing" for key in ("steps", "seq_len") if getattr(spec.train, key) is None]
+    if "curriculum" in spec.stages:
+        generator = spec.dataset.generator
+        if generator is None or generator.algorithmic is None:
+            errors.append(f"{_locate(where, ('dataset',), origin)}: dataset: the curriculum "
+                          f"stage trains on an algorithmic task (dataset.generator.algorithmic, "
+                          f"e.g. dataset: reverse_algorithmic); '{spec.dataset.name}' is not one")
+        if spec.train and spec.train.optimizer.type != "adam":
+            errors.append(f"{_locate(where, ('train', 'optimizer', 'type'), origin)}: "
+                          f"train.optimizer.type: the curriculum trains with adam (the paper's "
+                          f"tasks); found {spec.train.optimizer.type}")
     return errors
 
 

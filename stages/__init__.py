@@ -66,10 +66,10 @@ class StageContext:
     info: dict = field(default_factory=dict)   # free-form notes a stage leaves for the runner
 
 
-from stages import download, evaluate, finetune, preprocess, train  # noqa: E402
+from stages import curriculum, download, evaluate, finetune, preprocess, train  # noqa: E402
 
 STAGES: dict[str, Stage] = {
-    s.STAGE.name: s.STAGE for s in (download, preprocess, train, finetune, evaluate)
+    s.STAGE.name: s.STAGE for s in (download, preprocess, train, finetune, evaluate, curriculum)
 }
 
 

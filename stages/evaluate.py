@@ -20,6 +20,9 @@ FEW_TOKENS = 1000
 
 
 def run(ctx: StageContext) -> dict:
+    if "curriculum" in ctx.inputs:             # an algorithmic task: scored by its lengths
+        from stages.curriculum import evaluate_task
+        return evaluate_task(ctx)
     import torch
 
     from pipeline.checkpoints import load_model_weights
@@ -107,7 +110,8 @@ STAGE = Stage(
     name="evaluate",
     summary="Score every token of valid/test with the cache: bpc, perplexity.",
     # train too: with evaluate.checkpoint best, the best may be train's
-    inputs=("preprocess", ("train", "finetune"), "train"),
+    inputs=(("preprocess", "curriculum"), ("train", "finetune", "curriculum"),
+            ("train", "curriculum")),
     section_key=None,
     # Every key changes the numbers (batch_size and seq_len set where the cached streams cut
     # the splits): no runtime_only.

@@ -1,0 +1,267 @@
+"""curriculum: the active-memory paper's length curriculum on an algorithmic task (PAPERS.md §2).
+
+Training starts at `start_length`. An epoch is `steps_per_epoch` Adam updates, each on a fresh
+batch of `train.batch_size` generated cases; after it, `check_cases` fresh cases are scored
+without dropout, and at `promote_accuracy` token accuracy (the paper: 100%) the length grows
+by `length_step` (2 for add and mult, else 1). After `epochs` epochs the score is the longest
+length solved (0 if none). Metrics per epoch (step = epoch): length, accuracy, loss.
+
+One process, plain torch: the paper's task model is small. Every epoch ends with a checkpoint
+`checkpoints/step-<epoch>` (model, Adam state, curriculum history), written aside and renamed
+into place with checksums; an interrupted run resumes from the newest intact one and ends
+exactly as an uninterrupted run would: each epoch's batches and dropout are drawn from
+streams seeded by (seed, epoch), so no RNG state needs carrying over.
+
+Outputs: `checkpoints/` and `curriculum.json` (score, final length, per-epoch history).
+`evaluate_task` is the evaluate stage for these pipelines: token accuracy at the final
+length and longer ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_json, read_json
+from stages import Stage, StageContext
+
+CHECKPOINTS = "checkpoints"
+RESULT = "curriculum.json"
+STATE = "state.pt"
+KEEP = 2                      # checkpoints kept: the newest may be damaged on disk
+EVAL_CASES = 512              # generated cases scored at each length by evaluate
+EVAL_BATCH = 128
+
+
+def stream_seed(seed: int, purpose: str, epoch: int) -> int:
+    """A seed for one epoch's draws of one kind (train batches, the check, dropout):
+    independent streams that a resumed run re-creates from the epoch number alone."""
+    digest = hashlib.sha256(f"{seed}:{purpose}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def run(ctx: StageContext) -> dict:
+    import torch
+
+    from pipeline.data.algorithmic import generate, length_step, vocab_size
+    from pipeline.optim import warmup_lr
+
+    spec, train = ctx.spec, ctx.spec.train
+    task, data_seed = spec.dataset.generator.algorithmic, spec.dataset.generator.seed
+    cur = task.curriculum
+    step_by = length_step(task.problem, cur.length_step)
+    vocab = vocab_size(task.problem, task.vocab)
+    device = _device(train.device)
+    model, optimizer = _build(spec, vocab, device)
+    root = ctx.out_dir / CHECKPOINTS
+    state = {"epoch": 0, "length": cur.start_length, "history": []}
+    if (tag := _newest(root, ctx.log)) is not None:
+        state = _load(root / tag, model, optimizer)
+        ctx.log(f"resuming after epoch {state['epoch']} at length {state['length']}")
+    params = sum(p.numel() for p in model.parameters())
+    if state["epoch"] == 0:
+        ctx.tracker.log_params({"parameters": params, "vocab_size": vocab,
+                                "length_step": step_by})
+    ctx.log(f"{task.problem}: {params:,} parameters ({model.describe()}), vocabulary {vocab}, "
+            f"{cur.epochs} epochs of {cur.steps_per_epoch} steps x {train.batch_size} cases "
+            f"on {device}, from length {cur.start_length} by {step_by}")
+    opt = train.optimizer
+    for epoch in range(state["epoch"] + 1, cur.epochs + 1):
+        length = state["length"]
+        torch.manual_seed(stream_seed(train.seed, "dropout", epoch))
+        batches = torch.Generator().manual_seed(stream_seed(data_seed, "train", epoch))
+        model.train()
+        loss_sum = torch.zeros((), device=device)
+        for i in range(cur.steps_per_epoch):
+            update = (epoch - 1) * cur.steps_per_epoch + i + 1
+            for group in optimizer.param_groups:
+                group["lr"] = warmup_lr(opt.lr, opt.warmup_steps, update)
+            x, y = generate(task.problem, length, train.batch_size, batches, task.vocab)
+            out = model(x.to(device), y.to(device))
+            loss = out.nll.mean() + model.aux_loss()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if opt.clip == "global":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_norm)
+            optimizer.step()
+            model.after_step()
+            loss_sum += loss.detach()
+        check = torch.Generator().manual_seed(stream_seed(data_seed, "check", epoch))
+        correct, total, _ = score(model, task.problem, length, cur.check_cases, check,
+                                  task.vocab, device)
+        accuracy, loss = correct / total, loss_sum.item() / cur.steps_per_epoch
+        solved = accuracy >= cur.promote_accuracy
+        state["history"].append({"epoch": epoch, "length": length, "loss": loss,
+                                 "accuracy": accuracy, "solved": solved})
+        if solved:
+            state["length"] = length + step_by
+        state["epoch"] = epoch
+        ctx.tracker.log_metrics({"length": length, "accuracy": accuracy, "loss": loss},
+                                step=epoch)
+        ctx.log(f"epoch {epoch:>3}  length {length:>3}  loss {loss:.4f}  accuracy "
+                f"{accuracy:.4f}{'  solved' if solved else ''}")
+        _save(root, epoch, model, optimizer, state)
+    result = {"problem": task.problem, "score": best_length(state["history"]),
+              "final_length": state["history"][-1]["length"], "epochs": state["epoch"],
+              "parameters": params, "history": state["history"]}
+    atomic_write_json(ctx.out_dir / RESULT, result)
+    ctx.tracker.log_artifact(ctx.out_dir / RESULT)
+    ctx.tracker.log_metrics({"score": result["score"]}, step=state["epoch"])
+    ctx.log(f"score {result['score']} (the longest length solved in {state['epoch']} epochs)")
+    return {key: result[key] for key in ("problem", "score", "final_length", "epochs",
+                                         "parameters")}
+
+
+def best_length(history: list[dict]) -> int:
+    """The curriculum's score: the longest length solved, 0 if none was."""
+    return max((h["length"] for h in history if h["solved"]), default=0)
+
+
+def score(model, problem: str, length: int, cases: int, generator, vocab: int | None,
+          device, batch: int | None = None) -> tuple[int, int, int]:
+    """(correct tokens, tokens, fully correct cases) of `cases` fresh cases at `length`,
+    scored in eval mode (no dropout), `batch` cases at a time (default: all at once)."""
+    import torch
+
+    from pipeline.data.algorithmic import generate
+
+    was_training = model.training
+    model.eval()
+    correct = total = exact = 0
+    with torch.no_grad():
+        for start in range(0, cases, batch or cases):
+            rows = min(batch or cases, cases - start)
+            x, y = generate(problem, length, rows, generator, vocab)
+            y = y.to(device)
+            hit = model(x.to(device)).logits.argmax(-1) == y
+            correct += int(hit.sum())
+            total += y.numel()
+            exact += int(hit.all(dim=1).sum())
+    model.train(was_training)
+    return correct, total, exact
+
+
+def evaluate_task(ctx: StageContext) -> dict:
+    """The evaluate stage of a curriculum pipeline: the score, and token and whole-case
+    accuracy of the final checkpoint on EVAL_CASES fresh cases at the final length (the
+    last epoch's) and at the lengths of the curriculum's grid (start + k * step) nearest
+    above final + 2, + 5, + 10 and 2 x final (generalisation)."""
+    import torch
+
+    from pipeline.data.algorithmic import length_step, vocab_size
+
+    spec = ctx.spec
+    task, data_seed = spec.dataset.generator.algorithmic, spec.dataset.generator.seed
+    source = ctx.inputs["curriculum"]
+    trained = read_json(source / RESULT)
+    device = _device(spec.train.device)
+    model, _ = _build(spec, vocab_size(task.problem, task.vocab), device, optimizer=False)
+    tag = _newest(source / CHECKPOINTS, ctx.log)
+    if tag is None:
+        raise PipelineError(f"no checkpoint under {source / CHECKPOINTS}")
+    _load(source / CHECKPOINTS / tag, model)
+    final, start = trained["final_length"], task.curriculum.start_length
+    step_by = length_step(task.problem, task.curriculum.length_step)
+    on_grid = lambda n: start + -(-(n - start) // step_by) * step_by   # noqa: E731
+    lengths = sorted({final, *(on_grid(n) for n in (final + 2, final + 5, final + 10,
+                                                    2 * final))})
+    results = {"checkpoint": f"curriculum/{tag}", "problem": task.problem,
+               "score": trained["score"], "final_length": final, "cases": EVAL_CASES,
+               "lengths": {}}
+    for length in lengths:
+        cases = torch.Generator().manual_seed(stream_seed(data_seed, "evaluate", length))
+        correct, total, exact = score(model, task.problem, length, EVAL_CASES, cases,
+                                      task.vocab, device, EVAL_BATCH)
+        results["lengths"][str(length)] = {"accuracy": correct / total,
+                                           "sequence_accuracy": exact / EVAL_CASES}
+        ctx.tracker.log_metrics({"accuracy": correct / total,
+                                 "sequence_accuracy": exact / EVAL_CASES}, step=length)
+        ctx.log(f"length {length:>3}{' (final)' if length == final else '':<8}  token "
+                f"accuracy {correct / total:.4f}  cases all right {exact / EVAL_CASES:.4f}")
+    ctx.tracker.log_metrics({"score": trained["score"]}, step=0)
+    atomic_write_json(ctx.out_dir / "results.json", results)
+    ctx.tracker.log_artifact(ctx.out_dir / "results.json")
+    ctx.log(f"score {trained['score']} ({task.problem}, checkpoint curriculum/{tag})")
+    return results
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PipelineError("train.device is cuda but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def _build(spec, vocab: int, device, optimizer: bool = True):
+    """The spec's model (initialised from train.seed) on `device`, and its Adam."""
+    import torch
+
+    torch.manual_seed(spec.train.seed)
+    model = spec.build_model(vocab, f"dataset {spec.dataset.name}").to(device)
+    if not optimizer:
+        return model, None
+    opt = spec.train.optimizer
+    return model, torch.optim.Adam(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                   weight_decay=opt.weight_decay)
+
+
+def _save(root: Path, epoch: int, model, optimizer, state: dict) -> None:
+    """Checkpoint `step-<epoch>`: written in a side directory, checksummed, renamed into
+    place; then all but the newest KEEP are removed."""
+    import torch
+
+    from pipeline.checkpoints import step_dirs, write_checksums
+
+    tag = f"step-{epoch:08d}"
+    aside = root / f".{tag}.tmp"
+    if aside.exists():
+        shutil.rmtree(aside)
+    aside.mkdir(parents=True)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state},
+               aside / STATE)
+    write_checksums(aside)
+    os.replace(aside, root / tag)
+    for old in step_dirs(root)[KEEP:]:
+        shutil.rmtree(old)
+
+
+def _newest(root: Path, log) -> str | None:
+    from pipeline.checkpoints import newest_intact
+
+    return newest_intact(root, log) if root.is_dir() else None
+
+
+def _load(path: Path, model, optimizer=None) -> dict:
+    """Restore a checkpoint into `model` (and `optimizer`); returns the curriculum state."""
+    import torch
+
+    saved = torch.load(path / STATE, map_location="cpu", weights_only=False)
+    model.load_state_dict(saved["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(saved["optimizer"])
+    return {key: saved[key] for key in ("epoch", "length", "history")}
+
+
+def config(spec) -> dict:
+    train = spec.train
+    return {"model": spec.resolved()["model"],
+            "task": spec.dataset.generator.model_dump(mode="json"),
+            "train": {"seed": train.seed, "device": train.device,
+                      "batch_size": train.batch_size,
+                      "optimizer": train.optimizer.model_dump(mode="json")}}
+
+
+STAGE = Stage(
+    name="curriculum",
+    summary="Train on a generated algorithmic task with the length curriculum; resumable.",
+    inputs=(),
+    section_key="train",
+    config=config,
+    run=run,
+)
