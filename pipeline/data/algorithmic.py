@@ -78,10 +78,17 @@ def _arithmetic(problem: str, length: int, batch: int,
                 generator: torch.Generator) -> tuple[Tensor, Tensor]:
     width = (length - 1) // 2
     a, b = _operands(width, batch, generator), _operands(width, batch, generator)
-    result = [x + y if problem == "add" else x * y for x, y in zip(a, b)]
-    sep = torch.full((batch, 1), SEPARATOR, dtype=torch.int64)
-    inputs = torch.cat([_bits(a, width), sep, _bits(b, width)], dim=1)
-    return inputs, _bits(result, length)
+    rows = [binary_case(problem, length, x, y) for x, y in zip(a, b)]
+    return (torch.tensor([r[0] for r in rows], dtype=torch.int64).view(batch, length),
+            torch.tensor([r[1] for r in rows], dtype=torch.int64).view(batch, length))
+
+
+def binary_case(problem: str, length: int, a: int, b: int) -> tuple[list[int], list[int]]:
+    """One add / mult case: inputs a and b in (length - 1) // 2 bits each, most significant
+    first, around the separator; targets a + b (or a * b) in `length` bits."""
+    width = (length - 1) // 2
+    result = a + b if problem == "add" else a * b
+    return (_bits(a, width) + [SEPARATOR] + _bits(b, width), _bits(result, length))
 
 
 def _operands(width: int, batch: int, generator: torch.Generator) -> list[int]:
@@ -93,7 +100,6 @@ def _operands(width: int, batch: int, generator: torch.Generator) -> list[int]:
     return [int("".join(map(str, row)), 2) for row in bits.tolist()]
 
 
-def _bits(numbers: list[int], width: int) -> Tensor:
-    """Each number in `width` binary digits, most significant first: [len(numbers), width]."""
-    return torch.tensor([[int(c) for c in format(n, f"0{width}b")] for n in numbers],
-                        dtype=torch.int64).view(len(numbers), width)
+def _bits(number: int, width: int) -> list[int]:
+    """`number` in `width` binary digits, most significant first."""
+    return [int(c) for c in format(number, f"0{width}b")]
