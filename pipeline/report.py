@@ -21,6 +21,9 @@ def vocab_size_for(spec) -> tuple[int | None, str]:
         return load_manifest(preprocess)["vocab_size"], str(preprocess / MANIFEST)
     if spec.dataset.vocab_size:
         return spec.dataset.vocab_size, f"dataset card '{spec.dataset.name}' (expected)"
+    if spec.dataset.generator and (task := spec.dataset.generator.algorithmic):
+        from pipeline.data.algorithmic import vocab_size
+        return vocab_size(task.problem, task.vocab), f"the algorithmic task '{task.problem}'"
     return None, ""
 
 

@@ -207,8 +207,8 @@ def cli_command(cfg: Path, *sets: str) -> list[str]:
             "run", str(cfg), *sets]
 
 
-CLI_SETS = ("--set", "dataset.generator.algorithmic={problem: not, curriculum: {epochs: 8, "
-            "steps_per_epoch: 40, check_cases: 8}}")
+CLI_SETS = ("--set", "dataset.generator.algorithmic={problem: not, curriculum: {epochs: 6, "
+            "steps_per_epoch: 30, check_cases: 8}}")
 
 
 @pytest.mark.slow
@@ -220,9 +220,9 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
     assert whole.returncode == 0, whole.stderr
     done = json.loads((tmp_path / "runs" / "probe" / "curriculum" / "curriculum.json")
                       .read_text())
-    assert f"[curriculum] score {done['score']} (the longest length solved in 8 epochs)" \
+    assert f"[curriculum] score {done['score']} (the longest length solved in 6 epochs)" \
         in whole.stdout
-    assert f"[evaluate] score {done['score']} (not, checkpoint curriculum/step-00000008)" \
+    assert f"[evaluate] score {done['score']} (not, checkpoint curriculum/step-00000006)" \
         in whole.stdout
     results = json.loads((tmp_path / "runs" / "probe" / "evaluate" / "results.json")
                          .read_text())
@@ -262,3 +262,21 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
     assert resumed["score"] == done["score"]
     assert [h["length"] for h in resumed["history"]] == [h["length"] for h in done["history"]]
     assert resumed["history"] == done["history"]
+
+
+@pytest.mark.parametrize("problem,vocab,step", [
+    ("reverse", 100, 1), ("sort", 20, 1), ("add", 3, 2), ("mult", 3, 2), ("not", 3, 1),
+    ("remember", 20, 1)])
+def test_task_configs_are_the_papers(problem, vocab, step):
+    spec = load_spec(ROOT / "configs" / "active_memory" / f"{problem}.yaml",
+                     ["model.mixer=sa+conv"])
+    m, task = spec.model_params, spec.dataset.generator.algorithmic
+    assert (spec.model_kind, m.mixer, m.causal) == ("active_memory", "sa+conv", False)
+    assert (m.n_layers, m.d_model, m.ff_dim, m.kernel_size) == (4, 128, 512, 20)
+    assert task.problem == problem and vocab_size(problem, task.vocab) == vocab
+    cur = task.curriculum
+    assert (cur.start_length, cur.epochs, cur.steps_per_epoch, cur.check_cases,
+            cur.promote_accuracy, cur.length_step) == (5, 100, 100, 32, 1.0, step)
+    opt = spec.train.optimizer
+    assert (spec.train.batch_size, opt.type, opt.lr, opt.clip) == (32, "adam", 0.01, "none")
+    assert spec.stages == ["curriculum", "evaluate"]
