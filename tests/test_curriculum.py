@@ -2,8 +2,8 @@
 promotion rule, a resumed curriculum equal to an uninterrupted one, the spec rules of a task
 pipeline, and the CLI end to end (including kill -9 and re-run).
 
-The model is tests/curriculum_model.py's tiny `curriculum_probe` (position-wise, with
-dropout), registered on import: it learns `not` in a few steps, so lengths grow."""
+The model is configs/active_memory's at toy size (one conv layer of width 16, dropout 0.1):
+it learns `not` in a few steps, so lengths grow."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import tests.curriculum_model  # noqa: F401  (registers the probe model kind)
 from pipeline.data.algorithmic import binary_case, check_length, generate, vocab_size
 from pipeline.spec import SpecError, load_spec
 from pipeline.tracking import NullStageTracker
@@ -90,23 +89,22 @@ def test_binary_problems_refuse_even_lengths():
 # ---------------------------------------------------------------- the stage, in process
 
 TASK = """\
-name: probe
-dataset: reverse_algorithmic
-model: {{kind: curriculum_probe}}
-train:
-  batch_size: 8
-  optimizer: {{type: adam, lr: {lr}, clip: none}}
+extends: [{base}]
+name: tiny_task
+dataset: not_algorithmic
+model: {{d_model: 16, n_layers: 1, ff_dim: 32, kernel_size: 3, n_heads: 2, head_dim: 8}}
+train: {{batch_size: 8}}
 workspace: {{root: {root}}}
-stages: [curriculum, evaluate]
 """
 
 
-def task_spec(tmp_path: Path, *sets: str, lr: float = 0.01, name: str = "t.yaml"):
+def task_spec(tmp_path: Path, *sets: str, name: str = "t.yaml"):
     path = tmp_path / name
-    path.write_text(TASK.format(lr=lr, root=tmp_path / "runs"))
-    base = ["dataset.generator.algorithmic={problem: not, curriculum: {epochs: 4, "
-            "steps_per_epoch: 10, check_cases: 8}}"]
-    return path, load_spec(path, base + list(sets))
+    path.write_text(TASK.format(base=ROOT / "configs" / "base" / "active_memory_task.yaml",
+                                root=tmp_path / "runs"))
+    tiny = ["dataset.generator.algorithmic.curriculum={epochs: 4, steps_per_epoch: 10, "
+            "check_cases: 8}"]
+    return path, load_spec(path, tiny + list(sets))
 
 
 class StopAt(NullStageTracker):
@@ -146,7 +144,7 @@ def test_solved_lengths_grow_by_the_step_and_the_score_is_the_longest(tmp_path):
 
 
 def test_unsolved_length_stays_and_scores_zero(tmp_path):
-    _, spec = task_spec(tmp_path, lr=1e-9)
+    _, spec = task_spec(tmp_path, "train.optimizer.lr=1e-9")
     summary = run_stage(spec, tmp_path / "a")
     runs = history(tmp_path / "a")
     assert [h["length"] for h in runs] == [5] * 4 and not any(h["solved"] for h in runs)
@@ -196,19 +194,18 @@ def test_task_pipeline_needs_no_steps_and_refuses_what_it_ignores(tmp_path):
         tmp_path, "dataset.generator.algorithmic={problem: add, curriculum: {length_step: 1}}")
     # the train stage still needs them
     msg = spec_error(tmp_path, "dataset=python_docs", "stages=[download, preprocess, train]")
-    assert f"{path}:4: train.steps: required key is missing" in msg
-    assert f"{path}:4: train.seq_len: required key is missing" in msg
+    assert f"{path}:5: train.steps: required key is missing" in msg
+    assert f"{path}:5: train.seq_len: required key is missing" in msg
 
 
 # ---------------------------------------------------------------- the CLI
 
 def cli_command(cfg: Path, *sets: str) -> list[str]:
-    return [sys.executable, "-c", "import tests.curriculum_model, pipeline.cli as c; c.main()",
-            "run", str(cfg), *sets]
+    return [sys.executable, "-m", "pipeline.cli", "run", str(cfg), *sets]
 
 
-CLI_SETS = ("--set", "dataset.generator.algorithmic={problem: not, curriculum: {epochs: 6, "
-            "steps_per_epoch: 30, check_cases: 8}}")
+CLI_SETS = ("--set", "dataset.generator.algorithmic.curriculum={epochs: 6, "
+            "steps_per_epoch: 30, check_cases: 8}")
 
 
 @pytest.mark.slow
@@ -218,13 +215,13 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
     whole = subprocess.run(cli_command(cfg, *CLI_SETS), cwd=ROOT, env=env, text=True,
                            capture_output=True, timeout=600)
     assert whole.returncode == 0, whole.stderr
-    done = json.loads((tmp_path / "runs" / "probe" / "curriculum" / "curriculum.json")
+    done = json.loads((tmp_path / "runs" / "tiny_task" / "curriculum" / "curriculum.json")
                       .read_text())
     assert f"[curriculum] score {done['score']} (the longest length solved in 6 epochs)" \
         in whole.stdout
     assert f"[evaluate] score {done['score']} (not, checkpoint curriculum/step-00000006)" \
         in whole.stdout
-    results = json.loads((tmp_path / "runs" / "probe" / "evaluate" / "results.json")
+    results = json.loads((tmp_path / "runs" / "tiny_task" / "evaluate" / "results.json")
                          .read_text())
     assert results["score"] == done["score"] and results["final_length"] == done["final_length"]
     final = done["final_length"]
@@ -233,7 +230,7 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
 
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("probe")
+    exp = client.get_experiment_by_name("tiny_task")
     stage_run = next(r for r in client.search_runs([exp.experiment_id])
                      if r.data.tags.get("stage") == "curriculum")
     lengths = client.get_metric_history(stage_run.info.run_id, "length")
@@ -242,7 +239,7 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
 
     # the same curriculum under another name, killed after its second epoch's checkpoint
     cut = tmp_path / "cut.yaml"
-    cut.write_text(cfg.read_text().replace("name: probe", "name: cut"))
+    cut.write_text(cfg.read_text().replace("name: tiny_task", "name: cut"))
     partial = tmp_path / "runs" / "cut" / "curriculum.partial" / "checkpoints"
     proc = subprocess.Popen(cli_command(cut, *CLI_SETS), cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
