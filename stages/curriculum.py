@@ -62,9 +62,7 @@ def run(ctx: StageContext) -> dict:
         state = _load(root / tag, model, optimizer)
         ctx.log(f"resuming after epoch {state['epoch']} at length {state['length']}")
     params = sum(p.numel() for p in model.parameters())
-    if state["epoch"] == 0:
-        ctx.tracker.log_params({"parameters": params, "vocab_size": vocab,
-                                "length_step": step_by})
+    ctx.tracker.log_params({"parameters": params, "vocab_size": vocab, "length_step": step_by})
     ctx.log(f"{task.problem}: {params:,} parameters ({model.describe()}), vocabulary {vocab}, "
             f"{cur.epochs} epochs of {cur.steps_per_epoch} steps x {train.batch_size} cases "
             f"on {device}, from length {cur.start_length} by {step_by}")
@@ -165,7 +163,10 @@ def evaluate_task(ctx: StageContext) -> dict:
     _load(source / CHECKPOINTS / tag, model)
     final, start = trained["final_length"], task.curriculum.start_length
     step_by = length_step(task.problem, task.curriculum.length_step)
-    on_grid = lambda n: start + -(-(n - start) // step_by) * step_by   # noqa: E731
+
+    def on_grid(n: int) -> int:        # the curriculum's nearest length at or above n
+        return start + -(-(n - start) // step_by) * step_by
+
     lengths = sorted({final, *(on_grid(n) for n in (final + 2, final + 5, final + 10,
                                                     2 * final))})
     results = {"checkpoint": f"curriculum/{tag}", "problem": task.problem,
