@@ -108,7 +108,8 @@ def _checkpoint(ctx: StageContext) -> tuple[str, str | None]:
 
 STAGE = Stage(
     name="evaluate",
-    summary="Score every token of valid/test with the cache: bpc, perplexity.",
+    summary="Score every token of valid/test with the cache: bpc, perplexity (a task: accuracy "
+            "by length).",
     # train too: with evaluate.checkpoint best, the best may be train's
     inputs=(("preprocess", "curriculum"), ("train", "finetune", "curriculum"),
             ("train", "curriculum")),
