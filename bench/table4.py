@@ -20,6 +20,8 @@ A benchmark: it prints a table (and the per-run scores and times) and asserts no
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -89,10 +91,11 @@ def main() -> None:
     args = ap.parse_args()
     problems, mixers = args.problems.split(","), args.mixers.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
-    threads = 1 if args.jobs > 1 else __import__("torch").get_num_threads()
+    threads = 1 if args.jobs > 1 else os.cpu_count()
     cells = [(p, m, s) for p in problems for m in mixers for s in seeds]
     started = time.time()
-    with ProcessPoolExecutor(args.jobs) as pool:
+    # spawned workers: a forked one can hang in OpenMP that its parent's torch started
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {cell: pool.submit(one_run, *cell, args.epochs, args.steps, args.device,
                                      threads) for cell in cells}
         results = {}
