@@ -115,6 +115,46 @@ def show(config, overrides):
     click.echo(yaml.safe_dump(spec.resolved(), sort_keys=False).rstrip())
     click.echo()
     click.echo(parameter_report(spec))
+    if spec.paper:
+        from pipeline.compare import paper_line
+
+        click.echo(paper_line(spec.paper))
+
+
+@main.command()
+@click.argument("targets", nargs=-1, metavar="[CONFIG | EXPERIMENT | RUN_ID]...")
+@SET
+@click.option("--metric", "metrics", multiple=True, metavar="M",
+              help="Show this metric (repeatable; default: every final metric logged).")
+@click.option("--filter", "filter_string", default="", metavar="EXPR",
+              help="MLflow search syntax, e.g. \"params.train.seed = '2'\" or "
+                   "\"metrics.test_bpc < 1.5\": a pipeline run is kept when it or one of "
+                   "its stage runs matches.")
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]),
+              default="table", show_default=True)
+def compare(targets, overrides, metrics, filter_string, fmt):
+    """Pipeline runs side by side from the MLflow store: seeds grouped (mean ± std, n),
+    published results beside ours, columns equal in every row folded into a header line."""
+    import re
+    from pathlib import Path
+
+    from pipeline import compare as cmp
+    from pipeline.spec import load_spec
+
+    specs, experiments, run_ids = [], [], []
+    for target in targets:
+        if Path(target).is_file():
+            specs.append(load_spec(target, list(overrides)))
+        elif re.fullmatch(r"[0-9a-f]{32}", target):
+            run_ids.append(target)
+        else:
+            experiments.append(target)
+    if overrides and not specs:
+        raise PipelineError("--set applies to a CONFIG argument; none was given")
+    client = cmp.open_store(cmp.store_uri(specs))
+    rows = cmp.collect(client, specs, experiments, run_ids, filter_string, overrides)
+    groups = cmp.group(rows)
+    click.echo(cmp.render(groups, cmp.metric_names(groups, metrics), fmt))
 
 
 @main.command()

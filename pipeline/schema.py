@@ -466,6 +466,20 @@ class WorkspaceSpec(Section):
         return value
 
 
+# what evaluate logs, under the names a paper row is written with
+PAPER_METRICS = ("valid_bpc", "test_bpc", "valid_ppl", "test_ppl")
+
+
+class PaperSpec(Section):
+    """A published result this config reproduces: `show` prints it, `compare` puts it beside
+    the runs' numbers. Not part of any stage's fingerprint: it describes, it does not run."""
+    table: str = Field(min_length=1, description="where it is published, e.g. "
+                                                 "'Sukhbaatar et al. 2019, table 2'")
+    parameters: int = Field(gt=0, description="the published parameter count")
+    results: dict[Literal[PAPER_METRICS], float] = Field(  # type: ignore[valid-type]
+        min_length=1, description="metric -> published value (valid is the paper's dev)")
+
+
 class Spec(Section):
     # the workspace directory's name: a file name has at most 255 bytes
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
@@ -476,6 +490,7 @@ class Spec(Section):
     evaluate: EvaluateSpec = EvaluateSpec()
     tracking: TrackingSpec = TrackingSpec()
     workspace: WorkspaceSpec = WorkspaceSpec()
+    paper: PaperSpec | None = None
     stages: list[Literal[STAGE_KINDS]] = Field(min_length=1)  # type: ignore[valid-type]
 
     _model_params: Any = PrivateAttr(None)

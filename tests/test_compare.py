@@ -1,0 +1,228 @@
+"""`allattn-pipe compare` on runs the tests make: stand-in stages (as in test_tracking.py) that
+log what the real ones log, into an MLflow file store, so each pipeline takes well under a
+second; the table's values are checked against what the stand-ins logged."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import statistics
+
+import pytest
+from click.testing import CliRunner
+
+import stages
+from pipeline.cli import main
+from pipeline.runner import Runner
+from pipeline.spec import load_spec
+from pipeline.tracking import MlflowTracker
+
+ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
+
+
+def test_bpc(seed: int, lr: float) -> float:
+    """What the stand-in evaluate logs as test_bpc for a run (valid_bpc is this - 0.1)."""
+    return round(1.0 + lr * 100 + seed / 100, 6)
+
+
+test_bpc.__test__ = False    # a helper, not a test
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """train logs its loss at steps 1..train.steps and `parameters`, finetune continues the
+    steps, evaluate logs valid/test bpc computed from the seed and the lr; a stage named in
+    `fail` raises (RuntimeError, or KeyboardInterrupt for 'kill')."""
+    fail: dict[str, BaseException] = {}
+
+    def make(name):
+        def run(ctx):
+            spec = ctx.spec
+            if name in fail:
+                raise fail[name]
+            if name == "train":
+                ctx.tracker.log_params({"parameters": 12345})
+                for step in range(1, spec.train.steps + 1):
+                    ctx.tracker.log_metrics({"loss": 2.0 / step}, step=step)
+            if name == "finetune":
+                first = spec.train.steps + 1
+                for step in range(first, first + spec.finetune.steps):
+                    ctx.tracker.log_metrics({"loss": 0.5}, step=step)
+            if name == "evaluate":
+                bpc = test_bpc(spec.train.seed, spec.train.optimizer.lr)
+                ctx.tracker.log_metrics({"valid_bpc": bpc - 0.1, "test_bpc": bpc}, step=0)
+            return {}
+        return run
+
+    for name in ORDER:
+        monkeypatch.setitem(stages.STAGES, name,
+                            dataclasses.replace(stages.STAGES[name], run=make(name)))
+    return fail
+
+
+@pytest.fixture
+def cfg(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    path = tmp_path / "pipe.yaml"
+    path.write_text(f"""\
+name: pipe
+dataset: python_docs
+model: {{kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 64}}
+train: {{steps: 6, batch_size: 2, seq_len: 8, seed: 1,
+        optimizer: {{type: adam, lr: 1.0e-3, clip: global, clip_norm: 1.0}}}}
+finetune: {{steps: 2}}
+tracking: {{uri: "{(tmp_path / 'store').as_uri()}", experiment: pipe}}
+workspace: {{root: {tmp_path / 'runs'}}}
+paper: {{table: "a paper, table 9", parameters: 12000, results: {{test_bpc: 1.05}}}}
+stages: [download, preprocess, train, finetune, evaluate]
+""")
+    return path
+
+
+def pipeline(cfg, *overrides):
+    """One pipeline run, in a workspace of its own (each seed is its own run in a sweep)."""
+    sets = [*overrides, f"name=pipe-seed{_seed(overrides)}-lr{_lr(overrides)}"]
+    spec = load_spec(cfg, sets)
+    tracker = MlflowTracker(spec.tracking.uri, flush_s=5.0, warn=lambda m: None)
+    Runner(spec, log=lambda m: None).run(tracker)
+
+
+def _seed(overrides) -> str:
+    return next((o.split("=")[1] for o in overrides if o.startswith("train.seed=")), "1")
+
+
+def _lr(overrides) -> str:
+    return next((o.split("=")[1] for o in overrides
+                 if o.startswith("train.optimizer.lr=")), "0.001")
+
+
+def compare(cfg_or_args, *args, code=0):
+    result = CliRunner().invoke(main, [*cfg_or_args, *args])
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+@pytest.fixture
+def three_seeds_two_lrs(cfg, stand_ins):
+    for lr in ("0.001", "0.002"):
+        for seed in ("1", "2", "3"):
+            pipeline(cfg, f"train.seed={seed}", f"train.optimizer.lr={lr}")
+    return cfg
+
+
+def test_json_rows_values_and_groups(three_seeds_two_lrs, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    groups = json.loads(compare(["compare", "--format", "json"]))
+    assert [(g["params"]["train.optimizer.lr"], g["n"], g["status"]) for g in groups] == [
+        ("0.001", 3, "finished"), ("0.002", 3, "finished")]
+    for g in groups:
+        lr = float(g["params"]["train.optimizer.lr"])
+        values = [test_bpc(s, lr) for s in (1, 2, 3)]
+        assert g["metrics"]["test_bpc"] == {"mean": pytest.approx(statistics.fmean(values)),
+                                            "std": pytest.approx(statistics.stdev(values)),
+                                            "n": 3}
+        assert sorted(r["seed"] for r in g["runs"]) == ["1", "2", "3"]
+        assert {r["steps"] for r in g["runs"]} == {8}            # 6 train + 2 finetune
+        assert {r["tokens"] for r in g["runs"]} == {8 * 2 * 8}
+        assert {r["parameters"] for r in g["runs"]} == {12345}
+        assert g["paper"]["results"] == {"test_bpc": 1.05}
+        assert g["paper"]["difference"]["test_bpc"] == pytest.approx(
+            statistics.fmean(values) - 1.05)
+
+
+def test_table_folds_equal_columns_and_prints_the_paper_row(three_seeds_two_lrs, tmp_path,
+                                                             monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    out = compare(["compare", "--metric", "test_bpc"])
+    print(out)
+    # the wall time of these sub-second runs may or may not be equal: leave it out
+    lines = [line.replace("; wall: 0s", "").replace("wall", "").replace(" 0s ", " ")
+             for line in out.splitlines()]
+    assert lines[0].startswith("equal in every row: status: finished; n: 3; seeds: 1,2,3; "
+                               "model: allattn; parameters: 12,345; steps: 8; tokens: 128")
+    header = lines[1].split()
+    assert header == ["name", "train.optimizer.lr", "test_bpc"]
+    mean = statistics.fmean(test_bpc(s, 0.002) for s in (1, 2, 3))
+    std = statistics.stdev(test_bpc(s, 0.002) for s in (1, 2, 3))
+    row = lines[4].split()
+    assert row[:2] == ["pipe-lr0.002", "0.002"]
+    assert row[2:] == [f"{mean:.4g}", "±", f"{std:.2g}"]
+    assert lines[5].split()[:7] == ["published:", "a", "paper,", "table", "9,", "12,000",
+                                    "parameters"]
+    assert lines[5].split()[-2:] == ["1.05", f"({mean - 1.05:+.3g})"]
+
+
+def test_csv_keeps_every_column_and_filter_uses_mlflow_syntax(three_seeds_two_lrs, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    out = compare(["compare", "--format", "csv", "--filter", "params.`train.seed` = '2'"])
+    rows = list(csv.DictReader(io.StringIO(out)))
+    runs = [r for r in rows if r["status"] != "published"]
+    assert [(r["train.optimizer.lr"], r["seeds"], r["n"], r["test_bpc"]) for r in runs] == [
+        ("0.001", "2", "1", f"{test_bpc(2, 0.001):.4g}"),
+        ("0.002", "2", "1", f"{test_bpc(2, 0.002):.4g}")]
+
+
+def test_failed_and_killed_runs_show_as_such(cfg, stand_ins, tmp_path, monkeypatch):
+    pipeline(cfg, "train.seed=1")
+    stand_ins["evaluate"] = RuntimeError("evaluate broke")
+    with pytest.raises(RuntimeError):
+        pipeline(cfg, "train.seed=2")
+    stand_ins["train"] = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        pipeline(cfg, "train.seed=3")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    groups = json.loads(compare(["compare", "--format", "json"]))
+    assert [(g["name"], g["status"], g["metrics"].get("test_bpc", {}).get("mean"))
+            for g in groups] == [("pipe-seed1-lr0.001", "finished", test_bpc(1, 0.001)),
+                                 ("pipe-seed2-lr0.001", "failed", None),
+                                 ("pipe-seed3-lr0.001", "killed", None)]
+
+
+def test_a_config_names_its_runs_and_a_missing_store_is_one_line(cfg, stand_ins, tmp_path):
+    spec = load_spec(cfg, [])
+    Runner(spec, log=lambda m: None).run(MlflowTracker(spec.tracking.uri, warn=print))
+    Runner(load_spec(cfg, ["train.seed=5"]), log=lambda m: None).run(
+        MlflowTracker(spec.tracking.uri, warn=print))
+    out = json.loads(compare(["compare", str(cfg), "--set", "train.seed=5", "--format",
+                              "json"]))
+    assert [(g["name"], g["runs"][0]["seed"]) for g in out] == [("pipe", "5")]
+    missing = tmp_path / "none" / "mlflow.db"
+    err = compare(["compare", str(cfg), "--set", f"tracking.uri=sqlite:///{missing}"], code=2)
+    assert err == (f"error: no tracking store at {missing}: no pipeline has run with it "
+                   f"(name a CONFIG, or set MLFLOW_TRACKING_URI)\n")
+    assert not missing.parent.exists()
+
+
+def test_show_prints_the_paper_row(cfg):
+    out = compare(["show", str(cfg)])
+    assert out.splitlines()[-1] == ("published: test_bpc 1.05 with 0.012M parameters "
+                                    "(a paper, table 9)")
+
+
+PUBLISHED = {   # PAPERS.md: the all-attention paper's tables 1-3
+    "enwik8_small.yaml": {"test_bpc": 1.01},
+    "enwik8_large.yaml": {"test_bpc": 0.98},
+    "text8_small.yaml": {"valid_bpc": 1.05, "test_bpc": 1.11},
+    "text8_large.yaml": {"valid_bpc": 1.02, "test_bpc": 1.08},
+    "wt103.yaml": {"valid_ppl": 19.7, "test_ppl": 20.6},
+    "baselines/enwik8_transformer_small.yaml": {"test_bpc": 1.02},
+    "baselines/enwik8_transformer_large.yaml": {"test_bpc": 0.98},
+    "baselines/text8_transformer_small.yaml": {"valid_bpc": 1.05, "test_bpc": 1.11},
+    "baselines/text8_transformer_large.yaml": {"valid_bpc": 1.01, "test_bpc": 1.07},
+}
+
+
+def test_every_paper_config_carries_its_published_row_and_the_ablations_none():
+    from pipeline.spec import PROJECT_ROOT
+
+    configs = PROJECT_ROOT / "configs"
+    for path in sorted(configs.glob("**/*.yaml")):
+        rel = str(path.relative_to(configs))
+        if rel.startswith("base/"):
+            continue
+        paper = load_spec(path, []).paper
+        assert (paper.results if paper else None) == PUBLISHED.get(rel), rel
