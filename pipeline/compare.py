@@ -1,7 +1,8 @@
 """`allattn-pipe compare`: pipeline runs side by side, read back from the MLflow store.
 
-One row per pipeline invocation (MLflow parent run) that ran at least one stage. Its numbers
-come from its stage runs: steps from train / finetune's loss history, the final metrics from
+One row per workspace: its pipeline runs (MLflow runs tagged `spec`, one per `run` that ran
+at least one stage: a first attempt, its resumption, ...) merged. Its numbers come from
+their stage runs: steps from train / finetune's loss history, the final metrics from
 evaluate. Rows that differ only in `train.seed` (and in the run name, which a sweep derives
 from the seed) form one group: each metric is the mean ± sample standard deviation over the
 group, with n. A config with a `paper:` section logged its published row as parameters;
@@ -35,8 +36,9 @@ STATUS = {"FINISHED": "finished", "KILLED": "killed", "FAILED": "failed",
 
 @dataclass
 class RunRow:
-    """One pipeline invocation, as MLflow recorded it."""
-    run_id: str
+    """One workspace's pipeline runs, as MLflow recorded them."""
+    run_id: str                     # the latest pipeline run of its workspace
+    run_ids: list[str]              # all of them, oldest first
     name: str
     status: str
     params: dict[str, str]          # the resolved spec, flattened (the parent run's params)
@@ -133,9 +135,9 @@ def collect(client, specs=(), experiments=(), run_ids=(), filter_string: str = "
             run = client.get_run(run_id)
         except MlflowException:
             raise PipelineError(f"no run {run_id} in {client.tracking_uri}") from None
-        parent = run.data.tags.get("mlflow.parentRunId", run_id)
+        ids = set(_pipelines_of(run, _search(client, run.info.experiment_id, "")))
         wanted.setdefault(run.info.experiment_id, []).append(
-            lambda row, parent=parent: row.run_id == parent)
+            lambda row, ids=ids: bool(ids & set(row.run_ids)))
     if not (specs or experiments or run_ids):
         for exp in client.search_experiments():
             wanted[exp.experiment_id] = [lambda row: True]
@@ -146,20 +148,35 @@ def collect(client, specs=(), experiments=(), run_ids=(), filter_string: str = "
             matching = _search(client, exp_id, filter_string) if filter_string else runs
         except MlflowException as e:
             raise PipelineError(f"--filter {filter_string!r}: {e.message}") from None
-        chosen = {r.data.tags.get("mlflow.parentRunId", r.info.run_id) for r in matching}
+        chosen = {p for r in matching for p in _pipelines_of(r, runs)}
         children: dict[str, list] = {}
+        by_workspace: dict[str, list] = {}
         for r in runs:
-            if "mlflow.parentRunId" in r.data.tags:
-                children.setdefault(r.data.tags["mlflow.parentRunId"], []).append(r)
-        for r in runs:
-            if ("mlflow.parentRunId" in r.data.tags or r.info.run_id not in chosen
-                    or r.data.tags.get("stages.run") == "none"):
+            tags = r.data.tags
+            if "stage" in tags:
+                children.setdefault(tags.get("mlflow.parentRunId"), []).append(r)
+            elif "spec" in tags and tags.get("stages.run") != "none":
+                by_workspace.setdefault(tags.get("workspace", r.info.run_id), []).append(r)
+        for invocations in by_workspace.values():
+            if not chosen & {r.info.run_id for r in invocations}:
                 continue
-            row = _row(client, r, children.get(r.info.run_id, []))
+            row = _row(client, invocations, children)
             if any(p(row) for p in predicates):
                 rows.append(row)
     rows.sort(key=lambda row: (row.name, _natural(row.params.get(SEED, "")), row.run_id))
     return rows
+
+
+def _pipelines_of(run, runs) -> list[str]:
+    """The pipeline runs a run stands for: itself, its parent (a stage run), or its
+    children (a sweep's run)."""
+    tags = run.data.tags
+    if "spec" in tags:
+        return [run.info.run_id]
+    if "stage" in tags:
+        return [tags.get("mlflow.parentRunId")]
+    return [r.info.run_id for r in runs
+            if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
 
 
 def _search(client, exp_id: str, filter_string: str) -> list:
@@ -185,25 +202,35 @@ def _names(spec, overrides):
                                                      for k, v in fixed.items())
 
 
-def _row(client, parent, children) -> RunRow:
-    info = parent.info
-    end = info.end_time or int(time.time() * 1000)
+def _row(client, invocations, children: dict[str, list]) -> RunRow:
+    """One workspace's pipeline runs (a first run, its resumption after a kill, ...) as one
+    row: the latest one's status and spec, the steps and the final metrics of the latest
+    runs that logged them, the wall time of them all."""
+    invocations = sorted(invocations, key=lambda r: r.info.start_time or 0)
+    latest = invocations[-1]
     metrics: dict[str, float] = {}
     steps = parameters = None
-    for child in sorted(children, key=lambda c: c.info.start_time or 0):
-        stage = child.data.tags.get("stage")
-        if stage == "evaluate":
-            metrics.update(child.data.metrics)
-        elif stage in ("train", "finetune"):
-            history = client.get_metric_history(child.info.run_id, "loss")
-            if history:
-                steps = max(steps or 0, max(m.step for m in history))
-            if "parameters" in child.data.params:
-                parameters = int(child.data.params["parameters"])
-    return RunRow(run_id=info.run_id, name=parent.data.tags.get("mlflow.runName", info.run_id),
+    wall = 0.0
+    for parent in invocations:
+        info = parent.info
+        wall += ((info.end_time or int(time.time() * 1000)) - info.start_time) / 1000
+        for child in sorted(children.get(info.run_id, []),
+                            key=lambda c: c.info.start_time or 0):
+            stage = child.data.tags.get("stage")
+            if stage == "evaluate" and child.data.metrics:
+                metrics = dict(child.data.metrics)
+            elif stage in ("train", "finetune"):
+                history = client.get_metric_history(child.info.run_id, "loss")
+                if history:
+                    steps = max(steps or 0, max(m.step for m in history))
+                if "parameters" in child.data.params:
+                    parameters = int(child.data.params["parameters"])
+    info = latest.info
+    return RunRow(run_id=info.run_id, run_ids=[r.info.run_id for r in invocations],
+                  name=latest.data.tags.get("mlflow.runName", info.run_id),
                   status=STATUS.get(info.status, info.status.lower()),
-                  params=dict(parent.data.params), metrics=metrics, steps=steps,
-                  parameters=parameters, wall_s=(end - info.start_time) / 1000)
+                  params=dict(latest.data.params), metrics=metrics, steps=steps,
+                  parameters=parameters, wall_s=wall)
 
 
 def group(rows: list[RunRow]) -> list[Group]:
@@ -350,7 +377,7 @@ def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
 
 def _as_json(g: Group, metrics: list[str]) -> dict:
     out = {"name": g.name, "status": g.rows[0].status, "n": len(g.rows),
-           "runs": [{"run_id": r.run_id, "name": r.name, "seed": r.params.get(SEED),
+           "runs": [{"run_id": r.run_id, "run_ids": r.run_ids, "name": r.name, "seed": r.params.get(SEED),
                      "steps": r.steps, "tokens": _tokens(r), "parameters": r.parameters,
                      "wall_s": r.wall_s, "metrics": r.metrics} for r in g.rows],
            "params": g.key, "metrics": {}}

@@ -180,6 +180,13 @@ def test_failed_and_killed_runs_show_as_such(cfg, stand_ins, tmp_path, monkeypat
             for g in groups] == [("pipe-seed1-lr0.001", "finished", test_bpc(1, 0.001)),
                                  ("pipe-seed2-lr0.001", "failed", None),
                                  ("pipe-seed3-lr0.001", "killed", None)]
+    # the killed one resumed: one row for its workspace, both pipeline runs behind it
+    del stand_ins["train"]
+    pipeline(cfg, "train.seed=3")
+    groups = json.loads(compare(["compare", "--format", "json", "--filter",
+                                 "params.`train.seed` = '3'"]))
+    assert [(g["status"], len(g["runs"][0]["run_ids"]), g["metrics"]["test_bpc"]["mean"])
+            for g in groups] == [("finished", 2, test_bpc(3, 0.001))]
 
 
 def test_a_config_names_its_runs_and_a_missing_store_is_one_line(cfg, stand_ins, tmp_path):
