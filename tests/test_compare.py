@@ -181,7 +181,7 @@ def test_failed_and_killed_runs_show_as_such(cfg, stand_ins, tmp_path, monkeypat
                                  ("pipe-seed2-lr0.001", "failed", None),
                                  ("pipe-seed3-lr0.001", "killed", None)]
     # the killed one resumed: one row for its workspace, both pipeline runs behind it
-    del stand_ins["train"]
+    stand_ins.clear()
     pipeline(cfg, "train.seed=3")
     groups = json.loads(compare(["compare", "--format", "json", "--filter",
                                  "params.`train.seed` = '3'"]))
