@@ -158,6 +158,28 @@ def compare(targets, overrides, metrics, filter_string, fmt):
 
 
 @main.command()
+@CONFIG
+@SET
+@click.option("--grid", multiple=True, metavar="KEY=V1,V2,...",
+              help="A spec key and its values; the points are every combination of the "
+                   "grids (x seeds). Repeatable.")
+@click.option("--seeds", metavar="S1,S2,...", help="Run every point with each train.seed.")
+@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Points run at once, each as its own process.")
+@click.option("--dry-run", is_flag=True, help="Print the points and what each would run.")
+def sweep(config, overrides, grid, seeds, parallel, dry_run):
+    """Run CONFIG at every point of a grid (x seeds), each its own run name under one MLflow
+    run; stages every point shares run once; a re-run skips finished points and resumes
+    interrupted ones."""
+    from pipeline.sweep import run_sweep
+
+    failed = run_sweep(config, list(overrides), list(grid), seeds, parallel, dry_run,
+                       log=click.echo)
+    if failed:
+        raise PipelineError(f"{len(failed)} sweep points failed: {', '.join(failed)}")
+
+
+@main.command()
 def stages():
     """List the stage kinds and what each does."""
     from stages import STAGES
