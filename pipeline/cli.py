@@ -179,6 +179,48 @@ def sweep(config, overrides, grid, seeds, parallel, dry_run):
         raise PipelineError(f"{len(failed)} sweep points failed: {', '.join(failed)}")
 
 
+CHECKPOINT = click.option("--checkpoint", default="latest", show_default=True,
+                          metavar="latest|best|PATH",
+                          help="latest: finetune's last (else train's); best: the best "
+                               "validation's; or a checkpoint directory.")
+
+
+@main.command()
+@CONFIG
+@SET
+@CHECKPOINT
+@click.option("--prompt", required=True, help="The text to continue.")
+@click.option("--tokens", type=click.IntRange(min=1), default=200, show_default=True,
+              help="How many tokens to generate.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Softmax temperature; 0 picks the most likely token.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Draw from the K most likely only.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, seed):
+    """Continue PROMPT with CONFIG's trained language model (through its cache)."""
+    from pipeline.sample import sample as generate_text
+    from pipeline.spec import load_spec
+
+    spec = load_spec(config, list(overrides))
+    click.echo(generate_text(spec, checkpoint, prompt, tokens, temperature, top_k, seed,
+                             log=lambda m: click.echo(m, err=True)))
+
+
+@main.command()
+@CONFIG
+@SET
+@CHECKPOINT
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="The directory to write (model.safetensors, config.json, vocab.json).")
+def export(config, overrides, checkpoint, out):
+    """Write CONFIG's trained weights as safetensors, with the model config and vocabulary
+    as JSON: `pipeline.export.load_exported(DIR)` loads them into the plain torch model."""
+    from pipeline.export import export as write_export
+    from pipeline.spec import load_spec
+
+    write_export(load_spec(config, list(overrides)), out, checkpoint, log=click.echo)
+
+
 @main.command()
 def stages():
     """List the stage kinds and what each does."""
