@@ -132,7 +132,10 @@ def show(config, overrides):
                    "its stage runs matches.")
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]),
               default="table", show_default=True)
-def compare(targets, overrides, metrics, filter_string, fmt):
+@click.option("--plot", type=click.Path(dir_okay=False), metavar="FILE.png",
+              help="Also draw the runs' learning curves (train loss, valid bpc by step, "
+                   "tokens and wall-clock) into FILE.png, and log it to their sweep's run.")
+def compare(targets, overrides, metrics, filter_string, fmt, plot):
     """Pipeline runs side by side from the MLflow store: seeds grouped (mean ± std, n),
     published results beside ours, columns equal in every row folded into a header line."""
     import re
@@ -155,6 +158,14 @@ def compare(targets, overrides, metrics, filter_string, fmt):
     rows = cmp.collect(client, specs, experiments, run_ids, filter_string, overrides)
     groups = cmp.group(rows)
     click.echo(cmp.render(groups, cmp.metric_names(groups, metrics), fmt))
+    if plot and rows:
+        from pipeline.plots import curves, learning_curves
+
+        learning_curves({row.name: curves(client, row) for row in rows}, plot)
+        sweeps = {row.sweep for row in rows}
+        if len(sweeps) == 1 and None not in sweeps:
+            client.log_artifact(sweeps.pop(), plot)
+        click.echo(f"learning curves: {plot}", err=True)
 
 
 @main.command()

@@ -46,6 +46,7 @@ class RunRow:
     steps: int | None               # the last optimizer step train / finetune logged
     parameters: int | None          # the model's size, as train logged it
     wall_s: float
+    sweep: str | None               # the run of the sweep it belongs to, if any
 
 
 @dataclass
@@ -230,7 +231,8 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
                   name=latest.data.tags.get("mlflow.runName", info.run_id),
                   status=STATUS.get(info.status, info.status.lower()),
                   params=dict(latest.data.params), metrics=metrics, steps=steps,
-                  parameters=parameters, wall_s=wall)
+                  parameters=parameters, wall_s=wall,
+                  sweep=latest.data.tags.get("mlflow.parentRunId"))
 
 
 def group(rows: list[RunRow]) -> list[Group]:

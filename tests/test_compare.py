@@ -46,6 +46,8 @@ def stand_ins(monkeypatch):
                 ctx.tracker.log_params({"parameters": 12345})
                 for step in range(1, spec.train.steps + 1):
                     ctx.tracker.log_metrics({"loss": 2.0 / step}, step=step)
+                    if step % 3 == 0:
+                        ctx.tracker.log_metrics({"valid_bpc": 3.0 / step}, step=step)
             if name == "finetune":
                 first = spec.train.steps + 1
                 for step in range(first, first + spec.finetune.steps):
@@ -153,6 +155,25 @@ def test_table_folds_equal_columns_and_prints_the_paper_row(three_seeds_two_lrs,
     assert lines[5].split()[:7] == ["published:", "a", "paper,", "table", "9,", "12,000",
                                     "parameters"]
     assert lines[5].split()[-2:] == ["1.05", f"({mean - 1.05:+.3g})"]
+
+
+def test_plot_draws_each_runs_curves_by_step_tokens_and_time(three_seeds_two_lrs, tmp_path,
+                                                            monkeypatch):
+    from pipeline.compare import collect, open_store
+    from pipeline.plots import curves
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    png = tmp_path / "curves.png"
+    compare(["compare", "--filter", "params.`train.seed` = '1'", "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    client = open_store((tmp_path / "store").as_uri())
+    row = collect(client, filter_string="params.`train.seed` = '1'")[0]
+    data = curves(client, row)
+    assert [(p["step"], p["tokens"], p["value"]) for p in data["loss"]] == (
+        [(s, s * 16, 2.0 / s) for s in range(1, 7)] + [(7, 112, 0.5), (8, 128, 0.5)])
+    assert [(p["step"], p["value"]) for p in data["valid_bpc"]] == [(3, 1.0), (6, 0.5)]
+    minutes = [p["minutes"] for p in data["loss"]]
+    assert minutes[0] == 0 and minutes == sorted(minutes)
 
 
 def test_csv_keeps_every_column_and_filter_uses_mlflow_syntax(three_seeds_two_lrs, tmp_path,

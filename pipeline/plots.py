@@ -1,0 +1,72 @@
+"""Learning-curve pictures (matplotlib, headless): train loss and valid bpc of several runs,
+each by optimizer step, by tokens seen and by wall-clock time.
+
+The data come from MLflow (`curves`), the picture from that data alone (`learning_curves`),
+so what is drawn can be checked without looking at pixels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# metric -> the y-axis label; train and finetune log both under these names
+SERIES = {"loss": "train loss (nats)", "valid_bpc": "valid bpc"}
+AXES = (("step", "step"), ("tokens", "tokens seen"), ("minutes", "wall-clock (minutes)"))
+
+
+def curves(client, row) -> dict[str, list[dict]]:
+    """{metric: [{"step", "tokens", "minutes", "value"}, ...]} of one compare row (one
+    workspace: its train and finetune runs, over every invocation), ordered by step; the
+    minutes count from the row's first logged point."""
+    try:
+        per_step = int(row.params["train.batch_size"]) * int(row.params["train.seq_len"])
+    except (KeyError, ValueError):
+        per_step = 0
+    out: dict[str, list[dict]] = {}
+    for metric in SERIES:
+        points = {}
+        for run_id in row.run_ids:
+            stage_runs = client.search_runs(
+                [client.get_run(run_id).info.experiment_id],
+                f"tags.`mlflow.parentRunId` = '{run_id}'")
+            for child in stage_runs:
+                if child.data.tags.get("stage") not in ("train", "finetune"):
+                    continue
+                for m in client.get_metric_history(child.info.run_id, metric):
+                    points[m.step] = (m.timestamp, m.value)   # a resumed run re-logs: last wins
+        if points:
+            start = min(t for t, _ in points.values())
+            out[metric] = [{"step": s, "tokens": s * per_step, "minutes": (t - start) / 60000,
+                            "value": v} for s, (t, v) in sorted(points.items())]
+    return out
+
+
+def learning_curves(data: dict[str, dict[str, list[dict]]], path) -> Path:
+    """A PNG at `path`: one row of panels per metric of SERIES, one column per x-axis of
+    AXES, one line per run (`data`: run name -> `curves`)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(SERIES), len(AXES), figsize=(15, 8), squeeze=False)
+    for i, (metric, ylabel) in enumerate(SERIES.items()):
+        for j, (x, xlabel) in enumerate(AXES):
+            ax = axes[i][j]
+            for name, series in data.items():
+                points = series.get(metric, [])
+                if points:
+                    ax.plot([p[x] for p in points], [p["value"] for p in points],
+                            marker="." if len(points) < 30 else None, label=name)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=min(4, len(labels)),
+                   fontsize="small")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
