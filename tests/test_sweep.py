@@ -116,6 +116,11 @@ def test_grid_of_8_preprocesses_once_then_skips_all_and_resumes_after_kill_9(cfg
     groups = json.loads(result.output)
     assert [(g["name"], g["n"], g["metrics"]["test_bpc"]["n"]) for g in groups] == [
         (f"pipe-lr{lr}-n_layers{n}", 2, 2) for lr in ("0.001", "0.002") for n in (1, 2)]
+    # and on the config the sweep was made from, with --set picking points
+    result = CliRunner().invoke(main, ["compare", str(cfg), "--set", "model.n_layers=2",
+                                       "--format", "json"])
+    assert [g["name"] for g in json.loads(result.output)] == [
+        "pipe-lr0.001-n_layers2", "pipe-lr0.002-n_layers2"]
 
 
 def test_dry_run_names_the_points_and_runs_nothing(cfg, tmp_path):
