@@ -57,6 +57,9 @@ def learning_curves(data: dict[str, dict[str, list[dict]]], path) -> Path:
                 if points:
                     ax.plot([p[x] for p in points], [p["value"] for p in points],
                             marker="." if len(points) < 30 else None, label=name)
+            if not ax.lines:
+                ax.text(0.5, 0.5, f"no run logged {metric}", ha="center", va="center",
+                        transform=ax.transAxes, color="grey")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
