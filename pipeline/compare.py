@@ -191,8 +191,8 @@ def _search(client, exp_id: str, filter_string: str) -> list:
 
 
 def _names(spec, overrides):
-    """A predicate: a pipeline run of `spec` (its name, or a sweep point's name made from it;
-    and the values --set gave)."""
+    """A predicate: a pipeline run of `spec` in its experiment (its name, or a sweep
+    point's name made from it; and the values --set gave)."""
     from pipeline.spec import parse_override
     from pipeline.tracking import flatten
 
@@ -200,8 +200,7 @@ def _names(spec, overrides):
     keys = [".".join(parse_override(text)[0]) for text in overrides]
     fixed = {k: v for k, v in resolved.items() if any(k == x or k.startswith(x + ".")
                                                       for x in keys)}
-    return lambda row: (row.name == spec.name or (row.sweep is not None and
-                                                  row.name.startswith(f"{spec.name}-"))) \
+    return lambda row: (row.name == spec.name or row.name.startswith(f"{spec.name}-")) \
         and all(row.params.get(k) == v for k, v in fixed.items())
 
 

@@ -17,28 +17,30 @@ AXES = (("step", "step"), ("tokens", "tokens seen"), ("minutes", "wall-clock (mi
 def curves(client, row) -> dict[str, list[dict]]:
     """{metric: [{"step", "tokens", "minutes", "value"}, ...]} of one compare row (one
     workspace: its train and finetune runs, over every invocation), ordered by step; the
-    minutes count from the row's first logged point."""
+    minutes count from the row's first logged point (of either metric)."""
     try:
         per_step = int(row.params["train.batch_size"]) * int(row.params["train.seq_len"])
     except (KeyError, ValueError):
         per_step = 0
-    out: dict[str, list[dict]] = {}
+    stage_runs = [child for run_id in row.run_ids
+                  for child in client.search_runs([client.get_run(run_id).info.experiment_id],
+                                                  f"tags.`mlflow.parentRunId` = '{run_id}'")
+                  if child.data.tags.get("stage") in ("train", "finetune")]
+    stage_runs.sort(key=lambda child: child.info.start_time or 0)   # so the latest wins
+    found: dict[str, dict[int, tuple[int, float]]] = {}
     for metric in SERIES:
         points = {}
-        for run_id in row.run_ids:
-            stage_runs = client.search_runs(
-                [client.get_run(run_id).info.experiment_id],
-                f"tags.`mlflow.parentRunId` = '{run_id}'")
-            for child in stage_runs:
-                if child.data.tags.get("stage") not in ("train", "finetune"):
-                    continue
-                for m in client.get_metric_history(child.info.run_id, metric):
-                    points[m.step] = (m.timestamp, m.value)   # a resumed run re-logs: last wins
+        for child in stage_runs:
+            for m in client.get_metric_history(child.info.run_id, metric):
+                points[m.step] = (m.timestamp, m.value)   # a resumed run re-logs: last wins
         if points:
-            start = min(t for t, _ in points.values())
-            out[metric] = [{"step": s, "tokens": s * per_step, "minutes": (t - start) / 60000,
-                            "value": v} for s, (t, v) in sorted(points.items())]
-    return out
+            found[metric] = points
+    if not found:
+        return {}
+    start = min(t for points in found.values() for t, _ in points.values())
+    return {metric: [{"step": s, "tokens": s * per_step, "minutes": (t - start) / 60000,
+                      "value": v} for s, (t, v) in sorted(points.items())]
+            for metric, points in found.items()}
 
 
 def learning_curves(data: dict[str, dict[str, list[dict]]], path) -> Path:
