@@ -44,11 +44,6 @@ def stand_in(name):
     return run
 
 
-def calls_of(path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
 if __name__ == "__main__":
     for kind in list(stages.STAGES):
         stages.STAGES[kind] = dataclasses.replace(stages.STAGES[kind], run=stand_in(kind))
