@@ -35,13 +35,14 @@ The model sees one block at a time and carries no state between blocks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.models.checks import check_at_least, check_scalar_types
 from pipeline.models.protocol import ModelOutput, SequenceModel, State
 
 MIXERS = ("self_attention", "conv", "persistent_conv", "highway_conv", "cgru",
@@ -92,21 +93,9 @@ class ActiveMemoryConfig:
     / d_h) instead of the standard d_h^-0.5: for exact reproduction of the code."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"{f.name} must be an int, got {value!r}")
-            if f.type in ("bool", bool) and not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be a bool, got {value!r}")
-            if f.type in ("float", float) and (
-                not isinstance(value, (int, float)) or isinstance(value, bool)
-            ):
-                raise ValueError(f"{f.name} must be a number, got {value!r}")
-            if f.type in ("str", str) and not isinstance(value, str):
-                raise ValueError(f"{f.name} must be a string, got {value!r}")
-        for name in ("d_model", "n_layers", "ff_dim", "kernel_size", "n_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_scalar_types(self)
+        check_at_least(self, ("d_model", "n_layers", "ff_dim", "kernel_size", "n_heads",
+                              "head_dim"), 1)
         for name, choices in (("mixer", MIXERS), ("conv_activation", CONV_ACTIVATIONS),
                               ("cgru_gate", GATES)):
             if getattr(self, name) not in choices:

@@ -7,9 +7,10 @@ The paper-versus-code notes and the ablations' definitions are in pipeline/model
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from pipeline.models.adaptive import band_dims
+from pipeline.models.checks import check_at_least, check_scalar_types
 
 PERSISTENT_MODES = ("all_attn", "attn_split", "head_split", "single_head")
 """How the persistent vectors join the self-attention (the paper's section 5.3 ablations)."""
@@ -119,24 +120,10 @@ class AllAttnConfig:
             self.attention = AttentionConfig(**self.attention)
         if not isinstance(self.attention, AttentionConfig):
             raise ValueError(f"attention must be a mapping, got {self.attention!r}")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"{f.name} must be an int, got {value!r}")
-            if f.type in ("bool", bool) and not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be a bool, got {value!r}")
-            if f.type in ("float", float) and (
-                not isinstance(value, (int, float)) or isinstance(value, bool)
-            ):
-                raise ValueError(f"{f.name} must be a number, got {value!r}")
-            if f.type in ("str", str) and not isinstance(value, str):
-                raise ValueError(f"{f.name} must be a string, got {value!r}")
-        for name in ("d_model", "n_layers", "n_heads", "max_span", "span_ramp", "adaptive_div"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("n_persistent", "ff_dim"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_scalar_types(self)
+        check_at_least(self, ("d_model", "n_layers", "n_heads", "max_span", "span_ramp",
+                              "adaptive_div"), 1)
+        check_at_least(self, ("n_persistent", "ff_dim"), 0)
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"

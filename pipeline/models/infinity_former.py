@@ -40,13 +40,14 @@ document) by starting again from ``init_state``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.models.checks import check_at_least, check_scalar_types
 from pipeline.models.protocol import ModelOutput, SequenceModel, State
 
 MIN_SIGMA_SQ = 1e-6
@@ -98,20 +99,9 @@ class InfinityFormerConfig:
     """λ_KL: weight of Σ_layers mean KL in the loss (0 = none)."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{f.name} must be an int, got {value!r}")
-            if f.type == "bool" and not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be a bool, got {value!r}")
-            if f.type == "float" and (isinstance(value, bool)
-                                      or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)):
-                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
-        for name in ("d_model", "n_layers", "n_heads", "ff_dim", "mem_len", "n_basis",
-                     "n_samples", "sticky_bins"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_scalar_types(self)
+        check_at_least(self, ("d_model", "n_layers", "n_heads", "ff_dim", "mem_len", "n_basis",
+                              "n_samples", "sticky_bins"), 1)
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
