@@ -399,4 +399,5 @@ def _as_json(g: Group, metrics: list[str]) -> dict:
 def paper_line(paper) -> str:
     """`show`'s line for a spec's `paper:` section."""
     results = ", ".join(f"{k} {v:g}" for k, v in paper.results.items())
-    return f"published: {results} with {paper.parameters / 1e6:g}M parameters ({paper.table})"
+    size = f" with {paper.parameters / 1e6:g}M parameters" if paper.parameters else ""
+    return f"published: {results}{size} ({paper.table})"

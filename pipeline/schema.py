@@ -467,7 +467,7 @@ class WorkspaceSpec(Section):
 
 
 # what evaluate logs, under the names a paper row is written with
-PAPER_METRICS = ("valid_bpc", "test_bpc", "valid_ppl", "test_ppl")
+PAPER_METRICS = ("valid_bpc", "test_bpc", "valid_ppl", "test_ppl", "test_paper_loss")
 
 
 class PaperSpec(Section):
@@ -475,7 +475,8 @@ class PaperSpec(Section):
     the runs' numbers. Not part of any stage's fingerprint: it describes, it does not run."""
     table: str = Field(min_length=1, description="where it is published, e.g. "
                                                  "'Sukhbaatar et al. 2019, table 2'")
-    parameters: int = Field(gt=0, description="the published parameter count")
+    parameters: int | None = Field(None, gt=0, description="the published parameter count "
+                                                         "(none: the paper gives none)")
     results: dict[Literal[PAPER_METRICS], float] = Field(  # type: ignore[valid-type]
         min_length=1, description="metric -> published value (valid is the paper's dev)")
 

@@ -241,6 +241,11 @@ PUBLISHED = {   # PAPERS.md: the all-attention paper's tables 1-3
     "baselines/enwik8_transformer_large.yaml": {"test_bpc": 0.98},
     "baselines/text8_transformer_small.yaml": {"valid_bpc": 1.05, "test_bpc": 1.11},
     "baselines/text8_transformer_large.yaml": {"valid_bpc": 1.01, "test_bpc": 1.07},
+} | {   # the active-memory paper's table 1: test loss per token (its padded mean)
+    f"active_memory/wt103_{mixer}.yaml": {"test_paper_loss": loss} for mixer, loss in (
+        ("cgru", 1.6834), ("conv", 1.5358), ("persistent_conv", 1.5341),
+        ("highway_conv", 1.5327), ("self_attention", 1.5189), ("sa_conv", 1.4912),
+        ("sa_persistent_conv", 1.4905), ("sa_highway_conv", 1.4869))
 }
 
 
