@@ -47,7 +47,7 @@ def run(ctx: StageContext) -> dict:
     import torch
 
     from pipeline.data.algorithmic import generate, length_step, vocab_size
-    from pipeline.optim import warmup_lr
+    from pipeline.optim import scheduled_lr
 
     spec, train = ctx.spec, ctx.spec.train
     task, data_seed = spec.dataset.generator.algorithmic, spec.dataset.generator.seed
@@ -76,7 +76,7 @@ def run(ctx: StageContext) -> dict:
         for i in range(cur.steps_per_epoch):
             update = (epoch - 1) * cur.steps_per_epoch + i + 1
             for group in optimizer.param_groups:
-                group["lr"] = warmup_lr(opt.lr, opt.warmup_steps, update)
+                group["lr"] = scheduled_lr(opt.lr, opt.warmup_steps, update, opt.schedule)
             x, y = generate(task.problem, length, train.batch_size, batches, task.vocab)
             out = model(x.to(device), y.to(device))
             loss = out.nll.mean() + model.aux_loss()

@@ -89,17 +89,19 @@ def test_binary_problems_refuse_even_lengths():
 # ---------------------------------------------------------------- the stage, in process
 
 TASK = """\
-extends: [{base}]
+extends: [{base}, toy_model.yaml]
 name: tiny_task
 dataset: not_algorithmic
-model: {{d_model: 16, n_layers: 1, ff_dim: 32, kernel_size: 3, n_heads: 2, head_dim: 8}}
 train: {{batch_size: 8}}
 workspace: {{root: {root}}}
 """
+# in a base of its own, as configs/base does: a mixer without attention ignores n_heads
+TOY_MODEL = "model: {d_model: 16, n_layers: 1, ff_dim: 32, kernel_size: 3, n_heads: 2, head_dim: 8}\n"
 
 
 def task_spec(tmp_path: Path, *sets: str, name: str = "t.yaml"):
     path = tmp_path / name
+    (tmp_path / "toy_model.yaml").write_text(TOY_MODEL)
     path.write_text(TASK.format(base=ROOT / "configs" / "base" / "active_memory_task.yaml",
                                 root=tmp_path / "runs"))
     tiny = ["dataset.generator.algorithmic.curriculum={epochs: 4, steps_per_epoch: 10, "
@@ -194,8 +196,8 @@ def test_task_pipeline_needs_no_steps_and_refuses_what_it_ignores(tmp_path):
         tmp_path, "dataset.generator.algorithmic={problem: add, curriculum: {length_step: 1}}")
     # the train stage still needs them
     msg = spec_error(tmp_path, "dataset=python_docs", "stages=[download, preprocess, train]")
-    assert f"{path}:5: train.steps: required key is missing" in msg
-    assert f"{path}:5: train.seq_len: required key is missing" in msg
+    assert f"{path}:4: train.steps: required key is missing" in msg
+    assert f"{path}:4: train.seq_len: required key is missing" in msg
 
 
 # ---------------------------------------------------------------- the CLI
