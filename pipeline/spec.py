@@ -199,7 +199,7 @@ def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) ->
         parent_path = (path.parent / parent)
         at = own_where.get(("extends", i), own_where.get(("extends",)))  # `extends: FILE`
         if not _is_file(parent_path, at):
-            raise SpecError(f"{at}: extends: no such file {parent_path}")
+            raise SpecError(f"{at}: extends: no such file {_shown(parent_path)}")
         merged = _merge(merged, _load_with_extends(parent_path, where, chain + (path.resolve(),)))
     # The file's own keys win, and so do their locations.
     where.update({k: v for k, v in own_where.items() if k and k[0] != "extends"})
