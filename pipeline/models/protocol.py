@@ -43,18 +43,15 @@ class ModelOutput(NamedTuple):
 
 
 class SequenceModel(nn.Module):
-    """Base class of every model family. Subclasses implement ``forward`` and
-    ``init_state``; the rest has defaults for a model with nothing more to say."""
+    """Base class of every model family. Subclasses implement
+    ``forward(tokens, targets=None, state=None) -> ModelOutput`` (tokens, targets: [B, M]
+    int64; state: the previous block's ``ModelOutput.state``, None for ``init_state``'s) and,
+    if they carry a state, ``init_state``; the rest has defaults for a model with nothing more
+    to say."""
 
     activation_checkpointing: bool = False
     """Set by the trainer from ``train.deepspeed.activation_checkpointing``: recompute each
     layer's activations in backward instead of storing them (a model may ignore it)."""
-
-    def forward(self, tokens: Tensor, targets: Tensor | None = None,
-                state: State | None = None) -> ModelOutput:
-        """tokens, targets: [B, M] int64; state: the previous block's ``ModelOutput.state``
-        (None: ``init_state``)."""
-        raise NotImplementedError
 
     def init_state(self, batch_size: int, device=None) -> State:
         """The state before a stream's first block (zeros, or [] for a stateless model)."""
