@@ -4,6 +4,7 @@ by the length curriculum, mean over seeds, beside the paper's numbers (PAPERS.md
     python bench/table4.py [--problems add,mult,remember,reverse]
                            [--mixers self_attention,conv,sa+conv] [--seeds 1,2,3]
                            [--epochs 100] [--steps 100] [--jobs 1] [--device auto]
+                           [--results FILE.jsonl]
 
 Each cell runs configs/active_memory/<problem>.yaml (the paper's task model and curriculum)
 through the curriculum stage itself, in process, with model.mixer, train.seed and the
@@ -14,12 +15,15 @@ the full protocol. The paper's ordering to look for: conv above self-attention o
 mult, self-attention above conv on remember and reverse.
 
 A benchmark: it prints a table (and the per-run scores and times) and asserts nothing.
---jobs runs that many curricula at once, one thread each.
+--jobs runs that many curricula at once, one thread each. --results keeps every finished
+curriculum as a line of FILE (with its protocol): running again with the same file runs only
+the cells it lacks, so the full protocol (hours on a CPU) can be done in several sittings.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import sys
@@ -88,22 +92,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100, help="steps per epoch")
     ap.add_argument("--jobs", type=int, default=1, help="curricula run at once")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--results", type=Path, help="finished cells, kept across invocations")
     args = ap.parse_args()
     problems, mixers = args.problems.split(","), args.mixers.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     threads = 1 if args.jobs > 1 else os.cpu_count()
     cells = [(p, m, s) for p in problems for m in mixers for s in seeds]
+    protocol = {"epochs": args.epochs, "steps": args.steps}
+    results = earlier_results(args.results, protocol) if args.results else {}
+    for cell in cells:
+        if cell in results:
+            show(cell, results[cell], "(earlier)")
+    todo = [cell for cell in cells if cell not in results]
     started = time.time()
     # spawned workers: a forked one can hang in OpenMP that its parent's torch started
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {cell: pool.submit(one_run, *cell, args.epochs, args.steps, args.device,
-                                     threads) for cell in cells}
-        results = {}
+                                     threads) for cell in todo}
         for cell, future in futures.items():
             results[cell] = future.result()
-            score, lengths, seconds = results[cell]
-            print(f"{cell[0]:<9} {cell[1]:<15} seed {cell[2]}: score {score:>3}  "
-                  f"({seconds:.0f} s; lengths {lengths[0]}..{lengths[-1]})", flush=True)
+            show(cell, results[cell])
+            if args.results:
+                with args.results.open("a") as f:
+                    f.write(json.dumps({"cell": cell, "protocol": protocol,
+                                        "result": results[cell]}) + "\n")
     total = time.time() - started
     print(f"\nTable 4, {args.epochs} epochs x {args.steps} steps, seeds {args.seeds}: mean "
           f"longest length solved, ours / paper's")
@@ -114,7 +126,30 @@ def main() -> None:
             ours = sum(results[(problem, mixer, s)][0] for s in seeds) / len(seeds)
             row += f"{ours:>8.1f} / {PAPER[mixer][problem]:<5}"
         print(row)
-    print(f"\n{len(cells)} curricula in {total / 60:.1f} min ({args.jobs} at a time)")
+    print(f"\n{len(todo)} curricula run in {total / 60:.1f} min ({args.jobs} at a time); "
+          f"{len(cells) - len(todo)} from {args.results}; their own times: "
+          f"{sum(results[c][2] for c in cells) / 3600:.1f} h in all")
+
+
+def show(cell, result, note: str = "") -> None:
+    score, lengths, seconds = result
+    print(f"{cell[0]:<9} {cell[1]:<15} seed {cell[2]}: score {score:>3}  "
+          f"({seconds:.0f} s; lengths {lengths[0]}..{lengths[-1]}) {note}", flush=True)
+
+
+def earlier_results(path: Path, protocol: dict) -> dict:
+    """{(problem, mixer, seed): (score, lengths, seconds)} of the cells `path` holds for this
+    protocol (a cell run under other epochs/steps is not this table's)."""
+    if not path.exists():
+        return {}
+    found = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        if entry["protocol"] == protocol:
+            found[tuple(entry["cell"])] = tuple(entry["result"])
+    return found
 
 
 if __name__ == "__main__":
