@@ -1,12 +1,15 @@
-"""Learning-curve pictures (matplotlib, headless): train loss and valid bpc of several runs,
-each by optimizer step, by tokens seen and by wall-clock time.
+"""Pictures (matplotlib, headless): learning curves (train loss and valid bpc of several runs,
+each by optimizer step, by tokens seen and by wall-clock time) and heat maps of numbers per
+layer and head (learned spans, the share of attention on persistent vectors).
 
-The data come from MLflow (`curves`), the picture from that data alone (`learning_curves`),
-so what is drawn can be checked without looking at pixels.
+Each picture is drawn from its data alone (`curves` reads the learning curves from MLflow;
+a heat map's table is the model's own report, which the PNG also carries as text), so what
+is drawn can be checked without looking at pixels.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # metric -> the y-axis label; train and finetune log both under these names
@@ -75,3 +78,63 @@ def learning_curves(data: dict[str, dict[str, list[dict]]], path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+HEAT_MAP_KEY = "head_table"
+"""The PNG text chunk holding a heat map's table (JSON), read back with PIL's ``Image.text``."""
+
+ANNOTATE_CELLS = 512
+"""Up to this many layer x head cells each carries its value as text (beyond, the colour bar
+alone: the numbers would not fit)."""
+
+
+def head_heat_map(table: list[list[float]], title: str, path) -> Path:
+    """A PNG at `path`: one cell per layer (y, layer 1 at the bottom) and head (x), coloured
+    from 0 to the table's largest value, each value written in its cell, a colour bar beside.
+    `table[layer][head]`; every layer has the same number of heads."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_heads = {len(row) for row in table}
+    if not table or len(n_heads) != 1 or 0 in n_heads:
+        raise ValueError(f"a heat map needs the same number (> 0) of heads in every layer; "
+                         f"got rows of {sorted(n_heads) or 'no'} values")
+    n_layers, n_heads = len(table), n_heads.pop()
+    top = max(max(row) for row in table)
+    fig, ax = plt.subplots(figsize=(2 + 0.9 * n_heads, 1.5 + 0.45 * n_layers))
+    image = ax.imshow(table, origin="lower", aspect="auto", cmap="viridis", vmin=0,
+                      vmax=top if top > 0 else 1)
+    fig.colorbar(image, ax=ax)
+    if n_layers * n_heads <= ANNOTATE_CELLS:
+        for i, row in enumerate(table):
+            for j, value in enumerate(row):
+                # dark text on the light (high) end of viridis, light text on the dark end
+                ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize="small",
+                        color="black" if value > 0.6 * top else "white")
+    ax.set_xticks(range(n_heads), [str(j + 1) for j in range(n_heads)])
+    ax.set_yticks(range(n_layers), [str(i + 1) for i in range(n_layers)])
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(title, fontsize="medium")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, metadata={HEAT_MAP_KEY: json.dumps(table)})
+    plt.close(fig)
+    return path
+
+
+def save_head_tables(tables: dict[str, list[list[float]]], out_dir, title: str) -> list[Path]:
+    """For each table a model reports (`SequenceModel.head_tables`): `<name>.json` (the
+    numbers) and `<name>.png` (its heat map, titled "<name> <title>") in `out_dir`; returns
+    the files written."""
+    from pipeline.fsutil import atomic_write_json
+
+    written = []
+    for name, table in tables.items():
+        atomic_write_json(Path(out_dir) / f"{name}.json", table)
+        written += [Path(out_dir) / f"{name}.json",
+                    head_heat_map(table, f"{name.replace('_', ' ')} {title}",
+                                  Path(out_dir) / f"{name}.png")]
+    return written

@@ -60,6 +60,7 @@ def run(ctx: StageContext) -> dict:
             results[split]["lines"] = lines
             ctx.tracker.log_metrics({f"{split}_paper_loss": lines["paper_loss"],
                                      f"{split}_line_nll": lines["line_nll"]}, step=0)
+    results |= _persistent_share(ctx, model, seq_len, device)
     atomic_write_json(ctx.out_dir / "results.json", results)
     ctx.tracker.log_artifact(ctx.out_dir / "results.json")
     ctx.log(f"checkpoint {source}/{tag}; unigram entropy of the train split "
@@ -74,6 +75,39 @@ def run(ctx: StageContext) -> dict:
                     f"{lines['line_nll']:.4f} nats per token ({lines['lines']:,} lines, "
                     f"{lines['skipped_lines']:,} longer ones skipped)")
     return results
+
+
+SHARE_BATCHES = 16
+"""The persistent share is measured on the valid split's first this many batches of
+evaluate.batch_size x seq_len (streamed with the cache, as scoring does): a per-head mean
+over thousands of query rows, at a fraction of a full pass's cost."""
+
+
+def _persistent_share(ctx: StageContext, model, seq_len: int, device) -> dict:
+    """{"persistent_share": [[...]]} (per layer x head, the mean attention weight on the
+    persistent vectors on the valid split) and its heat map `persistent_share.png`, logged
+    as an artifact; {} for a model that reports none (SequenceModel.measure_persistent_share).
+    Every query row of the batches run counts, the padded tail of a short split's last
+    batch included."""
+    from pipeline.data.manifest import load_split
+    from pipeline.evaluation import evaluate_nll
+    from pipeline.plots import head_heat_map
+
+    batch_size = ctx.spec.evaluate.batch_size
+    with model.measure_persistent_share() as tables:
+        if tables is not None:
+            evaluate_nll(model, load_split(ctx.inputs["preprocess"], "valid"), batch_size,
+                         seq_len, device, max_batches=SHARE_BATCHES)
+    if not tables:
+        return {}
+    share = tables["persistent_share"]
+    ctx.log(f"persistent share measured on the first {SHARE_BATCHES} valid batches of "
+            f"{batch_size} x {seq_len} with the reference op's attention weights "
+            f"(scoring used {model.describe()})")
+    path = head_heat_map(share, f"share of attention on persistent vectors, valid split "
+                                f"({ctx.spec.name})", ctx.out_dir / "persistent_share.png")
+    ctx.tracker.log_artifact(path)
+    return {"persistent_share": share}
 
 
 def _eos_id(ctx: StageContext) -> int:

@@ -10,6 +10,7 @@ from train's, in the checkpoints and in MLflow.
 from __future__ import annotations
 
 from stages import Stage, StageContext
+from stages.train import log_head_tables
 
 
 def run(ctx: StageContext) -> dict:
@@ -33,6 +34,7 @@ def run(ctx: StageContext) -> dict:
     summary = trainer.fit(begin + ft.steps, lambda k: lr, ckpt_root,
                           expect_lr=lr if trainer.step == begin else None)
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
+    log_head_tables(ctx, trainer, "finetune")
     return summary | {"lr": lr, "from_step": begin}
 
 

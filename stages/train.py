@@ -41,7 +41,20 @@ def run(ctx: StageContext) -> dict:
                           lambda k: scheduled_lr(opt.lr, opt.warmup_steps, k, opt.schedule),
                           ckpt_root, patience=patience(ctx.spec))
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
+    log_head_tables(ctx, trainer, "train")
     return summary
+
+
+def log_head_tables(ctx: StageContext, trainer, stage: str) -> None:
+    """What the model reports per layer and head at the end of the stage (its learned spans:
+    `spans.json`, `spans.png`) into out_dir, logged as artifacts; rank 0 only."""
+    from pipeline.plots import save_head_tables
+
+    if trainer.rank != 0:
+        return
+    for path in save_head_tables(trainer.model.head_tables(), ctx.out_dir,
+                                 f"after step {trainer.step} ({ctx.spec.name}, {stage})"):
+        ctx.tracker.log_artifact(path)
 
 
 # train's validation settings: runtime-only, unless finetune.patience stops training on them

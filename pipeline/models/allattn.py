@@ -55,6 +55,8 @@ The ablations (paper section 5.3, text8, large model), as implemented here
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -63,7 +65,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
 from pipeline.models.config import FF_KINDS, PERSISTENT_MODES, AllAttnConfig
-from pipeline.models.layers import AllAttnLayer, attn_span_len, cache_len
+from pipeline.models.layers import AllAttnLayer, PersistentShareSum, attn_span_len, cache_len
 from pipeline.models.protocol import ModelOutput, SequenceModel, State
 from pipeline.ops import AttendFn, describe_auto, get_attention_impl
 
@@ -169,6 +171,33 @@ class AllAttnLM(SequenceModel):
         if not spans:
             return {}
         return {"span_mean": sum(spans) / len(spans), "span_max": max(spans)}
+
+    def head_tables(self) -> dict[str, list[list[float]]]:
+        """{"spans": ``spans()``} with adaptive span (a fixed span is max_span everywhere:
+        nothing to show), else {}."""
+        return {"spans": self.spans()} if self.cfg.adaptive_span else {}
+
+    @contextmanager
+    def measure_persistent_share(self):
+        """The share of each head's joint softmax (eq. 13) that goes to its persistent
+        vectors, from the reference op's weights (after the span mask and renormalisation,
+        before dropout) whatever the backend. Only ``persistent_mode: all_attn`` shares one
+        softmax between context and persistent vectors; the other modes (and N = 0) yield
+        None: their split is fixed by construction."""
+        if self.cfg.n_persistent == 0 or self.cfg.persistent_mode != "all_attn":
+            yield None
+            return
+        sums = [PersistentShareSum(self.cfg.n_heads, self.pos_table.device) for _ in self.layers]
+        tables: dict[str, list[list[float]]] = {}
+        for layer, s in zip(self.layers, sums):
+            layer.attn.persistent_share = s
+        try:
+            yield tables
+        finally:
+            for layer in self.layers:
+                layer.attn.persistent_share = None
+        if sums[0].rows:
+            tables["persistent_share"] = [s.mean() for s in sums]
 
     def parameter_groups(self) -> dict[str, int]:
         """Parameter elements by role: embeddings, position table, attention matrices,

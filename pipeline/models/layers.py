@@ -17,6 +17,7 @@ from pipeline.ops.attention import (
     AttendFn,
     adaptive_span_mask,
     attend_persistent,
+    attention_weights,
     get_attention_impl,
 )
 from pipeline.ops.dropout import draw_dropout_seed
@@ -92,6 +93,26 @@ class AdaptiveSpan(nn.Module):
 # --------------------------------------------------------------------------------------
 
 
+class PersistentShareSum:
+    """What a layer accumulates while the persistent share is measured: per head, the
+    attention weight on the persistent vectors summed over query rows (float64), and how
+    many query rows (per head) that is."""
+
+    def __init__(self, n_heads: int, device) -> None:
+        self.weight = torch.zeros(n_heads, dtype=torch.float64, device=device)
+        self.rows = 0
+
+    def add(self, persistent_weights: Tensor) -> None:
+        """persistent_weights: [B, H, M, N], the joint softmax's weights (before dropout)."""
+        b, _, m, _ = persistent_weights.shape
+        self.weight += persistent_weights.to(torch.float64).sum(dim=(0, 2, 3))
+        self.rows += b * m
+
+    def mean(self) -> list[float]:
+        """Per head, the mean share of a query row's weight on the persistent vectors."""
+        return (self.weight / self.rows).tolist()
+
+
 class AllAttention(nn.Module):
     """Multi-head attention over the previous L' tokens plus N persistent vectors per head,
     combined as ``persistent_mode`` says (see the module doc)."""
@@ -130,6 +151,8 @@ class AllAttention(nn.Module):
                 self.n_ctx_heads, cfg.max_span, cfg.span_ramp, cfg.span_init
             )
         self.attend: AttendFn = get_attention_impl("reference")
+        self.persistent_share: PersistentShareSum | None = None
+        """Set while the model measures the persistent share (all_attn mode only)."""
 
     def span_len(self) -> int:
         """L' for the current spans (one host sync when adaptive)."""
@@ -182,6 +205,11 @@ class AllAttention(nn.Module):
         seed = draw_dropout_seed() if self.training and self.dropout_p > 0 else None
         b, m = h.shape[0], h.shape[1]
         if self.mode == "all_attn":  # eq. 13: one softmax over context + persistent
+            if self.persistent_share is not None and pk is not None:
+                # the reference op's weights for the same inputs (every backend matches
+                # them); the output still comes from the configured backend
+                _, a_pers = attention_weights(q, k, pos, persistent_k=pk, span_mask=mask)
+                self.persistent_share.add(a_pers)
             out = self.attend(
                 q, k, v, pos, persistent_k=pk, persistent_v=pv, span_mask=mask,
                 dropout_seed=seed, **drop,

@@ -22,7 +22,8 @@ resumes on another number of processes, without knowing what it holds.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -82,6 +83,20 @@ class SequenceModel(nn.Module):
         """Numbers about the model itself worth tracking while it trains (learned spans,
         memory usage); logged with the loss at every report."""
         return {}
+
+    def head_tables(self) -> dict[str, list[list[float]]]:
+        """Numbers per layer x head the model reports about itself, by name (the learned
+        spans, for a heat map at the end of training); {} for a model with none."""
+        return {}
+
+    @contextmanager
+    def measure_persistent_share(self) -> Iterator[dict[str, list[list[float]]] | None]:
+        """While inside, forward passes measure how much attention weight goes to the
+        persistent vectors; on exit the yielded dict holds ``"persistent_share"``: per layer
+        x head, the mean over the query rows seen of the weight summed over the persistent
+        vectors. Yields None for a model with nothing to measure (the default), so that the
+        caller can skip the pass."""
+        yield None
 
     def parameter_groups(self) -> dict[str, int]:
         """Parameter elements by role, for `show` (default: by top-level submodule)."""
