@@ -146,3 +146,44 @@ def test_grid_mistakes_are_one_line(cfg):
     assert result.exit_code == 2
     assert result.output.startswith("error: sweep point pipe-n_layer1: ")
     assert "model.n_layer" in result.output and "n_layers" in result.output
+
+
+@pytest.mark.slow
+def test_parallel_runs_each_point_as_its_own_process_and_compare_shows_both(cfg, tmp_path,
+                                                                           monkeypatch):
+    """The real stages (a point's process is a plain `allattn-pipe run`) on a small corpus."""
+    from click.testing import CliRunner
+    from pipeline.cli import main
+
+    corpus = tmp_path / "corpus.txt"       # small: download, preprocess, evaluate in seconds
+    corpus.write_bytes(b"".join(b"line %d of a small corpus.\n" % i for i in range(2000)))
+    # the points' processes (python -m pipeline.cli run) import this checkout
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(main, [
+        "sweep", str(cfg), "--seeds", "1,2", "--parallel", "2",
+        "--set", f"dataset.url=file://{corpus}", "--set", "train.steps=2",
+        "--set", "evaluate.seq_len=64", "--set", "evaluate.splits=[valid]"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    names = ["pipe-seed1", "pipe-seed2"]
+    started = [next(i for i, line in enumerate(lines) if line.startswith(f"[{n}] started"))
+               for n in names]
+    finished = [lines.index(f"[{n}] finished") for n in names]
+    assert max(started) < min(finished), result.output     # both ran at the same time
+    assert lines[-1] == "2 of 2 points done"
+    for name in names:
+        log = (tmp_path / "runs" / name / "sweep.log").read_text()   # its own process's output
+        assert "[train] running" in log and "[evaluate] done" in log, log
+        assert "[preprocess] running" not in log                       # the sweep's, reused
+
+    result = CliRunner(env={"MLFLOW_TRACKING_URI": (tmp_path / "store").as_uri()}).invoke(
+        main, ["compare", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    groups = json.loads(result.output)
+    assert [(g["name"], g["n"], g["status"], g["metrics"]["valid_bpc"]["n"])
+            for g in groups] == [("pipe", 2, "finished", 2)]
+    assert sorted(r["seed"] for r in groups[0]["runs"]) == ["1", "2"]
