@@ -87,6 +87,21 @@ def test_persistent_share_is_the_mean_weight_on_the_persistent_vectors():
     assert all(layer.attn.persistent_share is None for layer in model.layers)
 
 
+def test_a_fused_backend_keeps_its_outputs_and_measures_the_reference_weights():
+    x = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(1))
+    shares = {}
+    for impl in ("reference", "sdpa"):
+        model = tiny_model()
+        model.set_attention_impl(impl)
+        plain = model(x, x).nll
+        with model.measure_persistent_share() as tables:
+            assert torch.equal(model(x, x).nll, plain)
+        shares[impl] = torch.tensor(tables["persistent_share"], dtype=torch.float64)
+    # layer 1 sees the same inputs; layer 2 the backends' outputs, equal up to rounding
+    assert torch.equal(shares["sdpa"][0], shares["reference"][0])
+    torch.testing.assert_close(shares["sdpa"], shares["reference"], rtol=0, atol=1e-8)
+
+
 def test_models_without_a_joint_persistent_softmax_report_no_share():
     x = torch.zeros(1, 4, dtype=torch.long)
     for overrides in ({"n_persistent": 0, "ff_dim": 8}, {"persistent_mode": "attn_split"},
