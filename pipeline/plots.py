@@ -10,6 +10,7 @@ is drawn can be checked without looking at pixels.
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 # metric -> the y-axis label; train and finetune log both under these names
@@ -102,7 +103,8 @@ def head_heat_map(table: list[list[float]], title: str, path) -> Path:
                          f"got rows of {sorted(n_heads) or 'no'} values")
     n_layers, n_heads = len(table), n_heads.pop()
     top = max(max(row) for row in table)
-    fig, ax = plt.subplots(figsize=(2 + 0.9 * n_heads, 1.5 + 0.45 * n_layers))
+    width = 2 + 0.9 * n_heads
+    fig, ax = plt.subplots(figsize=(width, 1.5 + 0.45 * n_layers))
     image = ax.imshow(table, origin="lower", aspect="auto", cmap="viridis", vmin=0,
                       vmax=top if top > 0 else 1)
     fig.colorbar(image, ax=ax)
@@ -116,7 +118,7 @@ def head_heat_map(table: list[list[float]], title: str, path) -> Path:
     ax.set_yticks(range(n_layers), [str(i + 1) for i in range(n_layers)])
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_title(title, fontsize="medium")
+    ax.set_title(textwrap.fill(title, int(9 * width)), fontsize="medium")  # ~9 chars/inch
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,16 +127,20 @@ def head_heat_map(table: list[list[float]], title: str, path) -> Path:
     return path
 
 
+TABLE_TITLES = {"spans": "learned span in tokens"}
+"""What a heat map's title calls a table `SequenceModel.head_tables` reports (else its name)."""
+
+
 def save_head_tables(tables: dict[str, list[list[float]]], out_dir, title: str) -> list[Path]:
     """For each table a model reports (`SequenceModel.head_tables`): `<name>.json` (the
-    numbers) and `<name>.png` (its heat map, titled "<name> <title>") in `out_dir`; returns
-    the files written."""
+    numbers) and `<name>.png` (its heat map, titled "<what it is> <title>") in `out_dir`;
+    returns the files written."""
     from pipeline.fsutil import atomic_write_json
 
     written = []
     for name, table in tables.items():
         atomic_write_json(Path(out_dir) / f"{name}.json", table)
         written += [Path(out_dir) / f"{name}.json",
-                    head_heat_map(table, f"{name.replace('_', ' ')} {title}",
+                    head_heat_map(table, f"{TABLE_TITLES.get(name, name)} {title}",
                                   Path(out_dir) / f"{name}.png")]
     return written

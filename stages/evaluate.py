@@ -101,11 +101,11 @@ def _persistent_share(ctx: StageContext, model, seq_len: int, device) -> dict:
     if not tables:
         return {}
     share = tables["persistent_share"]
-    ctx.log(f"persistent share measured on the first {SHARE_BATCHES} valid batches of "
-            f"{batch_size} x {seq_len} with the reference op's attention weights "
+    ctx.log(f"persistent share measured on (at most) the first {SHARE_BATCHES} valid batches "
+            f"of {batch_size} x {seq_len} with the reference op's attention weights "
             f"(scoring used {model.describe()})")
-    path = head_heat_map(share, f"share of attention on persistent vectors, valid split "
-                                f"({ctx.spec.name})", ctx.out_dir / "persistent_share.png")
+    title = f"share of attention weight on the persistent vectors, valid split ({ctx.spec.name})"
+    path = head_heat_map(share, title, ctx.out_dir / "persistent_share.png")
     ctx.tracker.log_artifact(path)
     return {"persistent_share": share}
 
