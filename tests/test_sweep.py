@@ -166,7 +166,8 @@ def test_parallel_runs_each_point_as_its_own_process_and_compare_shows_both(cfg,
     result = CliRunner().invoke(main, [
         "sweep", str(cfg), "--seeds", "1,2", "--parallel", "2",
         "--set", f"dataset.url=file://{corpus}", "--set", "train.steps=2",
-        "--set", "evaluate.seq_len=64", "--set", "evaluate.splits=[valid]"])
+        "--set", "evaluate.seq_len=64", "--set", "evaluate.splits=[valid]",
+        "--set", "stages=[download,preprocess,train,evaluate]"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     names = ["pipe-seed1", "pipe-seed2"]
