@@ -11,8 +11,9 @@ segments and starts afresh for each document. Only the targets after the separat
 scored and trained on (the authors' code backpropagates the final segment's loss only; the
 state is detached between segments). Accuracy is teacher-forced: token accuracy of the 20
 target symbols and the share of documents with all 20 right, on 64 held-out documents.
-This is the issue's acceptance bench in miniature, run in-process (document-level training in
-the trainer is issue 13 part 2). Prints a markdown table; asserts nothing.
+This is the issue's acceptance bench in miniature, run in-process, through the same
+pipeline.documents.run_documents as the trainer's document mode. Prints a markdown table;
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -28,34 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.data.frequency_sort import generate_split  # noqa: E402
+from pipeline.documents import run_documents  # noqa: E402
 from pipeline.models import build_model  # noqa: E402
 
 VOCAB = 20
 MODEL = dict(d_model=64, n_layers=2, n_heads=4, ff_dim=128, dropout=0.0, n_basis=64,
              n_samples=64)
-
-
-def run_documents(model, docs: torch.Tensor, segment: int, length: int, train: bool):
-    """Streams a batch of documents [B, length + 1 + VOCAB] segment by segment; returns the
-    loss over the scored targets and the predictions [B, VOCAB] of the sorted symbols."""
-    tokens, targets = docs[:, :-1], docs[:, 1:]
-    state = model.init_state(docs.shape[0])
-    first_scored = length              # targets[length:] are the symbols after the separator
-    losses, preds = [], []
-    for start in range(0, tokens.shape[1], segment):
-        seg_tokens = tokens[:, start:start + segment]
-        seg_targets = targets[:, start:start + segment]
-        scored = max(first_scored - start, 0)
-        if scored >= seg_tokens.shape[1]:
-            with torch.no_grad():
-                state = model(seg_tokens, None, state).state
-            continue
-        with torch.set_grad_enabled(train):
-            out = model(seg_tokens, seg_targets, state)
-        state = out.state
-        losses.append(out.nll[:, scored:])
-        preds.append(out.logits[:, scored:].argmax(-1))
-    return torch.cat(losses, 1).mean(), torch.cat(preds, 1)
 
 
 def train_and_score(ltm: bool, length: int, seed: int, args) -> tuple[float, float]:
@@ -69,15 +48,15 @@ def train_and_score(ltm: bool, length: int, seed: int, args) -> tuple[float, flo
     test = torch.from_numpy(generate_split(seed, "test", 64, VOCAB, length, (1, 9)))
     model.train()
     for step in range(args.steps):
-        loss, _ = run_documents(model, train[step * args.batch:(step + 1) * args.batch],
-                                args.segment, length, True)
+        out = run_documents(model, train[step * args.batch:(step + 1) * args.batch],
+                            args.segment, length, True)
         opt.zero_grad()
-        (loss + model.aux_loss()).backward()
+        (out.nll.mean() + out.aux).backward()
         opt.step()
         sched.step()
     model.eval()
-    _, preds = run_documents(model, test, args.segment, length, False)
-    right = preds == test[:, length + 1:]
+    right = run_documents(model, test, args.segment, length, False).predictions \
+        == test[:, length + 1:]
     return float(right.float().mean()), float(right.all(1).float().mean())
 
 

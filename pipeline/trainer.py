@@ -4,6 +4,12 @@ One `Trainer` owns the model (any pipeline.models.SequenceModel, used only throu
 protocol), the engine, the data streams and the model's state for each micro-batch. Its
 state is a step number: the data position and the learning rate follow from it, so a
 checkpoint (model, optimizer, model states, RNG, step) resumes exactly where the run stopped.
+
+A dataset of documents (the manifest's `documents`, pipeline.data.documents) trains document
+by document instead: each update reads a batch of whole documents through
+pipeline.documents.run_documents, every document from the model's initial state, and is
+scored on the targets after each separator. Nothing carries across updates, so its state is
+the step alone; validation reports the loss per scored target, token accuracy and exact match.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import torch
 from pipeline import distributed
 from pipeline.checkpoint_io import CheckpointIO, LoopState
 from pipeline.data.manifest import load_manifest, load_split
+from pipeline.data.documents import as_documents
 from pipeline.device import peak_memory_mb, resolve_device
+from pipeline.documents import run_documents, score_documents
 from pipeline.ds_config import deepspeed_config
 from pipeline.errors import PipelineError, Preempted
 from pipeline.evaluation import LN2, evaluate_nll
@@ -32,6 +40,7 @@ from pipeline.signals import StopSignal
 class Trainer:
     def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None]):
         from pipeline.data import StreamBatches
+        from pipeline.data.documents import DocumentBatches, document_layout
         from pipeline.optim import (bind_to_engine, build_optimizer, float32_from_master,
                                     master_clamp)
 
@@ -46,6 +55,7 @@ class Trainer:
                                 "CPU); use bf16 or neither")
         manifest = load_manifest(preprocess_dir)
         self.vocab_size = manifest["vocab_size"]
+        self.documents = document_layout(manifest)     # None: a token stream
 
         # identical initial weights on every rank, then per-rank streams of randomness
         torch.manual_seed(train.seed)
@@ -79,9 +89,15 @@ class Trainer:
         self.preprocess_dir = preprocess_dir
         self.valid_tokens = None
         try:
-            self.batches = StreamBatches(self.train_tokens, rows, train.seq_len,
-                                         rank=self.rank, world_size=self.world_size,
-                                         seed=train.seed)
+            if self.documents is None:
+                self.batches = StreamBatches(self.train_tokens, rows, train.seq_len,
+                                             rank=self.rank, world_size=self.world_size,
+                                             seed=train.seed)
+            else:
+                self.batches = DocumentBatches(
+                    as_documents(self.train_tokens, self.documents,
+                                 f"{preprocess_dir}, train split"),
+                    rows, rank=self.rank, world_size=self.world_size, seed=train.seed)
         except ValueError as e:
             raise PipelineError(f"train: {e}") from None
         # one model state per micro-batch: each carries its own rows' history
@@ -94,7 +110,11 @@ class Trainer:
                                         log)
 
     def _initial_states(self) -> list[State]:
-        """The model's state before a stream's first block, one per micro-batch."""
+        """The model's state before a stream's first block, one per micro-batch. Documents
+        carry none across updates (each starts from init_state in run_documents): [] as a
+        stateless model's, which checkpoints and resharding already handle."""
+        if self.documents is not None:
+            return [[] for _ in range(self.accum)]
         return [self.model.init_state(self.micro_batch, device=self.device)
                 for _ in range(self.accum)]
 
@@ -112,7 +132,8 @@ class Trainer:
         resumes from there."""
         train = self.spec.train
         first = self.step + 1
-        window = LossWindow(train.batch_size * train.seq_len)
+        window = LossWindow(train.batch_size * (self.documents["length"] - 1 if self.documents
+                                                else train.seq_len))
         progress = Progress(self.step, until, enabled=self.rank == 0)
         stopped_early = False
         with StopSignal() as stop, progress:
@@ -146,29 +167,42 @@ class Trainer:
                     self.save(ckpt_root, train.keep_checkpoints)
                     window.restart_clock()
         path = self.save(ckpt_root, train.keep_checkpoints)
+        best = "best_valid_loss" if self.documents else "best_valid_bpc_estimate"
         return {"step": self.step, "checkpoint": str(path), "stopped_early": stopped_early,
-                "best_valid_bpc_estimate": self.best_valid, "parameters": self.params}
+                best: self.best_valid, "parameters": self.params}
 
     def train_step(self) -> float:
-        """One optimizer update over all micro-batches; returns this rank's mean token nll."""
-        if self.step > 0 and self.batches.starts_epoch(self.step):
-            # The streams restart at a new offset: the carried states are no longer the
-            # rows' left context, so start from the initial ones, as the authors' trainer
-            # does at the wrap.
-            self.states = self._initial_states()
+        """One optimizer update over all micro-batches; returns this rank's mean token nll
+        (of the scored targets, for documents)."""
         self.bounded_to_float32()  # after a resume, too: the masters are what was loaded
-        x, y = self.batches.batch(self.step)
-        x, y = x.to(self.device), y.to(self.device)
         mb = self.micro_batch
         losses = []
-        for i in range(self.accum):
-            rows = slice(i * mb, (i + 1) * mb)
-            out = self.engine(x[rows], y[rows], self.states[i])
-            nll = out.nll.float().mean()
-            self.engine.backward(nll + self.model.aux_loss())
-            self.engine.step()
-            self.states[i] = out.state
-            losses.append(nll.item())
+        if self.documents is None:
+            if self.step > 0 and self.batches.starts_epoch(self.step):
+                # The streams restart at a new offset: the carried states are no longer the
+                # rows' left context, so start from the initial ones, as the authors'
+                # trainer does at the wrap.
+                self.states = self._initial_states()
+            x, y = self.batches.batch(self.step)
+            x, y = x.to(self.device), y.to(self.device)
+            for i in range(self.accum):
+                rows = slice(i * mb, (i + 1) * mb)
+                out = self.engine(x[rows], y[rows], self.states[i])
+                nll = out.nll.float().mean()
+                self.engine.backward(nll + self.model.aux_loss())
+                self.engine.step()
+                self.states[i] = out.state
+                losses.append(nll.item())
+        else:
+            docs = self.batches.batch(self.step).to(self.device)
+            for i in range(self.accum):
+                out = run_documents(self.engine, docs[i * mb:(i + 1) * mb],
+                                    self.spec.train.seq_len, self.documents["input_length"],
+                                    train=True)
+                nll = out.nll.mean()
+                self.engine.backward(nll + out.aux)
+                self.engine.step()
+                losses.append(nll.item())
         self.clamp_masters()      # the fp32 masters DeepSpeed steps, and the model's copies
         self.model.after_step()   # the model's own hook (the base clamps as above)
         self.bounded_to_float32()
@@ -182,37 +216,54 @@ class Trainer:
     def current_lr(self) -> float:
         return self.engine.optimizer.param_groups[0]["lr"]
 
-    def validate(self) -> tuple[float, int]:
-        """Valid bpc over the first `train.eval_batches` batches of the valid split (or all
-        of it) with train's own validation settings, and the number of tokens it covered;
-        rank 0's values on every rank so that decisions taken on them agree."""
+    def validate(self) -> dict[str, float]:
+        """Validation over the first `train.eval_batches` batches of the valid split (or all
+        of it) with train's own validation settings: {"bpc", "tokens"} it covered, or for
+        documents DocumentScores.metrics() (loss per scored target first); rank 0's values
+        on every rank so that decisions taken on them agree."""
         train = self.spec.train
         if self.valid_tokens is None:          # read (and checksum) only if validating
             self.valid_tokens = load_split(self.preprocess_dir, "valid")
+        max_batches = None if train.eval_batches == "all" else train.eval_batches
+        if self.documents is not None:
+            scores = score_documents(
+                self.model, as_documents(self.valid_tokens, self.documents,
+                                         f"{self.preprocess_dir}, valid split"),
+                train.eval_batch_size, train.eval_seq_len or train.seq_len,
+                self.documents["input_length"], self.device, max_batches)
+            return distributed.broadcast_object(scores.metrics())
         total, count = evaluate_nll(
             self.model, self.valid_tokens, train.eval_batch_size,
-            train.eval_seq_len or train.seq_len, self.device,
-            max_batches=None if train.eval_batches == "all" else train.eval_batches)
+            train.eval_seq_len or train.seq_len, self.device, max_batches=max_batches)
         if count == 0:
             raise PipelineError(f"the valid split has {len(self.valid_tokens)} token(s): "
                                 f"nothing to validate on; make dataset.split.valid larger")
-        return distributed.broadcast_object((total / count / LN2, count))
+        return distributed.broadcast_object({"bpc": total / count / LN2, "tokens": count})
 
     def _track_validation(self, progress: Progress) -> bool:
-        """Validate, log, and count evaluations since the best; True on a new best."""
-        valid, tokens = self.validate()
+        """Validate, log, and count evaluations since the best (by bpc, or by loss per
+        scored target for documents); True on a new best."""
+        metrics = self.validate()
+        valid = metrics["loss" if self.documents else "bpc"]
         improved = self.best_valid is None or valid < self.best_valid
         if improved:
             self.best_valid, self.evals_since_best = valid, 0
         else:
             self.evals_since_best += 1
         if self.rank == 0:
-            self.tracker.log_metrics({"valid_bpc": valid, "valid_tokens": tokens},
+            self.tracker.log_metrics({f"valid_{k}": v for k, v in metrics.items()},
                                      step=self.step)
             scope = ("the whole split" if self.spec.train.eval_batches == "all"
                      else "an estimate")
-            progress.log(self.log, f"step {self.step:>6}  valid bpc {valid:.3f} ({scope}, "
-                                   f"{tokens:,} tokens){'  (best)' if improved else ''}")
+            if self.documents:
+                line = (f"valid loss {valid:.4f}  token accuracy "
+                        f"{metrics['token_accuracy']:.3f}  exact match "
+                        f"{metrics['exact_match']:.3f} ({scope}, {metrics['documents']:,} "
+                        f"documents)")
+            else:
+                line = f"valid bpc {valid:.3f} ({scope}, {metrics['tokens']:,} tokens)"
+            progress.log(self.log, f"step {self.step:>6}  {line}"
+                                   f"{'  (best)' if improved else ''}")
         return improved
 
     def _report(self, window: LossWindow, until: int, progress: Progress) -> None:
@@ -222,16 +273,20 @@ class Trainer:
         mean = distributed.mean_over_ranks(mean)
         if self.rank != 0:
             return
-        metrics = {"loss": mean, "bpc": mean / LN2, "lr": self.current_lr(),
+        metrics = {"loss": mean, "lr": self.current_lr(),
                    "tokens_per_s": tokens_per_s, "step_time_s": seconds_per_step,
                    "peak_memory_mb": peak_memory_mb(self.device),
                    "attention_compiles": compile_count()}
+        # documents: the loss is over the sorted targets, not a text's bits per character
+        bpc = "" if self.documents else f"bpc {mean / LN2:.3f}  "
+        if not self.documents:
+            metrics["bpc"] = mean / LN2
         metrics |= self.model.metrics()
         self.tracker.log_metrics(metrics, step=self.step)
         eta = (until - self.step) * seconds_per_step
         progress.show(f"loss {mean:.4f} lr {metrics['lr']:.3g} {tokens_per_s:,.0f} tok/s")
         progress.log(self.log, f"step {self.step:>6}/{until}  loss {mean:.4f}  "
-                               f"bpc {mean / LN2:.3f}  lr {metrics['lr']:.3g}  "
+                               f"{bpc}lr {metrics['lr']:.3g}  "
                                f"{tokens_per_s:,.0f} tok/s  eta {eta:,.0f}s")
 
     # ------------------------------------------------------------ checkpoints

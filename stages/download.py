@@ -9,7 +9,8 @@ Outputs, in the stage's directory:
     download.json     {"url", "sha256": of the fetched file (or the built-in bytes),
                        "files": {role: {"path": "files/<name>", "sha256", "bytes"}}}
 Roles are the keys of `dataset.files`; without any: "all" for a plain, gz or built-in
-source, and one per regular member of a zip (role = the member's base name).
+source, and one per regular member of a zip (role = the member's base name). A generated
+dataset (`dataset.generator`) has nothing to fetch: the stage says so and writes nothing.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ def _builtin(ds, files_dir, log) -> tuple[str, dict]:
 
 def run(ctx: StageContext) -> dict:
     ds = ctx.spec.dataset
-    if ds.url is None:
-        raise PipelineError(f"dataset '{ds.name}' is generated, not downloaded: it has no url "
-                            f"for the download stage; remove 'download' from stages")
+    if ds.generator is not None:
+        # nothing to fetch: kept a no-op so that one stage list serves every card
+        ctx.log(f"dataset '{ds.name}' is generated ({ds.generator.task}), not downloaded: "
+                f"nothing to fetch")
+        return {"generated": ds.generator.task}
     files_dir = ctx.out_dir / "files"
     if files_dir.exists():          # left by an interrupted attempt
         shutil.rmtree(files_dir)

@@ -3,6 +3,9 @@ validation's (`evaluate.checkpoint: best`).
 
 Every token of each split is scored exactly once, streamed with the cache ("full eval").
 Outputs `results.json`; prints the numbers beside the train split's unigram entropy.
+A dataset of documents (the sorting task) is scored document by document instead, on the
+targets after each separator: loss per scored target, token accuracy and exact match
+(pipeline.documents).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def run(ctx: StageContext) -> dict:
     seq_len = ev.seq_len or spec.train.seq_len
     results = {"checkpoint": f"{source}/{tag}",
                "unigram_entropy_bits": manifest["unigram_entropy_bits"]}
+    if manifest.get("documents"):
+        return _evaluate_documents(ctx, model, seq_len, device, results)
     for split in ev.splits:
         tokens = load_split(ctx.inputs["preprocess"], split)
         with torch.no_grad():
@@ -108,6 +113,32 @@ def _persistent_share(ctx: StageContext, model, seq_len: int, device) -> dict:
     path = head_heat_map(share, title, ctx.out_dir / "persistent_share.png")
     ctx.tracker.log_artifact(path)
     return {"persistent_share": share}
+
+
+def _evaluate_documents(ctx: StageContext, model, seq_len: int, device, results: dict) -> dict:
+    """Each split's documents: loss per scored target, token accuracy, exact match."""
+    from pipeline.data.documents import load_documents
+    from pipeline.documents import score_documents
+
+    ev = ctx.spec.evaluate
+    if ev.line_losses:
+        raise PipelineError("evaluate.line_losses scores lines of text; this dataset is "
+                            "documents, scored on the targets after their separator")
+    for split in ev.splits:
+        docs, layout = load_documents(ctx.inputs["preprocess"], split)
+        scores = score_documents(model, docs, ev.batch_size, seq_len, layout["input_length"],
+                                 device)
+        results[split] = scores.metrics()
+        ctx.tracker.log_metrics({f"{split}_{k}": results[split][k]
+                                 for k in ("loss", "token_accuracy", "exact_match")}, step=0)
+    atomic_write_json(ctx.out_dir / "results.json", results)
+    ctx.tracker.log_artifact(ctx.out_dir / "results.json")
+    ctx.log(f"checkpoint {results['checkpoint']}")
+    for split in ev.splits:
+        r = results[split]
+        ctx.log(f"{split:<5} loss {r['loss']:.4f}   token accuracy {r['token_accuracy']:.3f}   "
+                f"exact match {r['exact_match']:.3f}   ({r['documents']:,} documents)")
+    return results
 
 
 def _eos_id(ctx: StageContext) -> int:

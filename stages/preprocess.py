@@ -20,6 +20,11 @@ Outputs: `shards/<split>-NNNNNN.tar` and `manifest.json`:
     unigram_entropy_bits (of the train split), splits {name: {tokens, shards: [{name, sha256,
     tokens, blocks}]}}
 
+A generated sorting task (`dataset.generator.frequency_sort`) reads no download: each split
+is generated (seeded) and written as one flat stream of whole documents; its manifest adds
+`generator` and `documents` {length, input_length, separator, padding, count}
+(pipeline.data.documents) and has no sources. Algorithmic tasks are the curriculum stage's.
+
 The same input and settings give byte-identical shards (and sentencepiece model).
 """
 
@@ -186,11 +191,12 @@ def preprocess(ds, download_dir: Path, out_dir: Path, log=print) -> dict:
 
     from pipeline.data import unigram_entropy_bits, write_shards
 
+    if ds.generator is not None and ds.generator.frequency_sort is not None:
+        return _frequency_sort(ds, Path(out_dir), log)
     if ds.generator is not None:
         raise PipelineError(f"dataset '{ds.name}' is a generated task (generator: "
-                            f"{ds.generator.task}): synthetic tasks are made by the task stage, "
-                            f"not by download and preprocess, and that stage does not exist "
-                            f"yet")
+                            f"{ds.generator.task}): its cases are made online by the curriculum "
+                            f"stage, not by download and preprocess")
     download_dir, out_dir = Path(download_dir), Path(out_dir)
     info, roles = _download_roles(download_dir, ds)
     raw = {role: _read_checked(download_dir, role, entry) for role, entry in roles.items()}
@@ -267,8 +273,62 @@ def preprocess(ds, download_dir: Path, out_dir: Path, log=print) -> dict:
     return manifest
 
 
+def _frequency_sort(ds, out_dir: Path, log) -> dict:
+    """The sorting task's splits (pipeline.data.frequency_sort), each one flat stream of whole
+    documents, and a manifest whose `documents` entry tells how to cut them (see
+    pipeline.data.documents); the symbols are "0".."vocab-1", "<sep>", "<pad>"."""
+    import numpy as np
+
+    from pipeline.data import WordVocab, unigram_entropy_bits, write_shards
+    from pipeline.data.frequency_sort import padding, separator, split_documents
+
+    task, seed = ds.generator.frequency_sort, ds.generator.seed
+    doc_len = task.length + 1 + task.vocab
+    vocab = WordVocab([str(s) for s in range(task.vocab)] + ["<sep>", "<pad>"], eos=None)
+    shard_dir = out_dir / "shards"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    splits, entropy = {}, None
+    for name in SPLITS:
+        count = getattr(task.sequences, name)
+        # filled document by document: the split is held once, in the vocabulary's dtype
+        # (one byte a token), never as the int64 stack generate_split would make
+        tokens = np.empty(count * doc_len, dtype=vocab.dtype)
+        for i, doc in enumerate(split_documents(seed, name, count, task.vocab, task.length,
+                                                tuple(task.weight_range))):
+            tokens[i * doc_len:(i + 1) * doc_len] = doc
+        shards = write_shards(tokens, shard_dir, name, ds.shards.block_tokens,
+                              ds.shards.blocks_per_shard)
+        splits[name] = {"tokens": int(tokens.size), "shards": shards}
+        if name == "train":
+            entropy = unigram_entropy_bits(tokens, len(vocab))
+        del tokens
+    log(f"{task.vocab} symbols + separator + padding; documents of {task.length:,} + 1 + "
+        f"{task.vocab} tokens: " + " / ".join(
+            f"{s} {getattr(task.sequences, s):,}" for s in SPLITS))
+    manifest = {
+        "dataset": ds.name,
+        "source_sha256": None,
+        "sources": {},
+        "generator": ds.generator.model_dump(mode="json"),
+        "tokenizer": vocab.kind,
+        "tokenizer_config": {"kind": vocab.kind, "eos": None},
+        "split": {"kind": "generated", "unit": "documents",
+                  **{s: getattr(task.sequences, s) for s in SPLITS}},
+        "vocab_size": len(vocab),
+        "vocab": vocab.to_json(),
+        "dtype": np.dtype(vocab.dtype).name,
+        "unigram_entropy_bits": entropy,
+        "splits": splits,
+        "documents": {"length": doc_len, "input_length": task.length,
+                      "separator": separator(task.vocab), "padding": padding(task.vocab),
+                      "count": {s: getattr(task.sequences, s) for s in SPLITS}},
+    }
+    return write_manifest(out_dir, manifest)
+
+
 def run(ctx: StageContext) -> dict:
-    manifest = preprocess(ctx.spec.dataset, ctx.inputs["download"], ctx.out_dir, ctx.log)
+    # a generated dataset reads no download (the pipeline may not run that stage at all)
+    manifest = preprocess(ctx.spec.dataset, ctx.inputs.get("download"), ctx.out_dir, ctx.log)
     tokens = {name: s["tokens"] for name, s in manifest["splits"].items()}
     entropy, vocab_size = manifest["unigram_entropy_bits"], manifest["vocab_size"]
     ctx.tracker.log_metrics({f"tokens_{k}": v for k, v in tokens.items()}

@@ -437,6 +437,7 @@ def test_synthetic_cards_validate(tmp_path):
     assert "fixed vocabulary of 3" in spec_error(
         tmp_path, "dataset: reverse_algorithmic\n", "dataset.generator.algorithmic.problem=add")
     assert "needs a url" in spec_error(tmp_path, "dataset: {name: x}\n")
-    # preprocess refuses it with a clear message instead of pretending
-    with pytest.raises(PipelineError, match="generated task.*task stage"):
-        preprocess(load_spec(path).dataset, tmp_path, tmp_path / "out")
+    # an algorithmic task is the curriculum stage's: preprocess refuses it in one line
+    with pytest.raises(PipelineError, match="generated task.*by the curriculum stage"):
+        preprocess(load_spec(path, ["dataset=reverse_algorithmic"]).dataset, tmp_path,
+                   tmp_path / "out")

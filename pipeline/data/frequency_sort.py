@@ -13,6 +13,8 @@ vocabulary is ``vocab + 2``. A language model reads the document and is scored o
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 
 SPLITS = ("train", "valid", "test")
@@ -65,10 +67,17 @@ def document(rng: np.random.Generator, vocab: int, length: int,
     return np.concatenate([tokens, [separator(vocab)], sort_by_count(tokens, vocab)])
 
 
+def split_documents(seed: int, split: str, sequences: int, vocab: int, length: int,
+                    weight_range: tuple[int, int]) -> Iterator[np.ndarray]:
+    """The documents of one split one at a time (a writer need not hold the split). Each
+    split has its own stream of random numbers from (seed, split), so changing how many
+    sequences one split has leaves the others as they were."""
+    rng = np.random.default_rng([seed, SPLITS.index(split)])
+    for _ in range(sequences):
+        yield document(rng, vocab, length, weight_range)
+
+
 def generate_split(seed: int, split: str, sequences: int, vocab: int, length: int,
                    weight_range: tuple[int, int]) -> np.ndarray:
-    """[sequences, length + 1 + vocab] int64: the documents of one split. Each split has its
-    own stream of random numbers from (seed, split), so changing how many sequences one split
-    has leaves the others as they were."""
-    rng = np.random.default_rng([seed, SPLITS.index(split)])
-    return np.stack([document(rng, vocab, length, weight_range) for _ in range(sequences)])
+    """[sequences, length + 1 + vocab] int64: split_documents' documents, stacked."""
+    return np.stack(list(split_documents(seed, split, sequences, vocab, length, weight_range)))
