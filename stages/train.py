@@ -32,8 +32,11 @@ def run(ctx: StageContext) -> dict:
         ctx.tracker.log_artifact(ctx.out_dir / "deepspeed_config.json")
         ctx.tracker.log_params({"parameters": trainer.params, "vocab_size": trainer.vocab_size,
                                 "world_size": trainer.world_size})
+    docs = trainer.documents
+    batch = (f"{train.batch_size} documents of {docs['length']:,} tokens in segments of "
+             f"{train.seq_len}" if docs else f"{train.batch_size} x {train.seq_len} tokens")
     ctx.log(f"{trainer.params:,} parameters, vocabulary {trainer.vocab_size}, "
-            f"{train.steps} steps of {train.batch_size} x {train.seq_len} tokens "
+            f"{train.steps} steps of {batch} "
             f"on {trainer.device} (world size {trainer.world_size}), "
             f"{trainer.model.describe()}")
     opt = train.optimizer
