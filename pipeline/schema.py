@@ -275,6 +275,12 @@ class DatasetSpec(Section):
             if stray:
                 raise ValueError(f"a generated dataset (generator: {self.generator.task}) has "
                                  f"no {', '.join(stray)}: its data is made, not downloaded")
+            task = self.generator.frequency_sort
+            if task is not None:          # its symbols, the separator and the padding
+                if self.vocab_size not in (None, task.vocab + 2):
+                    raise ValueError(f"vocab_size {self.vocab_size} differs from the sorting "
+                                     f"task's {task.vocab} symbols + separator + padding")
+                self.vocab_size = task.vocab + 2
             return self
         if self.url is None:
             raise ValueError("a dataset needs a url (builtin://, file://, http(s)://) or a "

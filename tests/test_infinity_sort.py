@@ -49,6 +49,7 @@ workspace: {{root: {tmp / 'runs'}}}
 
 def test_preprocess_writes_generate_splits_documents(tmp_path):
     ds = load_spec(card(tmp_path)).dataset
+    assert ds.vocab_size == 22            # known before preprocess: `show` counts parameters
     manifest = preprocess(ds, None, tmp_path / "pre", log=lambda m: None)
     assert manifest["documents"] == {"length": 45, "input_length": 24, "separator": 20,
                                      "padding": 21,
