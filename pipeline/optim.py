@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -350,10 +351,15 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
 
 
 def scheduled_lr(base_lr: float, warmup_steps: int, update: int,
-                 schedule: str = "linear_warmup") -> float:
-    """The lr of optimizer update number `update` (1-based) under train.optimizer.schedule."""
+                 schedule: str = "linear_warmup", total_steps: int | None = None) -> float:
+    """The lr of optimizer update number `update` (1-based) under train.optimizer.schedule;
+    cosine decays over `total_steps` updates."""
     if schedule == "transformer":
         return base_lr * min(update ** -0.5, update * warmup_steps ** -1.5)
+    if schedule == "cosine" and update > warmup_steps:
+        # the ∞-former authors' CosineAnnealingLR to 0 over all updates, warm-up included
+        # (theirs is recomputed every 240 updates; this one every update)
+        return base_lr * 0.5 * (1 + math.cos(math.pi * (update - 1) / total_steps))
     if warmup_steps <= 0:
         return base_lr
     return base_lr * min(1.0, update / warmup_steps)

@@ -312,10 +312,11 @@ class OptimizerSpec(Section):
     type: Literal["adagrad", "adam"] = "adagrad"
     lr: float = Field(0.07, gt=0)
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="updates of warm-up")
-    schedule: Literal["linear_warmup", "transformer"] = Field(
+    schedule: Literal["linear_warmup", "transformer", "cosine"] = Field(
         "linear_warmup", description="the lr of update k: linear_warmup = lr * min(1, k / "
         "warmup_steps), then constant; transformer = lr * min(k^-0.5, k * warmup_steps^-1.5), "
-        "the Transformer's (Vaswani et al. 2017), whose peak is lr / sqrt(warmup_steps)")
+        "the Transformer's (Vaswani et al. 2017), whose peak is lr / sqrt(warmup_steps); "
+        "cosine = linear warm-up, then lr * (1 + cos(pi (k - 1) / steps)) / 2 (the ∞-former's)")
     clip: Literal["per_param", "global", "none"] = Field(
         "per_param", description="per_param: the paper's per-tensor step scaling")
     clip_norm: float = Field(0.03, gt=0)

@@ -76,7 +76,8 @@ def run(ctx: StageContext) -> dict:
         for i in range(cur.steps_per_epoch):
             update = (epoch - 1) * cur.steps_per_epoch + i + 1
             for group in optimizer.param_groups:
-                group["lr"] = scheduled_lr(opt.lr, opt.warmup_steps, update, opt.schedule)
+                group["lr"] = scheduled_lr(opt.lr, opt.warmup_steps, update, opt.schedule,
+                                           cur.epochs * cur.steps_per_epoch)
             x, y = generate(task.problem, length, train.batch_size, batches, task.vocab)
             out = model(x.to(device), y.to(device))
             loss = out.nll.mean() + model.aux_loss()

@@ -41,7 +41,8 @@ def run(ctx: StageContext) -> dict:
             f"{trainer.model.describe()}")
     opt = train.optimizer
     summary = trainer.fit(train.steps,
-                          lambda k: scheduled_lr(opt.lr, opt.warmup_steps, k, opt.schedule),
+                          lambda k: scheduled_lr(opt.lr, opt.warmup_steps, k, opt.schedule,
+                                                 train.steps),
                           ckpt_root, patience=patience(ctx.spec))
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
     log_head_tables(ctx, trainer, "train")

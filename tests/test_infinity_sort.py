@@ -244,3 +244,19 @@ def test_a_sorting_run_end_to_end_and_resumed_after_a_preemption(tmp_path, cli, 
     a, b = final_weights(ws / "train"), final_weights(resumed_ws / "train")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((resumed_ws / "evaluate" / "results.json").read_text()) == results
+
+
+def test_the_cosine_schedule_is_the_authors_cosine_annealing():
+    from pipeline.optim import scheduled_lr
+
+    param = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([param], lr=2e-4)
+    annealing = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 50)
+    for update in range(1, 51):          # the lr update k runs with, then the scheduler steps
+        assert scheduled_lr(2e-4, 0, update, "cosine", 50) == pytest.approx(
+            opt.param_groups[0]["lr"], rel=1e-12, abs=1e-18)
+        opt.step()
+        annealing.step()
+    assert scheduled_lr(2e-4, 10, 5, "cosine", 50) == pytest.approx(1e-4)   # warming up
+    assert load_spec(ROOT / "configs/infinity_former/sort_4k.yaml").train.optimizer.schedule \
+        == "cosine"
