@@ -175,39 +175,48 @@ class Trainer:
         """One optimizer update over all micro-batches; returns this rank's mean token nll
         (of the scored targets, for documents)."""
         self.bounded_to_float32()  # after a resume, too: the masters are what was loaded
-        mb = self.micro_batch
-        losses = []
-        if self.documents is None:
-            if self.step > 0 and self.batches.starts_epoch(self.step):
-                # The streams restart at a new offset: the carried states are no longer the
-                # rows' left context, so start from the initial ones, as the authors'
-                # trainer does at the wrap.
-                self.states = self._initial_states()
-            x, y = self.batches.batch(self.step)
-            x, y = x.to(self.device), y.to(self.device)
-            for i in range(self.accum):
-                rows = slice(i * mb, (i + 1) * mb)
-                out = self.engine(x[rows], y[rows], self.states[i])
-                nll = out.nll.float().mean()
-                self.engine.backward(nll + self.model.aux_loss())
-                self.engine.step()
-                self.states[i] = out.state
-                losses.append(nll.item())
-        else:
-            docs = self.batches.batch(self.step).to(self.device)
-            for i in range(self.accum):
-                out = run_documents(self.engine, docs[i * mb:(i + 1) * mb],
-                                    self.spec.train.seq_len, self.documents["input_length"],
-                                    train=True)
-                nll = out.nll.mean()
-                self.engine.backward(nll + out.aux)
-                self.engine.step()
-                losses.append(nll.item())
+        losses = self._stream_updates() if self.documents is None else self._document_updates()
         self.clamp_masters()      # the fp32 masters DeepSpeed steps, and the model's copies
         self.model.after_step()   # the model's own hook (the base clamps as above)
         self.bounded_to_float32()
         self.step += 1
         return sum(losses) / len(losses)
+
+    def _stream_updates(self) -> list[float]:
+        """Each micro-batch's rows continue their streams from the carried states."""
+        if self.step > 0 and self.batches.starts_epoch(self.step):
+            # The streams restart at a new offset: the carried states are no longer the
+            # rows' left context, so start from the initial ones, as the authors' trainer
+            # does at the wrap.
+            self.states = self._initial_states()
+        x, y = self.batches.batch(self.step)
+        x, y = x.to(self.device), y.to(self.device)
+        mb = self.micro_batch
+        losses = []
+        for i in range(self.accum):
+            rows = slice(i * mb, (i + 1) * mb)
+            out = self.engine(x[rows], y[rows], self.states[i])
+            nll = out.nll.float().mean()
+            self.engine.backward(nll + self.model.aux_loss())
+            self.engine.step()
+            self.states[i] = out.state
+            losses.append(nll.item())
+        return losses
+
+    def _document_updates(self) -> list[float]:
+        """Each micro-batch is whole documents, read from the initial state and scored after
+        their separators (pipeline.documents.run_documents)."""
+        docs = self.batches.batch(self.step).to(self.device)
+        mb = self.micro_batch
+        losses = []
+        for i in range(self.accum):
+            out = run_documents(self.engine, docs[i * mb:(i + 1) * mb], self.spec.train.seq_len,
+                                self.documents["input_length"], train=True)
+            nll = out.nll.mean()
+            self.engine.backward(nll + out.aux)
+            self.engine.step()
+            losses.append(nll.item())
+        return losses
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
@@ -277,10 +286,10 @@ class Trainer:
                    "tokens_per_s": tokens_per_s, "step_time_s": seconds_per_step,
                    "peak_memory_mb": peak_memory_mb(self.device),
                    "attention_compiles": compile_count()}
-        # documents: the loss is over the sorted targets, not a text's bits per character
-        bpc = "" if self.documents else f"bpc {mean / LN2:.3f}  "
+        # documents: the loss is over the sorted targets, not bits per character of a text
         if not self.documents:
             metrics["bpc"] = mean / LN2
+        bpc = f"bpc {metrics['bpc']:.3f}  " if "bpc" in metrics else ""
         metrics |= self.model.metrics()
         self.tracker.log_metrics(metrics, step=self.step)
         eta = (until - self.step) * seconds_per_step
