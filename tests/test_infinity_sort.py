@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
+from pipeline.cli import main
 from pipeline.data.documents import DocumentBatches, load_documents
 from pipeline.data.frequency_sort import generate_split
 from pipeline.data.manifest import load_manifest, load_tokenizer
@@ -169,8 +170,7 @@ def cli():
     saved = dict(os.environ)       # the process group's set-up exports RANK, MASTER_PORT...
 
     def invoke(cfg: Path, *args: str):
-        return CliRunner().invoke(
-            __import__("pipeline.cli", fromlist=["main"]).main, ["run", str(cfg), *args])
+        return CliRunner().invoke(main, ["run", str(cfg), *args])
 
     yield invoke
     os.environ.clear()
