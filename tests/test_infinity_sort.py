@@ -186,17 +186,10 @@ evaluate: {batch_size: 2, splits: [valid, test]}
 """
 
 
-def final_weights(train_dir: Path) -> dict:
-    root = train_dir / "checkpoints"
-    tag = (root / "latest").read_text().strip()
-    return torch.load(root / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-
-
 @pytest.mark.slow
 def test_a_sorting_run_end_to_end_and_resumed_after_a_preemption(tmp_path, cli, monkeypatch):
-    from pipeline.errors import Preempted
-    from pipeline.trainer import Trainer
     from test_distributed import metric_history
+    from test_resume_edits import final_weights, preempted_at_first_checkpoint
 
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     straight_dir.mkdir(), resumed_dir.mkdir()
@@ -219,14 +212,7 @@ def test_a_sorting_run_end_to_end_and_resumed_after_a_preemption(tmp_path, cli, 
     # the same run, preempted right after its step-4 checkpoint, then run again (untracked:
     # MLflow was checked above, and changes no result)
     cfg = card(resumed_dir, extra=TRAIN + "tracking: {enabled: false}\n")
-    save = Trainer.save
-
-    def save_then_stop(self, root, keep, best=False):
-        path = save(self, root, keep, best)
-        raise Preempted(f"preempted after saving {path.name}")
-
-    with monkeypatch.context() as m:
-        m.setattr(Trainer, "save", save_then_stop)
+    with preempted_at_first_checkpoint(monkeypatch):
         stopped = cli(cfg)
     assert stopped.exit_code == 143, stopped.output
     again = cli(cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -63,8 +64,9 @@ def cli():
     os.environ.update(saved)
 
 
-def preempted(cli, monkeypatch, cfg: Path, *sets: str, args: tuple[str, ...] = ()):
-    """Run, stopping as a preemption would right after train's first checkpoint."""
+@contextmanager
+def preempted_at_first_checkpoint(monkeypatch):
+    """Inside, training stops as a preemption would right after its first checkpoint."""
     from pipeline.trainer import Trainer
 
     save = Trainer.save
@@ -75,6 +77,12 @@ def preempted(cli, monkeypatch, cfg: Path, *sets: str, args: tuple[str, ...] = (
 
     with monkeypatch.context() as m:
         m.setattr(Trainer, "save", save_then_stop)
+        yield
+
+
+def preempted(cli, monkeypatch, cfg: Path, *sets: str, args: tuple[str, ...] = ()):
+    """Run, stopping as a preemption would right after train's first checkpoint."""
+    with preempted_at_first_checkpoint(monkeypatch):
         result = cli(cfg, *sets, args=args)
     assert result.exit_code == 143, result.output
     return result
