@@ -238,3 +238,13 @@ def test_the_cosine_schedule_is_the_authors_cosine_annealing():
     assert scheduled_lr(2e-4, 10, 5, "cosine", 50) == pytest.approx(1e-4)   # warming up
     assert load_spec(ROOT / "configs/infinity_former/sort_4k.yaml").train.optimizer.schedule \
         == "cosine"
+
+
+@pytest.mark.parametrize("config, lr", [("sort_4k", 2.5e-4), ("sort_8k", 2.5e-4),
+                                        ("sort_16k", 2e-4)])
+def test_the_paper_sort_configs_use_the_papers_lr_for_their_length(config, lr):
+    # appendix C.1 of the ∞-former paper: 2.5e-4 for 4,000 and 8,000 tokens, 2e-4 for 16,000
+    spec = load_spec(ROOT / f"configs/infinity_former/{config}.yaml")
+    assert spec.train.optimizer.lr == lr
+    assert spec.dataset.generator.frequency_sort.length == int(config[5:-1]) * 1000
+    assert spec.train.steps == 20 * 8000 // spec.train.batch_size     # 20 epochs
