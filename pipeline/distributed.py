@@ -24,6 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a launcher (or prepare_environment, for a single process) exports to describe the
+# process group a process belongs to.
+GROUP_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
+
+
+def environment_for_new_group() -> dict[str, str]:
+    """This process's environment less its process-group variables: for a child that is a run
+    of its own. A child inheriting them would rendezvous at this process's MASTER_PORT (two
+    such children at once: "address already in use")."""
+    return {k: v for k, v in os.environ.items() if k not in GROUP_VARIABLES}
+
+
 def prepare_environment() -> None:
     """Environment DeepSpeed reads at import time. Call before `import deepspeed`."""
     import torch

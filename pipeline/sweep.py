@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import distributed
 from pipeline.errors import PipelineError, Preempted
 from pipeline.runner import RECORD, Runner, Workspace, WorkspaceLock, fingerprint
 from pipeline.spec import load_spec
@@ -340,8 +341,10 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
                 out = open(p.spec.workspace_dir / "sweep.log", "ab")
                 cmd = [sys.executable, "-m", "pipeline.cli", "run", config,
                        *(x for o in p.overrides for x in ("--set", o))]
-                running.append((p, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT),
-                                out))
+                # each point is a run of its own: its own process group, its own port
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                        env=distributed.environment_for_new_group())
+                running.append((p, proc, out))
                 log(f"[{p.name}] started (log: {p.spec.workspace_dir / 'sweep.log'})")
             time.sleep(0.5)
             for entry in [e for e in running if e[1].poll() is not None]:

@@ -153,6 +153,7 @@ def test_parallel_runs_each_point_as_its_own_process_and_compare_shows_both(cfg,
                                                                            monkeypatch):
     """The real stages (a point's process is a plain `allattn-pipe run`) on a small corpus."""
     from click.testing import CliRunner
+    from pipeline import distributed
     from pipeline.cli import main
 
     corpus = tmp_path / "corpus.txt"       # small: download, preprocess, evaluate in seconds
@@ -162,6 +163,12 @@ def test_parallel_runs_each_point_as_its_own_process_and_compare_shows_both(cfg,
                                                       os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    # As after a run in this process (a single process exports what a launcher would): the
+    # points must not inherit it, or both rendezvous at one port ("address already in use").
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(distributed.free_port())}.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.chdir(ROOT)
     result = CliRunner().invoke(main, [
         "sweep", str(cfg), "--seeds", "1,2", "--parallel", "2",
