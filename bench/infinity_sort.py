@@ -1,7 +1,7 @@
 """The sorting task at CPU scale: the ∞-former against a Transformer-XL with the same
 short-term memory, at doubling lengths, several seeds; prints the sorted output's accuracy.
 
-    python bench/infinity_sort.py [--lengths 128,256,512] [--seeds 0,1,2] [--steps 300]
+    python bench/infinity_sort.py [--lengths 64,128,256] [--seeds 0,1,2] [--steps 2000]
                                   [--segment 32] [--threads 1]
 
 Each document (pipeline/data/frequency_sort.py: vocabulary 20, input, separator, the 20
@@ -62,9 +62,9 @@ def train_and_score(ltm: bool, length: int, seed: int, args) -> tuple[float, flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", default="128,256,512")
+    ap.add_argument("--lengths", default="64,128,256")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--segment", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
