@@ -25,7 +25,7 @@ import torch
 from pipeline import distributed
 from pipeline.checkpoint_io import CheckpointIO, LoopState
 from pipeline.data.manifest import load_manifest, load_split
-from pipeline.data.documents import as_documents
+from pipeline.data.documents import DocumentBatches, as_documents
 from pipeline.device import peak_memory_mb, resolve_device
 from pipeline.documents import run_documents, score_documents
 from pipeline.ds_config import deepspeed_config
@@ -40,7 +40,6 @@ from pipeline.signals import StopSignal
 class Trainer:
     def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None]):
         from pipeline.data import StreamBatches
-        from pipeline.data.documents import DocumentBatches, document_layout
         from pipeline.optim import (bind_to_engine, build_optimizer, float32_from_master,
                                     master_clamp)
 
@@ -55,7 +54,7 @@ class Trainer:
                                 "CPU); use bf16 or neither")
         manifest = load_manifest(preprocess_dir)
         self.vocab_size = manifest["vocab_size"]
-        self.documents = document_layout(manifest)     # None: a token stream
+        self.documents = manifest.get("documents")     # None: a token stream
 
         # identical initial weights on every rank, then per-rank streams of randomness
         torch.manual_seed(train.seed)

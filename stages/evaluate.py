@@ -47,9 +47,10 @@ def run(ctx: StageContext) -> dict:
     results = {"checkpoint": f"{source}/{tag}",
                "unigram_entropy_bits": manifest["unigram_entropy_bits"]}
     if manifest.get("documents"):
-        return _evaluate_documents(ctx, model, seq_len, device, results)
+        return _evaluate_documents(ctx, model, seq_len, device, manifest["documents"], results)
+    loaded = {}                # split -> tokens: the persistent share reads valid again
     for split in ev.splits:
-        tokens = load_split(ctx.inputs["preprocess"], split)
+        tokens = loaded[split] = load_split(ctx.inputs["preprocess"], split)
         with torch.no_grad():
             total, count = evaluate_nll(model, tokens, ev.batch_size, seq_len, device)
         nats = total / count
@@ -65,7 +66,7 @@ def run(ctx: StageContext) -> dict:
             results[split]["lines"] = lines
             ctx.tracker.log_metrics({f"{split}_paper_loss": lines["paper_loss"],
                                      f"{split}_line_nll": lines["line_nll"]}, step=0)
-    results |= _persistent_share(ctx, model, seq_len, device)
+    results |= _persistent_share(ctx, model, seq_len, device, loaded.get("valid"))
     atomic_write_json(ctx.out_dir / "results.json", results)
     ctx.tracker.log_artifact(ctx.out_dir / "results.json")
     ctx.log(f"checkpoint {source}/{tag}; unigram entropy of the train split "
@@ -88,12 +89,12 @@ evaluate.batch_size x seq_len (streamed with the cache, as scoring does): a per-
 over thousands of query rows, at a fraction of a full pass's cost."""
 
 
-def _persistent_share(ctx: StageContext, model, seq_len: int, device) -> dict:
+def _persistent_share(ctx: StageContext, model, seq_len: int, device, valid=None) -> dict:
     """{"persistent_share": [[...]]} (per layer x head, the mean attention weight on the
     persistent vectors on the valid split) and its heat map `persistent_share.png`, logged
     as an artifact; {} for a model that reports none (SequenceModel.measure_persistent_share).
     Every query row of the batches run counts, the padded tail of a short split's last
-    batch included."""
+    batch included. `valid`: the split's tokens if scoring already read them."""
     from pipeline.data.manifest import load_split
     from pipeline.evaluation import evaluate_nll
     from pipeline.plots import head_heat_map
@@ -101,8 +102,9 @@ def _persistent_share(ctx: StageContext, model, seq_len: int, device) -> dict:
     batch_size = ctx.spec.evaluate.batch_size
     with model.measure_persistent_share() as tables:
         if tables is not None:
-            evaluate_nll(model, load_split(ctx.inputs["preprocess"], "valid"), batch_size,
-                         seq_len, device, max_batches=SHARE_BATCHES)
+            if valid is None:
+                valid = load_split(ctx.inputs["preprocess"], "valid")
+            evaluate_nll(model, valid, batch_size, seq_len, device, max_batches=SHARE_BATCHES)
     if not tables:
         return {}
     share = tables["persistent_share"]
@@ -115,9 +117,12 @@ def _persistent_share(ctx: StageContext, model, seq_len: int, device) -> dict:
     return {"persistent_share": share}
 
 
-def _evaluate_documents(ctx: StageContext, model, seq_len: int, device, results: dict) -> dict:
-    """Each split's documents: loss per scored target, token accuracy, exact match."""
-    from pipeline.data.documents import load_documents
+def _evaluate_documents(ctx: StageContext, model, seq_len: int, device, layout: dict,
+                        results: dict) -> dict:
+    """Each split's documents (the manifest's `layout`): loss per scored target, token
+    accuracy, exact match."""
+    from pipeline.data.documents import as_documents
+    from pipeline.data.manifest import load_split
     from pipeline.documents import score_documents
 
     ev = ctx.spec.evaluate
@@ -125,7 +130,8 @@ def _evaluate_documents(ctx: StageContext, model, seq_len: int, device, results:
         raise PipelineError("evaluate.line_losses scores lines of text; this dataset is "
                             "documents, scored on the targets after their separator")
     for split in ev.splits:
-        docs, layout = load_documents(ctx.inputs["preprocess"], split)
+        docs = as_documents(load_split(ctx.inputs["preprocess"], split), layout,
+                            f"{ctx.inputs['preprocess']}, {split} split")
         scores = score_documents(model, docs, ev.batch_size, seq_len, layout["input_length"],
                                  device)
         results[split] = scores.metrics()

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.data.documents import DocumentBatches, load_documents
+from pipeline.data.documents import DocumentBatches, as_documents
 from pipeline.data.frequency_sort import generate_split
-from pipeline.data.manifest import load_manifest, load_tokenizer
+from pipeline.data.manifest import load_manifest, load_split, load_tokenizer
 from pipeline.documents import run_documents, score_documents
 from pipeline.models import build_model
 from pipeline.models.protocol import ModelOutput, SequenceModel
@@ -58,8 +58,7 @@ def test_preprocess_writes_generate_splits_documents(tmp_path):
     assert manifest["vocab_size"] == 22 and manifest["dtype"] == "uint8"
     assert load_manifest(tmp_path / "pre") == manifest
     for split, count in manifest["documents"]["count"].items():
-        docs, layout = load_documents(tmp_path / "pre", split)
-        assert layout == manifest["documents"]
+        docs = as_documents(load_split(tmp_path / "pre", split), manifest["documents"], split)
         np.testing.assert_array_equal(docs, generate_split(7, split, count, 20, 24, (1, 9)))
     # several shards (16 x 45 tokens in blocks of 100, 2 a shard): documents cross them
     assert len(manifest["splits"]["train"]["shards"]) == 4

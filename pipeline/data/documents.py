@@ -16,17 +16,10 @@ of ``k`` alone: resuming needs no iterator state.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from pipeline.errors import PipelineError
-
-
-def document_layout(manifest: dict) -> dict | None:
-    """The manifest's ``documents`` entry, or None for a token stream."""
-    return manifest.get("documents")
 
 
 def as_documents(tokens: np.ndarray, layout: dict, what: str) -> np.ndarray:
@@ -37,18 +30,6 @@ def as_documents(tokens: np.ndarray, layout: dict, what: str) -> np.ndarray:
         raise PipelineError(f"{what}: {tokens.size:,} tokens are not whole documents of "
                             f"{length:,}; run the pipeline with --force preprocess to rebuild it")
     return tokens.reshape(-1, length)
-
-
-def load_documents(preprocess_dir: Path, split: str) -> tuple[np.ndarray, dict]:
-    """A split's documents [count, length] (checksums verified) and the layout."""
-    from pipeline.data.manifest import load_manifest, load_split
-
-    layout = document_layout(load_manifest(preprocess_dir))
-    if layout is None:
-        raise PipelineError(f"{preprocess_dir}/manifest.json describes a token stream, not "
-                            f"documents")
-    tokens = load_split(preprocess_dir, split)
-    return as_documents(tokens, layout, f"{preprocess_dir}, {split} split"), layout
 
 
 class DocumentBatches:
