@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from pipeline import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,9 +49,8 @@ def tiny_corpus(tmp: Path) -> tuple[Path, Path]:
 def run_worker(script: str, *args) -> dict:
     """Run `script` (a test file's worker) in a fresh process as one DeepSpeed rank; the
     JSON it wrote to its last argument."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = distributed.environment_for_new_group() | {"DS_ACCELERATOR": "cpu",
+                                                     "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import distributed
 from pipeline.distributed import OP_BUILD_LOCK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,14 +23,12 @@ OP = "deepspeed_shm_comm"
 # The torch `lock` a build holds in the op's directory (torch.utils.file_baton.FileBaton).
 TORCH_LOCK = Path(OP, "lock")
 START = "from pipeline import distributed; print(distributed.init_process_group())"
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 pytestmark = pytest.mark.slow      # each start imports deepspeed in a new process
 
 
 def start_env(extensions: Path, **extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    return env | {"TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu",
+    return distributed.environment_for_new_group() | {"TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu",
                   "PYTHONPATH": str(ROOT)} | extra
 
 
