@@ -177,17 +177,73 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
 @click.option("--seeds", metavar="S1,S2,...", help="Run every point with each train.seed.")
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Points run at once, each as its own process.")
-@click.option("--dry-run", is_flag=True, help="Print the points and what each would run.")
-def sweep(config, overrides, grid, seeds, parallel, dry_run):
+@click.option("--dry-run", is_flag=True,
+              help="Print the points and what each would run (with --slurm: the script).")
+@click.option("--slurm", is_flag=True,
+              help="Submit the sweep as one Slurm job array, a task per point.")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --slurm: nodes per point.")
+@click.option("--gpus-per-node", type=int, default=1, show_default=True,
+              help="With --slurm: GPUs per node, one process each; 0 for a CPU partition.")
+@click.option("--procs-per-node", type=int,
+              help="With --slurm: processes per node (default one per GPU).")
+@click.option("--partition", help="With --slurm: the partition.")
+@click.option("--time", "time_limit", metavar="TIME",
+              help="With --slurm: each task's time limit; it checkpoints and requeues "
+                   "itself shortly before.")
+@click.option("--signal-lead", type=int, metavar="SECONDS",
+              help="With --slurm: how long before the time limit a task checkpoints "
+                   "(default 300).")
+@click.option("--max-parallel", type=click.IntRange(min=1),
+              help="With --slurm: at most this many points run at once.")
+@click.option("--array-task-prepare", type=int, hidden=True)
+@click.option("--array-task-finish", type=int, hidden=True)
+def sweep(config, overrides, grid, seeds, parallel, dry_run, slurm, nodes, gpus_per_node,
+          procs_per_node, partition, time_limit, signal_lead, max_parallel,
+          array_task_prepare, array_task_finish):
     """Run CONFIG at every point of a grid (x seeds), each its own run name under one MLflow
     run; stages every point shares run once; a re-run skips finished points and resumes
     interrupted ones."""
-    from pipeline.sweep import run_sweep
+    from pipeline import sweep as sweeps
 
-    failed = run_sweep(config, list(overrides), list(grid), seeds, parallel, dry_run,
-                       log=click.echo)
+    args = (config, list(overrides), list(grid), seeds)
+    if array_task_prepare is not None:
+        sweeps.prepare_array_task(*args, array_task_prepare, log=click.echo)
+        return
+    if array_task_finish is not None:
+        sweeps.finish_array_task(*args, array_task_finish, log=click.echo)
+        return
+    if slurm:
+        _sweep_on_slurm(args, nodes, gpus_per_node, procs_per_node, partition, time_limit,
+                        signal_lead, max_parallel, dry_run)
+        return
+    cluster_only = {"--nodes": nodes != 1, "--gpus-per-node": gpus_per_node != 1,
+                    "--procs-per-node": procs_per_node, "--partition": partition,
+                    "--time": time_limit, "--signal-lead": signal_lead,
+                    "--max-parallel": max_parallel}
+    given = [flag for flag, value in cluster_only.items() if value]
+    if given:
+        raise PipelineError(f"{', '.join(given)}: only with --slurm (locally, --parallel "
+                            f"sets how many points run at once)")
+    failed = sweeps.run_sweep(*args, parallel, dry_run, log=click.echo)
     if failed:
         raise PipelineError(f"{len(failed)} sweep points failed: {', '.join(failed)}")
+
+
+def _sweep_on_slurm(args, nodes, gpus_per_node, procs_per_node, partition, time_limit,
+                    signal_lead, max_parallel, dry_run) -> None:
+    from pipeline.slurm import render_sweep_array, slurm_dir, submit
+
+    script, base = render_sweep_array(
+        *args, nodes, gpus_per_node, procs_per_node, partition=partition, time=time_limit,
+        max_parallel=max_parallel,
+        **({"signal_lead": signal_lead} if signal_lead is not None else {}))
+    if dry_run:
+        click.echo(script, nl=False)
+        return
+    path = slurm_dir(base) / f"{base.name}-sweep.sbatch"
+    _write_script(path, script, slurm_dir(base) / "logs", submit_hint=False)
+    click.echo(f"submitted job array {submit(path)}")
 
 
 CHECKPOINT = click.option("--checkpoint", default="latest", show_default=True,
@@ -252,39 +308,54 @@ def launch():
 @CONFIG
 @click.option("--nodes", type=int, required=True, help="Nodes to train on.")
 @click.option("--gpus-per-node", type=int, required=True,
-              help="GPUs per node, one training process each.")
+              help="GPUs per node, one training process each; 0 for a CPU partition.")
+@click.option("--procs-per-node", type=int,
+              help="Training processes per node (default: one per GPU; required with "
+                   "--gpus-per-node 0).")
 @click.option("--partition", help="Slurm partition (default: the cluster's).")
 @click.option("--time", "time_limit", metavar="TIME",
               help="Slurm time limit, e.g. 24:00:00 or 1-00:00:00; the job checkpoints and "
                    "requeues itself shortly before it.")
+@click.option("--signal-lead", type=int, metavar="SECONDS",
+              help="How long before the time limit the job starts checkpointing "
+                   "(default 300).")
 @SET
 @click.option("--dry-run", is_flag=True, help="Print the script instead of writing it.")
 @click.option("--output", type=click.Path(dir_okay=False),
               help="Where to write the script (default <workspace>/<name>/slurm/<name>.sbatch).")
-def slurm(config, nodes, gpus_per_node, partition, time_limit, overrides, dry_run, output):
+def slurm(config, nodes, gpus_per_node, procs_per_node, partition, time_limit, signal_lead,
+          overrides, dry_run, output):
     """Render a Slurm batch script that trains CONFIG on NODES x GPUS-PER-NODE processes."""
     from pathlib import Path
 
-    from pipeline.fsutil import atomic_write_text
     from pipeline.slurm import render_sbatch, slurm_dir
     from pipeline.spec import load_spec
 
     spec = load_spec(config, list(overrides))
-    script = render_sbatch(config, spec, nodes, gpus_per_node, partition=partition,
-                           time=time_limit, overrides=list(overrides))
+    script = render_sbatch(config, spec, nodes, gpus_per_node, procs_per_node,
+                           partition=partition, time=time_limit, overrides=list(overrides),
+                           **({"signal_lead": signal_lead} if signal_lead is not None else {}))
     if dry_run:
         click.echo(script, nl=False)
         return
     path = Path(output) if output else slurm_dir(spec) / f"{spec.name}.sbatch"
+    _write_script(path, script, slurm_dir(spec) / "logs")
+
+
+def _write_script(path, script: str, log_dir, submit_hint: bool = True) -> None:
+    """Write a batch script (atomically) and say how to submit it."""
+    from pipeline.fsutil import atomic_write_text
+
     previous = path.read_text(encoding="utf-8") if path.is_file() else None
     # Slurm opens the job's --output file before the script runs: its directory must exist.
-    (slurm_dir(spec) / "logs").mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
     if previous == script:
         click.echo(f"{path}: unchanged")
     else:
         atomic_write_text(path, script)
         click.echo(f"{path}: {'replaced a different earlier script' if previous else 'written'}")
-    click.echo(f"submit with: sbatch {path}")
+    if submit_hint:
+        click.echo(f"submit with: sbatch {path}")
 
 
 def entry() -> None:

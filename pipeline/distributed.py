@@ -37,6 +37,20 @@ def environment_for_new_group() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in GROUP_VARIABLES}
 
 
+def take_rank_from_slurm() -> None:
+    """This process is one task of an `srun` step (the Slurm batch script's): its rank and
+    the world come from Slurm's task variables. MASTER_ADDR / MASTER_PORT the script exports."""
+    slurm = {"RANK": "SLURM_PROCID", "LOCAL_RANK": "SLURM_LOCALID",
+             "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_WORLD_SIZE": "SLURM_NTASKS_PER_NODE"}
+    missing = [v for v in (*slurm.values(), "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
+    if missing:
+        from pipeline.errors import PipelineError
+        raise PipelineError(f"--ranks-from-slurm: {', '.join(missing)} not set; this process "
+                            f"is not a task of an srun step started by the Slurm script")
+    os.environ.update({ours: os.environ[theirs] for ours, theirs in slurm.items()})
+
+
 def prepare_environment() -> None:
     """Environment DeepSpeed reads at import time. Call before `import deepspeed`."""
     import torch

@@ -27,6 +27,10 @@ def launcher_command(spec, pipeline_args: list[str]) -> list[str]:
         raise PipelineError(f"{ENTRY} is missing: multi-process runs need the project's "
                             f"launch/ directory (a source checkout)")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if launcher.nodes > 1 and not launcher.hostfile:
+        raise PipelineError(f"train.launcher.nodes {launcher.nodes}: the deepspeed launcher "
+                            f"needs train.launcher.hostfile naming the nodes (on Slurm, "
+                            f"`allattn-pipe launch slurm` starts the processes instead)")
     if launcher.hostfile:
         if not Path(launcher.hostfile).is_file():
             raise PipelineError(f"train.launcher.hostfile {launcher.hostfile}: no such file")
@@ -119,9 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="STAGE")
     parser.add_argument("--force", action="append", default=[], metavar="STAGE")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # older launchers
+    parser.add_argument("--ranks-from-slurm", action="store_true",
+                        help="a task of an srun step: rank and world size from Slurm")
     args = parser.parse_args(argv)
     rank = 0
     try:
+        if args.ranks_from_slurm:
+            distributed.take_rank_from_slurm()
         spec = load_spec(args.config, args.overrides)
         rank, _ = distributed.init_process_group()
         runner = Runner(spec, force=args.force, start_from=args.start_from, only=args.only,

@@ -342,7 +342,9 @@ class DeepSpeedSpec(Section):
 
 
 class LauncherSpec(Section):
-    """How many processes train: more than one starts the `deepspeed` launcher."""
+    """How many processes train. More than one: `allattn-pipe run` starts the `deepspeed`
+    launcher (a hostfile for several nodes); under Slurm, srun starts them and these record
+    the job's world size."""
     nodes: int = Field(1, gt=0, le=2**16)
     procs_per_node: int = Field(1, gt=0, le=1024, description="processes per node (one per GPU)")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile ('host slots=N' lines); "
@@ -353,12 +355,6 @@ class LauncherSpec(Section):
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
-
-    @model_validator(mode="after")
-    def _hostfile_for_many_nodes(self):
-        if self.nodes > 1 and not self.hostfile:
-            raise ValueError(f"nodes {self.nodes} needs a hostfile naming them")
-        return self
 
 
 class TrainSpec(Section):

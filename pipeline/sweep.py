@@ -18,6 +18,7 @@ checkpoint).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
@@ -256,17 +257,23 @@ class SweepRun:
                 self._give_up(e)
 
 
-def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_text: str | None,
-              parallel: int = 1, dry_run: bool = False, log=print) -> list[str]:
-    """Run (or, dry, describe) every point; returns the names of the points that failed."""
-    from pipeline.tracking import make_tracker
-
+def plan_sweep(config: str, overrides: list[str], grid_items: list[str],
+               seeds_text: str | None) -> tuple[list[Point], list[str], str]:
+    """The sweep's points, the stages they share, and its id (its MLflow run's tag)."""
     grid = parse_grid(grid_items)
     seeds = parse_seeds(seeds_text)
     if not grid and not seeds:
         raise PipelineError("sweep: give at least one --grid KEY=V1,V2 or --seeds")
     pts = points(config, overrides, grid, seeds)
-    prefix = shared_prefix(pts)
+    return pts, shared_prefix(pts), sweep_id(config, overrides, grid, seeds)
+
+
+def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_text: str | None,
+              parallel: int = 1, dry_run: bool = False, log=print) -> list[str]:
+    """Run (or, dry, describe) every point; returns the names of the points that failed."""
+    from pipeline.tracking import make_tracker
+
+    pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text)
     if dry_run:
         log(f"{len(pts)} points; run once and reused by every point: "
             f"{', '.join(prefix) or 'nothing'}")
@@ -276,24 +283,13 @@ def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_te
             sets = " ".join(f"--set {o}" for o in p.overrides[len(overrides):-2])
             log(f"  {p.name:<40} {'done' if not todo else 'run ' + ','.join(todo)}  {sets}")
         return []
-    description = f"{len(pts)}: " + "; ".join(p.name for p in pts)
-    sweep = SweepRun(pts[0].spec, sweep_id(config, overrides, grid, seeds), description[:5000],
-                     warn=lambda m: log(f"warning: {m}"))
+    sweep = _sweep_run(pts, ident, log)
     workspaces = [p.spec.workspace_dir for p in pts]
     failed: list[str] = []
     status = "FAILED"
     try:
         if prefix and not all(is_done(p.spec) for p in pts):
-            for p in pts:
-                reuse_outputs(p.spec, log)
-            first = pts[0]
-            if not all(s.action == "skip" for s in Runner(first.spec, only=prefix,
-                                                          log=lambda m: None).plan()
-                       if s.stage in prefix):
-                log(f"[{first.name}] running what every point shares: {', '.join(prefix)}")
-                Runner(first.spec, only=prefix,
-                       log=lambda m: log(f"[{first.name}] {m}")).run(make_tracker(first.spec))
-                sweep.adopt(workspaces[:1])
+            run_shared_prefix(pts, prefix, sweep, log)
         todo = []
         for p in pts:
             reuse_outputs(p.spec, log)
@@ -324,6 +320,28 @@ def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_te
     log(f"{len(pts) - len(failed)} of {len(pts)} points done"
         + (f"; failed: {', '.join(failed)}" if failed else ""))
     return failed
+
+
+def _sweep_run(pts: list[Point], ident: str, log) -> SweepRun:
+    description = f"{len(pts)}: " + "; ".join(p.name for p in pts)
+    return SweepRun(pts[0].spec, ident, description[:5000], warn=lambda m: log(f"warning: {m}"))
+
+
+def run_shared_prefix(pts: list[Point], prefix: list[str], sweep: SweepRun, log) -> None:
+    """Build the stages every point shares once, in the first point's workspace (unless a
+    workspace already holds them), and link them into every point's."""
+    from pipeline.tracking import make_tracker
+
+    for p in pts:
+        reuse_outputs(p.spec, log)
+    first = pts[0]
+    if not all(s.action == "skip" for s in Runner(first.spec, only=prefix,
+                                                  log=lambda m: None).plan()
+               if s.stage in prefix):
+        log(f"[{first.name}] running what every point shares: {', '.join(prefix)}")
+        Runner(first.spec, only=prefix,
+               log=lambda m: log(f"[{first.name}] {m}")).run(make_tracker(first.spec))
+        sweep.adopt([first.spec.workspace_dir])
 
 
 def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRun,
@@ -364,3 +382,45 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
             proc.wait()
             out.close()
     return failed
+
+
+# -- as a Slurm job array: pipeline.slurm renders it, each task calls these around its ranks --
+
+def prepare_array_task(config: str, overrides: list[str], grid_items: list[str],
+                       seeds_text: str | None, index: int, log=print) -> None:
+    """Before task `index`'s ranks start: the shared stages built once (by whichever task
+    gets here first; the others wait, then link them in) and whatever this point can reuse
+    linked into its workspace."""
+    pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text)
+    point = _point(pts, index)
+    root = point.spec.workspace_dir.parent
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".sweep-{ident}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # inside the lock: the first task creates the tracking store, and two creating one
+        # at once both fail
+        sweep = _sweep_run(pts, ident, log)
+        if prefix and not is_done(point.spec):
+            run_shared_prefix([pts[0], point] if point is not pts[0] else [point], prefix,
+                              sweep, log)
+        reuse_outputs(point.spec, log)
+    log(f"[{point.name}] sweep point {index + 1} of {len(pts)}")
+
+
+def finish_array_task(config: str, overrides: list[str], grid_items: list[str],
+                      seeds_text: str | None, index: int, log=print) -> None:
+    """After task `index`'s ranks end: its runs filed under the sweep's run, which is marked
+    finished once every point is done."""
+    pts, _, ident = plan_sweep(config, overrides, grid_items, seeds_text)
+    point = _point(pts, index)
+    sweep = _sweep_run(pts, ident, log)
+    sweep.adopt([point.spec.workspace_dir])
+    if all(is_done(p.spec) for p in pts):
+        sweep.end("FINISHED")
+        log(f"all {len(pts)} points of the sweep are done")
+
+
+def _point(pts: list[Point], index: int) -> Point:
+    if not 0 <= index < len(pts):
+        raise PipelineError(f"sweep task {index}: the sweep has points 0 to {len(pts) - 1}")
+    return pts[index]
