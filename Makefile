@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: quickstart test install clean
+.PHONY: quickstart test install clean gpu-check cluster-deps
 
 quickstart: $(VENV)/.installed
 	$(BIN)/allattn-pipe run configs/quickstart.yaml
@@ -20,6 +20,19 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 install: $(VENV)/.installed
+
+# The GPU check (bench/gpu_check.py): the CUDA tests and the GPU benchmarks, one report.
+# It runs under the interpreter that has the machine's torch: the project's .venv where there
+# is one, else $(PYTHON) (a GPU machine with its own CUDA torch and no network). Give the
+# wheels of what that machine lacks with WHEELS=DIR. Without a GPU: a dry run, exit 0.
+CHECK_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-check:
+	$(CHECK_PYTHON) bench/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) --report gpu-check.md
+
+# Debian's Slurm and munge for tests/test_cluster.py (a real two-node Slurm in network
+# namespaces); as root. Without them those tests skip, naming what is missing.
+cluster-deps:
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
 
 # torch: an interpreter that already has torch (a cluster's CUDA build) lends it to the venv;
 # with an NVIDIA GPU and no torch, pip picks its default (CUDA) build; otherwise the CPU

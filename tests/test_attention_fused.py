@@ -200,6 +200,7 @@ def test_flex_dropout_construction_equals_reference_with_the_same_seed_on_cpu():
     assert (other_seed - want).abs().max() > 1e-2   # the mask really depends on the seed
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_flex_on_cuda_equals_reference_with_dropout_forward_and_backward(dtype, tol):

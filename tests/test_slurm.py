@@ -1,5 +1,6 @@
 """`allattn-pipe launch slurm`: the rendered batch script, parsed and run by bash against fake
-scontrol / deepspeed / pdsh commands (no Slurm needed), and the renderer's refusals."""
+scontrol / srun / scancel commands (no Slurm needed), and the renderer's refusals. The real
+Slurm runs it in test_cluster.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -25,26 +27,28 @@ JOB_ID = "123456"
 FAKES = {
     "scontrol": """\
         if [ "$1 $2" = "show hostnames" ]; then printf 'nodeA\\nnodeB\\n'; exit 0; fi
+        if [ "$1 $2" = "show node" ]; then
+            echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.0.0.7 NodeHostName=$3"
+            exit 0
+        fi
         echo "scontrol $*" >> "$FAKE_LOG/scontrol"
         """,
-    # Records its arguments and working directory. With FAKE_RANK set it runs one "rank": a
-    # process whose command line looks like the one deepspeed starts (launch/train.py
-    # --local_rank=0 <user args>), which saves on SIGTERM and exits 143, as the trainer does.
-    "deepspeed": """\
-        printf '%s\\n' "$@" > "$FAKE_LOG/deepspeed.argv"
-        pwd > "$FAKE_LOG/deepspeed.cwd"
+    # Records its arguments, working directory and rendezvous. With FAKE_RANK set it runs one
+    # "rank": a process that saves on SIGTERM and exits 143, as the trainer does.
+    "srun": """\
+        printf '%s\\n' "$@" > "$FAKE_LOG/srun.argv"
+        pwd > "$FAKE_LOG/srun.cwd"
+        echo "$MASTER_ADDR:$MASTER_PORT $DS_ACCELERATOR" > "$FAKE_LOG/srun.env"
         [ -n "${FAKE_RANK:-}" ] || exit 0
-        while [ "$1" != launch/train.py ]; do shift; done
-        shift
         bash -c 'trap "echo TERM > \\"$FAKE_LOG/rank\\"; exit 143" TERM
-                 touch "$FAKE_LOG/rank.started"
-                 while :; do sleep 0.05; done' launch/train.py --local_rank=0 "$@" &
+                 echo $$ > "$FAKE_LOG/rank.pid"
+                 while :; do sleep 0.05; done' &
         wait $!
         """,
-    # pdsh -R ssh -w HOSTS CMD: run CMD here, once (every "node" is this machine).
-    "pdsh": """\
-        echo "pdsh $*" >> "$FAKE_LOG/pdsh"
-        bash -c "${@: -1}"
+    # scancel --signal=TERM JOB: Slurm signals the job's steps, here the one fake rank
+    "scancel": """\
+        echo "scancel $*" >> "$FAKE_LOG/scancel"
+        kill -TERM "$(cat "$FAKE_LOG/rank.pid")"
         """,
 }
 
@@ -90,12 +94,23 @@ def test_sbatch_directives(project, tmp_path):
     assert script.startswith("#!/bin/bash\n")
     slurm_dir = tmp_path / "runs" / "enwik8_large" / "slurm"
     assert sbatch_options(script) == {
-        "job-name": "enwik8_large", "nodes": "2", "ntasks-per-node": "1",
-        "gpus-per-node": "8", "output": f"{slurm_dir}/logs/%x-%j.out",
+        "job-name": "enwik8_large", "nodes": "2", "ntasks-per-node": "8",
+        "gpus-per-node": "8", "output": f"{slurm_dir}/logs/%x-%j.out", "open-mode": "append",
         "requeue": "", "signal": "B:USR1@300"}
     # Slurm stops reading directives at the first command.
     first_command = re.search(r"^[^#\n]", script, re.MULTILINE).start()
     assert script.rfind("#SBATCH") < first_command
+    assert "DS_ACCELERATOR" not in script
+
+
+def test_a_cpu_partition_asks_for_no_gpu(project, tmp_path):
+    result = render(CONFIG, "--nodes", "2", "--gpus-per-node", "0", "--procs-per-node", "4",
+                    "--signal-lead", "120", "--time", "10", "--dry-run", workspace=tmp_path)
+    assert result.exit_code == 0, result.output
+    options = sbatch_options(result.stdout)
+    assert "gpus-per-node" not in options and "gpu" not in result.stdout.replace("gpus", "")
+    assert options["ntasks-per-node"] == "4" and options["signal"] == "B:USR1@120"
+    assert "export DS_ACCELERATOR=cpu\n" in result.stdout
 
 
 def test_partition_and_time(project, tmp_path):
@@ -106,25 +121,22 @@ def test_partition_and_time(project, tmp_path):
     assert options["partition"] == "gpu" and options["time"] == "1-00:00:00"
 
 
-def test_script_builds_hostfile_and_starts_deepspeed(project, tmp_path, cluster):
+def test_script_starts_every_rank_with_srun(project, tmp_path, cluster):
     env, log = cluster
     script = acceptance_script(tmp_path)
     done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
                           timeout=20, check=False)
     assert done.returncode == 0, done.stderr
 
-    hostfile = tmp_path / "runs" / "enwik8_large" / "slurm" / "hostfile"
-    assert hostfile.read_text() == "nodeA slots=8\nnodeB slots=8\n"
-    argv = (log / "deepspeed.argv").read_text().splitlines()
-    port = 20000 + int(JOB_ID) % 10000
+    argv = (log / "srun.argv").read_text().splitlines()
     assert argv == [
-        "--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "8",  # 2 x 8 = 16
-        "--master_addr", "nodeA", "--master_port", str(port),
-        "launch/train.py", "--config", CONFIG,
-        "--set", f"workspace.root={tmp_path / 'runs'}",
-        "--set", "train.launcher.nodes=2", "--set", "train.launcher.procs_per_node=8",
-        "--set", f"train.launcher.hostfile={hostfile}"]
-    assert (log / "deepspeed.cwd").read_text().strip() == str(ROOT)
+        "--kill-on-bad-exit=1", sys.executable, "launch/train.py", "--ranks-from-slurm",
+        "--config", CONFIG, "--set", f"workspace.root={tmp_path / 'runs'}",
+        "--set", "train.launcher.nodes=2", "--set", "train.launcher.procs_per_node=8"]
+    port = 20000 + int(JOB_ID) % 10000
+    # rank 0's address: the first node's NodeAddr
+    assert (log / "srun.env").read_text() == f"10.0.0.7:{port} \n"
+    assert (log / "srun.cwd").read_text().strip() == str(ROOT)
 
 
 def test_spec_the_job_runs_records_its_world_size(project, tmp_path, cluster):
@@ -134,7 +146,7 @@ def test_spec_the_job_runs_records_its_world_size(project, tmp_path, cluster):
     script = acceptance_script(tmp_path)
     subprocess.run(["bash", "-c", script], env=env, check=True, timeout=20,
                    capture_output=True)
-    argv = (log / "deepspeed.argv").read_text().splitlines()
+    argv = (log / "srun.argv").read_text().splitlines()
     user_args = argv[argv.index("launch/train.py") + 1:]
     config = user_args[user_args.index("--config") + 1]
     sets = [user_args[i + 1] for i, a in enumerate(user_args) if a == "--set"]
@@ -145,8 +157,9 @@ def test_spec_the_job_runs_records_its_world_size(project, tmp_path, cluster):
 @pytest.mark.parametrize("sig, requeued", [(signal.SIGTERM, False), (signal.SIGUSR1, True)])
 def test_signal_reaches_the_ranks_and_their_exit_code_comes_back(project, tmp_path, cluster,
                                                                  sig, requeued):
-    """SIGTERM (scancel, preemption) or USR1 (time limit near) to the batch script: the
-    ranks get SIGTERM, the script waits for their exit code 143; only USR1 requeues."""
+    """SIGTERM (scancel, preemption: Slurm signals every process of the job) or USR1 (time
+    limit near: the batch script only, which passes it on with scancel): the ranks get
+    SIGTERM, the script waits for their exit code 143; only USR1 requeues."""
     env, log = cluster
     script = acceptance_script(tmp_path)
     # its own process group, so that a failing test can take its fakes down with it
@@ -155,17 +168,23 @@ def test_signal_reaches_the_ranks_and_their_exit_code_comes_back(project, tmp_pa
                            start_new_session=True)
     try:
         deadline = time.monotonic() + 10
-        while not (log / "rank.started").exists():
+        while not (log / "rank.pid").exists():
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()
             time.sleep(0.02)
-        job.send_signal(sig)
+        time.sleep(0.1)
+        if sig == signal.SIGTERM:
+            os.killpg(job.pid, sig)
+        else:
+            job.send_signal(sig)
         _, err = job.communicate(timeout=10)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 143, err
     assert (log / "rank").read_text() == "TERM\n"
-    assert "pdsh -R ssh -w nodeA,nodeB pkill -TERM -f" in (log / "pdsh").read_text()
+    scancel = log / "scancel"
+    assert (scancel.read_text() if scancel.exists() else "") == \
+        (f"scancel --signal=TERM {JOB_ID}\n" if requeued else "")
     requeue = log / "scontrol"
     assert (requeue.read_text() if requeue.exists() else "") == \
         (f"scontrol requeue {JOB_ID}\n" if requeued else "")
@@ -188,7 +207,14 @@ def test_writes_the_script_and_says_how_to_submit(project, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "0", "--gpus-per-node", "8"], "--nodes must be at least 1, got 0"),
-    (["--nodes", "2", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1, got 0"),
+    (["--nodes", "2", "--gpus-per-node", "-1"],
+     "--gpus-per-node must be 0 (a CPU partition) or more, got -1"),
+    (["--nodes", "2", "--gpus-per-node", "0"],
+     "--gpus-per-node 0 (a CPU partition) needs --procs-per-node"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--procs-per-node", "4"],
+     "--procs-per-node 4 with --gpus-per-node 8: each process trains on one GPU"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--time", "10", "--signal-lead", "600"],
+     "--time 10: the job is asked to checkpoint 600 s before its time limit"),
     (["--nodes", "2", "--gpus-per-node", "8", "--time", "24h"],
      "--time '24h': not a Slurm time limit"),
     (["--nodes", "2", "--gpus-per-node", "8", "--time", "5"],
@@ -223,3 +249,30 @@ def test_slurm_time_formats(time_limit, seconds):
     from pipeline.slurm import time_limit_seconds
 
     assert time_limit_seconds(time_limit) == seconds
+
+
+def test_sweep_slurm_dry_run_is_one_array_of_the_points(project, tmp_path):
+    result = CliRunner().invoke(main, [
+        "sweep", CONFIG, "--grid", "train.optimizer.lr=0.05,0.07", "--seeds", "1,2",
+        "--set", f"workspace.root={tmp_path}", "--slurm", "--nodes", "2",
+        "--gpus-per-node", "8", "--max-parallel", "3", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    script = result.stdout
+    options = sbatch_options(script)
+    assert options["array"] == "0-3%3" and options["job-name"] == "enwik8_large-sweep"
+    assert options["output"].endswith("/logs/%x-%A_%a.out")
+    assert ("    2) POINT=(--set workspace.root=" in script
+            and "--set train.optimizer.lr=0.07 --set train.seed=1 --set "
+                "name=enwik8_large-lr0.07-seed1 --set tracking.experiment=enwik8_large) ;;"
+            in script)
+    assert '--array-task-prepare "$SLURM_ARRAY_TASK_ID"' in script
+    assert '--array-task-finish "$SLURM_ARRAY_TASK_ID"' in script
+    assert not list(tmp_path.iterdir())       # a dry run writes nothing
+
+
+def test_cluster_options_without_slurm_are_refused(project):
+    result = CliRunner().invoke(main, ["sweep", CONFIG, "--seeds", "1,2", "--nodes", "2",
+                                       "--max-parallel", "2"])
+    assert result.exit_code == 2
+    assert result.stderr == ("error: --nodes, --max-parallel: only with --slurm (locally, "
+                             "--parallel sets how many points run at once)\n")
