@@ -8,8 +8,8 @@
   The training loop installs its handler while it runs and restores this one after.
 - A second signal stops at once (no checkpoint, no cleanup), as the README promises, with
   one exception: a SIGTERM within `DUPLICATE_WINDOW_S` of the first is the same request
-  delivered twice (Slurm signals the job's processes and the job script's trap passes the
-  preemption on too), not impatience. A launcher that is asked twice escalates to SIGINT.
+  delivered twice (a preemption reaches the ranks from Slurm and, near a time limit, from the
+  job script's `scancel --signal=TERM` too), not impatience. A launcher that is asked twice escalates to SIGINT.
 """
 
 from __future__ import annotations
