@@ -276,3 +276,28 @@ def test_cluster_options_without_slurm_are_refused(project):
     assert result.exit_code == 2
     assert result.stderr == ("error: --nodes, --max-parallel: only with --slurm (locally, "
                              "--parallel sets how many points run at once)\n")
+
+
+def test_ranks_from_slurm_outside_an_srun_step_is_one_line(project, monkeypatch, capsys):
+    from pipeline.launcher import main as rank_main
+
+    for var in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
+                "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert rank_main(["--ranks-from-slurm", "--config", CONFIG]) == 2
+    assert capsys.readouterr().err == (
+        "error (rank 0): --ranks-from-slurm: SLURM_LOCALID, SLURM_NTASKS, "
+        "SLURM_NTASKS_PER_NODE, MASTER_ADDR, MASTER_PORT not set; this process is not a task "
+        "of an srun step started by the Slurm script\n")
+
+
+def test_several_nodes_without_slurm_need_a_hostfile(project):
+    from pipeline.errors import PipelineError
+    from pipeline.launcher import launcher_command
+    from pipeline.spec import load_spec
+
+    spec = load_spec(CONFIG, ["train.launcher.nodes=2", "train.launcher.procs_per_node=8"])
+    with pytest.raises(PipelineError, match="train.launcher.nodes 2: the deepspeed launcher "
+                                            "needs train.launcher.hostfile"):
+        launcher_command(spec, [])
