@@ -168,6 +168,24 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
         click.echo(f"learning curves: {plot}", err=True)
 
 
+def SLURM_JOB(command):
+    """The options of a Slurm job that `launch slurm` and `sweep --slurm` share."""
+    for option in reversed([
+        click.option("--procs-per-node", type=int,
+                     help="Slurm: training processes per node (default: one per GPU; "
+                          "required with --gpus-per-node 0)."),
+        click.option("--partition", help="Slurm partition (default: the cluster's)."),
+        click.option("--time", "time_limit", metavar="TIME",
+                     help="Slurm time limit, e.g. 24:00:00 or 1-00:00:00; the job "
+                          "checkpoints and requeues itself shortly before it."),
+        click.option("--signal-lead", type=int, metavar="SECONDS",
+                     help="Slurm: how long before the time limit the job starts "
+                          "checkpointing (default 300)."),
+    ]):
+        command = option(command)
+    return command
+
+
 @main.command()
 @CONFIG
 @SET
@@ -185,15 +203,7 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
               help="With --slurm: nodes per point.")
 @click.option("--gpus-per-node", type=int, default=1, show_default=True,
               help="With --slurm: GPUs per node, one process each; 0 for a CPU partition.")
-@click.option("--procs-per-node", type=int,
-              help="With --slurm: processes per node (default one per GPU).")
-@click.option("--partition", help="With --slurm: the partition.")
-@click.option("--time", "time_limit", metavar="TIME",
-              help="With --slurm: each task's time limit; it checkpoints and requeues "
-                   "itself shortly before.")
-@click.option("--signal-lead", type=int, metavar="SECONDS",
-              help="With --slurm: how long before the time limit a task checkpoints "
-                   "(default 300).")
+@SLURM_JOB
 @click.option("--max-parallel", type=click.IntRange(min=1),
               help="With --slurm: at most this many points run at once.")
 @click.option("--array-task-prepare", type=int, hidden=True)
@@ -309,16 +319,7 @@ def launch():
 @click.option("--nodes", type=int, required=True, help="Nodes to train on.")
 @click.option("--gpus-per-node", type=int, required=True,
               help="GPUs per node, one training process each; 0 for a CPU partition.")
-@click.option("--procs-per-node", type=int,
-              help="Training processes per node (default: one per GPU; required with "
-                   "--gpus-per-node 0).")
-@click.option("--partition", help="Slurm partition (default: the cluster's).")
-@click.option("--time", "time_limit", metavar="TIME",
-              help="Slurm time limit, e.g. 24:00:00 or 1-00:00:00; the job checkpoints and "
-                   "requeues itself shortly before it.")
-@click.option("--signal-lead", type=int, metavar="SECONDS",
-              help="How long before the time limit the job starts checkpointing "
-                   "(default 300).")
+@SLURM_JOB
 @SET
 @click.option("--dry-run", is_flag=True, help="Print the script instead of writing it.")
 @click.option("--output", type=click.Path(dir_okay=False),

@@ -141,6 +141,21 @@ def _set_args(sets: list[str]) -> str:
     return "".join(f" \\\n    --set {shlex.quote(kv)}" for kv in sets)
 
 
+def _common_values(config_path: str | Path, nodes: int, procs: int, gpus_per_node: int,
+                   signal_lead: int, master_port: int | None) -> dict[str, str]:
+    """The template's values that a single job and a sweep's array share."""
+    return {
+        "config": _plain("config", config_path),
+        "nodes": str(nodes),
+        "procs_per_node": str(procs),
+        "signal_lead": str(signal_lead),
+        "workdir": _plain("working directory", Path.cwd().resolve()),
+        "environment": _environment(gpus_per_node),
+        "master_port": str(master_port) if master_port else PORT_FROM_JOB_ID,
+        "python": _plain("python interpreter", sys.executable),
+    }
+
+
 def render_sbatch(config_path: str | Path, spec: Spec, nodes: int, gpus_per_node: int,
                   procs_per_node: int | None = None, partition: str | None = None,
                   time: str | None = None, signal_lead: int = SIGNAL_LEAD_S,
@@ -160,21 +175,14 @@ def render_sbatch(config_path: str | Path, spec: Spec, nodes: int, gpus_per_node
                f"--gpus-per-node {gpus_per_node}"
                + (f" --procs-per-node {procs}" if not gpus_per_node else ""))
     return _fill(TEMPLATE.read_text(encoding="utf-8"), {
+        **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
         "name": job_spec.name,
         "rendered_by": command,
-        "config": _plain("config", config_path),
-        "nodes": str(nodes),
-        "procs_per_node": str(procs),
         "optional_directives": _directives(gpus_per_node, partition, time, signal_lead),
         "log_dir": _plain("log directory", slurm_dir(spec) / "logs"),
         "log_name": "%x-%j.out",
-        "signal_lead": str(signal_lead),
-        "workdir": _plain("working directory", Path.cwd().resolve()),
-        "environment": _environment(gpus_per_node),
-        "master_port": str(port) if port else PORT_FROM_JOB_ID,
         "point_setup": "",
         "point_finish": "",
-        "python": _plain("python interpreter", sys.executable),
         "train_args": _set_args(sets),
     })
 
@@ -224,21 +232,14 @@ def render_sweep_array(config_path: str | Path, overrides: list[str], grid: list
                    + (f" --procs-per-node {procs}" if not gpus_per_node else ""))
     port = base.train.launcher.master_port if base.train else None
     script = _fill(TEMPLATE.read_text(encoding="utf-8"), {
+        **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
         "name": f"{base.name}-sweep",
         "rendered_by": rendered_by,
-        "config": _plain("config", config_path),
-        "nodes": str(nodes),
-        "procs_per_node": str(procs),
         "optional_directives": _directives(gpus_per_node, partition, time, signal_lead, array),
         "log_dir": _plain("log directory", slurm_dir(base) / "logs"),
         "log_name": "%x-%A_%a.out",
-        "signal_lead": str(signal_lead),
-        "workdir": _plain("working directory", Path.cwd().resolve()),
-        "environment": _environment(gpus_per_node),
-        "master_port": str(port) if port else PORT_FROM_JOB_ID,
         "point_setup": setup,
         "point_finish": finish,
-        "python": python,
         "train_args": ' \\\n    "${POINT[@]}"' + _set_args(launcher_sets),
     })
     return script, base
