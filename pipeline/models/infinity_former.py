@@ -3,9 +3,14 @@ a continuous long-term memory (LTM). ../shared/PAPERS.md §3 has the facts; wher
 silent this follows the authors' sorting code (deep-spin/infinite-former, sorting/).
 
 Per layer and block of M tokens (batch first throughout):
-- the short-term memory is the Transformer-XL cache: the layer's input hidden states of the
-  last ``mem_len`` tokens. The states that drop out of it this block (the oldest ones) are what
-  the LTM takes in, before the block reads it, as in the authors' code: they are all past
+- the short-term memory (STM) is the Transformer-XL cache the attention reads: the layer's
+  input hidden states of the last ``mem_len`` tokens. With the LTM the cache keeps ``mem_len``
+  more rows: the states that left the STM in the previous block wait there, and the LTM
+  takes them in at the start of this block, before the block reads it (the authors' layer
+  memory of mem_len + augment_len states, of which the attention reads the last mem_len and
+  the LTM takes in the rest). So a state enters the LTM only once the STM no longer reads it,
+  one block after it left, and the LTM is first read in the block after the first states
+  left the STM (the third block when mem_len is the block length). They are all past
   tokens, so the read stays causal, and the gate gets a gradient through them;
 - the LTM is N coefficient vectors B [N, d] of a signal X(t) = Bᵀψ(t) on [0, 1], ψ = N
   normalised Gaussian densities (centres linspace(0, 1, N/2), each with every width of
@@ -30,10 +35,12 @@ Per layer and block of M tokens (batch first throughout):
 
 ``ltm: false`` is the Transformer-XL baseline with the same short-term memory.
 
-The state (``init_state``): per layer the cache [B, mem_len, d]; with the LTM also its
-coefficients [B, N, d], and with sticky memories the bin masses [B, sticky_bins]; last, the
-number of tokens seen so far in the stream [B] (int64), which tells which cache rows hold
-states (the rest are masked) and whether the LTM holds anything. A stream is reset (a new
+The state (``init_state``): per layer the cache [B, mem_len, d] ([B, 2·mem_len, d] with the
+LTM: the STM and the states waiting to enter the LTM); with the LTM also its coefficients
+[B, N, d], and with sticky memories the bin masses [B, sticky_bins]; then, with the LTM, the
+number of stream positions the LTM has taken in [B] (int64; the next ones to take in are those
+from there up to the STM); last, the number of tokens seen so far in the stream [B] (int64),
+which tells which cache rows hold states (the rest are masked). A stream is reset (a new
 document) by starting again from ``init_state``.
 """
 
@@ -72,8 +79,10 @@ class InfinityFormerConfig:
     attn_dropout: float = 0.0
     """Dropout on the short-term attention's probabilities."""
     mem_len: int = 1024
-    """Short-term memory: hidden states each layer keeps from earlier blocks (Transformer-XL
-    cache). With the LTM it must be at least the block length (train.seq_len)."""
+    """Short-term memory: hidden states of earlier blocks each layer's attention reads
+    (Transformer-XL cache). With the LTM it must be at least the block length
+    (train.seq_len): the states leaving the STM in a block wait in the cache (mem_len more
+    rows) until the next block's LTM takes them in."""
     ltm: bool = True
     """Read a continuous long-term memory; false = the Transformer-XL baseline."""
     n_basis: int = 1024
@@ -296,6 +305,14 @@ class ContinuousMemory(nn.Module):
         return self.out(z), mu, sigma_sq
 
 
+def _same_in_every_row(counter: Tensor, what: str) -> int:
+    """The value of a state's per-row counter [B], which the rows of a batch share."""
+    value = int(counter[0])
+    if bool((counter != value).any()):
+        raise ValueError(f"state: the rows of a batch must have the same count ({what})")
+    return value
+
+
 # --- the Transformer-XL host --------------------------------------------------------------
 
 def sinusoid(distances: Tensor, d_model: int) -> Tensor:
@@ -378,18 +395,24 @@ class InfinityFormerLM(SequenceModel):
     def _per_layer(self) -> int:
         return 1 + (self.cfg.ltm) + (self.cfg.ltm and self.cfg.sticky)
 
+    def _cache_len(self) -> int:
+        """Cache rows per layer: the STM, and with the LTM the states waiting to enter it."""
+        return 2 * self.cfg.mem_len if self.cfg.ltm else self.cfg.mem_len
+
     def init_state(self, batch_size: int, device=None) -> State:
         cfg = self.cfg
         like = dict(device=device, dtype=self.head.weight.dtype)
         state: State = []
         for _ in range(cfg.n_layers):
-            state.append(torch.zeros(batch_size, cfg.mem_len, cfg.d_model, **like))
+            state.append(torch.zeros(batch_size, self._cache_len(), cfg.d_model, **like))
             if cfg.ltm:
                 state.append(torch.zeros(batch_size, cfg.n_basis, cfg.d_model, **like))
                 if cfg.sticky:
                     state.append(torch.full((batch_size, cfg.sticky_bins), 1 / cfg.sticky_bins,
                                             **like))
-        state.append(torch.zeros(batch_size, dtype=torch.int64, device=device))
+        counters = 2 if cfg.ltm else 1        # positions the LTM has taken in; tokens seen
+        state.extend(torch.zeros(batch_size, dtype=torch.int64, device=device)
+                     for _ in range(counters))
         return state
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None,
@@ -399,21 +422,25 @@ class InfinityFormerLM(SequenceModel):
         if state is None:
             state = self.init_state(bsz, tokens.device)
         per = self._per_layer()
-        if len(state) != per * cfg.n_layers + 1:
+        counters = 2 if cfg.ltm else 1
+        if len(state) != per * cfg.n_layers + counters:
             raise ValueError(f"state has {len(state)} tensors; this model carries "
-                             f"{per * cfg.n_layers + 1}")
+                             f"{per * cfg.n_layers + counters}")
         seen_rows = state[-1]
-        seen = int(seen_rows[0])
-        if bool((seen_rows != seen).any()):
-            raise ValueError("state: the rows of a batch must have seen the same number of tokens")
+        seen = _same_in_every_row(seen_rows, "seen")
         if cfg.ltm and m > cfg.mem_len:
             raise ValueError(f"the ∞-former needs model.mem_len ({cfg.mem_len}) >= the block "
-                             f"length ({m}): the cache is where the LTM takes its vectors from")
-        n_valid = min(seen, cfg.mem_len)
-        # cache rows [C − n_valid, C) hold states; those among the oldest m drop out now
-        first, evict_end = cfg.mem_len - n_valid, m
-        takes_in = cfg.ltm and evict_end > first
-        holds = seen > cfg.mem_len            # something dropped out in an earlier block
+                             f"length ({m}): the states leaving the short-term memory in a "
+                             f"block wait in the cache's extra mem_len rows for the LTM")
+        c = self._cache_len()
+        n_valid = min(seen, cfg.mem_len)      # the STM: the cache's last n_valid rows
+        if cfg.ltm:
+            # the LTM takes in positions [taken, seen − mem_len): those that left the STM
+            # since the last block, still in the cache (position p is row p − seen + c)
+            taken = _same_in_every_row(state[-2], "taken in by the LTM")
+            left_stm = max(seen - cfg.mem_len, 0)
+            takes_in, holds = left_stm > taken, taken > 0
+            intake_rows = slice(taken - seen + c, c - cfg.mem_len)
         x = self.drop(self.embed(tokens) * math.sqrt(cfg.d_model))
         new_state: State = []
         kls: list[Tensor] = []
@@ -421,12 +448,12 @@ class InfinityFormerLM(SequenceModel):
         for i, layer in enumerate(self.layers):
             cache = state[i * per]
             ltm_in = None
-            if takes_in:
+            if cfg.ltm and takes_in:
                 old = state[i * per + 1].detach() if holds else None
                 hist = state[i * per + 2] if cfg.sticky else None
-                ltm_in = (old, hist, cache[:, first:evict_end])
-            out, read = layer(x, cache, n_valid, ltm_in)
-            new_state.append(torch.cat([cache, x], 1)[:, -cfg.mem_len:].detach())
+                ltm_in = (old, hist, cache[:, intake_rows])
+            out, read = layer(x, cache[:, c - cfg.mem_len:], n_valid, ltm_in)
+            new_state.append(torch.cat([cache, x], 1)[:, -c:].detach())
             if cfg.ltm:
                 if read is None:
                     new_state.extend(state[i * per + 1:(i + 1) * per])
@@ -440,6 +467,8 @@ class InfinityFormerLM(SequenceModel):
                     kls.append(kl_variance(sigma_sq, cfg.sigma_0).mean())
                     sig_means.append(sigma_sq.detach().mean())
             x = out
+        if cfg.ltm:
+            new_state.append(torch.full_like(seen_rows, max(left_stm, taken)))
         new_state.append(seen_rows + m)
         # kept as tensors: metrics() reads them only when the trainer reports
         self._kl = torch.stack(kls).sum() if kls else None
