@@ -368,3 +368,29 @@ def test_a_state_enters_the_ltm_one_block_after_it_left_the_stm(mem_len, blocks,
         held += intake
         assert not set(held) & set(stm)                 # the LTM never repeats the STM
     assert held == span(0, len(held))                   # every state enters once, in order
+
+
+@pytest.mark.parametrize("midpoints", [False, True])
+def test_contraction_grid_positions(midpoints):
+    """The authors' grid (default): the old signal sampled at k/M and placed at τk/M (k =
+    1..M), the new vectors at τ + (1 − τ)j/L (j = 1..L); the option: the cells' midpoints."""
+    n_old, n_new, tau = 4, 3, 0.75
+    # the default called without the option: what the old code computed too
+    option = {"contraction_midpoints": True} if midpoints else {}
+    positions, pad = fit_positions(n_old, n_new, tau, *option.values())
+    shift = 0.5 if midpoints else 0.0
+    old_at = [(k - shift) / n_old for k in range(1, n_old + 1)]
+    new_at = [tau + (1 - tau) * (j - shift) / n_new for j in range(1, n_new + 1)]
+    inner = positions[pad:pad + n_old + n_new].tolist()
+    assert inner == pytest.approx([tau * u for u in old_at] + new_at, abs=1e-15)
+    assert pad == 3 and len(positions) == 2 * pad + n_old + n_new
+    # the old signal is evaluated at old_at: give it one coefficient per basis function
+    cfg = InfinityFormerConfig(d_model=1, n_heads=1, n_basis=6, n_samples=n_old, **option)
+    memory = ContinuousMemory(cfg).double()
+    coeff = torch.arange(1.0, 7.0, dtype=torch.float64).view(1, 6, 1)
+    centres, widths = [0, 0, 0.5, 0.5, 1, 1], [0.01, 0.05] * 3
+    expected = [sum(c * math.exp(-0.5 * ((u - mu) / s) ** 2) / (s * math.sqrt(2 * math.pi))
+                    for c, mu, s in zip(coeff.flatten().tolist(), centres, widths))
+                for u in old_at]
+    got = memory.old_samples(coeff, None).flatten().tolist()
+    assert got == pytest.approx(expected, rel=1e-12)

@@ -17,9 +17,13 @@ Per layer and block of M tokens (batch first throughout):
   ``basis_widths``). Taking in vectors X [L, d]: gate X̃ = sigmoid(conv1d_k3(X)) ⊙ X, then the
   ridge fit B = Gᵀ X̃, G = Fᵀ(FFᵀ + λI)⁻¹ precomputed in float64 over positions on about
   [−0.5, 1.5] of which the vectors occupy the middle (the zero-padded boundary of the code);
-- unbounded memory: once the LTM holds something, ``n_samples`` samples of the old signal are
-  contracted into [0, τ] and the new vectors placed in (τ, 1], and B is refit from both; the
-  old B is detached (the memory history carries no gradient);
+- unbounded memory: once the LTM holds something, M = ``n_samples`` samples of the old signal
+  are contracted into [0, τ] and the L new vectors placed in (τ, 1], and B is refit from both;
+  the old B is detached (the memory history carries no gradient). The paper says only
+  "linearly spaced"; as the authors' code, the old signal is sampled at k/M and the samples
+  placed at τk/M (k = 1..M), the new vectors at τ + (1 − τ)j/L (j = 1..L): the right ends of
+  equal cells. ``contraction_midpoints`` takes the cells' midpoints instead ((k − 1/2)/M,
+  τ + (1 − τ)(j − 1/2)/L);
 - sticky memories: the old signal is sampled where the previous block's Gaussians put their
   mass (a histogram over ``sticky_bins`` bins, bin mass via erf) instead of evenly. The
   authors draw the positions at random; here they are the histogram's quantiles at
@@ -96,6 +100,11 @@ class InfinityFormerConfig:
     """M samples of the old signal taken into each refit (the authors' code: 512)."""
     tau: float = 0.75
     """The old signal is contracted into [0, τ], the new vectors fill (τ, 1]."""
+    contraction_midpoints: bool = False
+    """Where a refit samples the old signal and places its vectors: false = the right ends of
+    equal cells, as the authors' code (samples of the old signal at k/M placed at τk/M, k =
+    1..M; new vectors at τ + (1 − τ)j/L, j = 1..L); true = the cells' midpoints ((k − 1/2)/M
+    and τ + (1 − τ)(j − 1/2)/L). The paper says only "linearly spaced"."""
     gate: bool = True
     """Smooth what enters the LTM with X̃ = sigmoid(conv1d_k3(X)) ⊙ X."""
     sticky: bool = False
@@ -141,7 +150,8 @@ class InfinityFormerConfig:
         refuses them where the user wrote them)."""
         if not self.ltm:
             return [(k, "model.ltm is false") for k in (
-                "n_basis", "basis_widths", "ridge_penalty", "n_samples", "tau", "gate",
+                "n_basis", "basis_widths", "ridge_penalty", "n_samples", "tau",
+                "contraction_midpoints", "gate",
                 "sticky", "sticky_bins", "sigma_0", "kl_weight")]
         if not self.sticky:
             return [("sticky_bins", "model.sticky is false")]
@@ -164,21 +174,28 @@ def basis_values(t: Tensor, centres: Tensor, widths: Tensor) -> Tensor:
     return torch.exp(-0.5 * z * z) / (widths * math.sqrt(2 * math.pi))
 
 
-def fit_positions(n_old: int, n_new: int, tau: float) -> tuple[Tensor, int]:
+def contraction_grid(n: int, midpoints: bool) -> Tensor:
+    """n points of (0, 1] (float64), one per equal cell: its right end k/n (k = 1..n, the
+    authors' code) or its midpoint (k − 1/2)/n."""
+    k = torch.arange(1, n + 1, dtype=torch.float64)
+    return (k - 0.5) / n if midpoints else k / n
+
+
+def fit_positions(n_old: int, n_new: int, tau: float, midpoints: bool = False
+                  ) -> tuple[Tensor, int]:
     """Where the vectors of one fit sit on [0, 1] (float64), with the zero-padding around
     them, and the padding count on the left (as many on the right).
 
     Without old samples (n_old 0) the n_new vectors sit at (i + 1/2)/n_new; with them, the
-    samples at τ(k + 1/2)/n_old and the new vectors at τ + (1 − τ)(i + 1/2)/n_new. Either way
-    ⌊L/2⌋ padding positions continue each side at spacing 1/L (L = n_old + n_new), so the fit
-    sees the signal fall to zero outside [0, 1] as the authors' code does."""
+    samples at τ·grid(n_old) and the new vectors at τ + (1 − τ)·grid(n_new)
+    (``contraction_grid``). Either way ⌊L/2⌋ padding positions continue each side at spacing
+    1/L (L = n_old + n_new), so the fit sees the signal fall to zero outside [0, 1] as the
+    authors' code does."""
     total = n_old + n_new
     pad = total // 2
     if n_old:
-        inner = torch.cat([
-            tau * (torch.arange(n_old, dtype=torch.float64) + 0.5) / n_old,
-            tau + (1 - tau) * (torch.arange(n_new, dtype=torch.float64) + 0.5) / n_new,
-        ])
+        inner = torch.cat([tau * contraction_grid(n_old, midpoints),
+                           tau + (1 - tau) * contraction_grid(n_new, midpoints)])
     else:
         inner = (torch.arange(n_new, dtype=torch.float64) + 0.5) / n_new
     offsets = (torch.arange(pad, dtype=torch.float64) + 0.5) / total
@@ -255,7 +272,8 @@ class ContinuousMemory(nn.Module):
         key = (n_old, n_new, like.dtype, like.device)
         if key not in self._fits:
             # from the config, not the buffers: casting the module (bf16) rounds those
-            positions, pad = fit_positions(n_old, n_new, self.cfg.tau)
+            positions, pad = fit_positions(n_old, n_new, self.cfg.tau,
+                                           self.cfg.contraction_midpoints)
             basis = gaussian_basis(self.cfg.n_basis, self.cfg.basis_widths)
             g = ridge_fit_matrix(positions, pad, *basis, self.cfg.ridge_penalty)
             self._fits[key] = g.to(device=like.device, dtype=like.dtype)
@@ -263,10 +281,10 @@ class ContinuousMemory(nn.Module):
 
     def old_samples(self, coeff: Tensor, hist: Tensor | None) -> Tensor:
         """[B, n_samples, d]: the signal of ``coeff`` [B, N, d] at the sample positions
-        (evenly spaced midpoints, or the sticky histogram's quantiles)."""
+        (evenly spaced, ``contraction_grid``, or the sticky histogram's quantiles)."""
         n = self.cfg.n_samples
         if hist is None:
-            u = (torch.arange(n, dtype=coeff.dtype, device=coeff.device) + 0.5) / n
+            u = contraction_grid(n, self.cfg.contraction_midpoints).to(coeff)
         else:
             u = sticky_positions(hist.to(coeff.dtype), n)
         return basis_values(u, self.centres.to(coeff.dtype), self.widths.to(coeff.dtype)) @ coeff
@@ -493,6 +511,8 @@ class InfinityFormerLM(SequenceModel):
             return f"{host}; no long-term memory"
         widths = "/".join(f"{w:g}" for w in cfg.basis_widths)
         sampling = f"sticky ({cfg.sticky_bins} bins)" if cfg.sticky else "even"
+        if cfg.contraction_midpoints:
+            sampling += ", cell midpoints"
         return (f"∞-former: {host}; LTM {cfg.n_basis} Gaussian RBFs (widths {widths}), "
                 f"tau {cfg.tau:g}, {cfg.n_samples} samples, {sampling}")
 
