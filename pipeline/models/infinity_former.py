@@ -41,7 +41,8 @@ Per layer and block of M tokens (batch first throughout):
 
 The state (``init_state``): per layer the cache [B, mem_len, d] ([B, 2·mem_len, d] with the
 LTM: the STM and the states waiting to enter the LTM); with the LTM also its coefficients
-[B, N, d], and with sticky memories the bin masses [B, sticky_bins]; then, with the LTM, the
+[B, N, d], and with sticky memories the bin masses [B, sticky_bins] (float32 under
+bf16 / fp16); then, with the LTM, the
 number of stream positions the LTM has taken in [B] (int64; the next ones to take in are those
 from there up to the STM); last, the number of tokens seen so far in the stream [B] (int64),
 which tells which cache rows hold states (the rest are masked). A stream is reset (a new
@@ -251,7 +252,14 @@ def kl_variance(sigma_sq: Tensor, sigma_0: float) -> Tensor:
 
 class ContinuousMemory(nn.Module):
     """One layer's LTM: takes in vectors (``update``) and answers queries (``read``); its
-    ``forward`` is one block's step, both."""
+    ``forward`` is one block's step, both.
+
+    Under bf16 / fp16 (``model.to(dtype)``, ``.bfloat16()``, ``.half()``) the basis centres and
+    widths stay float32, and so do what the closed-form read and the old samples are computed
+    from (μ, σ², the read weights r, ψ at the sample positions, the sticky histogram): bf16
+    keeps 8 bits of mantissa, so at N = 1024 its 512 centres would collapse to 385 distinct
+    values, and μ would move in steps of up to 1/256, a good part of the 0.01 width. The
+    matrix products with the model's vectors run in the model's dtype."""
 
     def __init__(self, cfg: InfinityFormerConfig) -> None:
         super().__init__()
@@ -264,9 +272,20 @@ class ContinuousMemory(nn.Module):
         self.sigma = nn.Linear(cfg.n_basis, 1, bias=False)
         self.out = nn.Linear(d, d, bias=False)
         centres, widths = gaussian_basis(cfg.n_basis, cfg.basis_widths)
-        self.register_buffer("centres", centres, persistent=False)
-        self.register_buffer("widths", widths, persistent=False)
+        # float32 as the parameters (``_apply``: float64 after .double(), float32 under bf16)
+        self.register_buffer("centres", centres.float(), persistent=False)
+        self.register_buffer("widths", widths.float(), persistent=False)
         self._fits: dict[tuple, Tensor] = {}
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # from the config, not the cast values: bf16 would round them, and float64 would keep
+        # float32's rounding
+        centres, widths = gaussian_basis(self.cfg.n_basis, self.cfg.basis_widths)
+        exact = _exact(self.centres.dtype)
+        self.centres = centres.to(self.centres.device, exact)
+        self.widths = widths.to(self.widths.device, exact)
+        return self
 
     def _fit_matrix(self, n_old: int, n_new: int, like: Tensor) -> Tensor:
         key = (n_old, n_new, like.dtype, like.device)
@@ -283,11 +302,13 @@ class ContinuousMemory(nn.Module):
         """[B, n_samples, d]: the signal of ``coeff`` [B, N, d] at the sample positions
         (evenly spaced, ``contraction_grid``, or the sticky histogram's quantiles)."""
         n = self.cfg.n_samples
+        exact = self.centres
         if hist is None:
-            u = contraction_grid(n, self.cfg.contraction_midpoints).to(coeff)
+            u = contraction_grid(n, self.cfg.contraction_midpoints).to(exact)
         else:
-            u = sticky_positions(hist.to(coeff.dtype), n)
-        return basis_values(u, self.centres.to(coeff.dtype), self.widths.to(coeff.dtype)) @ coeff
+            u = sticky_positions(hist.to(exact.dtype), n)
+        samples = basis_values(u, self.centres, self.widths) @ coeff.to(exact.dtype)
+        return samples.to(coeff.dtype)
 
     def update(self, coeff: Tensor | None, hist: Tensor | None, new: Tensor) -> Tensor:
         """The coefficients [B, N, d] after taking in ``new`` [B, L, d]; ``coeff`` is the old
@@ -316,11 +337,25 @@ class ContinuousMemory(nn.Module):
         keys = self.key(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)
         values = self.value(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)
         scores = q @ keys.transpose(-1, -2) / math.sqrt(d_head)           # [B, H, M, N]
-        mu = torch.sigmoid(self.mu(scores)).squeeze(-1)
-        sigma_sq = F.softplus(self.sigma(scores)).squeeze(-1).clamp(min=MIN_SIGMA_SQ)
-        r = expected_basis(mu, sigma_sq, self.centres.to(q.dtype), self.widths.to(q.dtype))
+        # μ and σ² in the basis's precision (float32 under bf16 / fp16; see the class doc)
+        scores = scores.to(self.centres.dtype)
+        mu_logit = F.linear(scores, self.mu.weight.to(scores.dtype)).squeeze(-1)
+        sigma_logit = F.linear(scores, self.sigma.weight.to(scores.dtype)).squeeze(-1)
+        mu = torch.sigmoid(mu_logit)
+        sigma_sq = F.softplus(sigma_logit).clamp(min=MIN_SIGMA_SQ)
+        r = self.read_weights(mu, sigma_sq).to(values.dtype)
         z = (r @ values).transpose(1, 2).reshape(bsz, m, n_heads * d_head)
         return self.out(z), mu, sigma_sq
+
+    def read_weights(self, mu: Tensor, sigma_sq: Tensor) -> Tensor:
+        """r [..., N] = E_{t ~ N(μ, σ²)}[ψ(t)] for μ, σ² [...], in the basis's precision."""
+        return expected_basis(mu.to(self.centres.dtype), sigma_sq.to(self.centres.dtype),
+                              self.centres, self.widths)
+
+
+def _exact(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the basis and the read are computed in under a model of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _same_in_every_row(counter: Tensor, what: str) -> int:
@@ -425,9 +460,9 @@ class InfinityFormerLM(SequenceModel):
             state.append(torch.zeros(batch_size, self._cache_len(), cfg.d_model, **like))
             if cfg.ltm:
                 state.append(torch.zeros(batch_size, cfg.n_basis, cfg.d_model, **like))
-                if cfg.sticky:
+                if cfg.sticky:      # bin masses: float32 at least, as μ and σ² are
                     state.append(torch.full((batch_size, cfg.sticky_bins), 1 / cfg.sticky_bins,
-                                            **like))
+                                            device=device, dtype=_exact(like["dtype"])))
         counters = 2 if cfg.ltm else 1        # positions the LTM has taken in; tokens seen
         state.extend(torch.zeros(batch_size, dtype=torch.int64, device=device)
                      for _ in range(counters))
