@@ -394,3 +394,52 @@ def test_contraction_grid_positions(midpoints):
                 for u in old_at]
     got = memory.old_samples(coeff, None).flatten().tolist()
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def record_dropout_sites(model, tokens, block):
+    """Train-mode pass over ``tokens`` in blocks; per layer of the last block: (the residual
+    that norm1 adds, the attention's + the LTM's outputs, the input of the position map)."""
+    seen = {}
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(
+            lambda mod, args, i=i: seen.__setitem__(("x", i), args[0]))
+        layer.norm1.register_forward_pre_hook(
+            lambda mod, args, i=i: seen.__setitem__(("norm1", i), args[0]))
+        layer.attn_out.register_forward_hook(
+            lambda mod, args, out, i=i: seen.__setitem__(("attn", i), out))
+        layer.ltm.out.register_forward_hook(
+            lambda mod, args, out, i=i: seen.__setitem__(("ltm", i), out))
+        layer.pos.register_forward_pre_hook(
+            lambda mod, args, i=i: seen.__setitem__(("pos", i), args[0]))
+    model.train()
+    run_blocks(model, tokens, block)
+    return [(seen["norm1", i] - seen["x", i], seen["attn", i] + seen["ltm", i], seen["pos", i])
+            for i in range(len(model.layers))]
+
+
+@pytest.mark.parametrize("on_output", [False, True])
+def test_dropout_acts_on_the_position_embeddings_not_the_attention_output(on_output):
+    """The authors' relative attention adds its output (short-term + LTM) to the residual
+    undropped and drops the position embeddings, one draw for all layers;
+    attention_output_dropout also drops the output, as the original Transformer-XL."""
+    p = 0.5
+    option = {"attention_output_dropout": True} if on_output else {}
+    model = tiny_model(n_layers=2, dropout=p, **option)
+    tokens = torch.randint(0, 13, (2, 12))
+    sites = record_dropout_sites(model, tokens, 4)      # the last block reads the LTM
+    distances = torch.arange(8, dtype=torch.float64)    # STM 4 + block 4
+    freq = 10000 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    sinusoid_table = torch.cat([torch.sin(distances[:, None] * freq),
+                                torch.cos(distances[:, None] * freq)], -1)
+    for residual, attention, pos_in in sites:
+        if on_output:
+            assert (residual == 0).any() and not torch.equal(residual, attention)
+            kept = residual != 0
+            torch.testing.assert_close(residual[kept], attention[kept] / (1 - p))
+        else:
+            torch.testing.assert_close(residual, attention, rtol=1e-12, atol=1e-12)
+        kept = pos_in != 0
+        assert 0 < kept.sum() < kept.numel() - 2          # sin(0) = 0 are 4 of the zeros
+        torch.testing.assert_close(pos_in[kept], sinusoid_table[kept] / (1 - p),
+                                   rtol=1e-6, atol=1e-6)
+    assert torch.equal(sites[0][2], sites[1][2])      # one draw shared by the layers

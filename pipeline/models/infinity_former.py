@@ -80,9 +80,16 @@ class InfinityFormerConfig:
     ff_dim: int = 300
     """Inner size of each layer's feed-forward sublayer (the authors' sorting script: 300)."""
     dropout: float = 0.1
-    """Dropout on embeddings, sublayer outputs and the feed-forward's hidden units."""
+    """Dropout on the token embeddings, the relative position embeddings (one draw per block,
+    shared by the layers), the feed-forward's hidden units and output, and the last hidden
+    states before the output layer: the authors' places (their relative attention drops only
+    the position embeddings). See ``attention_output_dropout``."""
     attn_dropout: float = 0.0
     """Dropout on the short-term attention's probabilities."""
+    attention_output_dropout: bool = False
+    """Also drop (``dropout``) the sum of the short-term attention's and the LTM's outputs
+    before its residual, as the original Transformer-XL does; false = the authors' ∞-former
+    code, which applies none there."""
     mem_len: int = 1024
     """Short-term memory: hidden states of earlier blocks each layer's attention reads
     (Transformer-XL cache). With the LTM it must be at least the block length
@@ -149,14 +156,17 @@ class InfinityFormerConfig:
     def inert_keys(self) -> list[tuple[str, str]]:
         """Fields that do nothing under the other fields' values, each with why (the spec
         refuses them where the user wrote them)."""
+        inert = []
+        if self.dropout == 0:
+            inert.append(("attention_output_dropout", "model.dropout is 0"))
         if not self.ltm:
-            return [(k, "model.ltm is false") for k in (
+            return inert + [(k, "model.ltm is false") for k in (
                 "n_basis", "basis_widths", "ridge_penalty", "n_samples", "tau",
                 "contraction_midpoints", "gate",
                 "sticky", "sticky_bins", "sigma_0", "kl_weight")]
         if not self.sticky:
-            return [("sticky_bins", "model.sticky is false")]
-        return []
+            inert.append(("sticky_bins", "model.sticky is false"))
+        return inert
 
 
 # --- the continuous memory's mathematics (float64 where precomputed) -------------------------
@@ -394,15 +404,18 @@ class XLLayer(nn.Module):
                                 nn.Linear(cfg.ff_dim, d))
         self.norm2 = nn.LayerNorm(d)
         self.drop = nn.Dropout(cfg.dropout)
+        self.attn_out_drop = (nn.Dropout(cfg.dropout) if cfg.attention_output_dropout
+                              else nn.Identity())
         self.attn_drop = nn.Dropout(cfg.attn_dropout)
         self.ltm = ContinuousMemory(cfg) if cfg.ltm else None
 
-    def forward(self, x: Tensor, cache: Tensor, n_valid: int,
+    def forward(self, x: Tensor, cache: Tensor, n_valid: int, pos_emb: Tensor,
                 ltm_in: tuple[Tensor | None, Tensor | None, Tensor] | None
                 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
-        """x [B, M, d], cache [B, C, d] whose last n_valid rows hold states; ltm_in: what the
-        LTM steps with (old coefficients or None, sticky histogram or None, vectors to take
-        in), None when it has nothing to read -> (output, (coefficients, μ, σ²) or None)."""
+        """x [B, M, d], cache [B, C, d] (the STM) whose last n_valid rows hold states;
+        pos_emb [C + M, d]: the embeddings of distances 0..C+M−1; ltm_in: what the LTM steps
+        with (old coefficients or None, sticky histogram or None, vectors to take in), None
+        when it has nothing to read -> (output, (coefficients, μ, σ²) or None)."""
         bsz, m, d = x.shape
         c = cache.shape[1]
         h, dh = self.n_heads, self.d_head
@@ -413,7 +426,7 @@ class XLLayer(nn.Module):
         # distance of key j from query i is (c + i) − j; scores by distance, then gathered
         keys_at = torch.arange(c + m, device=x.device)
         dist = (c + torch.arange(m, device=x.device)).unsqueeze(1) - keys_at
-        rel = self.pos(sinusoid(keys_at, d).to(x.dtype))
+        rel = self.pos(pos_emb.to(x.dtype))
         rel = rel.view(c + m, h, dh).transpose(0, 1)                      # [H, K, dh]
         content = (q + self.content_bias.unsqueeze(1)) @ k.transpose(-1, -2)
         by_dist = (q + self.position_bias.unsqueeze(1)) @ rel.transpose(-1, -2)
@@ -427,7 +440,7 @@ class XLLayer(nn.Module):
         if ltm_in is not None:
             ltm_out, *read = self.ltm(*ltm_in, q)
             out = out + ltm_out
-        x = self.norm1(x + self.drop(out))
+        x = self.norm1(x + self.attn_out_drop(out))
         x = self.norm2(x + self.drop(self.ff(x)))
         return x, read
 
@@ -495,6 +508,9 @@ class InfinityFormerLM(SequenceModel):
             takes_in, holds = left_stm > taken, taken > 0
             intake_rows = slice(taken - seen + c, c - cfg.mem_len)
         x = self.drop(self.embed(tokens) * math.sqrt(cfg.d_model))
+        # one draw of dropout on the position embeddings for every layer, as the authors'
+        pos_emb = self.drop(sinusoid(torch.arange(cfg.mem_len + m, device=tokens.device),
+                                     cfg.d_model))
         new_state: State = []
         kls: list[Tensor] = []
         sig_means: list[Tensor] = []
@@ -505,7 +521,7 @@ class InfinityFormerLM(SequenceModel):
                 old = state[i * per + 1].detach() if holds else None
                 hist = state[i * per + 2] if cfg.sticky else None
                 ltm_in = (old, hist, cache[:, intake_rows])
-            out, read = layer(x, cache[:, c - cfg.mem_len:], n_valid, ltm_in)
+            out, read = layer(x, cache[:, c - cfg.mem_len:], n_valid, pos_emb, ltm_in)
             new_state.append(torch.cat([cache, x], 1)[:, -c:].detach())
             if cfg.ltm:
                 if read is None:
