@@ -312,12 +312,11 @@ class ContinuousMemory(nn.Module):
         """[B, n_samples, d]: the signal of ``coeff`` [B, N, d] at the sample positions
         (evenly spaced, ``contraction_grid``, or the sticky histogram's quantiles)."""
         n = self.cfg.n_samples
-        exact = self.centres
         if hist is None:
-            u = contraction_grid(n, self.cfg.contraction_midpoints).to(exact)
+            u = contraction_grid(n, self.cfg.contraction_midpoints).to(self.centres)
         else:
-            u = sticky_positions(hist.to(exact.dtype), n)
-        samples = basis_values(u, self.centres, self.widths) @ coeff.to(exact.dtype)
+            u = sticky_positions(hist.to(self.centres.dtype), n)
+        samples = basis_values(u, self.centres, self.widths) @ coeff.to(self.centres.dtype)
         return samples.to(coeff.dtype)
 
     def update(self, coeff: Tensor | None, hist: Tensor | None, new: Tensor) -> Tensor:
