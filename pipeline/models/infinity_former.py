@@ -34,19 +34,20 @@ Per layer and block of M tokens (batch first throughout):
   (one pair of Linear(N, 1) per layer, shared by heads; σ² ≥ 1e-6); z = Vᵀ r with the closed
   form r_j = N(μ; μ_j, σ_j² + σ²) (the density of N(μ, σ²) integrated against ψ_j over the
   line); z's heads go through the LTM's own output map and are added to the short-term
-  attention's output (after its output projection);
+  attention's output (after its output projection); the sum joins the residual without
+  dropout, as in the authors' code (``attention_output_dropout``: with it); μ, σ², r and the
+  basis are float32 under bf16 / fp16 (``ContinuousMemory``);
 - loss + kl_weight · Σ_layers mean KL(N(μ, σ²) ‖ N(μ, σ0²)) (the variance only).
 
 ``ltm: false`` is the Transformer-XL baseline with the same short-term memory.
 
 The state (``init_state``): per layer the cache [B, mem_len, d] ([B, 2·mem_len, d] with the
-LTM: the STM and the states waiting to enter the LTM); with the LTM also its coefficients
-[B, N, d], and with sticky memories the bin masses [B, sticky_bins] (float32 under
-bf16 / fp16); then, with the LTM, the
-number of stream positions the LTM has taken in [B] (int64; the next ones to take in are those
-from there up to the STM); last, the number of tokens seen so far in the stream [B] (int64),
-which tells which cache rows hold states (the rest are masked). A stream is reset (a new
-document) by starting again from ``init_state``.
+LTM: the states waiting to enter the LTM, then the STM); with the LTM also its coefficients
+[B, N, d], and with sticky memories the bin masses [B, sticky_bins] (float32 under bf16 /
+fp16); then, with the LTM, the number of stream positions the LTM has taken in [B] (int64;
+it takes in the next ones up to the STM's first); last, the number of tokens seen so far in
+the stream [B] (int64), which tells which cache rows hold states (the rest are masked). A
+stream is reset (a new document) by starting again from ``init_state``.
 """
 
 from __future__ import annotations
