@@ -224,7 +224,7 @@ def test_the_ltm_carries_what_the_cache_dropped(ltm):
 
 def test_ltm_cost_does_not_grow_with_the_segments_stored():
     model = tiny_model(n_layers=2)
-    tokens = torch.randint(0, 13, (2, 20))
+    tokens = torch.randint(0, 13, (2, 24))
     run_blocks(model, tokens, 4)          # the fit matrices are computed once, on first use
     state = model.init_state(2)
     flops, sizes = [], []
@@ -234,11 +234,12 @@ def test_ltm_cost_does_not_grow_with_the_segments_stored():
             state = model(chunk, chunk, state).state
         flops.append(counter.get_total_flops())
         sizes.append([tuple(t.shape) for t in state])
-    # block 1 fills the cache, block 2 starts the LTM, from block 3 on it holds samples of
-    # the old signal plus the block the cache drops: the same work however much is stored
-    assert len(set(flops[2:])) == 1 and flops[2] > flops[1] > flops[0]
+    # blocks 1 and 2 read only the STM (masked rows cost the same), block 3 starts the LTM
+    # with block 1, from block 4 on it takes in samples of the old signal plus the block that
+    # left the STM: the same work however much is stored
+    assert len(set(flops[3:])) == 1 and flops[3] > flops[2] > flops[1] == flops[0]
     assert all(s == sizes[0] for s in sizes)
-    assert state[-1].tolist() == [20, 20]
+    assert state[-1].tolist() == [24, 24] and state[-2].tolist() == [16, 16]
 
 
 def test_registry_config_errors_and_description():
@@ -286,3 +287,159 @@ def test_a_spec_builds_it_and_refuses_keys_that_do_nothing(tmp_path):
         load_spec(path)
     assert str(err.value) == \
         f"{path}:3: model.tau: does nothing here (model.ltm is false); remove it"
+
+
+def trace_memories(model, tokens, blocks):
+    """Stream ``tokens`` [1, T] (distinct ids) through a one-layer ``model`` in blocks of the
+    given lengths; per block: (the token ids of the STM rows the attention reads, those of
+    the vectors the LTM takes in, whether it had old coefficients, whether it was read)."""
+    layer = model.layers[0]
+    table = model.embed.weight * math.sqrt(model.cfg.d_model)     # layer 0's input rows
+
+    def ids(rows):                                  # [R, d] -> token ids; zero rows: none
+        out = []
+        for row in rows:
+            if row.abs().max() == 0:
+                continue
+            dist = (table - row).abs().amax(-1)
+            assert dist.min() < 1e-12, "a row that is no token's embedding"
+            out.append(int(dist.argmin()))
+        return out
+
+    record = {}
+    layer.qkv.register_forward_pre_hook(
+        lambda mod, args: record.__setitem__("stm", ids(args[0][0, :-record["m"]])))
+    update, read = layer.ltm.update, layer.ltm.read
+
+    def recording_update(coeff, hist, new):
+        record["ltm"] = (ids(new[0]), coeff is not None)
+        return update(coeff, hist, new)
+
+    def recording_read(q, coeff):
+        record["read"] = True
+        return read(q, coeff)
+    layer.ltm.update, layer.ltm.read = recording_update, recording_read
+    trace, state, start = [], model.init_state(1), 0
+    for m in blocks:
+        record.clear()
+        record["m"] = m
+        state = model(tokens[:, start:start + m], None, state).state
+        start += m
+        intake, had_old = record.get("ltm", ([], False))
+        trace.append((record["stm"], intake, had_old, record.get("read", False)))
+    return trace
+
+
+def span(a, b):
+    return list(range(a, b))
+
+
+@pytest.mark.parametrize("mem_len, blocks, expected", [
+    # STM rows read, LTM intake, intake refit with old samples, LTM read
+    (4, [4] * 5, [([], [], False, False),
+                  (span(0, 4), [], False, False),
+                  (span(4, 8), span(0, 4), False, True),      # block 1 left the STM in 2
+                  (span(8, 12), span(4, 8), True, True),
+                  (span(12, 16), span(8, 12), True, True)]),
+    (6, [4] * 6, [([], [], False, False),
+                  (span(0, 4), [], False, False),
+                  (span(2, 8), span(0, 2), False, True),
+                  (span(6, 12), span(2, 6), True, True),
+                  (span(10, 16), span(6, 10), True, True),
+                  (span(14, 20), span(10, 14), True, True)]),
+    # a shorter block: the next one still takes in all that left the STM during it
+    (4, [4, 4, 4, 2, 4, 4], [([], [], False, False),
+                             (span(0, 4), [], False, False),
+                             (span(4, 8), span(0, 4), False, True),
+                             (span(8, 12), span(4, 8), True, True),
+                             (span(10, 14), span(8, 10), True, True),
+                             (span(14, 18), span(10, 14), True, True)]),
+])
+def test_a_state_enters_the_ltm_one_block_after_it_left_the_stm(mem_len, blocks, expected):
+    """The authors' order (sorting/mem_transformer.py): the layer memory keeps mem_len +
+    augment_len states, the attention reads the last mem_len, the LTM takes in the rest: no
+    state is in the STM and the LTM at once."""
+    model = build_model("infinity_former", {**TINY, "mem_len": mem_len}, 32).double().eval()
+    tokens = torch.arange(sum(blocks)).unsqueeze(0)
+    trace = trace_memories(model, tokens, blocks)
+    assert trace == expected
+    held = []
+    for (stm, intake, _, _) in trace:
+        held += intake
+        assert not set(held) & set(stm)                 # the LTM never repeats the STM
+    assert held == span(0, len(held))                   # every state enters once, in order
+
+
+@pytest.mark.parametrize("midpoints", [False, True])
+def test_contraction_grid_positions(midpoints):
+    """The authors' grid (default): the old signal sampled at k/M and placed at τk/M (k =
+    1..M), the new vectors at τ + (1 − τ)j/L (j = 1..L); the option: the cells' midpoints."""
+    n_old, n_new, tau = 4, 3, 0.75
+    # the default called without the option: what the old code computed too
+    option = {"contraction_midpoints": True} if midpoints else {}
+    positions, pad = fit_positions(n_old, n_new, tau, *option.values())
+    shift = 0.5 if midpoints else 0.0
+    old_at = [(k - shift) / n_old for k in range(1, n_old + 1)]
+    new_at = [tau + (1 - tau) * (j - shift) / n_new for j in range(1, n_new + 1)]
+    inner = positions[pad:pad + n_old + n_new].tolist()
+    assert inner == pytest.approx([tau * u for u in old_at] + new_at, abs=1e-15)
+    assert pad == 3 and len(positions) == 2 * pad + n_old + n_new
+    # the old signal is evaluated at old_at: give it one coefficient per basis function
+    cfg = InfinityFormerConfig(d_model=1, n_heads=1, n_basis=6, n_samples=n_old, **option)
+    memory = ContinuousMemory(cfg).double()
+    coeff = torch.arange(1.0, 7.0, dtype=torch.float64).view(1, 6, 1)
+    centres, widths = [0, 0, 0.5, 0.5, 1, 1], [0.01, 0.05] * 3
+    expected = [sum(c * math.exp(-0.5 * ((u - mu) / s) ** 2) / (s * math.sqrt(2 * math.pi))
+                    for c, mu, s in zip(coeff.flatten().tolist(), centres, widths))
+                for u in old_at]
+    got = memory.old_samples(coeff, None).flatten().tolist()
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def record_dropout_sites(model, tokens, block):
+    """Train-mode pass over ``tokens`` in blocks; per layer of the last block: (the residual
+    that norm1 adds, the attention's + the LTM's outputs, the input of the position map)."""
+    seen = {}
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(
+            lambda mod, args, i=i: seen.__setitem__(("x", i), args[0]))
+        layer.norm1.register_forward_pre_hook(
+            lambda mod, args, i=i: seen.__setitem__(("norm1", i), args[0]))
+        layer.attn_out.register_forward_hook(
+            lambda mod, args, out, i=i: seen.__setitem__(("attn", i), out))
+        layer.ltm.out.register_forward_hook(
+            lambda mod, args, out, i=i: seen.__setitem__(("ltm", i), out))
+        layer.pos.register_forward_pre_hook(
+            lambda mod, args, i=i: seen.__setitem__(("pos", i), args[0]))
+    model.train()
+    run_blocks(model, tokens, block)
+    return [(seen["norm1", i] - seen["x", i], seen["attn", i] + seen["ltm", i], seen["pos", i])
+            for i in range(len(model.layers))]
+
+
+@pytest.mark.parametrize("on_output", [False, True])
+def test_dropout_acts_on_the_position_embeddings_not_the_attention_output(on_output):
+    """The authors' relative attention adds its output (short-term + LTM) to the residual
+    undropped and drops the position embeddings, one draw for all layers;
+    attention_output_dropout also drops the output, as the original Transformer-XL."""
+    p = 0.5
+    option = {"attention_output_dropout": True} if on_output else {}
+    model = tiny_model(n_layers=2, dropout=p, **option)
+    tokens = torch.randint(0, 13, (2, 12))
+    sites = record_dropout_sites(model, tokens, 4)      # the last block reads the LTM
+    distances = torch.arange(8, dtype=torch.float64)    # STM 4 + block 4
+    freq = 10000 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    sinusoid_table = torch.cat([torch.sin(distances[:, None] * freq),
+                                torch.cos(distances[:, None] * freq)], -1)
+    for residual, attention, pos_in in sites:
+        if on_output:
+            assert (residual == 0).any() and not torch.equal(residual, attention)
+            kept = residual != 0
+            torch.testing.assert_close(residual[kept], attention[kept] / (1 - p))
+        else:
+            torch.testing.assert_close(residual, attention, rtol=1e-12, atol=1e-12)
+        kept = pos_in != 0
+        assert 0 < kept.sum() < kept.numel() - 2          # sin(0) = 0 are 4 of the zeros
+        torch.testing.assert_close(pos_in[kept], sinusoid_table[kept] / (1 - p),
+                                   rtol=1e-6, atol=1e-6)
+    assert torch.equal(sites[0][2], sites[1][2])      # one draw shared by the layers

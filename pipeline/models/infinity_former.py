@@ -3,18 +3,27 @@ a continuous long-term memory (LTM). ../shared/PAPERS.md §3 has the facts; wher
 silent this follows the authors' sorting code (deep-spin/infinite-former, sorting/).
 
 Per layer and block of M tokens (batch first throughout):
-- the short-term memory is the Transformer-XL cache: the layer's input hidden states of the
-  last ``mem_len`` tokens. The states that drop out of it this block (the oldest ones) are what
-  the LTM takes in, before the block reads it, as in the authors' code: they are all past
+- the short-term memory (STM) is the Transformer-XL cache the attention reads: the layer's
+  input hidden states of the last ``mem_len`` tokens. With the LTM the cache keeps ``mem_len``
+  more rows: the states that left the STM in the previous block wait there, and the LTM
+  takes them in at the start of this block, before the block reads it (the authors' layer
+  memory of mem_len + augment_len states, of which the attention reads the last mem_len and
+  the LTM takes in the rest). So a state enters the LTM only once the STM no longer reads it,
+  one block after it left, and the LTM is first read in the block after the first states
+  left the STM (the third block when mem_len is the block length). They are all past
   tokens, so the read stays causal, and the gate gets a gradient through them;
 - the LTM is N coefficient vectors B [N, d] of a signal X(t) = Bᵀψ(t) on [0, 1], ψ = N
   normalised Gaussian densities (centres linspace(0, 1, N/2), each with every width of
   ``basis_widths``). Taking in vectors X [L, d]: gate X̃ = sigmoid(conv1d_k3(X)) ⊙ X, then the
   ridge fit B = Gᵀ X̃, G = Fᵀ(FFᵀ + λI)⁻¹ precomputed in float64 over positions on about
   [−0.5, 1.5] of which the vectors occupy the middle (the zero-padded boundary of the code);
-- unbounded memory: once the LTM holds something, ``n_samples`` samples of the old signal are
-  contracted into [0, τ] and the new vectors placed in (τ, 1], and B is refit from both; the
-  old B is detached (the memory history carries no gradient);
+- unbounded memory: once the LTM holds something, M = ``n_samples`` samples of the old signal
+  are contracted into [0, τ] and the L new vectors placed in (τ, 1], and B is refit from both;
+  the old B is detached (the memory history carries no gradient). The paper says only
+  "linearly spaced"; as the authors' code, the old signal is sampled at k/M and the samples
+  placed at τk/M (k = 1..M), the new vectors at τ + (1 − τ)j/L (j = 1..L): the right ends of
+  equal cells. ``contraction_midpoints`` takes the cells' midpoints instead ((k − 1/2)/M,
+  τ + (1 − τ)(j − 1/2)/L);
 - sticky memories: the old signal is sampled where the previous block's Gaussians put their
   mass (a histogram over ``sticky_bins`` bins, bin mass via erf) instead of evenly. The
   authors draw the positions at random; here they are the histogram's quantiles at
@@ -25,16 +34,20 @@ Per layer and block of M tokens (batch first throughout):
   (one pair of Linear(N, 1) per layer, shared by heads; σ² ≥ 1e-6); z = Vᵀ r with the closed
   form r_j = N(μ; μ_j, σ_j² + σ²) (the density of N(μ, σ²) integrated against ψ_j over the
   line); z's heads go through the LTM's own output map and are added to the short-term
-  attention's output (after its output projection);
+  attention's output (after its output projection); the sum joins the residual without
+  dropout, as in the authors' code (``attention_output_dropout``: with it); μ, σ², r and the
+  basis are float32 under bf16 / fp16 (``ContinuousMemory``);
 - loss + kl_weight · Σ_layers mean KL(N(μ, σ²) ‖ N(μ, σ0²)) (the variance only).
 
 ``ltm: false`` is the Transformer-XL baseline with the same short-term memory.
 
-The state (``init_state``): per layer the cache [B, mem_len, d]; with the LTM also its
-coefficients [B, N, d], and with sticky memories the bin masses [B, sticky_bins]; last, the
-number of tokens seen so far in the stream [B] (int64), which tells which cache rows hold
-states (the rest are masked) and whether the LTM holds anything. A stream is reset (a new
-document) by starting again from ``init_state``.
+The state (``init_state``): per layer the cache [B, mem_len, d] ([B, 2·mem_len, d] with the
+LTM: the states waiting to enter the LTM, then the STM); with the LTM also its coefficients
+[B, N, d], and with sticky memories the bin masses [B, sticky_bins] (float32 under bf16 /
+fp16); then, with the LTM, the number of stream positions the LTM has taken in [B] (int64;
+it takes in the next ones up to the STM's first); last, the number of tokens seen so far in
+the stream [B] (int64), which tells which cache rows hold states (the rest are masked). A
+stream is reset (a new document) by starting again from ``init_state``.
 """
 
 from __future__ import annotations
@@ -68,12 +81,21 @@ class InfinityFormerConfig:
     ff_dim: int = 300
     """Inner size of each layer's feed-forward sublayer (the authors' sorting script: 300)."""
     dropout: float = 0.1
-    """Dropout on embeddings, sublayer outputs and the feed-forward's hidden units."""
+    """Dropout on the token embeddings, the relative position embeddings (one draw per block,
+    shared by the layers), the feed-forward's hidden units and output, and the last hidden
+    states before the output layer: the authors' places (their relative attention drops only
+    the position embeddings). See ``attention_output_dropout``."""
     attn_dropout: float = 0.0
     """Dropout on the short-term attention's probabilities."""
+    attention_output_dropout: bool = False
+    """Also drop (``dropout``) the sum of the short-term attention's and the LTM's outputs
+    before its residual, as the original Transformer-XL does; false = the authors' ∞-former
+    code, which applies none there."""
     mem_len: int = 1024
-    """Short-term memory: hidden states each layer keeps from earlier blocks (Transformer-XL
-    cache). With the LTM it must be at least the block length (train.seq_len)."""
+    """Short-term memory: hidden states of earlier blocks each layer's attention reads
+    (Transformer-XL cache). With the LTM it must be at least the block length
+    (train.seq_len): the states leaving the STM in a block wait in the cache (mem_len more
+    rows) until the next block's LTM takes them in."""
     ltm: bool = True
     """Read a continuous long-term memory; false = the Transformer-XL baseline."""
     n_basis: int = 1024
@@ -87,6 +109,11 @@ class InfinityFormerConfig:
     """M samples of the old signal taken into each refit (the authors' code: 512)."""
     tau: float = 0.75
     """The old signal is contracted into [0, τ], the new vectors fill (τ, 1]."""
+    contraction_midpoints: bool = False
+    """Where a refit samples the old signal and places its vectors: false = the right ends of
+    equal cells, as the authors' code (samples of the old signal at k/M placed at τk/M, k =
+    1..M; new vectors at τ + (1 − τ)j/L, j = 1..L); true = the cells' midpoints ((k − 1/2)/M
+    and τ + (1 − τ)(j − 1/2)/L). The paper says only "linearly spaced"."""
     gate: bool = True
     """Smooth what enters the LTM with X̃ = sigmoid(conv1d_k3(X)) ⊙ X."""
     sticky: bool = False
@@ -130,13 +157,17 @@ class InfinityFormerConfig:
     def inert_keys(self) -> list[tuple[str, str]]:
         """Fields that do nothing under the other fields' values, each with why (the spec
         refuses them where the user wrote them)."""
+        inert = []
+        if self.dropout == 0:
+            inert.append(("attention_output_dropout", "model.dropout is 0"))
         if not self.ltm:
-            return [(k, "model.ltm is false") for k in (
-                "n_basis", "basis_widths", "ridge_penalty", "n_samples", "tau", "gate",
+            return inert + [(k, "model.ltm is false") for k in (
+                "n_basis", "basis_widths", "ridge_penalty", "n_samples", "tau",
+                "contraction_midpoints", "gate",
                 "sticky", "sticky_bins", "sigma_0", "kl_weight")]
         if not self.sticky:
-            return [("sticky_bins", "model.sticky is false")]
-        return []
+            inert.append(("sticky_bins", "model.sticky is false"))
+        return inert
 
 
 # --- the continuous memory's mathematics (float64 where precomputed) -------------------------
@@ -155,21 +186,28 @@ def basis_values(t: Tensor, centres: Tensor, widths: Tensor) -> Tensor:
     return torch.exp(-0.5 * z * z) / (widths * math.sqrt(2 * math.pi))
 
 
-def fit_positions(n_old: int, n_new: int, tau: float) -> tuple[Tensor, int]:
+def contraction_grid(n: int, midpoints: bool) -> Tensor:
+    """n points of (0, 1] (float64), one per equal cell: its right end k/n (k = 1..n, the
+    authors' code) or its midpoint (k − 1/2)/n."""
+    k = torch.arange(1, n + 1, dtype=torch.float64)
+    return (k - 0.5) / n if midpoints else k / n
+
+
+def fit_positions(n_old: int, n_new: int, tau: float, midpoints: bool = False
+                  ) -> tuple[Tensor, int]:
     """Where the vectors of one fit sit on [0, 1] (float64), with the zero-padding around
     them, and the padding count on the left (as many on the right).
 
     Without old samples (n_old 0) the n_new vectors sit at (i + 1/2)/n_new; with them, the
-    samples at τ(k + 1/2)/n_old and the new vectors at τ + (1 − τ)(i + 1/2)/n_new. Either way
-    ⌊L/2⌋ padding positions continue each side at spacing 1/L (L = n_old + n_new), so the fit
-    sees the signal fall to zero outside [0, 1] as the authors' code does."""
+    samples at τ·grid(n_old) and the new vectors at τ + (1 − τ)·grid(n_new)
+    (``contraction_grid``). Either way ⌊L/2⌋ padding positions continue each side at spacing
+    1/L (L = n_old + n_new), so the fit sees the signal fall to zero outside [0, 1] as the
+    authors' code does."""
     total = n_old + n_new
     pad = total // 2
     if n_old:
-        inner = torch.cat([
-            tau * (torch.arange(n_old, dtype=torch.float64) + 0.5) / n_old,
-            tau + (1 - tau) * (torch.arange(n_new, dtype=torch.float64) + 0.5) / n_new,
-        ])
+        inner = torch.cat([tau * contraction_grid(n_old, midpoints),
+                           tau + (1 - tau) * contraction_grid(n_new, midpoints)])
     else:
         inner = (torch.arange(n_new, dtype=torch.float64) + 0.5) / n_new
     offsets = (torch.arange(pad, dtype=torch.float64) + 0.5) / total
@@ -225,7 +263,14 @@ def kl_variance(sigma_sq: Tensor, sigma_0: float) -> Tensor:
 
 class ContinuousMemory(nn.Module):
     """One layer's LTM: takes in vectors (``update``) and answers queries (``read``); its
-    ``forward`` is one block's step, both."""
+    ``forward`` is one block's step, both.
+
+    Under bf16 / fp16 (``model.to(dtype)``, ``.bfloat16()``, ``.half()``) the basis centres and
+    widths stay float32, and so do what the closed-form read and the old samples are computed
+    from (μ, σ², the read weights r, ψ at the sample positions, the sticky histogram): bf16
+    keeps 8 bits of mantissa, so at N = 1024 its 512 centres would collapse to 385 distinct
+    values, and μ would move in steps of up to 1/256, a good part of the 0.01 width. The
+    matrix products with the model's vectors run in the model's dtype."""
 
     def __init__(self, cfg: InfinityFormerConfig) -> None:
         super().__init__()
@@ -238,15 +283,27 @@ class ContinuousMemory(nn.Module):
         self.sigma = nn.Linear(cfg.n_basis, 1, bias=False)
         self.out = nn.Linear(d, d, bias=False)
         centres, widths = gaussian_basis(cfg.n_basis, cfg.basis_widths)
-        self.register_buffer("centres", centres, persistent=False)
-        self.register_buffer("widths", widths, persistent=False)
+        # float32 as the parameters (``_apply``: float64 after .double(), float32 under bf16)
+        self.register_buffer("centres", centres.float(), persistent=False)
+        self.register_buffer("widths", widths.float(), persistent=False)
         self._fits: dict[tuple, Tensor] = {}
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # from the config, not the cast values: bf16 would round them, and float64 would keep
+        # float32's rounding
+        centres, widths = gaussian_basis(self.cfg.n_basis, self.cfg.basis_widths)
+        exact = _exact(self.centres.dtype)
+        self.centres = centres.to(self.centres.device, exact)
+        self.widths = widths.to(self.widths.device, exact)
+        return self
 
     def _fit_matrix(self, n_old: int, n_new: int, like: Tensor) -> Tensor:
         key = (n_old, n_new, like.dtype, like.device)
         if key not in self._fits:
             # from the config, not the buffers: casting the module (bf16) rounds those
-            positions, pad = fit_positions(n_old, n_new, self.cfg.tau)
+            positions, pad = fit_positions(n_old, n_new, self.cfg.tau,
+                                           self.cfg.contraction_midpoints)
             basis = gaussian_basis(self.cfg.n_basis, self.cfg.basis_widths)
             g = ridge_fit_matrix(positions, pad, *basis, self.cfg.ridge_penalty)
             self._fits[key] = g.to(device=like.device, dtype=like.dtype)
@@ -254,13 +311,14 @@ class ContinuousMemory(nn.Module):
 
     def old_samples(self, coeff: Tensor, hist: Tensor | None) -> Tensor:
         """[B, n_samples, d]: the signal of ``coeff`` [B, N, d] at the sample positions
-        (evenly spaced midpoints, or the sticky histogram's quantiles)."""
+        (evenly spaced, ``contraction_grid``, or the sticky histogram's quantiles)."""
         n = self.cfg.n_samples
         if hist is None:
-            u = (torch.arange(n, dtype=coeff.dtype, device=coeff.device) + 0.5) / n
+            u = contraction_grid(n, self.cfg.contraction_midpoints).to(self.centres)
         else:
-            u = sticky_positions(hist.to(coeff.dtype), n)
-        return basis_values(u, self.centres.to(coeff.dtype), self.widths.to(coeff.dtype)) @ coeff
+            u = sticky_positions(hist.to(self.centres.dtype), n)
+        samples = basis_values(u, self.centres, self.widths) @ coeff.to(self.centres.dtype)
+        return samples.to(coeff.dtype)
 
     def update(self, coeff: Tensor | None, hist: Tensor | None, new: Tensor) -> Tensor:
         """The coefficients [B, N, d] after taking in ``new`` [B, L, d]; ``coeff`` is the old
@@ -289,11 +347,33 @@ class ContinuousMemory(nn.Module):
         keys = self.key(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)
         values = self.value(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)
         scores = q @ keys.transpose(-1, -2) / math.sqrt(d_head)           # [B, H, M, N]
-        mu = torch.sigmoid(self.mu(scores)).squeeze(-1)
-        sigma_sq = F.softplus(self.sigma(scores)).squeeze(-1).clamp(min=MIN_SIGMA_SQ)
-        r = expected_basis(mu, sigma_sq, self.centres.to(q.dtype), self.widths.to(q.dtype))
+        # μ and σ² in the basis's precision (float32 under bf16 / fp16; see the class doc)
+        scores = scores.to(self.centres.dtype)
+        mu_logit = F.linear(scores, self.mu.weight.to(scores.dtype)).squeeze(-1)
+        sigma_logit = F.linear(scores, self.sigma.weight.to(scores.dtype)).squeeze(-1)
+        mu = torch.sigmoid(mu_logit)
+        sigma_sq = F.softplus(sigma_logit).clamp(min=MIN_SIGMA_SQ)
+        r = self.read_weights(mu, sigma_sq).to(values.dtype)
         z = (r @ values).transpose(1, 2).reshape(bsz, m, n_heads * d_head)
         return self.out(z), mu, sigma_sq
+
+    def read_weights(self, mu: Tensor, sigma_sq: Tensor) -> Tensor:
+        """r [..., N] = E_{t ~ N(μ, σ²)}[ψ(t)] for μ, σ² [...], in the basis's precision."""
+        return expected_basis(mu.to(self.centres.dtype), sigma_sq.to(self.centres.dtype),
+                              self.centres, self.widths)
+
+
+def _exact(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the basis and the read are computed in under a model of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _same_in_every_row(counter: Tensor, what: str) -> int:
+    """The value of a state's per-row counter [B], which the rows of a batch share."""
+    value = int(counter[0])
+    if bool((counter != value).any()):
+        raise ValueError(f"state: the rows of a batch must have the same count ({what})")
+    return value
 
 
 # --- the Transformer-XL host --------------------------------------------------------------
@@ -324,15 +404,18 @@ class XLLayer(nn.Module):
                                 nn.Linear(cfg.ff_dim, d))
         self.norm2 = nn.LayerNorm(d)
         self.drop = nn.Dropout(cfg.dropout)
+        self.attn_out_drop = (nn.Dropout(cfg.dropout) if cfg.attention_output_dropout
+                              else nn.Identity())
         self.attn_drop = nn.Dropout(cfg.attn_dropout)
         self.ltm = ContinuousMemory(cfg) if cfg.ltm else None
 
-    def forward(self, x: Tensor, cache: Tensor, n_valid: int,
+    def forward(self, x: Tensor, cache: Tensor, n_valid: int, pos_emb: Tensor,
                 ltm_in: tuple[Tensor | None, Tensor | None, Tensor] | None
                 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
-        """x [B, M, d], cache [B, C, d] whose last n_valid rows hold states; ltm_in: what the
-        LTM steps with (old coefficients or None, sticky histogram or None, vectors to take
-        in), None when it has nothing to read -> (output, (coefficients, μ, σ²) or None)."""
+        """x [B, M, d], cache [B, C, d] (the STM) whose last n_valid rows hold states;
+        pos_emb [C + M, d]: the embeddings of distances 0..C+M−1; ltm_in: what the LTM steps
+        with (old coefficients or None, sticky histogram or None, vectors to take in), None
+        when it has nothing to read -> (output, (coefficients, μ, σ²) or None)."""
         bsz, m, d = x.shape
         c = cache.shape[1]
         h, dh = self.n_heads, self.d_head
@@ -343,7 +426,7 @@ class XLLayer(nn.Module):
         # distance of key j from query i is (c + i) − j; scores by distance, then gathered
         keys_at = torch.arange(c + m, device=x.device)
         dist = (c + torch.arange(m, device=x.device)).unsqueeze(1) - keys_at
-        rel = self.pos(sinusoid(keys_at, d).to(x.dtype))
+        rel = self.pos(pos_emb.to(x.dtype))
         rel = rel.view(c + m, h, dh).transpose(0, 1)                      # [H, K, dh]
         content = (q + self.content_bias.unsqueeze(1)) @ k.transpose(-1, -2)
         by_dist = (q + self.position_bias.unsqueeze(1)) @ rel.transpose(-1, -2)
@@ -357,7 +440,7 @@ class XLLayer(nn.Module):
         if ltm_in is not None:
             ltm_out, *read = self.ltm(*ltm_in, q)
             out = out + ltm_out
-        x = self.norm1(x + self.drop(out))
+        x = self.norm1(x + self.attn_out_drop(out))
         x = self.norm2(x + self.drop(self.ff(x)))
         return x, read
 
@@ -378,18 +461,24 @@ class InfinityFormerLM(SequenceModel):
     def _per_layer(self) -> int:
         return 1 + (self.cfg.ltm) + (self.cfg.ltm and self.cfg.sticky)
 
+    def _cache_len(self) -> int:
+        """Cache rows per layer: the STM, and with the LTM the states waiting to enter it."""
+        return 2 * self.cfg.mem_len if self.cfg.ltm else self.cfg.mem_len
+
     def init_state(self, batch_size: int, device=None) -> State:
         cfg = self.cfg
         like = dict(device=device, dtype=self.head.weight.dtype)
         state: State = []
         for _ in range(cfg.n_layers):
-            state.append(torch.zeros(batch_size, cfg.mem_len, cfg.d_model, **like))
+            state.append(torch.zeros(batch_size, self._cache_len(), cfg.d_model, **like))
             if cfg.ltm:
                 state.append(torch.zeros(batch_size, cfg.n_basis, cfg.d_model, **like))
-                if cfg.sticky:
+                if cfg.sticky:      # bin masses: float32 at least, as μ and σ² are
                     state.append(torch.full((batch_size, cfg.sticky_bins), 1 / cfg.sticky_bins,
-                                            **like))
-        state.append(torch.zeros(batch_size, dtype=torch.int64, device=device))
+                                            device=device, dtype=_exact(like["dtype"])))
+        counters = 2 if cfg.ltm else 1        # positions the LTM has taken in; tokens seen
+        state.extend(torch.zeros(batch_size, dtype=torch.int64, device=device)
+                     for _ in range(counters))
         return state
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None,
@@ -399,34 +488,41 @@ class InfinityFormerLM(SequenceModel):
         if state is None:
             state = self.init_state(bsz, tokens.device)
         per = self._per_layer()
-        if len(state) != per * cfg.n_layers + 1:
+        counters = 2 if cfg.ltm else 1
+        if len(state) != per * cfg.n_layers + counters:
             raise ValueError(f"state has {len(state)} tensors; this model carries "
-                             f"{per * cfg.n_layers + 1}")
+                             f"{per * cfg.n_layers + counters}")
         seen_rows = state[-1]
-        seen = int(seen_rows[0])
-        if bool((seen_rows != seen).any()):
-            raise ValueError("state: the rows of a batch must have seen the same number of tokens")
+        seen = _same_in_every_row(seen_rows, "seen")
         if cfg.ltm and m > cfg.mem_len:
             raise ValueError(f"the ∞-former needs model.mem_len ({cfg.mem_len}) >= the block "
-                             f"length ({m}): the cache is where the LTM takes its vectors from")
-        n_valid = min(seen, cfg.mem_len)
-        # cache rows [C − n_valid, C) hold states; those among the oldest m drop out now
-        first, evict_end = cfg.mem_len - n_valid, m
-        takes_in = cfg.ltm and evict_end > first
-        holds = seen > cfg.mem_len            # something dropped out in an earlier block
+                             f"length ({m}): the states leaving the short-term memory in a "
+                             f"block wait in the cache's extra mem_len rows for the LTM")
+        c = self._cache_len()
+        n_valid = min(seen, cfg.mem_len)      # the STM: the cache's last n_valid rows
+        if cfg.ltm:
+            # the LTM takes in positions [taken, seen − mem_len): those that left the STM
+            # since the last block, still in the cache (position p is row p − seen + c)
+            taken = _same_in_every_row(state[-2], "taken in by the LTM")
+            left_stm = max(seen - cfg.mem_len, 0)
+            takes_in, holds = left_stm > taken, taken > 0
+            intake_rows = slice(taken - seen + c, c - cfg.mem_len)
         x = self.drop(self.embed(tokens) * math.sqrt(cfg.d_model))
+        # one draw of dropout on the position embeddings for every layer, as the authors'
+        pos_emb = self.drop(sinusoid(torch.arange(cfg.mem_len + m, device=tokens.device),
+                                     cfg.d_model))
         new_state: State = []
         kls: list[Tensor] = []
         sig_means: list[Tensor] = []
         for i, layer in enumerate(self.layers):
             cache = state[i * per]
             ltm_in = None
-            if takes_in:
+            if cfg.ltm and takes_in:
                 old = state[i * per + 1].detach() if holds else None
                 hist = state[i * per + 2] if cfg.sticky else None
-                ltm_in = (old, hist, cache[:, first:evict_end])
-            out, read = layer(x, cache, n_valid, ltm_in)
-            new_state.append(torch.cat([cache, x], 1)[:, -cfg.mem_len:].detach())
+                ltm_in = (old, hist, cache[:, intake_rows])
+            out, read = layer(x, cache[:, c - cfg.mem_len:], n_valid, pos_emb, ltm_in)
+            new_state.append(torch.cat([cache, x], 1)[:, -c:].detach())
             if cfg.ltm:
                 if read is None:
                     new_state.extend(state[i * per + 1:(i + 1) * per])
@@ -440,6 +536,8 @@ class InfinityFormerLM(SequenceModel):
                     kls.append(kl_variance(sigma_sq, cfg.sigma_0).mean())
                     sig_means.append(sigma_sq.detach().mean())
             x = out
+        if cfg.ltm:
+            new_state.append(torch.full_like(seen_rows, max(left_stm, taken)))
         new_state.append(seen_rows + m)
         # kept as tensors: metrics() reads them only when the trainer reports
         self._kl = torch.stack(kls).sum() if kls else None
@@ -464,6 +562,8 @@ class InfinityFormerLM(SequenceModel):
             return f"{host}; no long-term memory"
         widths = "/".join(f"{w:g}" for w in cfg.basis_widths)
         sampling = f"sticky ({cfg.sticky_bins} bins)" if cfg.sticky else "even"
+        if cfg.contraction_midpoints:
+            sampling += ", cell midpoints"
         return (f"∞-former: {host}; LTM {cfg.n_basis} Gaussian RBFs (widths {widths}), "
                 f"tau {cfg.tau:g}, {cfg.n_samples} samples, {sampling}")
 

@@ -1,0 +1,271 @@
+"""Mutation check: does a family's test suite fail when one line of its formulas is wrong?
+
+    python bench/mutations.py [--family infinity_former] [--only 3,7] [--timeout 900] [--list]
+
+For each mutation of the chosen families (default: all), one line of a copy of the repository
+(its tracked and untracked, not ignored, files, in a temporary directory) is replaced, and the
+family's test files run there with pytest -x; the mutation is killed if a test fails (or the
+run exceeds --timeout), survived if they all pass. The unmutated copy is run first and must
+pass. Prints a markdown table (killed / survived, and the test that failed first) and a
+summary line; the exit status is 1 if a mutation survived.
+
+A family is an entry of FAMILIES: (test files, mutations), each mutation a tuple (file, old
+line, new line, description). Lines are compared without their indentation; the old line
+must occur exactly once in the file, and the new line takes its indentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+INFINITY = "pipeline/models/infinity_former.py"
+
+FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
+    "infinity_former": (
+        ["tests/test_infinity_formulas.py", "tests/test_infinity_former.py",
+         "tests/test_infinity_precision.py"],
+        [
+            (INFINITY,
+             "return centres.repeat_interleave(len(widths)), sig.repeat(len(centres))",
+             "return centres.repeat(len(widths)), sig.repeat_interleave(len(centres))",
+             "basis laid out width-major instead of centre-major"),
+            (INFINITY,
+             "return torch.exp(-0.5 * z * z) / (widths * math.sqrt(2 * math.pi))",
+             "return torch.exp(-0.5 * z * z)",
+             "basis functions not normalised"),
+            (INFINITY,
+             "z = (t.unsqueeze(-1) - centres) / widths",
+             "z = (t.unsqueeze(-1) - centres) / (widths * widths)",
+             "basis divided by the variance instead of the width"),
+            (INFINITY,
+             "return (k - 0.5) / n if midpoints else k / n",
+             "return (k - 0.5) / n if midpoints else (k - 1) / n",
+             "contraction grid at the cells' left ends"),
+            (INFINITY,
+             "inner = torch.cat([tau * contraction_grid(n_old, midpoints),",
+             "inner = torch.cat([contraction_grid(n_old, midpoints),",
+             "old samples not contracted into [0, τ]"),
+            (INFINITY,
+             "tau + (1 - tau) * contraction_grid(n_new, midpoints)])",
+             "tau + tau * contraction_grid(n_new, midpoints)])",
+             "new vectors spread over τ instead of 1 − τ"),
+            (INFINITY,
+             "offsets = (torch.arange(pad, dtype=torch.float64) + 0.5) / total",
+             "offsets = (torch.arange(pad, dtype=torch.float64) + 1.0) / total",
+             "zero-padding positions shifted"),
+            (INFINITY,
+             "gram = basis_t.T @ basis_t + ridge * torch.eye(len(centres), dtype=torch.float64)",
+             "gram = basis_t.T @ basis_t + ridge ** 2 * torch.eye(len(centres), "
+             "dtype=torch.float64)",
+             "ridge penalty λ² instead of λ"),
+            (INFINITY,
+             "return g[pad:len(positions) - pad]",
+             "return g[:len(positions) - 2 * pad]",
+             "fit matrix rows of the padding instead of the vectors"),
+            (INFINITY,
+             "var = sigma_sq.unsqueeze(-1) + widths * widths",
+             "var = sigma_sq.unsqueeze(-1) + widths",
+             "closed-form read: basis width added as a variance"),
+            (INFINITY,
+             "return torch.exp(-0.5 * diff * diff / var) / torch.sqrt(2 * math.pi * var)",
+             "return torch.exp(-0.5 * diff * diff / var) / (2 * math.pi * var)",
+             "closed-form read: normalised by the variance, not the standard deviation"),
+            (INFINITY,
+             "z = (edges - mu.unsqueeze(-1)) / torch.sqrt(2 * sigma_sq).unsqueeze(-1)",
+             "z = (edges - mu.unsqueeze(-1)) / torch.sqrt(sigma_sq).unsqueeze(-1)",
+             "sticky histogram: erf without the √2"),
+            (INFINITY,
+             "return mass / mass.sum(-1, keepdim=True)",
+             "return mass",
+             "sticky histogram not normalised"),
+            (INFINITY,
+             "q = (torch.arange(n_samples, dtype=hist.dtype, device=hist.device) + 0.5) / n_samples",
+             "q = (torch.arange(n_samples, dtype=hist.dtype, device=hist.device) + 1.0) / n_samples",
+             "sticky quantile levels shifted"),
+            (INFINITY,
+             "return (b + frac.clamp(0, 1)) / n_bins",
+             "return (b + 0.5) / n_bins",
+             "sticky positions at bin centres"),
+            (INFINITY,
+             "ratio = sigma_sq / (sigma_0 * sigma_0)",
+             "ratio = sigma_sq / sigma_0",
+             "KL against σ0 instead of σ0²"),
+            (INFINITY,
+             "return 0.5 * (ratio - torch.log(ratio) - 1)",
+             "return 0.5 * (ratio - torch.log(ratio))",
+             "KL without its −1"),
+            (INFINITY,
+             "new = torch.sigmoid(self.gate(new.transpose(1, 2))).transpose(1, 2) * new",
+             "new = self.gate(new.transpose(1, 2)).transpose(1, 2) * new",
+             "gate without its sigmoid"),
+            (INFINITY,
+             "u = sticky_positions(hist.to(self.centres.dtype), n)",
+             "u = contraction_grid(n, self.cfg.contraction_midpoints).to(self.centres)",
+             "sticky histogram ignored"),
+            (INFINITY,
+             "samples = basis_values(u, self.centres, self.widths) @ coeff.to(self.centres.dtype)",
+             "samples = basis_values(self.cfg.tau * u, self.centres, self.widths) "
+             "@ coeff.to(self.centres.dtype)",
+             "old signal sampled at the contracted positions"),
+            (INFINITY,
+             "new = torch.cat([self.old_samples(coeff, hist), new], 1)",
+             "new = torch.cat([new, self.old_samples(coeff, hist)], 1)",
+             "old samples and new vectors swapped in the refit"),
+            (INFINITY,
+             "keys = self.key(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)",
+             "keys = self.value(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)",
+             "keys from the value map"),
+            (INFINITY,
+             "values = self.value(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)",
+             "values = self.value(coeff).view(bsz, n_heads, n, d_head)",
+             "values split into heads the wrong way"),
+            (INFINITY,
+             "scores = q @ keys.transpose(-1, -2) / math.sqrt(d_head)           # [B, H, M, N]",
+             "scores = q @ keys.transpose(-1, -2)",
+             "no 1/sqrt(d_head) on the scores"),
+            (INFINITY,
+             "sigma_logit = F.linear(scores, self.sigma.weight.to(scores.dtype)).squeeze(-1)",
+             "sigma_logit = F.linear(scores, self.mu.weight.to(scores.dtype)).squeeze(-1)",
+             "σ² from μ's weights"),
+            (INFINITY,
+             "mu = torch.sigmoid(mu_logit)",
+             "mu = mu_logit",
+             "μ without its sigmoid"),
+            (INFINITY,
+             "sigma_sq = F.softplus(sigma_logit).clamp(min=MIN_SIGMA_SQ)",
+             "sigma_sq = torch.exp(sigma_logit).clamp(min=MIN_SIGMA_SQ)",
+             "exp instead of softplus for σ²"),
+            (INFINITY,
+             "sigma_sq = F.softplus(sigma_logit).clamp(min=MIN_SIGMA_SQ)",
+             "sigma_sq = F.softplus(sigma_logit)",
+             "σ² clamp removed"),
+            (INFINITY,
+             "return self.out(z), mu, sigma_sq",
+             "return z, mu, sigma_sq",
+             "LTM read without its output map"),
+            (INFINITY,
+             "ltm_out, *read = self.ltm(*ltm_in, q)",
+             "ltm_out, *read = self.ltm(*ltm_in, k[:, :, c:])",
+             "LTM read with the block's keys instead of its queries"),
+            (INFINITY,
+             "intake_rows = slice(taken - seen + c, c - cfg.mem_len)",
+             "intake_rows = slice(c - cfg.mem_len - m, c - cfg.mem_len)",
+             "LTM intake: the current block's length instead of what left the STM"),
+            (INFINITY,
+             "kls.append(kl_variance(sigma_sq, cfg.sigma_0).mean())",
+             "kls.append(kl_variance(sigma_sq, cfg.sigma_0).sum())",
+             "KL summed over queries and heads instead of averaged"),
+        ],
+    ),
+}
+
+
+def copy_repository(dest: Path) -> None:
+    """The tracked and the untracked, not ignored, files of the repository, into dest."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def mutate(text: str, old: str, new: str) -> str:
+    """text with its one line equal to ``old`` (indentation aside) replaced by ``new``."""
+    lines = text.split("\n")
+    hits = [i for i, line in enumerate(lines) if line.strip() == old.strip()]
+    if len(hits) != 1:
+        raise SystemExit(f"mutation line found {len(hits)} times (expected once): {old!r}")
+    line = lines[hits[0]]
+    lines[hits[0]] = line[:len(line) - len(line.lstrip())] + new.strip()
+    return "\n".join(lines)
+
+
+def line_number(text: str, old: str) -> int:
+    return next(i for i, line in enumerate(text.split("\n"), 1) if line.strip() == old.strip())
+
+
+def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[bool, str]:
+    """(passed, the first failing test or why) for pytest -x over ``tests`` in the copy."""
+    env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rfE",
+                               "-p", "no:cacheprovider", *tests], cwd=copy, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {timeout:g} s"
+    if done.returncode == 0:
+        return True, ""
+    failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return False, (failed[0].split(" - ")[0] if failed else done.stdout.strip()[-200:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", action="append", choices=sorted(FAMILIES),
+                    help="a family to check (repeatable; default: all)")
+    ap.add_argument("--only", help="comma-separated mutation numbers (1-based, per family)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per test run")
+    ap.add_argument("--list", action="store_true", help="list the mutations and stop")
+    args = ap.parse_args()
+    families = args.family or sorted(FAMILIES)
+    only = {int(k) for k in args.only.split(",")} if args.only else None
+    if args.list:
+        for family in families:
+            for k, (file, old, new, what) in enumerate(FAMILIES[family][1], 1):
+                print(f"{family} {k}: {file}: {what}\n    - {old.strip()}\n    + {new.strip()}")
+        return
+    survived_any = False
+    with tempfile.TemporaryDirectory(prefix="mutations-") as tmp:
+        copy = Path(tmp)
+        copy_repository(copy)
+        where = subprocess.run([sys.executable, "-c", "import pipeline; print(pipeline.__file__)"],
+                               cwd=copy, env=dict(os.environ, PYTHONPATH=str(copy)),
+                               capture_output=True, text=True, check=True).stdout.strip()
+        if not Path(where).resolve().is_relative_to(copy.resolve()):
+            raise SystemExit(f"the copy imports pipeline from {where}, not from itself")
+        for family in families:
+            tests, mutations = FAMILIES[family]
+            start = time.perf_counter()
+            ok, why = run_tests(copy, tests, args.timeout)
+            if not ok:
+                raise SystemExit(f"{family}: the unmutated tests fail ({why})")
+            print(f"## {family}: {len(mutations)} mutations; tests: {', '.join(tests)} "
+                  f"(unmutated: pass, {time.perf_counter() - start:.0f} s)\n")
+            print("| # | where | mutation | result | failed first |")
+            print("|---:|---|---|---|---|")
+            killed = survived = 0
+            for k, (file, old, new, what) in enumerate(mutations, 1):
+                if only is not None and k not in only:
+                    continue
+                path = copy / file
+                original = path.read_text()
+                path.write_text(mutate(original, old, new))
+                try:
+                    ok, why = run_tests(copy, tests, args.timeout)
+                finally:
+                    path.write_text(original)
+                killed += not ok
+                survived += ok
+                result = "**survived**" if ok else "killed"
+                print(f"| {k} | {file}:{line_number(original, old)} | {what} | {result} | "
+                      f"{why.removeprefix('FAILED ').removeprefix('ERROR ')} |", flush=True)
+            print(f"\n{family}: {killed + survived} mutations, {killed} killed, "
+                  f"{survived} survived\n")
+            survived_any |= survived > 0
+    sys.exit(1 if survived_any else 0)
+
+
+if __name__ == "__main__":
+    main()
