@@ -79,15 +79,6 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-@pytest.fixture(autouse=True)
-def mlflow_env(monkeypatch):
-    """MlflowTracker sets MLflow's HTTP limits in os.environ; undo that after each test."""
-    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT",
-                 "MLFLOW_TRACKING_URI"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-
 @pytest.fixture
 def stand_ins(monkeypatch):
     """Stages that log a few records each; `actions[stage](ctx, step)` runs before each of
