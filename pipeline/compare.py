@@ -17,11 +17,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import re
 import os
+import re
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pipeline.errors import PipelineError
 
@@ -96,17 +98,39 @@ def open_store(uri: str):
     """An MlflowClient on `uri`; refuses an embedded store that does not exist yet (opening
     it would create an empty one)."""
     import logging
-    from pathlib import Path
 
     from mlflow.tracking import MlflowClient
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        raise PipelineError(f"no tracking store at {uri.removeprefix('sqlite:///')}: no "
-                            f"pipeline has run with it (name a CONFIG, or set "
-                            f"MLFLOW_TRACKING_URI)")
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.is_file():
+            raise PipelineError(f"no tracking store at {path}: no pipeline has run with it "
+                                f"(name a CONFIG, or set MLFLOW_TRACKING_URI)")
+        _check_sqlite_store(path)
     return MlflowClient(tracking_uri=uri)
+
+
+def _check_sqlite_store(path) -> None:
+    """Refuse, in one line, a file that is not an MLflow store that MLflow would otherwise
+    fail on with a traceback (damaged) or give a schema (empty): reading writes nothing."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True) as db:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check")]
+            tables = {row[0] for row in db.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table'")}
+        db.close()
+    except sqlite3.DatabaseError as e:
+        raise PipelineError(f"{path}: not a readable MLflow tracking store ({e})") from None
+    if problems != ["ok"]:
+        raise PipelineError(f"{path}: the MLflow tracking store is damaged "
+                            f"({problems[0]})")
+    if not {"experiments", "runs", "alembic_version"} <= tables:
+        raise PipelineError(f"{path}: not an MLflow tracking store (no experiments or runs "
+                            f"tables); no pipeline has run with it")
 
 
 def collect(client, specs=(), experiments=(), run_ids=(), filter_string: str = "",
@@ -208,14 +232,23 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
     """One workspace's pipeline runs (a first run, its resumption after a kill, ...) as one
     row: the latest one's status and spec, the steps and the final metrics of the latest
     runs that logged them, the wall time of them all."""
+    from pipeline.tracking import last_activity
+
     invocations = sorted(invocations, key=lambda r: r.info.start_time or 0)
     latest = invocations[-1]
+    status = STATUS.get(latest.info.status, latest.info.status.lower())
+    if status == "running" and _died(latest):
+        status = "killed"
     metrics: dict[str, float] = {}
     steps = parameters = None
     wall = 0.0
     for parent in invocations:
         info = parent.info
-        wall += ((info.end_time or int(time.time() * 1000)) - info.start_time) / 1000
+        end = info.end_time
+        if end is None and (parent is not latest or status == "killed"):
+            # killed without a word (kill -9): its time ended with its last record
+            end = last_activity(client, parent, children.get(info.run_id, []))
+        wall += ((end or int(time.time() * 1000)) - info.start_time) / 1000
         for child in sorted(children.get(info.run_id, []),
                             key=lambda c: c.info.start_time or 0):
             stage = child.data.tags.get("stage")
@@ -230,10 +263,20 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
     info = latest.info
     return RunRow(run_id=info.run_id, run_ids=[r.info.run_id for r in invocations],
                   name=latest.data.tags.get("mlflow.runName", info.run_id),
-                  status=STATUS.get(info.status, info.status.lower()),
+                  status=status,
                   params=dict(latest.data.params), metrics=metrics, steps=steps,
                   parameters=parameters, wall_s=wall,
                   sweep=latest.data.tags.get("mlflow.parentRunId"))
+
+
+def _died(run) -> bool:
+    """A run MLflow has as running whose workspace (on this host) no run holds: killed
+    without a word. On another host nobody here can tell."""
+    from pipeline.runner import lock_is_free
+
+    tags = run.data.tags
+    return (tags.get("host") == socket.gethostname() and "workspace" in tags
+            and lock_is_free(Path(tags["workspace"])))
 
 
 def group(rows: list[RunRow]) -> list[Group]:

@@ -139,6 +139,9 @@ class Workspace:
         kept = self.partial_marker(stage)
         if kept is not None and (fresh or kept.get("fingerprint") != marker["fingerprint"]):
             shutil.rmtree(partial)
+            kept = None
+        # the series: one id for this output's first attempt and the runs that resume it
+        marker = {**marker, "series": (kept or {}).get("series") or uuid.uuid4().hex[:12]}
         partial.mkdir(parents=True, exist_ok=True)
         atomic_write_json(partial / PARTIAL_RECORD, marker)
         return partial
@@ -202,6 +205,21 @@ class WorkspaceLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def lock_is_free(workspace: Path) -> bool:
+    """True when no run holds `workspace`'s lock (on this host); creates nothing."""
+    try:
+        fd = os.open(Path(workspace) / ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)            # releases the shared lock at once
 
 
 def _differences(kept: dict, config: dict, input_builds: dict) -> list[str]:
@@ -388,7 +406,8 @@ class Runner:
                                 fresh=step.forced)
         self.log(f"[{name}] running: {step.reason}")
         started = time.time()
-        with tracker.stage(name, stage.config(self.spec)) as stage_tracker:
+        series = self.ws.partial_marker(name)["series"]
+        with tracker.stage(name, stage.config(self.spec), series) as stage_tracker:
             inputs = {i: self.ws.done_dir(i) for i in input_records}
             if stage.distributed:
                 distributed.broadcast_object({"stage": name, "out_dir": out_dir,

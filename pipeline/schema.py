@@ -594,3 +594,20 @@ class Spec(Section):
         if params is not None:      # each model kind's config knows its own
             out += [(("model", key), why) for key, why in params.inert_keys()]
         return out
+
+    def inert_defaults(self) -> dict[str, object]:
+        """The inert keys of the pipeline's sections (inert_keys; the model's are left out of
+        its resolved section), dotted, each with its default as JSON: the value a stage's
+        fingerprint counts for it, whatever a base sets, so that an unset one hashes as it
+        always did and editing one changes nothing."""
+        out = {}
+        for path, _ in self.inert_keys():
+            section = self
+            for part in path[:-1]:
+                section = getattr(section, part, None)
+            if isinstance(section, BaseModel):
+                default = type(section).model_fields[path[-1]].get_default(
+                    call_default_factory=True)
+                out[".".join(path)] = (default.model_dump(mode="json")
+                                       if isinstance(default, BaseModel) else default)
+        return out

@@ -90,6 +90,7 @@ class NullStageTracker:
     def log_metrics(self, metrics: dict, step: int) -> None: ...
     def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
     def set_tags(self, tags: dict) -> None: ...
+    def make_durable(self) -> None: ...
 
 
 class NullTracker:
@@ -100,15 +101,22 @@ class NullTracker:
     def finish(self, status: str) -> None: ...
 
     @contextmanager
-    def stage(self, name: str, config: dict):
+    def stage(self, name: str, config: dict, series: str | None = None):
         yield NullStageTracker()
 
 
 class StageTracker:
-    """What a stage logs to its MLflow run; every call only queues a record (`Sender`)."""
+    """What a stage logs to its MLflow run; every call only queues a record (`Sender`).
 
-    def __init__(self, sender: Sender, key: str):
+    `recorded`: metric -> the last step that earlier attempts of this stage's run (those a
+    resumed run continues) have in MLflow; the resumed run, which recomputes those steps
+    exactly, does not log them twice. `settle`: makes what is queued durable."""
+
+    def __init__(self, sender: Sender, key: str, recorded: dict[str, int] | None = None,
+                 settle=None):
         self.sender, self.key = sender, key
+        self.recorded = recorded or {}
+        self.settle = settle
 
     @property
     def run_id(self) -> str | None:
@@ -122,7 +130,8 @@ class StageTracker:
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         now = int(time.time() * 1000)
-        items = [[k, float(v), now, int(step)] for k, v in metrics.items()]
+        items = [[k, float(v), now, int(step)] for k, v in metrics.items()
+                 if step > self.recorded.get(k, -1)]
         for i in range(0, len(items), _BATCH):
             self.sender.submit({"op": "batch", "key": self.key,
                                 "metrics": items[i:i + _BATCH]})
@@ -136,6 +145,13 @@ class StageTracker:
     def set_tags(self, tags: dict) -> None:
         self.sender.submit({"op": "batch", "key": self.key,
                             "tags": [[k, str(v)] for k, v in tags.items()]})
+
+    def make_durable(self) -> None:
+        """Before a checkpoint is published: what was logged so far reaches the server, or
+        the backlog that the next run replays, within a bounded wait. A kill after the
+        checkpoint then loses no step that the resumed run will not log again."""
+        if self.settle is not None:
+            self.settle()
 
     def end(self, status: str) -> None:
         self.sender.submit({"op": "end", "key": self.key, "status": status,
@@ -206,10 +222,8 @@ class MlflowTracker:
     def start(self, spec, plan) -> None:
         self.check(spec)
         self.spec = spec
-        backlog = backlog_path(spec)
-        if backlog.exists():
-            self.warn(f"{backlog} holds tracking records an earlier run could not send; "
-                      f"`{sync_command(spec)}` sends them")
+        self._replay_backlog(spec)
+        self._end_dead_attempts(spec)
         tags = environment_tags()
         tags.update({
             "mlflow.runName": f"{spec.name}",
@@ -226,7 +240,65 @@ class MlflowTracker:
             path.write_text(yaml.safe_dump(resolved, sort_keys=False))
             self.parent.log_artifact(path)
 
-    def _create_run(self, tags: dict, parent: StageTracker | None = None) -> StageTracker:
+    def _replay_backlog(self, spec) -> None:
+        """Send what earlier runs of this workspace could not (the caller holds its lock)."""
+        backlog = backlog_path(spec)
+        if not backlog.exists():
+            return
+        try:
+            sent, left = replay(backlog, Delivery(self.client), self.warn_server)
+        except Exception as e:          # the server failed in another way: sync can retry
+            sent, left = 0, None
+            self.warn_server(f"sending the backlog failed ({reason(e)})")
+        if left != 0:
+            self.warn(f"{backlog} holds tracking records an earlier run could not send; "
+                      f"`{sync_command(spec)}` sends them")
+        elif sent:
+            self.warn(f"sent {sent} tracking records that an earlier run left in {backlog}")
+
+    def _end_dead_attempts(self, spec) -> None:
+        """This run holds the workspace's lock, so a run of the workspace that MLflow still
+        has as RUNNING died without a word (kill -9, a lost node): mark it and its stage
+        runs KILLED, ended at their last record."""
+        try:
+            exp = self.client.get_experiment_by_name(spec.tracking.experiment or spec.name)
+            if exp is None:
+                return
+            workspace = str(spec.workspace_dir.resolve())
+            for run in self.client.search_runs([exp.experiment_id],
+                                               "attributes.status = 'RUNNING'"):
+                if run.data.tags.get("workspace") != workspace:
+                    continue
+                children = self.client.search_runs(
+                    [exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+                end = last_activity(self.client, run, children)
+                for r in [*children, run]:
+                    if r.info.status == "RUNNING":
+                        self.client.set_terminated(r.info.run_id, "KILLED", end_time=end)
+        except Exception as e:
+            self.warn_server(f"could not mark the runs of a killed attempt KILLED ({reason(e)})")
+
+    def _recorded(self, experiment: str, series: str | None) -> dict[str, int]:
+        """metric -> the last step the earlier stage runs of `series` have in MLflow."""
+        out: dict[str, int] = {}
+        if series is None:
+            return out
+        try:
+            exp = self.client.get_experiment_by_name(experiment)
+            runs = (self.client.search_runs([exp.experiment_id], f"tags.series = '{series}'")
+                    if exp is not None else [])
+            for run in runs:
+                for key in run.data.metrics:
+                    steps = [m.step for m in self.client.get_metric_history(run.info.run_id,
+                                                                            key)]
+                    out[key] = max([out.get(key, -1), *steps])
+        except Exception as e:
+            self.warn_server(f"could not read what an earlier attempt logged ({reason(e)}); "
+                             f"the steps since its checkpoint may appear twice")
+        return out
+
+    def _create_run(self, tags: dict, parent: StageTracker | None = None,
+                    recorded: dict[str, int] | None = None) -> StageTracker:
         name = self.spec.tracking.experiment or self.spec.name
         location = None
         if self.uri.startswith("sqlite:"):
@@ -236,7 +308,7 @@ class MlflowTracker:
                             "artifact_location": location, "tags": tags,
                             "parent": parent.key if parent else None,
                             "time": int(time.time() * 1000)})
-        return StageTracker(self.sender, key)
+        return StageTracker(self.sender, key, recorded, settle=self._settle)
 
     def finish(self, status: str) -> None:
         if self.parent:
@@ -260,9 +332,14 @@ class MlflowTracker:
                   f"`{sync_command(self.spec)}` sends them when the server is back")
 
     @contextmanager
-    def stage(self, name: str, config: dict):
-        tracker = self._create_run({"mlflow.runName": name, "stage": name},
-                                   parent=self.parent)
+    def stage(self, name: str, config: dict, series: str | None = None):
+        """The stage's run. `series` names the stage's output in the making: a run that
+        resumes it shares it with the attempts before (see StageTracker.recorded)."""
+        tags = {"mlflow.runName": name, "stage": name}
+        if series is not None:
+            tags["series"] = series
+        recorded = self._recorded(self.spec.tracking.experiment or self.spec.name, series)
+        tracker = self._create_run(tags, parent=self.parent, recorded=recorded)
         tracker.log_params(config)
         try:
             yield tracker
@@ -290,6 +367,17 @@ def sync(spec, log=print) -> None:
         raise PipelineError(f"tracking server {tracker.uri} stopped answering: {sent} records "
                             f"sent, {left} still in {path}; run `{sync_command(spec)}` again")
     log(f"{sent} tracking records sent to {tracker.uri}")
+
+
+def last_activity(client, run, children) -> int:
+    """When a run that never ended (killed) last recorded anything, in ms: its stage runs'
+    start and end times and the times of their last losses."""
+    times = [run.info.start_time or 0]
+    for child in children:
+        times += [child.info.start_time or 0, child.info.end_time or 0]
+        if "loss" in child.data.metrics:
+            times += [m.timestamp for m in client.get_metric_history(child.info.run_id, "loss")]
+    return max(times)
 
 
 def make_tracker(spec, rank: int = 0):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import tempfile
 import threading
@@ -212,31 +213,65 @@ class Sender:
 
 
 def append_records(path: Path, records: list[dict]) -> None:
+    """Append `records` a line each. After a line torn by a kill during an earlier append,
+    start on a new line, so that the torn one stays alone and the new ones whole."""
     with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.write(("" if _ends_a_line(path) else "\n")
+                + "".join(json.dumps(r) + "\n" for r in records))
         f.flush()
 
 
-def read_records(path: Path) -> list[dict]:
-    from pipeline.errors import PipelineError
+def _ends_a_line(path: Path) -> bool:
+    """True for an empty or absent file, or one whose last byte ends a line."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return True
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+    except FileNotFoundError:
+        return True
 
-    records = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+
+def read_records(path: Path) -> tuple[list[dict], list[str]]:
+    """The whole records of a backlog file, and its lines that are not one (torn: what a
+    kill during an append leaves)."""
+    records, torn = [], []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise PipelineError(f"{path}:{n}: not a tracking record ({e.msg})") from None
-    return records
+        except json.JSONDecodeError:
+            torn.append(line)
+    return records, torn
+
+
+def torn_path(path: Path) -> Path:
+    return path.with_name(path.name + ".torn")
+
+
+def _rewrite(path: Path, records: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    append_records(tmp, records)
+    tmp.replace(path)
 
 
 def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple[int, int]:
     """Send the records of a backlog file in order. Stops at the first failure that a later
     try could fix, and leaves exactly what was not sent in the file (with the run ids
-    learnt, so nothing is created or logged twice); removes the file when all went.
-    Returns (records sent, records left)."""
-    records = read_records(path)
+    learnt, so nothing is created or logged twice); removes the file when all went. Torn
+    lines go aside first, to `torn_path(path)`, named in a warning: every whole record is
+    sent. Returns (records sent, records left)."""
+    records, torn = read_records(path)
+    if torn:
+        aside = torn_path(path)
+        with open(aside, "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in torn))
+        _rewrite(path, records)
+        warn(f"{len(torn)} torn line(s) of {path} (a kill during a write) are not records; "
+             f"set aside in {aside}")
     sent, lost = 0, set()
     for i, record in enumerate(records):
         if record["op"] == "bind":
@@ -250,10 +285,7 @@ def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple
             if is_transient(e):
                 binds = [{"op": "bind", "key": k, "run_id": v}
                          for k, v in delivery.run_ids.items()]
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.unlink(missing_ok=True)
-                append_records(tmp, binds + records[i:])
-                tmp.replace(path)
+                _rewrite(path, binds + records[i:])
                 return sent, sum(r["op"] != "bind" for r in records[i:])
             warn(f"MLflow refused a {describe(record)} ({reason(e)}); dropped it")
             if record["op"] == "create":

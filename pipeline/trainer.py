@@ -300,7 +300,10 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def save(self, root: Path, keep: int, best: bool = False) -> Path:
-        """Checkpoint this step under `root` (pipeline.checkpoint_io.CheckpointIO.save)."""
+        """Checkpoint this step under `root` (pipeline.checkpoint_io.CheckpointIO.save),
+        once the metrics logged up to it are durable: a run resumed from it logs none of
+        them again."""
+        self.tracker.make_durable()
         return self.checkpoints.save(root, keep, LoopState(
             self.step, self.states, self.best_valid, self.evals_since_best), best=best)
 

@@ -33,14 +33,22 @@ class Stage:
     # out of the fingerprint: upgrading neither re-runs a finished stage nor refuses to
     # resume an interrupted one. Any other value is a different result and counts.
     added_keys: Mapping[str, object] = field(default_factory=dict)
+    # The spec section `config` is (finetune, evaluate), or None where config's keys are
+    # spec paths themselves (train.*, model.*): how the spec's inert keys are found in it.
+    config_section: str | None = None
 
     def fingerprinted(self, spec) -> dict:
         """The config less its runtime-only keys, and less the added keys that hold their
-        earlier value: what decides whether outputs are reusable."""
+        earlier value, with every key that takes no effect under the others (Spec.inert_keys)
+        at its default: what decides whether outputs are reusable."""
         config = self.config(spec)
         at_old_value = [path for path, value in self.added_keys.items()
                         if _lookup(config, path) == value]
-        return without(config, [*self.runtime_only, *at_old_value])
+        config = without(config, [*self.runtime_only, *at_old_value])
+        prefix = f"{self.config_section}." if self.config_section else ""
+        return with_values(config, {path[len(prefix):]: value
+                                    for path, value in spec.inert_defaults().items()
+                                    if path.startswith(prefix)})
 
 
 def _lookup(config: dict, path: str):
@@ -54,6 +62,20 @@ def _lookup(config: dict, path: str):
 
 
 _ABSENT = object()
+
+
+def with_values(config: dict, values: Mapping[str, object]) -> dict:
+    """A copy of `config` with the dotted key paths of `values` that it has set to theirs."""
+    out = dict(config)
+    for path, value in values.items():
+        head, _, rest = path.partition(".")
+        if head not in out:
+            continue
+        if not rest:
+            out[head] = value
+        elif isinstance(out[head], dict):
+            out[head] = with_values(out[head], {rest: value})
+    return out
 
 
 @dataclass

@@ -188,6 +188,7 @@ STAGE = Stage(
     # Every key changes the numbers (batch_size and seq_len set where the cached streams cut
     # the splits): no runtime_only.
     config=lambda spec: spec.evaluate.model_dump(mode="json"),
+    config_section="evaluate",
     run=run,
     added_keys={"line_losses": False},
 )

@@ -47,6 +47,7 @@ STAGE = Stage(
     # runs with reach its fingerprint through train's build id; train's RUNTIME_ONLY keys
     # (logging, validation, checkpoint cadence) are runtime-only here too.
     config=lambda spec: spec.finetune.model_dump(mode="json"),
+    config_section="finetune",
     run=run,
     distributed=True,
 )

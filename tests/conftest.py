@@ -1,6 +1,11 @@
-"""The external benchmark corpora (../shared/data beside the checkout) for the tests that read
-them. A user's clone has no such folder: those tests skip with a one-line reason. CI has the
-data and sets REQUIRE_SHARED_DATA (in .ci/run), which turns a missing file into a failure."""
+"""What every test shares.
+
+- The environment: each test starts from the session's, less the variables that would point
+  it at a user's tracking server, and whatever it sets is undone after it (`environment`).
+- The external benchmark corpora (../shared/data beside the checkout) for the tests that read
+  them. A user's clone has no such folder: those tests skip with a one-line reason. CI has the
+  data and sets REQUIRE_SHARED_DATA (in .ci/run), which turns a missing file into a failure.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,26 @@ import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 REQUIRE_SHARED_DATA = "ALLATTN_REQUIRE_SHARED_DATA"
+# A user's tracking server, and the HTTP limits MlflowTracker exports for one: never a test's.
+TRACKING_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                      "MLFLOW_HTTP_REQUEST_TIMEOUT")
+
+
+@pytest.fixture(autouse=True)
+def environment():
+    """os.environ as the session had it, less TRACKING_VARIABLES, restored after the test.
+
+    Stages run in the test's process export RANK, MASTER_PORT... (the process group's set-up)
+    and MlflowTracker its HTTP limits; left behind, they would make another test's subprocess
+    join a process group that is not its own, or track to another test's server. The process
+    group itself stays for the session: DeepSpeed caches its groups in module globals, so a
+    group destroyed and made again in one process breaks the next in-process engine."""
+    saved = dict(os.environ)
+    for name in TRACKING_VARIABLES:
+        os.environ.pop(name, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def find_shared_data(relpath: str) -> Path | None:

@@ -10,7 +10,6 @@ with the reference's weights, bit for bit.
 from __future__ import annotations
 
 import errno
-import os
 import re
 import shutil
 from pathlib import Path
@@ -61,19 +60,6 @@ workspace: {{root: {tmp / 'runs'}}}
 stages: [download, preprocess, train, evaluate]
 """)
     return load_spec(path, [f"dataset.url=file://{corpus}"])    # a small corpus
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_process_group():
-    """The stages initialise torch.distributed in this process: keep the environment it sets
-    (RANK, MASTER_PORT...) away from the other tests' subprocesses. The group itself stays
-    for the session: DeepSpeed caches its groups in module globals, so a group destroyed and
-    made again in one process breaks the next in-process engine ("Group ... is not
-    registered")."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

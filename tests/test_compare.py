@@ -9,6 +9,7 @@ import dataclasses
 import io
 import json
 import statistics
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -17,7 +18,7 @@ import stages
 from pipeline.cli import main
 from pipeline.runner import Runner
 from pipeline.spec import load_spec
-from pipeline.tracking import MlflowTracker
+from pipeline.tracking import MlflowTracker, tracking_uri
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
 
@@ -259,3 +260,47 @@ def test_every_paper_config_carries_its_published_row_and_the_ablations_none():
             continue
         paper = load_spec(path, []).paper
         assert (paper.results if paper else None) == PUBLISHED.get(rel), rel
+
+
+def test_a_run_killed_without_a_word_shows_killed_and_its_resumption_marks_it(
+        cfg, stand_ins, tmp_path, monkeypatch):
+    """kill -9 leaves MLflow's runs RUNNING: compare, finding the workspace's lock free,
+    shows the attempt killed with the wall time it had; the next run marks it KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import StageTracker
+
+    with monkeypatch.context() as m:           # no run hears of its end, as under kill -9
+        m.setattr(StageTracker, "end", lambda self, status: None)
+        stand_ins["finetune"] = KeyboardInterrupt()
+        with pytest.raises(KeyboardInterrupt):
+            pipeline(cfg)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    client = MlflowClient((tmp_path / "store").as_uri())
+    assert {r.info.status for r in client.search_runs(
+        [client.get_experiment_by_name("pipe").experiment_id])} == {"RUNNING"}
+    first = json.loads(compare(["compare", "--format", "json"]))
+    time.sleep(1.5)
+    again = json.loads(compare(["compare", "--format", "json"]))
+    assert [g["status"] for g in first] == ["killed"]
+    assert again[0]["runs"][0]["wall_s"] == first[0]["runs"][0]["wall_s"] < 60
+    stand_ins.clear()
+    pipeline(cfg)
+    runs = client.search_runs([client.get_experiment_by_name("pipe").experiment_id],
+                              order_by=["attributes.start_time ASC"])
+    # the dead attempt: its parent and 4 stage runs; the resumption: parent, finetune, evaluate
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3 + ["KILLED"] * 5
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not a database", "empty"])
+def test_a_damaged_store_is_one_line_and_left_as_it_was(cfg, stand_ins, tmp_path, damage):
+    spec = load_spec(cfg, ["tracking.uri=null"])
+    Runner(spec, log=lambda m: None).run(MlflowTracker(tracking_uri(spec), warn=print))
+    db = tmp_path / "runs" / "mlflow.db"
+    data = db.read_bytes()
+    db.write_bytes({"truncated": data[:len(data) // 3], "not a database": b"hello " * 100,
+                    "empty": b""}[damage])
+    before = db.read_bytes()
+    err = compare(["compare", str(cfg), "--set", "tracking.uri=null"], code=2)
+    assert err.startswith(f"error: {db}: ") and err.count("\n") == 1, err
+    assert db.read_bytes() == before

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import distributed
+from pipeline.tracking import NullStageTracker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +87,7 @@ def _worker(cfg: Path, preprocess_dir: Path, ckpt: Path, resume: bool, out: Path
     from pipeline.spec import load_spec
     from pipeline.trainer import Trainer
 
-    trainer = Trainer(load_spec(cfg), preprocess_dir, tracker=None, log=print)
+    trainer = Trainer(load_spec(cfg), preprocess_dir, tracker=NullStageTracker(), log=print)
     seen: list[tuple[bool, list[int]]] = []
 
     def record(module, args):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -166,14 +165,10 @@ def test_a_documents_loss_does_not_depend_on_the_document_before_it():
 
 @pytest.fixture
 def cli():
-    saved = dict(os.environ)       # the process group's set-up exports RANK, MASTER_PORT...
-
     def invoke(cfg: Path, *args: str):
         return CliRunner().invoke(main, ["run", str(cfg), *args])
 
-    yield invoke
-    os.environ.clear()
-    os.environ.update(saved)
+    return invoke
 
 
 TRAIN = """\

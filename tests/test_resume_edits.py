@@ -9,7 +9,6 @@ stand-in stages, and the crash-safe publish.
 from __future__ import annotations
 
 import json
-import os
 import random
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,17 +50,13 @@ def test_validation_draws_no_random_numbers_and_restores_train_mode():
 
 @pytest.fixture
 def cli():
-    saved = dict(os.environ)       # the process group's set-up exports RANK, MASTER_PORT...
-
     def invoke(cfg: Path, *sets: str, args: tuple[str, ...] = ()):
         argv = ["run", str(cfg), "--only", "download,preprocess,train", *args]
         for item in [*BASE, *sets]:
             argv += ["--set", item]
         return CliRunner().invoke(main, argv)
 
-    yield invoke
-    os.environ.clear()
-    os.environ.update(saved)
+    return invoke
 
 
 @contextmanager

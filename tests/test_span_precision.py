@@ -18,6 +18,7 @@ import torch
 from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.models.layers import AdaptiveSpan
 from pipeline.ops import adaptive_span_mask
+from pipeline.tracking import NullStageTracker
 
 MAX_SPAN, RAMP = 8192, 32
 SPANS = [2990.37, 3001.5, 3013.25, 2999.875]   # tokens, near 3000
@@ -111,7 +112,7 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
     def trainer(stage: int) -> Trainer:
         spec = load_spec(cfg, ["train.deepspeed.bf16=true", f"train.deepspeed.zero_stage={stage}",
                                f"model.span_init={SPAN_INIT}", "model.span_loss_coef=0.01"])
-        return Trainer(spec, preprocess_dir, tracker=None, log=print)
+        return Trainer(spec, preprocess_dir, tracker=NullStageTracker(), log=print)
 
     def fracs(t: Trainer) -> list[list[float]]:
         return [layer.attn.adaptive_span.frac.tolist() for layer in t.model.layers]

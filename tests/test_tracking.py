@@ -79,15 +79,6 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-@pytest.fixture(autouse=True)
-def mlflow_env(monkeypatch):
-    """MlflowTracker sets MLflow's HTTP limits in os.environ; undo that after each test."""
-    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT",
-                 "MLFLOW_TRACKING_URI"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-
 @pytest.fixture
 def stand_ins(monkeypatch):
     """Stages that log a few records each; `actions[stage](ctx, step)` runs before each of
@@ -357,6 +348,29 @@ def test_sync_cut_short_keeps_exactly_what_was_not_sent(tmp_path):
         ("metrics", "id-train", [("loss", 1.0, 1)]), ("metrics", "id-train", [("loss", 0.5, 2)]),
         ("metrics", "id-train", [("loss", 1 / 3, 3)]), ("end", "id-train", "FINISHED"),
         ("end", "id-pipe", "FINISHED")]
+
+
+def test_a_torn_last_line_is_set_aside_and_every_whole_record_sent(tmp_path):
+    """A kill during an append tears the backlog's last line; a later append starts on a new
+    line. The replay sends every whole record and keeps the torn ones aside, named."""
+    from pipeline.tracking_sender import Delivery, append_records, replay, torn_path
+
+    backlog = tmp_path / BACKLOG
+    create = {"op": "create", "key": "t", "experiment": "e", "artifact_location": None,
+              "tags": {"mlflow.runName": "train"}, "parent": None, "time": 1}
+    append_records(backlog, [create, {"op": "batch", "key": "t",
+                                      "metrics": [["loss", 1.0, 5, 1]]}])
+    torn = '{"op": "batch", "key": "t", "metrics": [["loss", 0.5, 6, '
+    with open(backlog, "a") as f:
+        f.write(torn)                                   # killed mid-line
+    append_records(backlog, [{"op": "batch", "key": "t", "metrics": [["loss", 0.25, 7, 3]]}])
+    warnings: list[str] = []
+    client = FlakyClient()
+    assert replay(backlog, Delivery(client), warn=warnings.append) == (3, 0)
+    assert client.calls == [("create", "train", None), ("metrics", "id-train", [("loss", 1.0, 1)]),
+                            ("metrics", "id-train", [("loss", 0.25, 3)])]
+    assert torn_path(backlog).read_text() == torn + "\n"
+    assert len(warnings) == 1 and str(torn_path(backlog)) in warnings[0]
 
 
 def test_the_training_loops_handler_takes_over_inside_and_hands_back_after():
