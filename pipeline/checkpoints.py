@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -27,6 +29,42 @@ from pipeline.fsutil import atomic_write_json, sha256_file
 
 CHECKSUMS = "checksums.json"
 HASH_BLOCK = 4 << 20   # bytes read at a time: a 114M-parameter model's checkpoint is ~2 GB
+
+
+# The types other than tensors and plain containers that the files this pipeline writes hold:
+# NumPy's random state in trainer-rank<r>.pt (an array of its dtype).
+CHECKPOINT_TYPES = [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype,
+                    type(np.dtype(np.uint32))]
+
+
+def optimizer_file_types() -> list:
+    """The types DeepSpeed's ZeRO optimizer files (`*optim_states.pt`) hold besides."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def read_checkpoint_file(path: Path, **load_args):
+    """A checkpoint file, unpickled by torch's weights-only reader with only CHECKPOINT_TYPES
+    (and DeepSpeed's optimizer types, in its optimizer files) allowed besides: a file whose
+    pickle would build anything else (run code) is refused in one line naming it, before
+    anything in it is built."""
+    allowed = CHECKPOINT_TYPES + (optimizer_file_types()
+                                  if Path(path).name.endswith("optim_states.pt") else [])
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, **load_args)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"it would build {found.group(1)}" if found else "its pickle is not one"
+        raise PipelineError(f"{path}: refused, not a checkpoint this pipeline writes ({what}); "
+                            f"a checkpoint can run code when loaded, so only tensors and plain "
+                            f"values are read") from None
+    except (RuntimeError, EOFError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PipelineError(f"{path}: not a readable checkpoint file ({why})") from None
 
 
 def rng_state() -> dict:
@@ -71,9 +109,13 @@ def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], 
         raise PipelineError(f"no checkpoint under {root}")
     path = Path(root) / tag / "mp_rank_00_model_states.pt"
     if path.exists():
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["module"])
+        model.load_state_dict(read_checkpoint_file(path)["module"])
     else:   # ZeRO 3 saves each rank's shard only: assemble the fp32 weights from the shards
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        # DeepSpeed unpickles them without restriction: each is read safely first
+        for shard in sorted(path.parent.glob("*.pt")):
+            read_checkpoint_file(shard, mmap=True)
 
         model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag))
     return tag

@@ -4,6 +4,7 @@ steps on the built-in corpus, in process)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -109,3 +110,34 @@ stages: [download, preprocess, train]
     assert result.exit_code == 2
     assert result.output.startswith(f"error: {tmp_path / 'runs' / 'untrained' / 'preprocess'}"
                                     f"/manifest.json: missing")
+
+
+class Planted:
+    """Unpickled, it creates the file `path`: what a checkpoint from elsewhere could do."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("command", ["sample", "export"])
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused(trained, tmp_path, command):
+    from pipeline.checkpoints import write_checksums
+
+    planted = tmp_path / "planted"
+    ckpt = tmp_path / "shared" / "step-00000030"
+    ckpt.mkdir(parents=True)
+    torch.save({"module": Planted(planted)}, ckpt / "mp_rank_00_model_states.pt")
+    torch.save({"step": 30}, ckpt / "trainer-rank0.pt")
+    write_checksums(ckpt)                     # intact as far as its checksums can tell
+    args = {"sample": ["--prompt", "def "], "export": ["--out", tmp_path / "out"]}[command]
+    result = CliRunner().invoke(main, [command, str(trained), "--checkpoint", str(ckpt),
+                                       *map(str, args)])
+    assert result.exit_code == 2, result.output
+    assert re.fullmatch(rf"error: {re.escape(str(ckpt / 'mp_rank_00_model_states.pt'))}: "
+                        rf"refused, not a checkpoint this pipeline writes \(it would build "
+                        rf"\S*open\); .*\n", result.output), result.output
+    assert not planted.exists()
+    assert not (tmp_path / "out").exists()
