@@ -279,6 +279,11 @@ LAUGHS = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in ran
      ":6: model.n_layers: 'maybe' is not a valid !!bool"),
     ("name: tiny", "name: !!timestamp 2020-99-99",
      ":1: name: '2020-99-99' is not a valid !!timestamp"),
+    # text that the tag's pattern does not match fails inside PyYAML's constructor
+    ("name: tiny", "name: !!timestamp notadate",
+     ":1: name: 'notadate' is not a valid !!timestamp"),
+    ("n_layers: 2", "n_layers: !!int ''", ":6: model.n_layers: '' is not a valid !!int"),
+    ("n_layers: 2", "n_layers: !!float ''", ":6: model.n_layers: '' is not a valid !!float"),
     ("name: tiny", "name: !!merge x", ":1: name: could not determine a constructor for the "
                                       "tag 'tag:yaml.org,2002:merge'"),
     ("name: tiny", "name: tiny\n{[1]: 2}: 3", ":2: (top level): a key must be a name, found "
@@ -352,6 +357,7 @@ def test_unreadable_files_are_one_located_error(tmp_path):
     ("model.span_loss_coef=.nan", "model.span_loss_coef: expected a finite number; found nan "
                                   "(a number)"),
     ("model.n_layers=!!int abc", "model.n_layers: 'abc' is not a valid !!int"),
+    ("name=!!timestamp notadate", "name: 'notadate' is not a valid !!timestamp"),
 ])
 def test_bad_numbers_and_tags_in_set_are_one_error(tmp_path, override, error):
     path = write(tmp_path, "spec.yaml", BASE)
