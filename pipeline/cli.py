@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import click
@@ -86,6 +87,15 @@ def sync(config, overrides):
     sync_backlog(load_spec(config, list(overrides)), log=click.echo)
 
 
+@contextlib.contextmanager
+def _flag(flag: str):
+    """A PipelineError raised within names the option whose value it is about."""
+    try:
+        yield
+    except PipelineError as e:
+        raise PipelineError(f"{flag} {e}") from None
+
+
 def _repeat(flag: str, values) -> list[str]:
     return [item for v in values for item in (flag, v)]
 
@@ -144,6 +154,11 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     from pipeline import compare as cmp
     from pipeline.spec import load_spec
 
+    if plot:
+        from pipeline.plots import image_format
+
+        with _flag("--plot"):   # a name no picture can have is refused before the queries
+            image_format(plot)
     specs, experiments, run_ids = [], [], []
     for target in targets:
         if Path(target).is_file():
@@ -161,7 +176,9 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     if plot and rows:
         from pipeline.plots import curves, learning_curves
 
-        learning_curves({row.name: curves(client, row) for row in rows}, plot)
+        data = {row.name: curves(client, row) for row in rows}
+        with _flag("--plot"):
+            learning_curves(data, plot)
         sweeps = {row.sweep for row in rows}
         if len(sweeps) == 1 and None not in sweeps:
             client.log_artifact(sweeps.pop(), plot)
