@@ -296,8 +296,10 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
     from pipeline.spec import load_spec
 
     spec = load_spec(config, list(overrides))
-    click.echo(generate_text(spec, checkpoint, prompt, tokens, temperature, top_k, seed,
-                             log=lambda m: click.echo(m, err=True)))
+    for text in generate_text(spec, checkpoint, prompt, tokens, temperature, top_k, seed,
+                              log=lambda m: click.echo(m, err=True)):
+        click.echo(text, nl=False)
+    click.echo()
 
 
 @main.command()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -141,3 +142,57 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused(trained, tmp_path, 
                         rf"\S*open\); .*\n", result.output), result.output
     assert not planted.exists()
     assert not (tmp_path / "out").exists()
+
+
+class BlockRecorder:
+    """A stand-in model that records the length of every block it reads; its next token is
+    always 0. It refuses to read more than `reads` blocks (a generator that ran on)."""
+
+    def __init__(self, reads=10):
+        self.blocks, self.reads = [], reads
+
+    def init_state(self, batch, device=None):
+        return []
+
+    def __call__(self, x, y, state):
+        self.blocks.append(x.shape[1])
+        assert len(self.blocks) <= self.reads, "read on past the tokens taken"
+        return SimpleNamespace(logits=torch.zeros(1, x.shape[1], 5), state=state)
+
+
+def test_a_long_prompt_is_read_in_blocks_through_the_state():
+    from pipeline.sample import generate
+
+    model = BlockRecorder()
+    assert list(generate(model, list(range(100)), 3, temperature=0, block_len=32)) == [0] * 3
+    assert model.blocks == [32, 32, 32, 4, 1, 1]
+
+
+def test_tokens_come_out_as_they_are_generated():
+    from pipeline.sample import generate
+
+    model = BlockRecorder()
+    tokens = generate(model, [1], 10**9, temperature=0)
+    assert [next(tokens) for _ in range(3)] == [0, 0, 0]
+    assert model.blocks == [1, 1, 1]
+
+
+@pytest.mark.parametrize("option, value, error", [
+    ("--temperature", "nan", "--temperature nan: expected a finite number >= 0"),
+    ("--temperature", "inf", "--temperature inf: expected a finite number >= 0"),
+    ("--tokens", "1000000000", "--tokens 1,000,000,000: at most 100,000, each a forward pass "
+                               "of the model"),
+])
+def test_sample_refuses_what_it_cannot_do_in_one_line(trained, option, value, error,
+                                                      monkeypatch):
+    import pipeline.export
+
+    def loaded_too_soon(*args):
+        raise AssertionError("the model was loaded for a sample that cannot be made")
+    if option == "--tokens":
+        monkeypatch.setattr(pipeline.export, "trained_model", loaded_too_soon)
+    result = CliRunner().invoke(main, ["sample", str(trained), "--prompt", "def ", option,
+                                       value])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: {error}\n"
+
