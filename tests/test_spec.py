@@ -391,3 +391,14 @@ def test_an_extends_path_with_a_line_break_stays_one_line(tmp_path):
     cfg = write(tmp_path, "spec.yaml", 'name: tiny\nextends: ["a\\nb.yaml"]\n')
     message = error_of(cfg)
     assert message == f"{cfg}:2: extends: no such file {tmp_path}/a\\nb.yaml"
+
+
+@pytest.mark.parametrize("config, key", [
+    ("active_memory/sort.yaml", "dataset.generator.algorithmic.vocab"),
+    ("infinity_former/sort_16k.yaml", "dataset.generator.frequency_sort.vocab")])
+def test_a_task_vocabulary_no_machine_can_hold_is_refused_with_the_reason(config, key):
+    override = f"{key}=1000000000"
+    assert error_of(ROOT / "configs" / config, [override]) == (
+        f"--set {override}: {key}: at most 16,777,214 symbols: with the separator and padding "
+        f"they are the vocabulary, which the output layer scores at every position (the "
+        f"papers' tasks use 20 to 100); found 1000000000 (an integer)")
