@@ -64,6 +64,9 @@ def run(config, overrides, start_from, only, force, dry_run):
         for step in runner.plan():
             click.echo(f"  {step.stage:<11} {step.action:<5} {step.describe()}")
         return
+    from pipeline.fsutil import writable_dir
+
+    writable_dir(spec.workspace_dir, "workspace")    # before MLflow's store is made in it
     if runner.needs_launcher():
         from pipeline.launcher import run_under_launcher
 

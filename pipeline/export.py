@@ -77,6 +77,7 @@ def export(spec, out: Path, which: str = "latest", log=print) -> Path:
     from safetensors.torch import save_model
 
     from pipeline.data.manifest import load_manifest
+    from pipeline.fsutil import writable_dir
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir())
@@ -88,7 +89,8 @@ def export(spec, out: Path, which: str = "latest", log=print) -> Path:
     vocab = manifest["vocab"]
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    writable_dir(out.parent, "--out")
+    tmp.mkdir()
     save_model(model, str(tmp / WEIGHTS))
     (tmp / CONFIG).write_text(json.dumps({
         "kind": spec.model_kind, "model": asdict(spec.model_params),

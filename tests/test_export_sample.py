@@ -196,3 +196,13 @@ def test_sample_refuses_what_it_cannot_do_in_one_line(trained, option, value, er
     assert result.exit_code == 2, result.output
     assert result.output == f"error: {error}\n"
 
+
+
+def test_export_to_a_place_it_cannot_write_is_one_line(trained, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine")
+    result = CliRunner().invoke(main, ["export", str(trained), "--out",
+                                       str(blocker / "export")])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: --out {blocker}: cannot write there: Not a directory\n"
+    assert blocker.read_text() == "mine"
