@@ -97,9 +97,11 @@ def step_of(tag: str) -> int:
 
 
 def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], None],
-                       tag: str | None = None) -> str:
+                       tag: str | None = None, model_section: dict | None = None) -> str:
     """Load the module weights of checkpoint `tag` under `root`, verified, or of the newest
-    intact one (no engine needed); returns its tag."""
+    intact one (no engine needed); returns its tag. Weights that do not fit the model are one
+    line naming the first keys or shapes that differ, and the config that wrote them (and
+    where its model section differs from `model_section`, the model's config)."""
     if tag is not None:
         if (why := damage(Path(root) / tag)) is not None:
             raise PipelineError(f"checkpoint {Path(root) / tag}: {why}")
@@ -107,18 +109,51 @@ def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], 
         tag = newest_intact(root, log)
     if tag is None:
         raise PipelineError(f"no checkpoint under {root}")
-    path = Path(root) / tag / "mp_rank_00_model_states.pt"
+    ckpt = Path(root) / tag
+    path = ckpt / "mp_rank_00_model_states.pt"
     if path.exists():
-        model.load_state_dict(read_checkpoint_file(path)["module"])
+        weights = read_checkpoint_file(path)["module"]
+    elif not list(ckpt.glob("*model_states.pt")):
+        held = ", ".join(sorted(p.name for p in ckpt.iterdir())[:4]) or "nothing"
+        raise PipelineError(f"checkpoint {ckpt}: not a train or finetune checkpoint (no "
+                            f"model states file; it holds {held})")
     else:   # ZeRO 3 saves each rank's shard only: assemble the fp32 weights from the shards
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # DeepSpeed unpickles them without restriction: each is read safely first
-        for shard in sorted(path.parent.glob("*.pt")):
+        for shard in sorted(ckpt.glob("*.pt")):
             read_checkpoint_file(shard, mmap=True)
-
-        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag))
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    if misfit := _misfit(model.state_dict(), weights):
+        raise PipelineError(f"checkpoint {ckpt} does not fit the config's model: {misfit}"
+                            f"{_made_by(ckpt, model_section)}")
+    model.load_state_dict(weights)
     return tag
+
+
+def _misfit(own: dict, saved: dict) -> str:
+    """The first differences between a model's state dict and a checkpoint's, or ''."""
+    found = [f"{k} has shape {list(saved[k].shape)} there, {list(v.shape)} here"
+             for k, v in own.items() if k in saved and saved[k].shape != v.shape][:2]
+    found += [f"{k} is missing there" for k in own if k not in saved][:1]
+    found += [f"{k} is not in this model" for k in saved if k not in own][:1]
+    return "; ".join(found)
+
+
+def _made_by(ckpt: Path, model_section: dict | None) -> str:
+    """Which config wrote checkpoint `ckpt` (<stage>/checkpoints/step-N): its stage's record
+    of the model section, and where that differs from `model_section`."""
+    record = ckpt.parent.parent / "stage.json"
+    try:
+        theirs = json.loads(record.read_text())["config"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    # settings only: a stage's record leaves defaults out of nested sections
+    differ = [f"model.{k}: {theirs[k]!r} there, {v!r} here"
+              for k, v in (model_section or {}).items()
+              if k in theirs and not isinstance(v, dict) and theirs[k] != v]
+    return (f"; it was written with the model section recorded in {record}"
+            + (f" ({', '.join(differ[:3])})" if differ else ""))
 
 
 def write_checksums(path: Path) -> int:

@@ -206,3 +206,43 @@ def test_export_to_a_place_it_cannot_write_is_one_line(trained, tmp_path):
     assert result.exit_code == 2, result.output
     assert result.output == f"error: --out {blocker}: cannot write there: Not a directory\n"
     assert blocker.read_text() == "mine"
+
+
+def test_a_checkpoint_that_does_not_fit_the_config_names_the_difference(trained):
+    ws = load_spec(trained, []).workspace_dir
+    result = CliRunner().invoke(main, ["export", str(trained), "--set", "model.d_model=48",
+                                       "--out", str(trained.parent / "never")])
+    assert result.exit_code == 2, result.output
+    assert len(result.output.splitlines()) == 1
+    assert result.output.startswith(f"error: checkpoint {ws / 'train' / 'checkpoints'}/step-")
+    assert " does not fit the config's model: " in result.output
+    assert "has shape [" in result.output and "32] there, [" in result.output
+    assert result.output.endswith(f"; it was written with the model section recorded in "
+                                  f"{ws / 'train' / 'stage.json'} (model.d_model: 32 there, "
+                                  f"48 here)\n")
+    assert not (trained.parent / "never").exists()
+
+
+def test_another_stage_kinds_checkpoint_is_one_line(trained, tmp_path):
+    from pipeline.checkpoints import write_checksums
+
+    ckpt = tmp_path / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    torch.save({"model": {}, "epoch": 1}, ckpt / "state.pt")     # a curriculum checkpoint
+    write_checksums(ckpt)
+    result = CliRunner().invoke(main, ["sample", str(trained), "--prompt", "x",
+                                       "--checkpoint", str(ckpt)])
+    assert result.exit_code == 2, result.output
+    assert result.output == (f"error: checkpoint {ckpt}: not a train or finetune checkpoint "
+                             f"(no model states file; it holds checksums.json, state.pt)\n")
+
+
+def test_sample_on_a_task_config_says_what_it_needs():
+    from pipeline.spec import PROJECT_ROOT
+
+    cfg = PROJECT_ROOT / "configs" / "active_memory" / "sort.yaml"
+    result = CliRunner().invoke(main, ["sample", str(cfg), "--prompt", "x"])
+    assert result.exit_code == 2, result.output
+    assert result.output == (f"error: {cfg}: sample and export need a language model that "
+                             f"preprocess and train made; this config's stages are "
+                             f"curriculum, evaluate\n")
