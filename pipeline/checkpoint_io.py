@@ -18,7 +18,8 @@ import torch
 
 from pipeline import distributed, reshard
 from pipeline.checkpoints import (CHECKSUMS, checkpoint_bytes, disk_full, has_room, newest_intact,
-                                  out_of_space, read_pointer, rng_state, set_rng_state,
+                                  out_of_space, read_checkpoint_file, read_pointer,
+                                  rng_state, set_rng_state,
                                   step_dirs, step_of, write_checksums)
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
@@ -44,7 +45,7 @@ def read_trainer_file(path: Path) -> dict:
     """A `trainer-rank<r>.pt` as written by `CheckpointIO`. One written before models had a
     state of their own holds the same tensors (the all-attention model's cache) under
     "caches": they are returned under "states", so such a checkpoint still resumes."""
-    saved = torch.load(path, weights_only=False)
+    saved = read_checkpoint_file(path)
     if "caches" in saved:
         saved["states"] = saved.pop("caches")
     return saved

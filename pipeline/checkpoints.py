@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -27,6 +29,42 @@ from pipeline.fsutil import atomic_write_json, sha256_file
 
 CHECKSUMS = "checksums.json"
 HASH_BLOCK = 4 << 20   # bytes read at a time: a 114M-parameter model's checkpoint is ~2 GB
+
+
+# The types other than tensors and plain containers that the files this pipeline writes hold:
+# NumPy's random state in trainer-rank<r>.pt (an array of its dtype).
+CHECKPOINT_TYPES = [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype,
+                    type(np.dtype(np.uint32))]
+
+
+def optimizer_file_types() -> list:
+    """The types DeepSpeed's ZeRO optimizer files (`*optim_states.pt`) hold besides."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def read_checkpoint_file(path: Path, **load_args):
+    """A checkpoint file, unpickled by torch's weights-only reader with only CHECKPOINT_TYPES
+    (and DeepSpeed's optimizer types, in its optimizer files) allowed besides: a file whose
+    pickle would build anything else (run code) is refused in one line naming it, before
+    anything in it is built."""
+    allowed = CHECKPOINT_TYPES + (optimizer_file_types()
+                                  if Path(path).name.endswith("optim_states.pt") else [])
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, **load_args)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"it would build {found.group(1)}" if found else "its pickle is not one"
+        raise PipelineError(f"{path}: refused, not a checkpoint this pipeline writes ({what}); "
+                            f"a checkpoint can run code when loaded, so only tensors and plain "
+                            f"values are read") from None
+    except (RuntimeError, EOFError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PipelineError(f"{path}: not a readable checkpoint file ({why})") from None
 
 
 def rng_state() -> dict:
@@ -59,9 +97,11 @@ def step_of(tag: str) -> int:
 
 
 def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], None],
-                       tag: str | None = None) -> str:
+                       tag: str | None = None, model_section: dict | None = None) -> str:
     """Load the module weights of checkpoint `tag` under `root`, verified, or of the newest
-    intact one (no engine needed); returns its tag."""
+    intact one (no engine needed); returns its tag. Weights that do not fit the model are one
+    line naming the first keys or shapes that differ, and the config that wrote them (and
+    where its model section differs from `model_section`, the model's config)."""
     if tag is not None:
         if (why := damage(Path(root) / tag)) is not None:
             raise PipelineError(f"checkpoint {Path(root) / tag}: {why}")
@@ -69,14 +109,51 @@ def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], 
         tag = newest_intact(root, log)
     if tag is None:
         raise PipelineError(f"no checkpoint under {root}")
-    path = Path(root) / tag / "mp_rank_00_model_states.pt"
+    ckpt = Path(root) / tag
+    path = ckpt / "mp_rank_00_model_states.pt"
     if path.exists():
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["module"])
+        weights = read_checkpoint_file(path)["module"]
+    elif not list(ckpt.glob("*model_states.pt")):
+        held = ", ".join(sorted(p.name for p in ckpt.iterdir())[:4]) or "nothing"
+        raise PipelineError(f"checkpoint {ckpt}: not a train or finetune checkpoint (no "
+                            f"model states file; it holds {held})")
     else:   # ZeRO 3 saves each rank's shard only: assemble the fp32 weights from the shards
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag))
+        # DeepSpeed unpickles them without restriction: each is read safely first
+        for shard in sorted(ckpt.glob("*.pt")):
+            read_checkpoint_file(shard, mmap=True)
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    if misfit := _misfit(model.state_dict(), weights):
+        raise PipelineError(f"checkpoint {ckpt} does not fit the config's model: {misfit}"
+                            f"{_made_by(ckpt, model_section)}")
+    model.load_state_dict(weights)
     return tag
+
+
+def _misfit(own: dict, saved: dict) -> str:
+    """The first differences between a model's state dict and a checkpoint's, or ''."""
+    found = [f"{k} has shape {list(saved[k].shape)} there, {list(v.shape)} here"
+             for k, v in own.items() if k in saved and saved[k].shape != v.shape][:2]
+    found += [f"{k} is missing there" for k in own if k not in saved][:1]
+    found += [f"{k} is not in this model" for k in saved if k not in own][:1]
+    return "; ".join(found)
+
+
+def _made_by(ckpt: Path, model_section: dict | None) -> str:
+    """Which config wrote checkpoint `ckpt` (<stage>/checkpoints/step-N): its stage's record
+    of the model section, and where that differs from `model_section`."""
+    record = ckpt.parent.parent / "stage.json"
+    try:
+        theirs = json.loads(record.read_text())["config"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    # settings only: a stage's record leaves defaults out of nested sections
+    differ = [f"model.{k}: {theirs[k]!r} there, {v!r} here"
+              for k, v in (model_section or {}).items()
+              if k in theirs and not isinstance(v, dict) and theirs[k] != v]
+    return (f"; it was written with the model section recorded in {record}"
+            + (f" ({', '.join(differ[:3])})" if differ else ""))
 
 
 def write_checksums(path: Path) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import click
@@ -63,6 +64,9 @@ def run(config, overrides, start_from, only, force, dry_run):
         for step in runner.plan():
             click.echo(f"  {step.stage:<11} {step.action:<5} {step.describe()}")
         return
+    from pipeline.fsutil import writable_dir
+
+    writable_dir(spec.workspace_dir, "workspace")    # before MLflow's store is made in it
     if runner.needs_launcher():
         from pipeline.launcher import run_under_launcher
 
@@ -84,6 +88,15 @@ def sync(config, overrides):
     from pipeline.tracking import sync as sync_backlog
 
     sync_backlog(load_spec(config, list(overrides)), log=click.echo)
+
+
+@contextlib.contextmanager
+def _flag(flag: str):
+    """A PipelineError raised within names the option whose value it is about."""
+    try:
+        yield
+    except PipelineError as e:
+        raise PipelineError(f"{flag} {e}") from None
 
 
 def _repeat(flag: str, values) -> list[str]:
@@ -144,6 +157,11 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     from pipeline import compare as cmp
     from pipeline.spec import load_spec
 
+    if plot:
+        from pipeline.plots import image_format
+
+        with _flag("--plot"):   # a name no picture can have is refused before the queries
+            image_format(plot)
     specs, experiments, run_ids = [], [], []
     for target in targets:
         if Path(target).is_file():
@@ -161,7 +179,9 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     if plot and rows:
         from pipeline.plots import curves, learning_curves
 
-        learning_curves({row.name: curves(client, row) for row in rows}, plot)
+        data = {row.name: curves(client, row) for row in rows}
+        with _flag("--plot"):
+            learning_curves(data, plot)
         sweeps = {row.sweep for row in rows}
         if len(sweeps) == 1 and None not in sweeps:
             client.log_artifact(sweeps.pop(), plot)
@@ -279,8 +299,10 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
     from pipeline.spec import load_spec
 
     spec = load_spec(config, list(overrides))
-    click.echo(generate_text(spec, checkpoint, prompt, tokens, temperature, top_k, seed,
-                             log=lambda m: click.echo(m, err=True)))
+    for text in generate_text(spec, checkpoint, prompt, tokens, temperature, top_k, seed,
+                              log=lambda m: click.echo(m, err=True)):
+        click.echo(text, nl=False)
+    click.echo()
 
 
 @main.command()

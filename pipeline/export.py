@@ -62,12 +62,18 @@ def trained_model(spec, which: str, log):
     preprocess stage's directory (its vocabulary, its manifest)."""
     from pipeline.checkpoints import load_model_weights
     from pipeline.data.manifest import load_manifest
+    from stages import STAGES
 
+    if "train" not in spec.stages or "preprocess" not in spec.stages:
+        raise PipelineError(f"{spec.source}: sample and export need a language model that "
+                            f"preprocess and train made; this config's stages are "
+                            f"{', '.join(spec.stages)}")
     preprocess = spec.workspace_dir / "preprocess"
     manifest = load_manifest(preprocess)
     model = spec.build_model(manifest["vocab_size"], str(preprocess / "manifest.json"))
     root, tag, description = checkpoint_of(spec, which, log)
-    tag = load_model_weights(model, root, log, tag)
+    # the model section as the train stage records it, to compare with what made the weights
+    tag = load_model_weights(model, root, log, tag, STAGES["train"].config(spec)["model"])
     return model.eval(), preprocess, f"{root}/{tag}"
 
 
@@ -77,6 +83,7 @@ def export(spec, out: Path, which: str = "latest", log=print) -> Path:
     from safetensors.torch import save_model
 
     from pipeline.data.manifest import load_manifest
+    from pipeline.fsutil import writable_dir
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir())
@@ -88,7 +95,8 @@ def export(spec, out: Path, which: str = "latest", log=print) -> Path:
     vocab = manifest["vocab"]
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    writable_dir(out.parent, "--out")
+    tmp.mkdir()
     save_model(model, str(tmp / WEIGHTS))
     (tmp / CONFIG).write_text(json.dumps({
         "kind": spec.model_kind, "model": asdict(spec.model_params),

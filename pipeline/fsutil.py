@@ -13,6 +13,22 @@ import tempfile
 from pathlib import Path
 
 
+def writable_dir(path: str | os.PathLike, what: str) -> Path:
+    """`path`, created if missing; a directory that cannot be created or written (a read-only
+    file system, no permission) is one line naming `what` it is for."""
+    from pipeline.errors import PipelineError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        # mkdir's "File exists" for a file at `path` means it is not a directory
+        why = "Not a directory" if isinstance(e, FileExistsError) else e.strerror or e
+        raise PipelineError(f"{what} {path}: cannot write there: {why}") from None
+    return path
+
+
 def _tmp_path(path: Path) -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

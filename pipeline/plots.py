@@ -9,9 +9,13 @@ is drawn can be checked without looking at pixels.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import textwrap
 from pathlib import Path
+
+from pipeline.errors import PipelineError
 
 # metric -> the y-axis label; train and finetune log both under these names
 SERIES = {"loss": "train loss (nats)", "valid_bpc": "valid bpc"}
@@ -74,10 +78,42 @@ def learning_curves(data: dict[str, dict[str, list[dict]]], path) -> Path:
         fig.legend(handles, labels, loc="upper center", ncol=min(4, len(labels)),
                    fontsize="small")
     fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return save(fig, path, dpi=100)
+
+
+def image_format(path) -> str:
+    """The image format a picture's file name asks for (png when it has no extension); a
+    name with an extension matplotlib writes no format for is one line."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise PipelineError(f"{path}: no image format is called .{suffix}; name a .png, .svg "
+                            f"or .pdf file (or {', '.join('.' + f for f in sorted(formats))})")
+    return suffix or "png"
+
+
+def save(fig, path, **savefig_args) -> Path:
+    """Write `fig` at `path` through a temporary file beside it, and close it. A place that
+    cannot be written is one line naming it, and no half-written picture is left there."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        image = image_format(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, format=image, **savefig_args)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        blocker = f" ({e.filename})" if e.filename not in (None, str(tmp)) else ""
+        raise PipelineError(f"{path}: cannot write the picture: {e.strerror or e}{blocker}") \
+            from None
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -120,11 +156,7 @@ def head_heat_map(table: list[list[float]], title: str, path) -> Path:
     ax.set_ylabel("layer")
     ax.set_title(textwrap.fill(title, int(9 * width)), fontsize="medium")  # ~9 chars/inch
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, metadata={HEAT_MAP_KEY: json.dumps(table)})
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=100, metadata={HEAT_MAP_KEY: json.dumps(table)})
 
 
 TABLE_TITLES = {"spans": "learned span in tokens"}

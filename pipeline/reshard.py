@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.checkpoints import read_checkpoint_file
 from pipeline.errors import PipelineError
 
 
@@ -102,7 +103,7 @@ def load_zero_partitions(engine, ckpt: Path, writers: int) -> None:
         raise PipelineError(f"checkpoint {ckpt} lacks {', '.join(missing)}: it was not written "
                             f"by {writers} ZeRO 1/2 processes and cannot be resharded")
     # memory-mapped: a rank reads only the slices its own partition needs
-    old = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT]
+    old = [read_checkpoint_file(f, mmap=True)[OPTIMIZER_STATE_DICT]
            for f in files]
     if old[0].get(PARAM_ALIGNMENT_PADDINGS) != wrapper.round_robin_bit16_padding:
         raise PipelineError(f"checkpoint {ckpt} lays out the parameters with other alignment "

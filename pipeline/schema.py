@@ -12,7 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
+                      model_validator)
 
 STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate", "curriculum")
 
@@ -20,6 +21,16 @@ STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate", "curri
 # The output layer scores every token of the vocabulary at every position; far larger
 # vocabularies than any tokenizer makes would not fit in an accelerator's memory.
 VOCAB_LIMIT = 1 << 24
+TASK_SYMBOLS_LIMIT = VOCAB_LIMIT - 2
+"""A generated task's symbols: its vocabulary adds a separator and padding to them."""
+
+
+def _task_symbols(value: int | None) -> int | None:
+    if value is not None and value > TASK_SYMBOLS_LIMIT:
+        raise ValueError(f"at most {TASK_SYMBOLS_LIMIT:,} symbols: with the separator and "
+                         f"padding they are the vocabulary, which the output layer scores at "
+                         f"every position (the papers' tasks use 20 to 100)")
+    return value
 
 
 # Upper bounds on counts and sizes: a value past them cannot run on any machine (it
@@ -136,7 +147,7 @@ class FrequencySortTask(Section):
     distributions over `vocab` symbols whose weight drifts from the first to the second along
     the sequence; target = the symbols by decreasing count (absent ones last, in index order).
     Each distribution: integer weights drawn uniformly from `weight_range`, normalised."""
-    vocab: int = Field(20, gt=1)
+    vocab: Annotated[int, AfterValidator(_task_symbols)] = Field(20, gt=1)
     length: int = Field(4000, gt=0, le=2**24, description="4,000 / 8,000 / 16,000 in the paper")
     weight_range: list[int] = Field([1, 9], min_length=2, max_length=2)
     sequences: SplitSizesSpec = Field(
@@ -166,8 +177,9 @@ class AlgorithmicTask(Section):
     """The active-memory paper's algorithmic tasks (PAPERS.md §2), generated online with a
     length curriculum; position-wise targets of the input's length."""
     problem: Literal["reverse", "sort", "add", "mult", "not", "remember"]
-    vocab: int | None = Field(None, gt=1, description="reverse / sort / remember only; default "
-                                                      "100 / 20 / 20 as in the paper")
+    vocab: Annotated[int | None, AfterValidator(_task_symbols)] = Field(
+        None, gt=1, description="reverse / sort / remember only; default 100 / 20 / 20 as in "
+                                "the paper")
     curriculum: CurriculumSpec = CurriculumSpec()
 
     @model_validator(mode="after")

@@ -103,8 +103,10 @@ class _Builder:
             return self.scalars.construct_object(node, deep=True)
         except yaml.constructor.ConstructorError as e:   # a tag the safe loader does not know
             raise SpecError(f"{self.place(node)}: {_dotted(path)}: {e.problem}") from None
-        # !!int abc, !!timestamp 2020-99-99, an int of 5,000 digits; !!bool maybe
-        except (ValueError, KeyError):
+        # PyYAML's constructors assume text their tag's pattern matched: on other text they
+        # fail with whatever their parsing hits (!!int abc: ValueError, !!bool maybe:
+        # KeyError, !!timestamp notadate: AttributeError, !!int '': IndexError)
+        except Exception:
             raise SpecError(f"{self.place(node)}: {_dotted(path)}: {_show(node.value)} is not "
                             f"a valid {_tag_name(node.tag)}") from None
 

@@ -51,14 +51,25 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     grid = []
     for item in items:
         key, eq, values = item.partition("=")
-        parts = [v.strip() for v in values.split(",")]
-        if not eq or not key.strip() or not all(parts):
+        key, parts = key.strip(), [v.strip() for v in values.split(",")]
+        if not eq or not key or not all(parts):
             raise PipelineError(f"--grid {item}: expected KEY=V1,V2,... (e.g. "
                                 f"--grid train.optimizer.lr=1e-3,3e-3)")
+        if key in SWEEP_SETS:
+            raise PipelineError(f"--grid {item}: the sweep sets {key} itself, one per point")
         if key in (k for k, _ in grid):
             raise PipelineError(f"--grid {key} is given twice; list all its values in one")
-        grid.append((key.strip(), parts))
+        grid.append((key, parts))
     return grid
+
+
+SWEEP_SETS = ("name", "tracking.experiment")
+"""Keys the sweep sets at every point: the point's name, the sweep's experiment."""
+
+
+def overlapping(a: str, b: str) -> bool:
+    """Whether setting key path `a` changes what `b` sets (one contains the other)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def parse_seeds(text: str | None) -> list[str]:
@@ -80,6 +91,9 @@ def points(config: str, overrides: list[str], grid: list[tuple[str, list[str]]],
     """Every point of the grid x seeds, each validated as its own spec."""
     base = load_spec(config, overrides)
     keys = [k for k, _ in grid]
+    if seeds and any(overlapping(k, "train.seed") for k in keys):
+        raise PipelineError("--grid train.seed and --seeds both set train.seed: each point "
+                            "would run under two names; give the seeds once")
     experiment = base.tracking.experiment or base.name
     out, names = [], set()
     for values in itertools.product(*(v for _, v in grid), *([seeds] if seeds else [])):
@@ -258,12 +272,20 @@ class SweepRun:
 
 
 def plan_sweep(config: str, overrides: list[str], grid_items: list[str],
-               seeds_text: str | None) -> tuple[list[Point], list[str], str]:
-    """The sweep's points, the stages they share, and its id (its MLflow run's tag)."""
+               seeds_text: str | None, log=None) -> tuple[list[Point], list[str], str]:
+    """The sweep's points, the stages they share, and its id (its MLflow run's tag); `log`
+    is told of each --set that the grid or the seeds replace."""
     grid = parse_grid(grid_items)
     seeds = parse_seeds(seeds_text)
     if not grid and not seeds:
         raise PipelineError("sweep: give at least one --grid KEY=V1,V2 or --seeds")
+    varied = [(k, f"--grid {k}") for k, _ in grid] + (
+        [("train.seed", "--seeds")] if seeds else [])
+    for item in overrides if log else ():
+        key = item.partition("=")[0].strip()
+        replaced_by = [flag for k, flag in varied if overlapping(key, k)]
+        if replaced_by:
+            log(f"--set {item}: replaced at every point by {', '.join(replaced_by)}")
     pts = points(config, overrides, grid, seeds)
     return pts, shared_prefix(pts), sweep_id(config, overrides, grid, seeds)
 
@@ -273,7 +295,7 @@ def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_te
     """Run (or, dry, describe) every point; returns the names of the points that failed."""
     from pipeline.tracking import make_tracker
 
-    pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text)
+    pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text, log)
     if dry_run:
         log(f"{len(pts)} points; run once and reused by every point: "
             f"{', '.join(prefix) or 'nothing'}")

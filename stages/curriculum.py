@@ -241,9 +241,9 @@ def _newest(root: Path, log) -> str | None:
 
 def _load(path: Path, model, optimizer=None) -> dict:
     """Restore a checkpoint into `model` (and `optimizer`); returns the curriculum state."""
-    import torch
+    from pipeline.checkpoints import read_checkpoint_file
 
-    saved = torch.load(path / STATE, map_location="cpu", weights_only=False)
+    saved = read_checkpoint_file(path / STATE)
     model.load_state_dict(saved["model"])
     if optimizer is not None:
         optimizer.load_state_dict(saved["optimizer"])

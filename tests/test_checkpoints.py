@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import stages
-from pipeline.checkpoints import CHECKSUMS, damage, step_dirs, write_checksums
+from pipeline.checkpoints import (CHECKSUMS, damage, read_checkpoint_file, step_dirs,
+                                  write_checksums)
 from pipeline.errors import PipelineError
 from pipeline.runner import Runner
 from pipeline.spec import load_spec
@@ -75,7 +76,7 @@ def reference(tmp_path_factory):
 
 
 def weights(ckpt: Path) -> dict:
-    return torch.load(ckpt / MODEL, weights_only=False)["module"]
+    return read_checkpoint_file(ckpt / MODEL)["module"]
 
 
 def interrupted(reference, tmp: Path) -> Path:
@@ -186,7 +187,7 @@ def test_a_checkpoint_from_before_model_states_resumes_exactly(reference, tmp_pa
     uninterrupted run's weights, bit for bit."""
     out = interrupted(reference, tmp_path)
     ckpt = out / "checkpoints" / tag(8)
-    saved = torch.load(ckpt / "trainer-rank0.pt", weights_only=False)
+    saved = read_checkpoint_file(ckpt / "trainer-rank0.pt")
     saved["caches"] = saved.pop("states")
     torch.save(saved, ckpt / "trainer-rank0.pt")
     (ckpt / CHECKSUMS).unlink()             # recorded again, for the file as rewritten

@@ -177,6 +177,34 @@ def test_plot_draws_each_runs_curves_by_step_tokens_and_time(three_seeds_two_lrs
     assert minutes[0] == 0 and minutes == sorted(minutes)
 
 
+def test_plot_to_a_place_it_cannot_write_is_one_line_and_leaves_nothing(cfg, stand_ins,
+                                                                       tmp_path, monkeypatch):
+    pipeline(cfg, "train.seed=1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    (tmp_path / "a_file").write_text("mine")
+    unwritable = tmp_path / "a_file" / "curves.png"
+    result = CliRunner().invoke(main, ["compare", "--plot", str(unwritable)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"error: --plot {unwritable}: cannot write the picture: File "
+                             f"exists ({tmp_path / 'a_file'})\n")
+    assert (tmp_path / "a_file").read_text() == "mine"
+    no_format = tmp_path / "curves.xyz"
+    result = CliRunner().invoke(main, ["compare", "--plot", str(no_format)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: --plot {no_format}: no image format is called "
+                                    f".xyz; name a .png, .svg or .pdf file (or .avif, ")
+    assert len(result.output.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "pipe.yaml", "runs", "store"]
+
+
+def test_plot_without_an_extension_is_a_png_at_that_name(cfg, stand_ins, tmp_path,
+                                                         monkeypatch):
+    pipeline(cfg, "train.seed=1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    compare(["compare", "--plot", str(tmp_path / "curves")])
+    assert (tmp_path / "curves").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_csv_keeps_every_column_and_filter_uses_mlflow_syntax(three_seeds_two_lrs, tmp_path,
                                                               monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())

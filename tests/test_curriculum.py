@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.checkpoints import read_checkpoint_file
 from pipeline.data.algorithmic import binary_case, check_length, generate, vocab_size
 from pipeline.spec import SpecError, load_spec
 from pipeline.tracking import NullStageTracker
@@ -164,8 +165,8 @@ def test_resumed_curriculum_equals_the_uninterrupted_one(tmp_path):
     assert kept == ["step-00000001", "step-00000002"]
     run_stage(spec, tmp_path / "cut")
     assert history(tmp_path / "cut") == history(tmp_path / "whole")
-    weights = [torch.load(tmp_path / d / "checkpoints" / "step-00000004" / "state.pt",
-                          weights_only=False)["model"] for d in ("whole", "cut")]
+    weights = [read_checkpoint_file(tmp_path / d / "checkpoints" / "step-00000004" / "state.pt")
+               ["model"] for d in ("whole", "cut")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 

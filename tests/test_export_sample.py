@@ -4,6 +4,8 @@ steps on the built-in corpus, in process)."""
 from __future__ import annotations
 
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,3 +111,138 @@ stages: [download, preprocess, train]
     assert result.exit_code == 2
     assert result.output.startswith(f"error: {tmp_path / 'runs' / 'untrained' / 'preprocess'}"
                                     f"/manifest.json: missing")
+
+
+class Planted:
+    """Unpickled, it creates the file `path`: what a checkpoint from elsewhere could do."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("command", ["sample", "export"])
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused(trained, tmp_path, command):
+    from pipeline.checkpoints import write_checksums
+
+    planted = tmp_path / "planted"
+    ckpt = tmp_path / "shared" / "step-00000030"
+    ckpt.mkdir(parents=True)
+    torch.save({"module": Planted(planted)}, ckpt / "mp_rank_00_model_states.pt")
+    torch.save({"step": 30}, ckpt / "trainer-rank0.pt")
+    write_checksums(ckpt)                     # intact as far as its checksums can tell
+    args = {"sample": ["--prompt", "def "], "export": ["--out", tmp_path / "out"]}[command]
+    result = CliRunner().invoke(main, [command, str(trained), "--checkpoint", str(ckpt),
+                                       *map(str, args)])
+    assert result.exit_code == 2, result.output
+    assert re.fullmatch(rf"error: {re.escape(str(ckpt / 'mp_rank_00_model_states.pt'))}: "
+                        rf"refused, not a checkpoint this pipeline writes \(it would build "
+                        rf"\S*open\); .*\n", result.output), result.output
+    assert not planted.exists()
+    assert not (tmp_path / "out").exists()
+
+
+class BlockRecorder:
+    """A stand-in model that records the length of every block it reads; its next token is
+    always 0. It refuses to read more than `reads` blocks (a generator that ran on)."""
+
+    def __init__(self, reads=10):
+        self.blocks, self.reads = [], reads
+
+    def init_state(self, batch, device=None):
+        return []
+
+    def __call__(self, x, y, state):
+        self.blocks.append(x.shape[1])
+        assert len(self.blocks) <= self.reads, "read on past the tokens taken"
+        return SimpleNamespace(logits=torch.zeros(1, x.shape[1], 5), state=state)
+
+
+def test_a_long_prompt_is_read_in_blocks_through_the_state():
+    from pipeline.sample import generate
+
+    model = BlockRecorder()
+    assert list(generate(model, list(range(100)), 3, temperature=0, block_len=32)) == [0] * 3
+    assert model.blocks == [32, 32, 32, 4, 1, 1]
+
+
+def test_tokens_come_out_as_they_are_generated():
+    from pipeline.sample import generate
+
+    model = BlockRecorder()
+    tokens = generate(model, [1], 10**9, temperature=0)
+    assert [next(tokens) for _ in range(3)] == [0, 0, 0]
+    assert model.blocks == [1, 1, 1]
+
+
+@pytest.mark.parametrize("option, value, error", [
+    ("--temperature", "nan", "--temperature nan: expected a finite number >= 0"),
+    ("--temperature", "inf", "--temperature inf: expected a finite number >= 0"),
+    ("--tokens", "1000000000", "--tokens 1,000,000,000: at most 100,000, each a forward pass "
+                               "of the model"),
+])
+def test_sample_refuses_what_it_cannot_do_in_one_line(trained, option, value, error,
+                                                      monkeypatch):
+    import pipeline.export
+
+    def loaded_too_soon(*args):
+        raise AssertionError("the model was loaded for a sample that cannot be made")
+    if option == "--tokens":
+        monkeypatch.setattr(pipeline.export, "trained_model", loaded_too_soon)
+    result = CliRunner().invoke(main, ["sample", str(trained), "--prompt", "def ", option,
+                                       value])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: {error}\n"
+
+
+
+def test_export_to_a_place_it_cannot_write_is_one_line(trained, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine")
+    result = CliRunner().invoke(main, ["export", str(trained), "--out",
+                                       str(blocker / "export")])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: --out {blocker}: cannot write there: Not a directory\n"
+    assert blocker.read_text() == "mine"
+
+
+def test_a_checkpoint_that_does_not_fit_the_config_names_the_difference(trained):
+    ws = load_spec(trained, []).workspace_dir
+    result = CliRunner().invoke(main, ["export", str(trained), "--set", "model.d_model=48",
+                                       "--out", str(trained.parent / "never")])
+    assert result.exit_code == 2, result.output
+    assert len(result.output.splitlines()) == 1
+    assert result.output.startswith(f"error: checkpoint {ws / 'train' / 'checkpoints'}/step-")
+    assert " does not fit the config's model: " in result.output
+    assert "has shape [" in result.output and "32] there, [" in result.output
+    assert result.output.endswith(f"; it was written with the model section recorded in "
+                                  f"{ws / 'train' / 'stage.json'} (model.d_model: 32 there, "
+                                  f"48 here)\n")
+    assert not (trained.parent / "never").exists()
+
+
+def test_another_stage_kinds_checkpoint_is_one_line(trained, tmp_path):
+    from pipeline.checkpoints import write_checksums
+
+    ckpt = tmp_path / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    torch.save({"model": {}, "epoch": 1}, ckpt / "state.pt")     # a curriculum checkpoint
+    write_checksums(ckpt)
+    result = CliRunner().invoke(main, ["sample", str(trained), "--prompt", "x",
+                                       "--checkpoint", str(ckpt)])
+    assert result.exit_code == 2, result.output
+    assert result.output == (f"error: checkpoint {ckpt}: not a train or finetune checkpoint "
+                             f"(no model states file; it holds checksums.json, state.pt)\n")
+
+
+def test_sample_on_a_task_config_says_what_it_needs():
+    from pipeline.spec import PROJECT_ROOT
+
+    cfg = PROJECT_ROOT / "configs" / "active_memory" / "sort.yaml"
+    result = CliRunner().invoke(main, ["sample", str(cfg), "--prompt", "x"])
+    assert result.exit_code == 2, result.output
+    assert result.output == (f"error: {cfg}: sample and export need a language model that "
+                             f"preprocess and train made; this config's stages are "
+                             f"curriculum, evaluate\n")

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.checkpoints import read_checkpoint_file
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, FT_STEPS, LOG_EVERY, EVAL_EVERY, LR = 40, 6, 4, 20, 0.01
 
@@ -169,7 +171,7 @@ def test_mlflow_records_parent_and_nested_runs(pipeline_runs):
 def _final_weights(ws: Path) -> dict:
     root = ws / "train" / "checkpoints"
     tag = (root / "latest").read_text().strip()
-    return torch.load(root / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    return read_checkpoint_file(root / tag / "mp_rank_00_model_states.pt")["module"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])

@@ -18,6 +18,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from pipeline.checkpoints import read_checkpoint_file
 from pipeline.cli import main
 from pipeline.errors import Preempted
 from test_quickstart import tiny_config
@@ -86,7 +87,7 @@ def preempted(cli, monkeypatch, cfg: Path, *sets: str, args: tuple[str, ...] = (
 def final_weights(train_dir: Path) -> dict:
     root = train_dir / "checkpoints"
     tag = (root / "latest").read_text().strip()
-    return torch.load(root / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    return read_checkpoint_file(root / tag / "mp_rank_00_model_states.pt")["module"]
 
 
 @pytest.mark.slow

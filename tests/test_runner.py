@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -374,3 +375,20 @@ def test_a_broken_latest_pointer_does_not_make_checkpoints_deletable(cfg, calls,
     with pytest.raises(PipelineError, match="checkpoints up to step 4"):
         run(cfg, "train.optimizer.lr=0.05")
     assert (partial / "checkpoints" / "step-00000004").is_dir()
+
+
+
+UNWRITABLE = Path("/sys/allattn-test")
+"""A directory no process may create, root included (sysfs refuses new entries)."""
+
+
+def test_a_workspace_that_cannot_be_written_is_one_line_before_anything_runs(cfg):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    result = CliRunner().invoke(main, ["run", str(cfg), "--set", f"workspace.root={UNWRITABLE}"])
+    assert result.exit_code == 2, result.output
+    assert re.fullmatch(rf"error: workspace {UNWRITABLE / 'pipe'}: cannot write there: "
+                        rf"(Operation not permitted|Permission denied)\n", result.output)
+    assert not UNWRITABLE.exists()

@@ -279,6 +279,11 @@ LAUGHS = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in ran
      ":6: model.n_layers: 'maybe' is not a valid !!bool"),
     ("name: tiny", "name: !!timestamp 2020-99-99",
      ":1: name: '2020-99-99' is not a valid !!timestamp"),
+    # text that the tag's pattern does not match fails inside PyYAML's constructor
+    ("name: tiny", "name: !!timestamp notadate",
+     ":1: name: 'notadate' is not a valid !!timestamp"),
+    ("n_layers: 2", "n_layers: !!int ''", ":6: model.n_layers: '' is not a valid !!int"),
+    ("n_layers: 2", "n_layers: !!float ''", ":6: model.n_layers: '' is not a valid !!float"),
     ("name: tiny", "name: !!merge x", ":1: name: could not determine a constructor for the "
                                       "tag 'tag:yaml.org,2002:merge'"),
     ("name: tiny", "name: tiny\n{[1]: 2}: 3", ":2: (top level): a key must be a name, found "
@@ -352,6 +357,7 @@ def test_unreadable_files_are_one_located_error(tmp_path):
     ("model.span_loss_coef=.nan", "model.span_loss_coef: expected a finite number; found nan "
                                   "(a number)"),
     ("model.n_layers=!!int abc", "model.n_layers: 'abc' is not a valid !!int"),
+    ("name=!!timestamp notadate", "name: 'notadate' is not a valid !!timestamp"),
 ])
 def test_bad_numbers_and_tags_in_set_are_one_error(tmp_path, override, error):
     path = write(tmp_path, "spec.yaml", BASE)
@@ -385,3 +391,14 @@ def test_an_extends_path_with_a_line_break_stays_one_line(tmp_path):
     cfg = write(tmp_path, "spec.yaml", 'name: tiny\nextends: ["a\\nb.yaml"]\n')
     message = error_of(cfg)
     assert message == f"{cfg}:2: extends: no such file {tmp_path}/a\\nb.yaml"
+
+
+@pytest.mark.parametrize("config, key", [
+    ("active_memory/sort.yaml", "dataset.generator.algorithmic.vocab"),
+    ("infinity_former/sort_16k.yaml", "dataset.generator.frequency_sort.vocab")])
+def test_a_task_vocabulary_no_machine_can_hold_is_refused_with_the_reason(config, key):
+    override = f"{key}=1000000000"
+    assert error_of(ROOT / "configs" / config, [override]) == (
+        f"--set {override}: {key}: at most 16,777,214 symbols: with the separator and padding "
+        f"they are the vocabulary, which the output layer scores at every position (the "
+        f"papers' tasks use 20 to 100); found 1000000000 (an integer)")

@@ -148,6 +148,40 @@ def test_grid_mistakes_are_one_line(cfg):
     assert "model.n_layer" in result.output and "n_layers" in result.output
 
 
+@pytest.mark.parametrize("args, error", [
+    (["--grid", "train.seed=1,2", "--seeds", "3,4"],
+     "--grid train.seed and --seeds both set train.seed: each point would run under two "
+     "names; give the seeds once"),
+    (["--grid", "name=a,b"], "--grid name=a,b: the sweep sets name itself, one per point"),
+    (["--grid", "tracking.experiment=a,b"],
+     "--grid tracking.experiment=a,b: the sweep sets tracking.experiment itself, one per "
+     "point"),
+])
+def test_a_grid_that_would_name_points_wrongly_is_refused(cfg, tmp_path, args, error):
+    from click.testing import CliRunner
+    from pipeline.cli import main
+
+    result = CliRunner().invoke(main, ["sweep", str(cfg), "--dry-run", *args])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: {error}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe.yaml"]
+
+
+def test_a_set_that_the_grid_replaces_is_named(cfg):
+    from click.testing import CliRunner
+    from pipeline.cli import main
+
+    result = CliRunner().invoke(main, [
+        "sweep", str(cfg), "--dry-run", "--set", "train.optimizer.lr=0.5", "--set",
+        "train.seed=7", "--set", "model.d_model=32", "--grid", "train.optimizer.lr=0.01,0.02",
+        "--seeds", "1"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[:2] == [
+        "--set train.optimizer.lr=0.5: replaced at every point by --grid train.optimizer.lr",
+        "--set train.seed=7: replaced at every point by --seeds"]
+    assert "model.d_model" not in result.output
+
+
 @pytest.mark.slow
 def test_parallel_runs_each_point_as_its_own_process_and_compare_shows_both(cfg, tmp_path,
                                                                            monkeypatch):
