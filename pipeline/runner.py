@@ -141,7 +141,8 @@ class Workspace:
             shutil.rmtree(partial)
             kept = None
         # the series: one id for this output's first attempt and the runs that resume it
-        marker = {**marker, "series": (kept or {}).get("series") or uuid.uuid4().hex[:12]}
+        marker = {**marker, "series": (kept or {}).get("series") or uuid.uuid4().hex[:12],
+                  "attempt": (kept or {}).get("attempt", 1) + (kept is not None)}
         partial.mkdir(parents=True, exist_ok=True)
         atomic_write_json(partial / PARTIAL_RECORD, marker)
         return partial
@@ -406,8 +407,9 @@ class Runner:
                                 fresh=step.forced)
         self.log(f"[{name}] running: {step.reason}")
         started = time.time()
-        series = self.ws.partial_marker(name)["series"]
-        with tracker.stage(name, stage.config(self.spec), series) as stage_tracker:
+        partial = self.ws.partial_marker(name)
+        with tracker.stage(name, stage.config(self.spec), partial["series"],
+                           resumed=partial["attempt"] > 1) as stage_tracker:
             inputs = {i: self.ws.done_dir(i) for i in input_records}
             if stage.distributed:
                 distributed.broadcast_object({"stage": name, "out_dir": out_dir,

@@ -101,7 +101,8 @@ class NullTracker:
     def finish(self, status: str) -> None: ...
 
     @contextmanager
-    def stage(self, name: str, config: dict, series: str | None = None):
+    def stage(self, name: str, config: dict, series: str | None = None,
+              resumed: bool = False):
         yield NullStageTracker()
 
 
@@ -325,6 +326,8 @@ class MlflowTracker:
         """Give the queued records `flush_s` seconds; write what is left to the backlog."""
         if self.sender.spilled_to is not None or self.sender.flush(self.flush_s):
             return
+        if not self.sender.failing:     # a request still waiting: the sender has not said so
+            self.warn(f"tracking server not answering (nothing taken in {self.flush_s:g} s)")
         backlog = backlog_path(self.spec)
         count = self.sender.spill(backlog, join_s=self._request_timeout() + 1)
         self.warn(f"{count} tracking records could not be sent to {self.uri}; they are in "
@@ -332,13 +335,16 @@ class MlflowTracker:
                   f"`{sync_command(self.spec)}` sends them when the server is back")
 
     @contextmanager
-    def stage(self, name: str, config: dict, series: str | None = None):
+    def stage(self, name: str, config: dict, series: str | None = None,
+              resumed: bool = False):
         """The stage's run. `series` names the stage's output in the making: a run that
-        resumes it shares it with the attempts before (see StageTracker.recorded)."""
+        resumes it (`resumed`) shares it with the attempts before (see
+        StageTracker.recorded); a first attempt has none to ask the server about."""
         tags = {"mlflow.runName": name, "stage": name}
         if series is not None:
             tags["series"] = series
-        recorded = self._recorded(self.spec.tracking.experiment or self.spec.name, series)
+        recorded = (self._recorded(self.spec.tracking.experiment or self.spec.name, series)
+                    if resumed else {})
         tracker = self._create_run(tags, parent=self.parent, recorded=recorded)
         tracker.log_params(config)
         try:
