@@ -129,11 +129,14 @@ def test_config_edits_after_a_preemption(tmp_path, cli, monkeypatch):
     done = partial.parent / "train"
     assert json.loads((done / "stage.json").read_text())["summary"]["step"] == 8
     # the uninterrupted run's weights: sdpa differs from the reference op by float rounding
-    # only, and validating at other steps drew no random numbers (dropout is on)
+    # only, and validating at other steps drew no random numbers (dropout is on). Rounding
+    # is absolute in size, relative to the tensor: 4e-6 in a pos_table of entries up to 3.9
+    # on some CPUs' sdpa kernels (a dropped or repeated update moves weights by ~1e-2).
     a, b = final_weights(tmp_path / "runs" / "straight" / "train"), final_weights(done)
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=key)
+        scale = max(a[key].abs().max().item(), 1.0)
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5 * scale, msg=key)
 
     again = cli(cfg, "train.optimizer.lr=0.005", "train.log_every=2", "train.eval_every=0")
     assert "[train] skipped: up to date" in again.output and "running" not in again.output
