@@ -137,8 +137,12 @@ CASES = [(mixer, causal, {}) for mixer in MIXERS for causal in (True, False)] + 
     ("conv", True, {"conv_activation": "relu"}),
     ("sa+persistent_conv", False, {"conv_activation": "relu"}),
     ("cgru", True, {"cgru_gate": "sigmoid"}),
-    ("sa+conv", True, {"attn_double_scale": True}),
+    # the algorithmic tasks' scale reaches the attention branch of every mixer that has one
     ("self_attention", False, {"attn_double_scale": True}),
+    ("sa+conv", True, {"attn_double_scale": True}),
+    ("sa+conv", False, {"attn_double_scale": True}),
+    ("sa+persistent_conv", False, {"attn_double_scale": True}),
+    ("sa+highway_conv", False, {"attn_double_scale": True}),
 ]
 
 
