@@ -141,6 +141,7 @@ def test_solved_lengths_grow_by_the_step_and_the_score_is_the_longest(tmp_path):
     assert [h["length"] for h in runs] == [5, 8, 11, 14]
     assert all(h["solved"] and h["accuracy"] == 1.0 for h in runs)
     assert summary["score"] == 14 and summary["final_length"] == 14
+    assert summary["next_length"] == 17   # the authors' script's reading: solved 14, next 17
     assert [(s, sorted(m)) for s, m in tracker.metrics[:4]] == [
         (e, ["accuracy", "length", "loss"]) for e in (1, 2, 3, 4)]
 
@@ -151,6 +152,7 @@ def test_unsolved_length_stays_and_scores_zero(tmp_path):
     runs = history(tmp_path / "a")
     assert [h["length"] for h in runs] == [5] * 4 and not any(h["solved"] for h in runs)
     assert all(h["accuracy"] < 1 for h in runs) and summary["score"] == 0
+    assert summary["next_length"] == 5    # the authors' script prints 5 for such a run
     assert curriculum.best_length([{"length": 5, "solved": True},
                                    {"length": 6, "solved": False}]) == 5
 
