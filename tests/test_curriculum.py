@@ -73,6 +73,19 @@ def test_reverse_sort_not_remember_layouts():
         [100, 20, 3, 3, 3, 20]
 
 
+def test_binary_problems_take_the_authors_vocabulary_of_20_as_an_option():
+    # the authors' script gives every task 20 classes; the tokens drawn do not change
+    assert vocab_size("add", 20) == vocab_size("not", 20) == 20
+    for problem in ("add", "mult", "not"):
+        assert torch.equal(torch.stack(generate(problem, 7, 50, gen(6), vocab=20)),
+                           torch.stack(generate(problem, 7, 50, gen(6))))
+    spec = load_spec(ROOT / "configs" / "active_memory" / "add.yaml",
+                     ["dataset.generator.algorithmic.vocab=20"])
+    task = spec.dataset.generator.algorithmic
+    model = spec.build_model(vocab_size(task.problem, task.vocab), "add")
+    assert model.output.out_features == 20 and model.embedding.num_embeddings == 20
+
+
 def test_generators_are_seeded():
     for problem in ("reverse", "add", "remember"):
         first, again = generate(problem, 5, 4, gen(7)), generate(problem, 5, 4, gen(7))
