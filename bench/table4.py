@@ -119,7 +119,8 @@ def main() -> None:
     problems, mixers = args.problems.split(","), args.mixers.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     threads = args.threads or (1 if args.jobs > 1 else os.cpu_count())
-    cells = [(p, m, s) for p in problems for m in mixers for s in seeds]
+    # seed by seed: a table stopped part-way holds every cell of its first seeds
+    cells = [(p, m, s) for s in seeds for p in problems for m in mixers]
     protocol = {"epochs": args.epochs or PROTOCOLS[args.protocol]["epochs"],
                 "steps": args.steps or PROTOCOLS[args.protocol]["steps"]}
     results = earlier_results(args.results, protocol) if args.results else {}
