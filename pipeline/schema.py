@@ -178,16 +178,16 @@ class AlgorithmicTask(Section):
     length curriculum; position-wise targets of the input's length."""
     problem: Literal["reverse", "sort", "add", "mult", "not", "remember"]
     vocab: Annotated[int | None, AfterValidator(_task_symbols)] = Field(
-        None, gt=1, description="reverse / sort / remember only; default 100 / 20 / 20 as in "
-                                "the paper")
+        None, gt=1, description="the model's vocabulary; default as in the paper: 100 reverse, "
+                                "20 sort and remember, 3 add, mult and not (their tokens stay "
+                                "0, 1, separator 2; the authors' script: 20)")
     curriculum: CurriculumSpec = CurriculumSpec()
 
     @model_validator(mode="after")
     def _vocab_fits_problem(self):
-        if self.vocab is not None and self.problem in ("add", "mult", "not"):
-            raise ValueError(f"problem '{self.problem}' has a fixed vocabulary of 3 "
-                             f"(0, 1, separator); vocab only applies to reverse, sort and "
-                             f"remember")
+        if self.vocab is not None and self.problem in ("add", "mult", "not") and self.vocab < 3:
+            raise ValueError(f"problem '{self.problem}' uses the tokens 0, 1 and the separator "
+                             f"2: its vocab must be at least 3; got {self.vocab}")
         return self
 
     @model_validator(mode="after")

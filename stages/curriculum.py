@@ -3,8 +3,12 @@
 Training starts at `start_length`. An epoch is `steps_per_epoch` Adam updates, each on a fresh
 batch of `train.batch_size` generated cases; after it, `check_cases` fresh cases are scored
 without dropout, and at `promote_accuracy` token accuracy (the paper: 100%) the length grows
-by `length_step` (2 for add and mult, else 1). After `epochs` epochs the score is the longest
-length solved (0 if none). Metrics per epoch (step = epoch): length, accuracy, loss.
+by `length_step` (2 for add and mult, else 1). After `epochs` epochs two readings of the
+result are recorded: `score`, the longest length solved (0 if none), the paper's (its "104 is
+the maximum" on not: 100 epochs from 5 solve 5..104), and `next_length`, the length the
+curriculum would train next (longest solved + step; the start length if none was solved),
+which is what the authors' script prints as "Maximum Sequence Size". Metrics per epoch
+(step = epoch): length, accuracy, loss.
 
 One process, plain torch: the paper's task model is small. Every epoch ends with a checkpoint
 `checkpoints/step-<epoch>` (model, Adam state, curriculum history), written aside and renamed
@@ -12,7 +16,8 @@ into place with checksums; an interrupted run resumes from the newest intact one
 exactly as an uninterrupted run would: each epoch's batches and dropout are drawn from
 streams seeded by (seed, epoch), so no RNG state needs carrying over.
 
-Outputs: `checkpoints/` and `curriculum.json` (score, final length, per-epoch history).
+Outputs: `checkpoints/` and `curriculum.json` (score, next_length, final_length: the last
+epoch's length, the per-epoch history).
 `evaluate_task` is the evaluate stage for these pipelines: token accuracy at the final
 length and longer ones.
 """
@@ -104,14 +109,17 @@ def run(ctx: StageContext) -> dict:
                 f"{accuracy:.4f}{'  solved' if solved else ''}")
         _save(root, epoch, model, optimizer, state)
     result = {"problem": task.problem, "score": best_length(state["history"]),
+              "next_length": state["length"],
               "final_length": state["history"][-1]["length"], "epochs": state["epoch"],
               "parameters": params, "history": state["history"]}
     atomic_write_json(ctx.out_dir / RESULT, result)
     ctx.tracker.log_artifact(ctx.out_dir / RESULT)
-    ctx.tracker.log_metrics({"score": result["score"]}, step=state["epoch"])
-    ctx.log(f"score {result['score']} (the longest length solved in {state['epoch']} epochs)")
-    return {key: result[key] for key in ("problem", "score", "final_length", "epochs",
-                                         "parameters")}
+    ctx.tracker.log_metrics({"score": result["score"], "next_length": result["next_length"]},
+                            step=state["epoch"])
+    ctx.log(f"score {result['score']} (the longest length solved in {state['epoch']} epochs); "
+            f"next length {result['next_length']} (the authors' script's reading)")
+    return {key: result[key] for key in ("problem", "score", "next_length", "final_length",
+                                         "epochs", "parameters")}
 
 
 def best_length(history: list[dict]) -> int:

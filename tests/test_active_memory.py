@@ -137,8 +137,12 @@ CASES = [(mixer, causal, {}) for mixer in MIXERS for causal in (True, False)] + 
     ("conv", True, {"conv_activation": "relu"}),
     ("sa+persistent_conv", False, {"conv_activation": "relu"}),
     ("cgru", True, {"cgru_gate": "sigmoid"}),
-    ("sa+conv", True, {"attn_double_scale": True}),
+    # the algorithmic tasks' scale reaches the attention branch of every mixer that has one
     ("self_attention", False, {"attn_double_scale": True}),
+    ("sa+conv", True, {"attn_double_scale": True}),
+    ("sa+conv", False, {"attn_double_scale": True}),
+    ("sa+persistent_conv", False, {"attn_double_scale": True}),
+    ("sa+highway_conv", False, {"attn_double_scale": True}),
 ]
 
 
@@ -155,6 +159,29 @@ def test_model_matches_its_definition_in_float64(mixer, causal, options):
     assert out.state == []
     torch.testing.assert_close(out.logits, logits, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out.nll.double(), nll, rtol=1e-6, atol=1e-6)  # nll in fp32
+
+
+@pytest.mark.parametrize("mixer", ["highway_conv", "cgru", "sa+highway_conv"])
+def test_hard_sigmoid_gates_clip_at_0_and_1_as_defined(mixer):
+    # 1.2 sigmoid(x) - 0.1 leaves [0, 1] only for |x| > 2.4, which the initial weights rarely
+    # reach: biases of +-6 on alternate channels put every gate in one of the two clips.
+    model = tiny_model(mixer, causal=False)
+    ops = [layer.operator for layer in model.layers]
+    gates = [op.gate for op in ops] if "highway" in mixer else \
+        [conv for op in ops for conv in (op.update, op.reset)]
+    pre = []
+    for conv in gates:
+        conv.register_forward_hook(lambda mod, args, out: pre.append(out))
+        with torch.no_grad():
+            conv.bias.copy_(torch.tensor([6.0, -6.0] * (TINY["d_model"] // 2)))
+    tokens = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    targets = torch.tensor([[1, 4, 1, 5, 9], [2, 6, 5, 3, 5]])
+    with torch.no_grad():
+        out = model(tokens, targets)
+        logits, _ = reference(model, mixer, False, tokens, targets)
+    pre = torch.cat([p.flatten() for p in pre])
+    assert (pre < -2.4).any() and (pre > 2.4).any()   # both clips are exercised
+    torch.testing.assert_close(out.logits, logits, rtol=1e-10, atol=1e-10)
 
 
 def test_double_scaling_changes_attention():

@@ -74,6 +74,19 @@ def test_reverse_sort_not_remember_layouts():
         [100, 20, 3, 3, 3, 20]
 
 
+def test_binary_problems_take_the_authors_vocabulary_of_20_as_an_option():
+    # the authors' script gives every task 20 classes; the tokens drawn do not change
+    assert vocab_size("add", 20) == vocab_size("not", 20) == 20
+    for problem in ("add", "mult", "not"):
+        assert torch.equal(torch.stack(generate(problem, 7, 50, gen(6), vocab=20)),
+                           torch.stack(generate(problem, 7, 50, gen(6))))
+    spec = load_spec(ROOT / "configs" / "active_memory" / "add.yaml",
+                     ["dataset.generator.algorithmic.vocab=20"])
+    task = spec.dataset.generator.algorithmic
+    model = spec.build_model(vocab_size(task.problem, task.vocab), "add")
+    assert model.output.out_features == 20 and model.embedding.num_embeddings == 20
+
+
 def test_generators_are_seeded():
     for problem in ("reverse", "add", "remember"):
         first, again = generate(problem, 5, 4, gen(7)), generate(problem, 5, 4, gen(7))
@@ -142,6 +155,7 @@ def test_solved_lengths_grow_by_the_step_and_the_score_is_the_longest(tmp_path):
     assert [h["length"] for h in runs] == [5, 8, 11, 14]
     assert all(h["solved"] and h["accuracy"] == 1.0 for h in runs)
     assert summary["score"] == 14 and summary["final_length"] == 14
+    assert summary["next_length"] == 17   # the authors' script's reading: solved 14, next 17
     assert [(s, sorted(m)) for s, m in tracker.metrics[:4]] == [
         (e, ["accuracy", "length", "loss"]) for e in (1, 2, 3, 4)]
 
@@ -152,6 +166,7 @@ def test_unsolved_length_stays_and_scores_zero(tmp_path):
     runs = history(tmp_path / "a")
     assert [h["length"] for h in runs] == [5] * 4 and not any(h["solved"] for h in runs)
     assert all(h["accuracy"] < 1 for h in runs) and summary["score"] == 0
+    assert summary["next_length"] == 5    # the authors' script prints 5 for such a run
     assert curriculum.best_length([{"length": 5, "solved": True},
                                    {"length": 6, "solved": False}]) == 5
 
@@ -168,6 +183,40 @@ def test_resumed_curriculum_equals_the_uninterrupted_one(tmp_path):
     weights = [read_checkpoint_file(tmp_path / d / "checkpoints" / "step-00000004" / "state.pt")
                ["model"] for d in ("whole", "cut")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+# ---------------------------------------------------------------- the attention scale
+
+def layer1_attention_after_training(tmp_path: Path, *sets: str) -> torch.Tensor:
+    """Layer 1's attention weights [9, H, 5, 5] on the nine length-5 add cases, after the
+    curriculum stage trained configs/active_memory/add.yaml's self-attention model (its
+    own seed, lr and batch) for 10 steps at length 5."""
+    spec = load_spec(ROOT / "configs" / "active_memory" / "add.yaml", [
+        "model.mixer=self_attention", "train.device=cpu", f"workspace.root={tmp_path}",
+        "dataset.generator.algorithmic.curriculum={epochs: 1, steps_per_epoch: 10, "
+        "check_cases: 8}", *sets])
+    run_stage(spec, tmp_path / "out")
+    model = spec.build_model(3, "add")
+    model.load_state_dict(torch.load(tmp_path / "out" / "checkpoints" / "step-00000001" /
+                                     "state.pt", weights_only=False)["model"])
+    seen = []   # the attention weights are what layer 1's attention dropout receives
+    model.layers[0].attention.dropout.register_forward_hook(
+        lambda mod, args, out: seen.append(args[0]))
+    cases = [binary_case("add", 5, a, b)[0] for a in range(3) for b in range(3)]
+    with torch.no_grad():
+        model.eval()(torch.tensor(cases))
+    return seen[0]
+
+
+def test_self_attention_on_add_keeps_its_attention_rows_soft_with_the_task_config(tmp_path):
+    # With the logits at d_h^-0.5, Adam at lr 0.01 blows them up within ten steps: here 38%
+    # of the rows put > 0.99 on one position, mean top weight 0.68 (seeds 1-3: 31-56%,
+    # 0.65-0.78), and the model then stays at length 5 for all 100 epochs. The code's
+    # d_h^-1.5 keeps them spread (no such row, mean top weight 0.26) and the model learns.
+    weights = layer1_attention_after_training(tmp_path)
+    top = weights.max(dim=-1).values
+    assert top.mean() < 0.5, top.mean()
+    assert (top > 0.99).float().mean() < 0.05
 
 
 # ---------------------------------------------------------------- the spec
@@ -273,6 +322,7 @@ def test_task_configs_are_the_papers(problem, vocab, step):
     m, task = spec.model_params, spec.dataset.generator.algorithmic
     assert (spec.model_kind, m.mixer, m.causal) == ("active_memory", "sa+conv", False)
     assert (m.n_layers, m.d_model, m.ff_dim, m.kernel_size) == (4, 128, 512, 20)
+    assert m.attn_double_scale   # the authors' d_h^-1.5 (see the attention-scale test)
     assert task.problem == problem and vocab_size(problem, task.vocab) == vocab
     cur = task.curriculum
     assert (cur.start_length, cur.epochs, cur.steps_per_epoch, cur.check_cases,

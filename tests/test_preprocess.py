@@ -434,8 +434,9 @@ def test_synthetic_cards_validate(tmp_path):
                                       "dataset.url=file:///x")
     assert "exactly one task section" in spec_error(
         tmp_path, "dataset: sort_synthetic\n", "dataset.generator.algorithmic={problem: not}")
-    assert "fixed vocabulary of 3" in spec_error(
-        tmp_path, "dataset: reverse_algorithmic\n", "dataset.generator.algorithmic.problem=add")
+    assert "its vocab must be at least 3; got 2" in spec_error(
+        tmp_path, "dataset: reverse_algorithmic\n",
+        "dataset.generator.algorithmic={problem: add, vocab: 2}")
     assert "needs a url" in spec_error(tmp_path, "dataset: {name: x}\n")
     # an algorithmic task is the curriculum stage's: preprocess refuses it in one line
     with pytest.raises(PipelineError, match="generated task.*by the curriculum stage"):

@@ -6,7 +6,7 @@ every batch. `length` is the curriculum's length; T is the number of positions i
 
     reverse  T = length; tokens uniform in [0, vocab); targets the inputs reversed
     sort     T = length; tokens uniform in [0, vocab); targets the inputs sorted ascending
-    not      T = length; tokens uniform in {0, 1}; targets 1 - input (vocabulary 3)
+    not      T = length; tokens uniform in {0, 1}; targets 1 - input
     remember T = 2 * length; inputs N = length tokens uniform in [0, vocab), then N zeros;
              targets N zeros, then those tokens
     add      T = length, odd and >= 3; two operands of w = (length - 1) // 2 bits, each
@@ -15,8 +15,15 @@ every batch. `length` is the curriculum's length; T is the number of positions i
     mult     as add, targets a * b in `length` bits
 
 These are the authors' generators (github.com/Anon-111/Active-Memory, Algorithmic-Tasks/
-tasks.py), including their ranges: multiply draws below int(sqrt(2**(length-1) - 1)), which
-for an odd length is 2**w - 1, the same range as add.
+tasks.py), including their ranges, with one exception: their multiply draws below
+int(np.sqrt(2**(length-1) - 1)), which is 2**w - 1 (add's range) at odd lengths up to 53; from
+55 on, float64 rounding makes it 2**w, so there they can draw the all-ones operand (and from
+67 numpy's square root of the Python int fails). Ours stays below 2**w - 1 at every length.
+
+Vocabulary: add, mult and not use the tokens 0, 1 and the separator 2, and their model's
+vocabulary (input and output classes) is 3 as the paper says; the authors' script
+(Algorithmic-Tasks/main.py) gives every task a vocabulary of 20, which `vocab` reproduces
+(the tokens drawn stay the same).
 """
 
 from __future__ import annotations
@@ -26,15 +33,16 @@ from torch import Tensor
 
 PROBLEMS = ("reverse", "sort", "add", "mult", "not", "remember")
 SEPARATOR = 2
-FIXED_VOCAB = {"add": 3, "mult": 3, "not": 3}
+BINARY_VOCAB = {"add": 3, "mult": 3, "not": 3}   # 0, 1 and the separator 2
 DEFAULT_VOCAB = {"reverse": 100, "sort": 20, "remember": 20}
 BINARY = ("add", "mult")
 
 
 def vocab_size(problem: str, vocab: int | None = None) -> int:
-    """The vocabulary the model needs: 3 for the binary problems, else `vocab` (default: the
-    paper's 100 for reverse, 20 for sort and remember)."""
-    return FIXED_VOCAB.get(problem) or vocab or DEFAULT_VOCAB[problem]
+    """The model's vocabulary: `vocab` if given, else the paper's: 3 for add, mult and not,
+    100 for reverse, 20 for sort and remember. For reverse, sort and remember the tokens are
+    drawn from all of it; add, mult and not draw only 0, 1 (and the separator 2)."""
+    return vocab or BINARY_VOCAB.get(problem) or DEFAULT_VOCAB[problem]
 
 
 def length_step(problem: str, step: int | None = None) -> int:
