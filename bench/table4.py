@@ -20,7 +20,9 @@ Protocols (--epochs / --steps override either):
   up to length 44, 83 for add and mult), since that climb is what separates the operators;
   one that only fits each length is held back by the fewer updates. Every score is lower
   than at the full protocol: compare operators within one table, and the ordering, not the
-  numbers, with the paper's.
+  numbers, with the paper's. What it showed (bench/README.md): the paper's ordering on add
+  and mult, not on remember and reverse, where 1,000 updates are too few for
+  self-attention to get past length 5.
 The paper's ordering to look for: conv above self-attention on add and mult, self-attention
 above conv on remember and reverse.
 
