@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,21 +22,37 @@ TRACKING_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
                       "MLFLOW_HTTP_REQUEST_TIMEOUT")
 
 
-@pytest.fixture(autouse=True)
-def environment():
-    """os.environ as the session had it, less TRACKING_VARIABLES, restored after the test.
-
-    Stages run in the test's process export RANK, MASTER_PORT... (the process group's set-up)
-    and MlflowTracker its HTTP limits; left behind, they would make another test's subprocess
-    join a process group that is not its own, or track to another test's server. The process
-    group itself stays for the session: DeepSpeed caches its groups in module globals, so a
-    group destroyed and made again in one process breaks the next in-process engine."""
+@contextmanager
+def _restored_environment():
     saved = dict(os.environ)
     for name in TRACKING_VARIABLES:
         os.environ.pop(name, None)
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def environment():
+    """os.environ as the session had it, less TRACKING_VARIABLES, restored after the test.
+
+    Stages run in the test's process export RANK, MASTER_PORT... (the process group's set-up)
+    and MlflowTracker its HTTP limits; left behind, they would make another test's subprocess
+    join a process group that is not its own (its MASTER_PORT is this process's store:
+    EADDRINUSE), or track to another test's server. The process group itself stays for the
+    session: DeepSpeed caches its groups in module globals, so a group destroyed and made
+    again in one process breaks the next in-process engine."""
+    with _restored_environment():
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_environment():
+    """The same around a module: what its module-scoped fixtures set (a run in this process,
+    shared by the module's tests) is undone when the module ends. Autouse fixtures come
+    first within their scope, so this one saves before any of them runs."""
+    with _restored_environment():
+        yield
 
 
 def find_shared_data(relpath: str) -> Path | None:

@@ -73,8 +73,10 @@ def cluster(tmp_path):
         fake = bin_dir / name
         fake.write_text("#!/bin/bash\n" + textwrap.dedent(body))
         fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
-           "SLURM_JOB_NODELIST": "node[A-B]", "SLURM_JOB_ID": JOB_ID}
+    # as a GPU cluster's login shell has it (`make test` exports DS_ACCELERATOR=cpu here)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log),
+               SLURM_JOB_NODELIST="node[A-B]", SLURM_JOB_ID=JOB_ID)
     return env, log
 
 
