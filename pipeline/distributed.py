@@ -13,6 +13,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
+from pipeline.errors import PipelineError
+
 # Ranks other than 0 wait in a collective while rank 0 downloads and preprocesses (minutes to
 # an hour for the large corpora); the default 30-minute collective timeout would kill them.
 TIMEOUT = timedelta(minutes=int(os.environ.get("ALLATTN_DIST_TIMEOUT_MIN", "180")))
@@ -45,7 +47,6 @@ def take_rank_from_slurm() -> None:
     missing = [v for v in (*slurm.values(), "MASTER_ADDR", "MASTER_PORT")
                if v not in os.environ]
     if missing:
-        from pipeline.errors import PipelineError
         raise PipelineError(f"--ranks-from-slurm: {', '.join(missing)} not set; this process "
                             f"is not a task of an srun step started by the Slurm script")
     os.environ.update({ours: os.environ[theirs] for ours, theirs in slurm.items()})

@@ -423,7 +423,8 @@ def prepare_array_task(config: str, overrides: list[str], grid_items: list[str],
         # at once both fail
         sweep = _sweep_run(pts, ident, log)
         if prefix and not is_done(point.spec):
-            run_shared_prefix([pts[0], point] if point is not pts[0] else [point], prefix,
+            # built in the first point's workspace, linked into this one
+            run_shared_prefix(list({id(p): p for p in (pts[0], point)}.values()), prefix,
                               sweep, log)
         reuse_outputs(point.spec, log)
     log(f"[{point.name}] sweep point {index + 1} of {len(pts)}")
