@@ -197,8 +197,8 @@ def layer1_attention_after_training(tmp_path: Path, *sets: str) -> torch.Tensor:
         "check_cases: 8}", *sets])
     run_stage(spec, tmp_path / "out")
     model = spec.build_model(3, "add")
-    model.load_state_dict(torch.load(tmp_path / "out" / "checkpoints" / "step-00000001" /
-                                     "state.pt", weights_only=False)["model"])
+    model.load_state_dict(read_checkpoint_file(
+        tmp_path / "out" / "checkpoints" / "step-00000001" / "state.pt")["model"])
     seen = []   # the attention weights are what layer 1's attention dropout receives
     model.layers[0].attention.dropout.register_forward_hook(
         lambda mod, args, out: seen.append(args[0]))
