@@ -15,7 +15,56 @@ SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                         "(values are typed as YAML: 12 is an int, 0.05 a float). Repeatable.")
 
 
-class Main(click.Group):
+class OneLineUsageError(click.UsageError):
+    """A mistake on the command line (a missing argument, an unknown option, a value click
+    cannot convert), shown as the one line every other error is, not click's usage block."""
+
+    def __init__(self, error: click.UsageError):
+        super().__init__(error.format_message(), error.ctx)
+
+    def show(self, file=None) -> None:
+        # one line even where the value quoted holds newlines
+        message = " ".join(self.format_message().split()).rstrip(".")
+        hint = f" (see {self.ctx.command_path} --help)" if self.ctx else ""
+        click.echo(f"error: {message}{hint}", err=True)
+
+
+class OneLineErrors:
+    """Click's usage errors of a command or group as one line (--help stays click's)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:   # a bare group: what it has
+            commands = ", ".join(e.ctx.command.list_commands(e.ctx))
+            raise OneLineUsageError(click.UsageError(
+                f"missing command, one of: {commands}", e.ctx)) from None
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+
+def _one_line(error: click.UsageError) -> click.UsageError:
+    return error if isinstance(error, OneLineUsageError) else OneLineUsageError(error)
+
+
+class Command(OneLineErrors, click.Command):
+    pass
+
+
+class Group(OneLineErrors, click.Group):
+    command_class = Command
+
+
+Group.group_class = Group    # `launch` and its commands too
+
+
+class Main(Group):
     """Prints a user's mistake as one line; `--debug` shows the traceback instead."""
 
     def invoke(self, ctx):
