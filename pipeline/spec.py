@@ -41,6 +41,8 @@ class Where(str):
 # aliases of aliases that expand a few lines into billions of values.
 MAX_DEPTH = 64
 MAX_VALUES = 10_000
+# the tags a mapping or a list has when it is written without one
+COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
 
 def _line_loader():
@@ -95,6 +97,13 @@ class _Builder:
             raise SpecError(f"{self.place(node)}: nested more than {MAX_DEPTH} levels deep "
                             f"(an alias inside its own anchor?)")
         self.where[path] = self.place(node)
+        if not isinstance(node, yaml.ScalarNode) and node.tag not in COLLECTION_TAGS:
+            # !!set {a, b}, !!str [1], !!python/object:... {k: v} would otherwise be read as
+            # the plain mapping or list under the tag, and the tag silently dropped
+            what = "a mapping" if isinstance(node, yaml.MappingNode) else "a list"
+            raise SpecError(f"{self.place(node)}: {_dotted(path)}: the tag "
+                            f"{_shown(_tag_name(node.tag))} on {what} is not supported; a "
+                            f"spec's mappings and lists are plain ones")
         if isinstance(node, yaml.MappingNode):
             return self._mapping(node, path)
         if isinstance(node, yaml.SequenceNode):
