@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.errors import PipelineError
+from pipeline.errors import shown as _shown
 from pipeline.models import MODELS
 from pipeline.schema import VOCAB_LIMIT, Spec
 
@@ -143,36 +144,30 @@ def _tag_name(tag: str) -> str:
 
 
 def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
+    name = _shown(path)   # as given on the command line, where it may hold a newline
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecError(f"{path}: no such file") from None
+        raise SpecError(f"{name}: no such file") from None
     except OSError as e:
-        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+        raise SpecError(f"{name}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise SpecError(f"{path}: not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
+        raise SpecError(f"{name}: not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
                         f"{e.start}") from None
     try:
         node = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}{line}: not valid YAML: {_yaml_problem(e)}") from None
+        raise SpecError(f"{name}{line}: not valid YAML: {_yaml_problem(e)}") from None
     if node is None:
         return {}
-    return _Builder(str(path), where).build(node, prefix)
+    return _Builder(name, where).build(node, prefix)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
     # a ReaderError (a control character) has a reason instead of a problem
     return getattr(e, "problem", None) or getattr(e, "reason", None) or str(e).splitlines()[0]
-
-
-def _shown(key) -> str:
-    """A key as an error line shows it: control characters escaped, so that a key holding
-    one never breaks the one-line error."""
-    text = str(key)
-    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _dotted(path: tuple) -> str:
@@ -193,11 +188,11 @@ def _merge(base: dict, top: dict) -> dict:
 def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in chain:
         cycle = " -> ".join(str(p) for p in chain + (path.resolve(),))
-        raise SpecError(f"{path}: `extends` forms a cycle: {cycle}")
+        raise SpecError(f"{_shown(path)}: `extends` forms a cycle: {cycle}")
     own_where: dict = {}
     data = _load_yaml(path, own_where)
     if not isinstance(data, dict):
-        raise SpecError(f"{path}:1: a pipeline spec must be a mapping of keys, "
+        raise SpecError(f"{_shown(path)}:1: a pipeline spec must be a mapping of keys, "
                         f"found {_kind(data)}")
     extends = data.pop("extends", [])
     if isinstance(extends, str):
@@ -286,7 +281,7 @@ def _apply_override(data: dict, path: tuple, value, where: dict, text: str,
                     spec_path: Path) -> None:
     if path[0] == "dataset" and len(path) > 1 and isinstance(data.get("dataset"), str):
         data["dataset"] = _resolve_card(data["dataset"], spec_path, where,
-                                        where.get(("dataset",), str(spec_path)))
+                                        where.get(("dataset",), _shown(spec_path)))
     node = data
     for i, part in enumerate(path[:-1]):
         child = node.get(part)
@@ -512,6 +507,7 @@ def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:
 def load_spec(path: str | Path, overrides: list[str] = ()) -> Spec:
     """Read, merge, override and validate a pipeline spec; SpecError on any mistake."""
     path = Path(path)
+    origin = _shown(path)   # where an error without a line of its own points
     where: dict = {}
     data = _load_with_extends(path, where)
     parsed = [(parse_override(text), text) for text in overrides]
@@ -520,16 +516,16 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> Spec:
             _apply_override(data, key, value, where, text, path)
     if isinstance(data.get("dataset"), str):
         data["dataset"] = _resolve_card(data["dataset"], path, where,
-                                        where.get(("dataset",), str(path)))
+                                        where.get(("dataset",), origin))
     for (key, value), text in parsed:
         if key != ("dataset",):
             _apply_override(data, key, value, where, text, path)
     if isinstance(data.get("dataset"), str):  # --set dataset=NAME
         data["dataset"] = _resolve_card(data["dataset"], path, where,
-                                        where.get(("dataset",), str(path)))
-    spec = _validate(data, where, str(path))
+                                        where.get(("dataset",), origin))
+    spec = _validate(data, where, origin)
     spec._source = str(path)
-    _refuse_inert_keys(spec, where, str(path))
+    _refuse_inert_keys(spec, where, origin)
     return spec
 
 

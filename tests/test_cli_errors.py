@@ -47,3 +47,18 @@ def test_debug_still_raises_a_pipeline_error_from_a_subgroups_command(tmp_path):
     result = CliRunner().invoke(main, ["--debug", "launch", "slurm", str(tmp_path / "no.yaml"),
                                        "--nodes", "1", "--gpus-per-node", "1"])
     assert result.exit_code == 1 and "no such file" in str(result.exception)
+
+
+@pytest.mark.parametrize("args, shown", [
+    (["validate", "a\nb.yaml"], "a\\nb.yaml: no such file"),
+    (["run", QUICKSTART, "--dry-run", "--only", "a\nb"], "--only a\\nb: no such stage kind"),
+    (["sweep", QUICKSTART, "--dry-run", "--grid", "a\nb"], "--grid a\\nb: expected KEY="),
+    (["sweep", QUICKSTART, "--dry-run", "--seeds", "1\n2"], "--seeds 1\\n2: expected"),
+])
+def test_a_value_holding_a_newline_is_shown_escaped_in_its_one_error_line(args, shown):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert shown in lines[0]
+
