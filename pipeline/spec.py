@@ -42,6 +42,7 @@ class Where(str):
 # aliases of aliases that expand a few lines into billions of values.
 MAX_DEPTH = 64
 MAX_VALUES = 10_000
+MAX_SPEC_BYTES = 1 << 20
 # the tags a mapping or a list has when it is written without one
 COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
@@ -146,7 +147,15 @@ def _tag_name(tag: str) -> str:
 def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
     name = _shown(path)   # as given on the command line, where it may hold a newline
     try:
-        text = path.read_text(encoding="utf-8")
+        # a device or a pipe (/dev/zero, /dev/stdin) never ends: only regular files, read
+        # no further than a spec can be long
+        if path.exists() and not path.is_file():
+            raise SpecError(f"{name}: not a file")
+        with path.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            raise SpecError(f"{name}: over {MAX_SPEC_BYTES // 2**20} MiB; a spec is a few KiB")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise SpecError(f"{name}: no such file") from None
     except OSError as e:

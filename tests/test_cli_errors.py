@@ -62,3 +62,21 @@ def test_a_value_holding_a_newline_is_shown_escaped_in_its_one_error_line(args, 
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert shown in lines[0]
 
+
+
+@pytest.mark.parametrize("args, names", [
+    (["validate", "a\x00b"], "'CONFIG'"),
+    (["validate", "x" * 5000], "'CONFIG'"),
+    (["export", QUICKSTART, "--out", "a\x00b"], "'--out'"),
+    (["launch", "slurm", QUICKSTART, "--nodes", "1", "--gpus-per-node", "1",
+      "--output", "x" * 5000], "'--output'"),
+    (["launch", "slurm", QUICKSTART, "--nodes", "1", "--gpus-per-node", "1",
+      "--output", "/proc/x/job.sbatch"], "--output /proc/x/job.sbatch: cannot write"),
+    (["compare", "x" * 5000], "no tracking store"),   # not a file: an experiment's name
+    (["validate", "/dev/zero"], "/dev/zero: not a file"),   # read forever, until OOM
+])
+def test_a_name_no_file_can_have_or_a_device_is_one_error_line(args, names):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, (result.exception, result.output)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], lines
