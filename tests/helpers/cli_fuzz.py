@@ -168,7 +168,7 @@ def damage_workspace(draw, world: World) -> None:
     target = candidates[draw(st.integers(0, 10_000)) % len(candidates)]
     if kind == "truncate":
         data = target.read_bytes()
-        target.write_bytes(data[:draw(st.integers(0, max(0, len(data) - 1)))])
+        target.write_bytes(data[:draw(st.integers(0, 10_000)) % max(1, len(data))])
     elif kind == "junk":
         target.write_bytes(draw(st.binary(max_size=64)))
     elif kind == "remove":
