@@ -3,19 +3,85 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import sys
 
 import click
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, shown
 
-CONFIG = click.argument("config", type=click.Path(dir_okay=False))
+class FilePath(click.Path):
+    """click.Path, refusing as a usage error a name no file can have (a NUL byte, a name
+    longer than the filesystem allows) instead of failing wherever it is first used."""
+
+    def convert(self, value, param, ctx):
+        if "\x00" in str(value):
+            self.fail("a file name cannot hold a NUL byte", param, ctx)
+        try:
+            os.stat(value)
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                self.fail(f"{e.strerror}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+CONFIG = click.argument("config", type=FilePath(dir_okay=False))
 SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                    help="Override any key of the spec, e.g. --set train.optimizer.lr=0.05 "
                         "(values are typed as YAML: 12 is an int, 0.05 a float). Repeatable.")
 
 
-class Main(click.Group):
+class OneLineUsageError(click.UsageError):
+    """A mistake on the command line (a missing argument, an unknown option, a value click
+    cannot convert), shown as the one line every other error is, not click's usage block."""
+
+    def __init__(self, error: click.UsageError):
+        super().__init__(error.format_message(), error.ctx)
+
+    def show(self, file=None) -> None:
+        # one line even where the value quoted holds newlines
+        message = " ".join(self.format_message().split()).rstrip(".")
+        hint = f" (see {self.ctx.command_path} --help)" if self.ctx else ""
+        click.echo(f"error: {message}{hint}", err=True)
+
+
+class OneLineErrors:
+    """Click's usage errors of a command or group as one line (--help stays click's)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:   # a bare group: what it has
+            commands = ", ".join(e.ctx.command.list_commands(e.ctx))
+            raise OneLineUsageError(click.UsageError(
+                f"missing command, one of: {commands}", e.ctx)) from None
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+
+def _one_line(error: click.UsageError) -> click.UsageError:
+    return error if isinstance(error, OneLineUsageError) else OneLineUsageError(error)
+
+
+class Command(OneLineErrors, click.Command):
+    pass
+
+
+class Group(OneLineErrors, click.Group):
+    command_class = Command
+
+
+Group.group_class = Group    # `launch` and its commands too
+
+
+class Main(Group):
     """Prints a user's mistake as one line; `--debug` shows the traceback instead."""
 
     def invoke(self, ctx):
@@ -99,6 +165,16 @@ def _flag(flag: str):
         raise PipelineError(f"{flag} {e}") from None
 
 
+def _is_file(name: str) -> bool:
+    """Whether a compare target names a file; an experiment's name may be no possible one."""
+    from pathlib import Path
+
+    try:
+        return Path(name).is_file()
+    except (OSError, ValueError):   # too long, or a NUL byte
+        return False
+
+
 def _repeat(flag: str, values) -> list[str]:
     return [item for v in values for item in (flag, v)]
 
@@ -145,7 +221,7 @@ def show(config, overrides):
                    "its stage runs matches.")
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]),
               default="table", show_default=True)
-@click.option("--plot", type=click.Path(dir_okay=False), metavar="FILE.png",
+@click.option("--plot", type=FilePath(dir_okay=False), metavar="FILE.png",
               help="Also draw the runs' learning curves (train loss, valid bpc by step, "
                    "tokens and wall-clock) into FILE.png, and log it to their sweep's run.")
 def compare(targets, overrides, metrics, filter_string, fmt, plot):
@@ -164,7 +240,7 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
             image_format(plot)
     specs, experiments, run_ids = [], [], []
     for target in targets:
-        if Path(target).is_file():
+        if _is_file(target):
             specs.append(load_spec(target, list(overrides)))
         elif re.fullmatch(r"[0-9a-f]{32}", target):
             run_ids.append(target)
@@ -309,7 +385,7 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
 @CONFIG
 @SET
 @CHECKPOINT
-@click.option("--out", required=True, type=click.Path(file_okay=False),
+@click.option("--out", required=True, type=FilePath(file_okay=False),
               help="The directory to write (model.safetensors, config.json, vocab.json).")
 def export(config, overrides, checkpoint, out):
     """Write CONFIG's trained weights as safetensors, with the model config and vocabulary
@@ -344,7 +420,7 @@ def launch():
 @SLURM_JOB
 @SET
 @click.option("--dry-run", is_flag=True, help="Print the script instead of writing it.")
-@click.option("--output", type=click.Path(dir_okay=False),
+@click.option("--output", type=FilePath(dir_okay=False),
               help="Where to write the script (default <workspace>/<name>/slurm/<name>.sbatch).")
 def slurm(config, nodes, gpus_per_node, procs_per_node, partition, time_limit, signal_lead,
           overrides, dry_run, output):
@@ -362,20 +438,26 @@ def slurm(config, nodes, gpus_per_node, procs_per_node, partition, time_limit, s
         click.echo(script, nl=False)
         return
     path = Path(output) if output else slurm_dir(spec) / f"{spec.name}.sbatch"
-    _write_script(path, script, slurm_dir(spec) / "logs")
+    with _flag("--output"):
+        _write_script(path, script, slurm_dir(spec) / "logs")
 
 
 def _write_script(path, script: str, log_dir, submit_hint: bool = True) -> None:
     """Write a batch script (atomically) and say how to submit it."""
     from pipeline.fsutil import atomic_write_text
 
-    previous = path.read_text(encoding="utf-8") if path.is_file() else None
-    # Slurm opens the job's --output file before the script runs: its directory must exist.
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        previous = path.read_text(encoding="utf-8") if path.is_file() else None
+        # Slurm opens the job's --output file before the script runs: its directory must exist.
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if previous != script:
+            atomic_write_text(path, script)
+    except (OSError, UnicodeDecodeError) as e:
+        raise PipelineError(f"{shown(path)}: cannot write the script: "
+                            f"{getattr(e, 'strerror', None) or e}") from None
     if previous == script:
         click.echo(f"{path}: unchanged")
     else:
-        atomic_write_text(path, script)
         click.echo(f"{path}: {'replaced a different earlier script' if previous else 'written'}")
     if submit_hint:
         click.echo(f"submit with: sbatch {path}")

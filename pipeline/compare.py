@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, shown
 
 # parameters that name where a run lived rather than what it computed
 _PLACE = ("name", "workspace.", "tracking.", "paper.")
@@ -152,7 +152,7 @@ def collect(client, specs=(), experiments=(), run_ids=(), filter_string: str = "
     for name in experiments:
         exp = client.get_experiment_by_name(name)
         if exp is None:
-            raise PipelineError(f"no experiment '{name}' in {client.tracking_uri} (nor a "
+            raise PipelineError(f"no experiment '{shown(name)}' in {client.tracking_uri} (nor a "
                                 f"config file or a run id of that name)")
         wanted.setdefault(exp.experiment_id, []).append(lambda row: True)
     for run_id in run_ids:

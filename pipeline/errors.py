@@ -25,3 +25,10 @@ class Interrupted(Preempted):
             f"stopped by {signal_name}: the stage that was running is left unfinished; run "
             f"the pipeline again to redo it")
         self.exit_code = 128 + signal_number
+
+
+def shown(value) -> str:
+    """A value as an error line shows it (a path, a key, a name the user gave): control
+    characters escaped, so that one holding a newline never breaks the one-line error."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)[1:-1]

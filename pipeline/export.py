@@ -19,7 +19,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, shown
 
 WEIGHTS, CONFIG, VOCAB, SP_MODEL = "model.safetensors", "config.json", "vocab.json", \
     "tokenizer.model"
@@ -54,7 +54,7 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
         return path.parent, path.name, str(path)
     if path.is_dir():
         return path, None, str(path)
-    raise PipelineError(f"--checkpoint {which}: not latest, best, or a checkpoint directory")
+    raise PipelineError(f"--checkpoint {shown(which)}: not latest, best, or a checkpoint directory")
 
 
 def trained_model(spec, which: str, log):
@@ -88,7 +88,7 @@ def export(spec, out: Path, which: str = "latest", log=print) -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir())
                          - {WEIGHTS, CONFIG, VOCAB, SP_MODEL}):
-        raise PipelineError(f"--out {out}: exists and holds other files; name a new or "
+        raise PipelineError(f"--out {shown(out)}: exists and holds other files; name a new or "
                             f"an earlier export's directory")
     model, preprocess, checkpoint = trained_model(spec, which, log)
     manifest = load_manifest(preprocess)

@@ -15,7 +15,7 @@ import os
 import textwrap
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, shown
 
 # metric -> the y-axis label; train and finetune log both under these names
 SERIES = {"loss": "train loss (nats)", "valid_bpc": "valid bpc"}
@@ -89,8 +89,8 @@ def image_format(path) -> str:
     suffix = Path(path).suffix.lower().removeprefix(".")
     formats = FigureCanvasBase.get_supported_filetypes()
     if suffix and suffix not in formats:
-        raise PipelineError(f"{path}: no image format is called .{suffix}; name a .png, .svg "
-                            f"or .pdf file (or {', '.join('.' + f for f in sorted(formats))})")
+        raise PipelineError(f"{shown(path)}: no image format is called .{shown(suffix)}; "
+                            f"name a .png, .svg or .pdf file (or {', '.join('.' + f for f in sorted(formats))})")
     return suffix or "png"
 
 
@@ -110,7 +110,7 @@ def save(fig, path, **savefig_args) -> Path:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         blocker = f" ({e.filename})" if e.filename not in (None, str(tmp)) else ""
-        raise PipelineError(f"{path}: cannot write the picture: {e.strerror or e}{blocker}") \
+        raise PipelineError(f"{shown(path)}: cannot write the picture: {e.strerror or e}{blocker}") \
             from None
     finally:
         plt.close(fig)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from pipeline import distributed
 from pipeline.checkpoints import step_dirs, step_of
-from pipeline.errors import PipelineError, Preempted
+from pipeline.errors import PipelineError, Preempted, shown
 from pipeline.fsutil import atomic_write_json, read_json
 from pipeline.schema import Spec
 from pipeline.signals import RaiseOnSignal
@@ -239,7 +239,7 @@ def _parse_selection(names: list[str] | None, spec: Spec, flag: str) -> list[str
     for item in names or []:
         for name in filter(None, (n.strip() for n in item.split(","))):
             if name not in STAGES:
-                raise PipelineError(f"{flag} {name}: no such stage kind; known: "
+                raise PipelineError(f"{flag} {shown(name)}: no such stage kind; known: "
                                     f"{', '.join(STAGES)}")
             if name not in spec.stages:
                 raise PipelineError(f"{flag} {name}: this pipeline's stages are "

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.errors import PipelineError
+from pipeline.errors import shown as _shown
 from pipeline.models import MODELS
 from pipeline.schema import VOCAB_LIMIT, Spec
 
@@ -41,6 +42,9 @@ class Where(str):
 # aliases of aliases that expand a few lines into billions of values.
 MAX_DEPTH = 64
 MAX_VALUES = 10_000
+MAX_SPEC_BYTES = 1 << 20
+# the tags a mapping or a list has when it is written without one
+COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
 
 def _line_loader():
@@ -95,6 +99,13 @@ class _Builder:
             raise SpecError(f"{self.place(node)}: nested more than {MAX_DEPTH} levels deep "
                             f"(an alias inside its own anchor?)")
         self.where[path] = self.place(node)
+        if not isinstance(node, yaml.ScalarNode) and node.tag not in COLLECTION_TAGS:
+            # !!set {a, b}, !!str [1], !!python/object:... {k: v} would otherwise be read as
+            # the plain mapping or list under the tag, and the tag silently dropped
+            what = "a mapping" if isinstance(node, yaml.MappingNode) else "a list"
+            raise SpecError(f"{self.place(node)}: {_dotted(path)}: the tag "
+                            f"{_shown(_tag_name(node.tag))} on {what} is not supported; a "
+                            f"spec's mappings and lists are plain ones")
         if isinstance(node, yaml.MappingNode):
             return self._mapping(node, path)
         if isinstance(node, yaml.SequenceNode):
@@ -134,36 +145,38 @@ def _tag_name(tag: str) -> str:
 
 
 def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
+    name = _shown(path)   # as given on the command line, where it may hold a newline
     try:
-        text = path.read_text(encoding="utf-8")
+        # a device or a pipe (/dev/zero, /dev/stdin) never ends: only regular files, read
+        # no further than a spec can be long
+        if path.exists() and not path.is_file():
+            raise SpecError(f"{name}: not a file")
+        with path.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            raise SpecError(f"{name}: over {MAX_SPEC_BYTES // 2**20} MiB; a spec is a few KiB")
+        text = data.decode("utf-8")
     except FileNotFoundError:
-        raise SpecError(f"{path}: no such file") from None
+        raise SpecError(f"{name}: no such file") from None
     except OSError as e:
-        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+        raise SpecError(f"{name}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise SpecError(f"{path}: not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
+        raise SpecError(f"{name}: not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
                         f"{e.start}") from None
     try:
         node = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}{line}: not valid YAML: {_yaml_problem(e)}") from None
+        raise SpecError(f"{name}{line}: not valid YAML: {_yaml_problem(e)}") from None
     if node is None:
         return {}
-    return _Builder(str(path), where).build(node, prefix)
+    return _Builder(name, where).build(node, prefix)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
     # a ReaderError (a control character) has a reason instead of a problem
     return getattr(e, "problem", None) or getattr(e, "reason", None) or str(e).splitlines()[0]
-
-
-def _shown(key) -> str:
-    """A key as an error line shows it: control characters escaped, so that a key holding
-    one never breaks the one-line error."""
-    text = str(key)
-    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _dotted(path: tuple) -> str:
@@ -184,11 +197,11 @@ def _merge(base: dict, top: dict) -> dict:
 def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in chain:
         cycle = " -> ".join(str(p) for p in chain + (path.resolve(),))
-        raise SpecError(f"{path}: `extends` forms a cycle: {cycle}")
+        raise SpecError(f"{_shown(path)}: `extends` forms a cycle: {cycle}")
     own_where: dict = {}
     data = _load_yaml(path, own_where)
     if not isinstance(data, dict):
-        raise SpecError(f"{path}:1: a pipeline spec must be a mapping of keys, "
+        raise SpecError(f"{_shown(path)}:1: a pipeline spec must be a mapping of keys, "
                         f"found {_kind(data)}")
     extends = data.pop("extends", [])
     if isinstance(extends, str):
@@ -277,7 +290,7 @@ def _apply_override(data: dict, path: tuple, value, where: dict, text: str,
                     spec_path: Path) -> None:
     if path[0] == "dataset" and len(path) > 1 and isinstance(data.get("dataset"), str):
         data["dataset"] = _resolve_card(data["dataset"], spec_path, where,
-                                        where.get(("dataset",), str(spec_path)))
+                                        where.get(("dataset",), _shown(spec_path)))
     node = data
     for i, part in enumerate(path[:-1]):
         child = node.get(part)
@@ -503,6 +516,7 @@ def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:
 def load_spec(path: str | Path, overrides: list[str] = ()) -> Spec:
     """Read, merge, override and validate a pipeline spec; SpecError on any mistake."""
     path = Path(path)
+    origin = _shown(path)   # where an error without a line of its own points
     where: dict = {}
     data = _load_with_extends(path, where)
     parsed = [(parse_override(text), text) for text in overrides]
@@ -511,16 +525,16 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> Spec:
             _apply_override(data, key, value, where, text, path)
     if isinstance(data.get("dataset"), str):
         data["dataset"] = _resolve_card(data["dataset"], path, where,
-                                        where.get(("dataset",), str(path)))
+                                        where.get(("dataset",), origin))
     for (key, value), text in parsed:
         if key != ("dataset",):
             _apply_override(data, key, value, where, text, path)
     if isinstance(data.get("dataset"), str):  # --set dataset=NAME
         data["dataset"] = _resolve_card(data["dataset"], path, where,
-                                        where.get(("dataset",), str(path)))
-    spec = _validate(data, where, str(path))
+                                        where.get(("dataset",), origin))
+    spec = _validate(data, where, origin)
     spec._source = str(path)
-    _refuse_inert_keys(spec, where, str(path))
+    _refuse_inert_keys(spec, where, origin)
     return spec
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import distributed
-from pipeline.errors import PipelineError, Preempted
+from pipeline.errors import PipelineError, Preempted, shown
 from pipeline.runner import RECORD, Runner, Workspace, WorkspaceLock, fingerprint
 from pipeline.spec import load_spec
 from stages import STAGES, resolve_inputs
@@ -53,12 +53,12 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
         key, eq, values = item.partition("=")
         key, parts = key.strip(), [v.strip() for v in values.split(",")]
         if not eq or not key or not all(parts):
-            raise PipelineError(f"--grid {item}: expected KEY=V1,V2,... (e.g. "
+            raise PipelineError(f"--grid {shown(item)}: expected KEY=V1,V2,... (e.g. "
                                 f"--grid train.optimizer.lr=1e-3,3e-3)")
         if key in SWEEP_SETS:
-            raise PipelineError(f"--grid {item}: the sweep sets {key} itself, one per point")
+            raise PipelineError(f"--grid {shown(item)}: the sweep sets {key} itself, one per point")
         if key in (k for k, _ in grid):
-            raise PipelineError(f"--grid {key} is given twice; list all its values in one")
+            raise PipelineError(f"--grid {shown(key)} is given twice; list all its values in one")
         grid.append((key, parts))
     return grid
 
@@ -75,7 +75,7 @@ def overlapping(a: str, b: str) -> bool:
 def parse_seeds(text: str | None) -> list[str]:
     seeds = [s.strip() for s in (text or "").split(",") if s.strip()]
     if text is not None and (not seeds or not all(s.isdigit() for s in seeds)):
-        raise PipelineError(f"--seeds {text}: expected integers separated by commas, e.g. 1,2,3")
+        raise PipelineError(f"--seeds {shown(text)}: expected integers separated by commas, e.g. 1,2,3")
     return seeds
 
 

@@ -286,6 +286,15 @@ LAUGHS = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in ran
     ("n_layers: 2", "n_layers: !!float ''", ":6: model.n_layers: '' is not a valid !!float"),
     ("name: tiny", "name: !!merge x", ":1: name: could not determine a constructor for the "
                                       "tag 'tag:yaml.org,2002:merge'"),
+    # a tag on a mapping or a list is refused, never dropped for the plain collection
+    ("n_layers: 2", "n_layers: !!str [2]",
+     ":6: model.n_layers: the tag !!str on a list is not supported; a spec's "
+     "mappings and lists are plain ones"),
+    ("model:", "model: !!python/object:os.system",
+     ":3: model: the tag !!python/object:os.system on a mapping is not supported; a spec's "
+     "mappings and lists are plain ones"),
+    ("name: tiny", "name: !!set {a, b}", ":1: name: the tag !!set on a mapping is not supported; a spec's "
+     "mappings and lists are plain ones"),
     ("name: tiny", "name: tiny\n{[1]: 2}: 3", ":2: (top level): a key must be a name, found "
                                               "a mapping"),
     ("  n_layers: 2", "  n_layers: 2\n  <<: {n_heads: 4}",

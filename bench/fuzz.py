@@ -1,0 +1,62 @@
+"""The command-line fuzzer's figure: cases, tracebacks, hangs, exit codes, cases per command,
+seconds. The same derandomized cases as tests/test_cli_fuzz.py (which fails on any bad one);
+here every case runs and the bad ones are listed.
+
+    .venv/bin/python bench/fuzz.py [--cases 2000] [--show-bad 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from helpers.cli_fuzz import build_world, fuzz  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=2000)
+    parser.add_argument("--show-bad", type=int, default=20, help="bad cases to print")
+    args = parser.parse_args()
+    outcomes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.monotonic()
+        world = build_world(Path(tmp) / "world")
+        built = time.monotonic() - start
+        start = time.monotonic()
+        fuzz(world, args.cases, outcomes.append)
+        seconds = time.monotonic() - start
+
+    bad = [o for o in outcomes if o.problem]
+    kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
+    print(f"cases            {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
+          f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s")
+    print(f"tracebacks       {kinds['traceback']}")
+    print(f"hangs (> 30 s)   {kinds['hang']}")
+    print(f"other bad cases  {len(bad) - kinds['traceback'] - kinds['hang']}")
+    exits = collections.Counter(o.exit_code for o in outcomes)
+    print("exit codes       " + ", ".join(f"{code}: {n}" for code, n in sorted(
+        exits.items(), key=lambda item: str(item[0]))))
+    print(f"\n{'command':<24} {'cases':>6} {'exit 0':>7} {'exit 2':>7} {'bad':>4} {'max s':>6}")
+    by_command = collections.defaultdict(list)
+    for o in outcomes:
+        by_command[o.command].append(o)
+    for command, group in sorted(by_command.items()):
+        print(f"{command:<24} {len(group):>6} {sum(o.exit_code == 0 for o in group):>7} "
+              f"{sum(o.exit_code == 2 for o in group):>7} {sum(bool(o.problem) for o in group):>4} "
+              f"{max(o.seconds for o in group):>6.1f}")
+    for o in bad[:args.show_bad]:
+        print(f"\n{o.args!r}\n  {o.problem}")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
