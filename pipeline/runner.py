@@ -112,6 +112,12 @@ class Workspace:
     def old_dir(self, stage: str) -> Path:
         return self.path / f"{stage}.old"
 
+    def committed_dir(self, stage: str) -> Path:
+        """Where the stage's committed output is: the partial directory while a publish has
+        not moved it into place (`finish_publish`), else `<stage>/`."""
+        partial = self.partial_dir(stage)
+        return partial if (partial / RECORD).exists() else self.done_dir(stage)
+
     def record(self, stage: str) -> dict | None:
         """The stage's committed record: a partial directory holding one is the output of a
         publish not yet moved into place (`finish_publish`)."""
@@ -135,9 +141,9 @@ class Workspace:
         gigabytes, minutes to hash at every `run`) is taken as unchanged: editing or
         truncating it in place changes them, and its readers verify its content when they
         read it (shards against the manifest, downloads against download.json)."""
-        done = self.done_dir(stage)
+        where = self.committed_dir(stage)
         for name, expected in record.get("outputs", {}).items():
-            path = done / name
+            path = where / name
             unchanged = (expected["bytes"] > READ_AT_EVERY_PLAN and path.is_file()
                          and path.stat().st_mtime_ns == expected.get("mtime_ns"))
             if why := file_mismatch(path, name, expected, read=not unchanged):
@@ -145,7 +151,7 @@ class Workspace:
         return None
 
     def holds_checkpoints(self, stage: str) -> bool:
-        return bool(step_dirs(self.done_dir(stage) / CHECKPOINTS))
+        return bool(step_dirs(self.committed_dir(stage) / CHECKPOINTS))
 
     def partial_marker(self, stage: str) -> dict | None:
         """What the partial directory was started with ({} when unreadable); None if none."""
@@ -410,7 +416,7 @@ class Runner:
         again from the start and replace them."""
         if self.ws.holds_checkpoints(name):
             raise PipelineError(
-                f"{name}: {damage} in {self.ws.done_dir(name)} (damaged since it was "
+                f"{name}: {damage} in {self.ws.committed_dir(name)} (damaged since it was "
                 f"published); rebuilding it would train it again and replace its checkpoints, "
                 f"so nothing was changed: restore the file, or re-run with --force {name}")
 
@@ -429,7 +435,8 @@ class Runner:
                                         f"drop --only")
                 if damage := self.ws.output_damage(i, record):
                     raise PipelineError(f"stage '{s.stage}' needs the output of '{i}', which "
-                                        f"is damaged ({damage} in {self.ws.done_dir(i)}); "
+                                        f"is damaged ({damage} in "
+                                        f"{self.ws.committed_dir(i)}); "
                                         f"add it to --only to rebuild it, or drop --only")
 
     def needs_launcher(self) -> bool:

@@ -127,12 +127,22 @@ def test_a_record_written_before_outputs_had_checksums_is_trusted_as_before(cfg,
     ws = workspace(cfg)
     for stage in ORDER:                  # a record as allattn-pipe wrote it until now
         record = json.loads((ws / stage / "stage.json").read_text())
+        assert "outputs" in record
         del record["outputs"]
         (ws / stage / "stage.json").write_text(json.dumps(record))
     (ws / "evaluate" / "output.txt").write_text("eval")
     calls.clear()
     run(cfg)
     assert calls == []
+
+
+def test_an_output_whose_publish_was_interrupted_is_verified_where_it_is(cfg, calls):
+    run(cfg)
+    ws = workspace(cfg)
+    os.rename(ws / "evaluate", ws / "evaluate.partial")   # committed, not yet moved
+    assert plan(cfg)["evaluate"][0] == "skip"
+    (ws / "evaluate.partial" / "output.txt").write_text("eval")
+    assert plan(cfg)["evaluate"][0] == "run"
 
 
 def test_only_refuses_a_damaged_input_it_does_not_rebuild(cfg, calls):
