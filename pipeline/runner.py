@@ -510,12 +510,13 @@ class Runner:
             if stage.distributed:
                 distributed.barrier()
         outputs = output_checksums(out_dir)
+        build = (self._repaired_build(step, outputs, steps) if step.repair
+                 else uuid.uuid4().hex[:12])
         record = {
             "stage": name,
             "fingerprint": fp,
             "config": config,
-            "build": self._repaired_build(step, outputs, steps) if step.repair
-            else uuid.uuid4().hex[:12],
+            "build": build,
             "inputs": builds,
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(time.time() - started, 2),
@@ -535,13 +536,14 @@ class Runner:
         directory) and the run stops, rather than leave them built from another output."""
         name = step.stage
         damaged = self.ws.record(name)
-        differs = _first_difference(damaged["outputs"], outputs)
-        if differs is None:
-            self.log(f"[{name}] the rebuilt output is the one published before: what was "
-                     f"built from it stays up to date")
-            return damaged["build"]
         kept = [s.stage for s in steps if s.action != "run"
                 and name in resolve_inputs(STAGES[s.stage], self.spec.stages)]
+        differs = _first_difference(damaged["outputs"], outputs)
+        if differs is None:
+            if kept:
+                self.log(f"[{name}] rebuilt as it was published: {', '.join(kept)}, built "
+                         f"from it, {'stays' if len(kept) == 1 else 'stay'} up to date")
+            return damaged["build"]
         if kept:
             raise PipelineError(
                 f"{name}: rebuilt in {self.ws.partial_dir(name)}, but its {differs} differs "
