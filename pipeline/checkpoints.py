@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_json, sha256_file
+from pipeline.fsutil import atomic_write_json, file_checksum, file_mismatch
 
 CHECKSUMS = "checksums.json"
 HASH_BLOCK = 4 << 20   # bytes read at a time: a 114M-parameter model's checkpoint is ~2 GB
@@ -159,8 +159,7 @@ def _made_by(ckpt: Path, model_section: dict | None) -> str:
 def write_checksums(path: Path) -> int:
     """Record the sha256 and size of every file of the checkpoint directory `path`; written
     last, it is what makes the checkpoint complete. Returns the checkpoint's size in bytes."""
-    files = {f.relative_to(path).as_posix(): {"sha256": sha256_file(f, HASH_BLOCK),
-                                               "bytes": f.stat().st_size}
+    files = {f.relative_to(path).as_posix(): file_checksum(f, HASH_BLOCK)
              for f in sorted(p for p in path.rglob("*") if p.is_file())}
     atomic_write_json(path / CHECKSUMS, {"files": files})
     return sum(f["bytes"] for f in files.values())
@@ -181,14 +180,8 @@ def damage(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return f"{CHECKSUMS} is unreadable"
     for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            return f"{name} has {size:,} bytes, {expected['bytes']:,} were written"
-        if sha256_file(file, HASH_BLOCK) != expected["sha256"]:
-            return f"{name} does not match its checksum"
+        if why := file_mismatch(path / name, name, expected, HASH_BLOCK):
+            return why
     return None
 
 

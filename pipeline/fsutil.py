@@ -69,3 +69,25 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def file_checksum(path: str | os.PathLike, chunk: int = 1 << 20) -> dict:
+    """{"sha256", "bytes"} of a file, as checksum lists (a checkpoint's checksums.json, a
+    stage record's outputs) record it."""
+    return {"sha256": sha256_file(path, chunk), "bytes": os.stat(path).st_size}
+
+
+def file_mismatch(path: str | os.PathLike, name: str, expected: dict, chunk: int = 1 << 20,
+                  read: bool = True) -> str | None:
+    """Why the file `path` (called `name` in the message) is not the one `file_checksum`
+    recorded as `expected`, or None when it is. `read=False` checks only that it is there
+    with its size, for a caller that has another reason to trust its content."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{name} is missing"
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        return f"{name} has {size:,} bytes, {expected['bytes']:,} were written"
+    if read and sha256_file(path, chunk) != expected["sha256"]:
+        return f"{name} does not match its checksum"
+    return None

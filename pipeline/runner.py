@@ -4,7 +4,8 @@ Workspace layout (one per run name, `<workspace.root>/<name>/`):
 
     .lock                       held (flock) while a `run` is active; names its holder
     <stage>/                    a completed stage's outputs
-    <stage>/stage.json          its record: fingerprint, config, build id, summary, timings
+    <stage>/stage.json          its record: fingerprint, config, build id, summary, timings,
+                                and the sha256 and size of each output file (`outputs`)
     <stage>.partial/            a stage in progress (or interrupted: train resumes from it)
     <stage>.partial/partial.json  the fingerprint, config and input builds it was started with
     <stage>.old/                the outputs a publish is replacing, deleted once it is done
@@ -19,6 +20,12 @@ checkpoints that another config started is refused, naming the changed keys, unt
 passes `--force STAGE` (or `--from`). Publishing commits by writing `stage.json` into the
 partial directory; the renames that move it into place are finished by the next run if the
 process dies between them (`Workspace.finish_publish`).
+
+A completed stage is trusted only while its outputs match the checksums its record holds
+(`Workspace.output_damage`): a damaged one is rebuilt, keeping its build id when the rebuild
+reproduces the recorded files (so nothing built from them re-runs), or refused where a
+rebuild would cost checkpoints. A record written before outputs carried checksums is trusted
+as before.
 """
 
 from __future__ import annotations
@@ -36,9 +43,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline import distributed
-from pipeline.checkpoints import step_dirs, step_of
+from pipeline.checkpoints import CHECKSUMS, step_dirs, step_of
 from pipeline.errors import PipelineError, Preempted, shown
-from pipeline.fsutil import atomic_write_json, read_json
+from pipeline.fsutil import atomic_write_json, file_checksum, file_mismatch, read_json
 from pipeline.schema import Spec
 from pipeline.signals import RaiseOnSignal
 from stages import STAGES, StageContext, resolve_inputs
@@ -46,6 +53,7 @@ from stages import STAGES, StageContext, resolve_inputs
 RECORD = "stage.json"
 PARTIAL_RECORD = "partial.json"
 CHECKPOINTS = "checkpoints"     # where train and finetune keep theirs in their output
+READ_AT_EVERY_PLAN = 16 << 20   # bytes: output files up to this size are hashed at every plan
 
 
 def fingerprint(config: dict, input_builds: dict[str, str]) -> str:
@@ -78,6 +86,9 @@ class Step:
     # run: the step of the newest checkpoint in its partial directory, which it resumes
     # from (or, forced, discards); None when there is none
     checkpoint: int | None = None
+    # run: rebuilding an up-to-date output found damaged; its build id is kept if the
+    # rebuild reproduces the recorded files, so the stages built from them stay up to date
+    repair: bool = False
 
     def describe(self) -> str:
         """The reason, and what happens to the checkpoints of an interrupted run."""
@@ -101,6 +112,12 @@ class Workspace:
     def old_dir(self, stage: str) -> Path:
         return self.path / f"{stage}.old"
 
+    def committed_dir(self, stage: str) -> Path:
+        """Where the stage's committed output is: the partial directory while a publish has
+        not moved it into place (`finish_publish`), else `<stage>/`."""
+        partial = self.partial_dir(stage)
+        return partial if (partial / RECORD).exists() else self.done_dir(stage)
+
     def record(self, stage: str) -> dict | None:
         """The stage's committed record: a partial directory holding one is the output of a
         publish not yet moved into place (`finish_publish`)."""
@@ -113,6 +130,28 @@ class Workspace:
                 raise PipelineError(f"{path}: unreadable stage record ({e}); delete "
                                     f"{path.parent} to re-run '{stage}'") from None
         return None
+
+    def output_damage(self, stage: str, record: dict) -> str | None:
+        """Why the completed `stage`'s outputs are not the files its `record` lists, or None
+        when they are (or when the record predates output checksums: nothing to check).
+
+        Every file's size is checked. Its content is hashed when the file is small (results,
+        manifests, vocabularies, plots: milliseconds) or when its mtime differs from the one
+        recorded at publish. A large file with its size and mtime (data shards, downloads:
+        gigabytes, minutes to hash at every `run`) is taken as unchanged: editing or
+        truncating it in place changes them, and its readers verify its content when they
+        read it (shards against the manifest, downloads against download.json)."""
+        where = self.committed_dir(stage)
+        for name, expected in record.get("outputs", {}).items():
+            path = where / name
+            unchanged = (expected["bytes"] > READ_AT_EVERY_PLAN and path.is_file()
+                         and path.stat().st_mtime_ns == expected.get("mtime_ns"))
+            if why := file_mismatch(path, name, expected, read=not unchanged):
+                return why
+        return None
+
+    def holds_checkpoints(self, stage: str) -> bool:
+        return bool(step_dirs(self.committed_dir(stage) / CHECKPOINTS))
 
     def partial_marker(self, stage: str) -> dict | None:
         """What the partial directory was started with ({} when unreadable); None if none."""
@@ -208,6 +247,28 @@ class WorkspaceLock:
             self._fd = None
 
 
+def output_checksums(out_dir: Path) -> dict[str, dict]:
+    """The sha256, size and mtime of each file a stage's record vouches for: its output
+    directory less the records and any directory with its own CHECKSUMS (a checkpoint: its
+    files are verified whenever it is loaded; hashing gigabytes of them a second time at
+    publish would double the cost of saving)."""
+    checksummed = {p.parent for p in out_dir.rglob(CHECKSUMS)}
+    files = sorted(f for f in out_dir.rglob("*")
+                   if f.is_file() and f not in (out_dir / RECORD, out_dir / PARTIAL_RECORD)
+                   and checksummed.isdisjoint(f.parents))
+    return {f.relative_to(out_dir).as_posix():
+            file_checksum(f) | {"mtime_ns": f.stat().st_mtime_ns} for f in files}
+
+
+def _first_difference(old: dict, new: dict) -> str | None:
+    """The first file whose recorded content differs between two `outputs`, or None."""
+    content = lambda entry: (entry["sha256"], entry["bytes"])  # noqa: E731
+    for name in sorted(old.keys() | new.keys()):
+        if name not in old or name not in new or content(old[name]) != content(new[name]):
+            return name
+    return None
+
+
 def lock_is_free(workspace: Path) -> bool:
     """True when no run holds `workspace`'s lock (on this host); creates nothing."""
     try:
@@ -261,9 +322,10 @@ class Runner:
         self.log = log
 
     def plan(self) -> list[Step]:
-        """Decide run/skip for every stage, assuming each run stage gets a new build id.
-        Refuses (PipelineError) a run that would discard an interrupted run's checkpoints
-        without --force."""
+        """Decide run/skip for every stage, assuming each run stage gets a new build id (but
+        a damaged one rebuilt keeps its own: `Step.repair`). Refuses (PipelineError) a run
+        that would discard an interrupted run's checkpoints without --force, or a finished
+        one's to rebuild a damaged output."""
         steps, builds = [], {}
         rerun: set[str] = set()
         forced_from = (self.spec.stages[self.spec.stages.index(self.start_from):]
@@ -277,11 +339,17 @@ class Runner:
             config = stage.fingerprinted(self.spec)
             input_builds = {i: builds.get(i) for i in inputs}
             fp = None if changed_inputs else fingerprint(config, input_builds)
+            up_to_date = record is not None and not changed_inputs and \
+                record.get("fingerprint") == fp
+            damage = self.ws.output_damage(name, record) if up_to_date else None
+            repair = False
             if self.only and name not in self.only:
                 if record is None:
                     action, reason = "hold", "not selected by --only (and not done yet)"
-                elif changed_inputs or record.get("fingerprint") != fp:
+                elif not up_to_date:
                     action, reason = "hold", "not selected by --only (out of date)"
+                elif damage:
+                    action, reason = "hold", f"not selected by --only (damaged: {damage})"
                 else:
                     action, reason = "hold", "not selected by --only (up to date)"
             elif name in self.force:
@@ -296,16 +364,21 @@ class Runner:
                 changes = _differences(record, config, input_builds)
                 action, reason = "run", (f"changed: {'; '.join(changes)}" if changes
                                          else "config or inputs changed")
+            elif damage:
+                self._check_repairable(name, damage)
+                action, repair = "run", True
+                reason = f"{damage} (damaged since it was published); rebuilding it"
             else:
                 action, reason = "skip", f"up to date (finished {record.get('finished_at')})"
             checkpoint = None
             if action == "run":
-                rerun.add(name)
                 checkpoint = self._check_partial(name, fp, config, input_builds,
                                                  changed_inputs, forced)
-            elif record is not None:
+            if action == "run" and not repair:
+                rerun.add(name)
+            elif record is not None:    # a repair is planned to keep its build (`_do`)
                 builds[name] = record.get("build")
-            steps.append(Step(name, action, reason, forced, checkpoint))
+            steps.append(Step(name, action, reason, forced, checkpoint, repair))
         self._check_held_inputs(steps)
         return steps
 
@@ -338,16 +411,33 @@ class Runner:
             f"started with other settings that change its result: {'; '.join(changes)}. "
             f"Set them back to resume it, or {discard}")
 
+    def _check_repairable(self, name: str, damage: str) -> None:
+        """Refuse to rebuild a damaged stage that holds checkpoints: rebuilding would train it
+        again from the start and replace them."""
+        if self.ws.holds_checkpoints(name):
+            raise PipelineError(
+                f"{name}: {damage} in {self.ws.committed_dir(name)} (damaged since it was "
+                f"published); rebuilding it would train it again and replace its checkpoints, "
+                f"so nothing was changed: restore the file, or re-run with --force {name}")
+
     def _check_held_inputs(self, steps: list[Step]) -> None:
         action = {s.stage: s.action for s in steps}
         for s in steps:
             if s.action != "run":
                 continue
             for i in resolve_inputs(STAGES[s.stage], self.spec.stages):
-                if action[i] == "hold" and self.ws.record(i) is None:
+                if action[i] != "hold":
+                    continue
+                record = self.ws.record(i)
+                if record is None:
                     raise PipelineError(f"stage '{s.stage}' needs the output of '{i}', which "
                                         f"has not run in {self.ws.path}; add it to --only or "
                                         f"drop --only")
+                if damage := self.ws.output_damage(i, record):
+                    raise PipelineError(f"stage '{s.stage}' needs the output of '{i}', which "
+                                        f"is damaged ({damage} in "
+                                        f"{self.ws.committed_dir(i)}); "
+                                        f"add it to --only to rebuild it, or drop --only")
 
     def needs_launcher(self) -> bool:
         """True when a stage that trains will run and the spec asks for more processes than
@@ -377,7 +467,7 @@ class Runner:
                 if not together:
                     distributed.broadcast_object(None)      # nothing for the other ranks
                 for step in steps:
-                    records[step.stage] = self._do(step, records, tracker)
+                    records[step.stage] = self._do(step, records, tracker, steps)
                     if together and step is together[-1]:
                         distributed.broadcast_object(None)  # let them go; evaluate is ours
             except BaseException as e:
@@ -387,7 +477,7 @@ class Runner:
             tracker.finish("FINISHED")
         return records
 
-    def _do(self, step: Step, records: dict, tracker) -> dict | None:
+    def _do(self, step: Step, records: dict, tracker, steps: list[Step]) -> dict | None:
         name = step.stage
         stage = STAGES[name]
         if step.action != "run":
@@ -419,20 +509,48 @@ class Runner:
             summary = stage.run(ctx) or {}
             if stage.distributed:
                 distributed.barrier()
+        outputs = output_checksums(out_dir)
+        build = (self._repaired_build(step, outputs, steps) if step.repair
+                 else uuid.uuid4().hex[:12])
         record = {
             "stage": name,
             "fingerprint": fp,
             "config": config,
-            "build": uuid.uuid4().hex[:12],
+            "build": build,
             "inputs": builds,
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(time.time() - started, 2),
             "summary": summary,
             "mlflow_run_id": stage_tracker.run_id,
+            "outputs": outputs,
         }
         self.ws.publish(name, record)
         self.log(f"[{name}] done in {record['seconds']:.1f}s")
         return record
+
+    def _repaired_build(self, step: Step, outputs: dict, steps: list[Step]) -> str:
+        """The build id of a damaged stage rebuilt (`Step.repair`): the damaged output's when
+        the rebuild reproduced the files its record lists, since then what was built from
+        them is still up to date; else a new one, unless stages this run keeps were built
+        from the old files: then nothing is published (the rebuild stays in the partial
+        directory) and the run stops, rather than leave them built from another output."""
+        name = step.stage
+        damaged = self.ws.record(name)
+        kept = [s.stage for s in steps if s.action != "run"
+                and name in resolve_inputs(STAGES[s.stage], self.spec.stages)]
+        differs = _first_difference(damaged["outputs"], outputs)
+        if differs is None:
+            if kept:
+                self.log(f"[{name}] rebuilt as it was published: {', '.join(kept)}, built "
+                         f"from it, {'stays' if len(kept) == 1 else 'stay'} up to date")
+            return damaged["build"]
+        if kept:
+            raise PipelineError(
+                f"{name}: rebuilt in {self.ws.partial_dir(name)}, but its {differs} differs "
+                f"from the one {', '.join(kept)} {'was' if len(kept) == 1 else 'were'} built "
+                f"from, so the damaged output was left as it was; restore the damaged file, "
+                f"or re-run with --force {name} to rebuild it and what reads it")
+        return uuid.uuid4().hex[:12]
 
     def _follow(self) -> None:
         """A rank other than 0: run each distributed stage rank 0 announces, until it says

@@ -112,3 +112,26 @@ def test_a_local_source_replaced_in_place_is_downloaded_again(workspace):
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "[download] running" in rerun.stdout and "[preprocess] running" in rerun.stdout
     assert load_manifest(pre)["source_sha256"] != before
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_run_rebuilds_a_damaged_shard_and_keeps_the_build_what_reads_it_used(workspace,
+                                                                             damage):
+    cfg, _, pre = workspace
+    shard = pre / "shards" / load_manifest(pre)["splits"]["valid"]["shards"][0]["name"]
+    whole = shard.read_bytes()
+    build = json.loads((pre / "stage.json").read_text())["build"]
+    if damage == "flipped":
+        shard.write_bytes(whole[:100] + bytes([whole[100] ^ 0xFF]) + whole[101:])
+        why = f"shards/{shard.name} does not match its checksum"
+    else:
+        shard.write_bytes(whole[:100])
+        why = f"shards/{shard.name} has 100 bytes, {len(whole):,} were written"
+    result = cli("run", cfg)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"[preprocess] running: {why} (damaged since it was published); rebuilding it" \
+        in result.stdout and "[download] skipped" in result.stdout, result.stdout
+    assert shard.read_bytes() == whole
+    # byte-identical, so a train stage built from the damaged output would stay up to date
+    assert json.loads((pre / "stage.json").read_text())["build"] == build
+    assert len(load_split(pre, "valid"))
