@@ -233,16 +233,27 @@ def _ends_a_line(path: Path) -> bool:
         return True
 
 
+OPS = ("create", "batch", "artifact", "end", "bind")
+
+
 def read_records(path: Path) -> tuple[list[dict], list[str]]:
-    """The whole records of a backlog file, and its lines that are not one (torn: what a
-    kill during an append leaves)."""
+    """The whole records of a backlog file, and its lines that are not one: torn (what a
+    kill during an append leaves), or JSON that no tracker wrote (no known `op`, no run
+    `key`: an edited or foreign file)."""
     records, torn = [], []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
+            torn.append(line)
+            continue
+        if isinstance(record, dict) and record.get("op") in OPS and \
+                isinstance(record.get("key"), str) and \
+                (record["op"] != "bind" or isinstance(record.get("run_id"), str)):
+            records.append(record)
+        else:
             torn.append(line)
     return records, torn
 
@@ -270,8 +281,8 @@ def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple
         with open(aside, "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in torn))
         _rewrite(path, records)
-        warn(f"{len(torn)} torn line(s) of {path} (a kill during a write) are not records; "
-             f"set aside in {aside}")
+        warn(f"{len(torn)} line(s) of {path} are not tracking records (torn by a kill "
+             f"during a write, or edited); set aside in {aside}")
     sent, lost = 0, set()
     for i, record in enumerate(records):
         if record["op"] == "bind":

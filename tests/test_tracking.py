@@ -373,6 +373,29 @@ def test_a_torn_last_line_is_set_aside_and_every_whole_record_sent(tmp_path):
     assert len(warnings) == 1 and str(torn_path(backlog)) in warnings[0]
 
 
+@pytest.mark.parametrize("foreign", ['{"key": "t", "metrics": []}', '{"op": "batch"}',
+                                     '[1, 2]', '"text"', '{"op": "bind", "key": "t"}',
+                                     '{"op": "drop_table", "key": "t"}'])
+def test_json_lines_no_tracker_wrote_are_set_aside_like_torn_ones(tmp_path, foreign):
+    """A backlog line that is JSON but no record (no op, no run key, an op the tracker
+    never writes: an edited file) is set aside, named, and the records around it sent."""
+    from pipeline.tracking_sender import Delivery, append_records, replay, torn_path
+
+    backlog = tmp_path / BACKLOG
+    create = {"op": "create", "key": "t", "experiment": "e", "artifact_location": None,
+              "tags": {"mlflow.runName": "train"}, "parent": None, "time": 1}
+    append_records(backlog, [create])
+    with open(backlog, "a") as f:
+        f.write(foreign + "\n")
+    append_records(backlog, [{"op": "batch", "key": "t", "metrics": [["loss", 0.25, 7, 3]]}])
+    warnings: list[str] = []
+    client = FlakyClient()
+    assert replay(backlog, Delivery(client), warn=warnings.append) == (2, 0)
+    assert client.calls == [("create", "train", None), ("metrics", "id-train", [("loss", 0.25, 3)])]
+    assert torn_path(backlog).read_text() == foreign + "\n"
+    assert len(warnings) == 1 and str(torn_path(backlog)) in warnings[0]
+
+
 def test_the_training_loops_handler_takes_over_inside_and_hands_back_after():
     from pipeline.errors import Interrupted
     from pipeline.signals import RaiseOnSignal
