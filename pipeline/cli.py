@@ -16,6 +16,11 @@ class FilePath(click.Path):
     longer than the filesystem allows) instead of failing wherever it is first used."""
 
     def convert(self, value, param, ctx):
+        if str(value) == "":
+            self.fail("the file name is empty", param, ctx)
+        if str(value) == "-":   # click's standard stream; ours are files and directories
+            self.fail("'-' (a standard stream) is not supported here: give a path",
+                      param, ctx)
         if "\x00" in str(value):
             self.fail("a file name cannot hold a NUL byte", param, ctx)
         try:
@@ -87,6 +92,8 @@ class Main(Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:   # `allattn-pipe --`: no command after the options
+            raise _one_line(e) from None
         except PipelineError as e:
             if ctx.params.get("debug"):
                 raise

@@ -23,6 +23,10 @@ QUICKSTART = "configs/quickstart.yaml"
     (["compare", "--format", "xml"], "'--format'"),
     (["sweep", QUICKSTART, "--parallel"], "'--parallel'"),
     ([], "missing command"),
+    (["--"], "Missing command"),
+    (["validate", ""], "'CONFIG'"),
+    (["validate", "-"], "'CONFIG'"),
+    (["export", QUICKSTART, "--out", "-"], "'--out'"),
     (["launch"], "missing command, one of: slurm"),
 ])
 def test_a_command_line_mistake_is_one_error_line_naming_it(args, names):

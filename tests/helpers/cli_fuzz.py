@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from helpers.spec_damage import CONFIGS, ROOT, damaged_config, raw_values, tagged
 
 from pipeline.cli import main
+from pipeline.errors import shown
 
 HANG_SECONDS = 30
 STAGES = ["download", "preprocess", "train", "finetune", "evaluate", "curriculum"]
@@ -349,7 +350,8 @@ def run_case(case: Case, cwd: Path) -> Outcome:
         lines = result.stderr.splitlines()
         if not lines or not all(line.startswith("error: ") for line in lines[:1]):
             problem = f"not 'error: ...': {result.stderr[-500:]!r}"
-        elif any(not PLACE.search(line) and not any(a and a in line for a in case.args)
+        elif any(not PLACE.search(line) and not any(arg and shown(arg) in line
+                                                    for arg in case.args)
                  for line in lines):
             problem = f"an error line names no place: {result.stderr[-500:]!r}"
         elif "Traceback" in result.output:
