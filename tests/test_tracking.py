@@ -262,6 +262,9 @@ def test_a_signal_outside_training_ends_the_runs_killed_with_one_line(tmp_path, 
     name = f"signal-{stage}"
     # the original code had no handler: a SIGTERM would end pytest itself
     previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("SIGTERM not handled"))
+    # what SIGINT did before: Python's handler, or SIG_IGN in a process started in the
+    # background (a non-interactive shell's `&`)
+    sigint_before = signal.getsignal(signal.SIGINT)
     try:
         result = CliRunner().invoke(main, ["run", str(config(tmp_path, server.url, name))])
     finally:
@@ -275,7 +278,7 @@ def test_a_signal_outside_training_ends_the_runs_killed_with_one_line(tmp_path, 
         expected["download"] = "FINISHED"
     assert {n: r.info.status for n, r in runs.items()} == expected
     assert loss_steps(server, runs[stage]) == [1, 2]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is sigint_before    # the run's handler is gone
 
 
 def test_a_record_mlflow_refuses_is_reported_and_dropped_and_the_rest_goes_on(tmp_path,
