@@ -272,7 +272,7 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
 def _died(run) -> bool:
     """A run MLflow has as running whose workspace (on this host) no run holds: killed
     without a word. On another host nobody here can tell."""
-    from pipeline.runner import lock_is_free
+    from pipeline.workspace_lock import lock_is_free
 
     tags = run.data.tags
     return (tags.get("host") == socket.gethostname() and "workspace" in tags

@@ -30,12 +30,10 @@ as before.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -48,6 +46,7 @@ from pipeline.errors import PipelineError, Preempted, shown
 from pipeline.fsutil import atomic_write_json, file_checksum, file_mismatch, read_json
 from pipeline.schema import Spec
 from pipeline.signals import RaiseOnSignal
+from pipeline.workspace_lock import WorkspaceLock
 from stages import STAGES, StageContext, resolve_inputs
 
 RECORD = "stage.json"
@@ -215,38 +214,6 @@ class Workspace:
         (self.done_dir(stage) / RECORD).unlink(missing_ok=True)
 
 
-class WorkspaceLock:
-    """An exclusive flock on `<workspace>/.lock`; released by the kernel if we die."""
-
-    def __init__(self, workspace: Path):
-        self.path = Path(workspace) / ".lock"
-        self._fd: int | None = None
-
-    def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise PipelineError(f"workspace {self.path.parent} is in use by another run "
-                                f"({holder}); wait for it to finish or stop it") from None
-        os.ftruncate(fd, 0)
-        stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n"
-                  .encode(), 0)
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc):
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
 def output_checksums(out_dir: Path) -> dict[str, dict]:
     """The sha256, size and mtime of each file a stage's record vouches for: its output
     directory less the records and any directory with its own CHECKSUMS (a checkpoint: its
@@ -267,21 +234,6 @@ def _first_difference(old: dict, new: dict) -> str | None:
         if name not in old or name not in new or content(old[name]) != content(new[name]):
             return name
     return None
-
-
-def lock_is_free(workspace: Path) -> bool:
-    """True when no run holds `workspace`'s lock (on this host); creates nothing."""
-    try:
-        fd = os.open(Path(workspace) / ".lock", os.O_RDONLY)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)            # releases the shared lock at once
 
 
 def _differences(kept: dict, config: dict, input_builds: dict) -> list[str]:

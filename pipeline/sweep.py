@@ -34,7 +34,8 @@ from pathlib import Path
 
 from pipeline import distributed
 from pipeline.errors import PipelineError, Preempted, shown
-from pipeline.runner import RECORD, Runner, Workspace, WorkspaceLock, fingerprint
+from pipeline.runner import RECORD, Runner, Workspace, fingerprint
+from pipeline.workspace_lock import WorkspaceLock
 from pipeline.spec import load_spec
 from stages import STAGES, resolve_inputs
 

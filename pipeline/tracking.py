@@ -359,7 +359,7 @@ class MlflowTracker:
 
 def sync(spec, log=print) -> None:
     """Send the records of the workspace's backlog file to the tracking server."""
-    from pipeline.runner import WorkspaceLock
+    from pipeline.workspace_lock import WorkspaceLock
 
     path = backlog_path(spec)
     with WorkspaceLock(spec.workspace_dir):      # a `run` may be appending to it

@@ -19,7 +19,8 @@ import pytest
 
 import stages
 from pipeline.errors import PipelineError, Preempted
-from pipeline.runner import Runner, Workspace, WorkspaceLock
+from pipeline.runner import Runner, Workspace
+from pipeline.workspace_lock import WorkspaceLock
 from pipeline.spec import load_spec
 from pipeline.tracking import NullTracker
 

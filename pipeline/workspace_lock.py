@@ -1,0 +1,59 @@
+"""The workspace's lock: one `run` (or `sync`) at a time per workspace, and a way for
+readers such as `compare` to ask whether a run still holds it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+
+class WorkspaceLock:
+    """An exclusive flock on `<workspace>/.lock`; released by the kernel if we die."""
+
+    def __init__(self, workspace: Path):
+        self.path = Path(workspace) / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise PipelineError(f"workspace {self.path.parent} is in use by another run "
+                                f"({holder}); wait for it to finish or stop it") from None
+        os.ftruncate(fd, 0)
+        stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n"
+                  .encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def lock_is_free(workspace: Path) -> bool:
+    """True when no run holds `workspace`'s lock (on this host); creates nothing."""
+    try:
+        fd = os.open(Path(workspace) / ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)            # releases the shared lock at once
