@@ -8,7 +8,7 @@ unicode characters; the vocabulary is the training file's characters plus one id
 characters only the validation file has. Training: B parallel streams over the training
 text, consecutive segments of M characters, the cache carried from segment to segment (the
 paper's Transformer-XL-style training), the project's model and optimizers
-(``pipeline.optim``: Adam with global clipping, or the paper's ClippedAdagrad), linear warmup.
+(``pipeline.training.optim``: Adam with global clipping, or the paper's ClippedAdagrad), linear warmup.
 Validation: the first --valid-chars characters of the validation file, cut into 8 streams,
 scored block by block with the cache (every character once), in bits per character.
 
@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.data import StreamBatches  # noqa: E402
-from pipeline.evaluation import LN2, evaluate_nll  # noqa: E402
+from pipeline.training.evaluation import LN2, evaluate_nll  # noqa: E402
 from pipeline.models import AllAttnConfig, AllAttnLM, count_parameters  # noqa: E402
-from pipeline.optim import ClippedAdagrad, scheduled_lr  # noqa: E402
+from pipeline.training.optim import ClippedAdagrad, scheduled_lr  # noqa: E402
 
 
 def find_data() -> Path:

@@ -49,7 +49,7 @@ def measure(tmp: Path, steps: int, procs: int, zero: int) -> dict:
     cfg = config(tmp, steps, procs, zero)
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(cfg)]
+    cmd = [sys.executable, "-m", "pipeline.commands.cli", "run", str(cfg)]
     subprocess.run(cmd + ["--only", "download,preprocess"], check=True, env=env,
                    capture_output=True)
     started = time.time()

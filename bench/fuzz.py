@@ -16,9 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers.cli_fuzz import build_world, fuzz  # noqa: E402
+from tests.helpers.cli_fuzz import build_world, fuzz  # noqa: E402
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ scored and trained on (the authors' code backpropagates the final segment's loss
 state is detached between segments). Accuracy is teacher-forced: token accuracy of the 20
 target symbols and the share of documents with all 20 right, on 64 held-out documents.
 This is the issue's acceptance bench in miniature, run in-process, through the same
-pipeline.documents.run_documents as the trainer's document mode. Prints a markdown table;
+pipeline.training.document_passes.run_documents as the trainer's document mode. Prints a markdown table;
 asserts nothing.
 """
 
@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.data.frequency_sort import generate_split  # noqa: E402
-from pipeline.documents import run_documents  # noqa: E402
+from pipeline.training.document_passes import run_documents  # noqa: E402
 from pipeline.models import build_model  # noqa: E402
 
 VOCAB = 20

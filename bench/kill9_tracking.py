@@ -13,9 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import test_kill9_tracking as kill9  # noqa: E402
+from tests.tracking import test_kill9_tracking as kill9  # noqa: E402
 
 
 def main() -> None:

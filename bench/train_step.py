@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.models import build_model  # noqa: E402
-from pipeline.optim import build_optimizer  # noqa: E402
-from pipeline.report import vocab_size_for  # noqa: E402
+from pipeline.training.optim import build_optimizer  # noqa: E402
+from pipeline.commands.report import vocab_size_for  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
-from pipeline.device import peak_memory_mb  # noqa: E402
+from pipeline.cluster.device import peak_memory_mb  # noqa: E402
 
 
 def main() -> None:

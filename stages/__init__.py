@@ -83,7 +83,7 @@ class StageContext:
     spec: Any                        # pipeline.spec.Spec
     out_dir: Path                    # where outputs go; published atomically on success
     inputs: dict[str, Path]          # input stage name -> its published output directory
-    tracker: Any                     # pipeline.tracking.StageTracker
+    tracker: Any                     # pipeline.tracking.tracker.StageTracker
     log: Callable[[str], None] = print
     info: dict = field(default_factory=dict)   # free-form notes a stage leaves for the runner
 

@@ -52,7 +52,7 @@ def run(ctx: StageContext) -> dict:
     import torch
 
     from pipeline.data.algorithmic import generate, length_step, vocab_size
-    from pipeline.optim import scheduled_lr
+    from pipeline.training.optim import scheduled_lr
 
     spec, train = ctx.spec, ctx.spec.train
     task, data_seed = spec.dataset.generator.algorithmic, spec.dataset.generator.seed
@@ -226,7 +226,7 @@ def _save(root: Path, epoch: int, model, optimizer, state: dict) -> None:
     place; then all but the newest KEEP are removed."""
     import torch
 
-    from pipeline.checkpoints import step_dirs, write_checksums
+    from pipeline.training.checkpoints import step_dirs, write_checksums
 
     tag = f"step-{epoch:08d}"
     aside = root / f".{tag}.tmp"
@@ -242,14 +242,14 @@ def _save(root: Path, epoch: int, model, optimizer, state: dict) -> None:
 
 
 def _newest(root: Path, log) -> str | None:
-    from pipeline.checkpoints import newest_intact
+    from pipeline.training.checkpoints import newest_intact
 
     return newest_intact(root, log) if root.is_dir() else None
 
 
 def _load(path: Path, model, optimizer=None) -> dict:
     """Restore a checkpoint into `model` (and `optimizer`); returns the curriculum state."""
-    from pipeline.checkpoints import read_checkpoint_file
+    from pipeline.training.checkpoints import read_checkpoint_file
 
     saved = read_checkpoint_file(path / STATE)
     model.load_state_dict(saved["model"])

@@ -5,7 +5,7 @@ Every token of each split is scored exactly once, streamed with the cache ("full
 Outputs `results.json`; prints the numbers beside the train split's unigram entropy.
 A dataset of documents (the sorting task) is scored document by document instead, on the
 targets after each separator: loss per scored target, token accuracy and exact match
-(pipeline.documents).
+(pipeline.training.document_passes).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ def run(ctx: StageContext) -> dict:
         return evaluate_task(ctx)
     import torch
 
-    from pipeline.checkpoints import load_model_weights
+    from pipeline.training.checkpoints import load_model_weights
     from pipeline.data.manifest import load_manifest, load_split
-    from pipeline.device import resolve_device
-    from pipeline.evaluation import LN2, evaluate_nll
-    from pipeline.paper_loss import line_losses
+    from pipeline.cluster.device import resolve_device
+    from pipeline.training.evaluation import LN2, evaluate_nll
+    from pipeline.training.paper_loss import line_losses
 
     spec, ev = ctx.spec, ctx.spec.evaluate
     manifest = load_manifest(ctx.inputs["preprocess"])
@@ -96,8 +96,8 @@ def _persistent_share(ctx: StageContext, model, seq_len: int, device, valid=None
     Every query row of the batches run counts, the padded tail of a short split's last
     batch included. `valid`: the split's tokens if scoring already read them."""
     from pipeline.data.manifest import load_split
-    from pipeline.evaluation import evaluate_nll
-    from pipeline.plots import head_heat_map
+    from pipeline.training.evaluation import evaluate_nll
+    from pipeline.commands.plots import head_heat_map
 
     batch_size = ctx.spec.evaluate.batch_size
     with model.measure_persistent_share() as tables:
@@ -123,7 +123,7 @@ def _evaluate_documents(ctx: StageContext, model, seq_len: int, device, layout: 
     accuracy, exact match."""
     from pipeline.data.documents import as_documents
     from pipeline.data.manifest import load_split
-    from pipeline.documents import score_documents
+    from pipeline.training.document_passes import score_documents
 
     ev = ctx.spec.evaluate
     if ev.line_losses:
@@ -163,7 +163,7 @@ def _checkpoint(ctx: StageContext) -> tuple[str, str | None]:
     """The stage whose checkpoint is scored, and its tag (None: the newest intact one).
     `best`: finetune starts from train's best validation and points its own `best` only at
     a checkpoint that beats it, so finetune's pointer if it has one, else train's."""
-    from pipeline.checkpoints import read_pointer
+    from pipeline.training.checkpoints import read_pointer
 
     if ctx.spec.evaluate.checkpoint == "latest":
         return ("finetune" if "finetune" in ctx.inputs else "train"), None

@@ -14,8 +14,8 @@ from stages.train import log_head_tables
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.checkpoints import newest_intact, step_dirs, step_of
-    from pipeline.trainer import Trainer
+    from pipeline.training.checkpoints import newest_intact, step_dirs, step_of
+    from pipeline.training.trainer import Trainer
 
     ft = ctx.spec.finetune
     trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)

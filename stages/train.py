@@ -18,9 +18,9 @@ def patience(spec) -> int | None:
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.optim import scheduled_lr
-    from pipeline.checkpoints import step_dirs
-    from pipeline.trainer import Trainer
+    from pipeline.training.optim import scheduled_lr
+    from pipeline.training.checkpoints import step_dirs
+    from pipeline.training.trainer import Trainer
 
     train = ctx.spec.train
     trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)
@@ -52,7 +52,7 @@ def run(ctx: StageContext) -> dict:
 def log_head_tables(ctx: StageContext, trainer, stage: str) -> None:
     """What the model reports per layer and head at the end of the stage (its learned spans:
     `spans.json`, `spans.png`) into out_dir, logged as artifacts; rank 0 only."""
-    from pipeline.plots import save_head_tables
+    from pipeline.commands.plots import save_head_tables
 
     if trainer.rank != 0:
         return

@@ -15,7 +15,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 USES_SHARED_DATA = """\
-from conftest import shared_data
+from tests.conftest import shared_data
 
 def test_reads_the_corpus():
     assert shared_data("corpus/input.txt").read_text() == "real text\\n"
@@ -29,6 +29,7 @@ def clone(tmp_path) -> Path:
     tests = tmp_path / "clone" / "tests"
     tests.mkdir(parents=True)
     shutil.copy(TESTS / "conftest.py", tests)
+    (tests / "__init__.py").touch()          # tests/ is a package, as in the project
     (tests / "test_uses_shared_data.py").write_text(USES_SHARED_DATA)
     return tmp_path / "clone"
 

@@ -25,9 +25,9 @@ from pathlib import Path
 from click.testing import CliRunner
 from hypothesis import strategies as st
 
-from helpers.spec_damage import CONFIGS, ROOT, damaged_config, raw_values, tagged
+from tests.helpers.spec_damage import CONFIGS, ROOT, damaged_config, raw_values, tagged
 
-from pipeline.cli import main
+from pipeline.commands.cli import main
 from pipeline.errors import shown
 
 HANG_SECONDS = 30

@@ -1,0 +1,142 @@
+"""Many processes: the `deepspeed` launcher command the runner starts, and what each launched
+process runs (`launch/train.py` calls `main`).
+
+Every launched process runs the same pipeline through the same `Runner`; rank 0 does the
+single-process stages and the bookkeeping, all ranks train (see `Runner.run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.cluster import distributed
+from pipeline.errors import PipelineError, Preempted
+
+ENTRY = Path(__file__).resolve().parents[2] / "launch" / "train.py"
+
+
+def launcher_command(spec, pipeline_args: list[str]) -> list[str]:
+    """The `deepspeed` command that runs this pipeline on `spec.train.launcher`'s processes."""
+    launcher = spec.train.launcher
+    if not ENTRY.is_file():
+        raise PipelineError(f"{ENTRY} is missing: multi-process runs need the project's "
+                            f"launch/ directory (a source checkout)")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if launcher.nodes > 1 and not launcher.hostfile:
+        raise PipelineError(f"train.launcher.nodes {launcher.nodes}: the deepspeed launcher "
+                            f"needs train.launcher.hostfile naming the nodes (on Slurm, "
+                            f"`allattn-pipe launch slurm` starts the processes instead)")
+    if launcher.hostfile:
+        if not Path(launcher.hostfile).is_file():
+            raise PipelineError(f"train.launcher.hostfile {launcher.hostfile}: no such file")
+        cmd += ["--hostfile", launcher.hostfile]
+    port = launcher.master_port or distributed.free_port()
+    cmd += ["--num_nodes", str(launcher.nodes), "--num_gpus", str(launcher.procs_per_node),
+            "--master_port", str(port), str(ENTRY)]
+    return cmd + pipeline_args
+
+
+def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
+    """Start the launcher for `spec` and wait for it. SIGTERM / ctrl-C are passed on as
+    SIGTERM to the ranks, which checkpoint together and exit 143 (`Preempted`); a second one
+    as SIGINT, which stops them at once."""
+    import psutil
+
+    cmd = launcher_command(spec, pipeline_args)
+    env = dict(os.environ)
+    if env.get("DS_ACCELERATOR") == "cpu" or not _has_cuda():
+        # processes on one CPU host share its cores instead of each taking all of them
+        per_proc = max(1, (os.cpu_count() or 1) // spec.train.launcher.procs_per_node)
+        env.setdefault("OMP_NUM_THREADS", str(per_proc))
+    log(f"starting {spec.train.launcher.world_size} processes: {' '.join(cmd)}")
+    # Its own session (so its own process group): a ctrl-C in the terminal reaches only us,
+    # and we decide how the launcher's processes hear of it.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    stopped: list[str] = []
+    signalled: list = []
+
+    def forward(signum, frame):
+        # To the ranks themselves: deepspeed's launchers answer a signal by killing their
+        # children (the outer one at once, the inner one 30 s later), not by waiting for a
+        # checkpoint. A rank's exit 143 then travels up through both launchers.
+        # Asked again: SIGINT, which a rank takes as "stop now" (a repeated SIGTERM may be
+        # one preemption delivered twice; see pipeline.cluster.signals).
+        to_ranks = signal.SIGINT if stopped else signal.SIGTERM
+        stopped.append(signal.Signals(signum).name)
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                 if _is_rank(c)]
+        for rank in ranks:
+            rank.send_signal(to_ranks)
+        signalled.extend(ranks)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = proc.wait()
+        psutil.wait_procs(signalled, timeout=600)   # the ranks finish saving
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopped or code == Preempted.exit_code:
+        raise Preempted(f"training stopped by {stopped[0] if stopped else 'a signal'}; "
+                        f"run the pipeline again to resume from its last checkpoint")
+    if code != 0:
+        raise PipelineError(f"the deepspeed launcher exited with code {code} (the failing "
+                            f"rank's error is printed above)")
+
+
+def _is_rank(process) -> bool:
+    import psutil
+
+    try:
+        argv = process.cmdline()
+    except psutil.Error:          # already gone
+        return False
+    # `python -u launch/train.py ...`; the launchers run as `python -u -m deepspeed...` with
+    # the script among their arguments
+    return str(ENTRY) in argv and "-m" not in argv
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One launched process: the pipeline of --config, this process being one rank."""
+    from pipeline.workspace.runner import Runner
+    from pipeline.spec import load_spec
+    from pipeline.tracking.tracker import make_tracker
+
+    parser = argparse.ArgumentParser(
+        prog="launch/train.py", description="Run a pipeline as one rank of a multi-process "
+        "launch: deepspeed --hostfile hosts launch/train.py --config CFG")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE")
+    parser.add_argument("--from", dest="start_from", metavar="STAGE")
+    parser.add_argument("--only", action="append", default=[], metavar="STAGE")
+    parser.add_argument("--force", action="append", default=[], metavar="STAGE")
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # older launchers
+    parser.add_argument("--ranks-from-slurm", action="store_true",
+                        help="a task of an srun step: rank and world size from Slurm")
+    args = parser.parse_args(argv)
+    rank = 0
+    try:
+        if args.ranks_from_slurm:
+            distributed.take_rank_from_slurm()
+        spec = load_spec(args.config, args.overrides)
+        rank, _ = distributed.init_process_group()
+        runner = Runner(spec, force=args.force, start_from=args.start_from, only=args.only,
+                        log=print if rank == 0 else (lambda m: None))
+        runner.run(make_tracker(spec, rank=rank))
+    except PipelineError as e:
+        if rank == 0 or not isinstance(e, Preempted):    # every rank stops the same way
+            print(f"error (rank {rank}): {e}", file=sys.stderr)
+        return e.exit_code
+    return 0

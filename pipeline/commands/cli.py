@@ -1,0 +1,485 @@
+"""The `allattn-pipe` command: parse, call the engine, print."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+
+import click
+
+from pipeline.errors import PipelineError, shown
+
+class FilePath(click.Path):
+    """click.Path, refusing as a usage error a name no file can have (a NUL byte, a name
+    longer than the filesystem allows) instead of failing wherever it is first used."""
+
+    def convert(self, value, param, ctx):
+        if str(value) == "":
+            self.fail("the file name is empty", param, ctx)
+        if str(value) == "-":   # click's standard stream; ours are files and directories
+            self.fail("'-' (a standard stream) is not supported here: give a path",
+                      param, ctx)
+        if "\x00" in str(value):
+            self.fail("a file name cannot hold a NUL byte", param, ctx)
+        try:
+            os.stat(value)
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                self.fail(f"{e.strerror}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+CONFIG = click.argument("config", type=FilePath(dir_okay=False))
+SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                   help="Override any key of the spec, e.g. --set train.optimizer.lr=0.05 "
+                        "(values are typed as YAML: 12 is an int, 0.05 a float). Repeatable.")
+
+
+class OneLineUsageError(click.UsageError):
+    """A mistake on the command line (a missing argument, an unknown option, a value click
+    cannot convert), shown as the one line every other error is, not click's usage block."""
+
+    def __init__(self, error: click.UsageError):
+        super().__init__(error.format_message(), error.ctx)
+
+    def show(self, file=None) -> None:
+        # one line even where the value quoted holds newlines
+        message = " ".join(self.format_message().split()).rstrip(".")
+        hint = f" (see {self.ctx.command_path} --help)" if self.ctx else ""
+        click.echo(f"error: {message}{hint}", err=True)
+
+
+class OneLineErrors:
+    """Click's usage errors of a command or group as one line (--help stays click's)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:   # a bare group: what it has
+            commands = ", ".join(e.ctx.command.list_commands(e.ctx))
+            raise OneLineUsageError(click.UsageError(
+                f"missing command, one of: {commands}", e.ctx)) from None
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+
+def _one_line(error: click.UsageError) -> click.UsageError:
+    return error if isinstance(error, OneLineUsageError) else OneLineUsageError(error)
+
+
+class Command(OneLineErrors, click.Command):
+    pass
+
+
+class Group(OneLineErrors, click.Group):
+    command_class = Command
+
+
+Group.group_class = Group    # `launch` and its commands too
+
+
+class Main(Group):
+    """Prints a user's mistake as one line; `--debug` shows the traceback instead."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:   # `allattn-pipe --`: no command after the options
+            raise _one_line(e) from None
+        except PipelineError as e:
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:     # a second ctrl-C, or one outside `run`'s stages
+            if ctx.params.get("debug"):
+                raise
+            click.echo("error: interrupted (SIGINT)", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
+def main(debug: bool) -> None:
+    """Staged YAML pipelines for long-context attention language models:
+    download -> preprocess -> train -> finetune -> evaluate, tracked in MLflow."""
+
+
+@main.command()
+@CONFIG
+@SET
+@click.option("--from", "start_from", metavar="STAGE",
+              help="Re-run STAGE and every stage after it; earlier ones run only if needed.")
+@click.option("--only", multiple=True, metavar="STAGE[,STAGE]",
+              help="Run only these stages (if out of date); the others are left as they are.")
+@click.option("--force", multiple=True, metavar="STAGE",
+              help="Re-run STAGE even if up to date (and so everything reading its output), "
+                   "discarding the checkpoints of an interrupted run of it.")
+@click.option("--dry-run", is_flag=True, help="Print what would run and why; run nothing.")
+def run(config, overrides, start_from, only, force, dry_run):
+    """Run the pipeline CONFIG, skipping stages whose outputs are up to date."""
+    from pipeline.workspace.runner import Runner
+    from pipeline.spec import load_spec
+    from pipeline.tracking.tracker import make_tracker
+
+    spec = load_spec(config, list(overrides))
+    runner = Runner(spec, force=list(force), start_from=start_from, only=list(only))
+    if dry_run:
+        click.echo(f"workspace {spec.workspace_dir}")
+        for step in runner.plan():
+            click.echo(f"  {step.stage:<11} {step.action:<5} {step.describe()}")
+        return
+    from pipeline.fsutil import writable_dir
+
+    writable_dir(spec.workspace_dir, "workspace")    # before MLflow's store is made in it
+    if runner.needs_launcher():
+        from pipeline.cluster.launcher import run_under_launcher
+
+        make_tracker(spec).check(spec)   # here, not after every process has started
+
+        args = ["--config", config, *_repeat("--set", overrides), *_repeat("--only", only),
+                *_repeat("--force", force), *_repeat("--from", [start_from] if start_from else [])]
+        run_under_launcher(spec, args)
+        return
+    runner.run(make_tracker(spec))
+
+
+@main.command()
+@CONFIG
+@SET
+def sync(config, overrides):
+    """Send the tracking records a run kept while its MLflow server was down."""
+    from pipeline.spec import load_spec
+    from pipeline.tracking.tracker import sync as sync_backlog
+
+    sync_backlog(load_spec(config, list(overrides)), log=click.echo)
+
+
+@contextlib.contextmanager
+def _flag(flag: str):
+    """A PipelineError raised within names the option whose value it is about."""
+    try:
+        yield
+    except PipelineError as e:
+        raise PipelineError(f"{flag} {e}") from None
+
+
+def _is_file(name: str) -> bool:
+    """Whether a compare target names a file; an experiment's name may be no possible one."""
+    from pathlib import Path
+
+    try:
+        return Path(name).is_file()
+    except (OSError, ValueError):   # too long, or a NUL byte
+        return False
+
+
+def _repeat(flag: str, values) -> list[str]:
+    return [item for v in values for item in (flag, v)]
+
+
+@main.command()
+@CONFIG
+@SET
+def validate(config, overrides):
+    """Check CONFIG (and its extends, dataset card and overrides) without running anything."""
+    from pipeline.spec import load_spec
+
+    spec = load_spec(config, list(overrides))
+    click.echo(f"{config}: valid ({spec.name}: {', '.join(spec.stages)})")
+
+
+@main.command()
+@CONFIG
+@SET
+def show(config, overrides):
+    """Print the fully resolved spec and the model's parameter count."""
+    import yaml
+
+    from pipeline.commands.report import parameter_report
+    from pipeline.spec import load_spec
+
+    spec = load_spec(config, list(overrides))
+    click.echo(yaml.safe_dump(spec.resolved(), sort_keys=False).rstrip())
+    click.echo()
+    click.echo(parameter_report(spec))
+    if spec.paper:
+        from pipeline.commands.compare import paper_line
+
+        click.echo(paper_line(spec.paper))
+
+
+@main.command()
+@click.argument("targets", nargs=-1, metavar="[CONFIG | EXPERIMENT | RUN_ID]...")
+@SET
+@click.option("--metric", "metrics", multiple=True, metavar="M",
+              help="Show this metric (repeatable; default: every final metric logged).")
+@click.option("--filter", "filter_string", default="", metavar="EXPR",
+              help="MLflow search syntax, e.g. \"params.train.seed = '2'\" or "
+                   "\"metrics.test_bpc < 1.5\": a pipeline run is kept when it or one of "
+                   "its stage runs matches.")
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]),
+              default="table", show_default=True)
+@click.option("--plot", type=FilePath(dir_okay=False), metavar="FILE.png",
+              help="Also draw the runs' learning curves (train loss, valid bpc by step, "
+                   "tokens and wall-clock) into FILE.png, and log it to their sweep's run.")
+def compare(targets, overrides, metrics, filter_string, fmt, plot):
+    """Pipeline runs side by side from the MLflow store: seeds grouped (mean ± std, n),
+    published results beside ours, columns equal in every row folded into a header line."""
+    import re
+    from pathlib import Path
+
+    from pipeline.commands import compare as cmp
+    from pipeline.spec import load_spec
+
+    if plot:
+        from pipeline.commands.plots import image_format
+
+        with _flag("--plot"):   # a name no picture can have is refused before the queries
+            image_format(plot)
+    specs, experiments, run_ids = [], [], []
+    for target in targets:
+        if _is_file(target):
+            specs.append(load_spec(target, list(overrides)))
+        elif re.fullmatch(r"[0-9a-f]{32}", target):
+            run_ids.append(target)
+        else:
+            experiments.append(target)
+    if overrides and not specs:
+        raise PipelineError("--set applies to a CONFIG argument; none was given")
+    client = cmp.open_store(cmp.store_uri(specs))
+    rows = cmp.collect(client, specs, experiments, run_ids, filter_string, overrides)
+    groups = cmp.group(rows)
+    click.echo(cmp.render(groups, cmp.metric_names(groups, metrics), fmt))
+    if plot and rows:
+        from pipeline.commands.plots import curves, learning_curves
+
+        data = {row.name: curves(client, row) for row in rows}
+        with _flag("--plot"):
+            learning_curves(data, plot)
+        sweeps = {row.sweep for row in rows}
+        if len(sweeps) == 1 and None not in sweeps:
+            client.log_artifact(sweeps.pop(), plot)
+        click.echo(f"learning curves: {plot}", err=True)
+
+
+def SLURM_JOB(command):
+    """The options of a Slurm job that `launch slurm` and `sweep --slurm` share."""
+    for option in reversed([
+        click.option("--procs-per-node", type=int,
+                     help="Slurm: training processes per node (default: one per GPU; "
+                          "required with --gpus-per-node 0)."),
+        click.option("--partition", help="Slurm partition (default: the cluster's)."),
+        click.option("--time", "time_limit", metavar="TIME",
+                     help="Slurm time limit, e.g. 24:00:00 or 1-00:00:00; the job "
+                          "checkpoints and requeues itself shortly before it."),
+        click.option("--signal-lead", type=int, metavar="SECONDS",
+                     help="Slurm: how long before the time limit the job starts "
+                          "checkpointing (default 300)."),
+    ]):
+        command = option(command)
+    return command
+
+
+@main.command()
+@CONFIG
+@SET
+@click.option("--grid", multiple=True, metavar="KEY=V1,V2,...",
+              help="A spec key and its values; the points are every combination of the "
+                   "grids (x seeds). Repeatable.")
+@click.option("--seeds", metavar="S1,S2,...", help="Run every point with each train.seed.")
+@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Points run at once, each as its own process.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the points and what each would run (with --slurm: the script).")
+@click.option("--slurm", is_flag=True,
+              help="Submit the sweep as one Slurm job array, a task per point.")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --slurm: nodes per point.")
+@click.option("--gpus-per-node", type=int, default=1, show_default=True,
+              help="With --slurm: GPUs per node, one process each; 0 for a CPU partition.")
+@SLURM_JOB
+@click.option("--max-parallel", type=click.IntRange(min=1),
+              help="With --slurm: at most this many points run at once.")
+@click.option("--array-task-prepare", type=int, hidden=True)
+@click.option("--array-task-finish", type=int, hidden=True)
+def sweep(config, overrides, grid, seeds, parallel, dry_run, slurm, nodes, gpus_per_node,
+          procs_per_node, partition, time_limit, signal_lead, max_parallel,
+          array_task_prepare, array_task_finish):
+    """Run CONFIG at every point of a grid (x seeds), each its own run name under one MLflow
+    run; stages every point shares run once; a re-run skips finished points and resumes
+    interrupted ones."""
+    from pipeline.commands import sweep as sweeps
+
+    args = (config, list(overrides), list(grid), seeds)
+    if array_task_prepare is not None:
+        sweeps.prepare_array_task(*args, array_task_prepare, log=click.echo)
+        return
+    if array_task_finish is not None:
+        sweeps.finish_array_task(*args, array_task_finish, log=click.echo)
+        return
+    if slurm:
+        _sweep_on_slurm(args, nodes, gpus_per_node, procs_per_node, partition, time_limit,
+                        signal_lead, max_parallel, dry_run)
+        return
+    cluster_only = {"--nodes": nodes != 1, "--gpus-per-node": gpus_per_node != 1,
+                    "--procs-per-node": procs_per_node, "--partition": partition,
+                    "--time": time_limit, "--signal-lead": signal_lead,
+                    "--max-parallel": max_parallel}
+    given = [flag for flag, value in cluster_only.items() if value]
+    if given:
+        raise PipelineError(f"{', '.join(given)}: only with --slurm (locally, --parallel "
+                            f"sets how many points run at once)")
+    failed = sweeps.run_sweep(*args, parallel, dry_run, log=click.echo)
+    if failed:
+        raise PipelineError(f"{len(failed)} sweep points failed: {', '.join(failed)}")
+
+
+def _sweep_on_slurm(args, nodes, gpus_per_node, procs_per_node, partition, time_limit,
+                    signal_lead, max_parallel, dry_run) -> None:
+    from pipeline.cluster.slurm import render_sweep_array, slurm_dir, submit
+
+    script, base = render_sweep_array(
+        *args, nodes, gpus_per_node, procs_per_node, partition=partition, time=time_limit,
+        max_parallel=max_parallel,
+        **({"signal_lead": signal_lead} if signal_lead is not None else {}))
+    if dry_run:
+        click.echo(script, nl=False)
+        return
+    path = slurm_dir(base) / f"{base.name}-sweep.sbatch"
+    _write_script(path, script, slurm_dir(base) / "logs", submit_hint=False)
+    click.echo(f"submitted job array {submit(path)}")
+
+
+CHECKPOINT = click.option("--checkpoint", default="latest", show_default=True,
+                          metavar="latest|best|PATH",
+                          help="latest: finetune's last (else train's); best: the best "
+                               "validation's; or a checkpoint directory.")
+
+
+@main.command()
+@CONFIG
+@SET
+@CHECKPOINT
+@click.option("--prompt", required=True, help="The text to continue.")
+@click.option("--tokens", type=click.IntRange(min=1), default=200, show_default=True,
+              help="How many tokens to generate.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Softmax temperature; 0 picks the most likely token.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Draw from the K most likely only.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, seed):
+    """Continue PROMPT with CONFIG's trained language model (through its cache)."""
+    from pipeline.commands.sample import sample as generate_text
+    from pipeline.spec import load_spec
+
+    spec = load_spec(config, list(overrides))
+    for text in generate_text(spec, checkpoint, prompt, tokens, temperature, top_k, seed,
+                              log=lambda m: click.echo(m, err=True)):
+        click.echo(text, nl=False)
+    click.echo()
+
+
+@main.command()
+@CONFIG
+@SET
+@CHECKPOINT
+@click.option("--out", required=True, type=FilePath(file_okay=False),
+              help="The directory to write (model.safetensors, config.json, vocab.json).")
+def export(config, overrides, checkpoint, out):
+    """Write CONFIG's trained weights as safetensors, with the model config and vocabulary
+    as JSON: `pipeline.commands.export.load_exported(DIR)` loads them into the plain torch model."""
+    from pipeline.commands.export import export as write_export
+    from pipeline.spec import load_spec
+
+    write_export(load_spec(config, list(overrides)), out, checkpoint, log=click.echo)
+
+
+@main.command()
+def stages():
+    """List the stage kinds and what each does."""
+    from stages import STAGES
+
+    for stage in STAGES.values():
+        reads = ", ".join(i if isinstance(i, str) else " or ".join(i) for i in stage.inputs)
+        click.echo(f"{stage.name:<11} {stage.summary}")
+        click.echo(f"{'':<11} reads: {reads or 'nothing'}")
+
+
+@main.group()
+def launch():
+    """Run a pipeline's training on a cluster."""
+
+
+@launch.command()
+@CONFIG
+@click.option("--nodes", type=int, required=True, help="Nodes to train on.")
+@click.option("--gpus-per-node", type=int, required=True,
+              help="GPUs per node, one training process each; 0 for a CPU partition.")
+@SLURM_JOB
+@SET
+@click.option("--dry-run", is_flag=True, help="Print the script instead of writing it.")
+@click.option("--output", type=FilePath(dir_okay=False),
+              help="Where to write the script (default <workspace>/<name>/slurm/<name>.sbatch).")
+def slurm(config, nodes, gpus_per_node, procs_per_node, partition, time_limit, signal_lead,
+          overrides, dry_run, output):
+    """Render a Slurm batch script that trains CONFIG on NODES x GPUS-PER-NODE processes."""
+    from pathlib import Path
+
+    from pipeline.cluster.slurm import render_sbatch, slurm_dir
+    from pipeline.spec import load_spec
+
+    spec = load_spec(config, list(overrides))
+    script = render_sbatch(config, spec, nodes, gpus_per_node, procs_per_node,
+                           partition=partition, time=time_limit, overrides=list(overrides),
+                           **({"signal_lead": signal_lead} if signal_lead is not None else {}))
+    if dry_run:
+        click.echo(script, nl=False)
+        return
+    path = Path(output) if output else slurm_dir(spec) / f"{spec.name}.sbatch"
+    with _flag("--output"):
+        _write_script(path, script, slurm_dir(spec) / "logs")
+
+
+def _write_script(path, script: str, log_dir, submit_hint: bool = True) -> None:
+    """Write a batch script (atomically) and say how to submit it."""
+    from pipeline.fsutil import atomic_write_text
+
+    try:
+        previous = path.read_text(encoding="utf-8") if path.is_file() else None
+        # Slurm opens the job's --output file before the script runs: its directory must exist.
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if previous != script:
+            atomic_write_text(path, script)
+    except (OSError, UnicodeDecodeError) as e:
+        raise PipelineError(f"{shown(path)}: cannot write the script: "
+                            f"{getattr(e, 'strerror', None) or e}") from None
+    if previous == script:
+        click.echo(f"{path}: unchanged")
+    else:
+        click.echo(f"{path}: {'replaced a different earlier script' if previous else 'written'}")
+    if submit_hint:
+        click.echo(f"submit with: sbatch {path}")
+
+
+def entry() -> None:
+    """The console script: `main`, then `distributed.exit_process` with its exit code (tests
+    call `main` in-process, where exiting the interpreter is not ours to do)."""
+    from pipeline.cluster import distributed
+
+    try:
+        main()
+    except SystemExit as e:
+        distributed.exit_process(e.code)
+
+
+if __name__ == "__main__":
+    entry()

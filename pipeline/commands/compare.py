@@ -1,0 +1,446 @@
+"""`allattn-pipe compare`: pipeline runs side by side, read back from the MLflow store.
+
+One row per workspace: its pipeline runs (MLflow runs tagged `spec`, one per `run` that ran
+at least one stage: a first attempt, its resumption, ...) merged. Its numbers come from
+their stage runs: steps from train / finetune's loss history, the final metrics from
+evaluate. Rows that differ only in `train.seed` (and in the run name, which a sweep derives
+from the seed) form one group: each metric is the mean ± sample standard deviation over the
+group, with n. A config with a `paper:` section logged its published row as parameters;
+the group gets that row beneath it, with our mean minus the published value.
+
+Columns equal in every row are folded into one header line, so the table shows what differs;
+`csv` and `json` keep every column (they are for programs, not eyes).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import PipelineError, shown
+
+# parameters that name where a run lived rather than what it computed
+_PLACE = ("name", "workspace.", "tracking.", "paper.")
+SEED = "train.seed"
+# the metrics shown by default, in this order, when a run logged them
+METRICS = ("valid_bpc", "test_bpc", "valid_ppl", "test_ppl")
+STATUS = {"FINISHED": "finished", "KILLED": "killed", "FAILED": "failed",
+          "RUNNING": "running", "SCHEDULED": "running"}
+
+
+@dataclass
+class RunRow:
+    """One workspace's pipeline runs, as MLflow recorded them."""
+    run_id: str                     # the latest pipeline run of its workspace
+    run_ids: list[str]              # all of them, oldest first
+    name: str
+    status: str
+    params: dict[str, str]          # the resolved spec, flattened (the parent run's params)
+    metrics: dict[str, float]       # evaluate's (and the tasks') final numbers
+    steps: int | None               # the last optimizer step train / finetune logged
+    parameters: int | None          # the model's size, as train logged it
+    wall_s: float
+    sweep: str | None               # the run of the sweep it belongs to, if any
+
+
+@dataclass
+class Group:
+    """Rows alike in everything but the seed and the run name."""
+    rows: list[RunRow]
+    paper: dict | None = None       # {"table", "parameters", "results": {metric: value}}
+    key: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The run name, less a sweep's `-seedN` when the seeds differ."""
+        names = sorted({r.name for r in self.rows})
+        if len(names) == 1:
+            return names[0]
+        stems = sorted({re.sub(r"-seed[^-]*", "", n) for n in names})
+        return stems[0] if len(stems) == 1 else f"{names[0]} (+{len(names) - 1})"
+
+    @property
+    def seeds(self) -> str:
+        return ",".join(sorted({r.params.get(SEED, "?") for r in self.rows}, key=_natural))
+
+    def metric(self, name: str) -> tuple[float, float | None, int] | None:
+        """(mean, sample std or None for one value, n) of `name` over the group's rows."""
+        values = [r.metrics[name] for r in self.rows if name in r.metrics]
+        if not values:
+            return None
+        std = statistics.stdev(values) if len(values) > 1 else None
+        return statistics.fmean(values), std, len(values)
+
+
+def _natural(text: str):
+    return (0, int(text), "") if text.lstrip("-").isdigit() else (1, 0, text)
+
+
+def store_uri(specs) -> str:
+    """The tracking store `run` would use: the first config's, else MLFLOW_TRACKING_URI,
+    else the embedded store under the default workspace root."""
+    from pipeline.tracking.tracker import default_tracking_uri, tracking_uri
+
+    if specs:
+        return tracking_uri(specs[0])
+    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri("runs")
+
+
+def open_store(uri: str):
+    """An MlflowClient on `uri`; refuses an embedded store that does not exist yet (opening
+    it would create an empty one)."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.is_file():
+            raise PipelineError(f"no tracking store at {path}: no pipeline has run with it "
+                                f"(name a CONFIG, or set MLFLOW_TRACKING_URI)")
+        _check_sqlite_store(path)
+    return MlflowClient(tracking_uri=uri)
+
+
+def _check_sqlite_store(path) -> None:
+    """Refuse, in one line, a file that is not an MLflow store that MLflow would otherwise
+    fail on with a traceback (damaged) or give a schema (empty): reading writes nothing."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True) as db:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check")]
+            tables = {row[0] for row in db.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table'")}
+        db.close()
+    except sqlite3.DatabaseError as e:
+        raise PipelineError(f"{path}: not a readable MLflow tracking store ({e})") from None
+    if problems != ["ok"]:
+        raise PipelineError(f"{path}: the MLflow tracking store is damaged "
+                            f"({problems[0]})")
+    if not {"experiments", "runs", "alembic_version"} <= tables:
+        raise PipelineError(f"{path}: not an MLflow tracking store (no experiments or runs "
+                            f"tables); no pipeline has run with it")
+
+
+def collect(client, specs=(), experiments=(), run_ids=(), filter_string: str = "",
+            overrides=()) -> list[RunRow]:
+    """The pipeline runs that the targets name: each spec's runs (its experiment, its name,
+    the values its --set overrides give), every run of each experiment, and each run id;
+    everything in the store when no target is given. `filter_string` (MLflow's search
+    syntax) keeps a pipeline run when it or one of its stage runs matches."""
+    from mlflow.exceptions import MlflowException
+
+    wanted: dict[str, object] = {}   # experiment id -> a predicate on the parent's params
+    for spec in specs:
+        exp = client.get_experiment_by_name(spec.tracking.experiment or spec.name)
+        if exp is None:
+            raise PipelineError(f"{spec.source}: no runs of it in {client.tracking_uri} "
+                                f"(experiment '{spec.tracking.experiment or spec.name}')")
+        wanted.setdefault(exp.experiment_id, [])
+        wanted[exp.experiment_id].append(_names(spec, overrides))
+    for name in experiments:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise PipelineError(f"no experiment '{shown(name)}' in {client.tracking_uri} (nor a "
+                                f"config file or a run id of that name)")
+        wanted.setdefault(exp.experiment_id, []).append(lambda row: True)
+    for run_id in run_ids:
+        try:
+            run = client.get_run(run_id)
+        except MlflowException:
+            raise PipelineError(f"no run {run_id} in {client.tracking_uri}") from None
+        ids = set(_pipelines_of(run, _search(client, run.info.experiment_id, "")))
+        wanted.setdefault(run.info.experiment_id, []).append(
+            lambda row, ids=ids: bool(ids & set(row.run_ids)))
+    if not (specs or experiments or run_ids):
+        for exp in client.search_experiments():
+            wanted[exp.experiment_id] = [lambda row: True]
+    rows = []
+    for exp_id, predicates in wanted.items():
+        try:
+            runs = _search(client, exp_id, "")
+            matching = _search(client, exp_id, filter_string) if filter_string else runs
+        except MlflowException as e:
+            raise PipelineError(f"--filter {filter_string!r}: {e.message}") from None
+        chosen = {p for r in matching for p in _pipelines_of(r, runs)}
+        children: dict[str, list] = {}
+        by_workspace: dict[str, list] = {}
+        for r in runs:
+            tags = r.data.tags
+            if "stage" in tags:
+                children.setdefault(tags.get("mlflow.parentRunId"), []).append(r)
+            elif "spec" in tags and tags.get("stages.run") != "none":
+                by_workspace.setdefault(tags.get("workspace", r.info.run_id), []).append(r)
+        for invocations in by_workspace.values():
+            if not chosen & {r.info.run_id for r in invocations}:
+                continue
+            row = _row(client, invocations, children)
+            if any(p(row) for p in predicates):
+                rows.append(row)
+    rows.sort(key=lambda row: (row.name, _natural(row.params.get(SEED, "")), row.run_id))
+    return rows
+
+
+def _pipelines_of(run, runs) -> list[str]:
+    """The pipeline runs a run stands for: itself, its parent (a stage run), or its
+    children (a sweep's run)."""
+    tags = run.data.tags
+    if "spec" in tags:
+        return [run.info.run_id]
+    if "stage" in tags:
+        return [tags.get("mlflow.parentRunId")]
+    return [r.info.run_id for r in runs
+            if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
+
+
+def _search(client, exp_id: str, filter_string: str) -> list:
+    out, token = [], None
+    while True:
+        page = client.search_runs([exp_id], filter_string, max_results=1000, page_token=token)
+        out += list(page)
+        token = page.token
+        if not token:
+            return out
+
+
+def _names(spec, overrides):
+    """A predicate: a pipeline run of `spec` in its experiment (its name, or a sweep
+    point's name made from it; and the values --set gave)."""
+    from pipeline.spec import parse_override
+    from pipeline.tracking.tracker import flatten
+
+    resolved = flatten(spec.resolved())
+    keys = [".".join(parse_override(text)[0]) for text in overrides]
+    fixed = {k: v for k, v in resolved.items() if any(k == x or k.startswith(x + ".")
+                                                      for x in keys)}
+    return lambda row: (row.name == spec.name or row.name.startswith(f"{spec.name}-")) \
+        and all(row.params.get(k) == v for k, v in fixed.items())
+
+
+def _row(client, invocations, children: dict[str, list]) -> RunRow:
+    """One workspace's pipeline runs (a first run, its resumption after a kill, ...) as one
+    row: the latest one's status and spec, the steps and the final metrics of the latest
+    runs that logged them, the wall time of them all."""
+    from pipeline.tracking.tracker import last_activity
+
+    invocations = sorted(invocations, key=lambda r: r.info.start_time or 0)
+    latest = invocations[-1]
+    status = STATUS.get(latest.info.status, latest.info.status.lower())
+    if status == "running" and _died(latest):
+        status = "killed"
+    metrics: dict[str, float] = {}
+    steps = parameters = None
+    wall = 0.0
+    for parent in invocations:
+        info = parent.info
+        end = info.end_time
+        if end is None and (parent is not latest or status == "killed"):
+            # killed without a word (kill -9): its time ended with its last record
+            end = last_activity(client, parent, children.get(info.run_id, []))
+        wall += ((end or int(time.time() * 1000)) - info.start_time) / 1000
+        for child in sorted(children.get(info.run_id, []),
+                            key=lambda c: c.info.start_time or 0):
+            stage = child.data.tags.get("stage")
+            if stage == "evaluate" and child.data.metrics:
+                metrics = dict(child.data.metrics)
+            elif stage in ("train", "finetune"):
+                history = client.get_metric_history(child.info.run_id, "loss")
+                if history:
+                    steps = max(steps or 0, max(m.step for m in history))
+                if "parameters" in child.data.params:
+                    parameters = int(child.data.params["parameters"])
+    info = latest.info
+    return RunRow(run_id=info.run_id, run_ids=[r.info.run_id for r in invocations],
+                  name=latest.data.tags.get("mlflow.runName", info.run_id),
+                  status=status,
+                  params=dict(latest.data.params), metrics=metrics, steps=steps,
+                  parameters=parameters, wall_s=wall,
+                  sweep=latest.data.tags.get("mlflow.parentRunId"))
+
+
+def _died(run) -> bool:
+    """A run MLflow has as running whose workspace (on this host) no run holds: killed
+    without a word. On another host nobody here can tell."""
+    from pipeline.workspace.lock import lock_is_free
+
+    tags = run.data.tags
+    return (tags.get("host") == socket.gethostname() and "workspace" in tags
+            and lock_is_free(Path(tags["workspace"])))
+
+
+def group(rows: list[RunRow]) -> list[Group]:
+    """Rows equal in every parameter but the seed and the place, and in status, together."""
+    groups: dict[tuple, Group] = {}
+    for row in rows:
+        key = {k: v for k, v in row.params.items() if k != SEED and not k.startswith(_PLACE)}
+        ident = (tuple(sorted(key.items())), row.status, re.sub(r"-seed[^-]*", "", row.name))
+        if ident not in groups:
+            groups[ident] = Group([], paper=_paper(row.params), key=key)
+        groups[ident].rows.append(row)
+    return list(groups.values())
+
+
+def _paper(params: dict[str, str]) -> dict | None:
+    results = {k.removeprefix("paper.results."): float(v) for k, v in params.items()
+               if k.startswith("paper.results.")}
+    if not results:
+        return None
+    return {"table": params.get("paper.table", ""),
+            "parameters": int(params["paper.parameters"]) if "paper.parameters" in params
+            else None, "results": results}
+
+
+def metric_names(groups: list[Group], chosen=()) -> list[str]:
+    if chosen:
+        return list(chosen)
+    present = {m for g in groups for r in g.rows for m in r.metrics}
+    present |= {m for g in groups if g.paper for m in g.paper["results"]}
+    return [m for m in METRICS if m in present] + sorted(present - set(METRICS))
+
+
+# ----------------------------------------------------------------------------------- render
+
+def _varying_params(groups: list[Group]) -> list[str]:
+    keys = sorted({k for g in groups for k in g.key})
+    return [k for k in keys if len({g.key.get(k) for g in groups}) > 1]
+
+
+def _fmt_number(value: float) -> str:
+    return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def _fmt_metric(stat) -> str:
+    if stat is None:
+        return "-"
+    mean, std, _ = stat
+    return _fmt_number(mean) if std is None else f"{_fmt_number(mean)} ± {std:.2g}"
+
+
+def _fmt_wall(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.1f}m"
+
+
+def _fmt_size(n) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
+
+
+def _tokens(row: RunRow) -> int | None:
+    try:
+        return row.steps * int(row.params["train.batch_size"]) * int(row.params["train.seq_len"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _mean_of(values):
+    values = [v for v in values if v is not None]
+    return round(statistics.fmean(values)) if values else None
+
+
+def table_rows(groups: list[Group], metrics: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The header and the cells of every row (paper rows included), nothing folded yet."""
+    params = _varying_params(groups)
+    header = (["name", "status", "n", "seeds", "model", "parameters", "steps", "tokens",
+               "wall"] + params + metrics)
+    cells = []
+    for g in groups:
+        first = g.rows[0]
+        tokens = _mean_of(_tokens(r) for r in g.rows)
+        cells.append([g.name, first.status, str(len(g.rows)), g.seeds,
+                      first.params.get("model.kind", "?"),
+                      _fmt_size(_mean_of(r.parameters for r in g.rows)),
+                      str(_mean_of(r.steps for r in g.rows) or "-"),
+                      "-" if tokens is None else f"{tokens:,}",
+                      _fmt_wall(statistics.fmean(r.wall_s for r in g.rows))]
+                     + [g.key.get(p, "-") for p in params]
+                     + [_fmt_metric(g.metric(m)) for m in metrics])
+        if g.paper:
+            label = f"  published: {g.paper['table']}"
+            if g.paper["parameters"]:
+                label += f", {_fmt_size(g.paper['parameters'])} parameters"
+            row = [label, "published", "", "", "", _fmt_size(g.paper["parameters"]), "", "", ""] + ["" for _ in params]
+            for m in metrics:
+                published, ours = g.paper["results"].get(m), g.metric(m)
+                if published is None:
+                    row.append("")
+                elif ours is None:
+                    row.append(_fmt_number(published))
+                else:
+                    row.append(f"{_fmt_number(published)} ({ours[0] - published:+.3g})")
+            cells.append(row)
+    return header, cells
+
+
+def _fold(header: list[str], cells: list[list[str]]) -> tuple[list[str], list[str],
+                                                                list[list[str]]]:
+    """Drop the columns whose value is the same in every run row (paper rows leave theirs
+    blank); return them as 'column: value' notes, and the columns left."""
+    runs = [c for c in cells if c[1] != "published"]
+    keep, notes = [], []
+    for i, col in enumerate(header):
+        values = {c[i] for c in runs}
+        if col != "name" and len(runs) > 1 and len(values) == 1:
+            notes.append(f"{col}: {values.pop()}")
+        else:
+            keep.append(i)
+    return notes, [header[i] for i in keep], [[c[i] for i in keep] for c in cells]
+
+
+def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
+    if not groups:
+        return "no pipeline runs found"
+    if fmt == "json":
+        return json.dumps([_as_json(g, metrics) for g in groups], indent=2)
+    header, cells = table_rows(groups, metrics)
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(header)
+        writer.writerows(cells)
+        return out.getvalue().rstrip("\n")
+    notes, header, cells = _fold(header, cells)
+    if fmt == "markdown":
+        lines = [f"*equal in every row:* {'; '.join(notes)}", ""] if notes else []
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in [header] + cells) for i in range(len(header))]
+    lines = [f"equal in every row: {'; '.join(notes)}"] if notes else []
+    for row in [header] + cells:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def _as_json(g: Group, metrics: list[str]) -> dict:
+    out = {"name": g.name, "status": g.rows[0].status, "n": len(g.rows),
+           "runs": [{"run_id": r.run_id, "run_ids": r.run_ids, "name": r.name, "seed": r.params.get(SEED),
+                     "steps": r.steps, "tokens": _tokens(r), "parameters": r.parameters,
+                     "wall_s": r.wall_s, "metrics": r.metrics} for r in g.rows],
+           "params": g.key, "metrics": {}}
+    for m in metrics:
+        stat = g.metric(m)
+        if stat is not None:
+            mean, std, n = stat
+            out["metrics"][m] = {"mean": mean, "std": std, "n": n}
+    if g.paper:
+        out["paper"] = dict(g.paper, difference={
+            m: out["metrics"][m]["mean"] - v for m, v in g.paper["results"].items()
+            if m in out["metrics"]})
+    return out
+
+
+def paper_line(paper) -> str:
+    """`show`'s line for a spec's `paper:` section."""
+    results = ", ".join(f"{k} {v:g}" for k, v in paper.results.items())
+    size = f" with {paper.parameters / 1e6:g}M parameters" if paper.parameters else ""
+    return f"published: {results}{size} ({paper.table})"

@@ -1,0 +1,450 @@
+"""`allattn-pipe sweep`: every point of a grid (x seeds) as its own pipeline run.
+
+A point is the config with `--set KEY=VALUE` for each grid key and `train.seed`, named
+`<name>-<key><value>...-seed<S>` (the last part of each dotted key), so each point has a
+workspace of its own under the same `workspace.root`. All points log to the config's
+experiment, under one MLflow run for the sweep (tagged `sweep.id`, found again on a re-run).
+
+No point recomputes what another one built: the leading stages whose config is the same at
+every point (download, preprocess, typically) run once, in the first point's workspace, and
+every other point reuses that output (hard links, with the same build id and so the same
+fingerprints downstream). More generally, before a point runs, each of its stages that a
+workspace under the same root has already built with the same fingerprint is linked in.
+
+Re-running the same sweep skips the points whose stages are all up to date, and resumes an
+interrupted one from its workspace (the runner's own resume: train from its newest intact
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.cluster import distributed
+from pipeline.errors import PipelineError, Preempted, shown
+from pipeline.workspace.runner import RECORD, Runner, Workspace, fingerprint
+from pipeline.workspace.lock import WorkspaceLock
+from pipeline.spec import load_spec
+from stages import STAGES, resolve_inputs
+
+
+@dataclass
+class Point:
+    name: str
+    overrides: list[str]          # the user's --set, then the grid's, the seed, name, experiment
+    spec: object                  # its resolved pipeline.spec.schema.Spec
+
+
+def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
+    """['train.optimizer.lr=1e-3,3e-3'] -> [('train.optimizer.lr', ['1e-3', '3e-3'])]."""
+    grid = []
+    for item in items:
+        key, eq, values = item.partition("=")
+        key, parts = key.strip(), [v.strip() for v in values.split(",")]
+        if not eq or not key or not all(parts):
+            raise PipelineError(f"--grid {shown(item)}: expected KEY=V1,V2,... (e.g. "
+                                f"--grid train.optimizer.lr=1e-3,3e-3)")
+        if key in SWEEP_SETS:
+            raise PipelineError(f"--grid {shown(item)}: the sweep sets {key} itself, one per point")
+        if key in (k for k, _ in grid):
+            raise PipelineError(f"--grid {shown(key)} is given twice; list all its values in one")
+        grid.append((key, parts))
+    return grid
+
+
+SWEEP_SETS = ("name", "tracking.experiment")
+"""Keys the sweep sets at every point: the point's name, the sweep's experiment."""
+
+
+def overlapping(a: str, b: str) -> bool:
+    """Whether setting key path `a` changes what `b` sets (one contains the other)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def parse_seeds(text: str | None) -> list[str]:
+    seeds = [s.strip() for s in (text or "").split(",") if s.strip()]
+    if text is not None and (not seeds or not all(s.isdigit() for s in seeds)):
+        raise PipelineError(f"--seeds {shown(text)}: expected integers separated by commas, e.g. 1,2,3")
+    return seeds
+
+
+def _label(key: str, keys: list[str]) -> str:
+    """The part of a run name a grid key contributes: its last component, or the whole key
+    (dots as underscores) when two keys end alike."""
+    last = key.rsplit(".", 1)[-1]
+    return last if sum(k.rsplit(".", 1)[-1] == last for k in keys) == 1 else key.replace(".", "_")
+
+
+def points(config: str, overrides: list[str], grid: list[tuple[str, list[str]]],
+           seeds: list[str]) -> list[Point]:
+    """Every point of the grid x seeds, each validated as its own spec."""
+    base = load_spec(config, overrides)
+    keys = [k for k, _ in grid]
+    if seeds and any(overlapping(k, "train.seed") for k in keys):
+        raise PipelineError("--grid train.seed and --seeds both set train.seed: each point "
+                            "would run under two names; give the seeds once")
+    experiment = base.tracking.experiment or base.name
+    out, names = [], set()
+    for values in itertools.product(*(v for _, v in grid), *([seeds] if seeds else [])):
+        chosen = list(zip(keys, values))
+        seed = values[len(keys)] if seeds else None
+        parts = [f"{_label(k, keys)}{v}" for k, v in chosen]
+        if seed is not None:
+            parts.append(f"seed{seed}")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join([base.name, *parts]))
+        sets = [*overrides, *(f"{k}={v}" for k, v in chosen),
+                *([f"train.seed={seed}"] if seed is not None else []),
+                f"name={name}", f"tracking.experiment={experiment}"]
+        if name in names:
+            raise PipelineError(f"sweep: two points would both be named {name}; give each "
+                                f"value once")
+        names.add(name)
+        try:
+            spec = load_spec(config, sets)
+        except PipelineError as e:
+            raise PipelineError(f"sweep point {name}: {e}") from None
+        out.append(Point(name, sets, spec))
+    return out
+
+
+def sweep_id(config: str, overrides: list[str], grid, seeds) -> str:
+    blob = json.dumps([str(Path(config).resolve()), overrides, grid, seeds])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def shared_prefix(pts: list[Point]) -> list[str]:
+    """The leading stages whose fingerprinted config is the same at every point."""
+    first = pts[0].spec
+    prefix = []
+    for name in first.stages:
+        if any(p.spec.stages[:len(prefix) + 1] != first.stages[:len(prefix) + 1] for p in pts):
+            break
+        config = STAGES[name].fingerprinted(first)
+        if any(STAGES[name].fingerprinted(p.spec) != config for p in pts):
+            break
+        prefix.append(name)
+    return prefix
+
+
+def reuse_outputs(spec, log) -> list[str]:
+    """Link into `spec`'s workspace each stage, in order, that another workspace under the
+    same root built with the fingerprint this one would compute; stop at the first stage
+    neither built here nor there. Returns the stages linked in."""
+    ws = Workspace(spec.workspace_dir)
+    root = spec.workspace_dir.parent
+    builds: dict[str, str] = {}
+    linked = []
+    for name in spec.stages:
+        stage = STAGES[name]
+        inputs = resolve_inputs(stage, spec.stages)
+        if any(i not in builds for i in inputs):
+            break
+        fp = fingerprint(stage.fingerprinted(spec), {i: builds[i] for i in inputs})
+        record = ws.record(name)
+        if record is None and not ws.partial_dir(name).exists():
+            source = _built_elsewhere(root, spec.workspace_dir, name, fp)
+            if source is not None and _link_tree(source, ws.done_dir(name)):
+                log(f"[{spec.name}] {name}: reusing {source}")
+                linked.append(name)
+                record = ws.record(name)
+        if record is None or record.get("fingerprint") != fp:
+            break
+        builds[name] = record["build"]
+    return linked
+
+
+def _built_elsewhere(root: Path, own: Path, stage: str, fp: str) -> Path | None:
+    for record_path in sorted(root.glob(f"*/{stage}/{RECORD}")):
+        if record_path.parent.parent == own:
+            continue
+        try:
+            if json.loads(record_path.read_text()).get("fingerprint") == fp:
+                return record_path.parent
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _link_tree(source: Path, dest: Path) -> bool:
+    """A hard-linked copy of `source` at `dest`, renamed into place when complete (a copy
+    where links cannot be made). False when the source changed under us."""
+    tmp = dest.with_name(f".{dest.name}.reuse-{uuid.uuid4().hex[:8]}")
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    try:
+        shutil.copytree(source, tmp, copy_function=link, symlinks=True)
+        os.rename(tmp, dest)
+        return True
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+
+
+def is_done(spec) -> bool:
+    return all(step.action == "skip" for step in Runner(spec, log=lambda m: None).plan())
+
+
+class SweepRun:
+    """The sweep's MLflow run: found by its `sweep.id` tag or created; each point's
+    pipeline runs are made its children (`mlflow.parentRunId`) as they appear."""
+
+    def __init__(self, spec, ident: str, description: str, warn):
+        from pipeline.commands.compare import open_store
+        from pipeline.tracking.tracker import tracking_uri
+
+        self.warn = warn
+        self.client = None
+        self.run_id = None
+        if not spec.tracking.enabled:
+            return
+        try:
+            uri = tracking_uri(spec)
+            if uri.startswith("sqlite:///"):
+                Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+                from mlflow.tracking import MlflowClient
+                self.client = MlflowClient(tracking_uri=uri)
+            else:
+                self.client = open_store(uri)
+            name = spec.tracking.experiment or spec.name
+            exp = self.client.get_experiment_by_name(name)
+            exp_id = exp.experiment_id if exp else self._create_experiment(spec, name)
+            self.experiment_id = exp_id
+            found = self.client.search_runs([exp_id], f"tags.`sweep.id` = '{ident}'")
+            if found:
+                self.run_id = found[0].info.run_id
+                self.client.update_run(self.run_id, "RUNNING")
+            else:
+                run = self.client.create_run(exp_id, run_name=f"{spec.name}-sweep",
+                                             tags={"sweep.id": ident,
+                                                   "sweep.points": description})
+                self.run_id = run.info.run_id
+        except Exception as e:          # tracking never stops the pipeline
+            self._give_up(e)
+
+    def _create_experiment(self, spec, name: str) -> str:
+        location = None
+        from pipeline.tracking.tracker import tracking_uri
+        if tracking_uri(spec).startswith("sqlite:"):
+            location = (Path(spec.workspace.root) / "mlartifacts" / name).resolve().as_uri()
+        return self.client.create_experiment(name, artifact_location=location)
+
+    def _give_up(self, e: Exception) -> None:
+        self.warn(f"the sweep's MLflow run is not recorded ({type(e).__name__}: {e}); "
+                  f"the points' own runs are")
+        self.client = self.run_id = None
+
+    def adopt(self, workspaces: list[Path]) -> None:
+        """Make the pipeline runs of these workspaces children of the sweep's run."""
+        if self.run_id is None:
+            return
+        try:
+            for ws in workspaces:
+                filt = f"tags.workspace = '{ws.resolve()}'"
+                for run in self.client.search_runs([self.experiment_id], filt):
+                    if run.data.tags.get("mlflow.parentRunId") != self.run_id:
+                        self.client.set_tag(run.info.run_id, "mlflow.parentRunId",
+                                            self.run_id)
+        except Exception as e:
+            self._give_up(e)
+
+    def end(self, status: str) -> None:
+        if self.run_id is not None:
+            try:
+                self.client.set_terminated(self.run_id, status)
+            except Exception as e:
+                self._give_up(e)
+
+
+def plan_sweep(config: str, overrides: list[str], grid_items: list[str],
+               seeds_text: str | None, log=None) -> tuple[list[Point], list[str], str]:
+    """The sweep's points, the stages they share, and its id (its MLflow run's tag); `log`
+    is told of each --set that the grid or the seeds replace."""
+    grid = parse_grid(grid_items)
+    seeds = parse_seeds(seeds_text)
+    if not grid and not seeds:
+        raise PipelineError("sweep: give at least one --grid KEY=V1,V2 or --seeds")
+    varied = [(k, f"--grid {k}") for k, _ in grid] + (
+        [("train.seed", "--seeds")] if seeds else [])
+    for item in overrides if log else ():
+        key = item.partition("=")[0].strip()
+        replaced_by = [flag for k, flag in varied if overlapping(key, k)]
+        if replaced_by:
+            log(f"--set {item}: replaced at every point by {', '.join(replaced_by)}")
+    pts = points(config, overrides, grid, seeds)
+    return pts, shared_prefix(pts), sweep_id(config, overrides, grid, seeds)
+
+
+def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_text: str | None,
+              parallel: int = 1, dry_run: bool = False, log=print) -> list[str]:
+    """Run (or, dry, describe) every point; returns the names of the points that failed."""
+    from pipeline.tracking.tracker import make_tracker
+
+    pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text, log)
+    if dry_run:
+        log(f"{len(pts)} points; run once and reused by every point: "
+            f"{', '.join(prefix) or 'nothing'}")
+        for p in pts:
+            plan = Runner(p.spec, log=lambda m: None).plan()
+            todo = [s.stage for s in plan if s.action == "run"]
+            sets = " ".join(f"--set {o}" for o in p.overrides[len(overrides):-2])
+            log(f"  {p.name:<40} {'done' if not todo else 'run ' + ','.join(todo)}  {sets}")
+        return []
+    sweep = _sweep_run(pts, ident, log)
+    workspaces = [p.spec.workspace_dir for p in pts]
+    failed: list[str] = []
+    status = "FAILED"
+    try:
+        if prefix and not all(is_done(p.spec) for p in pts):
+            run_shared_prefix(pts, prefix, sweep, log)
+        todo = []
+        for p in pts:
+            reuse_outputs(p.spec, log)
+            if is_done(p.spec):
+                log(f"[{p.name}] done")
+            else:
+                todo.append(p)
+        if parallel > 1 or any(Runner(p.spec).needs_launcher() for p in todo):
+            failed = _run_processes(config, todo, parallel, sweep, log)
+        else:
+            for p in todo:
+                try:
+                    Runner(p.spec, log=lambda m, p=p: log(f"[{p.name}] {m}")).run(
+                        make_tracker(p.spec))
+                except Preempted:
+                    raise                               # a signal stops the whole sweep
+                except Exception as e:                  # the other points still run
+                    log(f"[{p.name}] failed: {e}")
+                    failed.append(p.name)
+                sweep.adopt([p.spec.workspace_dir])
+        status = "FINISHED" if not failed else "FAILED"
+    except BaseException as e:
+        status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+        raise
+    finally:
+        sweep.adopt(workspaces)
+        sweep.end(status)
+    log(f"{len(pts) - len(failed)} of {len(pts)} points done"
+        + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return failed
+
+
+def _sweep_run(pts: list[Point], ident: str, log) -> SweepRun:
+    description = f"{len(pts)}: " + "; ".join(p.name for p in pts)
+    return SweepRun(pts[0].spec, ident, description[:5000], warn=lambda m: log(f"warning: {m}"))
+
+
+def run_shared_prefix(pts: list[Point], prefix: list[str], sweep: SweepRun, log) -> None:
+    """Build the stages every point shares once, in the first point's workspace (unless a
+    workspace already holds them), and link them into every point's."""
+    from pipeline.tracking.tracker import make_tracker
+
+    for p in pts:
+        reuse_outputs(p.spec, log)
+    first = pts[0]
+    if not all(s.action == "skip" for s in Runner(first.spec, only=prefix,
+                                                  log=lambda m: None).plan()
+               if s.stage in prefix):
+        log(f"[{first.name}] running what every point shares: {', '.join(prefix)}")
+        Runner(first.spec, only=prefix,
+               log=lambda m: log(f"[{first.name}] {m}")).run(make_tracker(first.spec))
+        sweep.adopt([first.spec.workspace_dir])
+
+
+def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRun,
+                   log) -> list[str]:
+    """Each point as its own `allattn-pipe run`, at most `parallel` at a time; their output
+    goes to `<workspace>/sweep.log`."""
+    failed: list[str] = []
+    running: list[tuple[Point, subprocess.Popen, object]] = []
+    queue = list(todo)
+    try:
+        while queue or running:
+            while queue and len(running) < max(parallel, 1):
+                p = queue.pop(0)
+                p.spec.workspace_dir.mkdir(parents=True, exist_ok=True)
+                out = open(p.spec.workspace_dir / "sweep.log", "ab")
+                cmd = [sys.executable, "-m", "pipeline.commands.cli", "run", config,
+                       *(x for o in p.overrides for x in ("--set", o))]
+                # each point is a run of its own: its own process group, its own port
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                        env=distributed.environment_for_new_group())
+                running.append((p, proc, out))
+                log(f"[{p.name}] started (log: {p.spec.workspace_dir / 'sweep.log'})")
+            time.sleep(0.5)
+            for entry in [e for e in running if e[1].poll() is not None]:
+                running.remove(entry)
+                p, proc, out = entry
+                out.close()
+                sweep.adopt([p.spec.workspace_dir])
+                if proc.returncode == 0:
+                    log(f"[{p.name}] finished")
+                else:
+                    log(f"[{p.name}] failed (exit {proc.returncode}); see "
+                        f"{p.spec.workspace_dir / 'sweep.log'}")
+                    failed.append(p.name)
+    finally:
+        for p, proc, out in running:      # interrupted: the points' runs stop too
+            proc.terminate()
+            proc.wait()
+            out.close()
+    return failed
+
+
+# -- as a Slurm job array: pipeline.cluster.slurm renders it, each task calls these around its ranks --
+
+def prepare_array_task(config: str, overrides: list[str], grid_items: list[str],
+                       seeds_text: str | None, index: int, log=print) -> None:
+    """Before task `index`'s ranks start: the shared stages built once (by whichever task
+    gets here first; the others wait, then link them in) and whatever this point can reuse
+    linked into its workspace."""
+    pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text)
+    point = _point(pts, index)
+    root = point.spec.workspace_dir.parent
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".sweep-{ident}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # inside the lock: the first task creates the tracking store, and two creating one
+        # at once both fail
+        sweep = _sweep_run(pts, ident, log)
+        if prefix and not is_done(point.spec):
+            # built in the first point's workspace, linked into this one
+            run_shared_prefix(list({id(p): p for p in (pts[0], point)}.values()), prefix,
+                              sweep, log)
+        reuse_outputs(point.spec, log)
+    log(f"[{point.name}] sweep point {index + 1} of {len(pts)}")
+
+
+def finish_array_task(config: str, overrides: list[str], grid_items: list[str],
+                      seeds_text: str | None, index: int, log=print) -> None:
+    """After task `index`'s ranks end: its runs filed under the sweep's run, which is marked
+    finished once every point is done."""
+    pts, _, ident = plan_sweep(config, overrides, grid_items, seeds_text)
+    point = _point(pts, index)
+    sweep = _sweep_run(pts, ident, log)
+    sweep.adopt([point.spec.workspace_dir])
+    if all(is_done(p.spec) for p in pts):
+        sweep.end("FINISHED")
+        log(f"all {len(pts)} points of the sweep are done")
+
+
+def _point(pts: list[Point], index: int) -> Point:
+    if not 0 <= index < len(pts):
+        raise PipelineError(f"sweep task {index}: the sweep has points 0 to {len(pts) - 1}")
+    return pts[index]

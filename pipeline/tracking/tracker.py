@@ -1,0 +1,392 @@
+"""MLflow tracking: one parent run per `allattn-pipe run`, one nested run per stage that ran.
+
+The MLflow client is used explicitly (no fluent global run stack), so nesting is visible in
+the code. Only rank 0 tracks; other ranks get `NullTracker`. A tracking server that goes down
+never stops the pipeline: records are sent by a background thread (`tracking_sender`) and,
+when the server does not come back in time, kept in `<workspace>/tracking-backlog.jsonl`
+for `allattn-pipe sync`.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+from pipeline.errors import PipelineError, Preempted
+from pipeline.spec import PROJECT_ROOT
+from pipeline.tracking.sender import RETRY_SECONDS, Delivery, Sender, is_transient, reason, replay
+
+_MAX_PARAM = 6000       # MLflow's limit on a param value
+_BATCH = 100            # params / metrics per log_batch call
+BACKLOG = "tracking-backlog.jsonl"
+FLUSH_SECONDS = 10.0    # a stage's end waits this long for its records to reach the server
+# one try per request, answered or given up within seconds (see MlflowTracker.__init__)
+_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+
+
+def default_tracking_uri(workspace_root: str | Path) -> str:
+    return f"sqlite:///{Path(workspace_root).resolve() / 'mlflow.db'}"
+
+
+def tracking_uri(spec) -> str:
+    """spec `tracking.uri`, else MLFLOW_TRACKING_URI, else the embedded sqlite store."""
+    return (spec.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+            or default_tracking_uri(spec.workspace.root))
+
+
+def flatten(data, prefix: str = "") -> dict[str, str]:
+    """{'train': {'lr': 0.1}} -> {'train.lr': '0.1'}; lists kept whole."""
+    out: dict[str, str] = {}
+    if isinstance(data, dict):
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+    else:
+        out[prefix[:-1]] = str(data)[:_MAX_PARAM]
+    return out
+
+
+def environment_tags() -> dict[str, str]:
+    tags = {
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "world_size": os.environ.get("WORLD_SIZE", "1"),
+        "argv": " ".join(sys.argv)[:_MAX_PARAM],
+    }
+    for dist in ("allattn-pipe", "torch", "deepspeed", "mlflow", "webdataset", "numpy"):
+        try:
+            tags[f"version.{dist}"] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"],
+                                capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(PROJECT_ROOT), "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=10)
+        if commit.returncode == 0:
+            tags["git_commit"] = commit.stdout.strip()
+            tags["git_dirty"] = str(bool(dirty.stdout.strip())).lower()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return tags
+
+
+class NullStageTracker:
+    run_id = None
+
+    def log_params(self, params: dict) -> None: ...
+    def log_metrics(self, metrics: dict, step: int) -> None: ...
+    def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
+    def set_tags(self, tags: dict) -> None: ...
+    def make_durable(self) -> None: ...
+
+
+class NullTracker:
+    run_id = None
+
+    def check(self, spec) -> None: ...
+    def start(self, spec, plan) -> None: ...
+    def finish(self, status: str) -> None: ...
+
+    @contextmanager
+    def stage(self, name: str, config: dict, series: str | None = None,
+              resumed: bool = False):
+        yield NullStageTracker()
+
+
+class StageTracker:
+    """What a stage logs to its MLflow run; every call only queues a record (`Sender`).
+
+    `recorded`: metric -> the last step that earlier attempts of this stage's run (those a
+    resumed run continues) have in MLflow; the resumed run, which recomputes those steps
+    exactly, does not log them twice. `settle`: makes what is queued durable."""
+
+    def __init__(self, sender: Sender, key: str, recorded: dict[str, int] | None = None,
+                 settle=None):
+        self.sender, self.key = sender, key
+        self.recorded = recorded or {}
+        self.settle = settle
+
+    @property
+    def run_id(self) -> str | None:
+        """MLflow's id for the run, once the server has created it."""
+        return self.sender.run_id(self.key)
+
+    def log_params(self, params: dict) -> None:
+        items = [[k, v] for k, v in flatten(params).items()]
+        for i in range(0, len(items), _BATCH):
+            self.sender.submit({"op": "batch", "key": self.key, "params": items[i:i + _BATCH]})
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        now = int(time.time() * 1000)
+        items = [[k, float(v), now, int(step)] for k, v in metrics.items()
+                 if step > self.recorded.get(k, -1)]
+        for i in range(0, len(items), _BATCH):
+            self.sender.submit({"op": "batch", "key": self.key,
+                                "metrics": items[i:i + _BATCH]})
+
+    def log_artifact(self, path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        self.sender.submit({"op": "artifact", "key": self.key, "name": path.name,
+                            "artifact_path": artifact_path,
+                            "data": base64.b64encode(path.read_bytes()).decode("ascii")})
+
+    def set_tags(self, tags: dict) -> None:
+        self.sender.submit({"op": "batch", "key": self.key,
+                            "tags": [[k, str(v)] for k, v in tags.items()]})
+
+    def make_durable(self) -> None:
+        """Before a checkpoint is published: what was logged so far reaches the server, or
+        the backlog that the next run replays, within a bounded wait. A kill after the
+        checkpoint then loses no step that the resumed run will not log again."""
+        if self.settle is not None:
+            self.settle()
+
+    def end(self, status: str) -> None:
+        self.sender.submit({"op": "end", "key": self.key, "status": status,
+                            "time": int(time.time() * 1000)})
+
+
+def is_remote(uri: str) -> bool:
+    return uri.split(":", 1)[0].lower() in ("http", "https")
+
+
+def backlog_path(spec) -> Path:
+    return spec.workspace_dir / BACKLOG
+
+
+def sync_command(spec) -> str:
+    return f"allattn-pipe sync {spec.source}"
+
+
+class MlflowTracker:
+    """The parent run of one pipeline invocation, and a nested run per executed stage.
+
+    Nothing here waits on the tracking server except the check in `start`: records go
+    through a `Sender`. When a stage ends, the records still queued get `flush_s` seconds;
+    what the server has not taken by then is written to the workspace's backlog file
+    (`sync` sends it later), and so is everything logged after that."""
+
+    def __init__(self, uri: str, retry_s: float = RETRY_SECONDS, flush_s: float = FLUSH_SECONDS,
+                 warn=None):
+        from mlflow.tracking import MlflowClient
+
+        # the store's first-use schema migration logs at INFO on every new workspace
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        if is_remote(uri):
+            # MLflow's defaults (7 retries with backoff, 120 s per request) block for minutes
+            # on a dead server; the Sender retries by itself, so one short try per call
+            for name, value in _HTTP_LIMITS.items():
+                os.environ.setdefault(name, value)
+        self.uri, self.flush_s = uri, flush_s
+        self.client = MlflowClient(tracking_uri=uri)
+        self.warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
+        self.sender = Sender(Delivery(self.client), self.warn_server, retry_s)
+        self.spec = None
+        self.parent: StageTracker | None = None
+
+    @property
+    def run_id(self) -> str | None:
+        return self.parent.run_id if self.parent else None
+
+    def warn_server(self, message: str) -> None:
+        self.warn(f"MLflow {self.uri}: {message}")
+
+    def check(self, spec) -> None:
+        """Refuse to start when the tracking server does not answer, in a few seconds."""
+        if not is_remote(self.uri):
+            return
+        try:
+            self.client.search_experiments(max_results=1)
+        except Exception as e:
+            if not is_transient(e):
+                raise PipelineError(f"tracking server {self.uri} refused a request "
+                                    f"({reason(e)})") from None
+            raise PipelineError(
+                f"tracking server {self.uri} is not answering ({reason(e)}); start it, or "
+                f"unset tracking.uri and MLFLOW_TRACKING_URI to record runs in the local "
+                f"store {default_tracking_uri(spec.workspace.root)}") from None
+
+    def start(self, spec, plan) -> None:
+        self.check(spec)
+        self.spec = spec
+        self._replay_backlog(spec)
+        self._end_dead_attempts(spec)
+        tags = environment_tags()
+        tags.update({
+            "mlflow.runName": f"{spec.name}",
+            "spec": spec.source,
+            "workspace": str(spec.workspace_dir.resolve()),
+            "stages.run": ",".join(s.stage for s in plan if s.action == "run") or "none",
+            "stages.skipped": ",".join(s.stage for s in plan if s.action != "run") or "none",
+        })
+        self.parent = self._create_run(tags)
+        resolved = spec.resolved()
+        self.parent.log_params(resolved)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "spec.resolved.yaml"
+            path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+            self.parent.log_artifact(path)
+
+    def _replay_backlog(self, spec) -> None:
+        """Send what earlier runs of this workspace could not (the caller holds its lock)."""
+        backlog = backlog_path(spec)
+        if not backlog.exists():
+            return
+        try:
+            sent, left = replay(backlog, Delivery(self.client), self.warn_server)
+        except Exception as e:          # the server failed in another way: sync can retry
+            sent, left = 0, None
+            self.warn_server(f"sending the backlog failed ({reason(e)})")
+        if left != 0:
+            self.warn(f"{backlog} holds tracking records an earlier run could not send; "
+                      f"`{sync_command(spec)}` sends them")
+        elif sent:
+            self.warn(f"sent {sent} tracking records that an earlier run left in {backlog}")
+
+    def _end_dead_attempts(self, spec) -> None:
+        """This run holds the workspace's lock, so a run of the workspace that MLflow still
+        has as RUNNING died without a word (kill -9, a lost node): mark it and its stage
+        runs KILLED, ended at their last record."""
+        try:
+            exp = self.client.get_experiment_by_name(spec.tracking.experiment or spec.name)
+            if exp is None:
+                return
+            workspace = str(spec.workspace_dir.resolve())
+            for run in self.client.search_runs([exp.experiment_id],
+                                               "attributes.status = 'RUNNING'"):
+                if run.data.tags.get("workspace") != workspace:
+                    continue
+                children = self.client.search_runs(
+                    [exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+                end = last_activity(self.client, run, children)
+                for r in [*children, run]:
+                    if r.info.status == "RUNNING":
+                        self.client.set_terminated(r.info.run_id, "KILLED", end_time=end)
+        except Exception as e:
+            self.warn_server(f"could not mark the runs of a killed attempt KILLED ({reason(e)})")
+
+    def _recorded(self, experiment: str, series: str | None) -> dict[str, int]:
+        """metric -> the last step the earlier stage runs of `series` have in MLflow."""
+        out: dict[str, int] = {}
+        if series is None:
+            return out
+        try:
+            exp = self.client.get_experiment_by_name(experiment)
+            runs = (self.client.search_runs([exp.experiment_id], f"tags.series = '{series}'")
+                    if exp is not None else [])
+            for run in runs:
+                for key in run.data.metrics:
+                    steps = [m.step for m in self.client.get_metric_history(run.info.run_id,
+                                                                            key)]
+                    out[key] = max([out.get(key, -1), *steps])
+        except Exception as e:
+            self.warn_server(f"could not read what an earlier attempt logged ({reason(e)}); "
+                             f"the steps since its checkpoint may appear twice")
+        return out
+
+    def _create_run(self, tags: dict, parent: StageTracker | None = None,
+                    recorded: dict[str, int] | None = None) -> StageTracker:
+        name = self.spec.tracking.experiment or self.spec.name
+        location = None
+        if self.uri.startswith("sqlite:"):
+            location = (Path(self.spec.workspace.root) / "mlartifacts" / name).resolve().as_uri()
+        key = uuid.uuid4().hex
+        self.sender.submit({"op": "create", "key": key, "experiment": name,
+                            "artifact_location": location, "tags": tags,
+                            "parent": parent.key if parent else None,
+                            "time": int(time.time() * 1000)})
+        return StageTracker(self.sender, key, recorded, settle=self._settle)
+
+    def finish(self, status: str) -> None:
+        if self.parent:
+            self.parent.end(status)
+            self._settle()
+        self.sender.stop(self._request_timeout())
+
+    @staticmethod
+    def _request_timeout() -> float:
+        return float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT",
+                                    _HTTP_LIMITS["MLFLOW_HTTP_REQUEST_TIMEOUT"]))
+
+    def _settle(self) -> None:
+        """Give the queued records `flush_s` seconds; write what is left to the backlog."""
+        if self.sender.spilled_to is not None or self.sender.flush(self.flush_s):
+            return
+        if not self.sender.failing:     # a request still waiting: the sender has not said so
+            self.warn(f"tracking server not answering (nothing taken in {self.flush_s:g} s)")
+        backlog = backlog_path(self.spec)
+        count = self.sender.spill(backlog, join_s=self._request_timeout() + 1)
+        self.warn(f"{count} tracking records could not be sent to {self.uri}; they are in "
+                  f"{backlog}, and so will be the rest of this run's: "
+                  f"`{sync_command(self.spec)}` sends them when the server is back")
+
+    @contextmanager
+    def stage(self, name: str, config: dict, series: str | None = None,
+              resumed: bool = False):
+        """The stage's run. `series` names the stage's output in the making: a run that
+        resumes it (`resumed`) shares it with the attempts before (see
+        StageTracker.recorded); a first attempt has none to ask the server about."""
+        tags = {"mlflow.runName": name, "stage": name}
+        if series is not None:
+            tags["series"] = series
+        recorded = (self._recorded(self.spec.tracking.experiment or self.spec.name, series)
+                    if resumed else {})
+        tracker = self._create_run(tags, parent=self.parent, recorded=recorded)
+        tracker.log_params(config)
+        try:
+            yield tracker
+        except BaseException as e:
+            tracker.end("KILLED" if isinstance(e, (KeyboardInterrupt, Preempted)) else "FAILED")
+            self._settle()
+            raise
+        tracker.end("FINISHED")
+        self._settle()
+
+
+def sync(spec, log=print) -> None:
+    """Send the records of the workspace's backlog file to the tracking server."""
+    from pipeline.workspace.lock import WorkspaceLock
+
+    path = backlog_path(spec)
+    with WorkspaceLock(spec.workspace_dir):      # a `run` may be appending to it
+        if not path.exists():
+            log(f"{path}: no tracking records waiting")
+            return
+        tracker = MlflowTracker(tracking_uri(spec))
+        tracker.check(spec)
+        sent, left = replay(path, Delivery(tracker.client), tracker.warn_server)
+    if left:
+        raise PipelineError(f"tracking server {tracker.uri} stopped answering: {sent} records "
+                            f"sent, {left} still in {path}; run `{sync_command(spec)}` again")
+    log(f"{sent} tracking records sent to {tracker.uri}")
+
+
+def last_activity(client, run, children) -> int:
+    """When a run that never ended (killed) last recorded anything, in ms: its stage runs'
+    start and end times and the times of their last losses."""
+    times = [run.info.start_time or 0]
+    for child in children:
+        times += [child.info.start_time or 0, child.info.end_time or 0]
+        if "loss" in child.data.metrics:
+            times += [m.timestamp for m in client.get_metric_history(child.info.run_id, "loss")]
+    return max(times)
+
+
+def make_tracker(spec, rank: int = 0):
+    if not spec.tracking.enabled or rank != 0:
+        return NullTracker()
+    return MlflowTracker(tracking_uri(spec))

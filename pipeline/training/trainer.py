@@ -1,0 +1,315 @@
+"""The training loop behind the train and finetune stages, on a DeepSpeed engine.
+
+One `Trainer` owns the model (any pipeline.models.SequenceModel, used only through that
+protocol), the engine, the data streams and the model's state for each micro-batch. Its
+state is a step number: the data position and the learning rate follow from it, so a
+checkpoint (model, optimizer, model states, RNG, step) resumes exactly where the run stopped.
+
+A dataset of documents (the manifest's `documents`, pipeline.data.documents) trains document
+by document instead: each update reads a batch of whole documents through
+pipeline.training.document_passes.run_documents, every document from the model's initial state, and is
+scored on the targets after each separator. Nothing carries across updates, so its state is
+the step alone; validation reports the loss per scored target, token accuracy and exact match.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipeline.cluster import distributed
+from pipeline.training.checkpoint_io import CheckpointIO, LoopState
+from pipeline.data.manifest import load_manifest, load_split
+from pipeline.data.documents import DocumentBatches, as_documents
+from pipeline.cluster.device import peak_memory_mb, resolve_device
+from pipeline.training.document_passes import run_documents, score_documents
+from pipeline.training.ds_config import deepspeed_config
+from pipeline.errors import PipelineError, Preempted
+from pipeline.training.evaluation import LN2, evaluate_nll
+from pipeline.models.protocol import State
+from pipeline.ops import compile_count
+from pipeline.training.progress import LossWindow, Progress
+from pipeline.cluster.signals import StopSignal
+
+
+class Trainer:
+    def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None]):
+        from pipeline.data import StreamBatches
+        from pipeline.training.optim import (bind_to_engine, build_optimizer, float32_from_master,
+                                    master_clamp)
+
+        self.spec, self.tracker, self.log = spec, tracker, log
+        train = spec.train
+        self.rank, self.world_size = distributed.init_process_group()
+        import deepspeed
+
+        self.device = resolve_device(train.device)
+        if train.deepspeed.fp16 and self.device.type != "cuda":
+            raise PipelineError("train.deepspeed.fp16 needs a GPU (DeepSpeed refuses fp16 on "
+                                "CPU); use bf16 or neither")
+        manifest = load_manifest(preprocess_dir)
+        self.vocab_size = manifest["vocab_size"]
+        self.documents = manifest.get("documents")     # None: a token stream
+
+        # identical initial weights on every rank, then per-rank streams of randomness
+        torch.manual_seed(train.seed)
+        model = spec.build_model(self.vocab_size, f"{preprocess_dir}/manifest.json")
+        torch.manual_seed(train.seed + self.rank)
+        np.random.seed(train.seed + self.rank)
+        random.seed(train.seed + self.rank)
+
+        self.ds_config = deepspeed_config(train, self.world_size)
+        optimizer = build_optimizer(model.parameters(), train.optimizer)
+        # float32, before DeepSpeed's cast to the training precision
+        bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model.to(self.device), optimizer=optimizer, config=self.ds_config)
+        self.model = self.engine.module
+        self.model.activation_checkpointing = train.deepspeed.activation_checkpointing
+        # ZeRO and bf16 hand the optimizer flat partitions: tell the per-tensor clipping
+        # which elements belong to which parameter, and clamp the bounded parameters on the
+        # fp32 masters, from which DeepSpeed overwrites the model's copies.
+        bind_to_engine(self.engine)
+        bounded = self.model.bounded_parameters()
+        self.clamp_masters = master_clamp(self.engine, bounded)
+        # bf16 / fp16: the forward reads the bounded parameters from their fp32 masters
+        self.bounded_to_float32 = float32_from_master(
+            self.engine, [p for p, _, _ in bounded], bounded_init)
+
+        self.micro_batch = self.ds_config["train_micro_batch_size_per_gpu"]
+        self.accum = self.ds_config["gradient_accumulation_steps"]
+        rows = self.micro_batch * self.accum
+        self.train_tokens = load_split(preprocess_dir, "train")
+        self.preprocess_dir = preprocess_dir
+        self.valid_tokens = None
+        try:
+            if self.documents is None:
+                self.batches = StreamBatches(self.train_tokens, rows, train.seq_len,
+                                             rank=self.rank, world_size=self.world_size,
+                                             seed=train.seed)
+            else:
+                self.batches = DocumentBatches(
+                    as_documents(self.train_tokens, self.documents,
+                                 f"{preprocess_dir}, train split"),
+                    rows, rank=self.rank, world_size=self.world_size, seed=train.seed)
+        except ValueError as e:
+            raise PipelineError(f"train: {e}") from None
+        # one model state per micro-batch: each carries its own rows' history
+        self.states = self._initial_states()
+        self.step = 0     # optimizer updates done so far
+        self.best_valid: float | None = None
+        self.evals_since_best = 0
+        self.params = sum(p.numel() for p in self.model.parameters())
+        self.checkpoints = CheckpointIO(self.engine, self.rank, self.world_size, self.params,
+                                        log)
+
+    def _initial_states(self) -> list[State]:
+        """The model's state before a stream's first block, one per micro-batch. Documents
+        carry none across updates (each starts from init_state in run_documents): [] as a
+        stateless model's, which checkpoints and resharding already handle."""
+        if self.documents is not None:
+            return [[] for _ in range(self.accum)]
+        return [self.model.init_state(self.micro_batch, device=self.device)
+                for _ in range(self.accum)]
+
+    # ------------------------------------------------------------ the loop
+
+    def fit(self, until: int, lr_at: Callable[[int], float], ckpt_root: Path,
+            expect_lr: float | None = None, patience: int | None = None) -> dict:
+        """Train from the current step to `until`, checkpointing into `ckpt_root`.
+
+        `lr_at(k)` gives the lr of update k (1-based). `expect_lr`: after the first update,
+        fail loudly unless the optimizer really ran with this lr (the LR-drop check).
+        `patience`: stop early once validation has not improved for that many evaluations.
+        SIGTERM or SIGINT (a Slurm preemption, ctrl-C) on any rank finishes the current
+        update, saves a checkpoint and raises `Preempted`: running the pipeline again
+        resumes from there."""
+        train = self.spec.train
+        first = self.step + 1
+        window = LossWindow(train.batch_size * (self.documents["length"] - 1 if self.documents
+                                                else train.seq_len))
+        progress = Progress(self.step, until, enabled=self.rank == 0)
+        stopped_early = False
+        with StopSignal() as stop, progress:
+            while self.step < until:
+                self.set_lr(lr_at(self.step + 1))
+                window.add(self.train_step())
+                progress.advance()
+                if expect_lr is not None and self.step == first and \
+                        not math.isclose(self.current_lr(), expect_lr, rel_tol=1e-9):
+                    raise PipelineError(f"the learning rate in effect is "
+                                        f"{self.current_lr():g}, expected {expect_lr:g}: "
+                                        f"the LR drop did not take")
+                if self.step % train.log_every == 0 or self.step == until:
+                    self._report(window, until, progress)
+                if train.eval_every and self.step % train.eval_every == 0:
+                    if self._track_validation(progress):
+                        self.save(ckpt_root, train.keep_checkpoints, best=True)
+                    window.restart_clock()
+                    if patience and self.evals_since_best >= patience:
+                        progress.log(self.log, f"step {self.step}: validation has not "
+                                     f"improved for {patience} evaluations, stopping")
+                        stopped_early = True
+                        break
+                if distributed.any_rank(stop.received is not None):
+                    path = self.save(ckpt_root, train.keep_checkpoints)
+                    raise Preempted(f"{stop.received or 'a signal on another rank'} at step "
+                                    f"{self.step}: checkpoint {path} saved; run the pipeline "
+                                    f"again to resume from it")
+                if train.checkpoint_every and self.step % train.checkpoint_every == 0 \
+                        and self.step < until:
+                    self.save(ckpt_root, train.keep_checkpoints)
+                    window.restart_clock()
+        path = self.save(ckpt_root, train.keep_checkpoints)
+        best = "best_valid_loss" if self.documents else "best_valid_bpc_estimate"
+        return {"step": self.step, "checkpoint": str(path), "stopped_early": stopped_early,
+                best: self.best_valid, "parameters": self.params}
+
+    def train_step(self) -> float:
+        """One optimizer update over all micro-batches; returns this rank's mean token nll
+        (of the scored targets, for documents)."""
+        self.bounded_to_float32()  # after a resume, too: the masters are what was loaded
+        losses = self._stream_updates() if self.documents is None else self._document_updates()
+        self.clamp_masters()      # the fp32 masters DeepSpeed steps, and the model's copies
+        self.model.after_step()   # the model's own hook (the base clamps as above)
+        self.bounded_to_float32()
+        self.step += 1
+        return sum(losses) / len(losses)
+
+    def _stream_updates(self) -> list[float]:
+        """Each micro-batch's rows continue their streams from the carried states."""
+        if self.step > 0 and self.batches.starts_epoch(self.step):
+            # The streams restart at a new offset: the carried states are no longer the
+            # rows' left context, so start from the initial ones, as the authors' trainer
+            # does at the wrap.
+            self.states = self._initial_states()
+        x, y = self.batches.batch(self.step)
+        x, y = x.to(self.device), y.to(self.device)
+        mb = self.micro_batch
+        losses = []
+        for i in range(self.accum):
+            rows = slice(i * mb, (i + 1) * mb)
+            out = self.engine(x[rows], y[rows], self.states[i])
+            nll = out.nll.float().mean()
+            self.engine.backward(nll + self.model.aux_loss())
+            self.engine.step()
+            self.states[i] = out.state
+            losses.append(nll.item())
+        return losses
+
+    def _document_updates(self) -> list[float]:
+        """Each micro-batch is whole documents, read from the initial state and scored after
+        their separators (pipeline.training.document_passes.run_documents)."""
+        docs = self.batches.batch(self.step).to(self.device)
+        mb = self.micro_batch
+        losses = []
+        for i in range(self.accum):
+            out = run_documents(self.engine, docs[i * mb:(i + 1) * mb], self.spec.train.seq_len,
+                                self.documents["input_length"], train=True)
+            nll = out.nll.mean()
+            self.engine.backward(nll + out.aux)
+            self.engine.step()
+            losses.append(nll.item())
+        return losses
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def current_lr(self) -> float:
+        return self.engine.optimizer.param_groups[0]["lr"]
+
+    def validate(self) -> dict[str, float]:
+        """Validation over the first `train.eval_batches` batches of the valid split (or all
+        of it) with train's own validation settings: {"bpc", "tokens"} it covered, or for
+        documents DocumentScores.metrics() (loss per scored target first); rank 0's values
+        on every rank so that decisions taken on them agree."""
+        train = self.spec.train
+        if self.valid_tokens is None:          # read (and checksum) only if validating
+            self.valid_tokens = load_split(self.preprocess_dir, "valid")
+        max_batches = None if train.eval_batches == "all" else train.eval_batches
+        if self.documents is not None:
+            scores = score_documents(
+                self.model, as_documents(self.valid_tokens, self.documents,
+                                         f"{self.preprocess_dir}, valid split"),
+                train.eval_batch_size, train.eval_seq_len or train.seq_len,
+                self.documents["input_length"], self.device, max_batches)
+            return distributed.broadcast_object(scores.metrics())
+        total, count = evaluate_nll(
+            self.model, self.valid_tokens, train.eval_batch_size,
+            train.eval_seq_len or train.seq_len, self.device, max_batches=max_batches)
+        if count == 0:
+            raise PipelineError(f"the valid split has {len(self.valid_tokens)} token(s): "
+                                f"nothing to validate on; make dataset.split.valid larger")
+        return distributed.broadcast_object({"bpc": total / count / LN2, "tokens": count})
+
+    def _track_validation(self, progress: Progress) -> bool:
+        """Validate, log, and count evaluations since the best (by bpc, or by loss per
+        scored target for documents); True on a new best."""
+        metrics = self.validate()
+        valid = metrics["loss" if self.documents else "bpc"]
+        improved = self.best_valid is None or valid < self.best_valid
+        if improved:
+            self.best_valid, self.evals_since_best = valid, 0
+        else:
+            self.evals_since_best += 1
+        if self.rank == 0:
+            self.tracker.log_metrics({f"valid_{k}": v for k, v in metrics.items()},
+                                     step=self.step)
+            scope = ("the whole split" if self.spec.train.eval_batches == "all"
+                     else "an estimate")
+            if self.documents:
+                line = (f"valid loss {valid:.4f}  token accuracy "
+                        f"{metrics['token_accuracy']:.3f}  exact match "
+                        f"{metrics['exact_match']:.3f} ({scope}, {metrics['documents']:,} "
+                        f"documents)")
+            else:
+                line = f"valid bpc {valid:.3f} ({scope}, {metrics['tokens']:,} tokens)"
+            progress.log(self.log, f"step {self.step:>6}  {line}"
+                                   f"{'  (best)' if improved else ''}")
+        return improved
+
+    def _report(self, window: LossWindow, until: int, progress: Progress) -> None:
+        """Log the mean loss (over all ranks), lr, throughput and memory since the last
+        report. Called on every rank: the loss is averaged with a collective."""
+        mean, seconds_per_step, tokens_per_s = window.take()
+        mean = distributed.mean_over_ranks(mean)
+        if self.rank != 0:
+            return
+        metrics = {"loss": mean, "lr": self.current_lr(),
+                   "tokens_per_s": tokens_per_s, "step_time_s": seconds_per_step,
+                   "peak_memory_mb": peak_memory_mb(self.device),
+                   "attention_compiles": compile_count()}
+        # documents: the loss is over the sorted targets, not bits per character of a text
+        if not self.documents:
+            metrics["bpc"] = mean / LN2
+        bpc = f"bpc {metrics['bpc']:.3f}  " if "bpc" in metrics else ""
+        metrics |= self.model.metrics()
+        self.tracker.log_metrics(metrics, step=self.step)
+        eta = (until - self.step) * seconds_per_step
+        progress.show(f"loss {mean:.4f} lr {metrics['lr']:.3g} {tokens_per_s:,.0f} tok/s")
+        progress.log(self.log, f"step {self.step:>6}/{until}  loss {mean:.4f}  "
+                               f"{bpc}lr {metrics['lr']:.3g}  "
+                               f"{tokens_per_s:,.0f} tok/s  eta {eta:,.0f}s")
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, root: Path, keep: int, best: bool = False) -> Path:
+        """Checkpoint this step under `root` (pipeline.training.checkpoint_io.CheckpointIO.save),
+        once the metrics logged up to it are durable: a run resumed from it logs none of
+        them again."""
+        self.tracker.make_durable()
+        return self.checkpoints.save(root, keep, LoopState(
+            self.step, self.states, self.best_valid, self.evals_since_best), best=best)
+
+    def load(self, root: Path) -> int:
+        """Restore the newest intact checkpoint under `root`; returns its step."""
+        loop = self.checkpoints.load(root, self.accum, self.device)
+        self.step, self.states = loop.step, loop.states
+        self.best_valid, self.evals_since_best = loop.best_valid, loop.evals_since_best
+        return self.step

@@ -1,0 +1,516 @@
+"""Runs a spec's stages in order, skipping what is already done.
+
+Workspace layout (one per run name, `<workspace.root>/<name>/`):
+
+    .lock                       held (flock) while a `run` is active; names its holder
+    <stage>/                    a completed stage's outputs
+    <stage>/stage.json          its record: fingerprint, config, build id, summary, timings,
+                                and the sha256 and size of each output file (`outputs`)
+    <stage>.partial/            a stage in progress (or interrupted: train resumes from it)
+    <stage>.partial/partial.json  the fingerprint, config and input builds it was started with
+    <stage>.old/                the outputs a publish is replacing, deleted once it is done
+
+A stage's fingerprint hashes its resolved config section, less the keys that do not change
+its result (`Stage.runtime_only`), and the build ids of its inputs. A build id is new every
+time a stage completes, so re-running a stage (even with the same config, as `--force` does)
+re-runs everything downstream of it.
+
+Nothing that can be resumed is deleted without an explicit flag: a partial directory holding
+checkpoints that another config started is refused, naming the changed keys, until the user
+passes `--force STAGE` (or `--from`). Publishing commits by writing `stage.json` into the
+partial directory; the renames that move it into place are finished by the next run if the
+process dies between them (`Workspace.finish_publish`).
+
+A completed stage is trusted only while its outputs match the checksums its record holds
+(`Workspace.output_damage`): a damaged one is rebuilt, keeping its build id when the rebuild
+reproduces the recorded files (so nothing built from them re-runs), or refused where a
+rebuild would cost checkpoints. A record written before outputs carried checksums is trusted
+as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipeline.cluster import distributed
+from pipeline.training.checkpoints import CHECKSUMS, step_dirs, step_of
+from pipeline.errors import PipelineError, Preempted, shown
+from pipeline.fsutil import atomic_write_json, file_checksum, file_mismatch, read_json
+from pipeline.spec.schema import Spec
+from pipeline.cluster.signals import RaiseOnSignal
+from pipeline.workspace.lock import WorkspaceLock
+from stages import STAGES, StageContext, resolve_inputs
+
+RECORD = "stage.json"
+PARTIAL_RECORD = "partial.json"
+CHECKPOINTS = "checkpoints"     # where train and finetune keep theirs in their output
+READ_AT_EVERY_PLAN = 16 << 20   # bytes: output files up to this size are hashed at every plan
+
+
+def fingerprint(config: dict, input_builds: dict[str, str]) -> str:
+    blob = json.dumps({"config": config, "inputs": input_builds}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _dotted(data, prefix: str = "") -> dict[str, object]:
+    if isinstance(data, dict) and data:
+        return {k: v for key, value in data.items()
+                for k, v in _dotted(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}
+
+
+def config_changes(old: dict, new: dict) -> list[str]:
+    """What differs between two stage configs, as 'dotted.key old -> new' (sorted)."""
+    old, new = _dotted(old), _dotted(new)
+    show = lambda d, k: json.dumps(d[k]) if k in d else "(absent)"  # noqa: E731
+    return [f"{k} {show(old, k)} -> {show(new, k)}"
+            for k in sorted(old.keys() | new.keys()) if old.get(k, ...) != new.get(k, ...)]
+
+
+@dataclass
+class Step:
+    """One entry of the plan: what the runner will do with a stage, and why."""
+    stage: str
+    action: str          # "run", "skip" or "hold" (not selected by --only)
+    reason: str
+    forced: bool = False # by --force / --from: start clean, even over a resumable partial
+    # run: the step of the newest checkpoint in its partial directory, which it resumes
+    # from (or, forced, discards); None when there is none
+    checkpoint: int | None = None
+    # run: rebuilding an up-to-date output found damaged; its build id is kept if the
+    # rebuild reproduces the recorded files, so the stages built from them stay up to date
+    repair: bool = False
+
+    def describe(self) -> str:
+        """The reason, and what happens to the checkpoints of an interrupted run."""
+        if self.checkpoint is None:
+            return self.reason
+        if self.forced:
+            return f"{self.reason}; would discard checkpoints up to step {self.checkpoint}"
+        return f"{self.reason}; resume from step {self.checkpoint}"
+
+
+class Workspace:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def done_dir(self, stage: str) -> Path:
+        return self.path / stage
+
+    def partial_dir(self, stage: str) -> Path:
+        return self.path / f"{stage}.partial"
+
+    def old_dir(self, stage: str) -> Path:
+        return self.path / f"{stage}.old"
+
+    def committed_dir(self, stage: str) -> Path:
+        """Where the stage's committed output is: the partial directory while a publish has
+        not moved it into place (`finish_publish`), else `<stage>/`."""
+        partial = self.partial_dir(stage)
+        return partial if (partial / RECORD).exists() else self.done_dir(stage)
+
+    def record(self, stage: str) -> dict | None:
+        """The stage's committed record: a partial directory holding one is the output of a
+        publish not yet moved into place (`finish_publish`)."""
+        for path in (self.partial_dir(stage) / RECORD, self.done_dir(stage) / RECORD):
+            try:
+                return read_json(path)
+            except FileNotFoundError:
+                continue
+            except (OSError, json.JSONDecodeError) as e:
+                raise PipelineError(f"{path}: unreadable stage record ({e}); delete "
+                                    f"{path.parent} to re-run '{stage}'") from None
+        return None
+
+    def output_damage(self, stage: str, record: dict) -> str | None:
+        """Why the completed `stage`'s outputs are not the files its `record` lists, or None
+        when they are (or when the record predates output checksums: nothing to check).
+
+        Every file's size is checked. Its content is hashed when the file is small (results,
+        manifests, vocabularies, plots: milliseconds) or when its mtime differs from the one
+        recorded at publish. A large file with its size and mtime (data shards, downloads:
+        gigabytes, minutes to hash at every `run`) is taken as unchanged: editing or
+        truncating it in place changes them, and its readers verify its content when they
+        read it (shards against the manifest, downloads against download.json)."""
+        where = self.committed_dir(stage)
+        for name, expected in record.get("outputs", {}).items():
+            path = where / name
+            unchanged = (expected["bytes"] > READ_AT_EVERY_PLAN and path.is_file()
+                         and path.stat().st_mtime_ns == expected.get("mtime_ns"))
+            if why := file_mismatch(path, name, expected, read=not unchanged):
+                return why
+        return None
+
+    def holds_checkpoints(self, stage: str) -> bool:
+        return bool(step_dirs(self.committed_dir(stage) / CHECKPOINTS))
+
+    def partial_marker(self, stage: str) -> dict | None:
+        """What the partial directory was started with ({} when unreadable); None if none."""
+        partial = self.partial_dir(stage)
+        if not partial.exists():
+            return None
+        try:
+            return read_json(partial / PARTIAL_RECORD)
+        except (OSError, ValueError):
+            return {}
+
+    def partial_checkpoint(self, stage: str) -> int | None:
+        """The step of the newest checkpoint directory in the partial directory, if any.
+        Not `latest`: a damaged pointer must not make days of checkpoints look absent (and
+        so deletable); whether each one is intact is the training stage's to check."""
+        dirs = step_dirs(self.partial_dir(stage) / CHECKPOINTS)
+        return step_of(dirs[0].name) if dirs else None
+
+    def begin(self, stage: str, marker: dict, fresh: bool = False) -> Path:
+        """A partial directory for `stage`: kept if `marker` (fingerprint, config, inputs)
+        has its fingerprint (an interrupted run to resume) unless `fresh`, emptied otherwise.
+        The caller has refused to empty one holding checkpoints (`Runner._check_partial`)."""
+        partial = self.partial_dir(stage)
+        kept = self.partial_marker(stage)
+        if kept is not None and (fresh or kept.get("fingerprint") != marker["fingerprint"]):
+            shutil.rmtree(partial)
+            kept = None
+        # the series: one id for this output's first attempt and the runs that resume it
+        marker = {**marker, "series": (kept or {}).get("series") or uuid.uuid4().hex[:12],
+                  "attempt": (kept or {}).get("attempt", 1) + (kept is not None)}
+        partial.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(partial / PARTIAL_RECORD, marker)
+        return partial
+
+    def publish(self, stage: str, record: dict) -> None:
+        """Make the partial directory the stage's output. Writing its record is the commit:
+        from then on `record()` finds it, nothing treats the directory as an interrupted run,
+        and `finish_publish` (here, or on the next run after a crash) moves it into place."""
+        atomic_write_json(self.partial_dir(stage) / RECORD, record)
+        self.finish_publish(stage)
+
+    def finish_publish(self, stage: str) -> None:
+        """Move a committed partial directory to `<stage>/`, the output it replaces aside to
+        `<stage>.old/` and then deleted. Every step can be interrupted and done again: a
+        rename cannot replace a non-empty directory, hence the aside."""
+        partial, done, old = self.partial_dir(stage), self.done_dir(stage), self.old_dir(stage)
+        if (partial / RECORD).exists():
+            if done.exists():
+                if old.exists():            # an earlier, superseded output
+                    shutil.rmtree(old)
+                os.rename(done, old)
+            os.rename(partial, done)
+        if (done / RECORD).exists():
+            (done / PARTIAL_RECORD).unlink(missing_ok=True)
+            if old.exists():
+                shutil.rmtree(old)
+
+    def invalidate(self, stage: str) -> None:
+        """Forget a completed stage that --force / --from is re-running: if that run is
+        interrupted, the next plain run resumes it instead of keeping the old output."""
+        (self.done_dir(stage) / RECORD).unlink(missing_ok=True)
+
+
+def output_checksums(out_dir: Path) -> dict[str, dict]:
+    """The sha256, size and mtime of each file a stage's record vouches for: its output
+    directory less the records and any directory with its own CHECKSUMS (a checkpoint: its
+    files are verified whenever it is loaded; hashing gigabytes of them a second time at
+    publish would double the cost of saving)."""
+    checksummed = {p.parent for p in out_dir.rglob(CHECKSUMS)}
+    files = sorted(f for f in out_dir.rglob("*")
+                   if f.is_file() and f not in (out_dir / RECORD, out_dir / PARTIAL_RECORD)
+                   and checksummed.isdisjoint(f.parents))
+    return {f.relative_to(out_dir).as_posix():
+            file_checksum(f) | {"mtime_ns": f.stat().st_mtime_ns} for f in files}
+
+
+def _first_difference(old: dict, new: dict) -> str | None:
+    """The first file whose recorded content differs between two `outputs`, or None."""
+    content = lambda entry: (entry["sha256"], entry["bytes"])  # noqa: E731
+    for name in sorted(old.keys() | new.keys()):
+        if name not in old or name not in new or content(old[name]) != content(new[name]):
+            return name
+    return None
+
+
+def _differences(kept: dict, config: dict, input_builds: dict) -> list[str]:
+    """How `config` and `input_builds` differ from what a record or partial marker kept;
+    [] when it kept no config (written by an older allattn-pipe): then nobody can tell."""
+    if "config" not in kept:
+        return []
+    kept_builds = kept.get("inputs", {})
+    return config_changes(kept["config"], config) + [
+        f"input {i} is another build ({kept_builds.get(i)} -> {b})"
+        for i, b in input_builds.items() if kept_builds.get(i) != b]
+
+
+def _parse_selection(names: list[str] | None, spec: Spec, flag: str) -> list[str]:
+    out = []
+    for item in names or []:
+        for name in filter(None, (n.strip() for n in item.split(","))):
+            if name not in STAGES:
+                raise PipelineError(f"{flag} {shown(name)}: no such stage kind; known: "
+                                    f"{', '.join(STAGES)}")
+            if name not in spec.stages:
+                raise PipelineError(f"{flag} {name}: this pipeline's stages are "
+                                    f"{', '.join(spec.stages)}")
+            out.append(name)
+    return out
+
+
+class Runner:
+    def __init__(self, spec: Spec, *, force: list[str] | None = None,
+                 start_from: str | None = None, only: list[str] | None = None,
+                 log=print):
+        self.spec = spec
+        self.ws = Workspace(spec.workspace_dir)
+        self.force = set(_parse_selection(force, spec, "--force"))
+        self.only = set(_parse_selection(only, spec, "--only"))
+        self.start_from = (_parse_selection([start_from], spec, "--from")[0]
+                           if start_from else None)
+        self.log = log
+
+    def plan(self) -> list[Step]:
+        """Decide run/skip for every stage, assuming each run stage gets a new build id (but
+        a damaged one rebuilt keeps its own: `Step.repair`). Refuses (PipelineError) a run
+        that would discard an interrupted run's checkpoints without --force, or a finished
+        one's to rebuild a damaged output."""
+        steps, builds = [], {}
+        rerun: set[str] = set()
+        forced_from = (self.spec.stages[self.spec.stages.index(self.start_from):]
+                       if self.start_from else [])
+        for name in self.spec.stages:
+            stage = STAGES[name]
+            inputs = resolve_inputs(stage, self.spec.stages)
+            record = self.ws.record(name)
+            changed_inputs = [i for i in inputs if i in rerun]
+            forced = False
+            config = stage.fingerprinted(self.spec)
+            input_builds = {i: builds.get(i) for i in inputs}
+            fp = None if changed_inputs else fingerprint(config, input_builds)
+            up_to_date = record is not None and not changed_inputs and \
+                record.get("fingerprint") == fp
+            damage = self.ws.output_damage(name, record) if up_to_date else None
+            repair = False
+            if self.only and name not in self.only:
+                if record is None:
+                    action, reason = "hold", "not selected by --only (and not done yet)"
+                elif not up_to_date:
+                    action, reason = "hold", "not selected by --only (out of date)"
+                elif damage:
+                    action, reason = "hold", f"not selected by --only (damaged: {damage})"
+                else:
+                    action, reason = "hold", "not selected by --only (up to date)"
+            elif name in self.force:
+                action, reason, forced = "run", "forced (--force)", True
+            elif name in forced_from:
+                action, reason, forced = "run", f"forced (--from {self.start_from})", True
+            elif record is None:
+                action, reason = "run", "not done yet"
+            elif changed_inputs:
+                action, reason = "run", f"input {', '.join(changed_inputs)} will be re-run"
+            elif record.get("fingerprint") != fp:
+                changes = _differences(record, config, input_builds)
+                action, reason = "run", (f"changed: {'; '.join(changes)}" if changes
+                                         else "config or inputs changed")
+            elif damage:
+                self._check_repairable(name, damage)
+                action, repair = "run", True
+                reason = f"{damage} (damaged since it was published); rebuilding it"
+            else:
+                action, reason = "skip", f"up to date (finished {record.get('finished_at')})"
+            checkpoint = None
+            if action == "run":
+                checkpoint = self._check_partial(name, fp, config, input_builds,
+                                                 changed_inputs, forced)
+            if action == "run" and not repair:
+                rerun.add(name)
+            elif record is not None:    # a repair is planned to keep its build (`_do`)
+                builds[name] = record.get("build")
+            steps.append(Step(name, action, reason, forced, checkpoint, repair))
+        self._check_held_inputs(steps)
+        return steps
+
+    def _check_partial(self, name: str, fp: str | None, config: dict, input_builds: dict,
+                       changed_inputs: list[str], forced: bool) -> int | None:
+        """The step of the newest checkpoint in `name`'s partial directory (None if it has
+        none), which the run will resume or, forced, discard. Refuses to run when those
+        checkpoints belong to other result-changing settings and nothing forces it."""
+        step = self.ws.partial_checkpoint(name)
+        if step is None or forced:
+            return step
+        kept = self.ws.partial_marker(name)
+        if fp is not None and kept.get("fingerprint") == fp:
+            return step
+        partial = self.ws.partial_dir(name)
+        discard = (f"re-run with --force {name} to discard its checkpoints and start over "
+                   f"(nothing was deleted)")
+        if changed_inputs:
+            changes = [f"input {i} will be re-run" for i in changed_inputs]
+        elif "config" not in kept:
+            raise PipelineError(
+                f"{name}: {partial} holds an interrupted run with checkpoints up to step "
+                f"{step}, started with other settings that its {PARTIAL_RECORD} does not "
+                f"record (missing, or written by an older allattn-pipe); run it with the "
+                f"config that started it to resume, or {discard}")
+        else:
+            changes = _differences(kept, config, input_builds)
+        raise PipelineError(
+            f"{name}: {partial} holds an interrupted run with checkpoints up to step {step}, "
+            f"started with other settings that change its result: {'; '.join(changes)}. "
+            f"Set them back to resume it, or {discard}")
+
+    def _check_repairable(self, name: str, damage: str) -> None:
+        """Refuse to rebuild a damaged stage that holds checkpoints: rebuilding would train it
+        again from the start and replace them."""
+        if self.ws.holds_checkpoints(name):
+            raise PipelineError(
+                f"{name}: {damage} in {self.ws.committed_dir(name)} (damaged since it was "
+                f"published); rebuilding it would train it again and replace its checkpoints, "
+                f"so nothing was changed: restore the file, or re-run with --force {name}")
+
+    def _check_held_inputs(self, steps: list[Step]) -> None:
+        action = {s.stage: s.action for s in steps}
+        for s in steps:
+            if s.action != "run":
+                continue
+            for i in resolve_inputs(STAGES[s.stage], self.spec.stages):
+                if action[i] != "hold":
+                    continue
+                record = self.ws.record(i)
+                if record is None:
+                    raise PipelineError(f"stage '{s.stage}' needs the output of '{i}', which "
+                                        f"has not run in {self.ws.path}; add it to --only or "
+                                        f"drop --only")
+                if damage := self.ws.output_damage(i, record):
+                    raise PipelineError(f"stage '{s.stage}' needs the output of '{i}', which "
+                                        f"is damaged ({damage} in "
+                                        f"{self.ws.committed_dir(i)}); "
+                                        f"add it to --only to rebuild it, or drop --only")
+
+    def needs_launcher(self) -> bool:
+        """True when a stage that trains will run and the spec asks for more processes than
+        this one (and we are not already one of them)."""
+        train = self.spec.train
+        if train is None or train.launcher.world_size == 1 or distributed.launched():
+            return False
+        return any(s.action == "run" and STAGES[s.stage].distributed for s in self.plan())
+
+    def run(self, tracker) -> dict[str, dict]:
+        """Execute the plan. Returns each stage's record (run or skipped).
+
+        In a multi-process launch rank 0 does all of this (lock, plan, tracking, the
+        single-process stages, publishing); the other ranks only join the distributed stages,
+        which rank 0 announces one at a time (`_follow`)."""
+        if distributed.rank() != 0:
+            self._follow()
+            return {}
+        records: dict[str, dict] = {}
+        with WorkspaceLock(self.ws.path), RaiseOnSignal():
+            for name in self.spec.stages:
+                self.ws.finish_publish(name)      # one a crash interrupted
+            steps = self.plan()
+            together = [s for s in steps if s.action == "run" and STAGES[s.stage].distributed]
+            try:
+                tracker.start(self.spec, plan=steps)
+                if not together:
+                    distributed.broadcast_object(None)      # nothing for the other ranks
+                for step in steps:
+                    records[step.stage] = self._do(step, records, tracker, steps)
+                    if together and step is together[-1]:
+                        distributed.broadcast_object(None)  # let them go; evaluate is ours
+            except BaseException as e:
+                killed = isinstance(e, (KeyboardInterrupt, Preempted))
+                tracker.finish("KILLED" if killed else "FAILED")
+                raise
+            tracker.finish("FINISHED")
+        return records
+
+    def _do(self, step: Step, records: dict, tracker, steps: list[Step]) -> dict | None:
+        name = step.stage
+        stage = STAGES[name]
+        if step.action != "run":
+            self.log(f"[{name}] {'skipped' if step.action == 'skip' else 'held'}: {step.reason}")
+            return self.ws.record(name)
+        # every input ran or was skipped/held with a record before this stage (plan() checks)
+        input_records = {i: records[i] for i in resolve_inputs(stage, self.spec.stages)}
+        config = stage.fingerprinted(self.spec)
+        builds = {i: r["build"] for i, r in input_records.items()}
+        fp = fingerprint(config, builds)
+        if step.forced:
+            self.ws.invalidate(name)
+            if step.checkpoint is not None:
+                self.log(f"[{name}] discarding the interrupted run's checkpoints up to step "
+                         f"{step.checkpoint}")
+        out_dir = self.ws.begin(name, {"fingerprint": fp, "config": config, "inputs": builds},
+                                fresh=step.forced)
+        self.log(f"[{name}] running: {step.reason}")
+        started = time.time()
+        partial = self.ws.partial_marker(name)
+        with tracker.stage(name, stage.config(self.spec), partial["series"],
+                           resumed=partial["attempt"] > 1) as stage_tracker:
+            inputs = {i: self.ws.done_dir(i) for i in input_records}
+            if stage.distributed:
+                distributed.broadcast_object({"stage": name, "out_dir": out_dir,
+                                              "inputs": inputs})
+            ctx = StageContext(spec=self.spec, out_dir=out_dir, inputs=inputs,
+                               tracker=stage_tracker, log=lambda m: self.log(f"[{name}] {m}"))
+            summary = stage.run(ctx) or {}
+            if stage.distributed:
+                distributed.barrier()
+        outputs = output_checksums(out_dir)
+        build = (self._repaired_build(step, outputs, steps) if step.repair
+                 else uuid.uuid4().hex[:12])
+        record = {
+            "stage": name,
+            "fingerprint": fp,
+            "config": config,
+            "build": build,
+            "inputs": builds,
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "seconds": round(time.time() - started, 2),
+            "summary": summary,
+            "mlflow_run_id": stage_tracker.run_id,
+            "outputs": outputs,
+        }
+        self.ws.publish(name, record)
+        self.log(f"[{name}] done in {record['seconds']:.1f}s")
+        return record
+
+    def _repaired_build(self, step: Step, outputs: dict, steps: list[Step]) -> str:
+        """The build id of a damaged stage rebuilt (`Step.repair`): the damaged output's when
+        the rebuild reproduced the files its record lists, since then what was built from
+        them is still up to date; else a new one, unless stages this run keeps were built
+        from the old files: then nothing is published (the rebuild stays in the partial
+        directory) and the run stops, rather than leave them built from another output."""
+        name = step.stage
+        damaged = self.ws.record(name)
+        kept = [s.stage for s in steps if s.action != "run"
+                and name in resolve_inputs(STAGES[s.stage], self.spec.stages)]
+        differs = _first_difference(damaged["outputs"], outputs)
+        if differs is None:
+            if kept:
+                self.log(f"[{name}] rebuilt as it was published: {', '.join(kept)}, built "
+                         f"from it, {'stays' if len(kept) == 1 else 'stay'} up to date")
+            return damaged["build"]
+        if kept:
+            raise PipelineError(
+                f"{name}: rebuilt in {self.ws.partial_dir(name)}, but its {differs} differs "
+                f"from the one {', '.join(kept)} {'was' if len(kept) == 1 else 'were'} built "
+                f"from, so the damaged output was left as it was; restore the damaged file, "
+                f"or re-run with --force {name} to rebuild it and what reads it")
+        return uuid.uuid4().hex[:12]
+
+    def _follow(self) -> None:
+        """A rank other than 0: run each distributed stage rank 0 announces, until it says
+        there are no more. Rank 0 alone logs, tracks and publishes."""
+        from pipeline.tracking.tracker import NullStageTracker
+
+        while (job := distributed.broadcast_object()) is not None:
+            ctx = StageContext(spec=self.spec, out_dir=job["out_dir"], inputs=job["inputs"],
+                               tracker=NullStageTracker(), log=lambda m: None)
+            STAGES[job["stage"]].run(ctx)
+            distributed.barrier()

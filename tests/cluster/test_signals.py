@@ -1,0 +1,71 @@
+"""A second SIGTERM or ctrl-C stops at once, in training and outside it; the same
+preemption delivered twice (a SIGTERM again within a few seconds) does not."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from pipeline.errors import Interrupted
+from pipeline.cluster.signals import DUPLICATE_WINDOW_S, RaiseOnSignal, StopSignal
+
+
+def later(handler) -> None:
+    """Move the handler's first signal back past the duplicate window."""
+    handler._first_at -= DUPLICATE_WINDOW_S + 1
+
+
+def test_training_a_repeated_sigterm_within_the_window_is_the_same_request():
+    with StopSignal() as stop:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)        # the job script's trap, right after Slurm
+        assert stop.received == "SIGTERM"
+
+
+@pytest.mark.parametrize("first, second, code", [
+    (signal.SIGTERM, signal.SIGTERM, 143),
+    (signal.SIGINT, signal.SIGINT, 130),
+    (signal.SIGTERM, signal.SIGINT, 130),
+    (signal.SIGINT, signal.SIGTERM, 143),
+])
+def test_training_a_second_signal_stops_at_once(first, second, code):
+    with StopSignal() as stop:
+        signal.raise_signal(first)
+        assert stop.received == first.name          # the first only asks for a checkpoint
+        later(stop)
+        with pytest.raises(Interrupted, match="stopped at once by a second signal") as e:
+            signal.raise_signal(second)
+    assert e.value.exit_code == code
+
+
+def test_a_quick_ctrl_c_after_sigterm_stops_at_once():
+    with StopSignal():
+        signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(Interrupted, match="second signal"):
+            signal.raise_signal(signal.SIGINT)      # impatience needs no waiting
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_outside_training_a_second_signal_cuts_the_cleanup_short(sig, code):
+    cleaned = []
+    with RaiseOnSignal() as handler:
+        with pytest.raises(Interrupted) as first:
+            signal.raise_signal(sig)
+        assert "stopped by" in str(first.value)
+        if sig == signal.SIGTERM:
+            signal.raise_signal(sig)                # a duplicate: the cleanup goes on
+            cleaned.append("duplicate ignored")
+        later(handler)
+        with pytest.raises(Interrupted, match="stopped at once") as second:
+            signal.raise_signal(sig)                # while the first one unwinds
+            cleaned.append("never")
+    assert second.value.exit_code == code
+    assert cleaned == (["duplicate ignored"] if sig == signal.SIGTERM else [])
+
+
+def test_the_handlers_are_restored():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with StopSignal(), RaiseOnSignal():
+        pass
+    assert {s: signal.getsignal(s) for s in before} == before

@@ -1,0 +1,216 @@
+"""End to end through the real stages and the real CLI: a tiny quickstart.
+
+download (the built-in corpus) -> preprocess (webdataset shards) -> train (DeepSpeed, one
+process) -> finetune (lr / 10) -> evaluate; then skip, --force and --set behaviour, what
+MLflow recorded, and an interrupted training resumed to the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.training.checkpoints import read_checkpoint_file
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, FT_STEPS, LOG_EVERY, EVAL_EVERY, LR = 40, 6, 4, 20, 0.01
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_config(tmp: Path, name: str = "tiny", attn_dropout: float = 0.0) -> Path:
+    path = tmp / f"{name}.yaml"
+    path.write_text(f"""\
+extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
+name: {name}
+model: {{d_model: 32, n_layers: 2, n_heads: 2, n_persistent: 8, max_span: 64,
+        attn_dropout: {attn_dropout}}}
+train:
+  steps: {STEPS}
+  batch_size: 8
+  seq_len: 32
+  log_every: {LOG_EVERY}
+  eval_every: {EVAL_EVERY}
+  eval_batches: 2
+  checkpoint_every: 8
+  optimizer: {{lr: {LR}, warmup_steps: 4}}
+finetune: {{steps: {FT_STEPS}}}
+evaluate: {{batch_size: 16, seq_len: 64}}
+workspace: {{root: {tmp / 'runs'}}}
+""")
+    return path
+
+
+def cli(*args, check=True, timeout=600):
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    result = subprocess.run([sys.executable, "-m", "pipeline.commands.cli", *map(str, args)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def ran(output: str) -> list[str]:
+    return [line.split("]")[0][1:] for line in output.splitlines() if "] running:" in line]
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quickstart")
+    cfg = tiny_config(tmp)
+    first = cli("run", cfg)
+    again = cli("run", cfg)
+    forced = cli("run", cfg, "--force", "train")
+    new_lr = cli("run", cfg, "--set", "train.optimizer.lr=0.005")
+    return {"tmp": tmp, "cfg": cfg, "first": first, "again": again, "forced": forced,
+            "new_lr": new_lr}
+
+
+def test_first_run_runs_every_stage_and_learns(pipeline_runs):
+    out = pipeline_runs["first"].stdout
+    assert ran(out) == ["download", "preprocess", "train", "finetune", "evaluate"]
+    ws = pipeline_runs["tmp"] / "runs" / "tiny"
+    results = json.loads((ws / "evaluate" / "results.json").read_text())
+    entropy = results["unigram_entropy_bits"]
+    assert 4.0 < entropy < 5.5                  # English text, bytes
+    # results.json is the latest run's (--set lr); the first run printed its own numbers
+    latest_out = pipeline_runs["new_lr"].stdout
+    for split in ("valid", "test"):
+        assert results[split]["bpc"] < entropy   # 46 small steps already beat unigram
+        assert f"{split:<5} bpc {results[split]['bpc']:.3f}" in latest_out
+        printed = re.search(rf"\] {split}\s+bpc (\d+\.\d+)", out)
+        assert printed and float(printed.group(1)) < entropy
+    assert f"unigram entropy of the train split {entropy:.3f} bits" in out
+    assert results["checkpoint"] == f"finetune/step-{STEPS + FT_STEPS:08d}"
+    manifest = json.loads((ws / "preprocess" / "manifest.json").read_text())
+    assert results["valid"]["tokens"] == manifest["splits"]["valid"]["tokens"] - 1
+    assert all(name.endswith(".tar") for s in manifest["splits"].values()
+               for name in (x["name"] for x in s["shards"]))
+
+
+def test_show_counts_the_parameters_of_the_trained_model(pipeline_runs):
+    # `show` builds on the meta device; the train stage counts the real model it trained
+    ws = pipeline_runs["tmp"] / "runs" / "tiny"
+    trained = json.loads((ws / "train" / "stage.json").read_text())["summary"]["parameters"]
+    shown = re.search(r"^parameters: ([\d,]+) \(", cli("show", pipeline_runs["cfg"]).stdout, re.M)
+    assert shown and int(shown.group(1).replace(",", "")) == trained
+
+
+def test_second_run_skips_everything(pipeline_runs):
+    out = pipeline_runs["again"].stdout
+    assert ran(out) == []
+    assert out.count("skipped: up to date") == 5
+
+
+def test_force_train_reruns_train_finetune_evaluate(pipeline_runs):
+    assert ran(pipeline_runs["forced"].stdout) == ["train", "finetune", "evaluate"]
+
+
+def test_set_lr_reruns_from_train(pipeline_runs):
+    assert ran(pipeline_runs["new_lr"].stdout) == ["train", "finetune", "evaluate"]
+
+
+def test_finetune_continues_at_a_tenth_of_the_lr(pipeline_runs):
+    out = pipeline_runs["first"].stdout
+    assert f"from step {STEPS}: lr {LR:g} / 10 = {LR / 10:g} for {FT_STEPS} steps" in out
+
+
+def test_mlflow_records_parent_and_nested_runs(pipeline_runs):
+    from mlflow.tracking import MlflowClient
+
+    tmp = pipeline_runs["tmp"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tiny")
+    runs = client.search_runs([exp.experiment_id], max_results=100,
+                              order_by=["attributes.start_time ASC"])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 4                                  # one per `run`
+    first = parents[0]
+    assert first.info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == first.info.run_id]
+    assert sorted(r.data.tags["stage"] for r in children) == sorted(
+        ["download", "preprocess", "train", "finetune", "evaluate"])
+    skipped = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[1].info.run_id]
+    assert skipped == [] and parents[1].data.tags["stages.skipped"].count(",") == 4
+
+    # hyperparameters as flattened params, environment as tags
+    assert first.data.params["model.d_model"] == "32"
+    assert first.data.params["train.optimizer.lr"] == str(LR)
+    assert torch.__version__.startswith(first.data.tags["version.torch"])
+    assert first.data.tags["world_size"] == "1"
+    assert "spec.resolved.yaml" in [a.path for a in client.list_artifacts(first.info.run_id)]
+
+    train = next(r for r in children if r.data.tags["stage"] == "train")
+    assert train.data.params["model.n_persistent"] == "8"
+    history = client.get_metric_history(train.info.run_id, "loss")
+    assert [m.step for m in history] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    valid = client.get_metric_history(train.info.run_id, "valid_bpc")
+    assert [m.step for m in valid] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
+    lr = {m.step: m.value for m in client.get_metric_history(train.info.run_id, "lr")}
+    assert lr[LOG_EVERY] == pytest.approx(LR)      # warmup over 4 steps: done at step 4
+    assert lr[STEPS] == pytest.approx(LR)
+
+    finetune = next(r for r in children if r.data.tags["stage"] == "finetune")
+    ft_lr = client.get_metric_history(finetune.info.run_id, "lr")
+    assert [m.step for m in ft_lr] == [STEPS + LOG_EVERY, STEPS + FT_STEPS]  # steps continue
+    assert all(m.value == pytest.approx(LR / 10) for m in ft_lr)
+
+    evaluate = next(r for r in children if r.data.tags["stage"] == "evaluate")
+    assert evaluate.data.metrics["test_bpc"] < evaluate.data.metrics["valid_bpc"] + 1
+
+
+def _final_weights(ws: Path) -> dict:
+    root = ws / "train" / "checkpoints"
+    tag = (root / "latest").read_text().strip()
+    return read_checkpoint_file(root / tag / "mp_rank_00_model_states.pt")["module"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_interrupted_training_resumes_to_the_same_weights(tmp_path, sig):
+    """Stop `train` in the middle (kill -9, or SIGTERM as a Slurm preemption sends); the re-run
+    resumes from the last complete checkpoint (SIGTERM: one saved at the step it stopped)
+    and ends with exactly the weights of an uninterrupted run (dropout on, so RNG matters)."""
+    straight = tiny_config(tmp_path, "straight", attn_dropout=0.2)
+    cli("run", straight, "--only", "download,preprocess,train")
+
+    killed = tiny_config(tmp_path, "killed", attn_dropout=0.2)
+    cli("run", killed, "--only", "download,preprocess")
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.commands.cli", "run", str(killed),
+                             "--only", "train"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    latest = tmp_path / "runs" / "killed" / "train.partial" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() >= "step-00000016":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "training finished before it could be interrupted"
+    os.kill(proc.pid, sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert not (tmp_path / "runs" / "killed" / "train" / "stage.json").exists()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143, stderr
+        stopped = re.search(r"SIGTERM at step (\d+): checkpoint .* saved", stderr)
+        assert stopped, stderr
+        assert latest.read_text().strip() == f"step-{int(stopped.group(1)):08d}"
+
+    resumed = cli("run", killed, "--only", "train")
+    step = int(re.search(r"resuming from step (\d+)", resumed.stdout).group(1))
+    if sig == signal.SIGTERM:
+        assert step == int(stopped.group(1))
+    assert 16 <= step < STEPS
+    a, b = _final_weights(tmp_path / "runs" / "straight"), _final_weights(
+        tmp_path / "runs" / "killed")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
