@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
 from pipeline.cluster import distributed  # noqa: E402
-from pipeline.cluster.launcher import main  # noqa: E402
+from pipeline.commands.launched import main  # noqa: E402
 
 if __name__ == "__main__":
     distributed.exit_process(main())

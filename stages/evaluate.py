@@ -97,7 +97,7 @@ def _persistent_share(ctx: StageContext, model, seq_len: int, device, valid=None
     batch included. `valid`: the split's tokens if scoring already read them."""
     from pipeline.data.manifest import load_split
     from pipeline.training.evaluation import evaluate_nll
-    from pipeline.commands.plots import head_heat_map
+    from pipeline.training.head_maps import head_heat_map
 
     batch_size = ctx.spec.evaluate.batch_size
     with model.measure_persistent_share() as tables:

@@ -52,7 +52,7 @@ def run(ctx: StageContext) -> dict:
 def log_head_tables(ctx: StageContext, trainer, stage: str) -> None:
     """What the model reports per layer and head at the end of the stage (its learned spans:
     `spans.json`, `spans.png`) into out_dir, logged as artifacts; rank 0 only."""
-    from pipeline.commands.plots import save_head_tables
+    from pipeline.training.head_maps import save_head_tables
 
     if trainer.rank != 0:
         return

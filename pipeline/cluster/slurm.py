@@ -188,21 +188,19 @@ def render_sbatch(config_path: str | Path, spec: Spec, nodes: int, gpus_per_node
 
 
 def render_sweep_array(config_path: str | Path, overrides: list[str], grid: list[str],
-                       seeds: str | None, nodes: int, gpus_per_node: int,
+                       seeds: str | None, points: list, nodes: int, gpus_per_node: int,
                        procs_per_node: int | None = None, partition: str | None = None,
                        time: str | None = None, signal_lead: int = SIGNAL_LEAD_S,
                        max_parallel: int | None = None) -> tuple[str, Spec]:
     """A job array that runs every point of `allattn-pipe sweep CONFIG --grid ... --seeds ...`
     as one task (at most `max_parallel` at once), each on `nodes` x processes per node.
+    `points` are the sweep's points as `pipeline.commands.sweep.plan_sweep` plans them.
     Returns the script and the sweep's base spec (where the script's files go)."""
-    from pipeline.commands.sweep import plan_sweep
-
     procs = _resources(nodes, gpus_per_node, procs_per_node)
     if max_parallel is not None and max_parallel < 1:
         raise PipelineError(f"--max-parallel must be at least 1, got {max_parallel}")
-    pts, _, _ = plan_sweep(str(config_path), overrides, grid, seeds)
     launcher_sets = _launcher_sets(nodes, procs)
-    for p in pts:
+    for p in points:
         if "train" not in p.spec.stages:
             raise PipelineError(f"{config_path}: sweep point {p.name} has no train stage, so "
                                 f"nothing to run on {nodes} x {procs} processes")
@@ -214,7 +212,7 @@ def render_sweep_array(config_path: str | Path, overrides: list[str], grid: list
         *(x for g in grid for x in ("--grid", g)), *(["--seeds", seeds] if seeds else [])])
     cases = "".join(
         f"    {i}) POINT=({' '.join('--set ' + shlex.quote(o) for o in p.overrides)}) ;;\n"
-        for i, p in enumerate(pts))
+        for i, p in enumerate(points))
     task = '"$SLURM_ARRAY_TASK_ID"'
     setup = (f"# This task's point of the sweep, and its shared stages: built once, by the\n"
              f"# first task to get here, and linked into the point's workspace.\n"
@@ -226,7 +224,7 @@ def render_sweep_array(config_path: str | Path, overrides: list[str], grid: list
               f"    {python} -m pipeline.commands.cli sweep {sweep_args} --array-task-finish {task}\n"
               f"fi\n")
     limit = f"%{max_parallel}" if max_parallel else ""
-    array = [f"#SBATCH --array=0-{len(pts) - 1}{limit}"]
+    array = [f"#SBATCH --array=0-{len(points) - 1}{limit}"]
     rendered_by = (f"allattn-pipe sweep {sweep_args} --slurm --nodes {nodes} "
                    f"--gpus-per-node {gpus_per_node}"
                    + (f" --procs-per-node {procs}" if not gpus_per_node else ""))

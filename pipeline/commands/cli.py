@@ -241,7 +241,7 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     from pipeline.spec import load_spec
 
     if plot:
-        from pipeline.commands.plots import image_format
+        from pipeline.training.head_maps import image_format
 
         with _flag("--plot"):   # a name no picture can have is refused before the queries
             image_format(plot)
@@ -346,9 +346,12 @@ def sweep(config, overrides, grid, seeds, parallel, dry_run, slurm, nodes, gpus_
 def _sweep_on_slurm(args, nodes, gpus_per_node, procs_per_node, partition, time_limit,
                     signal_lead, max_parallel, dry_run) -> None:
     from pipeline.cluster.slurm import render_sweep_array, slurm_dir, submit
+    from pipeline.commands import sweep as sweeps
 
+    config, *rest = args
+    points, _, _ = sweeps.plan_sweep(str(config), *rest)
     script, base = render_sweep_array(
-        *args, nodes, gpus_per_node, procs_per_node, partition=partition, time=time_limit,
+        *args, points, nodes, gpus_per_node, procs_per_node, partition=partition, time=time_limit,
         max_parallel=max_parallel,
         **({"signal_lead": signal_lead} if signal_lead is not None else {}))
     if dry_run:

@@ -22,20 +22,17 @@ import fcntl
 import hashlib
 import itertools
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.cluster import distributed
 from pipeline.errors import PipelineError, Preempted, shown
-from pipeline.workspace.runner import RECORD, Runner, Workspace, fingerprint
-from pipeline.workspace.lock import WorkspaceLock
+from pipeline.workspace.layout import Workspace, fingerprint
+from pipeline.workspace.runner import Runner
 from pipeline.spec import load_spec
 from stages import STAGES, resolve_inputs
 
@@ -143,7 +140,6 @@ def reuse_outputs(spec, log) -> list[str]:
     same root built with the fingerprint this one would compute; stop at the first stage
     neither built here nor there. Returns the stages linked in."""
     ws = Workspace(spec.workspace_dir)
-    root = spec.workspace_dir.parent
     builds: dict[str, str] = {}
     linked = []
     for name in spec.stages:
@@ -154,8 +150,8 @@ def reuse_outputs(spec, log) -> list[str]:
         fp = fingerprint(stage.fingerprinted(spec), {i: builds[i] for i in inputs})
         record = ws.record(name)
         if record is None and not ws.partial_dir(name).exists():
-            source = _built_elsewhere(root, spec.workspace_dir, name, fp)
-            if source is not None and _link_tree(source, ws.done_dir(name)):
+            source = ws.built_elsewhere(name, fp)
+            if source is not None and ws.adopt(name, source):
                 log(f"[{spec.name}] {name}: reusing {source}")
                 linked.append(name)
                 record = ws.record(name)
@@ -163,38 +159,6 @@ def reuse_outputs(spec, log) -> list[str]:
             break
         builds[name] = record["build"]
     return linked
-
-
-def _built_elsewhere(root: Path, own: Path, stage: str, fp: str) -> Path | None:
-    for record_path in sorted(root.glob(f"*/{stage}/{RECORD}")):
-        if record_path.parent.parent == own:
-            continue
-        try:
-            if json.loads(record_path.read_text()).get("fingerprint") == fp:
-                return record_path.parent
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def _link_tree(source: Path, dest: Path) -> bool:
-    """A hard-linked copy of `source` at `dest`, renamed into place when complete (a copy
-    where links cannot be made). False when the source changed under us."""
-    tmp = dest.with_name(f".{dest.name}.reuse-{uuid.uuid4().hex[:8]}")
-
-    def link(src, dst):
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    try:
-        shutil.copytree(source, tmp, copy_function=link, symlinks=True)
-        os.rename(tmp, dest)
-        return True
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return False
 
 
 def is_done(spec) -> bool:

@@ -281,7 +281,7 @@ def test_cluster_options_without_slurm_are_refused(project):
 
 
 def test_ranks_from_slurm_outside_an_srun_step_is_one_line(project, monkeypatch, capsys):
-    from pipeline.cluster.launcher import main as rank_main
+    from pipeline.commands.launched import main as rank_main
 
     for var in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
                 "MASTER_ADDR", "MASTER_PORT"):

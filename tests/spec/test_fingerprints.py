@@ -11,7 +11,7 @@ import pytest
 
 import stages
 from pipeline.errors import Preempted
-from pipeline.workspace.runner import fingerprint
+from pipeline.workspace.layout import fingerprint
 from pipeline.spec import load_spec
 from stages import without
 from tests.workspace.test_runner import ORDER, SEEN, calls, run  # noqa: F401  (calls: a fixture)

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
-from pipeline.workspace.runner import fingerprint
+from pipeline.workspace.layout import fingerprint
 from pipeline.spec import SpecError, load_spec
 from stages import STAGES
 

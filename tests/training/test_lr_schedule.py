@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.training.optim import scheduled_lr
-from pipeline.workspace.runner import fingerprint
+from pipeline.workspace.layout import fingerprint
 from pipeline.spec import SpecError, load_spec
 from stages import STAGES
 

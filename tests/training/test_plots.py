@@ -16,7 +16,7 @@ from pipeline.models.allattn import AllAttnLM
 from pipeline.models.config import AllAttnConfig
 from pipeline.models.protocol import ModelOutput, SequenceModel
 from pipeline.ops.attention import attend_reference
-from pipeline.commands.plots import HEAT_MAP_KEY, head_heat_map, save_head_tables
+from pipeline.training.head_maps import HEAT_MAP_KEY, head_heat_map, save_head_tables
 
 PNG = b"\x89PNG\r\n\x1a\n"
 FRACS = [[0.1, 0.25], [0.4, 0.75]]     # per layer and head: spans 6.4, 16, 25.6, 48 tokens

@@ -19,7 +19,8 @@ import pytest
 
 import stages
 from pipeline.errors import PipelineError, Preempted
-from pipeline.workspace.runner import Runner, Workspace
+from pipeline.workspace.layout import Workspace
+from pipeline.workspace.runner import Runner
 from pipeline.workspace.lock import WorkspaceLock
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import NullTracker
@@ -317,12 +318,12 @@ def test_a_changed_config_keeps_the_finished_output_until_the_new_one_is_complet
 def test_publish_interrupted_at_any_operation_loses_nothing(cfg, calls, monkeypatch, earlier):
     """Fail the k-th filesystem operation of train's publish, for every k (over an earlier
     output of train or not); the next run finds train either published or resumable."""
-    import pipeline.workspace.runner
+    import pipeline.workspace.layout
 
     ws = Path(load_spec(cfg).workspace_dir)
     overrides = ["train.optimizer.lr=0.05"] if earlier else []
     real_publish = Workspace.publish
-    ops = [(pipeline.workspace.runner, "atomic_write_json"), (os, "rename"), (shutil, "rmtree"),
+    ops = [(pipeline.workspace.layout, "atomic_write_json"), (os, "rename"), (shutil, "rmtree"),
            (Path, "unlink")]
     for k in itertools.count(1):
         shutil.rmtree(ws, ignore_errors=True)

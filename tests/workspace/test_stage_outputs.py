@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import pipeline.workspace.runner
+import pipeline.workspace.layout
 from pipeline.errors import PipelineError
 from pipeline.workspace.runner import Runner
 from pipeline.spec import load_spec
@@ -159,7 +159,7 @@ def test_only_refuses_a_damaged_input_it_does_not_rebuild(cfg, calls):
 
 
 def test_a_large_output_is_read_only_when_its_size_or_mtime_changed(cfg, calls, monkeypatch):
-    monkeypatch.setattr(pipeline.workspace.runner, "READ_AT_EVERY_PLAN", 0)    # every file is large
+    monkeypatch.setattr(pipeline.workspace.layout, "READ_AT_EVERY_PLAN", 0)    # every file is large
     run(cfg)
     output = workspace(cfg) / "preprocess" / "output.txt"
     edit_in_place(output, keep_mtime=True)
