@@ -1,0 +1,225 @@
+"""Checking a merged spec against the schema (pydantic sections, the models' config
+dataclasses made strict), each error located at the file and line the key came from, with
+the nearest valid key for a typo; then the checks across sections (stages, inert keys).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import typing
+from dataclasses import MISSING, asdict, fields, is_dataclass
+
+import pydantic
+from pydantic import BaseModel, ConfigDict
+
+from pipeline.errors import shown as _shown
+from pipeline.models import MODELS
+from pipeline.spec.schema import VOCAB_LIMIT, Spec
+from pipeline.spec.sources import SpecError, _dotted, _kind, _show
+
+
+def _locate(where: dict, loc: tuple, fallback: str) -> str:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in where:
+            return where[loc[:n]]
+    return fallback
+
+
+def _schema_keys(schema, loc: tuple) -> list[str]:
+    """The valid keys of the mapping at `loc` (for 'did you mean ...')."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if isinstance(schema, type) and issubclass(schema, BaseModel):
+            field = schema.model_fields.get(part)
+            schema = _inner_type(field.annotation) if field else None
+        elif is_dataclass(schema):
+            schema = typing.get_type_hints(schema).get(part)
+            schema = _inner_type(schema) if schema else None
+        else:
+            return []
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        return list(schema.model_fields)
+    if is_dataclass(schema):
+        return [f.name for f in fields(schema)]
+    return []
+
+
+def _inner_type(annotation):
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and (issubclass(arg, BaseModel) or is_dataclass(arg)):
+            return arg
+    return annotation
+
+
+def _describe(err: dict, where: dict, fallback: str, schema, loc_prefix: tuple = ()) -> str:
+    loc = loc_prefix + tuple(err["loc"])
+    place = _locate(where, loc, fallback)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        key = loc[-1]
+        valid = _schema_keys(schema, tuple(err["loc"])[:-1])
+        close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else (
+            f" (valid keys: {', '.join(valid)})" if valid else "")
+        return f"{place}: {_dotted(loc)}: unknown key '{_shown(key)}'{hint}"
+    if kind == "missing":
+        return f"{place}: {_dotted(loc)}: required key is missing"
+    msg = err["msg"]
+    if msg.startswith("Input should be "):
+        msg = "expected " + msg[len("Input should be "):]
+    elif msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    else:
+        msg = msg[0].lower() + msg[1:]
+    found = err.get("input")
+    return f"{place}: {_dotted(loc)}: {msg}; found {_show(found)} ({_kind(found)})"
+
+
+def _validate(data: dict, where: dict, origin: str) -> Spec:
+    errors: list[str] = []
+    try:
+        spec = Spec.model_validate(data)
+    except pydantic.ValidationError as e:
+        spec = None
+        errors += [_describe(err, where, origin, Spec) for err in e.errors()]
+
+    model = data.get("model")
+    params = None
+    if isinstance(model, dict):
+        kind = model.get("kind")
+        if not isinstance(kind, str) or kind not in MODELS:
+            close = difflib.get_close_matches(kind, list(MODELS), n=1) \
+                if isinstance(kind, str) else []
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            at = _locate(where, ("model", "kind"), origin)
+            what = ("required key is missing" if kind is None else
+                    f"unknown model kind '{kind}'" if isinstance(kind, str) else
+                    f"expected the name of a model kind, found {_show(kind)} ({_kind(kind)})")
+            errors.append(f"{at}: model.kind: {what}{hint}; known: {', '.join(MODELS)}")
+        else:
+            cfg_cls = MODELS[kind][0]
+            rest = {k: v for k, v in model.items() if k != "kind"}
+            try:
+                checked = _strict_schema(cfg_cls).model_validate(rest)
+                params = cfg_cls(**checked.model_dump())  # nested mappings as dicts
+            except pydantic.ValidationError as e:
+                errors += [_describe(err, where, origin, cfg_cls, ("model",))
+                           for err in e.errors()]
+            except ValueError as e:   # the config's own cross-field checks
+                errors.append(f"{_locate(where, ('model',), origin)}: model: {e}")
+
+    if spec is not None and not errors:
+        errors += _check_stages(spec, where, origin)
+        if spec.train and spec.train.deepspeed.zero_stage == 3 and \
+                getattr(params, "adaptive_span", False):
+            errors.append(
+                f"{_locate(where, ('train', 'deepspeed', 'zero_stage'), origin)}: "
+                f"train.deepspeed.zero_stage: ZeRO stage 3 partitions every parameter "
+                f"between forward passes, but an adaptive-span model reads its span "
+                f"parameters outside forward (to size its cache and clamp them): use "
+                f"zero_stage 1 or 2, or model.adaptive_span: false")
+    if errors:
+        raise SpecError("\n".join(errors))
+    spec._model_params = params
+    return spec
+
+
+# Upper bounds on model sizes (by config field name), with what the paper uses: far above any
+# model this pipeline trains, low enough that no tensor size overflows and that `show` builds
+# the model on the meta device (no memory) in a moment.
+MODEL_LIMITS = {
+    "d_model": (1 << 16, "512 and 768"),
+    "n_layers": (256, "up to 36"),
+    "n_persistent": (1 << 20, "up to 2,048"),
+    "ff_dim": (1 << 20, "up to 4,096"),
+    "max_span": (1 << 20, "up to 8,192"),
+    "span_ramp": (1 << 20, "32"),
+    "adaptive_div": (1 << 10, "4"),
+    "kernel_size": (1 << 12, "20"),
+    "n_heads": (1 << 12, "8"),
+    "head_dim": (1 << 12, "64"),
+    "adaptive_cutoffs": (VOCAB_LIMIT, "up to 200,000"),
+}
+
+
+def _at_most(name: str):
+    limit, paper = MODEL_LIMITS[name]
+
+    def check(value):
+        if any(v > limit for v in (value if isinstance(value, list) else [value])):
+            raise ValueError(f"at most {limit:,} (the paper's models use {paper})")
+        return value
+    return pydantic.AfterValidator(check)
+
+
+@functools.cache
+def _strict_schema(cfg_cls) -> type[BaseModel]:
+    """A strict pydantic model with the fields of a model's config dataclass: the models
+    stay plain dataclasses, the spec still refuses unknown keys, wrong types, infinities and
+    sizes above MODEL_LIMITS. A field whose type is itself a dataclass (model.attention) is
+    checked the same way."""
+    hints = {name: _strict_schema(t) if is_dataclass(t) else
+             typing.Annotated[t, _at_most(name)] if name in MODEL_LIMITS else t
+             for name, t in typing.get_type_hints(cfg_cls).items()}
+    return pydantic.create_model(
+        cfg_cls.__name__, __config__=ConfigDict(extra="forbid", strict=True,
+                                                allow_inf_nan=False),
+        **{f.name: (hints[f.name], _default(f)) for f in fields(cfg_cls)})
+
+
+def _default(f):
+    value = f.default if f.default is not MISSING else (
+        f.default_factory() if f.default_factory is not MISSING else ...)
+    return _strict_schema(type(value))(**asdict(value)) if is_dataclass(value) else value
+
+
+def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:
+    from stages import STAGES
+
+    errors = []
+    at = _locate(where, ("stages",), origin)
+    seen: list[str] = []
+    for name in spec.stages:
+        if name in seen:
+            errors.append(f"{at}: stages: '{name}' is listed twice")
+        stage = STAGES[name]
+        for needed in stage.inputs:
+            options = needed if isinstance(needed, tuple) else (needed,)
+            if not any(o in seen for o in options):
+                errors.append(f"{at}: stages: '{name}' reads the output of "
+                              f"{' or '.join(repr(o) for o in options)}, which must come "
+                              f"before it in the list")
+        section = stage.section_key
+        if section and getattr(spec, section) is None:
+            errors.append(f"{at}: stages: '{name}' needs a `{section}:` section")
+        seen.append(name)
+    if "train" in spec.stages and spec.train:
+        errors += [f"{_locate(where, ('train', key), origin)}: train.{key}: required key is "
+                   f"missing" for key in ("steps", "seq_len") if getattr(spec.train, key) is None]
+    if "curriculum" in spec.stages:
+        generator = spec.dataset.generator
+        if generator is None or generator.algorithmic is None:
+            errors.append(f"{_locate(where, ('dataset',), origin)}: dataset: the curriculum "
+                          f"stage trains on an algorithmic task (dataset.generator.algorithmic, "
+                          f"e.g. dataset: reverse_algorithmic); '{spec.dataset.name}' is not one")
+        if spec.train and spec.train.optimizer.type != "adam":
+            errors.append(f"{_locate(where, ('train', 'optimizer', 'type'), origin)}: "
+                          f"train.optimizer.type: the curriculum trains with adam (the paper's "
+                          f"tasks); found {spec.train.optimizer.type}")
+    return errors
+
+
+
+def _refuse_inert_keys(spec: Spec, where: dict, top: str) -> None:
+    """Every key acts or is refused: one that does nothing under the other settings is an
+    error where the user wrote it (this file, or --set). From an `extends` base it is
+    accepted: a shared base sets what some of its variants switch off."""
+    errors = []
+    for key, why in spec.inert_keys():
+        origin = where.get(key)
+        if origin and (origin.startswith("--set ") or origin.rsplit(":", 1)[0] == top):
+            errors.append(f"{origin}: {_dotted(key)}: does nothing here ({why}); remove it")
+    if errors:
+        raise SpecError("\n".join(errors))
