@@ -21,7 +21,7 @@ import shutil
 import urllib.parse
 from pathlib import PurePosixPath
 
-from pipeline.data import fetch
+from pipeline.data import extract, fetch
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
 from stages import Stage, StageContext
@@ -49,7 +49,7 @@ def _builtin(ds, files_dir, log) -> tuple[str, dict]:
                             f"dataset.files names {len(ds.files)} ({', '.join(ds.files)})")
     role, spec = next(iter(ds.files.items())) if ds.files else ("all", None)
     target = files_dir / ((PurePosixPath(spec.path).name if spec else "") or f"{name}.txt")
-    extracted = fetch.write_verified(
+    extracted = extract.write_verified(
         io.BytesIO(data), target, label=ds.url, size=len(data), role=role,
         sha256=spec.sha256 if spec else None, md5=spec.md5 if spec else None)
     return sha, {role: extracted}
@@ -79,7 +79,7 @@ def run(ctx: StageContext) -> dict:
         sha, cached = fetched.sha256, fetched.cached
         if not ds.sha256:
             ctx.log(f"note: no dataset.sha256 to check {ds.url} against; it is {sha}")
-        extracted = fetch.extract(fetched.path, ds.archive, files_dir, ds.files,
+        extracted = extract.extract(fetched.path, ds.archive, files_dir, ds.files,
                                   name=fetch.file_name(ds.url, ds.archive), label=ds.url,
                                   log=ctx.log)
 

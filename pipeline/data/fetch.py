@@ -1,7 +1,7 @@
-"""Getting a dataset onto the machine: fetch (resumable, cached by sha256), verify, extract.
+"""Getting a dataset's file onto the machine: fetch (resumable, cached by sha256), verified.
+What is in it is unpacked by `pipeline.data.extract`.
 
     fetched = fetch(url, cache, sha256=..., log=print)       # a verified local file
-    files = extract(fetched.path, "zip", out / "files", dataset.files, name=..., label=url)
 
 - `http(s)://` downloads need the file's sha256: it is both the integrity check and the cache
   key. Bytes land in `<cache>/downloads/<sha256>.part`; an interrupted transfer is resumed
@@ -11,8 +11,6 @@
   (the cached file is re-hashed; a corrupt one is fetched again).
 - `file://` sources are read where they are (a local mirror on shared storage), never
   copied into the cache; their sha256 is checked when one is given.
-- Extraction streams (zip, gz, or a plain copy) into a hidden temporary name, checks the
-  file's own sha256 / md5 when the dataset lists them, and only then renames it into place.
 
 Every failure is a `PipelineError` with one line that names the URL or file and the problem.
 Nothing here reads a whole file into memory.
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gzip
 import hashlib
 import http.client
 import os
@@ -31,12 +28,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import zipfile
-import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from pipeline.errors import PipelineError
 
@@ -47,10 +42,9 @@ RETRY_WAIT_S = 2.0                # times the attempt number
 PROGRESS_MIN_BYTES = 8 << 20      # smaller downloads log no progress lines
 PROGRESS_UNKNOWN_STEP = 32 << 20  # without a Content-Length: a line every this many bytes
 USER_AGENT = "allattn-pipe (python urllib)"
-ZIP_JUNK = ("__MACOSX/",)         # resource forks in zips made on a Mac
-_SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
-_MD5 = re.compile(r"^[0-9a-fA-F]{32}$")
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
+MD5_HEX = re.compile(r"^[0-9a-fA-F]{32}$")
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 Log = Callable[[str], None]
 
@@ -64,16 +58,6 @@ class Fetched:
     cached: bool      # served from the cache without a request
 
 
-@dataclass(frozen=True)
-class Extracted:
-    path: Path        # where the file now is
-    sha256: str
-    bytes: int
-    source: str       # what it was made from: the archive member, or the fetched file
-
-
-# ---------------------------------------------------------------- small public helpers
-
 def cache_dir(spec) -> Path:
     """The download cache of a `pipeline.spec.Spec`: workspace.cache, else <root>/cache."""
     ws = spec.workspace
@@ -82,7 +66,7 @@ def cache_dir(spec) -> Path:
 
 def cache_path(cache: str | os.PathLike, sha256: str) -> Path:
     """Where a file with this sha256 lives once fetched (`<cache>/downloads/<sha256>`)."""
-    return Path(cache) / "downloads" / _check_hex(sha256, _SHA256, "sha256", "sha256")
+    return Path(cache) / "downloads" / check_hex(sha256, SHA256_HEX, "sha256", "sha256")
 
 
 def file_name(url: str, archive: str = "none") -> str:
@@ -133,7 +117,7 @@ def fetch(url: str, cache: str | os.PathLike, *, sha256: str | None = None, log:
             f"check and the cache key): set `sha256:` in the dataset card or pass --set "
             f"dataset.sha256=<output of sha256sum FILE>, or download it by hand and use "
             f"--set dataset.url=file:///path/to/{file_name(url)}")
-    key = _check_hex(sha256, _SHA256, "dataset.sha256", "sha256").lower()
+    key = check_hex(sha256, SHA256_HEX, "dataset.sha256", "sha256").lower()
     downloads = Path(cache) / "downloads"
     final = downloads / key
 
@@ -214,7 +198,7 @@ def _fetch_file(url: str, sha256: str | None, mismatch_hint: str) -> Fetched:
         raise PipelineError(f"dataset.url {url}: no such file {src}")
     if not src.is_file():
         raise PipelineError(f"dataset.url {url}: {src} is not a regular file")
-    expected = _check_hex(sha256, _SHA256, "dataset.sha256", "sha256").lower() if sha256 \
+    expected = check_hex(sha256, SHA256_HEX, "dataset.sha256", "sha256").lower() if sha256 \
         else None
     try:
         found, _, size = digests(src)
@@ -326,7 +310,7 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
 
         progress = _Progress(log, have, total)
         try:
-            with _open_for_write(part, mode) as out:
+            with open_for_write(part, mode) as out:
                 while True:
                     try:
                         block = response.read(CHUNK)
@@ -342,7 +326,7 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
                 out.flush()
                 os.fsync(out.fileno())
         except OSError as e:
-            if e.errno in _DISK_FULL:
+            if e.errno in DISK_FULL:
                 kept = part.stat().st_size if part.exists() else 0   # what reached the disk
                 needed = f"; {total - kept:,} more bytes were needed" if total else ""
                 raise PipelineError(
@@ -385,185 +369,17 @@ class _Progress:
                  f"({self._rate(have):.1f} MB/s)")
 
 
-def _open_for_write(path: Path, mode: str) -> BinaryIO:
+def open_for_write(path: Path, mode: str) -> BinaryIO:
     """Every file this module writes is opened here (the tests simulate a full disk)."""
     return open(path, mode)
 
 
 # ---------------------------------------------------------------- extract
 
-def extract(src: str | os.PathLike, archive: str, dest: str | os.PathLike,
-            files: Mapping[str, Any] | None = None, *, name: str, label: str,
-            log: Log = print) -> dict[str, Extracted]:
-    """Unpack `src` into `dest` and check each file: {role: Extracted}.
-
-    `archive`: "none" (copy), "gz" or "zip". `files`: role -> FileSpec (or a mapping with
-    `path`, `sha256`, `md5`); `path` is the member of a zip, or the name to give the single
-    file of a plain/gz download. Empty: role "all" named `name` (none, gz), or every regular
-    member of the zip, role = its base name. Files land in `dest` under their base names.
-    """
-    src, dest = Path(src), Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    wanted = {role: _filespec(role, f) for role, f in (files or {}).items()}
-    if archive == "zip":
-        return _extract_zip(src, dest, wanted, label, log)
-    if archive not in ("none", "gz"):
-        raise PipelineError(f"dataset.archive '{archive}': expected none, zip or gz")
-    if len(wanted) > 1:
-        raise PipelineError(f"{label}: archive '{archive}' holds a single file, but dataset.files "
-                            f"names {len(wanted)} ({', '.join(wanted)}); use archive: zip or "
-                            f"list one file")
-    role, spec = next(iter(wanted.items())) if wanted else ("all", None)
-    target = dest / (_base_name(spec["path"], label, role) if spec else name)
-    if archive == "none":
-        size = src.stat().st_size
-        with open(src, "rb") as reader:
-            result = write_verified(reader, target, label=label, size=size,
-                                    source=src.name, role=role, bad_input=(OSError,),
-                                    bad_input_is=f"cannot read {src}", **_sums(spec))
-    else:
-        with gzip.open(src, "rb") as reader:
-            result = write_verified(reader, target, label=label, source=src.name, role=role,
-                                    bad_input=(OSError, EOFError, zlib.error),
-                                    bad_input_is="not a valid gzip file (dataset.archive: gz)",
-                                    **_sums(spec))
-    log(f"{target.name}: {result.bytes:,} bytes" + (" (checksum verified)" if spec and (
-        spec["sha256"] or spec["md5"]) else ""))
-    return {role: result}
-
-
-def _extract_zip(src: Path, dest: Path, wanted: dict, label: str, log: Log) -> dict:
-    try:
-        archive = zipfile.ZipFile(src)
-    except (zipfile.BadZipFile, EOFError) as e:
-        raise PipelineError(f"{label}: not a valid zip archive ({e}); is dataset.archive "
-                            f"right?") from None
-    with archive:
-        members = [i for i in archive.infolist() if not i.is_dir()]
-        by_name = {i.filename: i for i in members}
-        if wanted:
-            chosen = {}
-            for role, spec in wanted.items():
-                info = by_name.get(spec["path"])
-                if info is None:
-                    raise PipelineError(
-                        f"{label}: dataset.files.{role}.path '{spec['path']}' is not in the zip "
-                        f"archive; it holds {_listing([i.filename for i in members])}")
-                chosen[role] = (info, spec)
-        else:
-            kept = [i for i in members if not i.filename.startswith(ZIP_JUNK)
-                    and PurePosixPath(i.filename).name != ".DS_Store"]
-            if not kept:
-                raise PipelineError(f"{label}: the zip archive holds no files")
-            chosen = {PurePosixPath(i.filename).name: (i, None) for i in kept}
-        targets: dict[str, str] = {}
-        for role, (info, spec) in chosen.items():
-            base = _base_name(info.filename, label, role)
-            if targets.setdefault(base, info.filename) != info.filename:
-                raise PipelineError(f"{label}: members '{targets[base]}' and '{info.filename}' "
-                                    f"would both be files/{base}; list the ones to use in "
-                                    f"dataset.files")
-        out = {}
-        for role, (info, spec) in chosen.items():
-            target = dest / _base_name(info.filename, label, role)
-            try:
-                reader = archive.open(info)
-            except (NotImplementedError, RuntimeError, zipfile.BadZipFile) as e:
-                raise PipelineError(f"{label}: cannot read '{info.filename}' from the zip "
-                                    f"archive ({e})") from None
-            with reader:
-                out[role] = write_verified(
-                    reader, target, label=label, size=info.file_size, source=info.filename,
-                    role=role, bad_input=(zipfile.BadZipFile, zlib.error, EOFError),
-                    bad_input_is=f"a damaged zip archive (member '{info.filename}')",
-                    **_sums(spec))
-            log(f"{info.filename} -> {target.name}: {out[role].bytes:,} bytes"
-                + (" (checksum verified)" if spec and (spec["sha256"] or spec["md5"]) else ""))
-    return out
-
-
-def write_verified(reader: BinaryIO, target: str | os.PathLike, *, label: str,
-                   sha256: str | None = None, md5: str | None = None,
-                   size: int | None = None, source: str = "", role: str = "",
-                   bad_input: tuple[type[BaseException], ...] = (),
-                   bad_input_is: str = "unreadable") -> Extracted:
-    """Stream `reader` into `target` through a hidden temporary file in the same directory,
-    check `sha256` / `md5` when given, then rename it into place. On any failure nothing is
-    left at `target` (nor the temporary). `size`, when known, goes into a disk-full message;
-    `bad_input` are the reader's exceptions that mean the input is damaged."""
-    target = Path(target)
-    expect_sha = _check_hex(sha256, _SHA256, f"dataset.files.{role}.sha256", "sha256") \
-        if sha256 else None
-    expect_md5 = _check_hex(md5, _MD5, f"dataset.files.{role}.md5", "md5") if md5 else None
-    tmp = target.with_name(f".{target.name}.part")
-    h, m, n = hashlib.sha256(), hashlib.md5() if expect_md5 else None, 0
-    what = f"{source} -> {target.name}" if source and source != target.name else target.name
-    try:
-        try:
-            with _open_for_write(tmp, "wb") as out:
-                while True:
-                    try:
-                        block = reader.read(CHUNK)
-                    except bad_input as e:
-                        raise PipelineError(f"{label}: {bad_input_is}: {e}") from None
-                    if not block:
-                        break
-                    h.update(block)
-                    if m:
-                        m.update(block)
-                    out.write(block)
-                    n += len(block)
-                out.flush()
-                os.fsync(out.fileno())
-        except OSError as e:
-            if e.errno in _DISK_FULL:
-                needed = f"; {size - n:,} more bytes were needed ({size:,} in all)" \
-                    if size is not None else ""
-                raise PipelineError(f"{label}: disk full writing {target} ({e.strerror})"
-                                    f"{needed}") from None
-            raise
-        found = {"sha256": h.hexdigest(), "md5": m.hexdigest() if m else None}
-        for algo, expected in (("sha256", expect_sha), ("md5", expect_md5)):
-            if expected and found[algo] != expected.lower():
-                raise PipelineError(
-                    f"{label}: {what}" + (f" (dataset.files.{role})" if role else "")
-                    + f": {algo} mismatch: expected {expected.lower()}, found {found[algo]}; "
-                    f"the file differs from the one the dataset lists")
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return Extracted(target, found["sha256"], n, source or target.name)
-
-
-# ---------------------------------------------------------------- internals
-
-def _filespec(role: str, spec: Any) -> dict:
-    get = spec.get if isinstance(spec, Mapping) else lambda k: getattr(spec, k, None)
-    return {"path": get("path"), "sha256": get("sha256"), "md5": get("md5"), "role": role}
-
-
-def _sums(spec: dict | None) -> dict:
-    return {"sha256": spec["sha256"], "md5": spec["md5"]} if spec else {}
-
-
-def _base_name(path: str, label: str, role: str) -> str:
-    base = PurePosixPath(str(path).replace("\\", "/")).name
-    if base in ("", ".", ".."):
-        raise PipelineError(f"{label}: dataset.files.{role}.path '{path}' names no file")
-    return base
-
-
-def _check_hex(value: str, pattern: re.Pattern, key: str, algo: str) -> str:
+def check_hex(value: str, pattern: re.Pattern, key: str, algo: str) -> str:
     if not isinstance(value, str) or not pattern.match(value):
         raise PipelineError(f"{key}: {value!r} is not a {algo} "
                             f"({32 if algo == 'md5' else 64} hex digits)")
     return value.lower()
 
 
-def _listing(names: list[str], limit: int = 20) -> str:
-    if not names:
-        return "no files"
-    shown = ", ".join(names[:limit])
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{len(names)} file(s): {shown}{more}"

@@ -28,7 +28,7 @@ import yaml
 
 import stages
 import stages.download
-from pipeline.data import corpus, fetch
+from pipeline.data import corpus, extract, fetch
 from pipeline.errors import PipelineError
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import NullStageTracker
@@ -136,6 +136,7 @@ def _offline_and_fast(monkeypatch):
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
     monkeypatch.setattr(fetch, "RETRY_WAIT_S", 0.0)
     monkeypatch.setattr(fetch, "CHUNK", 16 << 10)
+    monkeypatch.setattr(extract, "CHUNK", 16 << 10)
     monkeypatch.setattr(fetch, "TIMEOUT_S", 10.0)
 
 
@@ -501,7 +502,7 @@ def test_builtin_source_still_works(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- a full disk
 
 def full_disk_after(limit: int):
-    """A stand-in for fetch._open_for_write whose file raises ENOSPC past `limit` bytes."""
+    """A stand-in for fetch.open_for_write (which extract shares) whose file raises ENOSPC past `limit` bytes."""
     def opener(path, mode):
         f = open(path, mode)  # noqa: SIM115 (closed by Full.__exit__)
 
@@ -535,7 +536,7 @@ def test_disk_full_while_downloading(server, tmp_path, monkeypatch):
     cfg = config(tmp_path, {"url": server.url("enwik8"), "sha256": sha(data)})
     downloads = tmp_path / "runs" / "cache" / "downloads"
     with monkeypatch.context() as m:
-        m.setattr(fetch, "_open_for_write", full_disk_after(50_000))
+        m.setattr(fetch, "open_for_write", full_disk_after(50_000))
         with pytest.raises(PipelineError) as e:
             run_download(cfg)
     msg = str(e.value)
@@ -551,7 +552,7 @@ def test_disk_full_while_downloading(server, tmp_path, monkeypatch):
 def test_disk_full_while_extracting(tmp_path, monkeypatch):
     src = tmp_path / "wikitext.zip"
     src.write_bytes(make_zip(MEMBERS))
-    monkeypatch.setattr(fetch, "_open_for_write", full_disk_after(40_000))
+    monkeypatch.setattr(extract, "open_for_write", full_disk_after(40_000))
     with pytest.raises(PipelineError) as e:
         run_download(config(tmp_path, {"url": src.as_uri(), "archive": "zip", "files": FILES}))
     files = tmp_path / "runs" / "dl" / "download.partial" / "files"
