@@ -38,7 +38,8 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
 
 
 def decode(tokenizer, ids: list[int]) -> str:
-    from pipeline.data.vocab import Vocab, WordVocab
+    from pipeline.data.vocab import Vocab
+    from pipeline.data.word_vocab import WordVocab
 
     if isinstance(tokenizer, WordVocab):
         text = "\n".join(tokenizer.decode_lines(np.array(ids, dtype=np.int64)))

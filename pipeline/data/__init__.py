@@ -18,16 +18,9 @@ from pipeline.data.shards import (
     write_shards,
 )
 from pipeline.data.stream import StreamBatches, eval_batches, eval_num_batches
-from pipeline.data.vocab import (
-    UnknownWordError,
-    Vocab,
-    WordVocab,
-    count_lines,
-    smallest_uint_dtype,
-    split_words,
-    unigram_entropy_bits,
-    vocab_from_json,
-)
+from pipeline.data.shards import smallest_uint_dtype
+from pipeline.data.vocab import Vocab, unigram_entropy_bits, vocab_from_json
+from pipeline.data.word_vocab import UnknownWordError, WordVocab, count_lines, split_words
 
 __all__ = [
     "SentencePieceOptions",

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.data.vocab import iter_line_chunks, smallest_uint_dtype
+from pipeline.data.shards import smallest_uint_dtype
+from pipeline.data.word_vocab import iter_line_chunks
 
 UNK_ID, EOS_ID = 0, 1
 

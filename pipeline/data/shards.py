@@ -56,6 +56,19 @@ class ShardError(Exception):
     """A shard is missing, damaged or does not match its manifest entry."""
 
 
+_UINT_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
+
+
+def smallest_uint_dtype(n_symbols: int) -> np.dtype:
+    """The smallest unsigned dtype that holds ids ``0 .. n_symbols - 1``."""
+    if n_symbols < 0:
+        raise ValueError(f"n_symbols must be >= 0, got {n_symbols}")
+    for dt in _UINT_DTYPES:
+        if n_symbols <= int(np.iinfo(dt).max) + 1:
+            return dt
+    raise ValueError(f"{n_symbols} symbols do not fit in uint32 ids")
+
+
 def _norm_dtype(dtype) -> np.dtype:
     dt = np.dtype(dtype).newbyteorder("=")
     if dt not in _EXT_BY_DTYPE:
