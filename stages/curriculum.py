@@ -31,7 +31,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json, read_json
-from stages import Stage, StageContext
+from stages.base import Stage, StageContext
 
 CHECKPOINTS = "checkpoints"
 RESULT = "curriculum.json"

@@ -24,7 +24,7 @@ from pathlib import PurePosixPath
 from pipeline.data import extract, fetch
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
-from stages import Stage, StageContext
+from stages.base import Stage, StageContext
 
 
 def _builtin(ds, files_dir, log) -> tuple[str, dict]:

@@ -14,7 +14,7 @@ import math
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
-from stages import Stage, StageContext
+from stages.base import Stage, StageContext
 
 
 # below this many tokens a split's bpc is too noisy to compare runs on (its standard error

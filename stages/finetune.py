@@ -9,7 +9,7 @@ from train's, in the checkpoints and in MLflow.
 
 from __future__ import annotations
 
-from stages import Stage, StageContext
+from stages.base import Stage, StageContext
 from stages.train import log_head_tables
 
 

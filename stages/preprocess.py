@@ -36,7 +36,7 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 from pipeline.data.manifest import write_manifest
 from pipeline.fsutil import atomic_write_bytes, read_json, sha256_file
-from stages import Stage, StageContext
+from stages.base import Stage, StageContext
 
 SPLITS = ("train", "valid", "test")
 SPM_MODEL = "sentencepiece.model"

@@ -10,7 +10,7 @@ stage takes over from there.
 from __future__ import annotations
 
 from pipeline.fsutil import atomic_write_json
-from stages import Stage, StageContext
+from stages.base import Stage, StageContext
 
 
 def patience(spec) -> int | None:

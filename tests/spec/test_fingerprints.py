@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import stages
+import stages.base
 from pipeline.errors import Preempted
 from pipeline.workspace.layout import fingerprint
 from pipeline.spec import load_spec
@@ -24,7 +24,7 @@ def fingerprinted_before(stage, spec) -> dict:
     hold in their stage.json and partial.json."""
     config = stage.config(spec)
     at_old_value = [path for path, value in stage.added_keys.items()
-                    if stages._lookup(config, path) == value]
+                    if stages.base._lookup(config, path) == value]
     return without(config, [*stage.runtime_only, *at_old_value])
 
 

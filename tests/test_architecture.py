@@ -1,0 +1,121 @@
+"""The tree is the architecture (../shared/DESIGN.md, "Layout"): every import between the
+project's modules, read from the source (imports inside functions too), runs one way.
+
+    commands -> workspace -> stages -> training -> models / ops
+
+spec, cluster, tracking and data sit beside that chain: any layer may use them, they never
+use `commands`; data, models and ops use none of the layers above them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK = {"commands": 5, "workspace": 4, "stages": 3, "training": 2, "models": 1, "ops": 1}
+LEAVES = {"data", "models", "ops"}        # import only each other, errors and fsutil
+BESIDE = {"spec", "cluster", "tracking", "data"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    files = [*ROOT.glob("pipeline/**/*.py"), *ROOT.glob("stages/**/*.py")]
+    return {module_name(f): f for f in files}
+
+
+def imports(path: Path, package: str, known: set[str]) -> set[str]:
+    """The project modules `path` imports (`from pipeline.x import y` counts pipeline.x.y
+    when that is a module, else pipeline.x)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                     for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in known)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = project_modules()
+    known = set(mods)
+    return {name: imports(path, name if path.name == "__init__.py" else name.rpartition(".")[0],
+                          known) - {name}
+            for name, path in mods.items()}
+
+
+def layer(module: str) -> str:
+    """pipeline.training.trainer -> training; stages.train -> stages; pipeline.errors -> ''."""
+    parts = module.split(".")
+    if parts[0] == "stages":
+        return "stages"
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and
+                                           (ROOT / "pipeline" / parts[1]).is_dir()) else ""
+
+
+def test_no_import_runs_in_a_circle():
+    g = graph()
+    index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):                                   # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_a_lower_layer_never_imports_a_higher_one():
+    wrong = []
+    for module, targets in graph().items():
+        here = layer(module)
+        for target in targets:
+            there = layer(target)
+            if here in RANK and there in RANK and RANK[there] > RANK[here]:
+                wrong.append(f"{module} ({here}) imports {target} ({there})")
+            if here in BESIDE and there == "commands":
+                wrong.append(f"{module} ({here}) imports {target} (commands)")
+            if here in LEAVES and there not in LEAVES | {""}:
+                wrong.append(f"{module} ({here}) imports {target} ({there})")
+    assert wrong == []
+
+
+def test_the_layer_rule_sees_a_wrong_import():
+    """The checks read what they should: a known import is found, with its layer."""
+    g = graph()
+    assert "pipeline.workspace.runner" in g["pipeline.commands.launched"]
+    assert layer("pipeline.workspace.runner") == "workspace" and layer("pipeline.errors") == ""
+    assert layer("stages.train") == "stages" and layer("pipeline.data") == "data"
+    assert "stages" in g["pipeline.workspace.runner"] and "pipeline.training.trainer" in g["stages.train"]
