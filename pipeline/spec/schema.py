@@ -56,11 +56,16 @@ class SplitSpec(Section):
     number); < 1: a fraction of the stream. enwik8 / text8: valid 5000000, test 5000000.
     files: the download's roles train / valid / test, one file each, taken as they are.
     """
-    kind: Literal["tail", "files"] = "tail"
-    valid: float = Field(0.05, gt=0, le=2**53, description="tail: units when >= 1, a fraction "
-                                                             "when < 1")
-    test: float = Field(0.05, gt=0, le=2**53, description="tail: units when >= 1, a fraction "
-                                                            "when < 1")
+    kind: Literal["tail", "files"] = Field(
+        "tail", description="tail: cut the one stream (role 'all') into train / valid / test; "
+                            "files: the download's train, valid and test files, one each (a "
+                            "zip archive)")
+    valid: float = Field(0.05, gt=0, le=2**53, description="tail: the valid split's size, "
+                         "just before test: units when >= 1 (a whole number), a fraction of "
+                         "the stream when < 1. enwik8 / text8: 5000000")
+    test: float = Field(0.05, gt=0, le=2**53, description="tail: the test split's size, at "
+                        "the stream's end: units when >= 1 (a whole number), a fraction of "
+                        "the stream when < 1. enwik8 / text8: 5000000")
 
     @model_validator(mode="after")
     def _sizes_fit_kind(self):
@@ -91,20 +96,29 @@ class TokenizerSpec(Section):
 
     byte: one token per byte; char: one per unicode character (UTF-8 text); both with the
     sorted symbol set of the whole source as vocabulary (as the reference code does).
-    word: every line (lines end at "\n") is `line.split()` plus `eos`; the vocabulary is the
+    word: every line (lines end at "\\n") is `line.split()` plus `eos`; the vocabulary is the
     training split's words by descending frequency (ties: first occurrence); a valid/test word
     never seen in train is an error. sentencepiece: a BPE or unigram model trained on the
     training split only, up to `sample_sentences` lines drawn with `seed`; each line is encoded
     alone and followed by `eos`; the model file is written beside the shards.
     """
-    kind: Literal["byte", "char", "word", "sentencepiece"] = "byte"
+    kind: Literal["byte", "char", "word", "sentencepiece"] = Field(
+        "byte", description="byte: a token per byte; char: per unicode character; word: "
+                            "whitespace-separated words plus eos per line; sentencepiece: a "
+                            "BPE or unigram model trained on the train split")
     eos: str | None = Field("<eos>", description="word, sentencepiece: the token ending every "
                                                  "line; null: none")
-    model_type: Literal["bpe", "unigram"] = Field("bpe", description="sentencepiece")
+    model_type: Literal["bpe", "unigram"] = Field(
+        "bpe", description="sentencepiece: the segmentation model the trainer learns")
     vocab_size: int | None = Field(None, ge=3, le=VOCAB_LIMIT,
-                                   description="sentencepiece: pieces (required)")
-    character_coverage: float = Field(1.0, gt=0, le=1, description="sentencepiece")
-    byte_fallback: bool = Field(False, description="sentencepiece: bytes for unknown chars")
+                                   description="sentencepiece: the number of pieces, i.e. the "
+                                               "vocabulary (required)")
+    character_coverage: float = Field(
+        1.0, gt=0, le=1, description="sentencepiece: the share of the training characters "
+                                     "that get a symbol of their own; the rarest rest are "
+                                     "unknown (or bytes, with byte_fallback)")
+    byte_fallback: bool = Field(False, description="sentencepiece: a character without a "
+                                                   "piece becomes its UTF-8 bytes, not unknown")
     normalization: Literal["identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"] = Field(
         "identity", description="sentencepiece: identity keeps the text recoverable")
     sample_sentences: int = Field(1_000_000, gt=0, le=2**31,
@@ -137,9 +151,10 @@ class TokenizerSpec(Section):
 
 
 class SplitSizesSpec(Section):
-    train: int = Field(gt=0, le=2**31)
-    valid: int = Field(gt=0, le=2**31)
-    test: int = Field(gt=0, le=2**31)
+    train: int = Field(gt=0, le=2**31, description="sequences of the train split "
+                                                   "(paper: 8,000)")
+    valid: int = Field(gt=0, le=2**31, description="sequences of the valid split (paper: 800)")
+    test: int = Field(gt=0, le=2**31, description="sequences of the test split (paper: 800)")
 
 
 class FrequencySortTask(Section):
@@ -147,9 +162,16 @@ class FrequencySortTask(Section):
     distributions over `vocab` symbols whose weight drifts from the first to the second along
     the sequence; target = the symbols by decreasing count (absent ones last, in index order).
     Each distribution: integer weights drawn uniformly from `weight_range`, normalised."""
-    vocab: Annotated[int, AfterValidator(_task_symbols)] = Field(20, gt=1)
-    length: int = Field(4000, gt=0, le=2**24, description="4,000 / 8,000 / 16,000 in the paper")
-    weight_range: list[int] = Field([1, 9], min_length=2, max_length=2)
+    vocab: Annotated[int, AfterValidator(_task_symbols)] = Field(
+        20, gt=1, description="symbols the inputs are drawn from; the model's vocabulary is "
+                              "vocab + 2 (separator and padding). Paper: 20")
+    length: int = Field(4000, gt=0, le=2**24, description="input tokens per sequence; a "
+                        "document is length + 1 + vocab tokens (input, separator, sorted "
+                        "target). Paper: 4,000 / 8,000 / 16,000")
+    weight_range: list[int] = Field([1, 9], min_length=2, max_length=2, description="[low, "
+                                    "high], 0 < low <= high: each symbol's weight in the two "
+                                    "distributions is an integer drawn uniformly from low..high "
+                                    "(inclusive), then normalised. The authors' code: [1, 9]")
     sequences: SplitSizesSpec = Field(
         SplitSizesSpec(train=8000, valid=800, test=800), description="sequences per split")
 
@@ -163,20 +185,32 @@ class FrequencySortTask(Section):
 
 
 class CurriculumSpec(Section):
-    start_length: int = Field(5, gt=0, le=2**24)
-    epochs: int = Field(100, gt=0, le=MAX_STEPS)
-    steps_per_epoch: int = Field(100, gt=0, le=MAX_STEPS)
-    check_cases: int = Field(32, gt=0, le=2**20, description="fresh cases tested after each epoch")
-    promote_accuracy: float = Field(1.0, gt=0, le=1, description="grow the length at this "
-                                                                 "accuracy")
-    length_step: int | None = Field(None, gt=0, description="default: 2 for add and mult, "
-                                                            "else 1")
+    """The curriculum stage's length curriculum (PAPERS.md section 2): train at one length for
+    an epoch, score fresh cases, grow the length once they are solved. The score is the
+    longest length solved."""
+    start_length: int = Field(5, gt=0, le=2**24, description="the cases' length in the first "
+                              "epoch; add and mult: odd and at least 3. Paper: 5")
+    epochs: int = Field(100, gt=0, le=MAX_STEPS, description="epochs the curriculum trains "
+                                                               "(paper: 100)")
+    steps_per_epoch: int = Field(100, gt=0, le=MAX_STEPS, description="Adam updates per "
+                                 "epoch, each on train.batch_size fresh cases (paper: 100)")
+    check_cases: int = Field(32, gt=0, le=2**20, description="fresh cases scored, without "
+                             "dropout, after each epoch (paper: 32)")
+    promote_accuracy: float = Field(1.0, gt=0, le=1, description="grow the length when the "
+                                    "check's token accuracy is at least this (paper: 1.0, "
+                                    "i.e. 100%)")
+    length_step: int | None = Field(None, gt=0, description="how much a solved length "
+                                    "grows; default: 2 for add and mult (lengths stay odd), "
+                                    "else 1, as the paper; add and mult need an even one")
 
 
 class AlgorithmicTask(Section):
     """The active-memory paper's algorithmic tasks (PAPERS.md §2), generated online with a
     length curriculum; position-wise targets of the input's length."""
-    problem: Literal["reverse", "sort", "add", "mult", "not", "remember"]
+    problem: Literal["reverse", "sort", "add", "mult", "not", "remember"] = Field(
+        description="the task (layouts in pipeline/data/algorithmic.py): reverse / sort the "
+                    "input; add / mult two binary numbers; not: flip bits; remember: repeat "
+                    "N tokens after N zeros")
     vocab: Annotated[int | None, AfterValidator(_task_symbols)] = Field(
         None, gt=1, description="the model's vocabulary; default as in the paper: 100 reverse, "
                                 "20 sort and remember, 3 add, mult and not (their tokens stay "
@@ -209,7 +243,9 @@ class GeneratorSpec(Section):
     """A generated (synthetic) task instead of a download: exactly one task section.
     frequency_sort is generated by preprocess (documents); algorithmic online by the
     curriculum stage."""
-    seed: int = Field(0, ge=0, lt=2**32)
+    seed: int = Field(0, ge=0, lt=2**32, description="seeds the generated data: the sorting "
+                      "task's splits, or the algorithmic task's training, check and "
+                      "evaluation cases (train.seed seeds the model)")
     frequency_sort: FrequencySortTask | None = None
     algorithmic: AlgorithmicTask | None = None
 
@@ -227,6 +263,8 @@ class GeneratorSpec(Section):
 
 
 class ShardSpec(Section):
+    """How preprocess packs each split's token ids: webdataset tar shards
+    (shards/<split>-NNNNNN.tar) of fixed-size blocks."""
     block_tokens: int = Field(65536, gt=0, le=2**28, description="tokens per webdataset sample")
     blocks_per_shard: int = Field(64, gt=0, le=2**20, description="samples per tar shard")
 
@@ -234,8 +272,10 @@ class ShardSpec(Section):
 class FileSpec(Section):
     """One data file the dataset is made of, checked after download and extraction."""
     path: str = Field(description="path inside the archive (the file's name if none)")
-    sha256: str | None = None
-    md5: str | None = Field(None, description="where the publisher gives only an md5")
+    sha256: str | None = Field(None, description="the extracted file's expected sha256 "
+                                                 "(hex), checked when it is extracted")
+    md5: str | None = Field(None, description="the extracted file's expected md5 (hex), "
+                                              "where the publisher gives only an md5")
 
 
 # what a generated dataset has no use for
@@ -244,12 +284,19 @@ _DOWNLOAD_ONLY = ("url", "sha256", "archive", "files", "tokenizer", "split")
 
 class DatasetSpec(Section):
     """A dataset card: a source to download (url) or a task to generate (generator)."""
-    name: str
-    description: str = ""
-    url: str | None = Field(None, description="builtin://NAME, file:///path or http(s)://...")
+    name: str = Field(description="the dataset's name, recorded in the manifest and in "
+                                  "messages")
+    description: str = Field("", description="one line for people; no stage reads it")
+    url: str | None = Field(None, description="where the data comes from: builtin://NAME (made "
+                                             "here, no network), file:///path or "
+                                             "http(s)://...")
     generator: GeneratorSpec | None = Field(None, description="a synthetic task instead of url")
-    sha256: str | None = Field(None, description="of the downloaded file; required for http(s)")
-    archive: Literal["none", "zip", "gz"] = "none"
+    sha256: str | None = Field(None, description="the downloaded file's sha256 (hex), checked "
+                                                 "and the download cache's key; required for "
+                                                 "http(s)")
+    archive: Literal["none", "zip", "gz"] = Field(
+        "none", description="how the download is packed: none (a plain file), gz (one gzipped "
+                            "file), zip (files picks its members); builtin:// is none")
     files: dict[str, FileSpec] = Field(
         {}, description="role (all | train | valid | test) -> the file that plays it; "
                         "empty: every file of the download, role = its name")
@@ -257,8 +304,9 @@ class DatasetSpec(Section):
     split: SplitSpec = SplitSpec()
     shards: ShardSpec = ShardSpec()
     vocab_size: int | None = Field(
-        None, gt=0, le=VOCAB_LIMIT, description="expected vocabulary, for `show` before "
-                                                "preprocessing")
+        None, gt=0, le=VOCAB_LIMIT, description="the vocabulary size expected, for `show`'s "
+                                                "parameter count before preprocessing (the "
+                                                "manifest has the real one)")
 
     def resolved(self) -> dict:
         """The card as plain data with only the settings that apply to its source, tokenizer
@@ -321,30 +369,52 @@ class DatasetSpec(Section):
 
 
 class OptimizerSpec(Section):
-    type: Literal["adagrad", "adam"] = "adagrad"
-    lr: float = Field(0.07, gt=0)
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="updates of warm-up")
+    """The optimizer and its learning-rate schedule (pipeline/optim.py)."""
+    type: Literal["adagrad", "adam"] = Field(
+        "adagrad", description="adagrad (eps 1e-10): the paper's character-level optimizer; "
+                               "adam: the word-level model's and the tasks' (the curriculum "
+                               "stage requires it)")
+    lr: float = Field(0.07, gt=0, description="the base learning rate the schedule warms up "
+                      "to (transformer: scales); finetune divides it. Paper: 0.07 (Adagrad, "
+                      "character level), 2.5e-4 (Adam, WikiText-103)")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="updates of warm-up; 0: "
+                              "none. Paper: 32,000 character level, 8,000 WikiText-103")
     schedule: Literal["linear_warmup", "transformer", "cosine"] = Field(
         "linear_warmup", description="the lr of update k: linear_warmup = lr * min(1, k / "
         "warmup_steps), then constant; transformer = lr * min(k^-0.5, k * warmup_steps^-1.5), "
         "the Transformer's (Vaswani et al. 2017), whose peak is lr / sqrt(warmup_steps); "
         "cosine = linear warm-up, then lr * (1 + cos(pi (k - 1) / steps)) / 2 (the ∞-former's)")
     clip: Literal["per_param", "global", "none"] = Field(
-        "per_param", description="per_param: the paper's per-tensor step scaling")
-    clip_norm: float = Field(0.03, gt=0)
+        "per_param", description="per_param: the paper's Adagrad, each tensor's step scaled "
+        "by min(1, clip_norm / |g|) (adagrad only); global: the gradient scaled to a total "
+        "norm of at most clip_norm; none: no clipping")
+    clip_norm: float = Field(0.03, gt=0, description="the norm clip bounds: per tensor "
+                             "(per_param) or of the whole gradient (global). Paper: 0.03 per "
+                             "tensor (character level), 1 global (WikiText-103)")
     betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
-        [0.9, 0.999], min_length=2, max_length=2, description="adam only")
-    weight_decay: float = Field(0.0, ge=0, description="adam, or adagrad without per_param")
+        [0.9, 0.999], min_length=2, max_length=2, description="Adam's moment decays "
+                                                             "[beta1, beta2]; adam only")
+    weight_decay: float = Field(0.0, ge=0, description="torch's weight decay (L2) of Adam "
+                                "or Adagrad; adam, or adagrad without per_param")
 
 
 
 class DeepSpeedSpec(Section):
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    bf16: bool = False
-    fp16: bool = False
-    gradient_accumulation_steps: int = Field(1, gt=0, le=2**16)
+    """The DeepSpeed engine's settings (its config: pipeline/ds_config.py)."""
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0, description="ZeRO partitioning across processes: 0 none, 1 optimizer state, 2 and "
+                       "gradients, 3 and parameters (not with model.adaptive_span: "
+                       "true)")
+    bf16: bool = Field(False, description="train in bfloat16 (DeepSpeed's bf16 mode); not "
+                                          "with fp16")
+    fp16: bool = Field(False, description="train in float16 with dynamic loss scaling; needs "
+                                          "a GPU; not with bf16")
+    gradient_accumulation_steps: int = Field(
+        1, gt=0, le=2**16, description="micro-batches per update: each process's micro-batch "
+                                       "is batch_size / (processes x this)")
     activation_checkpointing: bool = Field(
-        False, description="recompute each layer's activations in backward to save memory")
+        False, description="recompute each layer's activations in backward to save memory "
+                           "(the allattn model; the others ignore it)")
 
     @model_validator(mode="after")
     def _one_precision(self):
@@ -357,7 +427,8 @@ class LauncherSpec(Section):
     """How many processes train. More than one: `allattn-pipe run` starts the `deepspeed`
     launcher (a hostfile for several nodes); under Slurm, srun starts them and these record
     the job's world size."""
-    nodes: int = Field(1, gt=0, le=2**16)
+    nodes: int = Field(1, gt=0, le=2**16, description="machines to train on; more than one "
+                                                      "needs hostfile")
     procs_per_node: int = Field(1, gt=0, le=1024, description="processes per node (one per GPU)")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile ('host slots=N' lines); "
                                                    "required for more than one node")
@@ -370,18 +441,30 @@ class LauncherSpec(Section):
 
 
 class TrainSpec(Section):
+    """The train stage's settings. finetune runs with them too (its own steps and lr),
+    evaluate takes device and the default seq_len, the curriculum stage seed, device,
+    batch_size and optimizer."""
     # numpy seeds each rank with seed + rank, and takes only seeds below 2^32
-    seed: int = Field(1234, ge=0, lt=2**31)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = Field(1234, ge=0, lt=2**31, description="seeds the initial weights, then each "
+                      "rank's dropout (seed + rank) and the data order")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda if torch sees a GPU, else cpu; under a launcher, the "
+                            "GPU of the process's local rank")
     # required by the train stage (pipeline.spec checks it); a curriculum has no use for them
-    steps: int | None = Field(None, gt=0, le=MAX_STEPS)
+    steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer updates of the "
+                              "train stage; required by it. Published scripts: 450,000 small, "
+                              "200,000 large, 800,000 WikiText-103")
     batch_size: int = Field(gt=0, le=MAX_ROWS,
-            description="sequences per optimizer step, all ranks")
-    seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN, description="tokens per segment (M)")
+            description="sequences per optimizer step, all ranks; divisible by processes x "
+                        "gradient_accumulation_steps. Paper: 64")
+    seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN, description="tokens per segment "
+                                "(M); required by the train stage. Paper: 512 character "
+                                "level, 256 WikiText-103")
     optimizer: OptimizerSpec = OptimizerSpec()
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     launcher: LauncherSpec = LauncherSpec()
-    log_every: int = Field(10, gt=0, le=MAX_STEPS)
+    log_every: int = Field(10, gt=0, le=MAX_STEPS, description="steps between reports of "
+                                                                 "the training loss")
     eval_every: int = Field(0, ge=0, le=MAX_STEPS,
             description="steps between validation estimates; 0 = off")
     eval_batches: Annotated[int, Field(gt=0, le=MAX_STEPS)] | Literal["all"] = Field(
@@ -392,8 +475,11 @@ class TrainSpec(Section):
     eval_seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN,
             description="validation segment length; "
                         "default: seq_len")
-    checkpoint_every: int = Field(0, ge=0, le=MAX_STEPS, description="0 = only at the end")
-    keep_checkpoints: int = Field(2, gt=0, le=10**6)
+    checkpoint_every: int = Field(0, ge=0, le=MAX_STEPS, description="steps between "
+                                  "checkpoints, besides the one at the end; 0 = only at the "
+                                  "end")
+    keep_checkpoints: int = Field(2, gt=0, le=10**6, description="newest checkpoints kept "
+                                  "(the best validation's is kept besides)")
 
     @model_validator(mode="after")
     def _schedule_has_warmup(self):
@@ -426,8 +512,12 @@ class TrainSpec(Section):
 
 
 class FinetuneSpec(Section):
-    steps: int = Field(gt=0, le=MAX_STEPS)
-    lr_divisor: float = Field(10.0, gt=0)
+    """The LR-drop phase: train's checkpoint continued, optimizer state kept, at a constant
+    lr of train.optimizer.lr / lr_divisor."""
+    steps: int = Field(gt=0, le=MAX_STEPS, description="updates after train's last. Published "
+                       "scripts: 30,000 small, 10,000 large, 50,000 WikiText-103")
+    lr_divisor: float = Field(10.0, gt=0, description="the phase's lr is train.optimizer.lr "
+                                                      "/ lr_divisor (paper: 10)")
     patience: int | None = Field(
         None, gt=0, description="start the LR drop once validation has not improved for this "
                                 "many evaluations (train stops early); default: after "
@@ -435,10 +525,16 @@ class FinetuneSpec(Section):
 
 
 class EvaluateSpec(Section):
-    splits: list[Literal["valid", "test"]] = ["valid", "test"]
-    batch_size: int = Field(8, gt=0, le=MAX_ROWS)
+    """The evaluate stage: every token of each split scored once, streamed with the cache
+    (the paper's "full eval"); documents are scored on their targets. A curriculum's
+    evaluate scores generated cases and has no use for this section."""
+    splits: list[Literal["valid", "test"]] = Field(["valid", "test"],
+                                                   description="the splits scored")
+    batch_size: int = Field(8, gt=0, le=MAX_ROWS, description="rows of a batch: each split is "
+                            "scored as this many contiguous streams (documents: documents "
+                            "per batch). Paper: 8")
     seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN,
-                                description="defaults to train.seq_len")
+                                description="segment length; defaults to train.seq_len")
     checkpoint: Literal["latest", "best"] = Field(
         "latest", description="latest: the last step; best: the best validation of train and "
                               "finetune (needs train.eval_every)")
@@ -455,14 +551,20 @@ CURRICULUM_UNUSED_TRAIN = tuple(f"train.{key}" for key in (
 
 
 class TrackingSpec(Section):
-    enabled: bool = True
-    uri: str | None = Field(None, description="default: MLFLOW_TRACKING_URI, else sqlite "
-                                              "file <workspace.root>/mlflow.db")
-    experiment: str | None = Field(None, description="defaults to the spec's name")
+    """MLflow tracking of the runs: parameters, metrics and artifacts of every stage."""
+    enabled: bool = Field(True, description="false: nothing is sent to MLflow")
+    uri: str | None = Field(None, description="the MLflow tracking server or store; default: "
+                                              "MLFLOW_TRACKING_URI, else sqlite file "
+                                              "<workspace.root>/mlflow.db")
+    experiment: str | None = Field(None, description="the MLflow experiment the runs are "
+                                                     "recorded in; defaults to the spec's name")
 
 
 class WorkspaceSpec(Section):
-    root: str = "runs"
+    """Where runs are kept on disk."""
+    root: str = Field("runs", description="holds each run's workspace <root>/<name> and the "
+                                          "default MLflow store; relative to the current "
+                                          "directory")
     cache: str | None = Field(None, description="downloads cached by sha256, shared by "
                                                 "every run; default <root>/cache")
 
@@ -499,16 +601,21 @@ class PaperSpec(Section):
 
 class Spec(Section):
     # the workspace directory's name: a file name has at most 255 bytes
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100,
+                      description="the run's name: its workspace <workspace.root>/<name> and "
+                                  "default MLflow experiment")
     dataset: DatasetSpec
-    model: dict[str, Any]
+    model: dict[str, Any] = Field(description="the model: `kind` names the family, the other "
+                                              "keys are that family's config fields")
     train: TrainSpec | None = None
     finetune: FinetuneSpec | None = None
     evaluate: EvaluateSpec = EvaluateSpec()
     tracking: TrackingSpec = TrackingSpec()
     workspace: WorkspaceSpec = WorkspaceSpec()
     paper: PaperSpec | None = None
-    stages: list[Literal[STAGE_KINDS]] = Field(min_length=1)  # type: ignore[valid-type]
+    stages: list[Literal[STAGE_KINDS]] = Field(  # type: ignore[valid-type]
+        min_length=1, description="the stages to run, in order; each after the stages whose "
+                                  "outputs it reads")
 
     _model_params: Any = PrivateAttr(None)
     _source: str = PrivateAttr("")
