@@ -266,7 +266,7 @@ def _set_origin(text: str) -> str:
 def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     if "=" not in text:
         raise SpecError(f"{_set_origin(text)}: expected KEY=VALUE, for example "
-                        f"--set train.lr=0.05")
+                        f"--set train.optimizer.lr=0.05")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):

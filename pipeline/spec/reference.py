@@ -1,15 +1,15 @@
 """The configuration reference, docs/reference.md, generated from the schema itself.
 
 Every key a spec accepts comes from the classes that validate it: the pydantic sections of
-pipeline/schema.py (type, default, constraints, `Field(description=...)`, a section's class
+pipeline/spec/schema.py (type, default, constraints, `Field(description=...)`, a section's class
 docstring) and each model family's config dataclass (type, default, the attribute docstring
 under each field, the size limits of `MODEL_LIMITS`). What a model config's `__post_init__`
 checks cannot be read from it: `MODEL_CHECKS` below states it, and tests/test_reference.py
 proves every entry against the dataclass, so neither can drift from the other.
 
-    python -m pipeline.spec_reference            # the page on stdout
-    python -m pipeline.spec_reference --write    # into docs/reference.md
-    python -m pipeline.spec_reference --check    # exit 1 if docs/reference.md is stale
+    python -m pipeline.spec.reference            # the page on stdout
+    python -m pipeline.spec.reference --write    # into docs/reference.md
+    python -m pipeline.spec.reference --check    # exit 1 if docs/reference.md is stale
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from pipeline.models.active_memory import CONV_ACTIVATIONS, GATES, MIXERS, Activ
 from pipeline.models.config import (ATTENTION_IMPL_NAMES, FF_KINDS, PERSISTENT_MODES,
                                     AllAttnConfig, AttentionConfig)
 from pipeline.models.infinity_former import InfinityFormerConfig
-from pipeline.schema import TASK_SYMBOLS_LIMIT, Spec, _task_symbols
-from pipeline.spec import MODEL_LIMITS, load_spec
+from pipeline.spec.schema import TASK_SYMBOLS_LIMIT, Spec, _task_symbols
+from pipeline.spec import load_spec
+from pipeline.spec.validation import MODEL_LIMITS
 
 # how this module is run, for the messages that say how to regenerate the page
 MODULE = __spec__.name if __spec__ is not None else __name__

@@ -1,4 +1,4 @@
-"""The configuration reference (docs/reference.md, pipeline/spec_reference.py): current, every
+"""The configuration reference (docs/reference.md, pipeline/spec/reference.py): current, every
 key described, every key the schema accepts present, and its facts right."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from pipeline import spec_reference as ref
+from pipeline.spec import reference as ref
 from pipeline.models import MODELS
-from pipeline.schema import Spec
+from pipeline.spec.schema import Spec
 from pipeline.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / ref.PAGE
 
 
@@ -180,7 +180,7 @@ def test_defaults_are_what_load_spec_gives(page):
     ("train.eval_batches", "Type", 'int or `"all"`'),
     ("train.eval_batches", "Allowed", "0 < value ≤ 10^12 or `all`"),
     ("train.launcher.master_port", "Allowed", "0 < value < 2^16"),
-    ("train.launcher.nodes", "Defined by", "`LauncherSpec.nodes` in `pipeline/schema.py`"),
+    ("train.launcher.nodes", "Defined by", "`LauncherSpec.nodes` in `pipeline/spec/schema.py`"),
     ("tracking.uri", "Type", "string or null"),
     ("evaluate.splits", "Default", '`["valid", "test"]`'),
     ("dataset.generator.frequency_sort.vocab", "Allowed", "1 < value ≤ 16,777,214"),
@@ -227,7 +227,7 @@ def test_every_model_field_states_its_values():
     __post_init__ takes (an empty Check() if it takes any)."""
     missing = sorted(f"{cls.__name__}.{name}" for cls, name, hint in _model_fields()
                      if hint is not bool and name not in ref.MODEL_CHECKS.get(cls, {}))
-    assert not missing, f"no MODEL_CHECKS entry in pipeline/spec_reference.py for: {missing}"
+    assert not missing, f"no MODEL_CHECKS entry in pipeline/spec/reference.py for: {missing}"
 
 
 def _outside(check: ref.Check, is_int: bool) -> list:
