@@ -1,0 +1,102 @@
+"""What the CLI's commands are built from: a file-path type that refuses impossible names, and
+command classes that show a user's mistake as one line `error: ...` (`--debug`: the traceback).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+
+import click
+
+from pipeline.errors import PipelineError
+
+
+class FilePath(click.Path):
+    """click.Path, refusing as a usage error a name no file can have (a NUL byte, a name
+    longer than the filesystem allows) instead of failing wherever it is first used."""
+
+    def convert(self, value, param, ctx):
+        if str(value) == "":
+            self.fail("the file name is empty", param, ctx)
+        if str(value) == "-":   # click's standard stream; ours are files and directories
+            self.fail("'-' (a standard stream) is not supported here: give a path",
+                      param, ctx)
+        if "\x00" in str(value):
+            self.fail("a file name cannot hold a NUL byte", param, ctx)
+        try:
+            os.stat(value)
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                self.fail(f"{e.strerror}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class OneLineUsageError(click.UsageError):
+    """A mistake on the command line (a missing argument, an unknown option, a value click
+    cannot convert), shown as the one line every other error is, not click's usage block."""
+
+    def __init__(self, error: click.UsageError):
+        super().__init__(error.format_message(), error.ctx)
+
+    def show(self, file=None) -> None:
+        # one line even where the value quoted holds newlines
+        message = " ".join(self.format_message().split()).rstrip(".")
+        hint = f" (see {self.ctx.command_path} --help)" if self.ctx else ""
+        click.echo(f"error: {message}{hint}", err=True)
+
+
+class OneLineErrors:
+    """Click's usage errors of a command or group as one line (--help stays click's)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:   # a bare group: what it has
+            commands = ", ".join(e.ctx.command.list_commands(e.ctx))
+            raise OneLineUsageError(click.UsageError(
+                f"missing command, one of: {commands}", e.ctx)) from None
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+
+def _one_line(error: click.UsageError) -> click.UsageError:
+    return error if isinstance(error, OneLineUsageError) else OneLineUsageError(error)
+
+
+class Command(OneLineErrors, click.Command):
+    pass
+
+
+class Group(OneLineErrors, click.Group):
+    command_class = Command
+
+
+Group.group_class = Group    # `launch` and its commands too
+
+
+class Main(Group):
+    """Prints a user's mistake as one line; `--debug` shows the traceback instead."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:   # `allattn-pipe --`: no command after the options
+            raise _one_line(e) from None
+        except PipelineError as e:
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:     # a second ctrl-C, or one outside `run`'s stages
+            if ctx.params.get("debug"):
+                raise
+            click.echo("error: interrupted (SIGINT)", err=True)
+            sys.exit(130)
