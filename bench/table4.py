@@ -97,7 +97,7 @@ def one_run(problem: str, mixer: str, seed: int, epochs: int, steps: int,
 
     from pipeline.fsutil import read_json
     from pipeline.spec import load_spec
-    from pipeline.tracking.tracker import NullStageTracker
+    from stages.base import NullStageTracker
     from stages import StageContext, curriculum
 
     torch.set_num_threads(threads)

@@ -78,12 +78,24 @@ def with_values(config: dict, values: Mapping[str, object]) -> dict:
     return out
 
 
+class NullStageTracker:
+    """What a stage may call on `ctx.tracker` (`pipeline.tracking.tracker.StageTracker` logs
+    it to MLflow), doing nothing: tracking off, ranks other than 0, and tests."""
+    run_id = None
+
+    def log_params(self, params: dict) -> None: ...
+    def log_metrics(self, metrics: dict, step: int) -> None: ...
+    def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
+    def set_tags(self, tags: dict) -> None: ...
+    def make_durable(self) -> None: ...
+
+
 @dataclass
 class StageContext:
     spec: Any                        # pipeline.spec.Spec
     out_dir: Path                    # where outputs go; published atomically on success
     inputs: dict[str, Path]          # input stage name -> its published output directory
-    tracker: Any                     # pipeline.tracking.tracker.StageTracker
+    tracker: Any                     # a StageTracker, or NullStageTracker
     log: Callable[[str], None] = print
     info: dict = field(default_factory=dict)   # free-form notes a stage leaves for the runner
 

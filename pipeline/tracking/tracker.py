@@ -28,6 +28,7 @@ import yaml
 from pipeline.errors import PipelineError, Preempted
 from pipeline.spec import PROJECT_ROOT
 from pipeline.tracking.sender import RETRY_SECONDS, Delivery, Sender, is_transient, reason, replay
+from stages.base import NullStageTracker
 
 _MAX_PARAM = 6000       # MLflow's limit on a param value
 _BATCH = 100            # params / metrics per log_batch call
@@ -81,16 +82,6 @@ def environment_tags() -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         pass
     return tags
-
-
-class NullStageTracker:
-    run_id = None
-
-    def log_params(self, params: dict) -> None: ...
-    def log_metrics(self, metrics: dict, step: int) -> None: ...
-    def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
-    def set_tags(self, tags: dict) -> None: ...
-    def make_durable(self) -> None: ...
 
 
 class NullTracker:

@@ -30,6 +30,7 @@ from pipeline.workspace.layout import (PARTIAL_RECORD, Workspace, config_changes
                                        output_checksums)
 from pipeline.workspace.lock import WorkspaceLock
 from stages import STAGES, StageContext, resolve_inputs
+from stages.base import NullStageTracker
 
 
 @dataclass
@@ -335,8 +336,6 @@ class Runner:
     def _follow(self) -> None:
         """A rank other than 0: run each distributed stage rank 0 announces, until it says
         there are no more. Rank 0 alone logs, tracks and publishes."""
-        from pipeline.tracking.tracker import NullStageTracker
-
         while (job := distributed.broadcast_object()) is not None:
             ctx = StageContext(spec=self.spec, out_dir=job["out_dir"], inputs=job["inputs"],
                                tracker=NullStageTracker(), log=lambda m: None)

@@ -18,7 +18,7 @@ import torch
 from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.models.layers import AdaptiveSpan
 from pipeline.ops import adaptive_span_mask
-from pipeline.tracking.tracker import NullStageTracker
+from stages.base import NullStageTracker
 
 MAX_SPAN, RAMP = 8192, 32
 SPANS = [2990.37, 3001.5, 3013.25, 2999.875]   # tokens, near 3000

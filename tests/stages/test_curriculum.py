@@ -21,7 +21,7 @@ import torch
 from pipeline.training.checkpoints import read_checkpoint_file
 from pipeline.data.algorithmic import binary_case, check_length, generate, vocab_size
 from pipeline.spec import SpecError, load_spec
-from pipeline.tracking.tracker import NullStageTracker
+from stages.base import NullStageTracker
 from stages import StageContext, curriculum
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -31,7 +31,7 @@ import stages.download
 from pipeline.data import corpus, extract, fetch
 from pipeline.errors import PipelineError
 from pipeline.spec import load_spec
-from pipeline.tracking.tracker import NullStageTracker
+from stages.base import NullStageTracker
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_REQUESTS = 20

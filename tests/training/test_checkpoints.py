@@ -23,7 +23,8 @@ from pipeline.training.checkpoints import (CHECKSUMS, damage, read_checkpoint_fi
 from pipeline.errors import PipelineError
 from pipeline.workspace.runner import Runner
 from pipeline.spec import load_spec
-from pipeline.tracking.tracker import NullStageTracker, NullTracker, make_tracker
+from pipeline.tracking.tracker import NullTracker, make_tracker
+from stages.base import NullStageTracker
 from stages import StageContext
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.cluster import distributed
-from pipeline.tracking.tracker import NullStageTracker
+from stages.base import NullStageTracker
 
 ROOT = Path(__file__).resolve().parents[2]
 
