@@ -29,7 +29,7 @@ CHECK_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 gpu-check:
 	$(CHECK_PYTHON) bench/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) --report gpu-check.md
 
-# Debian's Slurm and munge for tests/test_cluster.py (a real two-node Slurm in network
+# Debian's Slurm and munge for tests/cluster/test_cluster.py (a real two-node Slurm in network
 # namespaces); as root. Without them those tests skip, naming what is missing.
 cluster-deps:
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null

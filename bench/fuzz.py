@@ -1,5 +1,5 @@
 """The command-line fuzzer's figure: cases, tracebacks, hangs, exit codes, cases per command,
-seconds. The same derandomized cases as tests/test_cli_fuzz.py (which fails on any bad one);
+seconds. The same derandomized cases as tests/commands/test_cli_fuzz.py (which fails on any bad one);
 here every case runs and the bad ones are listed.
 
     .venv/bin/python bench/fuzz.py [--cases 2000] [--show-bad 20]

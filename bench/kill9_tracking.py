@@ -1,6 +1,6 @@
 """kill -9 a tiny training with tracking on at 20 random moments, resuming after each, and
 print what MLflow's training-loss history holds against an uninterrupted run: kills, steps
-checked, steps lost, steps doubled, values that differ (tests/test_kill9_tracking.py runs
+checked, steps lost, steps doubled, values that differ (tests/tracking/test_kill9_tracking.py runs
 the same with 4 kills). About 20-40 s a kill on 2 busy cores.
 
     DS_ACCELERATOR=cpu .venv/bin/python bench/kill9_tracking.py [--kills 20] [--seed 20]

@@ -32,8 +32,8 @@ ACTIVE_MEMORY = "pipeline/models/active_memory.py"
 
 FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
     "infinity_former": (
-        ["tests/test_infinity_formulas.py", "tests/test_infinity_former.py",
-         "tests/test_infinity_precision.py"],
+        ["tests/models/test_infinity_formulas.py", "tests/models/test_infinity_former.py",
+         "tests/models/test_infinity_precision.py"],
         [
             (INFINITY,
              "return centres.repeat_interleave(len(widths)), sig.repeat(len(centres))",
@@ -168,7 +168,7 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
         ],
     ),
     "active_memory": (
-        ["tests/test_active_memory.py"],
+        ["tests/models/test_active_memory.py"],
         [
         # the hard sigmoid: highway gate, CGRU gates
         (ACTIVE_MEMORY, "return torch.clamp(1.2 * torch.sigmoid(x) - 0.1, 0.0, 1.0)",

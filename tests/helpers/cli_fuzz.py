@@ -3,7 +3,7 @@ bad flags and values, damaged configs (tests/helpers/spec_damage.py) and damaged
 
 Every case must end in exit 0, or exit 2 with `error: ...` lines, each naming where (a file,
 `--set` or a flag); never a traceback, never a hang; and a refused command, or one that only
-reads, leaves every file it found as it was. Used by tests/test_cli_fuzz.py (asserting) and
+reads, leaves every file it found as it was. Used by tests/commands/test_cli_fuzz.py (asserting) and
 bench/fuzz.py (counting).
 
 The commands that would train get a tiny, already trained pipeline (`World`): `run` on it

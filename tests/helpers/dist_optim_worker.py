@@ -1,4 +1,4 @@
-"""One rank of tests/test_optim.py's two-process check of ClippedAdagrad under DeepSpeed.
+"""One rank of tests/training/test_optim.py's two-process check of ClippedAdagrad under DeepSpeed.
 
 Run with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set (the test does).
 For each DeepSpeed configuration it trains a toy model a few steps with ClippedAdagrad and

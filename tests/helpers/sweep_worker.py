@@ -1,4 +1,4 @@
-"""`allattn-pipe` with stand-in stages, for tests/test_sweep.py: a sweep in its own process,
+"""`allattn-pipe` with stand-in stages, for tests/commands/test_sweep.py: a sweep in its own process,
 which the test can kill -9.
 
     sweep_worker.py ARGS...        (the CLI's arguments)

@@ -396,7 +396,7 @@ def test_show_with_a_workspace_root_too_long_for_the_filesystem_is_one_line(tmp_
 
 
 def test_an_extends_path_with_a_line_break_stays_one_line(tmp_path):
-    # found by tests/test_spec_fuzz.py: a YAML block scalar `|` gave extends a newline
+    # found by tests/spec/test_spec_fuzz.py: a YAML block scalar `|` gave extends a newline
     cfg = write(tmp_path, "spec.yaml", 'name: tiny\nextends: ["a\\nb.yaml"]\n')
     message = error_of(cfg)
     assert message == f"{cfg}:2: extends: no such file {tmp_path}/a\\nb.yaml"

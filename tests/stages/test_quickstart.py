@@ -97,6 +97,53 @@ def test_first_run_runs_every_stage_and_learns(pipeline_runs):
                for name in (x["name"] for x in s["shards"]))
 
 
+EXCERPT_PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md"]
+
+
+def _shape(line: str) -> str:
+    """A log line with its numbers blanked: the format, spacing included."""
+    return re.sub(r"\d[\d,.]*", "N", line)
+
+
+@pytest.mark.parametrize("page", EXCERPT_PAGES, ids=lambda p: p.name)
+def test_the_pages_quickstart_excerpt_is_a_real_run(pipeline_runs, page):
+    """The evaluate lines that README.md and docs/getting-started.md show for the full
+    quickstart: the format is the one evaluate prints (this tiny pipeline's lines, the same
+    stages on the same corpus), the checkpoint is quickstart.yaml's last step, ppl is 2^bpc,
+    both beat the unigram entropy, and on the CPython the excerpt names (the corpus is made
+    from its files) the entropy and the token counts are the tiny run's: same corpus, same
+    split."""
+    import yaml
+
+    shown = [line.strip() for line in page.read_text(encoding="utf-8").splitlines()
+             if line.strip().startswith("[evaluate] ")]
+    assert len(shown) == 3, f"{page.name}: expected the three evaluate lines, found {shown}"
+    real = [line.strip() for line in pipeline_runs["first"].stdout.splitlines()
+            if line.startswith("[evaluate] ") and re.match(r"\[evaluate\] (checkpoint|valid|test)",
+                                                           line)]
+    assert [_shape(line) for line in shown] == [_shape(line) for line in real]
+
+    head = re.fullmatch(r"\[evaluate\] checkpoint finetune/step-(\d{8}); unigram entropy of "
+                        r"the train split (\d\.\d{3}) bits", shown[0])
+    quickstart = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    assert int(head.group(1)) == quickstart["train"]["steps"] + quickstart["finetune"]["steps"]
+    entropy = float(head.group(2))
+    ws = pipeline_runs["tmp"] / "runs" / "tiny"
+    results = json.loads((ws / "evaluate" / "results.json").read_text())
+    for split, line in zip(("valid", "test"), shown[1:]):
+        m = re.fullmatch(rf"\[evaluate\] {split}\s+bpc (\d\.\d{{3}})   ppl (\d+\.\d\d)   "
+                         rf"\(([\d,]+) tokens\)", line)
+        assert m, line
+        bpc, ppl, tokens = float(m.group(1)), float(m.group(2)), int(m.group(3).replace(",", ""))
+        assert bpc < entropy
+        assert abs(ppl - 2 ** bpc) < 0.01          # byte tokens: perplexity = 2^bpc
+        if sys.version_info[:2] == (3, 11):       # "CPython 3.11": the excerpt's corpus
+            assert tokens == results[split]["tokens"]
+    if sys.version_info[:2] == (3, 11):
+        assert f"{results['unigram_entropy_bits']:.3f}" == f"{entropy:.3f}"
+    assert "CPython 3.11" in page.read_text(encoding="utf-8")
+
+
 def test_show_counts_the_parameters_of_the_trained_model(pipeline_runs):
     # `show` builds on the meta device; the train stage counts the real model it trained
     ws = pipeline_runs["tmp"] / "runs" / "tiny"

@@ -2,7 +2,7 @@
 
 End to end through the real stages and the CLI, in this process (each DeepSpeed start costs
 seconds, a subprocess far more): a tiny train run is preempted right after its step-4
-checkpoint, then re-run with edits. tests/test_runner.py covers the same decisions with
+checkpoint, then re-run with edits. tests/workspace/test_runner.py covers the same decisions with
 stand-in stages, and the crash-safe publish.
 """
 

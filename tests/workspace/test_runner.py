@@ -1,7 +1,7 @@
 """The runner's decisions (run / skip / re-run), atomic publication and the workspace lock.
 
 The stages here are stand-ins that record their calls, so every case runs in milliseconds;
-tests/test_quickstart.py runs the real stages.
+tests/stages/test_quickstart.py runs the real stages.
 """
 
 from __future__ import annotations
