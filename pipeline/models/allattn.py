@@ -165,6 +165,13 @@ class AllAttnLM(SequenceModel):
             return f"attention impl {self.attention_impl}"
         return describe_auto(self.pos_table.device.type, self.pos_table.dtype, self.cfg.attn_dropout)
 
+    def cannot_train_on(self, device: torch.device) -> str | None:
+        if self.attention_impl == "flex" and device.type == "cpu":
+            return ("model.attention.impl: flex runs forward only on CPU (torch has no CPU "
+                    "backward for FlexAttention) and this run trains on the CPU: use reference, "
+                    "sdpa or auto")
+        return None
+
     def metrics(self) -> dict[str, float]:
         """Mean and largest span over all heads, in tokens."""
         spans = [z for row in self.spans() for z in row]

@@ -79,6 +79,11 @@ class SequenceModel(nn.Module):
         """One line for the training log: how this model computes (backends and the like)."""
         return type(self).__name__
 
+    def cannot_train_on(self, device: torch.device) -> str | None:
+        """Why this model cannot train on `device` (a backend that runs forward only there),
+        said before the first step; None when it can."""
+        return None
+
     def metrics(self) -> dict[str, float]:
         """Numbers about the model itself worth tracking while it trains (learned spans,
         memory usage); logged with the loss at every report."""

@@ -112,6 +112,7 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
 
     if spec is not None and not errors:
         errors += _check_stages(spec, where, origin)
+        errors += _check_model_for_training(spec, params, where, origin)
         if spec.train and spec.train.deepspeed.zero_stage == 3 and \
                 getattr(params, "adaptive_span", False):
             errors.append(
@@ -173,6 +174,39 @@ def _default(f):
     value = f.default if f.default is not MISSING else (
         f.default_factory() if f.default_factory is not MISSING else ...)
     return _strict_schema(type(value))(**asdict(value)) if is_dataclass(value) else value
+
+
+def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> list[str]:
+    """What the model would refuse only at its first training step or block, said here:
+    the attention backend that cannot train with these settings, and the ∞-former's
+    short-term memory shorter than a segment."""
+    errors = []
+    trains = bool({"train", "finetune"} & set(spec.stages)) and spec.train is not None
+    impl = getattr(getattr(params, "attention", None), "impl", None)
+    at_impl = _locate(where, ("model", "attention", "impl"), origin)
+    if trains and impl == "sdpa" and getattr(params, "attn_dropout", 0) > 0:
+        errors.append(f"{at_impl}: model.attention.impl: sdpa cannot reproduce the seeded "
+                      f"attention dropout, and this model trains with attn_dropout "
+                      f"{params.attn_dropout}: use flex, reference or auto (or attn_dropout 0)")
+    if trains and impl == "flex" and spec.train.device == "cpu":
+        errors.append(f"{at_impl}: model.attention.impl: flex runs forward only on CPU (torch "
+                      f"has no CPU backward for FlexAttention) and train.device is cpu: use "
+                      f"reference, sdpa or auto to train on CPU")
+    if getattr(params, "ltm", False) and hasattr(params, "mem_len"):
+        segments = {}
+        if trains:
+            segments |= {"train.seq_len": spec.train.seq_len,
+                         "train.eval_seq_len": spec.train.eval_seq_len}
+        if "evaluate" in spec.stages:
+            segments["evaluate.seq_len"] = spec.evaluate.seq_len
+        for key, length in segments.items():
+            if length and length > params.mem_len:
+                errors.append(
+                    f"{_locate(where, ('model', 'mem_len'), origin)}: model.mem_len "
+                    f"{params.mem_len} is shorter than {key} {length}: with the long-term "
+                    f"memory on, the states leaving the short-term memory in a segment wait "
+                    f"in its mem_len extra rows; make mem_len at least {length}")
+    return errors
 
 
 def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:

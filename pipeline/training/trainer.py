@@ -59,6 +59,8 @@ class Trainer:
         # identical initial weights on every rank, then per-rank streams of randomness
         torch.manual_seed(train.seed)
         model = spec.build_model(self.vocab_size, f"{preprocess_dir}/manifest.json")
+        if why := model.cannot_train_on(self.device):
+            raise PipelineError(why)
         torch.manual_seed(train.seed + self.rank)
         np.random.seed(train.seed + self.rank)
         random.seed(train.seed + self.rank)

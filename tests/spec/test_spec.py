@@ -411,3 +411,39 @@ def test_a_task_vocabulary_no_machine_can_hold_is_refused_with_the_reason(config
         f"--set {override}: {key}: at most 16,777,214 symbols: with the separator and padding "
         f"they are the vocabulary, which the output layer scores at every position (the "
         f"papers' tasks use 20 to 100); found 1000000000 (an integer)")
+
+
+# ---------------------------------------------------------------- checks the model would make at its first step
+
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+SORT_CPU = ROOT / "configs" / "infinity_former" / "sort_4k_cpu.yaml"
+
+
+def test_sdpa_with_attention_dropout_is_refused_before_training():
+    msg = error_of(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.1"])
+    assert msg == ("--set model.attention.impl=sdpa: model.attention.impl: sdpa cannot reproduce "
+                   "the seeded attention dropout, and this model trains with attn_dropout 0.1: "
+                   "use flex, reference or auto (or attn_dropout 0)")
+    load_spec(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.0"])
+    load_spec(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.1",
+                           "stages=[download,preprocess]"])        # nothing trains
+
+
+def test_flex_training_on_an_explicit_cpu_is_refused():
+    msg = error_of(QUICKSTART, ["model.attention.impl=flex", "train.device=cpu"])
+    assert msg.startswith("--set model.attention.impl=flex: model.attention.impl: flex runs "
+                          "forward only on CPU")
+    assert msg.endswith("and train.device is cpu: use reference, sdpa or auto to train on CPU")
+    load_spec(QUICKSTART, ["model.attention.impl=flex", "train.device=cuda"])
+
+
+def test_infinity_former_short_term_memory_shorter_than_a_segment_is_refused():
+    spec = load_spec(SORT_CPU)
+    assert spec.model_params.ltm and spec.model_params.mem_len == spec.train.seq_len
+    longer = spec.train.seq_len + 1
+    msg = error_of(SORT_CPU, [f"train.seq_len={longer}"])
+    assert f"model.mem_len {spec.model_params.mem_len} is shorter than train.seq_len {longer}" in msg
+    assert msg.endswith(f"make mem_len at least {longer}")
+    msg = error_of(SORT_CPU, [f"evaluate.seq_len={longer}"])
+    assert f"is shorter than evaluate.seq_len {longer}" in msg
+    load_spec(SORT_CPU, [f"train.seq_len={longer}", "model.ltm=false"])   # no LTM: any length

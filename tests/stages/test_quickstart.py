@@ -261,3 +261,16 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, sig):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with CUDA, flex trains")
+def test_flex_on_a_machine_without_cuda_stops_before_the_first_step_in_one_line(tmp_path):
+    """train.device auto resolves to the CPU here, where FlexAttention has no backward: the
+    train stage says so in one line (exit 2) instead of a traceback at the first step."""
+    cfg = tiny_config(tmp_path)
+    result = cli("run", cfg, "--set", "model.attention.impl=flex", check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: model.attention.impl: flex runs forward only on CPU (torch has no CPU backward "
+        "for FlexAttention) and this run trains on the CPU: use reference, sdpa or auto")
