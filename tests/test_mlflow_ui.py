@@ -1,10 +1,14 @@
 """What MLflow's users look for in the store: experiments marked as model training (the
-`mlflow.experimentKind` tag MLflow's UI reads), checked on a real small pipeline run (a tiny
+`mlflow.experimentKind` tag MLflow's UI reads), and `export --register` making a model
+registry version, with its config and numbers, from a real small pipeline run (a tiny
 all-attention network on the built-in corpus, tracked in the default sqlite store)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 from click.testing import CliRunner
 
 from pipeline.cli import main
@@ -87,3 +91,115 @@ def test_a_sweeps_experiment_is_marked_too(tmp_path):
     spec = load_spec(write_config(tmp_path, "swept"), [])
     SweepRun(spec, "id1", "a=1,2", warn=pytest.fail)
     assert client_of(spec.source).get_experiment_by_name("swept").tags[KIND] == TRAINING
+
+
+def register(cfg, out, name, *args):
+    return CliRunner().invoke(main, ["export", str(cfg), "--out", str(out),
+                                     "--register", name, *map(str, args)])
+
+
+@pytest.mark.slow
+def test_register_makes_a_version_from_the_run_with_config_and_metrics(tracked, tmp_path):
+    import mlflow
+
+    from pipeline.export import load_exported
+
+    result = register(tracked, tmp_path / "export", "tiny-allattn")
+    assert result.exit_code == 0, result.output
+    assert "registered as model 'tiny-allattn' version 1" in result.output
+    client = client_of(tracked)
+    version = client.get_model_version("tiny-allattn", "1")
+    spec = load_spec(tracked, [])
+    results = json.loads((spec.workspace_dir / "evaluate" / "results.json").read_text())
+    # the headline numbers, as tags of the version
+    assert float(version.tags["valid_bpc"]) == pytest.approx(results["valid"]["bpc"], rel=1e-5)
+    assert float(version.tags["valid_ppl"]) == pytest.approx(results["valid"]["ppl"], rel=1e-5)
+    assert version.tags["checkpoint"].endswith(results["checkpoint"].replace(
+        "/", "/checkpoints/"))
+    assert version.tags["model.kind"] == "allattn"
+    # the run it comes from: under the pipeline run, with the config and every number
+    run = client.get_run(version.run_id)
+    parent = client.get_run(run.data.tags["mlflow.parentRunId"])
+    assert parent.data.tags["workspace"] == str(spec.workspace_dir.resolve())
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["valid_bpc"] == pytest.approx(results["valid"]["bpc"])
+    assert run.data.params["model.d_model"] == "32"
+    assert version.source == f"{run.info.artifact_uri}/model"
+    files = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert files == {"model", "spec.resolved.yaml", "results.json"}
+    mlflow.set_tracking_uri(tracking_uri(spec))
+    try:
+        fetched = mlflow.artifacts.download_artifacts(
+            "models:/tiny-allattn/1", dst_path=str(tmp_path / "fetched"))
+        resolved = mlflow.artifacts.download_artifacts(
+            run_id=run.info.run_id, artifact_path="spec.resolved.yaml",
+            dst_path=str(tmp_path / "spec"))
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert "d_model: 32" in open(resolved).read()
+    # the registered files load with the export loader, into the exported model
+    model, _ = load_exported(fetched)
+    exported, _ = load_exported(tmp_path / "export")
+    tokens = torch.arange(32).view(1, 32) % 50
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, exported(tokens).logits)
+    # a second registration is the next version of the same model
+    again = register(tracked, tmp_path / "export", "tiny-allattn")
+    assert again.exit_code == 0, again.output
+    assert client.get_model_version("tiny-allattn", "2").run_id != version.run_id
+
+
+@pytest.mark.slow
+def test_numbers_of_another_checkpoint_are_not_attached(tracked, tmp_path):
+    """evaluate scored the latest checkpoint: an export of an earlier one gets no metrics,
+    and the command says why."""
+    ws = load_spec(tracked, []).workspace_dir
+    earlier = sorted((ws / "train" / "checkpoints").glob("step-*"))[0]
+    result = register(tracked, tmp_path / "export", "tiny-early", "--checkpoint", earlier)
+    assert result.exit_code == 0, result.output
+    assert "not the checkpoint exported: registered without metrics" in result.output
+    version = client_of(tracked).get_model_version("tiny-early", "1")
+    assert not any(k.endswith("_bpc") for k in version.tags)
+    assert version.tags["checkpoint"] == str(earlier)
+
+
+@pytest.mark.parametrize("name, error", [
+    ("", "--register '': not a registered model's name, it is empty"),
+    ("a/b", "--register 'a/b': not a registered model's name, it holds '/', ':', '?' or "
+            "'#', which a models:/NAME/VERSION URI cannot carry"),
+    ("a?b", "--register 'a?b': not a registered model's name, it holds '/', ':', '?' or "
+            "'#', which a models:/NAME/VERSION URI cannot carry"),
+    ("x\ny", "--register 'x\\ny': not a registered model's name, it holds a control "
+             "character"),
+    ("..", "--register '..': not a registered model's name, it reads as another path "
+           "(MLflow may store a name as a file name)"),
+    ("m" * 257, f"--register '{'m' * 257}': not a registered model's name, it is longer "
+                f"than MLflow's 256 characters"),
+])
+def test_a_bad_name_is_one_line_before_anything_is_written(tmp_path, name, error):
+    cfg = write_config(tmp_path)
+    result = register(cfg, tmp_path / "out", name)
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: {error}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_register_with_tracking_off_is_one_line_saying_why(tmp_path):
+    cfg = write_config(tmp_path, tracking="{enabled: false}")
+    result = register(cfg, tmp_path / "out", "m")
+    assert result.exit_code == 2, result.output
+    assert result.output == (f"error: --register: tracking is off in {cfg} (tracking.enabled "
+                             f"is false), and the model registry is MLflow's; turn it on "
+                             f"(--set tracking.enabled=true) to register in its store\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_store_that_cannot_hold_a_registry_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", (tmp_path / "registry").as_uri())
+    result = register(write_config(tmp_path), tmp_path / "out", "m")
+    assert result.exit_code == 2, result.output
+    assert result.output == (
+        f"error: --register: {(tmp_path / 'registry').as_uri()} is a file store, which MLflow "
+        f"refuses as a model registry unless MLFLOW_ALLOW_FILE_STORE=true; use a database "
+        f"store (the default, sqlite:///<workspace root>/mlflow.db) or a tracking server\n")
