@@ -305,13 +305,28 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
 @CHECKPOINT
 @click.option("--out", required=True, type=FilePath(file_okay=False),
               help="The directory to write (model.safetensors, config.json, vocab.json).")
-def export(config, overrides, checkpoint, out):
+@click.option("--register", metavar="NAME",
+              help="Also register the export as a new version of model NAME in MLflow's model "
+                   "registry, in the tracking store of CONFIG's runs (tracking must be on): "
+                   "its files are logged by an 'export' run under the pipeline's run, with "
+                   "the resolved config and evaluate's results; the version is tagged with "
+                   "the checkpoint and the headline numbers.")
+def export(config, overrides, checkpoint, out, register):
     """Write CONFIG's trained weights as safetensors, with the model config and vocabulary
     as JSON: `pipeline.commands.export.load_exported(DIR)` loads them into the plain torch model."""
     from pipeline.commands.export import export as write_export
+    from pipeline.commands.export import source_checkpoint
     from pipeline.spec import load_spec
 
-    write_export(load_spec(config, list(overrides)), out, checkpoint, log=click.echo)
+    spec = load_spec(config, list(overrides))
+    client = None
+    if register is not None:        # refused before anything is written
+        from pipeline.tracking.registry import check_registrable
+        client = check_registrable(spec, register)
+    write_export(spec, out, checkpoint, log=click.echo)
+    if register is not None:
+        from pipeline.tracking.registry import register as register_export
+        register_export(spec, out, register, source_checkpoint(out), client, log=click.echo)
 
 
 @main.command()

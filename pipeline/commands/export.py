@@ -129,3 +129,8 @@ def load_exported(directory, device="cpu"):
     tokenizer = (SentencePieceTokenizer.load(directory / SP_MODEL)
                  if vocab["kind"] == "sentencepiece" else vocab_from_json(vocab))
     return model.to(device).eval(), tokenizer
+
+
+def source_checkpoint(directory: Path) -> str:
+    """The checkpoint an export was made from, as its config.json records it."""
+    return json.loads((Path(directory) / CONFIG).read_text())["source"]["checkpoint"]

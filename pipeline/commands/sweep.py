@@ -189,6 +189,9 @@ class SweepRun:
             name = spec.tracking.experiment or spec.name
             exp = self.client.get_experiment_by_name(name)
             exp_id = exp.experiment_id if exp else self._create_experiment(spec, name)
+            if exp:
+                from pipeline.tracking.sender import mark_kind
+                mark_kind(self.client, exp)
             self.experiment_id = exp_id
             found = self.client.search_runs([exp_id], f"tags.`sweep.id` = '{ident}'")
             if found:
@@ -207,7 +210,9 @@ class SweepRun:
         from pipeline.tracking.tracker import tracking_uri
         if tracking_uri(spec).startswith("sqlite:"):
             location = (Path(spec.workspace.root) / "mlartifacts" / name).resolve().as_uri()
-        return self.client.create_experiment(name, artifact_location=location)
+        from pipeline.tracking.sender import EXPERIMENT_KIND
+        return self.client.create_experiment(name, artifact_location=location,
+                                             tags=dict([EXPERIMENT_KIND]))
 
     def _give_up(self, e: Exception) -> None:
         self.warn(f"the sweep's MLflow run is not recorded ({type(e).__name__}: {e}); "

@@ -23,6 +23,34 @@ from typing import Callable
 
 RETRY_SECONDS = 10.0    # between attempts while the server is not answering
 
+# The experiment tag MLflow's UI reads as what an experiment is for (the key and the values
+# of its `ExperimentKind`, in mlflow/server/js; its kind selector writes the same tag): a UI
+# that picks an experiment's page by it opens ours on runs, not on GenAI traces. Ours train
+# models. (MLflow 3.17's UI picks by its sidebar switch instead; see README.md.)
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
+def experiment_id(client, name: str, artifact_location: str | None) -> str:
+    """The id of experiment `name`, created (with our kind tag) when it does not exist. An
+    existing experiment without a kind tag gets ours; a kind someone set is kept."""
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        return client.create_experiment(name, artifact_location=artifact_location,
+                                         tags=dict([EXPERIMENT_KIND]))
+    mark_kind(client, found)
+    return found.experiment_id
+
+
+def mark_kind(client, experiment) -> None:
+    """Tag an existing experiment that has no kind as ours; best effort: a server that
+    refuses (a user allowed to log runs but not to edit the experiment) loses only the tag."""
+    if EXPERIMENT_KIND[0] in (getattr(experiment, "tags", None) or {}):
+        return
+    try:
+        client.set_experiment_tag(experiment.experiment_id, *EXPERIMENT_KIND)
+    except Exception:
+        pass
+
 
 def is_transient(error: BaseException) -> bool:
     """True when the server did not answer (down, unreachable, timing out) or said to come
@@ -89,10 +117,7 @@ class Delivery:
 
     def _experiment(self, name: str, artifact_location: str | None) -> str:
         if name not in self._experiments:
-            found = self.client.get_experiment_by_name(name)
-            self._experiments[name] = (found.experiment_id if found is not None else
-                                       self.client.create_experiment(
-                                           name, artifact_location=artifact_location))
+            self._experiments[name] = experiment_id(self.client, name, artifact_location)
         return self._experiments[name]
 
 

@@ -13,6 +13,7 @@ import base64
 import logging
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.errors import PipelineError, Preempted
+from pipeline.errors import PipelineError, Preempted, shown
 from pipeline.spec import PROJECT_ROOT
 from pipeline.tracking.sender import RETRY_SECONDS, Delivery, Sender, is_transient, reason, replay
 from stages.base import NullStageTracker
@@ -183,7 +184,13 @@ class MlflowTracker:
             for name, value in _HTTP_LIMITS.items():
                 os.environ.setdefault(name, value)
         self.uri, self.flush_s = uri, flush_s
-        self.client = MlflowClient(tracking_uri=uri)
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+        except MlflowException as e:     # a store MLflow refuses (file: without its opt-in)
+            raise PipelineError(f"tracking store {shown(uri)}: MLflow refuses it: "
+                                f"{_first_sentence(e.message)}") from None
         self.warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
         self.sender = Sender(Delivery(self.client), self.warn_server, retry_s)
         self.spec = None
@@ -375,6 +382,14 @@ def last_activity(client, run, children) -> int:
         if "loss" in child.data.metrics:
             times += [m.timestamp for m in client.get_metric_history(child.info.run_id, "loss")]
     return max(times)
+
+
+def _first_sentence(text: str) -> str:
+    """MLflow's messages run to paragraphs: the first sentence, and the variable it names as
+    the way out, if any."""
+    first = " ".join(text.split()).split(". ")[0].rstrip(".")
+    way_out = re.search(r"MLFLOW_[A-Z_]+=\w+", text)
+    return first + (f" (its opt-out: {way_out.group()})" if way_out else "")
 
 
 def make_tracker(spec, rank: int = 0):

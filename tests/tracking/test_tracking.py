@@ -22,7 +22,7 @@ from click.testing import CliRunner
 import stages
 from pipeline.commands.cli import main
 from pipeline.workspace.runner import Runner
-from pipeline.spec import load_spec
+from pipeline.spec import PROJECT_ROOT, load_spec
 from pipeline.tracking.tracker import BACKLOG, MlflowTracker
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
@@ -413,3 +413,20 @@ def test_the_training_loops_handler_takes_over_inside_and_hands_back_after():
             signal.raise_signal(signal.SIGTERM)
     assert raised.value.exit_code == 143
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_store_mlflow_refuses_is_one_line(tmp_path, monkeypatch):
+    """MLflow 3 refuses a `file:` store unless MLFLOW_ALLOW_FILE_STORE is set: one line naming
+    the store and the way out, exit 2, nothing run."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    cfg = tmp_path / "fs.yaml"
+    store = (tmp_path / "store").as_uri()
+    cfg.write_text(f"extends: [{PROJECT_ROOT / 'configs' / 'quickstart.yaml'}]\n"
+                   f"tracking: {{uri: '{store}'}}\nworkspace: {{root: {tmp_path / 'runs'}}}\n"
+                   f"stages: [download]\n")
+    result = CliRunner().invoke(main, ["run", str(cfg)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: tracking store {store}: MLflow refuses it: ")
+    assert result.output.rstrip().endswith("(its opt-out: MLFLOW_ALLOW_FILE_STORE=true)")
+    assert len(result.output.strip().splitlines()) == 1
+    assert not list((tmp_path / "runs").glob("*/download*"))          # no stage started
