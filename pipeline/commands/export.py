@@ -49,6 +49,8 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
         raise PipelineError(f"--checkpoint best: no checkpoint is marked best under "
                             f"{', '.join(str(ws / s / 'checkpoints') for s in trained)} "
                             f"(train.eval_every's validations mark it)")
+    if not which.strip():       # Path("") is the current directory
+        raise PipelineError("--checkpoint is empty: give latest, best, or a checkpoint directory")
     path = Path(which)
     if (path / "mp_rank_00_model_states.pt").is_file() or path.name.startswith("step-"):
         return path.parent, path.name, str(path)

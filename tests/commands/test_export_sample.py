@@ -246,3 +246,14 @@ def test_sample_on_a_task_config_says_what_it_needs():
     assert result.output == (f"error: {cfg}: sample and export need a language model that "
                              f"preprocess and train made; this config's stages are "
                              f"curriculum, evaluate\n")
+
+
+@pytest.mark.parametrize("command", ["export", "sample"])
+def test_an_empty_checkpoint_is_one_line_not_the_current_directory(trained, tmp_path, command):
+    """Found by the CLI fuzzer: `--checkpoint ''` was read as the current directory."""
+    extra = ["--out", str(tmp_path / "out")] if command == "export" else ["--prompt", "x"]
+    result = CliRunner().invoke(main, [command, str(trained), "--checkpoint", "", *extra])
+    assert result.exit_code == 2, result.output
+    assert result.output == ("error: --checkpoint is empty: give latest, best, or a checkpoint "
+                             "directory\n")
+    assert not (tmp_path / "out").exists()
