@@ -257,15 +257,18 @@ PartitionName=cpu Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
 
     # -- tear-down -------------------------------------------------------------------------
 
+    def cancel_all(self, timeout: float = 15) -> None:
+        """Cancel every job and wait (up to `timeout`) until the queue is empty."""
+        self.run("scancel", "--full", "--user", "root", check=False)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.run("squeue", "-h", check=False).stdout.strip():
+                break
+            time.sleep(0.2)
+
     def __exit__(self, *exc) -> None:
         if "slurmctld" in self._daemons and self._daemons["slurmctld"].poll() is None:
-            # every job, so that slurmd does not wait for running steps
-            self.run("scancel", "--full", "--user", "root", check=False)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                if not self.run("squeue", "-h", check=False).stdout.strip():
-                    break
-                time.sleep(0.2)
+            self.cancel_all()      # every job, so that slurmd does not wait for running steps
         for name in reversed(list(self._daemons)):     # slurmd, slurmctld, then munged
             proc = self._daemons[name]
             if proc.poll() is None:

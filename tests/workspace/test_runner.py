@@ -241,7 +241,7 @@ def train_step(plan) -> str:
 
 RUNTIME_EDITS = ["train.log_every=3", "train.eval_every=5", "train.eval_batches=3",
                  "train.checkpoint_every=2", "train.keep_checkpoints=5",
-                 "model.attention.impl=sdpa", "train.launcher.procs_per_node=2"]
+                 "model.attention.impl=flex", "train.launcher.procs_per_node=2"]
 
 
 def test_runtime_only_edits_resume_an_interrupted_train_and_keep_a_finished_one(cfg, calls,
