@@ -186,12 +186,11 @@ class SweepRun:
                 self.client = MlflowClient(tracking_uri=uri)
             else:
                 self.client = open_store(uri)
-            name = spec.tracking.experiment or spec.name
-            exp = self.client.get_experiment_by_name(name)
-            exp_id = exp.experiment_id if exp else self._create_experiment(spec, name)
-            if exp:
-                from pipeline.tracking.sender import mark_kind
-                mark_kind(self.client, exp)
+            from pipeline.tracking.sender import experiment_id
+            from pipeline.tracking.tracker import artifact_location, experiment_name
+
+            exp_id = experiment_id(self.client, experiment_name(spec),
+                                   artifact_location(spec, uri))
             self.experiment_id = exp_id
             found = self.client.search_runs([exp_id], f"tags.`sweep.id` = '{ident}'")
             if found:
@@ -204,15 +203,6 @@ class SweepRun:
                 self.run_id = run.info.run_id
         except Exception as e:          # tracking never stops the pipeline
             self._give_up(e)
-
-    def _create_experiment(self, spec, name: str) -> str:
-        location = None
-        from pipeline.tracking.tracker import tracking_uri
-        if tracking_uri(spec).startswith("sqlite:"):
-            location = (Path(spec.workspace.root) / "mlartifacts" / name).resolve().as_uri()
-        from pipeline.tracking.sender import EXPERIMENT_KIND
-        return self.client.create_experiment(name, artifact_location=location,
-                                             tags=dict([EXPERIMENT_KIND]))
 
     def _give_up(self, e: Exception) -> None:
         self.warn(f"the sweep's MLflow run is not recorded ({type(e).__name__}: {e}); "

@@ -36,7 +36,7 @@ from pipeline.models.config import (ATTENTION_IMPL_NAMES, FF_KINDS, PERSISTENT_M
                                     AllAttnConfig, AttentionConfig)
 from pipeline.models.infinity_former import InfinityFormerConfig
 from pipeline.spec.schema import TASK_SYMBOLS_LIMIT, Spec, _task_symbols
-from pipeline.spec import load_spec
+from pipeline.spec import PROJECT_ROOT, load_spec
 from pipeline.spec.validation import MODEL_LIMITS
 
 # how this module is run, for the messages that say how to regenerate the page
@@ -151,12 +151,8 @@ class Section:
     extra: str = ""                   # Markdown after the entries (the model kinds' index)
 
 
-def _root() -> Path:
-    return Path(sys.modules["pipeline"].__file__).resolve().parent.parent
-
-
 def _source(obj) -> str:
-    return Path(inspect.getsourcefile(obj)).resolve().relative_to(_root()).as_posix()
+    return Path(inspect.getsourcefile(obj)).resolve().relative_to(PROJECT_ROOT).as_posix()
 
 
 def _prose(text: str | None) -> str:
@@ -684,7 +680,7 @@ def render() -> str:
 
 def page_path() -> Path:
     """Where the page lives: docs/reference.md in the project."""
-    return _root() / PAGE
+    return PROJECT_ROOT / PAGE
 
 
 def main(argv: list[str] | None = None) -> int:

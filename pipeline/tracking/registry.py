@@ -183,20 +183,17 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
     from mlflow.entities import Metric, Param
     from mlflow.exceptions import MlflowException
 
-    from pipeline.tracking.tracker import _BATCH, flatten, tracking_uri
+    from pipeline.tracking.tracker import (_BATCH, artifact_location, experiment_name, flatten,
+                                           tracking_uri)
     from pipeline.tracking.sender import experiment_id
 
     uri = tracking_uri(spec)
     client = client or check_registrable(spec, name)
     out = Path(out)
     results, metrics, note = evaluation(spec, checkpoint)
-    experiment = spec.tracking.experiment or spec.name
-    location = None
-    if uri.startswith("sqlite:"):       # as the pipeline's runs (MlflowTracker._create_run)
-        location = (Path(spec.workspace.root) / "mlartifacts" / experiment).resolve().as_uri()
     run_id = None
     try:
-        exp_id = experiment_id(client, experiment, location)
+        exp_id = experiment_id(client, experiment_name(spec), artifact_location(spec, uri))
         pipeline = _pipeline_run(client, exp_id, spec)
         tags = {"mlflow.runName": f"{spec.name}-export", "export.checkpoint": checkpoint,
                 "export.registered_model": name}

@@ -49,6 +49,18 @@ def tracking_uri(spec) -> str:
             or default_tracking_uri(spec.workspace.root))
 
 
+def experiment_name(spec) -> str:
+    return spec.tracking.experiment or spec.name
+
+
+def artifact_location(spec, uri: str) -> str | None:
+    """Where the experiment's artifacts go: beside the embedded sqlite store (under
+    workspace.root) for it, the server's default otherwise."""
+    if not uri.startswith("sqlite:"):
+        return None
+    return (Path(spec.workspace.root) / "mlartifacts" / experiment_name(spec)).resolve().as_uri()
+
+
 def flatten(data, prefix: str = "") -> dict[str, str]:
     """{'train': {'lr': 0.1}} -> {'train.lr': '0.1'}; lists kept whole."""
     out: dict[str, str] = {}
@@ -298,13 +310,10 @@ class MlflowTracker:
 
     def _create_run(self, tags: dict, parent: StageTracker | None = None,
                     recorded: dict[str, int] | None = None) -> StageTracker:
-        name = self.spec.tracking.experiment or self.spec.name
-        location = None
-        if self.uri.startswith("sqlite:"):
-            location = (Path(self.spec.workspace.root) / "mlartifacts" / name).resolve().as_uri()
         key = uuid.uuid4().hex
-        self.sender.submit({"op": "create", "key": key, "experiment": name,
-                            "artifact_location": location, "tags": tags,
+        self.sender.submit({"op": "create", "key": key, "experiment": experiment_name(self.spec),
+                            "artifact_location": artifact_location(self.spec, self.uri),
+                            "tags": tags,
                             "parent": parent.key if parent else None,
                             "time": int(time.time() * 1000)})
         return StageTracker(self.sender, key, recorded, settle=self._settle)
