@@ -315,7 +315,6 @@ def export(config, overrides, checkpoint, out, register):
     """Write CONFIG's trained weights as safetensors, with the model config and vocabulary
     as JSON: `pipeline.commands.export.load_exported(DIR)` loads them into the plain torch model."""
     from pipeline.commands.export import export as write_export
-    from pipeline.commands.export import source_checkpoint
     from pipeline.spec import load_spec
 
     spec = load_spec(config, list(overrides))
@@ -323,10 +322,10 @@ def export(config, overrides, checkpoint, out, register):
     if register is not None:        # refused before anything is written
         from pipeline.tracking.registry import check_registrable
         client = check_registrable(spec, register)
-    write_export(spec, out, checkpoint, log=click.echo)
+    exported = write_export(spec, out, checkpoint, log=click.echo)
     if register is not None:
         from pipeline.tracking.registry import register as register_export
-        register_export(spec, out, register, source_checkpoint(out), client, log=click.echo)
+        register_export(spec, out, register, exported, client, log=click.echo)
 
 
 @main.command()

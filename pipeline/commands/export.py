@@ -79,9 +79,10 @@ def trained_model(spec, which: str, log):
     return model.eval(), preprocess, f"{root}/{tag}"
 
 
-def export(spec, out: Path, which: str = "latest", log=print) -> Path:
+def export(spec, out: Path, which: str = "latest", log=print) -> str:
     """Write the export files into `out`, built in a temporary directory beside it and
-    renamed into place; refuses to replace a directory that holds anything else."""
+    renamed into place; refuses to replace a directory that holds anything else. Returns the
+    checkpoint exported (as config.json records it)."""
     from safetensors.torch import save_model
 
     from pipeline.data.manifest import load_manifest
@@ -111,7 +112,7 @@ def export(spec, out: Path, which: str = "latest", log=print) -> Path:
         shutil.rmtree(out)
     tmp.rename(out)
     log(f"{out}: {checkpoint} exported ({WEIGHTS}, {CONFIG}, {VOCAB})")
-    return out
+    return checkpoint
 
 
 def load_exported(directory, device="cpu"):
@@ -131,8 +132,3 @@ def load_exported(directory, device="cpu"):
     tokenizer = (SentencePieceTokenizer.load(directory / SP_MODEL)
                  if vocab["kind"] == "sentencepiece" else vocab_from_json(vocab))
     return model.to(device).eval(), tokenizer
-
-
-def source_checkpoint(directory: Path) -> str:
-    """The checkpoint an export was made from, as its config.json records it."""
-    return json.loads((Path(directory) / CONFIG).read_text())["source"]["checkpoint"]

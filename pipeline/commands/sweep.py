@@ -151,7 +151,7 @@ def reuse_outputs(spec, log) -> list[str]:
         record = ws.record(name)
         if record is None and not ws.partial_dir(name).exists():
             source = ws.built_elsewhere(name, fp)
-            if source is not None and ws.adopt(name, source):
+            if source is not None and ws.link_build(name, source):
                 log(f"[{spec.name}] {name}: reusing {source}")
                 linked.append(name)
                 record = ws.record(name)

@@ -369,7 +369,7 @@ class DatasetSpec(Section):
 
 
 class OptimizerSpec(Section):
-    """The optimizer and its learning-rate schedule (pipeline/optim.py)."""
+    """The optimizer and its learning-rate schedule (pipeline/training/optim.py)."""
     type: Literal["adagrad", "adam"] = Field(
         "adagrad", description="adagrad (eps 1e-10): the paper's character-level optimizer; "
                                "adam: the word-level model's and the tasks' (the curriculum "
@@ -400,7 +400,7 @@ class OptimizerSpec(Section):
 
 
 class DeepSpeedSpec(Section):
-    """The DeepSpeed engine's settings (its config: pipeline/ds_config.py)."""
+    """The DeepSpeed engine's settings (its config: pipeline/training/ds_config.py)."""
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0, description="ZeRO partitioning across processes: 0 none, 1 optimizer state, 2 and "
                        "gradients, 3 and parameters (not with model.adaptive_span: "

@@ -23,7 +23,7 @@ it into place are finished by the next run if the process dies between them
 checksums its record holds (`Workspace.output_damage`).
 
 Workspaces under one root can share builds: `Workspace.built_elsewhere` finds a sibling's
-completed stage with a given fingerprint and `Workspace.adopt` hard-links it in (a sweep's
+completed stage with a given fingerprint and `Workspace.link_build` hard-links it in (a sweep's
 points share their common stages this way).
 """
 
@@ -193,7 +193,7 @@ class Workspace:
                 continue
         return None
 
-    def adopt(self, stage: str, source: Path) -> bool:
+    def link_build(self, stage: str, source: Path) -> bool:
         """Make a hard-linked copy of another workspace's completed `stage` (at `source`) this
         one's, renamed into place when complete (copied where links cannot be made). False
         when the source changed under us."""
