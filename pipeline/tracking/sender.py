@@ -26,7 +26,7 @@ RETRY_SECONDS = 10.0    # between attempts while the server is not answering
 # The experiment tag MLflow's UI reads as what an experiment is for (the key and the values
 # of its `ExperimentKind`, in mlflow/server/js; its kind selector writes the same tag): a UI
 # that picks an experiment's page by it opens ours on runs, not on GenAI traces. Ours train
-# models. (MLflow 3.17's UI picks by its sidebar switch instead; see README.md.)
+# models. (MLflow 3.17's UI picks by its sidebar switch instead; see docs/tracking.md.)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
