@@ -566,7 +566,7 @@ class EvaluateSpec(Section):
 
 # the train.* keys of a language-model run that a curriculum has no use for
 CURRICULUM_UNUSED_TRAIN = tuple(f"train.{key}" for key in (
-    "steps", "seq_len", "log_every", "eval_every", "eval_batches", "eval_batch_size",
+    "steps", "seq_len", "micro_batch_size", "log_every", "eval_every", "eval_batches", "eval_batch_size",
     "eval_seq_len", "checkpoint_every", "keep_checkpoints"))
 
 
