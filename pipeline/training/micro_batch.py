@@ -69,6 +69,11 @@ def largest_that_fits(candidates: Iterable[int], try_step: Callable[[int], None]
                         f"model or train.seq_len, or more processes")
 
 
+def can_search(device: torch.device) -> bool:
+    """Whether running out of memory on `device` raises an error the search can catch."""
+    return device.type == "cuda"
+
+
 def resolve_bf16(setting: bool | str, device: torch.device) -> bool:
     """train.deepspeed.bf16 (true, false or auto) on `device`."""
     if setting != "auto":
@@ -187,7 +192,7 @@ def resolve(spec, model, vocab_size: int, documents: dict | None, device: torch.
     size = fixed_micro_batch(train, world_size)
     if size is None:
         rows = per_rank_batch(train, world_size)
-        if device.type != "cuda":
+        if not can_search(device):
             size = rows
             log(f"train.micro_batch_size auto: {rows}, the whole per-rank batch (no "
                 f"out-of-memory signal on {device.type} to search on)")
