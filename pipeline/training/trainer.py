@@ -28,7 +28,7 @@ from pipeline.data.manifest import load_manifest, load_split
 from pipeline.data.documents import DocumentBatches, as_documents
 from pipeline.cluster.device import peak_memory_mb, resolve_device
 from pipeline.training.document_passes import run_documents, score_documents
-from pipeline.training.ds_config import deepspeed_config
+from pipeline.training.ds_config import deepspeed_config, skip_single_process_allreduce
 from pipeline.errors import PipelineError, Preempted
 from pipeline.training.evaluation import LN2, evaluate_nll
 from pipeline.models.protocol import State
@@ -84,6 +84,8 @@ class Trainer:
         # which elements belong to which parameter, and clamp the bounded parameters on the
         # fp32 masters, from which DeepSpeed overwrites the model's copies.
         bind_to_engine(self.engine)
+        # one process, no ZeRO: no allreduce over a group of one (ds_config.py says why)
+        skip_single_process_allreduce(self.engine, self.world_size)
         bounded = self.model.bounded_parameters()
         self.clamp_masters = master_clamp(self.engine, bounded)
         # bf16 / fp16: the forward reads the bounded parameters from their fp32 masters

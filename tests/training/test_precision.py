@@ -6,18 +6,20 @@ tiny all-attention model in bf16 follow the float32 ones."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
 
-def losses(bf16: bool, steps: int = 4) -> list[float]:
+def losses(bf16: bool, steps: int = 4, skip_allreduce: bool = False,
+           engine_out: list | None = None, around=None) -> list[float]:
     import deepspeed
 
     from pipeline.cluster import distributed
     from pipeline.models import build_model
-    from pipeline.training.ds_config import deepspeed_config
+    from pipeline.training.ds_config import deepspeed_config, skip_single_process_allreduce
     from pipeline.training.optim import bind_to_engine, build_optimizer
 
     distributed.init_process_group()
@@ -33,17 +35,22 @@ def losses(bf16: bool, steps: int = 4) -> list[float]:
         model=model, optimizer=build_optimizer(model.parameters(), opt_cfg),
         config=deepspeed_config(train, 1))
     bind_to_engine(engine)
+    if skip_allreduce:
+        assert skip_single_process_allreduce(engine, 1)
+    if engine_out is not None:
+        engine_out.append(engine)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 23, (4, 17), generator=gen)
     out = []
     state = engine.module.init_state(4)
-    for _ in range(steps):
-        res = engine(tokens[:, :-1], tokens[:, 1:], state)
-        nll = res.nll.float().mean()
-        engine.backward(nll + engine.module.aux_loss())
-        engine.step()
-        state = res.state
-        out.append(nll.item())
+    with around or contextlib.nullcontext():
+        for _ in range(steps):
+            res = engine(tokens[:, :-1], tokens[:, 1:], state)
+            nll = res.nll.float().mean()
+            engine.backward(nll + engine.module.aux_loss())
+            engine.step()
+            state = res.state
+            out.append(nll.item())
     return out
 
 
@@ -52,3 +59,33 @@ def test_bf16_training_on_the_cpu_follows_float32():
     f32, bf16 = losses(False), losses(True)
     assert f32[-1] < f32[0]                      # it learns, so following it means something
     assert bf16 == pytest.approx(f32, rel=1e-2)   # measured: within 1.2e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_one_process_without_the_engines_allreduce_steps_the_same_weights(bf16):
+    """Issue 26, item 2: at world size 1 without ZeRO the trainer turns the engine's
+    gradient allreduce off (ds_config.skip_single_process_allreduce); it was an average over
+    one process, so the updates are bit for bit the same, and no allreduce runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "allreduce" in func.__name__:     # (its tensors, ...): their sizes
+                self.names.append(sum(t.numel() for t in args[0]))
+            return func(*args, **(kwargs or {}))
+
+    default, skipped = [], []
+    assert losses(bf16, 3, engine_out=default) == losses(bf16, 3, True, engine_out=skipped)
+    for a, b in zip(default[0].module.parameters(), skipped[0].module.parameters()):
+        assert torch.equal(a, b)
+    # bf16's overflow check still all-reduces its one-element flag (DeepSpeed does that
+    # when the engine's allreduce is off); no gradient is
+    losses(bf16, 1, True, around=(ops := Ops()))
+    assert ops.names == ([1] if bf16 else [])
+    losses(bf16, 1, False, around=(ops := Ops()))
+    assert max(ops.names) > 10_000                 # what it saves: every gradient
