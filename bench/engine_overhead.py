@@ -105,7 +105,7 @@ BF16 = False      # --bf16: the engines in DeepSpeed's bf16 mode, the plain step
 
 
 class Engine:
-    name = "engine (DeepSpeed's defaults)"
+    name = "engine, ds_config, allreduce kept"
 
     def __init__(self, spec, vocab, batch, ds_overrides: dict):
         import deepspeed
@@ -134,7 +134,7 @@ class Engine:
 
 
 class EngineNoAllreduce(Engine):
-    name = "engine, no allreduce at world size 1 (as the trainer runs it)"
+    name = "engine as the trainer runs it (no allreduce at world size 1, ZeRO 0)"
 
     def __init__(self, *args):
         from pipeline.training.ds_config import skip_single_process_allreduce

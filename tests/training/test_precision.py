@@ -14,7 +14,8 @@ import torch
 
 
 def losses(bf16: bool, steps: int = 4, skip_allreduce: bool = False,
-           engine_out: list | None = None, around=None) -> list[float]:
+           engine_out: list | None = None, around=None, zero_stage: int = 0,
+           ds_extra: dict | None = None) -> list[float]:
     import deepspeed
 
     from pipeline.cluster import distributed
@@ -29,11 +30,11 @@ def losses(bf16: bool, steps: int = 4, skip_allreduce: bool = False,
                                     "attn_dropout": 0.0}, vocab_size=23)
     opt_cfg = NS(type="adagrad", lr=0.07, clip="per_param", clip_norm=0.03)
     train = NS(batch_size=4, micro_batch_size=None, optimizer=opt_cfg,
-               deepspeed=NS(zero_stage=0, bf16=bf16, fp16=False,
+               deepspeed=NS(zero_stage=zero_stage, bf16=bf16, fp16=False,
                             gradient_accumulation_steps=1))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=build_optimizer(model.parameters(), opt_cfg),
-        config=deepspeed_config(train, 1))
+        config=deepspeed_config(train, 1) | (ds_extra or {}))
     bind_to_engine(engine)
     if skip_allreduce:
         assert skip_single_process_allreduce(engine, 1)
@@ -89,3 +90,27 @@ def test_one_process_without_the_engines_allreduce_steps_the_same_weights(bf16):
     assert ops.names == ([1] if bf16 else [])
     losses(bf16, 1, False, around=(ops := Ops()))
     assert max(ops.names) > 10_000                 # what it saves: every gradient
+
+
+@pytest.mark.slow
+def test_bf16_under_zero_checks_no_gradient_for_overflow():
+    """bf16 cannot overflow where float32 does not: ds_config turns off DeepSpeed's check of
+    every step's gradients for inf/NaN (two host syncs a step under ZeRO 1 and 2), which
+    the float32 engine never does; the updates are the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Syncs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.__name__.startswith("_local_scalar_dense")
+            return func(*args, **(kwargs or {}))
+
+    checked = {"bf16": {"enabled": True, "check_grad_overflow": True}}
+    ours, default = Syncs(), Syncs()
+    a = losses(True, 2, zero_stage=2, around=ours)
+    b = losses(True, 2, zero_stage=2, around=default, ds_extra=checked)
+    assert a == b
+    assert default.count - ours.count == 2 * 2         # two a step, over two steps
