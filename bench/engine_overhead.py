@@ -134,7 +134,7 @@ class Engine:
 
 
 class EngineNoAllreduce(Engine):
-    name = "engine as the trainer runs it (no allreduce at world size 1, ZeRO 0)"
+    name = "engine + the trainer's hook (no allreduce at world size 1 under ZeRO 0)"
 
     def __init__(self, *args):
         from pipeline.training.ds_config import skip_single_process_allreduce

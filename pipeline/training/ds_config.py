@@ -41,7 +41,7 @@ def deepspeed_config(train, world_size: int, micro_batch_size: int | None = None
         # optimizers still check every step's gradients for inf/NaN by default, two host
         # syncs and ~13 aten ops per parameter (bench/engine_overhead.py), to skip the step;
         # the float32 engine checks nothing, and neither does bf16 now
-        "bf16": {"enabled": bool(bf16), "check_grad_overflow": False},
+        "bf16": {"enabled": True, "check_grad_overflow": False} if bf16 else {"enabled": False},
         # dynamic loss scaling: fp16 gradients underflow without it
         "fp16": {"enabled": ds.fp16, "loss_scale": 0, "initial_scale_power": 16},
         "gradient_clipping": (train.optimizer.clip_norm
