@@ -174,6 +174,13 @@ def resolve(spec, model, vocab_size: int, documents: dict | None, device: torch.
         out = {"micro_batch_size": recorded["micro_batch_size"], "bf16": recorded["bf16"],
                "device": recorded.get("device", device.type)}
         fixed = fixed_micro_batch(train, world_size)
+        rows = per_rank_batch(train, world_size)
+        if fixed is None and rows % out["micro_batch_size"]:
+            # a resume on another number of processes (train.launcher is runtime-only)
+            raise PipelineError(f"train.micro_batch_size auto: this run started at "
+                                f"micro-batch {out['micro_batch_size']}, which does not divide "
+                                f"the {rows} rows per process at world size {world_size}; "
+                                f"resume on fewer processes, or start over")
         if fixed is not None and fixed != out["micro_batch_size"]:
             raise PipelineError(f"train.micro_batch_size: this run's checkpoints were written "
                                 f"at micro-batch {out['micro_batch_size']} and the spec now "

@@ -132,3 +132,13 @@ def test_the_probe_leaves_the_model_and_the_random_generators_as_they_were():
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_resume_on_more_processes_keeps_the_micro_batch_where_it_divides():
+    recorded = {"micro_batch_size": 2, "bf16": False, "device": "cpu"}
+    cpu = torch.device("cpu")
+    # batch 8: 4 rows per process at world size 2, 2 accumulation steps of the recorded 2
+    assert resolve(_Spec(), None, 11, None, cpu, 2, recorded, print) == recorded
+    with pytest.raises(PipelineError, match="micro-batch 2, which does not divide the 1 rows "
+                                            "per process at world size 8"):
+        resolve(_Spec(), None, 11, None, cpu, 8, recorded, print)
