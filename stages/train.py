@@ -116,8 +116,10 @@ RUNTIME_ONLY = {
     "train.eval_seq_len": "as eval_batches",
     "train.checkpoint_every": "saving reads the state; a resumed run is the uninterrupted run",
     "train.keep_checkpoints": "only which older checkpoints are deleted",
-    "model.attention.impl": "every backend computes the reference op's numbers (up to float "
-                            "rounding) or refuses the configuration",
+    "model.attention.impl": "every backend computes the reference op's maths (up to float "
+                            "rounding) or refuses the configuration; with attention dropout each "
+                            "draws its own masks from the same distribution, so the steps after "
+                            "the edit are the same training, not the same bits",
 }
 
 
