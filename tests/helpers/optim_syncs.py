@@ -52,7 +52,7 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.counter.ops.append(str(func))
-        if _needs_host(func, args, kwargs):
+        if not self.counter.in_host_method and _needs_host(func, args, kwargs):
             self.counter.syncs.append(str(func))
         return func(*args, **kwargs)
 
@@ -63,9 +63,15 @@ class _Function(TorchFunctionMode):
         self.counter = counter
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in HOST_METHODS:
-            self.counter.syncs.append(f"Tensor.{func.__name__}")
-        return func(*args, **(kwargs or {}))
+        if func not in HOST_METHODS or self.counter.in_host_method:
+            return func(*args, **(kwargs or {}))
+        # one read, counted once: not again as the aten ops it dispatches
+        self.counter.syncs.append(f"Tensor.{func.__name__}")
+        self.counter.in_host_method = True
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.counter.in_host_method = False
 
 
 class HostSyncs:
@@ -75,6 +81,7 @@ class HostSyncs:
     def __init__(self):
         self.ops: list[str] = []
         self.syncs: list[str] = []
+        self.in_host_method = False
         self._modes = [_Function(self), _Dispatch(self)]
 
     def __enter__(self):
