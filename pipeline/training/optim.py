@@ -49,11 +49,16 @@ class _Plan:
     step, so padding never moves.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], layouts: list[_Layout]):
+    def __init__(self, tensors: list[torch.Tensor], layouts: list[_Layout], fused: bool | None):
         devices = {t.device for t in tensors}
         if len(devices) > 1:
             raise PipelineError(f"ClippedAdagrad: one param group spans devices {devices}; "
                                 "give each device its own group")
+        (device,) = devices
+        if fused and device.type != "cpu":
+            raise PipelineError(f"ClippedAdagrad(fused=True): torch's fused Adagrad kernel "
+                                f"runs on the CPU only, these tensors are on {device}")
+        self.fused = device.type == "cpu" if fused is None else fused
         self.tensors = tensors
         self.splits = []       # per tensor: its runs' lengths, or None where it is one run
         owners, slots, self.reduce = [], 0, []     # owners: a run's slot, None for padding
@@ -69,7 +74,6 @@ class _Plan:
                 else:
                     self.reduce.append([layout.group, slots, slots + n])
             slots += n
-        (device,) = devices
         self.dtype = (torch.float64 if any(t.dtype == torch.float64 for t in tensors)
                       else torch.float32)
         self.owners = torch.tensor([slots if o is None else o for o in owners],
@@ -103,14 +107,18 @@ class ClippedAdagrad(torch.optim.Optimizer):
     Each param group steps with about twenty `torch._foreach_*` and small index ops whatever
     its number of tensors, and no host sync: the clip factors stay on the device. (On CUDA
     the per-run scaling, a list of 0-d factors, takes foreach's per-tensor path: one small
-    kernel per run.)
+    kernel per run.) On the CPU, where one op over all tensors after another loses the
+    cache, the update is instead torch's fused Adagrad kernel, one pass per tensor; `fused`
+    forces either way (True: CPU only).
     """
 
-    def __init__(self, params, lr: float, clip_norm: float = 0.03, eps: float = 1e-10):
+    def __init__(self, params, lr: float, clip_norm: float = 0.03, eps: float = 1e-10,
+                 fused: bool | None = None):
         if lr <= 0 or clip_norm <= 0 or eps <= 0:
             raise ValueError(f"ClippedAdagrad: lr, clip_norm and eps must be > 0 "
                              f"(got {lr}, {clip_norm}, {eps})")
         super().__init__(params, {"lr": lr, "clip_norm": clip_norm, "eps": eps})
+        self.fused = fused
         # built on whole parameters; a wrapper that flattens them must call bind_layouts
         self._layouts = {p: _whole(p, p) for g in self.param_groups for p in g["params"]}
         self._plans: dict[tuple, _Plan] = {}
@@ -140,7 +148,7 @@ class ClippedAdagrad(torch.optim.Optimizer):
             return self._plans[key]
         layouts = [self._layouts.get(t) for t in tensors]
         if all(layout is not None for layout in layouts):
-            plan = self._plans[key] = _Plan(tensors, layouts)
+            plan = self._plans[key] = _Plan(tensors, layouts, self.fused)
             return plan
         # DeepSpeed's unfused bf16 wrapper steps once with zero gradients while it is being
         # built, before it can be bound: a zero gradient changes nothing, whatever the layout.
@@ -151,7 +159,7 @@ class ClippedAdagrad(torch.optim.Optimizer):
                 "(DeepSpeed flattened the parameters): call "
                 "pipeline.training.optim.bind_to_engine(engine) after deepspeed.initialize")
         bound = [(t, layout) for t, layout in zip(tensors, layouts) if layout is not None]
-        return _Plan(*map(list, zip(*bound))) if bound else None
+        return _Plan(*map(list, zip(*bound)), self.fused) if bound else None
 
     def _update(self, plan: _Plan, group: dict) -> None:
         grads = [t.grad for t in plan.tensors]
@@ -171,11 +179,20 @@ class ClippedAdagrad(torch.optim.Optimizer):
         # 1 / the clip factor (+inf for padding): multiplying the denominator by it, rather
         # than g by the factor, scales the step without another gradient-sized temporary
         stretch = torch.where(norm > clip, (norm + 1e-10) / clip, 1.0)
+        run_stretch = list(stretch.index_select(0, plan.owners).unbind())
 
+        if plan.fused:
+            # the kernel steps each tensor with lr / (1 + (step - 1)·lr_decay), `step` a 0-d
+            # tensor of its own: with lr_decay = 1 and step = stretch that is lr · factor.
+            # The accumulator takes the unclipped g², as here.
+            torch._fused_adagrad_(plan.runs(plan.tensors), plan.runs(grads), plan.runs(sums),
+                                  run_stretch, lr=group["lr"], lr_decay=1.0, weight_decay=0.0,
+                                  eps=group["eps"], maximize=False)
+            return
         torch._foreach_addcmul_(sums, grads, grads)        # the unclipped g²
         std = torch._foreach_sqrt(sums)
         torch._foreach_add_(std, group["eps"])
-        torch._foreach_mul_(plan.runs(std), list(stretch.index_select(0, plan.owners).unbind()))
+        torch._foreach_mul_(plan.runs(std), run_stretch)
         torch._foreach_addcdiv_(plan.tensors, grads, std, value=-group["lr"])
 
 

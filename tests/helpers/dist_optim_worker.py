@@ -37,7 +37,11 @@ CONFIGS = {
     "zero1_bf16_fp32acc": {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
                            "data_types": {"grad_accum_dtype": "fp32"}},
     "zero2_bf16": {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}},
+    "zero2_foreach": {"zero_optimization": {"stage": 2}},
 }
+# on the CPU ClippedAdagrad updates with torch's fused kernel; these use the multi-tensor ops
+# every other device runs
+FOREACH = {"zero2_foreach"}
 
 
 class Toy(torch.nn.Module):
@@ -142,7 +146,8 @@ def run(name: str, extra: dict, rank: int, world: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
               "steps_per_print": 1 << 30} | extra
-    optimizer = ClippedAdagrad(model.parameters(), lr=LR, clip_norm=CLIP, eps=EPS)
+    optimizer = ClippedAdagrad(model.parameters(), lr=LR, clip_norm=CLIP, eps=EPS,
+                               fused=False if name in FOREACH else None)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     bind_to_engine(engine)
     stepped = count_host_syncs(engine.basic_optimizer)

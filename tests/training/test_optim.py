@@ -50,11 +50,17 @@ GROUPS = [
 ]
 
 
-def test_clipped_adagrad_equals_its_update_rule_in_float64():
+# both ways of updating: torch's fused kernel (the CPU's default) and the multi-tensor ops
+# (every other device's), each on the CPU here
+BOTH = pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+
+
+@BOTH
+def test_clipped_adagrad_equals_its_update_rule_in_float64(fused):
     torch.manual_seed(0)
     groups = [[torch.nn.Parameter(torch.randn(s)) for s in g["shapes"]] for g in GROUPS]
     opt = ClippedAdagrad([{"params": ps, **{k: g[k] for k in ("lr", "clip_norm", "eps")}}
-                          for ps, g in zip(groups, GROUPS)], lr=1.0)
+                          for ps, g in zip(groups, GROUPS)], lr=1.0, fused=fused)
     ref = [[p.detach().double().clone() for p in ps] for ps in groups]
     acc = [[torch.zeros_like(r) for r in rs] for rs in ref]
     clipped = total = 0
@@ -75,7 +81,7 @@ def test_clipped_adagrad_equals_its_update_rule_in_float64():
             torch.testing.assert_close(opt.state[p]["sum"].double(), a, rtol=1e-5, atol=0)
 
 
-def flat_setup(seed=0):
+def flat_setup(fused: bool, seed: int = 0):
     """Stepped tensors cut like DeepSpeed's partitions, in one group with a whole tensor: two
     flat masters holding whole parameters between padding, and an ordinary parameter.
     Returns the optimizer, its stepped tensors, and where each parameter and padding lies."""
@@ -90,7 +96,8 @@ def flat_setup(seed=0):
     layouts = {master_a: _flat_layout(master_a, flat_a, model[:2], pieces_a, None),
                whole: _whole(whole, whole),
                master_b: _flat_layout(master_b, flat_b, model[2:], pieces_b, None)}
-    opt = ClippedAdagrad([master_a, whole, master_b], lr=0.1, clip_norm=0.5, eps=1e-10)
+    opt = ClippedAdagrad([master_a, whole, master_b], lr=0.1, clip_norm=0.5, eps=1e-10,
+                         fused=fused)
     opt.bind_layouts(layouts)
     # where each parameter's elements are: (stepped tensor, slice)
     where = [(master_a, slice(o, o + n)) for _, o, n in pieces_a]
@@ -101,8 +108,9 @@ def flat_setup(seed=0):
     return opt, [master_a, whole, master_b], where, padding
 
 
-def test_flat_partitions_step_each_parameter_by_its_own_norm_and_padding_never_moves():
-    opt, stepped, where, padding = flat_setup()
+@BOTH
+def test_flat_partitions_step_each_parameter_by_its_own_norm_and_padding_never_moves(fused):
+    opt, stepped, where, padding = flat_setup(fused)
     ref = [t.detach().reshape(-1)[s].double().clone() for t, s in where]
     acc = [torch.zeros_like(r) for r in ref]
     pad_before = {t: [t.detach().reshape(-1)[s].clone() for s in sl] for t, sl in padding.items()}
@@ -124,9 +132,10 @@ def test_flat_partitions_step_each_parameter_by_its_own_norm_and_padding_never_m
             assert torch.equal(t.detach().reshape(-1)[s], before)
 
 
-def test_a_step_never_waits_for_the_device():
-    """No op of a step reads a device value on the host (today's loop read two per tensor)."""
-    opt, stepped, _, _ = flat_setup()
+@BOTH
+def test_a_step_never_waits_for_the_device(fused):
+    """No op of a step reads a device value on the host (the loop before read one per tensor)."""
+    opt, stepped, _, _ = flat_setup(fused)
     for step in range(3):           # the first step builds the plan and the state: also none
         for t in stepped:
             t.grad = torch.randn_like(t)
@@ -135,13 +144,13 @@ def test_a_step_never_waits_for_the_device():
         assert counted.syncs == [], f"step {step}"
 
 
-def ops_per_step(tensors_per_group: int, groups: int = 2) -> int:
+def ops_per_step(fused: bool, tensors_per_group: int, groups: int = 2) -> int:
     torch.manual_seed(0)
     shapes = [(3, 5), (17,), (2, 3, 4), (8, 8)]
     params = [[torch.nn.Parameter(torch.randn(shapes[i % len(shapes)]))
                for i in range(tensors_per_group)] for _ in range(groups)]
     opt = ClippedAdagrad([{"params": ps, "clip_norm": 0.1 * (g + 1)}
-                          for g, ps in enumerate(params)], lr=0.1)
+                          for g, ps in enumerate(params)], lr=0.1, fused=fused)
     counts = []
     for _ in range(2):
         for p in (p for ps in params for p in ps):
@@ -152,10 +161,11 @@ def ops_per_step(tensors_per_group: int, groups: int = 2) -> int:
     return counts[-1]
 
 
-def test_the_ops_per_step_do_not_grow_with_the_number_of_tensors():
+@BOTH
+def test_the_ops_per_step_do_not_grow_with_the_number_of_tensors(fused):
     """A step dispatches a fixed number of (multi-tensor) ops per param group: the same for 5
-    and 60 tensors a group, and few. Today's loop ran about 26 per tensor."""
-    few, many = ops_per_step(5), ops_per_step(60)
+    and 60 tensors a group, and few. The loop before ran about 26 per tensor."""
+    few, many = ops_per_step(fused, 5), ops_per_step(fused, 60)
     assert few == many, (few, many)
     assert many <= 2 * 30, many
 
@@ -242,6 +252,7 @@ WRAPPERS = {
     "zero0_bf16": "FP16_UnfusedOptimizer",           # one fp32 copy per parameter
     "zero1_bf16_fp32acc": "BF16_Optimizer",          # flat partitions, like ZeRO 1
     "zero2_bf16": "DeepSpeedZeroOptimizer",
+    "zero2_foreach": "DeepSpeedZeroOptimizer",       # the update GPUs run, not the CPU's
 }
 
 
