@@ -58,7 +58,9 @@ class _Plan:
         if fused and device.type != "cpu":
             raise PipelineError(f"ClippedAdagrad(fused=True): torch's fused Adagrad kernel "
                                 f"runs on the CPU only, these tensors are on {device}")
-        self.fused = device.type == "cpu" if fused is None else fused
+        # torch's fused CPU Adagrad came with 2.4; fall back to foreach where it is missing
+        self.fused = (device.type == "cpu" and hasattr(torch, "_fused_adagrad_")
+                      if fused is None else fused)
         self.tensors = tensors
         self.splits = []       # per tensor: its runs' lengths, or None where it is one run
         owners, slots, self.reduce = [], 0, []     # owners: a run's slot, None for padding
@@ -183,8 +185,9 @@ class ClippedAdagrad(torch.optim.Optimizer):
 
         if plan.fused:
             # the kernel steps each tensor with lr / (1 + (step - 1)·lr_decay), `step` a 0-d
-            # tensor of its own: with lr_decay = 1 and step = stretch that is lr · factor.
-            # The accumulator takes the unclipped g², as here.
+            # tensor of its own: with lr_decay = 1 and step = stretch that is lr · factor
+            # (read as a float32: exact enough for fp32 and lower). The accumulator takes the
+            # unclipped g², as here.
             torch._fused_adagrad_(plan.runs(plan.tensors), plan.runs(grads), plan.runs(sums),
                                   run_stretch, lr=group["lr"], lr_decay=1.0, weight_decay=0.0,
                                   eps=group["eps"], maximize=False)
