@@ -35,9 +35,11 @@ gpu-check:
 # The wheels a GPU image with torch, click, pyyaml, numpy, sentencepiece, psutil, matplotlib
 # and safetensors lacks (deepspeed built here, pydantic, mlflow-skinny + the sqlite store's
 # needs, webdataset, ...), for CPython 3.12 manylinux x86_64, into gpu-wheels/ (git-ignored);
-# fails over 60 MB. DRY_RUN=1 resolves and lists them, downloads and builds nothing.
+# fails over 60 MB (GPU_WHEELS=DIR for another folder). DRY_RUN=1 resolves and lists them
+# (pip's metadata only), downloads and builds nothing.
+GPU_WHEELS ?= gpu-wheels
 gpu-wheels: $(VENV)/.installed
-	$(BIN)/python bench/gpu_wheels.py --dest gpu-wheels $(if $(DRY_RUN),--dry-run)
+	$(BIN)/python bench/gpu_wheels.py --dest $(GPU_WHEELS) $(if $(DRY_RUN),--dry-run)
 
 # Debian's Slurm and munge for tests/cluster/test_cluster.py (a real two-node Slurm in network
 # namespaces); as root. Without them those tests skip, naming what is missing.
