@@ -292,6 +292,7 @@ def step_time(ref, steps: int, repeats: int) -> None:
           f"held at {shape['frac']:g}, micro-batch {shape['batch']} x {shape['seq']}, dropout "
           f"0.4, clipped Adagrad, float32; {torch.get_num_threads()} threads; median of "
           f"{steps} updates, {repeats} alternating rounds)\n")
+    print(f"ours: {ours.describe()}\n")
     print("| code | ms/update (median round) | rounds | tokens/s |")
     print("|---|---:|---|---:|")
     medians = {}
