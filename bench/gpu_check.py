@@ -158,9 +158,22 @@ def install_wheels(folder: Path, timeout: float) -> tuple[int, str]:
     wheels = missing_wheels(folder)
     if not wheels:
         return 0, f"every package of the {len(list(folder.glob('*.whl')))} wheels is installed"
-    code, out = run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
-                     "--disable-pip-version-check", *map(str, wheels)], timeout)
-    return code, (f"installed {len(wheels)} wheels: "
+    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
+           "--disable-pip-version-check", "--no-compile"]
+    t0 = time.monotonic()
+    code, out = run([*pip, *map(str, wheels)], timeout)
+    where = "into the interpreter's environment"
+    if code not in (0, 124):
+        # a read-only environment: beside it, on PYTHONPATH for every part (and this process)
+        site = Path(tempfile.gettempdir()) / "gpu-check-site"
+        code, out = run([*pip, "--target", str(site), *map(str, wheels)],
+                        timeout - (time.monotonic() - t0))
+        if code == 0:
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                [str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+            sys.path.insert(0, str(site))
+            where = f"into {site} (PYTHONPATH), the environment refusing them"
+    return code, (f"installed {len(wheels)} wheels {where}: "
                   + ", ".join(wheel_name(w) for w in wheels) + "\n" + out[-1500:])
 
 
