@@ -10,17 +10,23 @@ from train's, in the checkpoints and in MLflow.
 from __future__ import annotations
 
 from stages.base import Stage, StageContext
-from stages.train import log_head_tables
+from stages.train import log_head_tables, record_resolved, resolved_summary
 
 
 def run(ctx: StageContext) -> dict:
     from pipeline.training.checkpoints import newest_intact, step_dirs, step_of
+    from pipeline.training.micro_batch import read_record
     from pipeline.training.trainer import Trainer
 
     ft = ctx.spec.finetune
-    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)
     ckpt_root = ctx.out_dir / "checkpoints"
     train_root = ctx.inputs["train"] / "checkpoints"
+    # train's checkpoint continues at train's micro-batch and precision, never searched again
+    recorded = ((step_dirs(ckpt_root) and read_record(ctx.out_dir))
+                or read_record(ctx.inputs["train"]))
+    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log,
+                      recorded=recorded)
+    record_resolved(ctx, trainer)
     if step_dirs(ckpt_root):               # an interrupted finetune resumes from its own
         ctx.log(f"resuming the LR-drop phase at step {trainer.load(ckpt_root)}")
         # where the first attempt began: train's newest intact checkpoint, as trainer.load
@@ -35,7 +41,7 @@ def run(ctx: StageContext) -> dict:
                           expect_lr=lr if trainer.step == begin else None)
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
     log_head_tables(ctx, trainer, "finetune")
-    return summary | {"lr": lr, "from_step": begin}
+    return summary | {"lr": lr, "from_step": begin} | resolved_summary(trainer)
 
 
 STAGE = Stage(

@@ -1,7 +1,9 @@
 """train: the model on the train split through a DeepSpeed engine.
 
-Outputs: `checkpoints/` (DeepSpeed checkpoints `step-N`, `latest`, and `best` by validation)
-and `deepspeed_config.json`. An interrupted run resumes from the newest intact checkpoint in
+Outputs: `checkpoints/` (DeepSpeed checkpoints `step-N`, `latest`, and `best` by validation),
+`deepspeed_config.json`, and `resolved.json`: the micro-batch and precision the run trains
+with (train.micro_batch_size and train.deepspeed.bf16 `auto` settled on the device at the
+start; a resume and the finetune stage read them back, pipeline.training.micro_batch). An interrupted run resumes from the newest intact checkpoint in
 its partial directory when re-run with the same settings (`RUNTIME_ONLY` ones may differ).
 With `finetune.patience`, training stops early once validation has stalled, and the finetune
 stage takes over from there.
@@ -20,12 +22,16 @@ def patience(spec) -> int | None:
 def run(ctx: StageContext) -> dict:
     from pipeline.training.optim import scheduled_lr
     from pipeline.training.checkpoints import step_dirs
+    from pipeline.training.micro_batch import read_record
     from pipeline.training.trainer import Trainer
 
     train = ctx.spec.train
-    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log)
     ckpt_root = ctx.out_dir / "checkpoints"
-    if step_dirs(ckpt_root):          # the newest intact one, or a refusal if none is
+    resuming = bool(step_dirs(ckpt_root))
+    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log,
+                      recorded=read_record(ctx.out_dir) if resuming else None)
+    record_resolved(ctx, trainer)
+    if resuming:                      # the newest intact one, or a refusal if none is
         ctx.log(f"resuming from step {trainer.load(ckpt_root)}")
     if trainer.rank == 0:
         atomic_write_json(ctx.out_dir / "deepspeed_config.json", trainer.ds_config)
@@ -46,7 +52,28 @@ def run(ctx: StageContext) -> dict:
                           ckpt_root, patience=patience(ctx.spec))
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
     log_head_tables(ctx, trainer, "train")
-    return summary
+    return summary | resolved_summary(trainer)
+
+
+def record_resolved(ctx: StageContext, trainer) -> None:
+    """Write what the run trains with (trainer.resolved) into its output before the first
+    step, and log it to the tracker as parameters; rank 0 only."""
+    from pipeline.training.micro_batch import RECORD
+
+    if trainer.rank != 0:
+        return
+    atomic_write_json(ctx.out_dir / RECORD, trainer.resolved)
+    ctx.tracker.log_params({f"resolved.{key}": value for key, value in
+                            resolved_summary(trainer).items()})
+
+
+def resolved_summary(trainer) -> dict:
+    """For the stage's record (stage.json): the micro-batch and precision that ran."""
+    r = trainer.resolved
+    return {"micro_batch_size": r["micro_batch_size"],
+            "gradient_accumulation_steps": trainer.accum,
+            "precision": "bf16" if r["bf16"] else ("fp16" if trainer.ds_config["fp16"]
+                                                   ["enabled"] else "float32")}
 
 
 def log_head_tables(ctx: StageContext, trainer, stage: str) -> None:
@@ -89,8 +116,10 @@ RUNTIME_ONLY = {
     "train.eval_seq_len": "as eval_batches",
     "train.checkpoint_every": "saving reads the state; a resumed run is the uninterrupted run",
     "train.keep_checkpoints": "only which older checkpoints are deleted",
-    "model.attention.impl": "every backend computes the reference op's numbers (up to float "
-                            "rounding) or refuses the configuration",
+    "model.attention.impl": "every backend computes the reference op's maths (up to float "
+                            "rounding) or refuses the configuration; with attention dropout each "
+                            "draws its own masks from the same distribution, so the steps after "
+                            "the edit are the same training, not the same bits",
 }
 
 
@@ -103,5 +132,5 @@ STAGE = Stage(
     run=run,
     distributed=True,
     runtime_only=RUNTIME_ONLY,
-    added_keys={"train.optimizer.schedule": "linear_warmup"},
+    added_keys={"train.optimizer.schedule": "linear_warmup", "train.micro_batch_size": None},
 )

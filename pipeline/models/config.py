@@ -30,8 +30,9 @@ class AttentionConfig:
     impl: str = "reference"
     """reference = plain PyTorch (pipeline/ops/attention.py); sdpa = scaled_dot_product_attention
     with a float bias (trains; no attention dropout); flex = FlexAttention (CUDA: trains, with
-    the seeded dropout; CPU: forward only); auto = picks one per call by device, dtype and
-    whether attention dropout is on (``AllAttnLM.describe()``)."""
+    dropout from a hashed mask; CPU: forward only); auto = per call, the backend the measured
+    table says is fastest for the device, dtype and attention dropout (docs/benchmarks.md;
+    ``AllAttnLM.describe()``)."""
 
     def __post_init__(self) -> None:
         if self.impl not in ATTENTION_IMPL_NAMES:

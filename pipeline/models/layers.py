@@ -20,7 +20,6 @@ from pipeline.ops.attention import (
     attention_weights,
     get_attention_impl,
 )
-from pipeline.ops.dropout import draw_dropout_seed
 
 SPAN_GRANULARITY = 64
 """Attention spans are trimmed in steps of this many tokens, and the cache keeps this many
@@ -200,9 +199,7 @@ class AllAttention(nn.Module):
         pk, pv = self.persistent_vectors()
         mask = self.adaptive_span.mask(span_len) if self.adaptive_span is not None else None
         drop = dict(dropout_p=self.dropout_p, training=self.training)
-        # The attention dropout mask is a function of a seed drawn from torch's RNG, so every
-        # backend drops the same weights (pipeline.ops.dropout).
-        seed = draw_dropout_seed() if self.training and self.dropout_p > 0 else None
+        # each backend draws its attention dropout on the device (pipeline.ops.dropout)
         b, m = h.shape[0], h.shape[1]
         if self.mode == "all_attn":  # eq. 13: one softmax over context + persistent
             if self.persistent_share is not None and pk is not None:
@@ -212,16 +209,16 @@ class AllAttention(nn.Module):
                 self.persistent_share.add(a_pers)
             out = self.attend(
                 q, k, v, pos, persistent_k=pk, persistent_v=pv, span_mask=mask,
-                dropout_seed=seed, **drop,
+                **drop,
             )
         elif self.mode == "attn_split":  # two softmaxes, outputs summed
-            out = self.attend(q, k, v, pos, span_mask=mask, dropout_seed=seed, **drop)
+            out = self.attend(q, k, v, pos, span_mask=mask, **drop)
             out = out + attend_persistent(q, pk, pv, **drop)
         elif self.mode == "head_split":  # first half: context only; second: persistent only
-            ctx = self.attend(q[:, :hc], k, v, pos, span_mask=mask, dropout_seed=seed, **drop)
+            ctx = self.attend(q[:, :hc], k, v, pos, span_mask=mask, **drop)
             out = torch.cat([ctx, attend_persistent(q[:, hc:], pk, pv, **drop)], dim=1)
         else:  # single_head: one d-dimensional set of persistent vectors, own softmax
-            out = self.attend(q, k, v, pos, span_mask=mask, dropout_seed=seed, **drop)
+            out = self.attend(q, k, v, pos, span_mask=mask, **drop)
             pers = attend_persistent(q_full[:, None], pk, pv, **drop)[:, 0]  # [B, M, d]
             return self.o_proj(out.transpose(1, 2).reshape(b, m, -1) + pers)
         return self.o_proj(out.transpose(1, 2).reshape(b, m, -1))  # out: [B, H, M, d_h]

@@ -15,7 +15,7 @@ from pipeline.ops.attention import (  # noqa: F401  (the package's public names)
     skew,
     unskew,
 )
-from pipeline.ops.dropout import draw_dropout_seed, seeded_keep_mask  # noqa: F401
+from pipeline.ops.dropout import attention_dropout, draw_dropout_seed, flex_keep  # noqa: F401
 from pipeline.ops.fused import (  # noqa: F401
     attend_auto,
     attend_flex,

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.ops.dropout import key_coords, seeded_keep_mask
+from pipeline.ops.dropout import attention_dropout
 
 __all__ = [
     "AttendFn",
@@ -164,6 +164,47 @@ def log_span_mask(span_mask: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------
 
 
+def _weights(
+    q: Tensor,
+    k: Tensor,
+    pos: Tensor,
+    persistent_k: Tensor | None,
+    span_mask: Tensor | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Equations 12-13 up to the renormalisation: ``(w_ctx, w_pers, r)`` with the attention
+    weights ``a = [w_ctx, w_pers] * r``: w = softmax(s) with the span mask applied to the
+    context part, r = 1 / (sum(w) + 1e-8) per query row ([B, H, M, 1]; None without a span
+    mask: no renormalisation). ``w_pers`` is None without persistent vectors."""
+    m, d_h = q.shape[-2], q.shape[-1]
+    span_len = k.shape[-2] - m
+    if span_len < 1:
+        raise ValueError(f"keys hold {k.shape[-2]} rows for {m} queries: no context (L' < 1)")
+    if pos.shape != (d_h, span_len):
+        raise ValueError(f"pos must be [d_h, L'] = {(d_h, span_len)}, got {tuple(pos.shape)}")
+
+    # 1 / sqrt(d_h) on the queries ([B, H, M, d_h]) rather than on the scores (L' + N times
+    # larger): the same scores up to rounding.
+    q = q * (1.0 / math.sqrt(d_h))
+    # (12), context part: q_t . k_c for the L' keys before each query, then q_t . u_{t-c}.
+    s = unskew(torch.matmul(q, k.transpose(-1, -2))) + torch.matmul(q, pos)  # [B, H, M, L']
+    if persistent_k is not None:
+        # (12), persistent part: position term is zero. persistent_k: [H, N, d_h].
+        s = torch.cat([s, torch.matmul(q, persistent_k.transpose(-1, -2))], dim=-1)
+
+    # (13): one softmax over context and persistent vectors jointly.
+    a = F.softmax(s, dim=-1)
+    a_ctx = a[..., :span_len]
+    a_pers = a[..., span_len:] if persistent_k is not None else None
+    if span_mask is None:
+        return a_ctx, a_pers, None
+    # Adaptive span: mask the context weights only, then renormalise jointly.
+    a_ctx = a_ctx * span_mask.to(a.dtype)[:, None, :]  # span_mask: [H, L']
+    total = a_ctx.sum(dim=-1, keepdim=True)
+    if a_pers is not None:
+        total = total + a_pers.sum(dim=-1, keepdim=True)
+    return a_ctx, a_pers, 1.0 / (total + RENORM_EPS)
+
+
 def attention_weights(
     q: Tensor,
     k: Tensor,
@@ -177,36 +218,10 @@ def attention_weights(
     Shapes as in ``attend_reference``. Returns ``(a_ctx [B, H, M, L'], a_pers [B, H, M, N])``
     (``a_pers`` None without persistent vectors); column j of ``a_ctx`` is distance L' - j.
     """
-    m, d_h = q.shape[-2], q.shape[-1]
-    span_len = k.shape[-2] - m
-    if span_len < 1:
-        raise ValueError(f"keys hold {k.shape[-2]} rows for {m} queries: no context (L' < 1)")
-    if pos.shape != (d_h, span_len):
-        raise ValueError(f"pos must be [d_h, L'] = {(d_h, span_len)}, got {tuple(pos.shape)}")
-
-    # (12), context part: q_t . k_c for the L' keys before each query, then q_t . u_{t-c}.
-    s_ctx = unskew(torch.matmul(q, k.transpose(-1, -2)))  # [B, H, M, L']
-    s_ctx = s_ctx + torch.matmul(q, pos)  # pos column j = u_{L'-j}
-    n_ctx = span_len
-    if persistent_k is not None:
-        # (12), persistent part: position term is zero. persistent_k: [H, N, d_h].
-        s_pers = torch.matmul(q, persistent_k.transpose(-1, -2))  # [B, H, M, N]
-        s = torch.cat([s_ctx, s_pers], dim=-1)
-    else:
-        s = s_ctx
-
-    # (13): one softmax over context and persistent vectors jointly.
-    a = F.softmax(s / math.sqrt(d_h), dim=-1)
-
-    if span_mask is not None:
-        # Adaptive span: mask the context weights only (the mask is padded with 1 for the
-        # persistent vectors), then renormalise jointly.
-        a_ctx = a[..., :n_ctx] * span_mask.to(a.dtype)[:, None, :]  # span_mask: [H, L']
-        a = torch.cat([a_ctx, a[..., n_ctx:]], dim=-1)
-        a = a / (a.sum(dim=-1, keepdim=True) + RENORM_EPS)
-
-    a_ctx = a[..., :n_ctx]
-    a_pers = a[..., n_ctx:] if persistent_k is not None else None
+    a_ctx, a_pers, r = _weights(q, k, pos, persistent_k, span_mask)
+    if r is not None:
+        a_ctx = a_ctx * r
+        a_pers = None if a_pers is None else a_pers * r
     return a_ctx, a_pers
 
 
@@ -235,33 +250,40 @@ def attend_reference(
         already reparameterised (sqrt(d_h) k', sqrt(N) v'); both or neither.
     span_mask: [H, L'] adaptive-span soft mask (``adaptive_span_mask``); None = fixed span,
         plain softmax without renormalisation.
-    dropout_p, training: dropout on the (joint, renormalised) attention weights.
-    dropout_seed: int32 scalar tensor: draw the dropout mask with ``seeded_keep_mask``
-        (the mask every backend reproduces) instead of torch's RNG.
+    dropout_p, training: dropout on the (joint, renormalised) attention weights, drawn with
+        torch's RNG on the weights' device (``pipeline.ops.dropout.attention_dropout``).
+    dropout_seed: must be None: it seeds the hashed mask of the flex backend, which this op
+        does not draw.
     Returns [B, H, M, d_h].
+
+    Memory: autograd keeps the softmax output, the skewed context weights (after dropout),
+    the persistent weights (after dropout) and the dropout masks, no more than the authors'
+    code. The renormalisation 1 / (sum + 1e-8) is a per-row factor, and dropout and the
+    value product are linear in the weights, so it is applied to the [B, H, M, d_h] output
+    instead of to the [B, H, M, L' + N] weights: the same numbers up to rounding, and no
+    copy of the masked weights kept for the division's backward.
     """
     if (persistent_k is None) != (persistent_v is None):
         raise ValueError("persistent_k and persistent_v go together")
-    a_ctx, a_pers = attention_weights(
-        q, k, pos, persistent_k=persistent_k, span_mask=span_mask
-    )
+    if dropout_seed is not None:
+        raise ValueError(
+            "attend_reference draws its dropout mask with torch's RNG; dropout_seed is the "
+            "flex backend's"
+        )
+    a_ctx, a_pers, r = _weights(q, k, pos, persistent_k, span_mask)
     if dropout_p > 0.0 and training:
-        # Dropout after the joint renormalisation, on context and persistent weights alike.
-        n_ctx = a_ctx.shape[-1]
-        a = a_ctx if a_pers is None else torch.cat([a_ctx, a_pers], dim=-1)
-        if dropout_seed is None:
-            a = F.dropout(a, dropout_p, training=True)
-        else:
-            keys = key_coords(n_ctx, a.shape[-1] - n_ctx, device=a.device)
-            keep = seeded_keep_mask(dropout_seed, tuple(a.shape[:3]), keys, dropout_p)
-            a = a * keep / (1.0 - dropout_p)
-        a_ctx, a_pers = a[..., :n_ctx], (None if a_pers is None else a[..., n_ctx:])
+        # Dropout after the joint renormalisation (here: before the row factor r, which
+        # commutes with it), on context and persistent weights alike; one call per part, so
+        # the persistent part is a tensor of its own, not a view that keeps all weights.
+        a_ctx = attention_dropout(a_ctx, dropout_p)
+        if a_pers is not None:
+            a_pers = attention_dropout(a_pers, dropout_p)
 
     # y_t = sum_c a_tc v_c: place row i's L' weights back at key indices i..i+L'-1.
     out = torch.matmul(skew(a_ctx, 0.0), v)  # [B, H, M, d_h]
     if a_pers is not None:
         out = out + torch.matmul(a_pers, persistent_v)  # [H, N, d_h] broadcast over B
-    return out
+    return out if r is None else out * r
 
 
 def attend_persistent(
@@ -290,7 +312,7 @@ def attend_persistent(
     s = torch.matmul(q, persistent_k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     a = F.softmax(s, dim=-1)
     if dropout_p > 0.0 and training:
-        a = F.dropout(a, dropout_p, training=True)
+        a = attention_dropout(a, dropout_p)
     return torch.matmul(a, persistent_v)
 
 

@@ -1,14 +1,27 @@
-"""Seeded attention dropout: keep or drop attention weight (batch b, head h, query q, key c)
-as a pure function of a seed, so that every attention backend draws the same mask.
+"""Attention dropout, with its random numbers drawn on the attention's device.
 
-A fused kernel never holds the attention matrix, so it cannot be handed a mask drawn by
-torch's RNG; it recomputes keep / drop from the counters inside the kernel. The reference
-op computes the same function on whole tensors. Only int32 arithmetic with wrap-around
-multiplication is used (identical in eager PyTorch, C++ and Triton); right shifts are masked
-so they are logical shifts on negative int32 values too.
+- ``attention_dropout`` (the reference op): ``torch.native_dropout``, what ``F.dropout`` runs
+  on a GPU, and what the authors' code runs: one fused kernel per call, torch's device
+  generator, and a bool mask kept for backward. On the CPU and the meta device ``F.dropout``
+  takes another path (a float mask the size of the weights, kept for backward); calling the
+  fused op directly keeps the bool mask there too. Reproducible from ``torch.manual_seed``;
+  activation checkpointing replays torch's RNG state, so a recomputation draws the same mask.
+- ``flex_keep`` (the flex backend): FlexAttention never holds the attention matrix, so it
+  cannot be handed a mask; its score_mod recomputes keep / drop for each weight from a
+  counter hash of (seed, batch b, head h, query q, key coordinate c): a handful of int32
+  operations in the kernel, nothing materialised. The seed is one int32 drawn on the device
+  by ``draw_dropout_seed`` (torch's device generator, so no host-to-device copy and no sync;
+  reproducible from ``torch.manual_seed`` and replayed by activation checkpointing).
 
-The key coordinate ``c`` does not depend on how a backend lays out its keys: context key at
-distance x (1..L') has c = x, persistent vector n has c = -1 - n.
+The two backends draw different masks for the same seed; each is tested for exactness (same
+seed, same mask, run to run) and statistics (keep rate, E[dropout(a)] = a).
+
+The hash uses int32 arithmetic with wrap-around multiplication; right shifts are masked, so
+they are logical shifts on negative values too. Only the low 32 bits of any intermediate
+matter, so it gives the same bits when the kernel's indices are int64 (eager FlexAttention)
+or int32 (the compiled kernel). The key coordinate does not depend on how a backend pads or
+lays out its keys: context key at distance x (1..L') has c = x, persistent vector n has
+c = -1 - n.
 """
 
 from __future__ import annotations
@@ -16,68 +29,38 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-_MULT = 0x45D9F3B
-"""Multiplier of the integer mixing function (a well-known 32-bit avalanche constant)."""
-_KEY_MULT = 0x2C1B3C6D
+# odd multipliers, one per counter (murmur3 / xxhash constants, as signed int32)
+_B, _H, _Q, _C = -0x61C8864F, -0x7A143589, -0x3D4D51C3, 0x27D4EB2F
+# murmur3's 32-bit finaliser
+_F1, _F2 = -0x7A143595, -0x3D4D51CB
 
 
 def _shr(x: Tensor, n: int) -> Tensor:
-    """Logical right shift of int32 values."""
+    """Logical right shift of int32 values (masked, so also right on int64 holding them)."""
     return (x >> n) & ((1 << (32 - n)) - 1)
 
 
-def _mix(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (xorshift-multiply, two rounds); int32 in, int32 out."""
-    x = x ^ _shr(x, 16)
-    x = x * _MULT
-    x = x ^ _shr(x, 16)
-    x = x * _MULT
-    return x ^ _shr(x, 16)
-
-
-def dropout_row_hash(seed: Tensor, b: Tensor, h: Tensor, q: Tensor) -> Tensor:
-    """Hash of (seed, batch, head, query): int32 tensors, broadcast together."""
-    return _mix(_mix(_mix(seed ^ b) ^ h) ^ q)
-
-
-def dropout_key_hash(c: Tensor) -> Tensor:
-    """Hash of the key coordinate c (distance, or -1 - n for persistent vector n)."""
-    return _mix(c * _KEY_MULT)
-
-
 def keep_threshold(p: float) -> int:
-    """An entry is kept when its 24-bit uniform draw is >= this (keep probability 1 - p
-    to within 2**-24)."""
+    """A weight is kept when its 24-bit uniform draw is >= this (keep probability 1 - p to
+    within 2**-24)."""
     return round(p * (1 << 24))
 
 
-def dropout_keep(row: Tensor, key: Tensor, threshold: int) -> Tensor:
-    """Keep (True) or drop attention weight (row, key) from the two hashes above.
-
-    Split so that the reference can hash the [B, H, M] rows and the [L' + N] keys once and
-    pay only these three elementwise operations per attention weight."""
-    return _shr((row ^ key) * _MULT, 8) >= threshold
-
-
-def seeded_keep_mask(seed: Tensor, shape: tuple[int, int, int], keys: Tensor, p: float) -> Tensor:
-    """[B, H, M, len(keys)] keep mask for key coordinates ``keys`` (int32, any device).
-
-    seed: int32 scalar tensor; shape: (B, H, M)."""
-    dev = keys.device
-    b, h, m = (torch.arange(n, device=dev, dtype=torch.int32) for n in shape)
-    row = dropout_row_hash(seed.to(dev), b[:, None, None], h[None, :, None], m[None, None, :])
-    return dropout_keep(row[..., None], dropout_key_hash(keys), keep_threshold(p))
+def flex_keep(seed: Tensor, b: Tensor, h: Tensor, q: Tensor, c: Tensor, threshold: int) -> Tensor:
+    """Keep (True) or drop the attention weight (b, h, q, c): int tensors, broadcast together;
+    ``seed`` an int32 scalar tensor. About twenty integer operations per weight."""
+    x = seed ^ (b * _B) ^ (h * _H) ^ (q * _Q) ^ (c * _C)
+    x = (x ^ _shr(x, 16)) * _F1
+    x = (x ^ _shr(x, 13)) * _F2
+    x = x ^ _shr(x, 16)
+    return _shr(x, 8) >= threshold
 
 
-def draw_dropout_seed() -> Tensor:
-    """A fresh int32 seed from torch's (CPU) generator: a training run that restores torch's
-    RNG state draws the same seeds again (checkpoint resume, activation recomputation)."""
-    return torch.randint(0, 2**31 - 1, (), dtype=torch.int32)
+def draw_dropout_seed(device) -> Tensor:
+    """A fresh int32 seed from torch's generator of ``device``, drawn there (no host copy)."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int32, device=device)
 
 
-def key_coords(span_len: int, n_persistent: int, device=None) -> Tensor:
-    """Key coordinates in the reference layout: context columns (distances L'..1), then the
-    persistent vectors (-1..-N)."""
-    ctx = torch.arange(span_len, 0, -1, device=device, dtype=torch.int32)
-    pers = -1 - torch.arange(n_persistent, device=device, dtype=torch.int32)
-    return torch.cat([ctx, pers])
+def attention_dropout(a: Tensor, p: float) -> Tensor:
+    """Dropout of attention weights ``a`` (training): the fused op, keeping a bool mask."""
+    return torch.native_dropout(a, p, True)[0]

@@ -15,13 +15,17 @@ of the softmax mass.
 
 - ``sdpa``: ``F.scaled_dot_product_attention`` with T placed in a dense additive bias
   [B, H, M, L' + M + N]. Trains on CPU (math path) and CUDA (memory-efficient kernel). Has
-  no seeded dropout (SDPA does not return the log-sum-exp the construction below needs).
-- ``flex``: FlexAttention. T is a [B, H, M, L'] table gathered by score_mod; the block mask
-  keeps the window of L' keys before each query and the persistent vectors. Attention
-  dropout: dropped entries get -inf in score_mod (``pipeline.ops.dropout``, the reference's
-  mask), and out = out_kept * exp(lse_kept - lse_all) / (1 - p), i.e. the kept weights
-  keep the denominator of all weights. On CPU (torch 2.13) forward-only: FlexAttention has
-  no backward there, and its compiled form no log-sum-exp, so dropout runs uncompiled.
+  no attention dropout (SDPA's own drops weights of the joint softmax before the span mask,
+  and it does not return the log-sum-exp the construction below needs).
+- ``flex``: FlexAttention. q . u / sqrt(d_h) is a [B, H, M, L'] table in q's dtype and log m
+  an [H, L'] table in float32, both gathered by score_mod; the block mask keeps the window
+  of L' keys before each query and the persistent vectors. Attention dropout: dropped
+  entries get -inf in score_mod (a hash of a seed drawn on the device and the weight's
+  coordinates, ``pipeline.ops.dropout.flex_keep``), and out = out_kept * exp(lse_kept -
+  lse_all) / (1 - p), i.e. the kept weights keep the denominator of all weights; two
+  FlexAttention calls per layer (see ``_attend_flex``). On CPU (torch 2.13) forward-only:
+  FlexAttention has no backward there, and its compiled form no log-sum-exp, so dropout
+  runs uncompiled.
 """
 
 from __future__ import annotations
@@ -33,12 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline.ops.attention import ATTENTION_IMPLS, log_span_mask, skew
-from pipeline.ops.dropout import (
-    dropout_key_hash,
-    dropout_keep,
-    dropout_row_hash,
-    keep_threshold,
-)
+from pipeline.ops.dropout import draw_dropout_seed, flex_keep, keep_threshold
 
 __all__ = [
     "attend_auto", "attend_flex", "attend_sdpa", "compile_count", "describe_auto",
@@ -95,8 +94,7 @@ def attend_sdpa(
     _check(q, k, pos, persistent_k, persistent_v)
     if dropout_p > 0.0 and training:
         raise ValueError(
-            "attention impl sdpa cannot reproduce the seeded attention dropout; "
-            "use flex, reference or auto"
+            "attention impl sdpa has no attention dropout; use flex, reference or auto"
         )
     # skew puts T's row i at key columns i .. i + L' - 1, -inf elsewhere (own position, and
     # the keys after it); the persistent vectors get a zero bias.
@@ -173,6 +171,20 @@ def _block_mask(m: int, bucket: int, n: int, device: torch.device):
     return _block_masks[key]
 
 
+def _with_lse(flex, q, keys, values, score_mod, block_mask) -> tuple[Tensor, Tensor]:
+    """FlexAttention's output and log-sum-exp (``return_aux`` where torch has it; the
+    deprecated ``return_lse`` before)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return flex(q, keys, values, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+    out, aux = flex(
+        q, keys, values, score_mod=score_mod, block_mask=block_mask,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
 def attend_flex(
     q: Tensor,
     k: Tensor,
@@ -186,8 +198,10 @@ def attend_flex(
     training: bool = False,
     dropout_seed: Tensor | None = None,
 ) -> Tensor:
-    """The all-attention op through FlexAttention (see the module docstring)."""
-    span_len = _check(q, k, pos, persistent_k, persistent_v)
+    """The all-attention op through FlexAttention (see the module docstring).
+
+    dropout_seed: int32 scalar tensor on q's device seeding the dropout mask
+    (``pipeline.ops.dropout.flex_keep``); None draws one there from torch's generator."""
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad
         for t in (q, k, v, pos, persistent_k, persistent_v, span_mask)
@@ -196,15 +210,32 @@ def attend_flex(
             "attention impl flex runs forward only on CPU (torch 2.13 has no CPU backward "
             "for FlexAttention); use sdpa or reference to train on CPU, or auto"
         )
+    return _attend_flex(
+        q, k, v, pos, persistent_k=persistent_k, persistent_v=persistent_v,
+        span_mask=span_mask, dropout_p=dropout_p, training=training, dropout_seed=dropout_seed,
+    )
+
+
+def _attend_flex(
+    q, k, v, pos, *, persistent_k, persistent_v, span_mask, dropout_p, training, dropout_seed,
+    flex=None,
+) -> Tensor:
+    """``attend_flex`` without its CPU guard; ``flex``: the flex_attention to call (None:
+    compiled, or eager on CPU with dropout). The CPU tests pass torch's eager flex_attention,
+    whose backward is torch's own math (dense) implementation."""
+    span_len = _check(q, k, pos, persistent_k, persistent_v)
     drop = dropout_p > 0.0 and training
-    if drop and dropout_seed is None:
-        raise ValueError("attention impl flex needs dropout_seed for attention dropout")
     b, _, m, _ = q.shape
     bucket = flex_bucket(span_len)
     pad = bucket - span_len
     # Pad the context in front to the bucket: padded keys are zeros and their table columns
-    # -inf, so they get exactly zero weight.
-    table = F.pad(_position_table(q, pos, span_mask), (pad, 0), value=float("-inf"))
+    # -inf, so they get exactly zero weight. The position term stays in q's dtype; log m is a
+    # separate [H, L'] table in float32 (in bf16, log m near the ramp's end is off by up to
+    # 1/4, and the spans' gradient, a sum of large terms of both signs, by 10-30%).
+    table = F.pad(
+        torch.matmul(q, pos.to(q.dtype)) / math.sqrt(q.shape[-1]), (pad, 0), value=float("-inf")
+    )
+    log_m = None if span_mask is None else F.pad(log_span_mask(span_mask), (pad, 0))
     keys = _with_persistent(F.pad(k, (0, 0, pad, 0)), persistent_k)
     values = _with_persistent(F.pad(v, (0, 0, pad, 0)), persistent_v)
     block_mask = _block_mask(m, bucket, keys.shape[2] - bucket - m, q.device)
@@ -212,35 +243,40 @@ def attend_flex(
 
     def add_position(score, bi, hi, qi, kv):
         x = (kv - qi).clamp(0, bucket - 1)  # table column; clamped outside the window
-        return torch.where(kv < ctx_end, score + table[bi, hi, qi, x], score)
+        t = table[bi, hi, qi, x]
+        if log_m is not None:
+            t = t + log_m[hi, x]
+        return torch.where(kv < ctx_end, score + t, score)
 
+    if flex is None:
+        # torch 2.13 compiles FlexAttention's log-sum-exp output for CUDA only; on CPU the
+        # dropout construction runs through flex_attention uncompiled (exact, not fused)
+        if drop and q.device.type == "cpu":
+            from torch.nn.attention.flex_attention import flex_attention as flex
+        else:
+            flex = _flex()
     if not drop:
-        return _flex()(q, keys, values, score_mod=add_position, block_mask=block_mask)
-    # torch 2.13 compiles FlexAttention's log-sum-exp output for CUDA only; on CPU the dropout
-    # construction runs through flex_attention uncompiled (exact, not fused): the same
-    # score_mod and rescaling, checkable against the reference without a GPU.
-    if q.device.type == "cuda":
-        flex = _flex()
-    else:
-        from torch.nn.attention.flex_attention import flex_attention as flex
+        return flex(q, keys, values, score_mod=add_position, block_mask=block_mask)
 
-    seed = dropout_seed.to(q.device)
+    seed = draw_dropout_seed(q.device) if dropout_seed is None else dropout_seed
     threshold = keep_threshold(dropout_p)
 
     def add_position_and_drop(score, bi, hi, qi, kv):
         # key coordinate of pipeline.ops.dropout: distance for context, -1 - n for persistent
         c = torch.where(kv < ctx_end, ctx_end - kv + qi - m, ctx_end - 1 - kv)
-        row = dropout_row_hash(seed, bi, hi, qi)
-        keep = dropout_keep(row, dropout_key_hash(c), threshold)
+        keep = flex_keep(seed, bi, hi, qi, c, threshold)
         return torch.where(keep, add_position(score, bi, hi, qi, kv), float("-inf"))
 
-    out_kept, lse_kept = flex(
-        q, keys, values, score_mod=add_position_and_drop, block_mask=block_mask, return_lse=True
-    )
-    _, lse_all = flex(q, keys, values, score_mod=add_position, block_mask=block_mask, return_lse=True)
+    # Two passes: a score_mod changes a score in the numerator and in the softmax's
+    # normaliser alike, while dropout after the softmax removes a weight from the numerator
+    # only. The kept pass gives out_kept = sum_kept e^s v / sum_kept e^s and lse_kept; the
+    # normaliser of all weights, lse_all, needs every score once more.
+    out_kept, lse_kept = _with_lse(flex, q, keys, values, add_position_and_drop, block_mask)
+    _, lse_all = _with_lse(flex, q, keys, values, add_position, block_mask)
+    # a row whose weights were all dropped: out_kept 0 and lse_kept -inf (FlexAttention's
+    # convention for an empty row), so its output is 0 * 0 = 0
     scale = (torch.exp(lse_kept - lse_all) / (1.0 - dropout_p)).unsqueeze(-1)
-    # a row whose weights were all dropped has out_kept 0/0: its output is 0
-    return torch.where(scale > 0, out_kept * scale, 0.0).to(q.dtype)
+    return (out_kept * scale).to(q.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -250,9 +286,15 @@ def attend_flex(
 
 def pick_attention_impl(device_type: str, dtype: torch.dtype, dropout: bool, grad: bool) -> str:
     """The backend ``auto`` uses for a call on this device and dtype, with attention
-    dropout on or off and autograd recording or not."""
-    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return "flex"  # trains on CUDA, with the seeded dropout, memory O(B H M L')
+    dropout on or off and autograd recording or not.
+
+    From the step times measured on an H200 (docs/benchmarks.md, "auto"): on CUDA in
+    float32 flex runs without tensor cores and is 2.5-2.7x slower than the reference, so
+    float32 takes the reference; in bf16 / fp16 flex (308 / 634 ms per enwik8_large step at
+    span 1/16 / 1) beats the reference in float32 (390 / 1,200 ms) and fits in 17 GiB where
+    the reference needs 109. On CPU: sdpa trains without dropout, flex evaluates."""
+    if device_type == "cuda":
+        return "flex" if dtype in (torch.bfloat16, torch.float16) else "reference"
     if device_type == "cpu" and dtype == torch.float32 and not dropout:
         return "flex" if not grad else "sdpa"  # flex is forward-only on CPU
     return "reference"

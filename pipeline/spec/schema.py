@@ -405,8 +405,10 @@ class DeepSpeedSpec(Section):
         0, description="ZeRO partitioning across processes: 0 none, 1 optimizer state, 2 and "
                        "gradients, 3 and parameters (not with model.adaptive_span: "
                        "true)")
-    bf16: bool = Field(False, description="train in bfloat16 (DeepSpeed's bf16 mode); not "
-                                          "with fp16")
+    bf16: bool | Literal["auto"] = Field(
+        False, description="train in bfloat16 (DeepSpeed's bf16 mode); not with fp16. auto: "
+                           "bf16 on a GPU that supports it, else float32, resolved once per "
+                           "run and recorded (the paper configs set it)")
     fp16: bool = Field(False, description="train in float16 with dynamic loss scaling; needs "
                                           "a GPU; not with bf16")
     gradient_accumulation_steps: int = Field(
@@ -418,8 +420,9 @@ class DeepSpeedSpec(Section):
 
     @model_validator(mode="after")
     def _one_precision(self):
-        if self.bf16 and self.fp16:
-            raise ValueError("choose one of bf16 and fp16")
+        if self.bf16 is not False and self.fp16:
+            raise ValueError(f"choose one of bf16 and fp16 (bf16 is {str(self.bf16).lower()}"
+                             f"; with fp16 set it to false)")
         return self
 
 
@@ -456,7 +459,14 @@ class TrainSpec(Section):
                               "200,000 large, 800,000 WikiText-103")
     batch_size: int = Field(gt=0, le=MAX_ROWS,
             description="sequences per optimizer step, all ranks; divisible by processes x "
-                        "gradient_accumulation_steps. Paper: 64")
+                        "gradient_accumulation_steps (or by processes x micro_batch_size). "
+                        "Paper: 64")
+    micro_batch_size: Annotated[int, Field(gt=0, le=MAX_ROWS)] | Literal["auto"] | None = \
+        Field(None, description="rows per forward and backward in each process; the rest of "
+              "the process's batch_size / processes rows is gradient accumulation. auto: the "
+              "largest divisor that fits in the GPU's memory, searched once at the start and "
+              "recorded (resume and finetune reuse it); on a CPU the whole per-rank batch. "
+              "Default: from deepspeed.gradient_accumulation_steps")
     seq_len: int | None = Field(None, gt=0, le=MAX_SEQ_LEN, description="tokens per segment "
                                 "(M); required by the train stage. Paper: 512 character "
                                 "level, 256 WikiText-103")
@@ -502,6 +512,16 @@ class TrainSpec(Section):
     def _batch_splits_over_processes(self):
         nodes, procs = self.launcher.nodes, self.launcher.procs_per_node
         gas = self.deepspeed.gradient_accumulation_steps
+        if self.micro_batch_size is not None and gas != 1:
+            raise ValueError(f"set one of micro_batch_size ({self.micro_batch_size}) and "
+                             f"deepspeed.gradient_accumulation_steps ({gas}): each gives "
+                             f"the other")
+        if isinstance(self.micro_batch_size, int) and \
+                self.batch_size % (nodes * procs * self.micro_batch_size):
+            raise ValueError(
+                f"train.batch_size {self.batch_size} is not divisible by {nodes} nodes x "
+                f"{procs} processes x micro_batch_size {self.micro_batch_size}: every "
+                f"process needs the same whole number of micro-batches")
         per_step = nodes * procs * gas
         if self.batch_size % per_step:
             raise ValueError(
@@ -546,7 +566,7 @@ class EvaluateSpec(Section):
 
 # the train.* keys of a language-model run that a curriculum has no use for
 CURRICULUM_UNUSED_TRAIN = tuple(f"train.{key}" for key in (
-    "steps", "seq_len", "log_every", "eval_every", "eval_batches", "eval_batch_size",
+    "steps", "seq_len", "micro_batch_size", "log_every", "eval_every", "eval_batches", "eval_batch_size",
     "eval_seq_len", "checkpoint_every", "keep_checkpoints"))
 
 

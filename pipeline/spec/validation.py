@@ -185,8 +185,8 @@ def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> l
     impl = getattr(getattr(params, "attention", None), "impl", None)
     at_impl = _locate(where, ("model", "attention", "impl"), origin)
     if trains and impl == "sdpa" and getattr(params, "attn_dropout", 0) > 0:
-        errors.append(f"{at_impl}: model.attention.impl: sdpa cannot reproduce the seeded "
-                      f"attention dropout, and this model trains with attn_dropout "
+        errors.append(f"{at_impl}: model.attention.impl: sdpa has no attention dropout (SDPA's "
+                      f"own drops weights before the span mask), and this model trains with attn_dropout "
                       f"{params.attn_dropout}: use flex, reference or auto (or attn_dropout 0)")
     if trains and impl == "flex" and spec.train.device == "cpu":
         errors.append(f"{at_impl}: model.attention.impl: flex runs forward only on CPU (torch "

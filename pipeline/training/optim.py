@@ -31,18 +31,67 @@ class _Layout:
     params: list[torch.Tensor]    # the model parameters flattened together, same on all ranks
     runs: list[_Run]              # cover the stepped tensor, in order
     group: object | None          # process group holding the other pieces; None: whole tensors
-    device: torch.device          # the stepped tensor's
-
-    def __post_init__(self):
-        # per-run owners and lengths as tensors: the step works on all runs at once
-        self.owners = torch.tensor([r.owner for r in self.runs], device=self.device)
-        self.lengths = torch.tensor([r.length for r in self.runs], device=self.device)
 
 
 def _whole(master: torch.Tensor, param: torch.Tensor) -> _Layout:
     """`master` is the whole of `param` (itself, or DeepSpeed's fp32 copy of it)."""
-    return _Layout([param], [_Run(0, 0, master.numel(), param.data.view(-1))], None,
-                   master.device)
+    return _Layout([param], [_Run(0, 0, master.numel(), param.data.view(-1))], None)
+
+
+class _Plan:
+    """The index tensors one param group's step needs, built once for a given list of stepped
+    tensors so that the step itself runs a fixed number of multi-tensor ops and never asks
+    the device for a value.
+
+    Every run of every tensor gets a slot: its parameter's, where the squares of the
+    parameter's pieces add up (then over the ranks of the layout's process group). All
+    padding shares one last slot, which starts at +inf: an infinite norm is clipped to a zero
+    step, so padding never moves.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], layouts: list[_Layout], fused: bool | None):
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise PipelineError(f"ClippedAdagrad: one param group spans devices {devices}; "
+                                "give each device its own group")
+        (device,) = devices
+        if fused and device.type != "cpu":
+            raise PipelineError(f"ClippedAdagrad(fused=True): torch's fused Adagrad kernel "
+                                f"runs on the CPU only, these tensors are on {device}")
+        # torch's fused CPU Adagrad came with 2.4; fall back to foreach where it is missing
+        self.fused = (device.type == "cpu" and hasattr(torch, "_fused_adagrad_")
+                      if fused is None else fused)
+        self.tensors = tensors
+        self.splits = []       # per tensor: its runs' lengths, or None where it is one run
+        owners, slots, self.reduce = [], 0, []     # owners: a run's slot, None for padding
+        for layout in layouts:
+            n = len(layout.params)
+            self.splits.append(None if len(layout.runs) == 1 else
+                               [r.length for r in layout.runs])
+            owners += [slots + r.owner if r.owner < n else None for r in layout.runs]
+            if layout.group is not None:
+                # one all_reduce for neighbouring layouts of the same group
+                if self.reduce and self.reduce[-1][0] is layout.group and self.reduce[-1][2] == slots:
+                    self.reduce[-1][2] = slots + n
+                else:
+                    self.reduce.append([layout.group, slots, slots + n])
+            slots += n
+        self.dtype = (torch.float64 if any(t.dtype == torch.float64 for t in tensors)
+                      else torch.float32)
+        self.owners = torch.tensor([slots if o is None else o for o in owners],
+                                   dtype=torch.long, device=device)
+        self.base = torch.zeros(slots + 1, dtype=self.dtype, device=device)
+        self.base[slots] = math.inf
+
+    def runs(self, per_tensor: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of the runs of tensors shaped like the stepped ones (their gradients...)."""
+        out = []
+        for x, split in zip(per_tensor, self.splits):
+            if split is None:
+                out.append(x)
+            else:
+                out.extend(x.reshape(-1).split(split))
+        return out
 
 
 class ClippedAdagrad(torch.optim.Optimizer):
@@ -55,19 +104,30 @@ class ClippedAdagrad(torch.optim.Optimizer):
     ‖g‖ is the norm of the whole parameter's gradient. Where DeepSpeed hands this optimizer
     flat partitions instead of the parameters (ZeRO 1-3, bf16), `bind_to_engine` tells it
     which parameter each element belongs to; the partial sums of squares are then summed
-    over the data-parallel ranks (one all_reduce per partition) before the step.
+    over the data-parallel ranks before the step.
+
+    Each param group steps with about twenty `torch._foreach_*` and small index ops whatever
+    its number of tensors, and no host sync: the clip factors stay on the device. (On CUDA
+    the per-run scaling, a list of 0-d factors, takes foreach's per-tensor path: one small
+    kernel per run.) On the CPU, where one op over all tensors after another loses the
+    cache, the update is instead torch's fused Adagrad kernel, one pass per tensor; `fused`
+    forces either way (True: CPU only).
     """
 
-    def __init__(self, params, lr: float, clip_norm: float = 0.03, eps: float = 1e-10):
-        if lr <= 0 or clip_norm <= 0:
-            raise ValueError(f"ClippedAdagrad: lr and clip_norm must be > 0 "
-                             f"(got {lr}, {clip_norm})")
+    def __init__(self, params, lr: float, clip_norm: float = 0.03, eps: float = 1e-10,
+                 fused: bool | None = None):
+        if lr <= 0 or clip_norm <= 0 or eps <= 0:
+            raise ValueError(f"ClippedAdagrad: lr, clip_norm and eps must be > 0 "
+                             f"(got {lr}, {clip_norm}, {eps})")
         super().__init__(params, {"lr": lr, "clip_norm": clip_norm, "eps": eps})
+        self.fused = fused
         # built on whole parameters; a wrapper that flattens them must call bind_layouts
         self._layouts = {p: _whole(p, p) for g in self.param_groups for p in g["params"]}
+        self._plans: dict[tuple, _Plan] = {}
 
     def bind_layouts(self, layouts: dict[torch.Tensor, _Layout]) -> None:
         self._layouts = layouts
+        self._plans = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -76,43 +136,67 @@ class ClippedAdagrad(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                layout = self._layouts.get(p)
-                if layout is None:
-                    # DeepSpeed's unfused bf16 wrapper steps once with zero gradients while
-                    # it is being built, before it can be bound: a zero gradient changes
-                    # nothing, whatever the layout
-                    if not p.grad.any():
-                        continue
-                    raise PipelineError(
-                        "ClippedAdagrad is asked to step a tensor it was not built with "
-                        "(DeepSpeed flattened the parameters): call "
-                        "pipeline.training.optim.bind_to_engine(engine) after deepspeed.initialize")
-                self._update(p, layout, group)
+            tensors = [p for p in group["params"] if p.grad is not None]
+            plan = self._plan(tensors) if tensors else None
+            if plan is not None:
+                self._update(plan, group)
         return loss
 
-    def _update(self, p: torch.Tensor, layout: _Layout, group: dict) -> None:
-        g = p.grad
-        n = len(layout.params)
-        run_sq = torch.segment_reduce(g.reshape(-1).square(), "sum", lengths=layout.lengths)
-        sq = run_sq.new_zeros(n + 1).index_add_(0, layout.owners, run_sq)[:n]
-        if layout.group is not None:
-            dist.all_reduce(sq, group=layout.group)
-        norm = sq.sqrt()
-        clip = group["clip_norm"]
-        factor = torch.where(norm > clip, clip / (norm + 1e-10), 1.0)
-        # padding (owner n) gets factor 0: it belongs to no parameter and must not move
-        scale = torch.cat([factor, factor.new_zeros(1)])[layout.owners]
-        scale = scale.repeat_interleave(layout.lengths, output_size=p.numel()).view_as(g)
+    def _plan(self, tensors: list[torch.Tensor]) -> _Plan | None:
+        # the plan holds the tensors, so their ids cannot be reused while it is cached; a
+        # model moved to another device keeps its Parameter objects
+        key = (tensors[0].device, *map(id, tensors))
+        if key in self._plans:
+            return self._plans[key]
+        layouts = [self._layouts.get(t) for t in tensors]
+        if all(layout is not None for layout in layouts):
+            plan = self._plans[key] = _Plan(tensors, layouts, self.fused)
+            return plan
+        # DeepSpeed's unfused bf16 wrapper steps once with zero gradients while it is being
+        # built, before it can be bound: a zero gradient changes nothing, whatever the layout.
+        # This check syncs, but only until bind_to_engine; such a plan is not cached.
+        if any(layout is None and t.grad.any() for t, layout in zip(tensors, layouts)):
+            raise PipelineError(
+                "ClippedAdagrad is asked to step a tensor it was not built with "
+                "(DeepSpeed flattened the parameters): call "
+                "pipeline.training.optim.bind_to_engine(engine) after deepspeed.initialize")
+        bound = [(t, layout) for t, layout in zip(tensors, layouts) if layout is not None]
+        return _Plan(*map(list, zip(*bound)), self.fused) if bound else None
 
-        state = self.state[p]
-        if not state:
-            state["sum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["sum"].addcmul_(g, g)
-        std = state["sum"].sqrt().add_(group["eps"])
-        p.addcdiv_(g * scale, std, value=-group["lr"])
+    def _update(self, plan: _Plan, group: dict) -> None:
+        grads = [t.grad for t in plan.tensors]
+        for t in plan.tensors:
+            if not self.state[t]:
+                self.state[t]["sum"] = torch.zeros_like(t, memory_format=torch.preserve_format)
+        sums = [self.state[t]["sum"] for t in plan.tensors]
+
+        # ‖g‖² per parameter: per-run norms, added into their parameter's slot, then summed
+        # over the ranks that hold the parameter's other pieces
+        run_norms = torch.stack(torch._foreach_norm(plan.runs(grads), dtype=plan.dtype))
+        sq = plan.base.index_add(0, plan.owners, run_norms.square())
+        for process_group, a, b in plan.reduce:
+            dist.all_reduce(sq[a:b], group=process_group)
+        norm = sq.sqrt_()
+        clip = group["clip_norm"]
+        # 1 / the clip factor (+inf for padding): multiplying the denominator by it, rather
+        # than g by the factor, scales the step without another gradient-sized temporary
+        stretch = torch.where(norm > clip, (norm + 1e-10) / clip, 1.0)
+        run_stretch = list(stretch.index_select(0, plan.owners).unbind())
+
+        if plan.fused:
+            # the kernel steps each tensor with lr / (1 + (step - 1)·lr_decay), `step` a 0-d
+            # tensor of its own: with lr_decay = 1 and step = stretch that is lr · factor
+            # (read as a float32: exact enough for fp32 and lower). The accumulator takes the
+            # unclipped g², as here.
+            torch._fused_adagrad_(plan.runs(plan.tensors), plan.runs(grads), plan.runs(sums),
+                                  run_stretch, lr=group["lr"], lr_decay=1.0, weight_decay=0.0,
+                                  eps=group["eps"], maximize=False)
+            return
+        torch._foreach_addcmul_(sums, grads, grads)        # the unclipped g²
+        std = torch._foreach_sqrt(sums)
+        torch._foreach_add_(std, group["eps"])
+        torch._foreach_mul_(plan.runs(std), run_stretch)
+        torch._foreach_addcdiv_(plan.tensors, grads, std, value=-group["lr"])
 
 
 # ------------------------------------------------------------ DeepSpeed's partitions
@@ -138,7 +222,7 @@ def _flat_layout(master, flat, params, pieces, group) -> _Layout:
         pos = start + length
     if pos < flat.numel() or not runs:
         runs.append(_Run(len(params), pos, flat.numel() - pos, flat_1d[pos:]))
-    return _Layout(list(params), runs, group, master.device)
+    return _Layout(list(params), runs, group)
 
 
 def _offset(view: torch.Tensor, flat: torch.Tensor) -> int:

@@ -28,7 +28,7 @@ from pipeline.data.manifest import load_manifest, load_split
 from pipeline.data.documents import DocumentBatches, as_documents
 from pipeline.cluster.device import peak_memory_mb, resolve_device
 from pipeline.training.document_passes import run_documents, score_documents
-from pipeline.training.ds_config import deepspeed_config
+from pipeline.training.ds_config import deepspeed_config, skip_single_process_allreduce
 from pipeline.errors import PipelineError, Preempted
 from pipeline.training.evaluation import LN2, evaluate_nll
 from pipeline.models.protocol import State
@@ -38,7 +38,8 @@ from pipeline.cluster.signals import StopSignal
 
 
 class Trainer:
-    def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None]):
+    def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None],
+                 recorded: dict | None = None):
         from pipeline.data import StreamBatches
         from pipeline.training.optim import (bind_to_engine, build_optimizer, float32_from_master,
                                     master_clamp)
@@ -65,7 +66,13 @@ class Trainer:
         np.random.seed(train.seed + self.rank)
         random.seed(train.seed + self.rank)
 
-        self.ds_config = deepspeed_config(train, self.world_size)
+        # train.micro_batch_size and deepspeed.bf16 as this run has them (`auto` settled on
+        # this device once; `recorded`: a resume's or, for finetune, train's record)
+        from pipeline.training.micro_batch import resolve
+        self.resolved = resolve(spec, model, self.vocab_size, self.documents, self.device,
+                                self.world_size, recorded, log)
+        self.ds_config = deepspeed_config(train, self.world_size,
+                                          self.resolved["micro_batch_size"], self.resolved["bf16"])
         optimizer = build_optimizer(model.parameters(), train.optimizer)
         # float32, before DeepSpeed's cast to the training precision
         bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
@@ -77,6 +84,8 @@ class Trainer:
         # which elements belong to which parameter, and clamp the bounded parameters on the
         # fp32 masters, from which DeepSpeed overwrites the model's copies.
         bind_to_engine(self.engine)
+        # one process, no ZeRO: no allreduce over a group of one (ds_config.py says why)
+        skip_single_process_allreduce(self.engine, self.world_size)
         bounded = self.model.bounded_parameters()
         self.clamp_masters = master_clamp(self.engine, bounded)
         # bf16 / fp16: the forward reads the bounded parameters from their fp32 masters

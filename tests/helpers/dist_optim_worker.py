@@ -3,7 +3,8 @@
 Run with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set (the test does).
 For each DeepSpeed configuration it trains a toy model a few steps with ClippedAdagrad and
 reports, as JSON in argv[1] (rank 0 only), how far the fp32 master weights are from a
-float64 implementation of the update rule run on the same data.
+float64 implementation of the update rule run on the same data, and which ops of the
+optimizer's steps would make the host wait for the device.
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ CONFIGS = {
     "zero1_bf16_fp32acc": {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
                            "data_types": {"grad_accum_dtype": "fp32"}},
     "zero2_bf16": {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}},
+    "zero2_foreach": {"zero_optimization": {"stage": 2}},
 }
+# on the CPU ClippedAdagrad updates with torch's fused kernel; these use the multi-tensor ops
+# every other device runs
+FOREACH = {"zero2_foreach"}
 
 
 class Toy(torch.nn.Module):
@@ -113,6 +118,23 @@ def straddling(engine, names: dict[int, str]) -> list[str]:
     return sorted(names[k] for k, n in held.items() if 0 < n < sizes[k])
 
 
+def count_host_syncs(optimizer) -> dict:
+    """From now on, counts the calls of `optimizer.step` (those the DeepSpeed wrappers make)
+    and lists their ops that would make the host wait for the device."""
+    from tests.helpers.optim_syncs import HostSyncs
+
+    seen, step = {"steps": 0, "syncs": []}, optimizer.step
+
+    def counted_step(*args, **kwargs):
+        with HostSyncs() as counted:
+            out = step(*args, **kwargs)
+        seen["steps"] += 1
+        seen["syncs"] += counted.syncs
+        return out
+    optimizer.step = counted_step
+    return seen
+
+
 def run(name: str, extra: dict, rank: int, world: int) -> dict:
     import deepspeed
 
@@ -124,9 +146,11 @@ def run(name: str, extra: dict, rank: int, world: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
               "steps_per_print": 1 << 30} | extra
-    optimizer = ClippedAdagrad(model.parameters(), lr=LR, clip_norm=CLIP, eps=EPS)
+    optimizer = ClippedAdagrad(model.parameters(), lr=LR, clip_norm=CLIP, eps=EPS,
+                               fused=False if name in FOREACH else None)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     bind_to_engine(engine)
+    stepped = count_host_syncs(engine.basic_optimizer)
     params = dict(engine.module.p.items())
     clamp = master_clamp(engine, [(params["frac"], 0.0, 1.0)])
     bf16 = "bf16" in extra
@@ -142,7 +166,7 @@ def run(name: str, extra: dict, rank: int, world: int) -> dict:
             err = max(err, ((got - want).abs() / (ATOL[bf16] + RTOL[bf16] * want.abs())).max().item())
         errors.append(err)
     return {"wrapper": type(engine.optimizer).__name__, "errors": errors,
-            "clipped": counts[0], "unclipped": counts[1],
+            "clipped": counts[0], "unclipped": counts[1], "optimizer": stepped,
             "straddling": straddling(engine, {id(p): k for k, p in params.items()})}
 
 

@@ -1,5 +1,6 @@
-"""The fused attention backends against the reference op, forward and backward, the seeded
-dropout mask they share, and the flex path's bounded compilations.
+"""The fused attention backends against the reference op, forward and backward, flex's hashed
+dropout mask against an independent computation of the hash, and the flex path's bounded
+compilations.
 
 Tolerances: float64 backends equal the reference to 1e-12 with the reference's +1e-8
 renormalisation guard set to 0 (the fused paths leave it out, see pipeline/ops/fused.py),
@@ -9,19 +10,20 @@ and to rtol 1e-6 / atol 1e-7 with it; the sdpa model's loss and gradients to 1e-
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import pipeline.ops.attention as attention_mod
+import pipeline.ops.fused as fused_mod
 from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.ops import (
     adaptive_span_mask,
     attend_reference,
     compile_count,
+    flex_keep,
     get_attention_impl,
-    seeded_keep_mask,
 )
-from pipeline.ops.dropout import key_coords
 from pipeline.ops.fused import flex_bucket, pick_attention_impl
 
 DT = torch.float64
@@ -45,36 +47,139 @@ def _run(fn, xs, spans, ramp=3, **kw):
 
 
 def _grads(fn, xs, spans, **kw):
+    """Output and gradients of sum(out * w) for a fixed random w. w is drawn in float64 on
+    the CPU and then cast: drawn in out's dtype, a float32 / bf16 run and its float64
+    reference would get different w (randn draws other numbers per dtype), and their
+    gradients could never agree."""
     leaves = [x if x is None else x.detach().clone().requires_grad_() for x in (*xs, spans)]
     out = _run(fn, leaves[:-1], leaves[-1], **kw)
-    g = torch.Generator(device=out.device).manual_seed(1)
-    (out * torch.randn(out.shape, generator=g, dtype=out.dtype, device=out.device)).sum().backward()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)
+    (out * w).sum().backward()
     return out.detach(), [None if x is None else x.grad for x in leaves]
 
 
-def test_seeded_dropout_mask_is_a_function_of_the_seed():
-    keys = key_coords(300, 200)
-    s1, s2 = torch.tensor(7, dtype=torch.int32), torch.tensor(8, dtype=torch.int32)
-    a = seeded_keep_mask(s1, (4, 3, 50), keys, 0.3)
-    assert a.shape == (4, 3, 50, 500) and a.dtype == torch.bool
-    assert torch.equal(a, seeded_keep_mask(s1, (4, 3, 50), keys, 0.3))
-    assert (a != seeded_keep_mask(s2, (4, 3, 50), keys, 0.3)).float().mean() > 0.3
-    assert abs(a.float().mean().item() - 0.7) < 0.005
-    # no structure along any axis: rows, heads and batch elements drop different keys
-    for dim in range(3):
-        first, second = a.select(dim, 0), a.select(dim, 1)
-        assert 0.35 < (first != second).float().mean() < 0.49  # 2 p (1 - p) = 0.42
-    # the reference with a seed drops exactly these weights and rescales by 1 / (1 - p)
-    xs, spans = _inputs()
-    seed = torch.tensor(3, dtype=torch.int32)
-    got = _run(attend_reference, xs, spans, dropout_p=0.3, training=True, dropout_seed=seed)
-    q, k, v, pos, pk, pv = xs
+# --------------------------------------------------------------------------------------
+# flex's dropout mask, computed independently of pipeline.ops.dropout
+# --------------------------------------------------------------------------------------
+
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+def _keep_np(seed: int, b, h, q, c, p: float) -> np.ndarray:
+    """The flex mask's definition in unsigned 64-bit numpy arithmetic: murmur3's finaliser
+    of seed ^ b*0x9E3779B1 ^ h*0x85EBCA77 ^ q*0xC2B2AE3D ^ c*0x27D4EB2F (mod 2^32, c's
+    two's complement for negative c); keep where bits 8..31 >= round(p * 2^24)."""
+    def u32(x):
+        return np.asarray(x, dtype=np.int64).astype(np.uint64) & _U32
+
+    def mul(x, k):
+        return (x * np.uint64(k)) & _U32
+
+    x = u32(seed) ^ mul(u32(b), 0x9E3779B1) ^ mul(u32(h), 0x85EBCA77) ^ mul(u32(q), 0xC2B2AE3D)
+    x = x ^ mul(u32(c), 0x27D4EB2F)
+    x = mul(x ^ (x >> np.uint64(16)), 0x85EBCA6B)
+    x = mul(x ^ (x >> np.uint64(13)), 0xC2B2AE35)
+    x = x ^ (x >> np.uint64(16))
+    return (x >> np.uint64(8)) >= np.uint64(round(p * 2**24))
+
+
+def _flex_mask(seed: int, b: int, h: int, m: int, span: int, n: int, p: float) -> torch.Tensor:
+    """[B, H, M, L' + N] keep mask of flex in the reference's column order: context column j
+    is distance L' - j, persistent vector n has key coordinate -1 - n."""
+    c = np.concatenate([np.arange(span, 0, -1), -1 - np.arange(n)])
+    grid = np.ix_(np.arange(b), np.arange(h), np.arange(m), np.arange(len(c)))
+    return torch.from_numpy(_keep_np(seed, *grid[:3], c[grid[3]], p).copy())
+
+
+def _reference_with_mask(keep, p, q, k, v, pos, *, persistent_k, persistent_v, span_mask):
+    """The reference op's maths with dropout by an explicit keep mask [B, H, M, L' + N]."""
     a_ctx, a_pers = attention_mod.attention_weights(
-        q, k, pos, persistent_k=pk, span_mask=adaptive_span_mask(spans, 3, pos.shape[1]))
-    keep = seeded_keep_mask(seed, (2, 3, 5), key_coords(7, 6), 0.3)
-    a = torch.cat([a_ctx, a_pers], -1) * keep / 0.7
-    want = attention_mod.skew(a[..., :7]) @ v + a[..., 7:] @ pv
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+        q, k, pos, persistent_k=persistent_k, span_mask=span_mask)
+    a = torch.cat([a_ctx, a_pers], -1) * keep.to(q.device) / (1 - p)
+    span = a_ctx.shape[-1]
+    return attention_mod.skew(a[..., :span]) @ v + a[..., span:] @ persistent_v
+
+
+def _reference_fn(keep, p):
+    def fn(q, k, v, pos, **kw):
+        kw.pop("dropout_p"), kw.pop("training"), kw.pop("dropout_seed")
+        return _reference_with_mask(keep, p, q, k, v, pos, **kw)
+    return fn
+
+
+def _eager_flex(monkeypatch):
+    """flex through torch's eager flex_attention with its math backward, which torch runs on
+    the CPU too once its device check is lifted (the CUDA kernel's maths, without a GPU)."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+
+    def fn(*args, **kw):
+        return fused_mod._attend_flex(*args, flex=fa.flex_attention, **kw)
+    return fn
+
+
+def test_flex_keep_is_the_hash_computed_independently_with_int32_or_int64_counters():
+    g = np.random.default_rng(0)
+    counters = [g.integers(-(2**31), 2**31, 4000) for _ in range(5)]
+    seed, b, h, q, c = counters
+    want = _keep_np(seed, b, h, q, c, 0.3)
+    for dt in (torch.int32, torch.int64):  # the compiled kernel's / eager flex's indices
+        t = [torch.from_numpy(x).to(dt) for x in counters]
+        got = flex_keep(t[0].to(torch.int32), *t[1:], threshold=round(0.3 * 2**24))
+        assert np.array_equal(got.numpy(), want), dt
+
+
+def test_flex_mask_statistics():
+    """Keep rate within a binomial bound, and no structure along any axis."""
+    p, shape = 0.3, (4, 3, 50, 500)
+    a = _flex_mask(7, *shape[:3], 300, 200, p)
+    assert a.shape == shape
+    n = a.numel()
+    assert abs(a.float().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    assert 0.35 < (a != _flex_mask(8, *shape[:3], 300, 200, p)).float().mean() < 0.49
+    for dim in range(4):  # rows, heads, batch elements and keys drop independently
+        first, second = a.select(dim, 0), a.select(dim, 1)
+        assert 0.38 < (first != second).float().mean() < 0.46  # 2 p (1 - p) = 0.42
+
+
+def test_reference_dropout_is_reproducible_from_the_seed_and_acts_on_the_renormalised_weights():
+    xs, spans = _inputs()
+    q, k, v, pos, pk, pv = xs
+    mask = adaptive_span_mask(spans, 3, pos.shape[1])
+    kw = dict(persistent_k=pk, persistent_v=pv, span_mask=mask, dropout_p=0.3, training=True)
+    torch.manual_seed(3)
+    got = attend_reference(q, k, v, pos, **kw)
+    torch.manual_seed(3)
+    assert torch.equal(attend_reference(q, k, v, pos, **kw), got)
+    torch.manual_seed(4)
+    assert (attend_reference(q, k, v, pos, **kw) - got).abs().max() > 1e-2
+    # the same draws again, as masks: one per part (context, persistent), in that order
+    torch.manual_seed(3)
+    keep_ctx = torch.native_dropout(torch.ones(2, 3, 5, 7, dtype=DT), 0.3, True)[1]
+    keep_pers = torch.native_dropout(torch.ones(2, 3, 5, 6, dtype=DT), 0.3, True)[1]
+    want = _reference_with_mask(torch.cat([keep_ctx, keep_pers], -1), 0.3, q, k, v, pos,
+                                persistent_k=pk, persistent_v=pv, span_mask=mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    with pytest.raises(ValueError, match="dropout_seed"):
+        attend_reference(q, k, v, pos, dropout_seed=torch.tensor(1, dtype=torch.int32), **kw)
+
+
+def test_attention_dropout_statistics():
+    """Keep rate within a binomial bound; E[dropout(a)] = a (kept weights scaled by 1/(1-p))."""
+    from pipeline.ops import attention_dropout
+
+    p, n = 0.4, 200_000
+    torch.manual_seed(0)
+    a = torch.rand(n, dtype=DT)
+    d = attention_dropout(a, p)
+    kept = d != 0
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    torch.testing.assert_close(d[kept], a[kept] / (1 - p), rtol=1e-15, atol=0)
+    draws = torch.stack([attention_dropout(torch.full((n,), 0.25, dtype=DT), p) for _ in range(4)])
+    sd = 0.25 * (p / (1 - p)) ** 0.5 / (draws.numel()) ** 0.5
+    assert abs(draws.mean().item() - 0.25) < 5 * sd
 
 
 @pytest.mark.parametrize("persistent", [True, False])
@@ -115,7 +220,13 @@ def test_flex_buckets_bound_the_compiled_shapes():
 
 def test_auto_picks_by_device_dtype_and_dropout():
     f32, bf16 = torch.float32, torch.bfloat16
-    assert pick_attention_impl("cuda", bf16, dropout=True, grad=True) == "flex"
+    # CUDA, from the measured step times (docs/benchmarks.md): flex in bf16 / fp16; in
+    # float32 flex has no tensor cores and is slower than the reference
+    for dropout in (True, False):
+        for grad in (True, False):
+            assert pick_attention_impl("cuda", bf16, dropout, grad) == "flex"
+            assert pick_attention_impl("cuda", torch.float16, dropout, grad) == "flex"
+            assert pick_attention_impl("cuda", f32, dropout, grad) == "reference"
     assert pick_attention_impl("cpu", f32, dropout=True, grad=True) == "reference"
     assert pick_attention_impl("cpu", f32, dropout=False, grad=True) == "sdpa"
     assert pick_attention_impl("cpu", f32, dropout=False, grad=False) == "flex"
@@ -185,30 +296,99 @@ def test_model_backends_equal_reference_loss_and_gradients():
         torch.testing.assert_close(grads[name], want[name], rtol=1e-6, atol=1e-8, msg=name)
 
 
-def test_flex_dropout_construction_equals_reference_with_the_same_seed_on_cpu():
+def test_flex_dropout_equals_the_reference_with_flex_s_mask_on_cpu():
     # Forward only (FlexAttention has no CPU backward), uncompiled: the score_mod that drops
     # entries and the exp(lse_kept - lse_all) / (1 - p) rescaling, against the reference's
-    # seeded mask. float32 is what flex computes in; tolerance for its reassociation.
-    xs, spans = _inputs(dtype=torch.float32, m=16, span=40, d=8, n=6)
-    kw = dict(dropout_p=0.3, training=True, dropout_seed=torch.tensor(11, dtype=torch.int32))
+    # maths in float64 with the mask computed independently. float32 is what flex computes
+    # in; tolerance for its reassociation.
+    b, h, m, span, n, p = 2, 3, 16, 40, 6, 0.3
+    xs, spans = _inputs(dtype=torch.float32, m=m, span=span, d=8, n=n)
+    seed = torch.tensor(11, dtype=torch.int32)
     with torch.no_grad():
-        out = _run(get_attention_impl("flex"), xs, spans, **kw)
-        want = _run(attend_reference, [x.double() for x in xs], spans.double(), **kw)
-        other_seed = _run(attend_reference, [x.double() for x in xs], spans.double(),
-                          **(kw | {"dropout_seed": torch.tensor(12, dtype=torch.int32)}))
+        out = _run(get_attention_impl("flex"), xs, spans, dropout_p=p, training=True,
+                   dropout_seed=seed)
+        again = _run(get_attention_impl("flex"), xs, spans, dropout_p=p, training=True,
+                     dropout_seed=seed)
+        other = _run(get_attention_impl("flex"), xs, spans, dropout_p=p, training=True,
+                     dropout_seed=seed + 1)
+        keep = _flex_mask(11, b, h, m, span, n, p)
+        want = _run(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
+                    dropout_p=p, training=True, dropout_seed=None)
+    assert torch.equal(out, again)  # same seed, same mask
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
-    assert (other_seed - want).abs().max() > 1e-2   # the mask really depends on the seed
+    assert (other - out).abs().max() > 1e-2   # the mask really depends on the seed
+
+
+def test_flex_dropout_draws_its_seed_on_the_device_reproducibly():
+    xs, spans = _inputs(dtype=torch.float32, m=16, span=40, d=8, n=6)
+    kw = dict(dropout_p=0.3, training=True)
+    flex = get_attention_impl("flex")
+    with torch.no_grad():
+        torch.manual_seed(5)
+        first = _run(flex, xs, spans, **kw)
+        torch.manual_seed(5)
+        assert torch.equal(_run(flex, xs, spans, **kw), first)
+        torch.manual_seed(6)
+        assert (_run(flex, xs, spans, **kw) - first).abs().max() > 1e-2
+        torch.manual_seed(5)
+        seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int32)  # what flex drew
+        torch.testing.assert_close(_run(flex, xs, spans, dropout_seed=seed, **kw), first,
+                                   rtol=0, atol=0)
+
+
+def test_flex_dropout_rows_with_every_weight_dropped_give_zero():
+    b, h, m, span, n, p = 2, 3, 16, 40, 6, 0.97
+    xs, spans = _inputs(dtype=torch.float32, m=m, span=span, d=8, n=n)
+    keep = _flex_mask(3, b, h, m, span, n, p)
+    empty = ~keep.any(-1)
+    assert empty.any() and not empty.all()
+    with torch.no_grad():
+        out = _run(get_attention_impl("flex"), xs, spans, dropout_p=p, training=True,
+                   dropout_seed=torch.tensor(3, dtype=torch.int32))
+        want = _run(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
+                    dropout_p=p, training=True, dropout_seed=None)
+    assert torch.isfinite(out).all() and (out[empty] == 0).all()
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+CUDA_CASE = dict(b=2, h=3, m=128, span=192, d=16, n=64)
+"""The shapes of the CUDA test below."""
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_flex_dropout_forward_and_backward_on_cpu_through_torch_s_math_backward(
+        dtype, tol, monkeypatch):
+    """The CUDA test's case without a GPU: flex's construction through eager FlexAttention,
+    whose backward is torch's math implementation of the kernel's. It found the two faults
+    behind the CUDA failures: the test drew its output weights w in the run's dtype, so the
+    float64 reference got other w (every gradient off by more than its size); and in bf16
+    log m was a bf16 table, which put the spans' gradient 15-30% off (3e-2 needed)."""
+    xs, spans = _inputs(dtype=dtype, **CUDA_CASE)
+    p, seed = 0.3, 11
+    kw = dict(dropout_p=p, training=True, dropout_seed=torch.tensor(seed, dtype=torch.int32))
+    out, grads = _grads(_eager_flex(monkeypatch), xs, spans, **kw)
+    keep = _flex_mask(seed, 2, 3, 128, 192, 64, p)
+    want, want_grads = _grads(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
+                              **kw)
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    for name, g, w in zip(["q", "k", "v", "pos", "pk", "pv", "spans"], grads, want_grads):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g.double(), w, rtol=tol,
+                                   atol=tol * max(1.0, w.abs().max().item()), msg=name)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_flex_on_cuda_equals_reference_with_dropout_forward_and_backward(dtype, tol):
-    xs, spans = _inputs(dtype=dtype, device="cuda", b=2, h=3, m=128, span=192, d=16, n=64)
-    seed = torch.tensor(11, dtype=torch.int32)
-    kw = dict(dropout_p=0.3, training=True, dropout_seed=seed)
+    xs, spans = _inputs(dtype=dtype, device="cuda", **CUDA_CASE)
+    p, seed = 0.3, 11
+    kw = dict(dropout_p=p, training=True, dropout_seed=torch.tensor(seed, dtype=torch.int32,
+                                                                    device="cuda"))
     out, grads = _grads(get_attention_impl("flex"), xs, spans, **kw)
-    want, want_grads = _grads(attend_reference, [x.double() for x in xs], spans.double(), **kw)
+    keep = _flex_mask(seed, 2, 3, 128, 192, 64, p)
+    want, want_grads = _grads(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
+                              **kw)
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
     for g, w in zip(grads, want_grads):
         assert torch.isfinite(g).all()

@@ -421,8 +421,8 @@ SORT_CPU = ROOT / "configs" / "infinity_former" / "sort_4k_cpu.yaml"
 
 def test_sdpa_with_attention_dropout_is_refused_before_training():
     msg = error_of(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.1"])
-    assert msg == ("--set model.attention.impl=sdpa: model.attention.impl: sdpa cannot reproduce "
-                   "the seeded attention dropout, and this model trains with attn_dropout 0.1: "
+    assert msg == ("--set model.attention.impl=sdpa: model.attention.impl: sdpa has no attention "
+                   "dropout (SDPA's own drops weights before the span mask), and this model trains with attn_dropout 0.1: "
                    "use flex, reference or auto (or attn_dropout 0)")
     load_spec(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.0"])
     load_spec(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.1",

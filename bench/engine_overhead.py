@@ -1,0 +1,279 @@
+"""What the DeepSpeed engine adds to a training step at world size 1, against a plain torch step.
+
+    DS_ACCELERATOR=cpu .venv/bin/python bench/engine_overhead.py [--config configs/quickstart.yaml]
+        [--set K=V] [--steps 20] [--batch 8] [--seq 64]
+
+The same model, weights, batch and optimizer (the config's train.optimizer, built by
+pipeline.training.optim) step in two ways:
+
+- engine: deepspeed.initialize with pipeline.training.ds_config's config (ZeRO 0, float32
+  or with --bf16 DeepSpeed's bf16 mode, one process), then engine(x, y, state), engine.backward(loss), engine.step(), as the
+  trainer does;
+- plain: model(x, y, state), loss.backward(), clip_grad_norm_ where clip is global (what the
+  engine's gradient_clipping does), optimizer.step(), optimizer.zero_grad().
+
+Per step it counts the aten ops that run (a TorchDispatchMode: forward, backward and
+optimizer alike) and the host syncs: the ops that make the host wait for the device on
+CUDA (`.item()`, `.tolist()`, bool of a tensor, nonzero...; tests/helpers/host_syncs.py's
+HostSyncCounter where it exists, else the same list here), with the line that asked for
+each. Times are the median of --steps steps after warm-up, the three kinds of step
+interleaved. Prints markdown tables; asserts
+nothing. Without --config: the quickstart's model (the all-attention network) at a small
+shape, with the paper's per-tensor clipped Adagrad; --set train.optimizer.clip=global and
+type=adam show the other optimizer paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# the ops that copy a device value to the host (what HostSyncCounter counts, if absent)
+SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_static",
+            "equal", "masked_select", "unique", "_unique2", "unique_consecutive",
+            "unique_dim", "repeat_interleave", "allclose", "_assert_async"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run inside it, and the host syncs with the source line (the
+    innermost frame outside torch) that asked for each."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        self.ops[name] += 1
+        if name in SYNC_OPS:
+            self.syncs.append(_caller())
+        return func(*args, **(kwargs or {}))
+
+
+def _caller() -> str:
+    """The innermost line outside torch that led to the op, and the torch line that ran it
+    (torch.optim's step counters are CPU tensors read with .item(): no sync on CUDA)."""
+    stack = traceback.extract_stack()[:-3]
+    inner = next((f for f in reversed(stack) if "/torch/optim/" in f.filename), None)
+    for frame in reversed(stack):
+        if "/torch/" not in frame.filename:
+            via = (f" (via torch/{inner.filename.split('/torch/')[-1]}:{inner.lineno})"
+                   if inner is not None and stack.index(inner) > stack.index(frame) else "")
+            return f"{_short(frame.filename)}:{frame.lineno} {frame.name}{via}"
+    return "?"
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", str(ROOT) + "/"):
+        path = path.split(marker)[-1]
+    return path
+
+
+def host_sync_counter():
+    """tests/helpers/host_syncs.py's counter where this checkout has it, else None."""
+    try:
+        from tests.helpers.host_syncs import HostSyncCounter
+    except ImportError:
+        return None
+    return HostSyncCounter()
+
+
+def build(spec, vocab: int):
+    from pipeline.training.optim import build_optimizer
+
+    torch.manual_seed(spec.train.seed)
+    model = spec.build_model(vocab, "the bench")
+    return model, build_optimizer(model.parameters(), spec.train.optimizer)
+
+
+BF16 = False      # --bf16: the engines in DeepSpeed's bf16 mode, the plain step in autocast
+
+
+class Engine:
+    name = "engine, ds_config, allreduce kept"
+
+    def __init__(self, spec, vocab, batch, ds_overrides: dict):
+        import deepspeed
+
+        from pipeline.cluster import distributed
+        from pipeline.training.ds_config import deepspeed_config
+        from pipeline.training.optim import bind_to_engine
+
+        distributed.init_process_group()
+        model, optimizer = build(spec, vocab)
+        config = deepspeed_config(spec.train, 1, micro_batch_size=batch, bf16=BF16)
+        config["train_batch_size"] = batch
+        config["gradient_accumulation_steps"] = 1
+        config |= ds_overrides
+        self.config = config
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                    config=config)
+        bind_to_engine(self.engine)
+        self.model = self.engine.module
+
+    def step(self, x, y, state):
+        out = self.engine(x, y, state)
+        self.engine.backward(out.nll.float().mean() + self.model.aux_loss())
+        self.engine.step()
+        return out.state
+
+
+class EngineNoAllreduce(Engine):
+    name = "engine + the trainer's hook (no allreduce at world size 1 under ZeRO 0)"
+
+    def __init__(self, *args):
+        from pipeline.training.ds_config import skip_single_process_allreduce
+
+        super().__init__(*args)
+        skip_single_process_allreduce(self.engine, 1)     # ZeRO 1-3 keep it
+
+
+class Plain:
+    name = "plain torch"
+
+    def __init__(self, spec, vocab, batch, ds_overrides: dict):
+        self.model, self.optimizer = build(spec, vocab)
+        opt = spec.train.optimizer
+        self.clip = opt.clip_norm if opt.clip == "global" else None
+
+    def step(self, x, y, state):
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=BF16):
+            out = self.model(x, y, state)
+        (out.nll.float().mean() + self.model.aux_loss()).backward()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return out.state
+
+
+def count(runner, x, y, warmup: int) -> dict:
+    """Warm up, then count the ops and host syncs of one step."""
+    runner.state = runner.model.init_state(x.shape[0])
+    for _ in range(warmup):
+        runner.state = runner.step(x, y, runner.state)
+    counter = OpCounter()
+    helper = host_sync_counter()
+    with counter:
+        if helper is not None:
+            with helper:
+                runner.state = runner.step(x, y, runner.state)
+        else:
+            runner.state = runner.step(x, y, runner.state)
+    syncs = helper.syncs if helper is not None else counter.syncs
+    return {"ops": sum(counter.ops.values()), "by_op": counter.ops, "syncs": list(syncs),
+            "sync_source": "HostSyncCounter" if helper is not None else "bench's own counter"}
+
+
+def time_round_robin(runners: dict, x, y, steps: int) -> dict[str, float]:
+    """Median ms/step of each runner, their steps interleaved so that a machine whose load
+    changes (shared CPUs) slows them alike."""
+    times = {name: [] for name in runners}
+    for _ in range(steps):
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            runner.state = runner.step(x, y, runner.state)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "quickstart.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--ds", action="append", default=[], metavar="KEY=JSON",
+                        help="override a top-level key of the engine's DeepSpeed config")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bf16", action="store_true", help="engines in DeepSpeed's bf16 "
+                        "mode (fp32 masters), the plain step under torch.autocast(bf16)")
+    args = parser.parse_args()
+    global BF16
+    BF16 = args.bf16
+    torch.set_num_threads(args.threads)
+
+    import json
+
+    from pipeline.spec import load_spec
+
+    small = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4",
+             "model.n_persistent=16", "model.max_span=128", "model.attn_dropout=0.0",
+             "model.emb_dropout=0.0", "model.out_dropout=0.0", "train.optimizer.type=adagrad",
+             "train.optimizer.clip=per_param", "train.optimizer.clip_norm=0.03",
+             "train.optimizer.lr=0.07", "tracking.enabled=false"]
+    if args.config.endswith("quickstart.yaml"):
+        overrides = [*small, *args.overrides]
+    else:
+        overrides = args.overrides
+    spec = load_spec(args.config, overrides)
+    vocab = 256
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ds_overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ds)}
+
+    results, runners = {}, {}
+    for kind in (Engine, EngineNoAllreduce, Plain):
+        runner = runners[kind.name] = kind(spec, vocab, args.batch, ds_overrides)
+        results[kind.name] = count(runner, x, y, args.warmup)
+        if kind is Engine:
+            engine_config = runner.config
+    for name, ms in time_round_robin(runners, x, y, args.steps).items():
+        results[name]["ms"] = ms
+    opt = spec.train.optimizer
+    params = sum(p.numel() for p in runner.model.parameters())
+    print(f"{spec.model_kind}, {params:,} parameters, micro-batch {args.batch} x {args.seq}, "
+          f"{'bf16 (plain: autocast)' if BF16 else 'float32'}, "
+          f"optimizer {opt.type} (clip {opt.clip}), CPU, {args.threads} thread(s), torch "
+          f"{torch.__version__}; host syncs by {results[Engine.name]['sync_source']}\n")
+    print("| step | ms/step (median) | aten ops/step | host syncs/step |")
+    print("|---|---:|---:|---:|")
+    for name, r in results.items():
+        print(f"| {name} | {r['ms']:.1f} | {r['ops']:,} | {len(r['syncs'])} |")
+    eng, plain = results[Engine.name], results[Plain.name]
+    print()
+    for name in (Engine.name, EngineNoAllreduce.name):
+        r = results[name]
+        print(f"{name} - plain: {r['ops'] - plain['ops']:+,} aten ops, "
+              f"{len(r['syncs']) - len(plain['syncs']):+} host syncs, "
+              f"{r['ms'] - plain['ms']:+.1f} ms/step")
+    print()
+    diff = {op: eng["by_op"][op] - plain["by_op"][op]
+            for op in eng["by_op"].keys() | plain["by_op"].keys()}
+    shown = sorted((d, op) for op, d in diff.items() if d)[::-1]
+    if shown:
+        print("| aten op | engine - plain |")
+        print("|---|---:|")
+        for d, op in shown[:15]:
+            print(f"| {op} | {d:+} |")
+    for name, r in results.items():
+        if r["syncs"]:
+            print(f"\nhost syncs of one {name} step, by the line that asked:")
+            for line, n in collections.Counter(r["syncs"]).most_common():
+                print(f"  {n:>4}  {line}")
+    shown_keys = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown", "bf16",
+                  "fp16", "zero_optimization")
+    print("\nthe engine's config: " + json.dumps({k: engine_config.get(k) for k in shown_keys
+                                                 if k in engine_config}))
+
+
+if __name__ == "__main__":
+    main()
