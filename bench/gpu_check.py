@@ -13,7 +13,8 @@ part has a time budget and the whole keeps to 9 minutes on an H100/H200.
    user's checkout of the authors' code) the authors' step at the same shape beside it
    (float32, their AdagradWithGradClip) and "vs authors" ratios;
 4. the pipeline end to end: `allattn-pipe run` for 50 steps of enwik8_large's model in bf16
-   on the built-in python_docs corpus (no download), tokens/s from its log;
+   (batch 8, the config's micro-batch: auto) on the built-in python_docs corpus (no
+   download), tokens/s from its log;
 5. bench/attention.py, only if time is left.
 
 It uses the interpreter it runs under (the machine's CUDA torch). A part that needs a
@@ -193,9 +194,11 @@ def cuda_test_files() -> list[str]:
                   if re.search(r"mark\.cuda\b", p.read_text()))
 
 
-def pipeline_config(folder: Path, batch: int, accumulation: int) -> Path:
+def pipeline_config(folder: Path, batch: int) -> Path:
     """enwik8_large's model in bf16 on the built-in corpus: download (builtin), preprocess,
-    train for PIPELINE_STEPS steps; no network, no shared data."""
+    train for PIPELINE_STEPS steps of ``batch`` sequences, the config's micro-batch (auto:
+    the largest divisor of it that fits, searched at the start); no network, no shared
+    data."""
     path = folder / "gpu_check_pipeline.yaml"
     path.write_text(f"""\
 extends: [{ROOT / CONFIG}]
@@ -208,7 +211,7 @@ train:
   eval_every: {PIPELINE_STEPS}
   eval_batches: 2
   checkpoint_every: {PIPELINE_STEPS}
-  deepspeed: {{bf16: true, gradient_accumulation_steps: {accumulation}}}
+  deepspeed: {{bf16: true}}
 stages: [download, preprocess, train]
 workspace: {{root: {folder / 'runs'}}}
 """)
@@ -235,7 +238,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=TOTAL_BUDGET,
                         help="seconds for all parts together (default %(default)g)")
     parser.add_argument("--pipeline-batch", type=int, default=8,
-                        help="the pipeline's global batch (micro-batch 4, accumulated)")
+                        help="the pipeline's batch (sequences per step)")
     args = parser.parse_args()
 
     import torch
@@ -312,7 +315,7 @@ def main() -> int:
     title = f"pipeline: allattn-pipe run, {PIPELINE_STEPS} steps, enwik8_large's model bf16"
     lacking = missing(*NEEDED)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        cfg = pipeline_config(Path(tmp), args.pipeline_batch, max(args.pipeline_batch // 4, 1))
+        cfg = pipeline_config(Path(tmp), args.pipeline_batch)
         cli = [sys.executable, "-m", "pipeline.commands.cli", "run", str(cfg)]
         if lacking:
             report.skip(title, f"needs {', '.join(lacking)}: give --wheels DIR")
