@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: quickstart test install clean gpu-check cluster-deps
+.PHONY: quickstart test install clean gpu-check gpu-wheels cluster-deps
 
 quickstart: $(VENV)/.installed
 	$(BIN)/allattn-pipe run configs/quickstart.yaml
@@ -26,8 +26,20 @@ install: $(VENV)/.installed
 # is one, else $(PYTHON) (a GPU machine with its own CUDA torch and no network). Give the
 # wheels of what that machine lacks with WHEELS=DIR. Without a GPU: a dry run, exit 0.
 CHECK_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+# REFERENCE=DIR: a checkout of the authors' code (facebookresearch/adaptive-span), timed beside
+# ours. The whole check keeps to 9 minutes on an H100/H200 (each part has its budget).
 gpu-check:
-	$(CHECK_PYTHON) bench/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) --report gpu-check.md
+	$(CHECK_PYTHON) bench/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) \
+	    $(if $(REFERENCE),--reference-code $(REFERENCE)) --report gpu-check.md
+
+# The wheels a GPU image with torch, click, pyyaml, numpy, sentencepiece, psutil, matplotlib
+# and safetensors lacks (deepspeed built here, pydantic, mlflow-skinny + the sqlite store's
+# needs, webdataset, ...), for CPython 3.12 manylinux x86_64, into gpu-wheels/ (git-ignored);
+# fails over 60 MB (GPU_WHEELS=DIR for another folder). DRY_RUN=1 resolves and lists them
+# (pip's metadata only), downloads and builds nothing.
+GPU_WHEELS ?= gpu-wheels
+gpu-wheels: $(VENV)/.installed
+	$(BIN)/python bench/gpu_wheels.py --dest $(GPU_WHEELS) $(if $(DRY_RUN),--dry-run)
 
 # Debian's Slurm and munge for tests/cluster/test_cluster.py (a real two-node Slurm in network
 # namespaces); as root. Without them those tests skip, naming what is missing.

@@ -1,18 +1,34 @@
 """Throughput and memory of one training step of a config's model, at its batch shape.
 
     python bench/train_step.py configs/enwik8_small.yaml [--steps 20] [--span 0,0.5,1]
-        [--batch 8] [--set model.attention.impl=auto]
+        [--batch 8 | --batch 4,max] [--dtype bf16] [--set model.attention.impl=auto]
+        [--reference-code DIR] [--time-budget 150] [--dry-run]
 
 Spans start near 0 and grow as they are learned, and attention cost grows with them, so the
-step is timed at several span fractions (of model.max_span). --batch sets the micro-batch
-(default: the config's train.batch_size). On CUDA it also prints model FLOPs utilisation:
-6 x parameters per token plus the attention's matmuls at the spans actually used.
-Prints a table; asserts nothing.
+step is timed at several span fractions (of model.max_span), each held fixed. --batch sets
+the micro-batch (default: the config's train.batch_size); `max` in the list (CUDA only) is
+the largest micro-batch that fits at the largest span fraction, searched in this process:
+estimated from the first batch's peak memory, confirmed by two steps, 15% smaller after each
+out-of-memory error (the cache emptied in between). --dtype bf16 casts the whole model (and
+so the optimizer's state) to bfloat16.
+
+With --reference-code DIR (a checkout of the authors' code, facebookresearch/adaptive-span),
+the authors' training step at the same shape follows each row of ours at a fixed micro-batch
+(their model, their AdagradWithGradClip, their trainer's update; --reference-dtype, default
+float32, as they train), and "vs authors" is our tokens/s over theirs at the same span.
+
+On CUDA it also prints model FLOPs utilisation against --peak-tflops (dense bf16 for every
+row: 6 x weights per token plus the attention's matmuls at the spans used). --time-budget
+stops starting rows once that many seconds have passed (the rows left are listed as
+skipped). --dry-run loads the config and the authors' code, prints the plan, times nothing.
+Prints tables; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline.models import build_model  # noqa: E402
 from pipeline.training.optim import build_optimizer  # noqa: E402
@@ -27,66 +44,180 @@ from pipeline.commands.report import vocab_size_for  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
 from pipeline.cluster.device import peak_memory_mb  # noqa: E402
 
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16}
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--span", default="0,0.5,1", help="span fractions to time at")
-    parser.add_argument("--batch", type=int, default=None, help="micro-batch size")
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="GPU dense bf16 peak for MFU (H100/H200 SXM: 989)")
-    args = parser.parse_args()
 
-    spec = load_spec(args.config, args.overrides)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    vocab, _ = vocab_size_for(spec)
-    vocab = vocab or 256
-    torch.manual_seed(0)
-    model = build_model(spec.model_kind, spec.model_params, vocab).to(device)
-    optimizer = build_optimizer(model.parameters(), spec.train.optimizer)
-    batch, seq = args.batch or spec.train.batch_size, spec.train.seq_len
-    x = torch.randint(vocab, (batch, seq), device=device)
-    y = torch.randint(vocab, (batch, seq), device=device)
-    params = sum(p.numel() for p in model.parameters())
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
 
-    print(f"{spec.name}: {params:,} parameters, micro-batch {batch} x {seq}, {device}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{model.describe()}\n")
-    gpu = device.type == "cuda"
-    print("| span frac | L' tokens | ms/step | tokens/s | peak MB |" + (" MFU |" if gpu else ""))
-    print("|---|---|---|---|---|" + ("---|" if gpu else ""))
-    for frac in (float(f) for f in args.span.split(",")):
-        with torch.no_grad():
-            for p, _, _ in model.bounded_parameters():
-                p.fill_(frac)
-        state = model.init_state(batch, device=device)
-        for i in range(args.warmup + args.steps):
-            if i == args.warmup:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-            out = model(x, y, state)
-            loss = out.nll.mean() + model.aux_loss()
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Ours:
+    """Our model and optimizer as the config builds them; one update = forward, nll + span
+    loss, backward, optimizer step, the model's after_step (the span clamp), the span put back
+    to the held fraction (as the authors' update, minus DeepSpeed's engine)."""
+
+    name = "ours"
+
+    def __init__(self, spec, vocab: int, device, dtype):
+        torch.manual_seed(0)
+        self.model = build_model(spec.model_kind, spec.model_params, vocab).to(device, dtype)
+        self.optimizer = build_optimizer(self.model.parameters(), spec.train.optimizer)
+        self.vocab, self.seq, self.device = vocab, spec.train.seq_len, device
+
+    def describe(self) -> str:
+        return self.model.describe()
+
+    def prepare(self, batch: int, frac: float):
+        model, optimizer = self.model, self.optimizer
+        bounded = [p for p, _, _ in model.bounded_parameters()]
+
+        def hold():
+            with torch.no_grad():
+                for p in bounded:
+                    p.fill_(frac)
+
+        hold()
+        x = torch.randint(self.vocab, (batch, self.seq), device=self.device)
+        y = torch.randint(self.vocab, (batch, self.seq), device=self.device)
+        state = [model.init_state(batch, device=self.device)]
+
+        def step():
+            out = model(x, y, state[0])
+            loss = out.nll.float().mean() + model.aux_loss()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            with torch.no_grad():
-                for p, _, _ in model.bounded_parameters():
-                    p.fill_(frac)          # hold the span fixed while timing
-            state = out.state
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - start) / args.steps * 1000
-        span_len = max(model.span_lens())
-        tokens_per_s = batch * seq / ms * 1000
-        row = (f"| {frac:.2f} | {span_len} | {ms:.1f} | {tokens_per_s:,.0f} | "
-               f"{peak_memory_mb(device):.0f} |")
-        if gpu:
-            row += f" {tokens_per_s * flops_per_token(model, seq) / args.peak_tflops / 1e12:.1%} |"
-        print(row, flush=True)
+            model.after_step()                     # the trainer's clamp of the spans
+            hold()                                 # hold the span fixed while timing
+            state[0] = out.state
+        return step
+
+    def span_len(self) -> int:
+        return max(self.model.span_lens())
+
+    def flops_per_token(self) -> float:
+        return flops_per_token(self.model, self.seq)
+
+    def close(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        del self.model, self.optimizer
+
+
+class Authors:
+    """The authors' model and update at our config's shape (bench/reference_code.py)."""
+
+    name = "authors"
+
+    def __init__(self, ref, shape, device, dtype):
+        torch.manual_seed(0)
+        self.ref, self.shape, self.device, self.dtype = ref, shape, device, dtype
+        self.model, self.optimizer = ref.build(shape, device, dtype)
+
+    def describe(self) -> str:
+        return f"the authors' code ({self.ref.directory}), {str(self.dtype).split('.')[-1]}"
+
+    def prepare(self, batch: int, frac: float):
+        ref, model, optimizer = self.ref, self.model, self.optimizer
+        ref.hold_span(model, frac)
+        x = torch.randint(self.shape.vocab, (batch, self.shape.seq), device=self.device)
+        y = torch.randint(self.shape.vocab, (batch, self.shape.seq), device=self.device)
+        cache = [ref.init_cache(model, batch, self.device, self.dtype)]
+
+        def step():
+            _, cache[0] = ref.step(model, optimizer, x, y, cache[0])
+            ref.hold_span(model, frac)
+        return step
+
+    def span_len(self) -> int:
+        return self.ref.span_len(self.model)
+
+    def flops_per_token(self) -> float:
+        s = self.shape
+        weights = s.n_layers * (4 * s.d_model ** 2) + s.d_model * s.vocab
+        return 6 * weights + s.n_layers * 6 * 2 * s.d_model * (self.span_len() + s.n_persistent)
+
+    def close(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        del self.model, self.optimizer
+
+
+def time_step(runner, batch: int, frac: float, steps: int, warmup: int) -> dict:
+    """ms per update (median of ``steps`` single-update timings after ``warmup``), peak
+    memory; raises the out-of-memory error if it does not fit."""
+    device = runner.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step = runner.prepare(batch, frac)
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    ms = statistics.median(times) * 1000
+    return {"batch": batch, "frac": frac, "span": runner.span_len(), "ms": ms,
+            "tokens_s": batch * runner_seq(runner) / ms * 1000,
+            "peak_mb": peak_memory_mb(device), "flops": runner.flops_per_token()}
+
+
+def runner_seq(runner) -> int:
+    return runner.seq if isinstance(runner, Ours) else runner.shape.seq
+
+
+def fits(runner, batch: int, frac: float) -> bool:
+    """Two updates at this micro-batch; False on an out-of-memory error (memory freed)."""
+    oom = False
+    try:
+        step = runner.prepare(batch, frac)
+        step()
+        step()
+        sync(runner.device)
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+        if not is_oom(e):
+            raise
+        oom = True
+    step = None
+    runner.optimizer.zero_grad(set_to_none=True)
+    free_memory()
+    return not oom
+
+
+def largest_batch(runner, frac: float, known: dict | None, fixed_bytes: int,
+                  limit: int = 1024) -> tuple[int | None, list[int]]:
+    """The largest micro-batch that fits at span ``frac``, in this process: the memory of
+    ``known`` (a timed row at a smaller batch) gives an estimate, then 15% steps down.
+    Returns (batch or None, the batches that did not fit)."""
+    total = torch.cuda.get_device_properties(runner.device).total_memory
+    if known:
+        per_sample = max((known["peak_mb"] * 2**20 - fixed_bytes) / known["batch"], 1.0)
+        guess = int((0.92 * total - fixed_bytes) / per_sample)
+    else:
+        guess = 64
+    batch = max(1, min(guess, limit))
+    failed = []
+    while batch >= 1:
+        if known and batch <= known["batch"]:
+            return known["batch"], failed
+        if fits(runner, batch, frac):
+            return batch, failed
+        failed.append(batch)
+        batch = min(batch - 1, int(batch * 0.85))
+    return None, failed
 
 
 def flops_per_token(model, seq: int) -> float:
@@ -100,5 +231,154 @@ def flops_per_token(model, seq: int) -> float:
     return 6 * weights + attn
 
 
+def row_text(code: str, r: dict, gpu: bool, peak_tflops: float, vs: str = "") -> str:
+    text = (f"| {code} | {r['batch']} | {r['frac']:.4g} | {r['span']} | {r['ms']:,.1f} | "
+            f"{r['tokens_s']:,.0f} | {r['peak_mb']:,.0f} |")
+    if gpu:
+        text += f" {r['tokens_s'] * r['flops'] / peak_tflops / 1e12:.1%} |"
+    return text + f" {vs} |"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--span", default="0,0.5,1", help="span fractions to time at")
+    parser.add_argument("--batch", default=None,
+                        help="micro-batch sizes, comma-separated; 'max': the largest that fits "
+                             "(CUDA)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="the model's dtype (bf16: the whole model in bfloat16)")
+    parser.add_argument("--reference-code", type=Path,
+                        help="a checkout of the authors' code: time their step beside ours")
+    parser.add_argument("--reference-dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="GPU dense bf16 peak for MFU (H100/H200 SXM: 989)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds after which no further row is started")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="load the config (and the authors' code), print the plan, time "
+                             "nothing")
+    args = parser.parse_args()
+
+    started = time.monotonic()
+    spec = load_spec(args.config, args.overrides)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    vocab = vocab_size_for(spec)[0] or 256
+    fracs = [float(f) for f in args.span.split(",")]
+    batches = (args.batch or str(spec.train.batch_size)).split(",")
+    sizes = [int(b) for b in batches if b != "max"]
+    search = "max" in batches and gpu
+    ref = shape = None
+    if args.reference_code:
+        from reference_code import ReferenceCode, Shape
+        ref = ReferenceCode(args.reference_code)
+        shape = Shape.from_spec(spec, vocab, sizes[0] if sizes else 4)
+
+    plan = (f"{spec.name}: micro-batch {', '.join(batches)} x {spec.train.seq_len}, spans "
+            f"{args.span}, {args.dtype}, {device}, torch {torch.__version__}"
+            + (f"; the authors' code from {args.reference_code} ({args.reference_dtype})"
+               if ref else ""))
+    if args.dry_run:
+        print(f"dry run: {plan}")
+        return 0
+    if "max" in batches and not gpu:
+        print("micro-batch 'max' is searched on CUDA only: left out here\n")
+
+    ours = Ours(spec, vocab, device, DTYPES[args.dtype])
+    fixed_bytes = torch.cuda.memory_allocated(device) if gpu else 0
+    params = sum(p.numel() for p in ours.model.parameters())
+    print(f"{plan}\n{spec.name}: {params:,} parameters, {torch.get_num_threads()} threads; "
+          f"{ours.describe()}\n")
+    header = ("| code | micro-batch | span frac | L' tokens | ms/step | tokens/s | peak MB |"
+              + (" MFU |" if gpu else "") + " vs authors |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+
+    def over_budget() -> bool:
+        return args.time_budget is not None and time.monotonic() - started > args.time_budget
+
+    skipped: list[str] = []
+    notes: list[str] = []
+    ours_rows: dict[tuple[int, float], dict] = {}
+    for batch in sizes:
+        for frac in fracs:
+            if over_budget():
+                skipped.append(f"ours at micro-batch {batch}, span {frac:g}")
+                continue
+            try:
+                r = time_step(ours, batch, frac, args.steps, args.warmup)
+            except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+                if not is_oom(e):
+                    raise
+                r = None
+            if r is None:
+                free_memory()
+                print(f"| ours | {batch} | {frac:.4g} | | out of memory | | |"
+                      + (" |" if gpu else "") + " |", flush=True)
+                continue
+            ours_rows[(batch, frac)] = r
+            print(row_text("ours", r, gpu, args.peak_tflops), flush=True)
+
+    free_memory()
+    if ref is not None:
+        authors = Authors(ref, shape, device, DTYPES[args.reference_dtype])
+        for batch in sizes:
+            for frac in fracs:
+                if over_budget():
+                    skipped.append(f"authors at micro-batch {batch}, span {frac:g}")
+                    continue
+                r, tried = None, batch
+                while r is None and tried >= 1:
+                    try:
+                        r = time_step(authors, tried, frac, args.steps, args.warmup)
+                    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+                        if not is_oom(e):
+                            raise
+                    if r is None:           # theirs may not fit where ours does: half of it
+                        free_memory()
+                        print(f"| authors | {tried} | {frac:.4g} | | out of memory | | |"
+                              + (" |" if gpu else "") + " |", flush=True)
+                        tried = tried // 2 if tried == batch else 0
+                if r is None:
+                    continue
+                mine = ours_rows.get((batch, frac))
+                vs = f"{mine['tokens_s'] / r['tokens_s']:.2f}x" if mine else ""
+                print(row_text("authors", r, gpu, args.peak_tflops, vs=vs), flush=True)
+        authors.close()
+        free_memory()
+        notes.append("vs authors: our tokens/s over the authors' at the same span and "
+                     "micro-batch (on the authors' row; where theirs ran out of memory, over "
+                     "theirs at half the micro-batch)")
+    if search:
+        top = max(fracs)
+        known = max((r for (b, f), r in ours_rows.items() if f == top),
+                    key=lambda r: r["batch"], default=None)
+        if over_budget():
+            skipped.append("ours at the largest micro-batch")
+        else:
+            best, failed = largest_batch(ours, top, known, fixed_bytes)
+            notes.append(f"the largest micro-batch that fits at span {top:g}: {best or 'none'}"
+                         + (f" (out of memory at {', '.join(map(str, failed))})" if failed
+                            else ""))
+            if best:
+                for frac in fracs:
+                    if over_budget():
+                        skipped.append(f"ours at micro-batch {best}, span {frac:g}")
+                        continue
+                    r = ours_rows.get((best, frac)) or time_step(ours, best, frac,
+                                                                  min(args.steps, 3), 1)
+                    print(row_text("ours", r, gpu, args.peak_tflops), flush=True)
+    ours.close()
+    if notes:
+        print("\n" + "\n".join(notes))
+    if skipped:
+        print(f"\nskipped (time budget of {args.time_budget:g} s spent): {'; '.join(skipped)}")
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
