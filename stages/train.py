@@ -91,6 +91,8 @@ RUNTIME_ONLY = {
     "train.keep_checkpoints": "only which older checkpoints are deleted",
     "model.attention.impl": "every backend computes the reference op's numbers (up to float "
                             "rounding) or refuses the configuration",
+    "train.compile": "compiled layers compute the eager layers' numbers (up to float "
+                     "rounding)",
 }
 
 

@@ -278,9 +278,14 @@ class AllAttnLM(SequenceModel):
         layers share one compiled code), L' a static int per span bucket (``dynamic=False``).
         Without adaptive span L' is max_span: one graph."""
         import torch._dynamo
+        import torch._inductor.config
 
         # a graph per bucket (~2 per doubling of the span), per mode and batch shape
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # random ops inside the graphs (the dropout seed, the FF sublayers' dropout) draw from
+        # torch's generator as eager does, not inductor's own: compiled training makes the
+        # eager run's dropout draws, so it resumes and compares like it
+        torch._inductor.config.fallback_random = True
         self._compiled = [torch.compile(layer, backend=backend, dynamic=False)
                           for layer in self.layers]
         return True
@@ -312,9 +317,11 @@ class AllAttnLM(SequenceModel):
     def describe(self) -> str:
         """The attention backend; for ``auto``, what it picks on the model's current device
         and dtype (call after moving the model)."""
+        compiled = ", layers compiled for training (torch.compile)" if self._compiled else ""
         if self.attention_impl != "auto":
-            return f"attention impl {self.attention_impl}"
-        return describe_auto(self.pos_table.device.type, self.pos_table.dtype, self.cfg.attn_dropout)
+            return f"attention impl {self.attention_impl}{compiled}"
+        return describe_auto(self.pos_table.device.type, self.pos_table.dtype,
+                             self.cfg.attn_dropout) + compiled
 
     def cannot_train_on(self, device: torch.device) -> str | None:
         if self.attention_impl == "flex" and device.type == "cpu":

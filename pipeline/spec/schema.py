@@ -480,6 +480,13 @@ class TrainSpec(Section):
                                   "end")
     keep_checkpoints: int = Field(2, gt=0, le=10**6, description="newest checkpoints kept "
                                   "(the best validation's is kept besides)")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each layer for the training updates (regional: "
+                            "one compiled code for all layers, a graph per span bucket, no "
+                            "graph break; evaluation stays uncompiled). auto: on with CUDA; "
+                            "off on CPU, where inductor needs a C++ compiler and ~1 min per "
+                            "span bucket that pays back after ~40 updates in that bucket "
+                            "(quickstart's model: 28% faster updates; bench/compile_step.py)")
 
     @model_validator(mode="after")
     def _schedule_has_warmup(self):

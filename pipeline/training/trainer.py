@@ -77,6 +77,12 @@ class Trainer:
         # which elements belong to which parameter, and clamp the bounded parameters on the
         # fp32 masters, from which DeepSpeed overwrites the model's copies.
         bind_to_engine(self.engine)
+        self.compiled = False
+        if train.compile is True or (train.compile == "auto" and self.device.type == "cuda"):
+            self.compiled = self.model.compile_for_training()
+            if not self.compiled and train.compile is True:
+                log(f"train.compile: {type(self.model).__name__} has no compiled path; "
+                    f"training eagerly")
         bounded = self.model.bounded_parameters()
         self.clamp_masters = master_clamp(self.engine, bounded)
         # bf16 / fp16: the forward reads the bounded parameters from their fp32 masters
