@@ -154,7 +154,7 @@ class AllAttnLM(SequenceModel):
         self._free: list[tuple] = []                 # (buffer, view) to reuse
         self._overflows: Tensor | None = None        # forwards whose plan was too short
         self._overflows_seen = 0                     # the count at the last report
-        self._compiled: list | None = None           # compile_layers(): one per layer
+        self._compiled: list | None = None           # compile_for_training(): per layer
 
     # ---- spans -------------------------------------------------------------------------
 

@@ -53,3 +53,23 @@ def test_a_report_reads_the_device_once(trainer, tmp_path, monkeypatch):
     assert all("pipeline/training/trainer.py" in s for s in counter.syncs)
     reports = [line for line in lines if "loss" in line]
     assert len(reports) == 2 and "bpc" in reports[0]
+
+
+def test_a_compiled_step_makes_no_host_sync(tmp_path, monkeypatch):
+    """train.compile: true (aot_eager here: inductor takes minutes per graph on this CPU)."""
+    from pipeline.models.allattn import AllAttnLM
+    from pipeline.spec import load_spec
+    from pipeline.training.trainer import Trainer
+
+    compile_for_training = AllAttnLM.compile_for_training
+    monkeypatch.setattr(AllAttnLM, "compile_for_training",
+                        lambda self: compile_for_training(self, backend="aot_eager"))
+    cfg, pre = tiny_corpus(tmp_path)
+    t = Trainer(load_spec(cfg, ["train.compile=true"]), pre, tracker=NullStageTracker(),
+                log=lambda _: None)
+    assert t.compiled and "compiled" in t.model.describe()
+    for _ in range(WARMUP):
+        t.train_step()
+    with HostSyncCounter() as counter:
+        t.train_step()
+    assert counter.syncs == [], "\n".join(counter.syncs)
