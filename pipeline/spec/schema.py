@@ -486,7 +486,8 @@ class TrainSpec(Section):
                             "graph break; evaluation stays uncompiled). auto: on with CUDA; "
                             "off on CPU, where inductor needs a C++ compiler and ~1 min per "
                             "span bucket that pays back after ~40 updates in that bucket "
-                            "(quickstart's model: 28% faster updates; bench/compile_step.py)")
+                            "(quickstart's model: 28% faster updates; "
+                            "docs/benchmarks.md#torchcompile)")
 
     @model_validator(mode="after")
     def _schedule_has_warmup(self):
