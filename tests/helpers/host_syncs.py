@@ -19,8 +19,9 @@ operation rather than by the devices involved. Two modes work together:
 - a ``TorchDispatchMode`` catches the aten ops whose output shape or result depends on the
   values (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing,
   ``repeat_interleave`` without ``output_size``, ``segment_reduce`` with ``lengths``,
-  ``equal``, ``allclose``, ``is_nonzero``, ``_local_scalar_dense`` from C++ code...) and, where a real
-  accelerator is involved, copies between it and the host that are not ``non_blocking``.
+  ``equal``, ``allclose``, ``is_nonzero``, ``_local_scalar_dense`` from C++ code...) and,
+  where a real accelerator is involved, copies between it and the host that are not
+  ``non_blocking``.
 
 An op reached from a counted Python call (``float(t)`` dispatches ``_local_scalar_dense``)
 is counted once. Not counted: torch.optim's reads of its step counters
@@ -78,7 +79,8 @@ def _where() -> str:
     frame = sys._getframe(2)
     while frame is not None and ours is None:
         path = frame.f_code.co_filename
-        here = f"{os.path.relpath(path, _ROOT) if path.startswith(_ROOT) else path}:{frame.f_lineno}"
+        shown = os.path.relpath(path, _ROOT) if path.startswith(_ROOT) else path
+        here = f"{shown}:{frame.f_lineno}"
         if outside is None and not path.startswith(_SKIP):
             outside = here
         if path.startswith(_PIPELINE):

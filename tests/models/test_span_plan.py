@@ -1,7 +1,8 @@
 """Planned span lengths (pipeline/models/allattn.py, "Planned span lengths"): training with
 L' planned from span fractions two updates old gives the synchronous L''s losses while the
-spans grow slowly (up to the reference op's +1e-8 guard); a span that jumps past its plan is counted and warned about; the plan
-resumes exactly from plan_state(); forwards outside planned_update() stay synchronous."""
+spans grow slowly (up to the reference op's +1e-8 guard); a span that jumps past its plan
+is counted and warned about; the plan resumes exactly from plan_state(); forwards outside
+planned_update() stay synchronous."""
 
 from __future__ import annotations
 
