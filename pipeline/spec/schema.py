@@ -484,9 +484,9 @@ class TrainSpec(Section):
         "auto", description="torch.compile each layer for the training updates (regional: "
                             "one compiled code for all layers, a graph per span bucket, no "
                             "graph break; evaluation stays uncompiled). auto: on with CUDA; "
-                            "off on CPU, where inductor needs a C++ compiler and ~1 min per "
-                            "span bucket that pays back after ~40 updates in that bucket "
-                            "(quickstart's model: 28% faster updates; "
+                            "off on CPU, where inductor needs a C++ compiler and ~25 s per "
+                            "span bucket that pay back after ~400 updates in that bucket "
+                            "(quickstart's model: 23% faster updates; "
                             "docs/benchmarks.md#torchcompile)")
 
     @model_validator(mode="after")
