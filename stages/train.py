@@ -120,6 +120,8 @@ RUNTIME_ONLY = {
                             "rounding) or refuses the configuration; with attention dropout each "
                             "draws its own masks from the same distribution, so the steps after "
                             "the edit are the same training, not the same bits",
+    "train.compile": "compiled layers compute the eager layers' maths (up to float rounding), "
+                     "their dropout drawn from torch's generator as in eager mode",
 }
 
 

@@ -79,12 +79,34 @@ def init_process_group() -> tuple[int, int]:
     if not dist.is_initialized():
         _load_comm_op()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            # our own group, bound to the local rank's GPU; DeepSpeed adopts an initialised one
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend, timeout=TIMEOUT, **nccl_group_kwargs(
+                int(os.environ.get("WORLD_SIZE", "1")), local_rank))
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=TIMEOUT)
         _unlink_shm_buffer(dist.get_rank())
         atexit.register(_destroy_process_group)
         global _group_started
         _group_started = True
     return dist.get_rank(), dist.get_world_size()
+
+
+def nccl_group_kwargs(world_size: int, local_rank: int) -> dict:
+    """What `init_process_group` gets for an NCCL group besides the backend and timeout:
+    `device_id`, the local rank's GPU, whenever there are other ranks. Bound, NCCL connects
+    the group at once on that GPU, and collectives without tensors (barrier) use it instead of
+    "Guessing device ID based on global rank" (a hang where ranks do not map to GPUs in
+    order). A group of one is left unbound, as DeepSpeed does since 0.19 (deepspeedai/
+    DeepSpeed#8248, #8269): bound, every later new_group() is split from it with
+    ncclCommSplit, which failed with CUDA error 600 on single GPUs; such a process has set
+    its current device, which is the one it uses."""
+    import torch
+
+    if world_size <= 1:
+        return {}
+    return {"device_id": torch.device("cuda", local_rank)}
 
 
 _group_started = False

@@ -65,7 +65,14 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
 from pipeline.models.config import FF_KINDS, PERSISTENT_MODES, AllAttnConfig
-from pipeline.models.layers import AllAttnLayer, PersistentShareSum, attn_span_len, cache_len
+from pipeline.models.layers import (
+    SPAN_GRANULARITY,
+    AllAttnLayer,
+    PersistentShareSum,
+    attn_span_len,
+    cache_len,
+    planned_span_len,
+)
 from pipeline.models.protocol import ModelOutput, SequenceModel, State
 from pipeline.ops import AttendFn, describe_auto, get_attention_impl
 
@@ -86,6 +93,31 @@ class AllAttnLM(SequenceModel):
 
     ``activation_checkpointing = True``: in training, each layer's activations are recomputed
     in backward instead of stored (torch's RNG state is replayed, so dropout is identical).
+
+    Planned span lengths (adaptive span, training). Each layer's L' is a Python int (it sets
+    tensor shapes), a function of the learned span fractions, which live on the device:
+    reading them before every forward would make the host wait for the device. Inside the
+    trainer's ``planned_update()`` the model does not read them. After each optimizer step,
+    ``request_plan()`` starts a non-blocking copy of each layer's largest span fraction to a
+    (pinned, on CUDA) host buffer and records an event; before update s, the copy requested
+    after update s - 2 is taken (its event long complete while the device is busy; update 1
+    reads the current fractions, update 2 keeps update 1's plan) and each layer's L' planned
+    from it with slack (``planned_span_len``: the synchronous L' plus 64 tokens, rounded up
+    to a span bucket, at most max_span). The mask is still computed on the device from the
+    CURRENT fractions, so while the planned L' covers the span really needed the result
+    equals the synchronous one up to rounding (the extra columns have mask exactly 0). When
+    a span outgrows its plan (it grew by more than the slack within two updates), the
+    oldest columns it would attend to are cut: each forward where some layer's current span
+    needs more than its planned L' is counted on the device (``span_plan_overflows``, read
+    with the loss at each report; the trainer warns in its log). The plan in force and the
+    requested values are saved with checkpoints (``plan_state``), so a resumed run plans as
+    the uninterrupted one. Forwards outside ``planned_update()`` (evaluation, sampling)
+    compute L' synchronously from the current fractions, as always.
+
+    ``compile_for_training()`` (train.compile) compiles each layer (regional compilation: the
+    layers share the compiled code) for the planned forwards only: their L' are static ints
+    from a few buckets, so a graph is compiled per bucket, with no graph break. Evaluation
+    runs uncompiled.
     """
 
     def __init__(self, cfg: AllAttnConfig, vocab_size: int) -> None:
@@ -114,6 +146,15 @@ class AllAttnLM(SequenceModel):
         else:
             self.out = nn.Linear(cfg.d_model, vocab_size)
         self.set_attention_impl(cfg.attention.impl)
+        self._planning = False      # inside planned_update()
+        self._planned: list[int] | None = None      # L' per layer in force while planning
+        self._limits: Tensor | None = None          # the same on the device, float32
+        # requested [n_layers] host copies: (buffer, a numpy view of it, CUDA event or None)
+        self._pending: list[tuple] = []
+        self._free: list[tuple] = []                 # (buffer, view) to reuse
+        self._overflows: Tensor | None = None        # forwards whose plan was too short
+        self._overflows_seen = 0                     # the count at the last report
+        self._compiled: list | None = None           # compile_for_training(): per layer
 
     # ---- spans -------------------------------------------------------------------------
 
@@ -124,7 +165,10 @@ class AllAttnLM(SequenceModel):
         return fracs.cpu().tolist()  # one host sync for all layers
 
     def span_lens(self) -> list[int]:
-        """L' per layer: how many previous tokens each layer attends to right now."""
+        """L' per layer: how many previous tokens each layer attends to right now (inside
+        ``planned_update()``: the planned ones)."""
+        if self._planning and self._planned is not None:
+            return list(self._planned)
         fracs = self._span_fracs()
         if fracs is None:
             return [self.cfg.max_span] * self.cfg.n_layers
@@ -133,6 +177,118 @@ class AllAttnLM(SequenceModel):
     def cache_lens(self) -> list[int]:
         """Hidden states each layer carries to the next block."""
         return [cache_len(s, self.cfg.max_span) for s in self.span_lens()]
+
+    # ---- planned span lengths (see the class doc) ----------------------------------------
+
+    def _layer_max_fracs(self) -> Tensor:
+        """[n_layers] each layer's largest span fraction, float32, on the device."""
+        fracs = torch.stack([layer.attn.adaptive_span.frac.detach() for layer in self.layers])
+        return fracs.float().amax(dim=1)
+
+    def _set_plan(self, max_fracs: list[float]) -> None:
+        plan = [planned_span_len(f, self.cfg.max_span, self.cfg.span_ramp) for f in max_fracs]
+        if plan == self._planned and self._limits is not None:
+            return
+        self._planned = plan
+        limits = torch.tensor(plan, dtype=torch.float32)
+        device = self.pos_table.device
+        if device.type == "cuda":
+            limits = limits.pin_memory()
+        self._limits = limits.to(device, non_blocking=True)
+
+    @contextmanager
+    def planned_update(self):
+        if not self.cfg.adaptive_span:      # a fixed span: L' = max_span, nothing to read
+            self._planned = [self.cfg.max_span] * len(self.layers)
+        elif len(self._pending) >= 2:       # requested after update s - 2
+            buffer, view, event = self._pending.pop(0)
+            if event is not None:
+                event.synchronize()          # long done while the device is busy
+            self._set_plan(view.tolist())    # host memory: a numpy read, no device access
+            self._free.append((buffer, view))
+        elif self._planned is None:         # the first update (or a checkpoint without a plan)
+            self._set_plan(self._layer_max_fracs().tolist())
+        self._planning = True
+        try:
+            yield
+        finally:
+            self._planning = False
+
+    def request_plan(self) -> None:
+        if not self.cfg.adaptive_span:
+            return
+        fracs = self._layer_max_fracs()
+        buffer, view = self._free.pop() if self._free else self._host_buffer(fracs.device)
+        buffer.copy_(fracs, non_blocking=True)
+        event = None
+        if fracs.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append((buffer, view, event))
+        while len(self._pending) > 2:       # requested twice without an update between
+            self._free.append(self._pending.pop(0)[:2])
+
+    def _host_buffer(self, device: torch.device) -> tuple[Tensor, object]:
+        """A [n_layers] float32 host buffer (pinned for CUDA) and a numpy view of it."""
+        buffer = torch.empty(len(self.layers), dtype=torch.float32,
+                             pin_memory=device.type == "cuda")
+        return buffer, buffer.numpy()
+
+    def plan_state(self) -> dict | None:
+        if not self.cfg.adaptive_span:
+            return None
+        pending = []
+        for _, view, event in self._pending:
+            if event is not None:
+                event.synchronize()
+            pending.append(view.tolist())
+        overflows = 0 if self._overflows is None else int(self._overflows)
+        return {"planned": self._planned, "pending": pending, "overflows": overflows}
+
+    def load_plan_state(self, state: dict | None) -> None:
+        self._pending, self._planned, self._limits = [], None, None
+        self._overflows = None
+        if not self.cfg.adaptive_span or state is None:
+            return
+        if state["planned"] is not None:
+            self._planned = list(state["planned"])
+            self._limits = torch.tensor(self._planned, dtype=torch.float32).to(
+                self.pos_table.device)
+        for values in state["pending"]:
+            buffer, view = self._host_buffer(self.pos_table.device)
+            view[:] = values
+            self._pending.append((buffer, view, None))
+        self._overflows = torch.tensor(state["overflows"], dtype=torch.int64).to(
+            self.pos_table.device)
+        self._overflows_seen = state["overflows"]
+
+    def _count_overflow(self) -> None:
+        """On the device: +1 if some layer's current span needs more than its planned L'
+        (the mask's first cut column, distance L' + 1, is R + z - L' > 0)."""
+        spans = self._layer_max_fracs() * self.cfg.max_span
+        cut = ((self.cfg.span_ramp + spans) - self._limits).gt(0).any()
+        if self._overflows is None:
+            self._overflows = torch.zeros((), dtype=torch.int64, device=spans.device)
+        self._overflows += cut
+
+    # ---- torch.compile -----------------------------------------------------------------
+
+    def compile_for_training(self, backend: str = "inductor") -> bool:
+        """Compile each layer for the planned (training) forwards: regional compilation (the
+        layers share one compiled code), L' a static int per span bucket (``dynamic=False``).
+        Without adaptive span L' is max_span: one graph."""
+        import torch._dynamo
+        import torch._inductor.config
+
+        # a graph per bucket (~2 per doubling of the span), per mode and batch shape
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # random ops inside the graphs (the dropout seed, the FF sublayers' dropout) draw from
+        # torch's generator as eager does, not inductor's own: compiled training makes the
+        # eager run's dropout draws, so it resumes and compares like it
+        torch._inductor.config.fallback_random = True
+        self._compiled = [torch.compile(layer, backend=backend, dynamic=False)
+                          for layer in self.layers]
+        return True
 
     def spans(self) -> list[list[float]]:
         """Current span z in tokens, per layer per head (max_span everywhere when fixed).
@@ -161,9 +317,11 @@ class AllAttnLM(SequenceModel):
     def describe(self) -> str:
         """The attention backend; for ``auto``, what it picks on the model's current device
         and dtype (call after moving the model)."""
+        compiled = ", layers compiled for training (torch.compile)" if self._compiled else ""
         if self.attention_impl != "auto":
-            return f"attention impl {self.attention_impl}"
-        return describe_auto(self.pos_table.device.type, self.pos_table.dtype, self.cfg.attn_dropout)
+            return f"attention impl {self.attention_impl}{compiled}"
+        return describe_auto(self.pos_table.device.type, self.pos_table.dtype,
+                             self.cfg.attn_dropout) + compiled
 
     def cannot_train_on(self, device: torch.device) -> str | None:
         if self.attention_impl == "flex" and device.type == "cpu":
@@ -178,6 +336,28 @@ class AllAttnLM(SequenceModel):
         if not spans:
             return {}
         return {"span_mean": sum(spans) / len(spans), "span_max": max(spans)}
+
+    def metric_tensors(self) -> dict[str, Tensor]:
+        """``metrics()`` on the device, and with adaptive span ``span_plan_overflows``: the
+        planned forwards so far whose plan was too short (see the class doc)."""
+        if not self.cfg.adaptive_span:
+            return {k: torch.tensor(v, dtype=torch.float64) for k, v in self.metrics().items()}
+        spans = torch.cat([layer.attn.adaptive_span.frac.detach().double()
+                           for layer in self.layers]) * self.cfg.max_span
+        out = {"span_mean": spans.mean(), "span_max": spans.max()}
+        if self._overflows is not None:
+            out["span_plan_overflows"] = self._overflows
+        return out
+
+    def metric_warnings(self, values: dict[str, float]) -> list[str]:
+        n = int(values.get("span_plan_overflows", 0))
+        new, self._overflows_seen = n - self._overflows_seen, n
+        if new <= 0:
+            return []
+        return [f"warning: in {new} forward(s) since the last report a span outgrew its "
+                f"planned length (it grew by more than {SPAN_GRANULARITY} tokens within two "
+                f"updates): the oldest context columns it would attend to were cut "
+                f"({n} so far)"]
 
     def head_tables(self) -> dict[str, list[list[float]]]:
         """{"spans": ``spans()``} with adaptive span (a fixed span is max_span everywhere:
@@ -251,10 +431,14 @@ class AllAttnLM(SequenceModel):
         cache = self.init_state(bsz, device=tokens.device) if state is None else state
         if len(cache) != len(self.layers):
             raise ValueError(f"state has {len(cache)} entries for {len(self.layers)} layers")
-        span_lens = self.span_lens()  # fixed for the whole block
+        planned = self._planning and self._planned is not None
+        span_lens = self.span_lens()  # fixed for the whole block (planned, or read now)
+        if planned and self.cfg.adaptive_span:
+            self._count_overflow()
+        layers = self._compiled if planned and self._compiled is not None else self.layers
         h = self.emb_dropout(self.embed(tokens))
         new_cache: list[Tensor] = []
-        for layer, past, span_len in zip(self.layers, cache, span_lens):
+        for layer, past, span_len in zip(layers, cache, span_lens):
             keep = cache_len(span_len, self.cfg.max_span)  # = max_span for a fixed span
             past = past.to(h.dtype)
             if keep > m:
@@ -262,6 +446,14 @@ class AllAttnLM(SequenceModel):
             else:
                 nxt = h[:, m - keep :]
             new_cache.append(nxt.detach())
+            # the last L' cached rows (zero rows in front if fewer): [B, L', d]
+            c = past.shape[1]
+            if c >= span_len:
+                past = past[:, c - span_len :]
+                if layers is self._compiled:    # compiled code is specialised to strides too
+                    past = past.contiguous()
+            else:
+                past = F.pad(past, (0, 0, span_len - c, 0))
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 h = checkpoint(layer, h, past, self.pos_table, span_len, use_reentrant=False)
             else:

@@ -44,6 +44,16 @@ def attn_span_len(max_frac: float, max_span: int, ramp: int) -> int:
     return max_span - trim
 
 
+def planned_span_len(max_frac: float, max_span: int, ramp: int) -> int:
+    """L' planned ahead from a span fraction read some updates earlier: the synchronous L'
+    (``attn_span_len``) plus SPAN_GRANULARITY tokens of room to grow, rounded up to a span
+    bucket (``pipeline.ops.fused.flex_bucket``: 64 * 2^i or 96 * 2^i, so that compiled code
+    sees ~2 shapes per doubling of the span), at most max_span."""
+    from pipeline.ops.fused import flex_bucket
+
+    return min(max_span, flex_bucket(attn_span_len(max_frac, max_span, ramp) + SPAN_GRANULARITY))
+
+
 def cache_len(span_len: int, max_span: int) -> int:
     """Hidden states a layer keeps for the next block: L' + 64 (room for the span to grow
     by one step of granularity), at most L."""

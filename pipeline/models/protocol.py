@@ -8,16 +8,24 @@ taken apart. Adding a family is a config dataclass, a module, and one line in th
 A model maps a block of tokens [B, M] (with the state the previous block left) to a per-token
 loss [B, M] and the next state:
 
-    out = model(tokens, targets, state)      # ModelOutput(logits, nll, state)
-    loss = out.nll.mean() + model.aux_loss() # training
-    ... optimizer step ...
+    with model.planned_update():             # training: shapes fixed ahead (see below)
+        out = model(tokens, targets, state)  # ModelOutput(logits, nll, state)
+        loss = out.nll.mean() + model.aux_loss()
+        ... backward, optimizer step ...
     model.after_step()
+    model.request_plan()
 
 The state is what a model carries from one block of a stream to the next (the
 Transformer-XL cache, the ∞-former's long-term memory); a model without one returns [].
 It is a list of tensors, each with the batch as its first dimension and detached from the
 graph, so that the trainer can checkpoint it, and cut and join it by batch rows when a run
 resumes on another number of processes, without knowing what it holds.
+
+A training step never waits for the device: a model whose tensor shapes depend on learned
+values (the all-attention model's span lengths) plans them from values it asked for after an
+earlier update (``request_plan``: a non-blocking copy to the host), not from the current
+ones (``planned_update``). What a plan needs to resume exactly is ``plan_state``, saved with
+the checkpoint. Families without such shapes keep the defaults, which do nothing.
 """
 
 from __future__ import annotations
@@ -75,6 +83,32 @@ class SequenceModel(nn.Module):
             for p, low, high in self.bounded_parameters():
                 p.clamp_(low, high)
 
+    @contextmanager
+    def planned_update(self) -> Iterator[None]:
+        """The trainer runs each update's forwards and backwards inside this. A model may fix
+        host-side shapes for them here from values requested after earlier updates
+        (``request_plan``), without reading the device; forwards outside it (evaluation,
+        sampling) compute them from the current values. Default: nothing to plan."""
+        yield
+
+    def request_plan(self) -> None:
+        """Called after every optimizer step (after ``after_step``): start, without waiting,
+        the copy to the host of what a later ``planned_update`` plans from."""
+
+    def plan_state(self) -> dict | None:
+        """What the plan in force and the requested values are, for a checkpoint (None: no
+        plan); read at a checkpoint, where waiting for the device is fine."""
+        return None
+
+    def load_plan_state(self, state: dict | None) -> None:
+        """Restore ``plan_state()``'s dict; None (a checkpoint from before plans, or a model
+        without one): plan from the current values at the next update."""
+
+    def compile_for_training(self, backend: str = "inductor") -> bool:
+        """torch.compile what the training updates run (train.compile); False when the
+        family has no compiled path (the default: it trains eagerly)."""
+        return False
+
     def describe(self) -> str:
         """One line for the training log: how this model computes (backends and the like)."""
         return type(self).__name__
@@ -88,6 +122,17 @@ class SequenceModel(nn.Module):
         """Numbers about the model itself worth tracking while it trains (learned spans,
         memory usage); logged with the loss at every report."""
         return {}
+
+    def metric_tensors(self) -> dict[str, Tensor]:
+        """``metrics()`` as 0-dim tensors, for the trainer to read together with the loss in
+        one transfer from the device. Default: ``metrics()`` itself (which may read the
+        device on its own)."""
+        return {k: torch.tensor(float(v), dtype=torch.float64) for k, v in self.metrics().items()}
+
+    def metric_warnings(self, values: dict[str, float]) -> list[str]:
+        """Lines to warn with in the training log, given the values just read of
+        ``metric_tensors()``; [] when all is well."""
+        return []
 
     def head_tables(self) -> dict[str, list[list[float]]]:
         """Numbers per layer x head the model reports about itself, by name (the learned

@@ -490,6 +490,14 @@ class TrainSpec(Section):
                                   "end")
     keep_checkpoints: int = Field(2, gt=0, le=10**6, description="newest checkpoints kept "
                                   "(the best validation's is kept besides)")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each layer for the training updates (regional: "
+                            "one compiled code for all layers, a graph per span bucket, no "
+                            "graph break; evaluation stays uncompiled). auto: on with CUDA; "
+                            "off on CPU, where inductor needs a C++ compiler and ~25 s per "
+                            "span bucket that pay back after ~400 updates in that bucket "
+                            "(quickstart's model: 23% faster updates; "
+                            "docs/benchmarks.md#torchcompile)")
 
     @model_validator(mode="after")
     def _schedule_has_warmup(self):

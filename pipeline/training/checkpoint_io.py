@@ -3,7 +3,7 @@
 A checkpoint `step-N` (the directory's conventions: pipeline.training.checkpoints) holds DeepSpeed's
 files and one `trainer-rank<r>.pt` per rank with what the training loop needs to continue
 exactly: the step, the model's state for each of the rank's micro-batches, the validation
-record and the rank's random state.
+record, the rank's random state and the model's plan (shapes planned ahead).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ class LoopState:
     """The model's state for each of this rank's micro-batches."""
     best_valid: float | None
     evals_since_best: int
+    plan: dict | None = None
+    """The model's plan_state() (pipeline.models.protocol): the shapes planned ahead, so that a
+    resumed run plans as the uninterrupted one; None from a checkpoint written before plans
+    (the model then plans from its current values at the first update)."""
 
 
 def trainer_file(ckpt: Path, rank: int) -> Path:
@@ -103,7 +107,8 @@ class CheckpointIO:
             self.engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
             torch.save({"step": loop.step, "rng": rng_state(),
                         "states": [[t.cpu() for t in state] for state in loop.states],
-                        "valid": {"best": loop.best_valid, "since_best": loop.evals_since_best}},
+                        "valid": {"best": loop.best_valid, "since_best": loop.evals_since_best},
+                        "plan": loop.plan},
                        trainer_file(tmp, self.rank))
         except (OSError, RuntimeError) as e:
             failure = e
@@ -164,4 +169,5 @@ class CheckpointIO:
         return LoopState(step=saved["step"],
                          states=[[t.to(device) for t in state] for state in saved["states"]],
                          best_valid=saved["valid"]["best"],
-                         evals_since_best=saved["valid"]["since_best"])
+                         evals_since_best=saved["valid"]["since_best"],
+                         plan=saved.get("plan"))

@@ -86,6 +86,12 @@ class Trainer:
         bind_to_engine(self.engine)
         # one process, no ZeRO: no allreduce over a group of one (ds_config.py says why)
         skip_single_process_allreduce(self.engine, self.world_size)
+        self.compiled = False
+        if train.compile is True or (train.compile == "auto" and self.device.type == "cuda"):
+            self.compiled = self.model.compile_for_training()
+            if not self.compiled and train.compile is True:
+                log(f"train.compile: {type(self.model).__name__} has no compiled path; "
+                    f"training eagerly")
         bounded = self.model.bounded_parameters()
         self.clamp_masters = master_clamp(self.engine, bounded)
         # bf16 / fp16: the forward reads the bounded parameters from their fp32 masters
@@ -181,18 +187,33 @@ class Trainer:
         return {"step": self.step, "checkpoint": str(path), "stopped_early": stopped_early,
                 best: self.best_valid, "parameters": self.params}
 
-    def train_step(self) -> float:
+    def train_step(self) -> torch.Tensor:
         """One optimizer update over all micro-batches; returns this rank's mean token nll
-        (of the scored targets, for documents)."""
+        (of the scored targets, for documents) as a 0-dim float32 tensor on the device.
+
+        Nothing in it waits for the device (tests/training/test_host_syncs.py): the loss
+        stays on the device until a report reads it, and a model with value-dependent shapes
+        plans them ahead (``planned_update`` / ``request_plan``, pipeline.models.protocol).
+        ``float()`` of the result waits for the step to finish."""
         self.bounded_to_float32()  # after a resume, too: the masters are what was loaded
-        losses = self._stream_updates() if self.documents is None else self._document_updates()
+        with self.model.planned_update():
+            losses = (self._stream_updates() if self.documents is None
+                      else self._document_updates())
         self.clamp_masters()      # the fp32 masters DeepSpeed steps, and the model's copies
         self.model.after_step()   # the model's own hook (the base clamps as above)
         self.bounded_to_float32()
+        self.model.request_plan()
         self.step += 1
-        return sum(losses) / len(losses)
+        return torch.stack(losses).mean()
 
-    def _stream_updates(self) -> list[float]:
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host batch to the device without waiting for it: pinned and non-blocking on
+        CUDA (a pageable copy would wait for the device's queue to drain)."""
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _stream_updates(self) -> list[torch.Tensor]:
         """Each micro-batch's rows continue their streams from the carried states."""
         if self.step > 0 and self.batches.starts_epoch(self.step):
             # The streams restart at a new offset: the carried states are no longer the
@@ -200,7 +221,7 @@ class Trainer:
             # does at the wrap.
             self.states = self._initial_states()
         x, y = self.batches.batch(self.step)
-        x, y = x.to(self.device), y.to(self.device)
+        x, y = self._to_device(x), self._to_device(y)
         mb = self.micro_batch
         losses = []
         for i in range(self.accum):
@@ -210,13 +231,13 @@ class Trainer:
             self.engine.backward(nll + self.model.aux_loss())
             self.engine.step()
             self.states[i] = out.state
-            losses.append(nll.item())
+            losses.append(nll.detach())
         return losses
 
-    def _document_updates(self) -> list[float]:
+    def _document_updates(self) -> list[torch.Tensor]:
         """Each micro-batch is whole documents, read from the initial state and scored after
         their separators (pipeline.training.document_passes.run_documents)."""
-        docs = self.batches.batch(self.step).to(self.device)
+        docs = self._to_device(self.batches.batch(self.step))
         mb = self.micro_batch
         losses = []
         for i in range(self.accum):
@@ -225,7 +246,7 @@ class Trainer:
             nll = out.nll.mean()
             self.engine.backward(nll + out.aux)
             self.engine.step()
-            losses.append(nll.item())
+            losses.append(nll.detach().float())
         return losses
 
     def set_lr(self, lr: float) -> None:
@@ -285,11 +306,23 @@ class Trainer:
                                    f"{'  (best)' if improved else ''}")
         return improved
 
+    def _read_once(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The values of 0-dim tensors, read from the device in one transfer: the one time
+        a report waits for the device."""
+        if not tensors:
+            return {}
+        stacked = torch.stack([t.detach().to(self.device, torch.float64, non_blocking=True)
+                               .reshape(()) for t in tensors.values()])
+        return dict(zip(tensors, stacked.tolist()))
+
     def _report(self, window: LossWindow, until: int, progress: Progress) -> None:
-        """Log the mean loss (over all ranks), lr, throughput and memory since the last
-        report. Called on every rank: the loss is averaged with a collective."""
+        """Log the mean loss (over all ranks), lr, throughput, memory and the model's own
+        metrics since the last report, all read from the device at once. Called on every
+        rank: the loss is averaged with a collective."""
         mean, seconds_per_step, tokens_per_s = window.take()
-        mean = distributed.mean_over_ranks(mean)
+        values = self._read_once({"loss": mean} | self.model.metric_tensors())
+        mean = distributed.mean_over_ranks(values.pop("loss"))
+        warnings = self.model.metric_warnings(values)
         if self.rank != 0:
             return
         metrics = {"loss": mean, "lr": self.current_lr(),
@@ -300,13 +333,15 @@ class Trainer:
         if not self.documents:
             metrics["bpc"] = mean / LN2
         bpc = f"bpc {metrics['bpc']:.3f}  " if "bpc" in metrics else ""
-        metrics |= self.model.metrics()
+        metrics |= values
         self.tracker.log_metrics(metrics, step=self.step)
         eta = (until - self.step) * seconds_per_step
         progress.show(f"loss {mean:.4f} lr {metrics['lr']:.3g} {tokens_per_s:,.0f} tok/s")
         progress.log(self.log, f"step {self.step:>6}/{until}  loss {mean:.4f}  "
                                f"{bpc}lr {metrics['lr']:.3g}  "
                                f"{tokens_per_s:,.0f} tok/s  eta {eta:,.0f}s")
+        for line in warnings:
+            progress.log(self.log, f"step {self.step:>6}/{until}  {line}")
 
     # ------------------------------------------------------------ checkpoints
 
@@ -316,11 +351,13 @@ class Trainer:
         them again."""
         self.tracker.make_durable()
         return self.checkpoints.save(root, keep, LoopState(
-            self.step, self.states, self.best_valid, self.evals_since_best), best=best)
+            self.step, self.states, self.best_valid, self.evals_since_best,
+            self.model.plan_state()), best=best)
 
     def load(self, root: Path) -> int:
         """Restore the newest intact checkpoint under `root`; returns its step."""
         loop = self.checkpoints.load(root, self.accum, self.device)
         self.step, self.states = loop.step, loop.states
         self.best_valid, self.evals_since_best = loop.best_valid, loop.evals_since_best
+        self.model.load_plan_state(loop.plan)
         return self.step

@@ -129,7 +129,7 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
         t.model.register_forward_pre_hook(seen_by_forward)
         losses, after = [], []
         for step in range(DS_STEPS):
-            losses.append(t.train_step())
+            losses.append(float(t.train_step()))
             after.append(fracs(t))
             if stage == 1 and step == 1:
                 t.save(ckpt, keep=1)
@@ -137,7 +137,7 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
         if stage == 1:
             resumed = trainer(1)
             resumed.load(ckpt)
-            result["resumed"] = {"losses": [resumed.train_step() for _ in range(2)],
+            result["resumed"] = {"losses": [float(resumed.train_step()) for _ in range(2)],
                                  "fracs": fracs(resumed)}
     out.write_text(json.dumps(result))
 

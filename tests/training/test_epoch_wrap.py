@@ -101,7 +101,7 @@ def _worker(cfg: Path, preprocess_dir: Path, ckpt: Path, resume: bool, out: Path
     while trainer.step < STEPS:
         seen.clear()
         step = trainer.step
-        loss = trainer.train_step()
+        loss = float(trainer.train_step())
         steps[step] = {"loss": loss, "cache_zero": [z for z, _ in seen],
                        "first_tokens": [t for _, first in seen for t in first]}
         if trainer.step == SAVE_AT and not resume:
