@@ -32,10 +32,23 @@ def stage_fingerprints(spec, names) -> dict[str, str]:
     return {n: fingerprint(STAGES[n].fingerprinted(spec), {}) for n in names}
 
 
+# Issue 26 changed what the paper configs train with on a GPU: bf16 and the largest micro-batch
+# that fits (both `auto`, float32 and the whole batch on a CPU), under ZeRO 1. Their train
+# stage is a new result there, so its fingerprint is new; set back, these keys give the old one,
+# so nothing else about them moved (an interrupted run is refused naming exactly these keys).
+GPU_DEFAULTS_BEFORE_ISSUE_26 = ["train.deepspeed.bf16=false", "train.deepspeed.zero_stage=0",
+                                "train.micro_batch_size=null"]
+
+
 @pytest.mark.parametrize("config", sorted(EARLIER_FINGERPRINTS))
 def test_existing_configs_keep_their_fingerprints(config):
     expected = EARLIER_FINGERPRINTS[config]
-    assert stage_fingerprints(load_spec(ROOT / config, []), expected) == expected
+    paper = config != "configs/quickstart.yaml"
+    spec = load_spec(ROOT / config, GPU_DEFAULTS_BEFORE_ISSUE_26 if paper else [])
+    assert stage_fingerprints(spec, expected) == expected
+    if paper:
+        assert stage_fingerprints(load_spec(ROOT / config, []), ["train"]) != \
+            {"train": expected["train"]}
 
 
 def test_a_new_schedule_is_a_new_result():
