@@ -181,10 +181,14 @@ def resolve(spec, model, vocab_size: int, documents: dict | None, device: torch.
                                 f"micro-batch {out['micro_batch_size']}, which does not divide "
                                 f"the {rows} rows per process at world size {world_size}; "
                                 f"resume on fewer processes, or start over")
-        if fixed is not None and fixed != out["micro_batch_size"]:
+        if isinstance(train.micro_batch_size, int) and fixed != out["micro_batch_size"]:
             raise PipelineError(f"train.micro_batch_size: this run's checkpoints were written "
                                 f"at micro-batch {out['micro_batch_size']} and the spec now "
                                 f"gives {fixed}; set it back, or start over")
+        if fixed is not None:
+            # unset, it is the per-rank batch over the accumulation steps: a resume on
+            # another number of processes takes the new one (the states are resharded)
+            out["micro_batch_size"] = fixed
         if ds.bf16 != "auto" and bool(ds.bf16) != out["bf16"]:
             raise PipelineError(f"train.deepspeed.bf16: this run's checkpoints were written "
                                 f"with bf16 {str(out['bf16']).lower()}; set it back, or "
