@@ -184,8 +184,8 @@ class SweepRun:
             uri = tracking_uri(spec)
             if uri.startswith("sqlite:///"):
                 Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-                from mlflow.tracking import MlflowClient
-                self.client = MlflowClient(tracking_uri=uri)
+                from pipeline.tracking.tracker import open_client
+                self.client = open_client(uri, warn)
             else:
                 self.client = open_store(uri)
             from pipeline.tracking.sender import experiment_id

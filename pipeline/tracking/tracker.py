@@ -185,8 +185,6 @@ class MlflowTracker:
 
     def __init__(self, uri: str, retry_s: float = RETRY_SECONDS, flush_s: float = FLUSH_SECONDS,
                  warn=None):
-        from mlflow.tracking import MlflowClient
-
         # the store's first-use schema migration logs at INFO on every new workspace
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -202,13 +200,11 @@ class MlflowTracker:
         self.warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
         from mlflow.exceptions import MlflowException
 
-        with store_lock(uri, self.warn):
-            try:
-                self.client = _open_store(lambda: MlflowClient(tracking_uri=uri), uri,
-                                          self.warn)
-            except MlflowException as e:  # a store MLflow refuses (file: without its opt-in)
-                raise PipelineError(f"tracking store {shown(uri)}: MLflow refuses it: "
-                                    f"{_first_sentence(e.message)}") from None
+        try:
+            self.client = open_client(uri, self.warn)
+        except MlflowException as e:     # a store MLflow refuses (file: without its opt-in)
+            raise PipelineError(f"tracking store {shown(uri)}: MLflow refuses it: "
+                                f"{_first_sentence(e.message)}") from None
         self.sender = Sender(Delivery(self.client), self.warn_server, retry_s)
         self.spec = None
         self.parent: StageTracker | None = None
@@ -461,6 +457,17 @@ def store_lock(uri: str, warn):
         yield
     finally:
         os.close(fd)                    # and with it the lock
+
+
+def open_client(uri: str, warn=None):
+    """An MlflowClient for `uri`, as every command opens one: a local sqlite store under
+    `store_lock` (its creation is not safe to race), its refusals one line (`_open_store`)."""
+    from mlflow.tracking import MlflowClient
+
+    warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    with store_lock(uri, warn):
+        return _open_store(lambda: MlflowClient(tracking_uri=uri), uri, warn)
 
 
 def _probe_write(uri: str) -> None:
