@@ -114,4 +114,4 @@ def real_destination(value: str | os.PathLike) -> Path:
 def private_temp_dir(parent: Path, name: str) -> Path:
     """A new directory in `parent` that no other process uses: its name is unique to this
     call (mkdtemp), never a guessable sibling of `name` that someone else may own."""
-    return Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=parent))
+    return Path(tempfile.mkdtemp(prefix=f".{name[:64]}.", suffix=".tmp", dir=parent))

@@ -57,7 +57,7 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
                             f"(train.eval_every's validations mark it)")
     if not which.strip():       # Path("") is the current directory
         raise PipelineError("--checkpoint is empty: give latest, best, or a checkpoint directory")
-    path = Path(which)
+    path = Path(which).expanduser()
     if (path / "mp_rank_00_model_states.pt").is_file() or path.name.startswith("step-"):
         return path.parent, path.name, str(path)
     if path.is_dir():
@@ -98,12 +98,19 @@ def export(spec, out: Path, which: str = "latest", log=print) -> str:
 
     given = out
     out = real_destination(out)
+    if any(len(os.fsencode(part)) > 255 for part in out.parts):
+        raise PipelineError(f"--out {shown(given)}: a name in it is longer than a file name "
+                            f"can be (255 bytes)")
     check_replaceable(out, given)
     model, preprocess, checkpoint = trained_model(spec, which, log)
     manifest = load_manifest(preprocess)
     vocab = manifest["vocab"]
     writable_dir(out.parent, "--out")
-    tmp = private_temp_dir(out.parent, out.name)
+    try:
+        tmp = private_temp_dir(out.parent, out.name)
+    except OSError as e:
+        raise PipelineError(f"--out {shown(given)}: cannot write there: "
+                            f"{e.strerror or e}") from None
     try:
         save_model(model, str(tmp / WEIGHTS))
         (tmp / CONFIG).write_text(json.dumps({

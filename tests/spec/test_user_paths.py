@@ -49,3 +49,20 @@ def test_a_workspace_root_through_a_missing_directory_creates_nothing_beside_it(
                                        f"workspace.root={tmp_path}/typo/../ws"])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ws"]
+
+
+def test_a_path_argument_is_read_with_tilde_expanded_and_dotdot_resolved(tmp_path,
+                                                                        monkeypatch):
+    # before: `--output typo/../job.sbatch` made a stray `typo`, and `~` was taken literally
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for output, written in [("typo/../job.sbatch", tmp_path / "job.sbatch"),
+                            ("~/job.sbatch", tmp_path / "home" / "job.sbatch")]:
+        result = CliRunner().invoke(main, [
+            "launch", "slurm", QUICKSTART, "--nodes", "1", "--gpus-per-node", "0",
+            "--procs-per-node", "1", "--set", f"workspace.root={tmp_path}/runs",
+            "--output", output])
+        assert result.exit_code == 0, result.output
+        assert written.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "job.sbatch", "runs"]
