@@ -92,8 +92,7 @@ def draw_case(draw, sandbox: Path) -> Case:
     if command == "export":
         return Case(command, ["export", tiny, "--out", path], [path])
     if command == "sync root":
-        return Case(command, ["sync", tiny, "--set", f"workspace.root={path}"],
-                    [path, f"{path}/tiny"])
+        return Case(command, ["sync", tiny, "--set", f"workspace.root={path}"], [path])
     if command == "sync cache":
         return Case(command, ["sync", tiny, "--set", f"workspace.cache={path}"], [])
     if command == "validate experiment":
@@ -138,11 +137,25 @@ def owned_paths(case: Case, sandbox: Path, cwd: Path) -> list[str]:
     and each destination resolved as the project resolves it (`~` is the sandbox's home)."""
     out = [str(sandbox / "world")]
     for given in case.owned:
+        if "--set" in case.args:
+            given = _as_set_value(given)
         try:
             out.append(os.path.realpath(os.path.join(cwd, os.path.expanduser(given))))
         except (ValueError, OSError):
             pass
     return out
+
+
+def _as_set_value(text: str) -> str:
+    """A `--set KEY=VALUE` value as the spec reads it: typed as YAML (a newline in a plain
+    scalar folds into a space, a trailing one goes)."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, str) else text
 
 
 def inside(path: str, owned: list[str]) -> bool:

@@ -66,3 +66,17 @@ def test_a_path_argument_is_read_with_tilde_expanded_and_dotdot_resolved(tmp_pat
         assert result.exit_code == 0, result.output
         assert written.is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "job.sbatch", "runs"]
+
+
+@pytest.mark.parametrize("shape", ["dangling", "too long"])
+def test_a_workspace_that_cannot_be_made_is_one_line_from_sync(tmp_path, shape):
+    # found by the path fuzzer: `sync` made the workspace for its lock with a bare mkdir,
+    # and a dangling symlink or a name too long on the way was a traceback
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    root = tmp_path / "dangling" / "x" if shape == "dangling" else tmp_path / ("x" * 300)
+    result = CliRunner().invoke(main, ["sync", QUICKSTART, "--set", f"workspace.root={root}"])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    line = result.output.strip()
+    assert line.startswith("error: ") and "\n" not in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling"]
