@@ -3,6 +3,7 @@ seconds. The same derandomized cases as tests/commands/test_cli_fuzz.py (which f
 here every case runs and the bad ones are listed.
 
     .venv/bin/python bench/fuzz.py [--cases 2000] [--show-bad 20]
+    .venv/bin/python bench/fuzz.py --paths 1000     # the path fuzzer (tests/helpers/path_fuzz.py)
 """
 
 from __future__ import annotations
@@ -18,13 +19,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.helpers.cli_fuzz import build_world, fuzz  # noqa: E402
+from tests.helpers.path_fuzz import fuzz_paths  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=2000)
     parser.add_argument("--show-bad", type=int, default=20, help="bad cases to print")
+    parser.add_argument("--paths", type=int, metavar="N",
+                        help="run N cases of the path fuzzer instead")
     args = parser.parse_args()
+    if args.paths:
+        paths(args.paths, args.show_bad)
+        return
     outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
         start = time.monotonic()
@@ -53,6 +60,40 @@ def main() -> None:
               f"{sum(o.exit_code == 2 for o in group):>7} {sum(bool(o.problem) for o in group):>4} "
               f"{max(o.seconds for o in group):>6.1f}")
     for o in bad[:args.show_bad]:
+        print(f"\n{o.args!r}\n  {o.problem}")
+    sys.exit(1 if bad else 0)
+
+
+def paths(cases: int, show_bad: int) -> None:
+    """The path fuzzer's figure: cases, files changed outside what the command owns,
+    tracebacks, hangs, by command."""
+    outcomes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.monotonic()
+        world = build_world(Path(tmp) / "world")
+        built = time.monotonic() - start
+        start = time.monotonic()
+        fuzz_paths(world, cases, outcomes.append)
+        seconds = time.monotonic() - start
+    bad = [o for o in outcomes if o.problem]
+    kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
+    print(f"path cases       {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
+          f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s")
+    print(f"changed files outside what the command owns  "
+          f"{kinds['changed what it does not own']}")
+    print(f"tracebacks       {kinds['traceback']}")
+    print(f"hangs            {kinds['hang']}")
+    print(f"other bad cases  {len(bad) - sum(kinds[k] for k in ('traceback', 'hang', 'changed what it does not own'))}")
+    exits = collections.Counter(str(c) for o in outcomes for c in o.exit_codes)
+    print("exit codes       " + ", ".join(f"{code}: {n}" for code, n in sorted(exits.items())))
+    print(f"\n{'command':<24} {'cases':>6} {'bad':>4} {'max s':>6}")
+    by_command = collections.defaultdict(list)
+    for o in outcomes:
+        by_command[o.command].append(o)
+    for command, group in sorted(by_command.items()):
+        print(f"{command:<24} {len(group):>6} {sum(bool(o.problem) for o in group):>4} "
+              f"{max(o.seconds for o in group):>6.1f}")
+    for o in bad[:show_bad]:
         print(f"\n{o.args!r}\n  {o.problem}")
     sys.exit(1 if bad else 0)
 

@@ -91,3 +91,27 @@ def file_mismatch(path: str | os.PathLike, name: str, expected: dict, chunk: int
     if read and sha256_file(path, chunk) != expected["sha256"]:
         return f"{name} does not match its checksum"
     return None
+
+
+def user_path(value: str | os.PathLike) -> Path:
+    """A path the user gave (a CLI argument, workspace.root, workspace.cache), read the one
+    way every command reads them: `~` expanded; `..` resolved against the real directories
+    (so `typo/../x` is `x`, and no stray `typo` is ever created); `.` and repeated slashes
+    dropped. A path without `..` keeps its form (relative stays relative)."""
+    text = os.path.expanduser(os.fspath(value))
+    if ".." in Path(text).parts:
+        return Path(os.path.realpath(text))
+    return Path(os.path.normpath(text)) if text else Path(text)
+
+
+def real_destination(value: str | os.PathLike) -> Path:
+    """A destination the command will replace, fully resolved: `~`, `..`, `.` and symlinks
+    (a symlink to a directory names that directory), so the checks of what is there and the
+    replacement act on the same directory."""
+    return Path(os.path.realpath(os.path.expanduser(os.fspath(value))))
+
+
+def private_temp_dir(parent: Path, name: str) -> Path:
+    """A new directory in `parent` that no other process uses: its name is unique to this
+    call (mkdtemp), never a guessable sibling of `name` that someone else may own."""
+    return Path(tempfile.mkdtemp(prefix=f".{name[:64]}.", suffix=".tmp", dir=parent))

@@ -1,4 +1,7 @@
-"""SIGTERM / SIGINT: what the pipeline does on the first one and on a second.
+"""SIGTERM / SIGINT / SIGHUP: what the pipeline does on the first one and on a second.
+
+SIGHUP (the terminal closed, an ssh session dropped) is taken as SIGTERM is, unless the
+process was started with it ignored (`nohup`): then it stays ignored.
 
 - Inside the training loop (`StopSignal`) the first signal becomes a flag: the loop finishes
   the update, every rank saves a checkpoint, and the run exits 143 (`Preempted`).
@@ -24,10 +27,10 @@ DUPLICATE_WINDOW_S = 5.0
 
 
 class _Handler:
-    """Installs `_first` / `_again` for SIGTERM and SIGINT (main thread only) and restores
+    """Installs `_first` / `_again` for SIGTERM, SIGINT and SIGHUP (main thread only) and restores
     the previous handlers on exit."""
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
         self.signals, self._previous = signals, {}
         self.received: str | None = None     # the first signal's name
         self._first_at = 0.0
@@ -36,7 +39,7 @@ class _Handler:
         if self.received is None:
             self.received, self._first_at = signal.Signals(signum).name, time.monotonic()
             self._first(signum)
-        elif not (signum == signal.SIGTERM
+        elif not (signum in (signal.SIGTERM, signal.SIGHUP)
                   and time.monotonic() - self._first_at < DUPLICATE_WINDOW_S):
             raise Interrupted(signal.Signals(signum).name, signum, at_once=True)
 
@@ -46,6 +49,8 @@ class _Handler:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue            # nohup: the user asked for it to be ignored
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -149,8 +149,10 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     from pipeline.spec import load_spec
 
     if plot:
+        from pipeline.fsutil import user_path
         from pipeline.training.head_maps import image_format
 
+        plot = str(user_path(plot))     # `..` resolved: nothing made beside the picture
         with _flag("--plot"):   # a name no picture can have is refused before the queries
             image_format(plot)
     specs, experiments, run_ids = [], [], []
@@ -357,8 +359,6 @@ def launch():
 def slurm(config, nodes, gpus_per_node, procs_per_node, partition, time_limit, signal_lead,
           overrides, dry_run, output):
     """Render a Slurm batch script that trains CONFIG on NODES x GPUS-PER-NODE processes."""
-    from pathlib import Path
-
     from pipeline.cluster.slurm import render_sbatch, slurm_dir
     from pipeline.spec import load_spec
 
@@ -369,7 +369,9 @@ def slurm(config, nodes, gpus_per_node, procs_per_node, partition, time_limit, s
     if dry_run:
         click.echo(script, nl=False)
         return
-    path = Path(output) if output else slurm_dir(spec) / f"{spec.name}.sbatch"
+    from pipeline.fsutil import user_path     # `..` resolved: nothing made on the way
+
+    path = user_path(output) if output else slurm_dir(spec) / f"{spec.name}.sbatch"
     with _flag("--output"):
         _write_script(path, script, slurm_dir(spec) / "logs")
 

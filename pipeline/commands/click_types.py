@@ -15,9 +15,12 @@ from pipeline.errors import PipelineError
 
 class FilePath(click.Path):
     """click.Path, refusing as a usage error a name no file can have (a NUL byte, a name
-    longer than the filesystem allows) instead of failing wherever it is first used."""
+    longer than the filesystem allows) instead of failing wherever it is first used; `~` is
+    expanded, as in every path the project reads (`fsutil.user_path`)."""
 
     def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.startswith("~"):
+            value = os.path.expanduser(value)
         if str(value) == "":
             self.fail("the file name is empty", param, ctx)
         if str(value) == "-":   # click's standard stream; ours are files and directories

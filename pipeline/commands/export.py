@@ -15,6 +15,7 @@ Loading needs torch, safetensors and this package's models, not DeepSpeed, MLflo
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +24,11 @@ from pipeline.errors import PipelineError, shown
 
 WEIGHTS, CONFIG, VOCAB, SP_MODEL = "model.safetensors", "config.json", "vocab.json", \
     "tokenizer.model"
+# The ownership marker: written into every export directory, it proves that the directory is
+# an earlier export, the only kind of directory `export --out` replaces.
+MARKER = ".allattn-export"
+MARKER_TEXT = '{"kind": "export", "format": 1}\n'
+FILES = (WEIGHTS, CONFIG, VOCAB, SP_MODEL, MARKER)
 
 
 def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
@@ -51,7 +57,7 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
                             f"(train.eval_every's validations mark it)")
     if not which.strip():       # Path("") is the current directory
         raise PipelineError("--checkpoint is empty: give latest, best, or a checkpoint directory")
-    path = Path(which)
+    path = Path(which).expanduser()
     if (path / "mp_rank_00_model_states.pt").is_file() or path.name.startswith("step-"):
         return path.parent, path.name, str(path)
     if path.is_dir():
@@ -80,39 +86,121 @@ def trained_model(spec, which: str, log):
 
 
 def export(spec, out: Path, which: str = "latest", log=print) -> str:
-    """Write the export files into `out`, built in a temporary directory beside it and
-    renamed into place; refuses to replace a directory that holds anything else. Returns the
+    """Write the export files into `out`, built in a private temporary directory beside it
+    and renamed into place. `out` is resolved first (`~`, `..`, symlinks, a trailing `/.`);
+    it may be new, an empty directory, or an earlier export (its marker file says so, and it
+    holds nothing but export files); anything else is refused, naming the path. Returns the
     checkpoint exported (as config.json records it)."""
     from safetensors.torch import save_model
 
     from pipeline.data.manifest import load_manifest
-    from pipeline.fsutil import writable_dir
+    from pipeline.fsutil import private_temp_dir, real_destination, writable_dir
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir())
-                         - {WEIGHTS, CONFIG, VOCAB, SP_MODEL}):
-        raise PipelineError(f"--out {shown(out)}: exists and holds other files; name a new or "
-                            f"an earlier export's directory")
+    given = out
+    out = real_destination(out)
+    if any(len(os.fsencode(part)) > 255 for part in out.parts):
+        raise PipelineError(f"--out {shown(given)}: a name in it is longer than a file name "
+                            f"can be (255 bytes)")
+    check_replaceable(out, given)
     model, preprocess, checkpoint = trained_model(spec, which, log)
     manifest = load_manifest(preprocess)
     vocab = manifest["vocab"]
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     writable_dir(out.parent, "--out")
-    tmp.mkdir()
-    save_model(model, str(tmp / WEIGHTS))
-    (tmp / CONFIG).write_text(json.dumps({
-        "kind": spec.model_kind, "model": asdict(spec.model_params),
-        "vocab_size": manifest["vocab_size"],
-        "source": {"spec": spec.source, "checkpoint": checkpoint}}, indent=2) + "\n")
-    (tmp / VOCAB).write_text(json.dumps(vocab, indent=1) + "\n")
-    if vocab["kind"] == "sentencepiece":
-        shutil.copy2(preprocess / "shards" / vocab["model"], tmp / SP_MODEL)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    try:
+        tmp = private_temp_dir(out.parent, out.name)
+    except OSError as e:
+        raise PipelineError(f"--out {shown(given)}: cannot write there: "
+                            f"{e.strerror or e}") from None
+    try:
+        save_model(model, str(tmp / WEIGHTS))
+        (tmp / CONFIG).write_text(json.dumps({
+            "kind": spec.model_kind, "model": asdict(spec.model_params),
+            "vocab_size": manifest["vocab_size"],
+            "source": {"spec": spec.source, "checkpoint": checkpoint}}, indent=2) + "\n")
+        (tmp / VOCAB).write_text(json.dumps(vocab, indent=1) + "\n")
+        if vocab["kind"] == "sentencepiece":
+            shutil.copy2(preprocess / "shards" / vocab["model"], tmp / SP_MODEL)
+        (tmp / MARKER).write_text(MARKER_TEXT)
+        _replace(tmp, out, given)
+    except OSError as e:
+        raise PipelineError(f"--out {shown(given)}: cannot write the export: "
+                            f"{e.strerror or e}") from None
+    finally:
+        _remove_export(tmp)         # ours (mkdtemp): gone once renamed, else half-written
     log(f"{out}: {checkpoint} exported ({WEIGHTS}, {CONFIG}, {VOCAB})")
     return checkpoint
+
+
+def check_replaceable(out: Path, given) -> None:
+    """Refuse (one line naming the path) a destination that is not new, not an empty
+    directory and not an earlier export: `export` never replaces what it did not write."""
+    where = shown(given) if str(given) == str(out) else f"{shown(given)} ({shown(out)})"
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise PipelineError(f"--out {where}: exists and is not a directory; name a new "
+                            f"directory or an earlier export's")
+    try:
+        entries = sorted(p.name for p in out.iterdir())
+    except OSError as e:
+        raise PipelineError(f"--out {where}: cannot read it: {e.strerror or e}") from None
+    if not entries:
+        return
+    if MARKER not in entries or not _is_marker(out / MARKER):
+        raise PipelineError(f"--out {where}: exists and holds other files, and is not an "
+                            f"earlier export (no {MARKER} file in it); name a new directory "
+                            f"or an earlier export's")
+    for name in entries:
+        path = out / name
+        if name not in FILES or path.is_symlink() or not path.is_file():
+            raise PipelineError(f"--out {where}: an earlier export, but {shown(path)} is not "
+                                f"one of its files; move it away or name another directory")
+
+
+def _is_marker(path: Path) -> bool:
+    try:
+        return not path.is_symlink() and path.is_file() and \
+            path.stat().st_size < 1024 and json.loads(path.read_text()).get("kind") == "export"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _replace(tmp: Path, out: Path, given) -> None:
+    """Rename `tmp` to `out`; an earlier export at `out` (checked again now) is first renamed
+    to a private name and then emptied file by file, never removed as a tree."""
+    from pipeline.fsutil import private_temp_dir
+
+    check_replaceable(out, given)
+    if not os.path.lexists(out):
+        tmp.rename(out)
+        return
+    trash = private_temp_dir(out.parent, out.name)
+    try:
+        out.rename(trash / "old")
+        try:
+            tmp.rename(out)
+        except BaseException:
+            (trash / "old").rename(out)      # the earlier export stays where it was
+            raise
+    finally:
+        _remove_export(trash / "old")
+        _remove_export(trash)
+
+
+def _remove_export(directory: Path) -> None:
+    """Remove a directory of export files this process made or checked: only the files it
+    can hold, then the directory itself, which fails (and is left) if anything else is in it."""
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for name in FILES:
+        try:
+            (directory / name).unlink()
+        except (FileNotFoundError, IsADirectoryError):
+            pass
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
 
 
 def load_exported(directory, device="cpu"):

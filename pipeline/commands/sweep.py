@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.cluster import distributed
-from pipeline.errors import PipelineError, Preempted, shown
+from pipeline.cluster.signals import _Handler
+from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.workspace.layout import Workspace, fingerprint
 from pipeline.workspace.runner import Runner
 from pipeline.spec import load_spec
@@ -182,8 +184,8 @@ class SweepRun:
             uri = tracking_uri(spec)
             if uri.startswith("sqlite:///"):
                 Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-                from mlflow.tracking import MlflowClient
-                self.client = MlflowClient(tracking_uri=uri)
+                from pipeline.tracking.tracker import open_client
+                self.client = open_client(uri, warn)
             else:
                 self.client = open_store(uri)
             from pipeline.tracking.sender import experiment_id
@@ -294,7 +296,7 @@ def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_te
                 sweep.adopt([p.spec.workspace_dir])
         status = "FINISHED" if not failed else "FAILED"
     except BaseException as e:
-        status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+        status = "KILLED" if isinstance(e, (KeyboardInterrupt, Preempted)) else "FAILED"
         raise
     finally:
         sweep.adopt(workspaces)
@@ -326,43 +328,92 @@ def run_shared_prefix(pts: list[Point], prefix: list[str], sweep: SweepRun, log)
         sweep.adopt([first.spec.workspace_dir])
 
 
+def point_command(config: str, point: Point) -> list[str]:
+    """The command that runs one point in its own process (tests put stand-ins here)."""
+    return [sys.executable, "-m", "pipeline.commands.cli", "run", config,
+            *(x for o in point.overrides for x in ("--set", o))]
+
+
+class ForwardSignals(_Handler):
+    """While the points run as processes: the first SIGTERM / SIGINT / SIGHUP is passed on as
+    SIGTERM to every running point (each saves a checkpoint and exits 143), and no new point
+    starts; a second one is passed on as SIGINT (they stop at once) and stops the sweep."""
+
+    def __init__(self, running: list):
+        super().__init__()
+        self.running = running
+
+    def _send(self, sig) -> None:
+        for _, proc, _ in self.running:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+
+    def _first(self, signum) -> None:
+        self._send(signal.SIGTERM)
+
+    def _handle(self, signum, frame) -> None:
+        try:
+            super()._handle(signum, frame)
+        except Interrupted:
+            self._send(signal.SIGINT)
+            raise
+
+
 def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRun,
                    log) -> list[str]:
     """Each point as its own `allattn-pipe run`, at most `parallel` at a time; their output
-    goes to `<workspace>/sweep.log`."""
+    goes to `<workspace>/sweep.log`. A signal is forwarded to them (`ForwardSignals`); the
+    sweep waits for them to save and exit, then stops with `Preempted` (exit 128 + the
+    signal's number), its MLflow run marked KILLED."""
     failed: list[str] = []
     running: list[tuple[Point, subprocess.Popen, object]] = []
+    stopped: list[str] = []
     queue = list(todo)
-    try:
-        while queue or running:
-            while queue and len(running) < max(parallel, 1):
-                p = queue.pop(0)
-                p.spec.workspace_dir.mkdir(parents=True, exist_ok=True)
-                out = open(p.spec.workspace_dir / "sweep.log", "ab")
-                cmd = [sys.executable, "-m", "pipeline.commands.cli", "run", config,
-                       *(x for o in p.overrides for x in ("--set", o))]
-                # each point is a run of its own: its own process group, its own port
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                        env=distributed.environment_for_new_group())
-                running.append((p, proc, out))
-                log(f"[{p.name}] started (log: {p.spec.workspace_dir / 'sweep.log'})")
-            time.sleep(0.5)
-            for entry in [e for e in running if e[1].poll() is not None]:
-                running.remove(entry)
-                p, proc, out = entry
+    with ForwardSignals(running) as signals:
+        try:
+            while queue or running:
+                while queue and len(running) < max(parallel, 1) and signals.received is None:
+                    p = queue.pop(0)
+                    p.spec.workspace_dir.mkdir(parents=True, exist_ok=True)
+                    out = open(p.spec.workspace_dir / "sweep.log", "ab")
+                    # each point is a run of its own: its own process group, its own port
+                    proc = subprocess.Popen(point_command(config, p), stdout=out,
+                                            stderr=subprocess.STDOUT,
+                                            env=distributed.environment_for_new_group())
+                    running.append((p, proc, out))
+                    log(f"[{p.name}] started (log: {p.spec.workspace_dir / 'sweep.log'})")
+                if signals.received is not None and not running:
+                    break
+                time.sleep(0.5)
+                for entry in [e for e in running if e[1].poll() is not None]:
+                    running.remove(entry)
+                    p, proc, out = entry
+                    out.close()
+                    sweep.adopt([p.spec.workspace_dir])
+                    if proc.returncode == 0:
+                        log(f"[{p.name}] finished")
+                    elif signals.received is not None:
+                        log(f"[{p.name}] stopped by {signals.received} (exit "
+                            f"{proc.returncode}); see {p.spec.workspace_dir / 'sweep.log'}")
+                        stopped.append(p.name)
+                    else:
+                        log(f"[{p.name}] failed (exit {proc.returncode}); see "
+                            f"{p.spec.workspace_dir / 'sweep.log'}")
+                        failed.append(p.name)
+        finally:
+            for p, proc, out in running:      # interrupted: the points' runs stop too
+                if proc.poll() is None and signals.received is None:
+                    proc.terminate()
+                proc.wait()
                 out.close()
-                sweep.adopt([p.spec.workspace_dir])
-                if proc.returncode == 0:
-                    log(f"[{p.name}] finished")
-                else:
-                    log(f"[{p.name}] failed (exit {proc.returncode}); see "
-                        f"{p.spec.workspace_dir / 'sweep.log'}")
-                    failed.append(p.name)
-    finally:
-        for p, proc, out in running:      # interrupted: the points' runs stop too
-            proc.terminate()
-            proc.wait()
-            out.close()
+    if signals.received is not None:
+        name = signals.received
+        error = Preempted(f"sweep stopped by {name}: "
+                          + (f"{', '.join(stopped)} saved what they had and stopped; "
+                             if stopped else "")
+                          + "run the sweep again to resume its points")
+        error.exit_code = 128 + signal.Signals[name].value
+        raise error
     return failed
 
 

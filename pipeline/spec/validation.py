@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 import typing
 from dataclasses import MISSING, asdict, fields, is_dataclass
 
@@ -121,10 +122,43 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
                 f"between forward passes, but an adaptive-span model reads its span "
                 f"parameters outside forward (to size its cache and clamp them): use "
                 f"zero_stage 1 or 2, or model.adaptive_span: false")
+    if spec is not None and not errors:
+        errors += _check_names(spec, where, origin)
     if errors:
         raise SpecError("\n".join(errors))
+    _normalise_paths(spec)
     spec._model_params = params
     return spec
+
+
+# a name that becomes one path component: the rule `name` has in the schema
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+NAME_MAX = 100
+
+
+def _check_names(spec: Spec, where: dict, origin: str) -> list[str]:
+    """tracking.experiment names the directory of the local store's artifacts
+    (<workspace.root>/mlartifacts/<experiment>): it is held to `name`'s rule, so that `..`,
+    `/any/dir` or a separator can never put them outside workspace.root."""
+    experiment = spec.tracking.experiment
+    if experiment is None or (NAME_PATTERN.fullmatch(experiment) and
+                              len(experiment) <= NAME_MAX and experiment not in (".", "..")):
+        return []
+    at = _locate(where, ("tracking", "experiment"), origin)
+    return [f"{at}: tracking.experiment: becomes a directory name under "
+            f"{{workspace.root}}/mlartifacts, so it is held to the rule `name` has: letters, "
+            f"digits, '_', '.', '-', starting with a letter or digit, at most {NAME_MAX} "
+            f"characters; found {_show(experiment)}"]
+
+
+def _normalise_paths(spec: Spec) -> None:
+    """workspace.root and workspace.cache as every path the user gives is read
+    (`fsutil.user_path`): `~` expanded, `..` resolved, so nothing is created beside them."""
+    from pipeline.fsutil import user_path
+
+    spec.workspace.root = str(user_path(spec.workspace.root))
+    if spec.workspace.cache is not None:
+        spec.workspace.cache = str(user_path(spec.workspace.cache))
 
 
 # Upper bounds on model sizes (by config field name), with what the paper uses: far above any

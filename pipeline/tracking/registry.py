@@ -86,13 +86,13 @@ def check_registrable(spec, name: str):
 def _client(uri: str):
     import logging
 
-    from mlflow.tracking import MlflowClient
-
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     if uri.startswith("sqlite:///"):
         Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=uri)
+    from pipeline.tracking.tracker import open_client
+
+    return open_client(uri)
 
 
 def _unusable(store: str, what: str, error: Exception) -> str:

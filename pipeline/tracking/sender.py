@@ -139,6 +139,7 @@ class Sender:
         self.pending: deque[dict] = deque()
         self.failing = False
         self.spilled_to: Path | None = None
+        self.unwritten: list[dict] = []   # records neither the store nor the backlog took
         self._lost: set[str] = set()      # keys whose `create` MLflow refused
         self._hurry = False               # a flush is waiting: try now, not at _next_try
         self._next_try = 0.0
@@ -152,7 +153,7 @@ class Sender:
     def submit(self, record: dict) -> None:
         with self._cond:
             if self.spilled_to is not None:
-                append_records(self.spilled_to, [record])
+                self._keep([record])
                 return
             self.pending.append(record)
             if self._thread is None:
@@ -189,12 +190,33 @@ class Sender:
         with self._cond:
             records = list(self.pending)
             self.pending.clear()
+            self.spilled_to = path
             if records:
                 binds = [{"op": "bind", "key": k, "run_id": v}
                          for k, v in self.delivery.run_ids.items()]
-                append_records(path, binds + records)
-            self.spilled_to = path
+                self._keep(binds + records)
             return len(records)
+
+    def _keep(self, records: list[dict]) -> None:
+        """Append to the backlog file (the caller holds `_cond`). A backlog that cannot be
+        written (a full disk, a directory turned read-only) stops the run with one line,
+        once: its records stay in memory (`unwritten`) for the cleanup that follows, and
+        the metrics since the last checkpoint are logged again when the run resumes (the
+        tracker makes them durable before every checkpoint)."""
+        if self.unwritten:
+            self.unwritten.extend(records)
+            return
+        try:
+            append_records(self.spilled_to, records)
+        except OSError as e:
+            from pipeline.errors import PipelineError
+
+            self.unwritten.extend(records)
+            raise PipelineError(
+                f"tracking backlog {self.spilled_to}: cannot write it ({e.strerror or e}) "
+                f"while the tracking store is not taking records either; the run stops "
+                f"here: free space (or make it writable) and run again, which resumes from "
+                f"the last checkpoint and logs the steps since then again") from None
 
     def _loop(self) -> None:
         while True:
@@ -231,8 +253,8 @@ class Sender:
         with self._cond:
             if not self.failing:
                 self.failing = True
-                self.warn(f"tracking server not answering ({reason(error)}); training goes "
-                          f"on, its records are kept and sent when the server is back")
+                self.warn(f"{not_answering(error)}; training goes on, its records are kept "
+                          f"and sent when the store takes them again")
             self._next_try = time.monotonic() + self.retry_s
             self._hurry = False
 
@@ -337,11 +359,22 @@ def reason(error: BaseException) -> str:
     text = str(error)
     if status := _answered_status(error):
         return f"HTTP {status}"
+    if m := re.search(r"\(sqlite3\.\w+\) ([^\n\[]+)", text):    # a local store: its own words
+        return m.group(1).strip()
     if m := re.search(r"\[Errno -?\d+\] ([^'\")]+)", text):
         return m.group(1).strip()
     if "timed out" in text or "timeout" in text.lower():
         return "no answer in time"
     return first_line(error)
+
+
+def not_answering(error: BaseException) -> str:
+    """How a failed request is reported: a server that does not answer, or a local store
+    (sqlite) that answered with its own cause (locked, read-only, full)."""
+    why = reason(error)
+    if re.search(r"\(sqlite3\.\w+\)", str(error)):
+        return f"tracking store refuses writes ({why})"
+    return f"tracking server not answering ({why})"
 
 
 def first_line(error: BaseException) -> str:

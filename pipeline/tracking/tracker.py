@@ -185,8 +185,6 @@ class MlflowTracker:
 
     def __init__(self, uri: str, retry_s: float = RETRY_SECONDS, flush_s: float = FLUSH_SECONDS,
                  warn=None):
-        from mlflow.tracking import MlflowClient
-
         # the store's first-use schema migration logs at INFO on every new workspace
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -195,15 +193,18 @@ class MlflowTracker:
             # on a dead server; the Sender retries by itself, so one short try per call
             for name, value in _HTTP_LIMITS.items():
                 os.environ.setdefault(name, value)
+        # a local store's refusals (locked, read-only, full) are ours to report in one line;
+        # MLflow's session wrapper logs each with a traceback first
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         self.uri, self.flush_s = uri, flush_s
+        self.warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
         from mlflow.exceptions import MlflowException
 
         try:
-            self.client = MlflowClient(tracking_uri=uri)
+            self.client = open_client(uri, self.warn)
         except MlflowException as e:     # a store MLflow refuses (file: without its opt-in)
             raise PipelineError(f"tracking store {shown(uri)}: MLflow refuses it: "
                                 f"{_first_sentence(e.message)}") from None
-        self.warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
         self.sender = Sender(Delivery(self.client), self.warn_server, retry_s)
         self.spec = None
         self.parent: StageTracker | None = None
@@ -216,7 +217,12 @@ class MlflowTracker:
         self.warn(f"MLflow {self.uri}: {message}")
 
     def check(self, spec) -> None:
-        """Refuse to start when the tracking server does not answer, in a few seconds."""
+        """Refuse to start when the tracking server does not answer, in a few seconds, or
+        when a local store cannot take a write (read-only, or locked by another process for
+        longer than STORE_WAIT_S: a run waits that long, saying so)."""
+        if sqlite_path(self.uri) is not None:
+            _open_store(lambda: _probe_write(self.uri), self.uri, self.warn)
+            return
         if not is_remote(self.uri):
             return
         try:
@@ -334,7 +340,8 @@ class MlflowTracker:
         if self.sender.spilled_to is not None or self.sender.flush(self.flush_s):
             return
         if not self.sender.failing:     # a request still waiting: the sender has not said so
-            self.warn(f"tracking server not answering (nothing taken in {self.flush_s:g} s)")
+            self.warn(f"tracking {'store' if sqlite_path(self.uri) else 'server'} not "
+                      f"answering (nothing taken in {self.flush_s:g} s)")
         backlog = backlog_path(self.spec)
         count = self.sender.spill(backlog, join_s=self._request_timeout() + 1)
         self.warn(f"{count} tracking records could not be sent to {self.uri}; they are in "
@@ -391,6 +398,131 @@ def last_activity(client, run, children) -> int:
         if "loss" in child.data.metrics:
             times += [m.timestamp for m in client.get_metric_history(child.info.run_id, "loss")]
     return max(times)
+
+
+STORE_WAIT_S = 60.0     # a run waits this long for another process to free a local store
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:` tracking URI (its `file:` URI form too), else None."""
+    if not uri.lower().startswith("sqlite:"):
+        return None
+    from urllib.parse import urlparse
+
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(uri).database
+    except Exception:
+        return None
+    if not database or database == ":memory:":
+        return None
+    return Path(urlparse(database).path if database.startswith("file:") else database)
+
+
+@contextmanager
+def store_lock(uri: str, warn):
+    """Opening a local sqlite store, one process at a time: on first use MLflow creates the
+    store's tables and runs its migrations, and two processes doing that at once break each
+    other (two `run`s started together on a new workspace). The lock is a file beside the
+    store; a process that finds it held waits, saying so, up to STORE_WAIT_S."""
+    import fcntl
+
+    path = sqlite_path(uri)
+    if path is None or not path.parent.is_dir():
+        yield                           # MLflow's own error names what is missing
+        return
+    lock = path.parent / f".{path.name}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise PipelineError(f"tracking store {shown(path)}: cannot create its lock file "
+                            f"{shown(lock)}: {e.strerror or e}") from None
+    try:
+        deadline, said = time.monotonic() + STORE_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    warn(f"waiting for another process that is opening the tracking store "
+                         f"{path}")
+                    said = True
+                if time.monotonic() > deadline:
+                    raise PipelineError(
+                        f"tracking store {shown(path)}: another process has held {lock} for "
+                        f"{STORE_WAIT_S:g} s; let it finish, or stop it, and run again") from None
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)                    # and with it the lock
+
+
+def open_client(uri: str, warn=None):
+    """An MlflowClient for `uri`, as every command opens one: a local sqlite store under
+    `store_lock` (its creation is not safe to race), its refusals one line (`_open_store`)."""
+    from mlflow.tracking import MlflowClient
+
+    warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    with store_lock(uri, warn):
+        return _open_store(lambda: MlflowClient(tracking_uri=uri), uri, warn)
+
+
+def _probe_write(uri: str) -> None:
+    """Begin a write transaction on a local store and roll it back: a store that is
+    read-only, on a read-only or full file system, or locked fails here, before the run."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(uri, connect_args={"timeout": 1.0})
+    try:
+        raw = engine.raw_connection()
+        try:
+            cursor = raw.cursor()
+            cursor.execute("BEGIN IMMEDIATE")
+            try:                        # a write: a read-only store refuses only those
+                cursor.execute("CREATE TABLE allattn_write_probe (x)")
+            finally:
+                cursor.execute("ROLLBACK")
+        finally:
+            raw.close()
+    finally:
+        engine.dispose()
+
+
+def _open_store(action, uri: str, warn):
+    """`action()` on a local store, its refusals as one line with sqlite's cause; while
+    another process holds the store locked, retried for up to STORE_WAIT_S, saying so."""
+    from mlflow.exceptions import MlflowException
+
+    path = sqlite_path(uri)
+    if path is None:
+        return action()
+    deadline = None                     # from the first refusal: an attempt may block
+    while True:
+        try:
+            return action()
+        except MlflowException as e:
+            if "sqlite3" not in str(e):
+                raise                   # MLflow's own refusal, for the caller to word
+            error = e
+        except Exception as e:          # sqlalchemy's, raised before MLflow's wrapper
+            error = e
+        why = reason(error)
+        if "locked" in why and (deadline is None or time.monotonic() < deadline):
+            if deadline is None:
+                deadline = time.monotonic() + STORE_WAIT_S
+                warn(f"tracking store {path} is locked by another process; waiting up to "
+                     f"{STORE_WAIT_S:g} s for it")
+            time.sleep(0.5)
+            continue
+        hint = ("another process holds it (an sqlite3 shell, a stuck process?): close it "
+                "and run again" if "locked" in why else
+                "free space and run again" if "full" in why else
+                "make it and its directory writable, or point tracking.uri elsewhere, or "
+                "set tracking.enabled: false")
+        raise PipelineError(f"tracking store {shown(path)}: {why}; {hint}") from None
 
 
 def _first_sentence(text: str) -> str:

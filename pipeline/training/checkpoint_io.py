@@ -8,6 +8,7 @@ record, the rank's random state and the model's plan (shapes planned ahead).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -57,6 +58,45 @@ def read_trainer_file(path: Path) -> dict:
     return saved
 
 
+@contextlib.contextmanager
+def _quiet_failed_save():
+    """Without DeepSpeed's log line for a checkpoint directory it could not make: the write
+    fails next, and `cannot_write` reports it, with its cause, in the one line of the error."""
+    from deepspeed.utils import logger
+
+    def keep(record) -> bool:
+        return not str(record.msg).startswith("Failed saving model checkpoint")
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def cannot_write(path: Path, failure: BaseException) -> PipelineError | None:
+    """The one-line error for checkpoint `path` that could not be written because its
+    directory refuses writes (turned read-only, no permission), with the real cause: torch's
+    writer reports that only as "Parent directory ... does not exist". None when the directory
+    takes writes and the failure was an OSError of another kind or no OSError at all (a
+    bug, whose traceback is the message)."""
+    import tempfile
+
+    root = path.parent
+    try:
+        tempfile.TemporaryFile(dir=root).close()
+        why = None
+    except OSError as e:
+        why = e.strerror or str(e)
+    if why is None:
+        if not isinstance(failure, OSError):
+            return None
+        why = failure.strerror or str(failure)
+    return PipelineError(f"checkpoint {path}: cannot write it: {why} (in {root}); the "
+                         f"checkpoints already there are as they were: make {root} writable "
+                         f"and run again to resume from the newest one")
+
+
 class CheckpointIO:
     """Saves and loads the checkpoints of one training process (every rank holds one and
     calls it together with the others)."""
@@ -78,9 +118,12 @@ class CheckpointIO:
             self._write(root, tag, loop)
             self.trusted.add(root / tag)
         if self.rank == 0:
-            atomic_write_text(root / "latest", tag + "\n")
-            if best:
-                atomic_write_text(root / "best", tag + "\n")
+            try:
+                atomic_write_text(root / "latest", tag + "\n")
+                if best:
+                    atomic_write_text(root / "best", tag + "\n")
+            except OSError as e:
+                raise cannot_write(root / "latest", e) or e from None
             best_tag = read_pointer(root / "best")
             # Newer ones are damaged leftovers of the run this one resumed: the run rewrites
             # them as it reaches their steps, and they never take an intact one's place.
@@ -95,7 +138,10 @@ class CheckpointIO:
         """Every rank writes its files into `tmp-<tag>`; then rank 0 records their checksums
         and renames it to `tag` (replacing a damaged one left from before a resume)."""
         path, tmp = root / tag, root / f"tmp-{tag}"
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise cannot_write(path, e) or e from None
         previous = [p for p in step_dirs(root) if (p / CHECKSUMS).exists()]
         # the previous checkpoint's size, or fp32 weights plus Adam's two moments
         needed = checkpoint_bytes(previous[0]) if previous else 12 * self.parameters
@@ -104,7 +150,8 @@ class CheckpointIO:
         failure = None
         try:
             before_save_checkpoint(self.engine)
-            self.engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+            with _quiet_failed_save():
+                self.engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
             torch.save({"step": loop.step, "rng": rng_state(),
                         "states": [[t.cpu() for t in state] for state in loop.states],
                         "valid": {"best": loop.best_valid, "since_best": loop.evals_since_best},
@@ -136,7 +183,10 @@ class CheckpointIO:
         if full:
             raise disk_full(tmp.parent / tmp.name.removeprefix("tmp-"), needed) from None
         if failure is not None:
-            raise failure
+            refused = cannot_write(tmp.parent / tmp.name.removeprefix("tmp-"), failure)
+            if refused is None:
+                raise failure
+            raise refused from None
         raise PipelineError(f"writing checkpoint {tmp} failed on another rank")
 
     def load(self, root: Path, accum: int, device: torch.device) -> LoopState:

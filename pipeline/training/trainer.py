@@ -182,7 +182,12 @@ class Trainer:
                         and self.step < until:
                     self.save(ckpt_root, train.keep_checkpoints)
                     window.restart_clock()
-        path = self.save(ckpt_root, train.keep_checkpoints)
+            # under StopSignal: a signal during the last write lets it complete, then stops
+            path = self.save(ckpt_root, train.keep_checkpoints)
+            if distributed.any_rank(stop.received is not None):
+                raise Preempted(f"{stop.received or 'a signal on another rank'} during the "
+                                f"last checkpoint, step {self.step}: {path} saved; run the "
+                                f"pipeline again to finish the stage")
         best = "best_valid_loss" if self.documents else "best_valid_bpc_estimate"
         return {"step": self.step, "checkpoint": str(path), "stopped_early": stopped_early,
                 best: self.best_valid, "parameters": self.params}

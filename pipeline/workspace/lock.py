@@ -20,8 +20,16 @@ class WorkspaceLock:
         self._fd: int | None = None
 
     def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        from pipeline.fsutil import writable_dir
+
+        # one line for a workspace that cannot be made (a dangling symlink or a file on the
+        # way, a name too long, a read-only place), as `run` gives before it locks
+        writable_dir(self.path.parent, "workspace")
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise PipelineError(f"workspace {self.path.parent}: cannot create its lock file "
+                                f"{self.path}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -65,7 +65,31 @@ def test_outside_training_a_second_signal_cuts_the_cleanup_short(sig, code):
 
 
 def test_the_handlers_are_restored():
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     with StopSignal(), RaiseOnSignal():
         pass
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_sighup_is_taken_as_sigterm():
+    # a closed terminal or a dropped ssh session: before, SIGHUP's default action killed the
+    # run with no checkpoint and no message
+    with StopSignal() as stop:
+        signal.raise_signal(signal.SIGHUP)
+        assert stop.received == "SIGHUP"            # a checkpoint, then stop
+        signal.raise_signal(signal.SIGHUP)          # delivered twice: the same request
+    with RaiseOnSignal():
+        with pytest.raises(Interrupted, match="stopped by SIGHUP") as e:
+            signal.raise_signal(signal.SIGHUP)
+    assert e.value.exit_code == 129
+
+
+def test_sighup_stays_ignored_under_nohup():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with StopSignal() as stop:
+            signal.raise_signal(signal.SIGHUP)
+            assert stop.received is None
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)

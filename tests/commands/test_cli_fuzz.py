@@ -1,13 +1,13 @@
 """The command-line fuzzer (tests/helpers/cli_fuzz.py) over every command: 2,000 cases, each
 ending in exit 0 or a located one-line `error: ...` with exit 2, none a traceback or a hang,
-none changing what a refused or read-only command found. bench/fuzz.py prints the figure."""
+none changing what a refused or read-only command found (marker `fuzz`); and a short run of
+the path fuzzer (tests/helpers/path_fuzz.py). bench/fuzz.py prints both figures."""
 
 from __future__ import annotations
 
 import pytest
 from tests.helpers.cli_fuzz import build_world, fuzz
-
-pytestmark = pytest.mark.fuzz
+from tests.helpers.path_fuzz import fuzz_paths
 
 CASES = 2000
 
@@ -17,6 +17,7 @@ def world(tmp_path_factory):
     return build_world(tmp_path_factory.mktemp("fuzz") / "world")
 
 
+@pytest.mark.fuzz
 def test_every_command_refuses_bad_input_in_one_line_and_leaves_files_alone(world):
     outcomes = []
 
@@ -32,3 +33,21 @@ def test_every_command_refuses_bad_input_in_one_line_and_leaves_files_alone(worl
                         "sample", "export", "sync", "launch slurm", "stages", "junk"}
     assert {o.command for o in outcomes if o.exit_code == 0} >= {
         "validate", "show", "run", "run --dry-run", "sweep", "compare", "sample", "export"}
+
+
+PATH_CASES = 30      # bench/fuzz.py --paths 1000 runs the full figure
+
+
+@pytest.mark.slow
+def test_path_shapes_and_concurrent_commands_change_only_what_the_command_owns(world):
+    """tests/helpers/path_fuzz.py: `..` through missing directories, symlinks, `~`, foreign
+    directories, unicode and long names, for every path argument and path-valued key; two
+    commands at once on one workspace."""
+    outcomes = []
+
+    def check(outcome):
+        outcomes.append(outcome)
+        assert outcome.problem is None, f"{outcome.args}: {outcome.problem}"
+
+    fuzz_paths(world, PATH_CASES, check)
+    assert len(outcomes) >= PATH_CASES

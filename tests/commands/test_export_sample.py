@@ -52,8 +52,8 @@ def test_an_export_loads_with_one_call_and_gives_the_checkpoints_logits(trained,
 
     out = tmp_path / "export"
     cli("export", trained, "--out", out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
-                                                      "vocab.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".allattn-export", "config.json",
+                                                      "model.safetensors", "vocab.json"]
     spec = load_spec(trained, [])
     preprocess = spec.workspace_dir / "preprocess"
     manifest = load_manifest(preprocess)
@@ -78,8 +78,9 @@ def test_export_refuses_a_directory_holding_other_files(trained, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     result = CliRunner().invoke(main, ["export", str(trained), "--out", str(tmp_path)])
     assert result.exit_code == 2
-    assert result.output == (f"error: --out {tmp_path}: exists and holds other files; name a "
-                             f"new or an earlier export's directory\n")
+    assert result.output == (f"error: --out {tmp_path}: exists and holds other files, and is "
+                             f"not an earlier export (no .allattn-export file in it); name a "
+                             f"new directory or an earlier export's\n")
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -257,3 +258,91 @@ def test_an_empty_checkpoint_is_one_line_not_the_current_directory(trained, tmp_
     assert result.output == ("error: --checkpoint is empty: give latest, best, or a checkpoint "
                              "directory\n")
     assert not (tmp_path / "out").exists()
+
+
+def _tree(root) -> dict:
+    """Every path under `root` with its bytes (None for a directory)."""
+    from pathlib import Path
+
+    root = Path(root)
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*"))}
+
+
+def _refused(args, *names) -> str:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    line = result.output.strip()
+    assert line.startswith("error: ") and "\n" not in line, line
+    for name in names:
+        assert name in line, line
+    return line
+
+
+def test_export_through_a_missing_directory_and_dotdot_never_replaces_the_target(
+        trained, tmp_path, monkeypatch):
+    # `typo` does not exist: before, the check looked at `typo/../victim` (absent), then
+    # export made `typo` and replaced victim's files, exit 0
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "thesis.tex").write_text("years of work")
+    before = _tree(tmp_path)
+    _refused(["export", trained, "--out", "typo/../victim"], "victim", "not an earlier export")
+    assert _tree(tmp_path) == before
+
+
+def test_export_to_the_parent_of_a_missing_directory_deletes_nothing(trained, tmp_path,
+                                                                     monkeypatch):
+    # `g/..` is the current directory: before, every entry of it was deleted, then a traceback
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.bin").write_bytes(b"\0\1")
+    before = _tree(tmp_path)
+    _refused(["export", trained, "--out", "g/.."], "g/..")
+    _refused(["export", trained, "--out", "./."])
+    assert _tree(tmp_path) == before
+
+
+def test_export_leaves_a_sibling_named_like_its_old_temporary_alone(trained, tmp_path):
+    # before, `--out out` removed `.out.tmp/` whoever owned it
+    (tmp_path / ".out.tmp").mkdir()
+    (tmp_path / ".out.tmp" / "theirs.txt").write_text("someone else's")
+    cli("export", trained, "--out", tmp_path / "out")
+    assert (tmp_path / ".out.tmp" / "theirs.txt").read_text() == "someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp", "out"]
+
+
+@pytest.mark.parametrize("shape", ["names-only", "config-dir", "no-marker-export", "extra"])
+def test_export_replaces_only_an_earlier_export_its_marker_proves(trained, tmp_path, shape):
+    out = tmp_path / "out"
+    if shape == "names-only":      # files merely named as an export's
+        out.mkdir()
+        for name in ("model.safetensors", "config.json", "vocab.json"):
+            (out / name).write_text("not an export")
+    elif shape == "config-dir":    # before: deleted recursively, files and all
+        (out / "config.json").mkdir(parents=True)
+        (out / "config.json" / "precious.txt").write_text("mine")
+    else:
+        cli("export", trained, "--out", out)
+        if shape == "no-marker-export":
+            (out / ".allattn-export").unlink()
+        else:
+            (out / "config.json").unlink()
+            (out / "config.json").mkdir()
+            (out / "config.json" / "precious.txt").write_text("mine")
+    before = _tree(tmp_path)
+    _refused(["export", trained, "--out", out], str(out))
+    assert _tree(tmp_path) == before
+
+
+def test_export_replaces_an_earlier_export_also_through_a_symlink(trained, tmp_path):
+    out = tmp_path / "out"
+    cli("export", trained, "--out", out)
+    first = _tree(out)
+    (tmp_path / "link").symlink_to(out)
+    cli("export", trained, "--out", f"{tmp_path / 'link'}/.")
+    assert _tree(out) == first       # the same checkpoint: the same files, marker included
+    assert (tmp_path / "link").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out"]

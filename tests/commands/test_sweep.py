@@ -229,3 +229,41 @@ def test_parallel_runs_each_point_as_its_own_process_and_compare_shows_both(cfg,
     assert [(g["name"], g["n"], g["status"], g["metrics"]["valid_bpc"]["n"])
             for g in groups] == [("pipe", 2, "finished", 2)]
     assert sorted(r["seed"] for r in groups[0]["runs"]) == ["1", "2"]
+
+
+def test_a_signal_to_a_parallel_sweep_reaches_its_points_and_marks_its_run_killed(
+        cfg, tmp_path, monkeypatch):
+    # before: SIGTERM killed the sweep at once; its points trained on as orphans and its
+    # MLflow run stayed RUNNING
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    calls = tmp_path / "calls.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "helpers" / "sweep_worker.py"), "sweep",
+         str(cfg), "--seeds", "1,2", "--parallel", "2"],
+        env={**os.environ, "MLFLOW_ALLOW_FILE_STORE": "true", "DS_ACCELERATOR": "cpu",
+             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+             "SWEEP_CALLS": str(calls), "SWEEP_HANG_AT": "*:train"}, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while sum(c["stage"] == "train" for c in (calls_of(calls) if calls.exists() else [])) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    points = psutil.Process(proc.pid).children(recursive=True)
+    assert len(points) >= 2
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    assert out.splitlines()[-1].startswith("error: sweep stopped by SIGTERM: "), out
+    assert "Traceback" not in out, out
+    for point in points:                       # no orphans: each stopped on the signal
+        assert not point.is_running() or point.status() == psutil.STATUS_ZOMBIE
+    for seed in (1, 2):
+        assert "stopped by SIGTERM" in (tmp_path / "runs" / f"pipe-seed{seed}" /
+                                        "sweep.log").read_text()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((tmp_path / "store").as_uri())
+    exp = client.get_experiment_by_name("pipe")
+    sweeps = client.search_runs([exp.experiment_id], "tags.`sweep.id` != ''")
+    assert [r.info.status for r in sweeps] == ["KILLED"]

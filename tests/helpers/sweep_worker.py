@@ -5,7 +5,7 @@ which the test can kill -9.
 
 Each stage call appends {"stage", "point", "resumed"} to $SWEEP_CALLS ("resumed": the
 stage found the marker an interrupted call left in its partial directory). The train call
-of the point and stage named by $SWEEP_HANG_AT ("POINT:STAGE") leaves that marker and then
+of the point and stage named by $SWEEP_HANG_AT ("POINT:STAGE", "*:STAGE" for every point) leaves that marker and then
 hangs until it is killed. Stages log what the real ones log for `compare` (loss by step,
 the final bpc)."""
 
@@ -29,7 +29,7 @@ def stand_in(name):
         with open(os.environ["SWEEP_CALLS"], "a") as f:
             f.write(json.dumps({"stage": name, "point": ctx.spec.name, "resumed": resumed})
                     + "\n")
-        if os.environ.get("SWEEP_HANG_AT") == f"{ctx.spec.name}:{name}":
+        if os.environ.get("SWEEP_HANG_AT") in (f"{ctx.spec.name}:{name}", f"*:{name}"):
             (ctx.out_dir / MARKER).write_text("")
             while True:
                 time.sleep(60)
@@ -44,7 +44,16 @@ def stand_in(name):
     return run
 
 
+def point_command(config, point):
+    """`sweep --parallel`'s point processes: this worker too, so they get the stand-ins."""
+    return [sys.executable, os.path.abspath(__file__), "run", config,
+            *(x for o in point.overrides for x in ("--set", o))]
+
+
 if __name__ == "__main__":
+    from pipeline.commands import sweep
+
+    sweep.point_command = point_command
     for kind in list(stages.STAGES):
         stages.STAGES[kind] = dataclasses.replace(stages.STAGES[kind], run=stand_in(kind))
     sys.exit(main(sys.argv[1:]))
