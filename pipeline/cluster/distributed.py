@@ -245,14 +245,32 @@ def broadcast_object(obj=None, src: int = 0):
     return box[0]
 
 
+_host_group: tuple[object, object] | None = None
+"""(the default group it was made for, a gloo group over the same ranks)."""
+
+
+def _group_for_host_values():
+    """The group for the few host values the loop shares every step (the stop flag, the
+    logged loss): under NCCL each would be copied to the GPU and read back, a host sync that
+    waits for every kernel queued before it. A gloo group over the same ranks adds them on the
+    CPU instead. None: the default group is already on the CPU."""
+    import torch.distributed as dist
+
+    global _host_group
+    if dist.get_backend() != "nccl":
+        return None
+    if _host_group is None or _host_group[0] is not dist.group.WORLD:
+        # collective: every rank gets here at its first shared value, at the same point
+        _host_group = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _host_group[1]
+
+
 def _all_reduce(value: float, op) -> float:
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=_group_for_host_values())
     return t.item()
 
 

@@ -59,3 +59,26 @@ def test_a_cpu_group_is_left_to_deepspeed(calls, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     distributed.init_process_group()
     assert "init_process_group" not in calls and calls["deepspeed"] == "gloo"
+
+
+def test_under_nccl_the_loop_s_shared_values_are_added_on_the_cpu(monkeypatch):
+    """The stop flag (every step) and the logged loss go through a gloo group made once over
+    the same ranks: under NCCL they would cross to the GPU and back, a host sync each."""
+    import torch.distributed as dist
+
+    made, reduced = [], []
+    monkeypatch.setattr(distributed, "_host_group", None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "new_group", lambda backend: made.append(backend) or "gloo-group")
+
+    def all_reduce(t, op=None, group=None):
+        reduced.append((t.device.type, group))
+        t.mul_(2)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    assert distributed.any_rank(True) is True
+    assert distributed.mean_over_ranks(1.5) == 1.5
+    assert made == ["gloo"]                       # made once, reused
+    assert reduced == [("cpu", "gloo-group")] * 2
