@@ -193,8 +193,12 @@ def _weights(
 
     # (13): one softmax over context and persistent vectors jointly.
     a = F.softmax(s, dim=-1)
-    a_ctx = a[..., :span_len]
-    a_pers = a[..., span_len:] if persistent_k is not None else None
+    # split, not two slices: in backward the parts' gradients are joined in one pass instead
+    # of each slice writing a zero-filled copy of the whole [B, H, M, L' + N]
+    if persistent_k is not None:
+        a_ctx, a_pers = a.split([span_len, a.shape[-1] - span_len], dim=-1)
+    else:
+        a_ctx, a_pers = a, None
     if span_mask is None:
         return a_ctx, a_pers, None
     # Adaptive span: mask the context weights only, then renormalise jointly.
@@ -271,19 +275,22 @@ def attend_reference(
             "flex backend's"
         )
     a_ctx, a_pers, r = _weights(q, k, pos, persistent_k, span_mask)
+    owed = 1.0  # the dropout's 1 / (1 - p) where it is left to the output (the CPU)
     if dropout_p > 0.0 and training:
         # Dropout after the joint renormalisation (here: before the row factor r, which
         # commutes with it), on context and persistent weights alike; one call per part, so
         # the persistent part is a tensor of its own, not a view that keeps all weights.
-        a_ctx = attention_dropout(a_ctx, dropout_p)
+        a_ctx, owed = attention_dropout(a_ctx, dropout_p)
         if a_pers is not None:
-            a_pers = attention_dropout(a_pers, dropout_p)
+            a_pers, _ = attention_dropout(a_pers, dropout_p)
 
     # y_t = sum_c a_tc v_c: place row i's L' weights back at key indices i..i+L'-1.
     out = torch.matmul(skew(a_ctx, 0.0), v)  # [B, H, M, d_h]
     if a_pers is not None:
         out = out + torch.matmul(a_pers, persistent_v)  # [H, N, d_h] broadcast over B
-    return out if r is None else out * r
+    if r is None:
+        return out if owed == 1.0 else out * owed
+    return out * (r if owed == 1.0 else r * owed)
 
 
 def attend_persistent(
@@ -312,7 +319,9 @@ def attend_persistent(
     s = torch.matmul(q, persistent_k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     a = F.softmax(s, dim=-1)
     if dropout_p > 0.0 and training:
-        a = attention_dropout(a, dropout_p)
+        a, owed = attention_dropout(a, dropout_p)
+        if owed != 1.0:
+            return torch.matmul(a, persistent_v) * owed
     return torch.matmul(a, persistent_v)
 
 

