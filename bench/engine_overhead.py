@@ -8,15 +8,14 @@ pipeline.training.optim) step in two ways:
 
 - engine: deepspeed.initialize with pipeline.training.ds_config's config (ZeRO 0, float32
   or with --bf16 DeepSpeed's bf16 mode, one process), then engine(x, y, state), engine.backward(loss), engine.step(), as the
-  trainer does;
+  trainer does (inside the model's planned_update(), request_plan() after it);
 - plain: model(x, y, state), loss.backward(), clip_grad_norm_ where clip is global (what the
   engine's gradient_clipping does), optimizer.step(), optimizer.zero_grad().
 
 Per step it counts the aten ops that run (a TorchDispatchMode: forward, backward and
 optimizer alike) and the host syncs: the ops that make the host wait for the device on
 CUDA (`.item()`, `.tolist()`, bool of a tensor, nonzero...; tests/helpers/host_syncs.py's
-HostSyncCounter where it exists, else the same list here), with the line that asked for
-each. Times are the median of --steps steps after warm-up, the three kinds of step
+HostSyncCounter), with the line that asked for each. Times are the median of --steps steps after warm-up, the three kinds of step
 interleaved. Prints markdown tables; asserts
 nothing. Without --config: the quickstart's model (the all-attention network) at a small
 shape, with the paper's per-tensor clipped Adagrad; --set train.optimizer.clip=global and
@@ -31,66 +30,17 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# the ops that copy a device value to the host (what HostSyncCounter counts, if absent)
-SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_static",
-            "equal", "masked_select", "unique", "_unique2", "unique_consecutive",
-            "unique_dim", "repeat_interleave", "allclose", "_assert_async"}
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops run inside it, and the host syncs with the source line (the
-    innermost frame outside torch) that asked for each."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-        self.syncs: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        self.ops[name] += 1
-        if name in SYNC_OPS:
-            self.syncs.append(_caller())
-        return func(*args, **(kwargs or {}))
-
-
-def _caller() -> str:
-    """The innermost line outside torch that led to the op, and the torch line that ran it
-    (torch.optim's step counters are CPU tensors read with .item(): no sync on CUDA)."""
-    stack = traceback.extract_stack()[:-3]
-    inner = next((f for f in reversed(stack) if "/torch/optim/" in f.filename), None)
-    for frame in reversed(stack):
-        if "/torch/" not in frame.filename:
-            via = (f" (via torch/{inner.filename.split('/torch/')[-1]}:{inner.lineno})"
-                   if inner is not None and stack.index(inner) > stack.index(frame) else "")
-            return f"{_short(frame.filename)}:{frame.lineno} {frame.name}{via}"
-    return "?"
-
-
-def _short(path: str) -> str:
-    for marker in ("site-packages/", str(ROOT) + "/"):
-        path = path.split(marker)[-1]
-    return path
-
-
-def host_sync_counter():
-    """tests/helpers/host_syncs.py's counter where this checkout has it, else None."""
-    try:
-        from tests.helpers.host_syncs import HostSyncCounter
-    except ImportError:
-        return None
-    return HostSyncCounter()
+from tests.helpers.host_syncs import HostSyncCounter  # noqa: E402
+from tests.helpers.step_audit import OpCounter  # noqa: E402
 
 
 def build(spec, vocab: int):
@@ -127,9 +77,11 @@ class Engine:
         self.model = self.engine.module
 
     def step(self, x, y, state):
-        out = self.engine(x, y, state)
-        self.engine.backward(out.nll.float().mean() + self.model.aux_loss())
-        self.engine.step()
+        with self.model.planned_update():          # as Trainer.train_step drives the model
+            out = self.engine(x, y, state)
+            self.engine.backward(out.nll.float().mean() + self.model.aux_loss())
+            self.engine.step()
+        self.model.request_plan()
         return out.state
 
 
@@ -152,13 +104,15 @@ class Plain:
         self.clip = opt.clip_norm if opt.clip == "global" else None
 
     def step(self, x, y, state):
-        with torch.autocast(x.device.type, torch.bfloat16, enabled=BF16):
-            out = self.model(x, y, state)
-        (out.nll.float().mean() + self.model.aux_loss()).backward()
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.model.planned_update():          # the model driven as the engine's is
+            with torch.autocast(x.device.type, torch.bfloat16, enabled=BF16):
+                out = self.model(x, y, state)
+            (out.nll.float().mean() + self.model.aux_loss()).backward()
+            if self.clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.model.request_plan()
         return out.state
 
 
@@ -167,17 +121,9 @@ def count(runner, x, y, warmup: int) -> dict:
     runner.state = runner.model.init_state(x.shape[0])
     for _ in range(warmup):
         runner.state = runner.step(x, y, runner.state)
-    counter = OpCounter()
-    helper = host_sync_counter()
-    with counter:
-        if helper is not None:
-            with helper:
-                runner.state = runner.step(x, y, runner.state)
-        else:
-            runner.state = runner.step(x, y, runner.state)
-    syncs = helper.syncs if helper is not None else counter.syncs
-    return {"ops": sum(counter.ops.values()), "by_op": counter.ops, "syncs": list(syncs),
-            "sync_source": "HostSyncCounter" if helper is not None else "bench's own counter"}
+    with OpCounter() as counter, HostSyncCounter() as syncs:
+        runner.state = runner.step(x, y, runner.state)
+    return {"ops": counter.total, "by_op": counter.ops, "syncs": list(syncs.syncs)}
 
 
 def time_round_robin(runners: dict, x, y, steps: int) -> dict[str, float]:
@@ -243,7 +189,7 @@ def main() -> None:
     print(f"{spec.model_kind}, {params:,} parameters, micro-batch {args.batch} x {args.seq}, "
           f"{'bf16 (plain: autocast)' if BF16 else 'float32'}, "
           f"optimizer {opt.type} (clip {opt.clip}), CPU, {args.threads} thread(s), torch "
-          f"{torch.__version__}; host syncs by {results[Engine.name]['sync_source']}\n")
+          f"{torch.__version__}; host syncs by tests/helpers/host_syncs.py\n")
     print("| step | ms/step (median) | aten ops/step | host syncs/step |")
     print("|---|---:|---:|---:|")
     for name, r in results.items():

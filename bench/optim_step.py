@@ -11,7 +11,7 @@ imported from there, never copied. The shapes come from building the config's mo
 meta device; the tensors are random, with gradients scaled so that some parameters are
 clipped and some not. aten ops are those dispatched from Python (a `_foreach_*` op counts
 once); host syncs are the ops that read a device value on the host
-(tests/helpers/optim_syncs.py). Prints a table; asserts nothing.
+(tests/helpers/host_syncs.py). Prints a table; asserts nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.spec import load_spec  # noqa: E402
 from pipeline.training.optim import ClippedAdagrad  # noqa: E402
-from tests.helpers.optim_syncs import HostSyncs  # noqa: E402
+from tests.helpers.host_syncs import HostSyncCounter  # noqa: E402
+from tests.helpers.step_audit import OpCounter  # noqa: E402
 
 LR, CLIP, EPS = 0.07, 0.03, 1e-10
 
@@ -92,7 +93,7 @@ def measure(make, shapes, grads, reps: int, device: torch.device):
         p.grad = g
     opt = make(params)
     opt.step()                                   # warm-up: state, plans
-    with HostSyncs() as counted:
+    with OpCounter() as ops, HostSyncCounter() as counted:
         opt.step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
@@ -103,7 +104,7 @@ def measure(make, shapes, grads, reps: int, device: torch.device):
         sync()
         times.append(time.perf_counter() - start)
     ms = statistics.median(times) * 1e3
-    return ms, len(counted.ops), len(counted.syncs), [p.detach() for p in params]
+    return ms, ops.total, len(counted.syncs), [p.detach() for p in params]
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ authors' code where `--reference-code DIR` is given:
    model (d 64, 4 heads, N 32, max span 256 held at 1, micro-batch 2 x 64, attention dropout
    0.4, the clipped Adagrad), at 2 and 3 layers, extrapolated to 36 (fixed + 36 x per layer);
 2. host syncs per steady-state update at the same shape (tests/helpers/host_syncs.py's
-   HostSyncCounter where that file exists, else step_audit's), with the places they come
-   from;
+   HostSyncCounter), with the places they come from; ours steps the model as the trainer
+   does (each update inside ``planned_update()``, ``request_plan()`` after it);
 3. bytes kept for backward per layer at enwik8_large's shape (micro-batch 4 x 512, max span
    8192 held at 1, N 2048, d 512, 8 heads, float32, training mode): the forward on the meta
    device under saved_tensors_hooks, each storage once, parameters left out, at 1 and 2
@@ -43,15 +43,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from pipeline.commands.report import vocab_size_for  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
+from tests.helpers.host_syncs import HostSyncCounter  # noqa: E402
 from tests.helpers.step_audit import OpCounter, SavedBytes  # noqa: E402
 from train_step import Authors, Ours  # noqa: E402
-
-try:                                     # the other helper's counter, where it has landed
-    from tests.helpers.host_syncs import HostSyncCounter  # noqa: E402
-    SYNC_COUNTER = "tests/helpers/host_syncs.py"
-except ImportError:
-    from tests.helpers.step_audit import HostSyncCounter  # noqa: E402
-    SYNC_COUNTER = "tests/helpers/step_audit.py"
 
 CONFIG = ROOT / "configs" / "enwik8_large.yaml"
 LAYERS = 36
@@ -106,11 +100,7 @@ def count(shape: dict, layers: int, ref) -> dict:
         # torch's optimizers keep a tensor step counter on the host (not capturable/fused)
         steps = [v for st in runner.optimizer.state.values() if isinstance(st, dict)
                  for k, v in st.items() if k == "step" and isinstance(v, torch.Tensor)]
-        try:
-            counter = HostSyncCounter(host=steps)
-        except TypeError:                     # a counter without that argument
-            counter = HostSyncCounter()
-        with counter as syncs:
+        with HostSyncCounter(host=steps) as syncs:
             step()
             step()
             first = len(syncs.syncs)
@@ -144,7 +134,7 @@ def ops_and_syncs(ref) -> None:
               f"{fixed:,.0f} | {total:,.0f} |")
     if "authors" in scaled:
         print(f"\nours / authors at 36 layers: {scaled['ours'] / scaled['authors']:.2f}")
-    print(f"\n### host syncs per steady-state update (same shape; {SYNC_COUNTER})\n")
+    print(f"\n### host syncs per steady-state update (same shape; tests/helpers/host_syncs.py)\n")
     print("| code | 2 layers | 3 layers | per layer | scaled to 36 layers |")
     print("|---|---:|---:|---:|---:|")
     for name in c2:

@@ -94,13 +94,19 @@ class Ours:
         state = [model.init_state(batch, device=self.device)]
 
         def step():
-            out = model(x, y, state[0])
-            loss = out.nll.float().mean() + model.aux_loss()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            # as Trainer.train_step drives the model (pipeline.models.protocol): the update
+            # inside planned_update(), so a model with value-dependent shapes (the span
+            # lengths) uses the plan requested after the previous update instead of
+            # reading the device; request_plan() once the values it plans from are final
+            with model.planned_update():
+                out = model(x, y, state[0])
+                loss = out.nll.float().mean() + model.aux_loss()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
             model.after_step()                     # the trainer's clamp of the spans
             hold()                                 # hold the span fixed while timing
+            model.request_plan()
             state[0] = out.state
         return step
 

@@ -121,12 +121,12 @@ def straddling(engine, names: dict[int, str]) -> list[str]:
 def count_host_syncs(optimizer) -> dict:
     """From now on, counts the calls of `optimizer.step` (those the DeepSpeed wrappers make)
     and lists their ops that would make the host wait for the device."""
-    from tests.helpers.optim_syncs import HostSyncs
+    from tests.helpers.host_syncs import HostSyncCounter
 
     seen, step = {"steps": 0, "syncs": []}, optimizer.step
 
     def counted_step(*args, **kwargs):
-        with HostSyncs() as counted:
+        with HostSyncCounter() as counted:
             out = step(*args, **kwargs)
         seen["steps"] += 1
         seen["syncs"] += counted.syncs

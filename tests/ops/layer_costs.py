@@ -15,11 +15,11 @@ import sys
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.models.config import AllAttnConfig
 from pipeline.models.layers import AllAttnLayer
 from pipeline.ops import get_attention_impl
+from tests.helpers.step_audit import OpCounter
 
 GIB = 2**30
 
@@ -48,21 +48,13 @@ def saved_bytes(run) -> int:
     return sum(seen.values())
 
 
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def aten_ops(step) -> Counter:
-    """aten ops dispatched by ``step()`` (forward and backward)."""
+    """aten ops dispatched by ``step()`` (forward and backward), by ``aten.<name>``
+    (tests/helpers/step_audit.py's OpCounter)."""
     with OpCounter() as counter:
         step()
-    return counter.ops
+    return Counter({name if "." in name else f"aten.{name}": n
+                    for name, n in counter.ops.items()})
 
 
 # --------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ import torch
 
 from pipeline.errors import PipelineError
 from pipeline.training.optim import ClippedAdagrad, _flat_layout, _whole, bind_to_engine
-from tests.helpers.optim_syncs import HostSyncs
+from tests.helpers.host_syncs import HostSyncCounter
+from tests.helpers.step_audit import OpCounter
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,9 +140,9 @@ def test_a_step_never_waits_for_the_device(fused):
     for step in range(3):           # the first step builds the plan and the state: also none
         for t in stepped:
             t.grad = torch.randn_like(t)
-        with HostSyncs() as counted:
+        with HostSyncCounter() as counted:
             opt.step()
-        assert counted.syncs == [], f"step {step}"
+        assert counted.syncs == [], f"step {step}: {counted.syncs}"
 
 
 def ops_per_step(fused: bool, tensors_per_group: int, groups: int = 2) -> int:
@@ -155,9 +156,9 @@ def ops_per_step(fused: bool, tensors_per_group: int, groups: int = 2) -> int:
     for _ in range(2):
         for p in (p for ps in params for p in ps):
             p.grad = torch.randn_like(p)
-        with HostSyncs() as counted:
+        with OpCounter() as counted:
             opt.step()
-        counts.append(len(counted.ops))
+        counts.append(counted.total)
     return counts[-1]
 
 
