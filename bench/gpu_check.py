@@ -15,7 +15,9 @@ part has a time budget and the whole keeps to 9 minutes on an H100/H200.
 4. the pipeline end to end: `allattn-pipe run` for 50 steps of enwik8_large's model in bf16
    (batch 8, the config's micro-batch: auto) on the built-in python_docs corpus (no
    download), tokens/s from its log;
-5. bench/attention.py, only if time is left.
+5. train.compile's step (bench/train_step.py --compile) at span 1/16, micro-batch 4, only if
+   time is left: the measurement train.compile's default on CUDA waits for;
+6. bench/attention.py, only if time is left.
 
 It uses the interpreter it runs under (the machine's CUDA torch). A part that needs a
 missing package is skipped with the reason. The report (markdown) goes to stdout and
@@ -44,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NEEDED = ("pydantic", "deepspeed", "mlflow", "webdataset")     # what a bare CUDA image lacks
 
 TOTAL_BUDGET = 530.0            # seconds for everything after start-up (9 minutes minus margin)
-BUDGETS = {"install": 60, "tests": 120, "step": 240, "pipeline": 120, "attention": 60}
+BUDGETS = {"install": 60, "tests": 120, "step": 240, "pipeline": 120, "compiled": 120,
+           "attention": 60}
 CONFIG = "configs/enwik8_large.yaml"
 SPANS = "0.0625,1"
 PIPELINE_STEPS = 50
@@ -327,7 +330,20 @@ def main() -> int:
             code, out = run([*cli, "--dry-run"], 120)
             report.add(f"{title} (--dry-run)", code, out.strip()[-2000:])
 
-    # 5. the attention kernels alone, with what is left
+    # 5. train.compile's step beside the eager one of part 3 (same shape, span 1/16,
+    # micro-batch 4), with what is left: the measurement train.compile's default waits for
+    compiled = [sys.executable, "bench/train_step.py", CONFIG, "--dtype", "bf16", "--span",
+                SPANS.split(",")[0], "--batch", "4", "--steps", "5", "--warmup", "2", "--compile"]
+    title = f"training step, {CONFIG} bf16, layers compiled (train.compile)"
+    if missing("pydantic"):
+        report.skip(title, "needs pydantic (the config's schema): give --wheels DIR")
+    elif gpu:
+        part(title, "compiled", compiled, optional=True)
+    else:
+        code, out = run([*compiled, "--dry-run"], 120)
+        report.add(f"{title} (--dry-run)", code, out.strip()[-2000:])
+
+    # 6. the attention kernels alone, with what is left
     attention = [sys.executable, "bench/attention.py", "--spans", "512,2048,8192",
                  "--impls", "sdpa,flex"]
     if gpu:

@@ -70,11 +70,14 @@ class Ours:
 
     name = "ours"
 
-    def __init__(self, spec, vocab: int, device, dtype):
+    def __init__(self, spec, vocab: int, device, dtype, compile: bool = False):
         torch.manual_seed(0)
         self.model = build_model(spec.model_kind, spec.model_params, vocab).to(device, dtype)
         self.optimizer = build_optimizer(self.model.parameters(), spec.train.optimizer)
         self.vocab, self.seq, self.device = vocab, spec.train.seq_len, device
+        # train.compile's path: the layers compiled for the planned updates (the first
+        # update of each span bucket compiles; the warm-up updates absorb it)
+        self.compiled = compile and self.model.compile_for_training()
 
     def describe(self) -> str:
         return self.model.describe()
@@ -264,6 +267,9 @@ def main() -> int:
                         help="GPU dense bf16 peak for MFU (H100/H200 SXM: 989)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which no further row is started")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile our layers as train.compile does (the first update of "
+                             "each span bucket compiles: give --warmup >= 1)")
     parser.add_argument("--dry-run", action="store_true",
                         help="load the config (and the authors' code), print the plan, time "
                              "nothing")
@@ -294,7 +300,7 @@ def main() -> int:
     if "max" in batches and not gpu:
         print("micro-batch 'max' is searched on CUDA only: left out here\n")
 
-    ours = Ours(spec, vocab, device, DTYPES[args.dtype])
+    ours = Ours(spec, vocab, device, DTYPES[args.dtype], compile=args.compile)
     fixed_bytes = torch.cuda.memory_allocated(device) if gpu else 0
     params = sum(p.numel() for p in ours.model.parameters())
     print(f"{plan}\n{spec.name}: {params:,} parameters, {torch.get_num_threads()} threads; "

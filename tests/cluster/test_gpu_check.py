@@ -56,6 +56,9 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
                             "bf16 (--dry-run): ok\n\n")[1]
     assert [line.split()[0] for line in pipeline.splitlines()[1:4]] == [
         "download", "preprocess", "train"]
+    compiled = report.split("## training step, configs/enwik8_large.yaml bf16, layers compiled "
+                            "(train.compile) (--dry-run): ok\n\n")[1]
+    assert compiled.startswith("dry run: enwik8_large: micro-batch 4 x 512, spans 0.0625, bf16")
     assert "## bench/attention.py (--help): ok" in report
     assert report.rstrip().endswith("all parts passed")
 
