@@ -73,15 +73,20 @@ def test_the_handlers_are_restored():
 
 def test_sighup_is_taken_as_sigterm():
     # a closed terminal or a dropped ssh session: before, SIGHUP's default action killed the
-    # run with no checkpoint and no message
-    with StopSignal() as stop:
-        signal.raise_signal(signal.SIGHUP)
-        assert stop.received == "SIGHUP"            # a checkpoint, then stop
-        signal.raise_signal(signal.SIGHUP)          # delivered twice: the same request
-    with RaiseOnSignal():
-        with pytest.raises(Interrupted, match="stopped by SIGHUP") as e:
+    # run with no checkpoint and no message. SIGHUP at its default here, whatever the suite
+    # was started under (nohup would leave it ignored: the next test)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with StopSignal() as stop:
             signal.raise_signal(signal.SIGHUP)
-    assert e.value.exit_code == 129
+            assert stop.received == "SIGHUP"            # a checkpoint, then stop
+            signal.raise_signal(signal.SIGHUP)          # delivered twice: the same request
+        with RaiseOnSignal():
+            with pytest.raises(Interrupted, match="stopped by SIGHUP") as e:
+                signal.raise_signal(signal.SIGHUP)
+        assert e.value.exit_code == 129
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_sighup_stays_ignored_under_nohup():
