@@ -281,6 +281,12 @@ def any_rank(flag: bool) -> bool:
     return bool(_all_reduce(float(flag), dist.ReduceOp.MAX)) if _several() else flag
 
 
+def min_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    return _all_reduce(value, dist.ReduceOp.MIN) if _several() else value
+
+
 def mean_over_ranks(value: float) -> float:
     import torch.distributed as dist
 

@@ -151,16 +151,6 @@ def probe(model, vocab_size: int, seq_len: int, device: torch.device, bf16: bool
     return try_step, reset
 
 
-def _smallest_over_ranks(size: int) -> int:
-    import torch.distributed as dist
-
-    from pipeline.cluster import distributed
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return size
-    return int(distributed._all_reduce(float(size), dist.ReduceOp.MIN))
-
-
 def resolve(spec, model, vocab_size: int, documents: dict | None, device: torch.device,
             world_size: int, recorded: dict | None, log: Callable[[str], None]) -> dict:
     """{"micro_batch_size", "bf16", "device"} for this run: `recorded` (a resume's, or
@@ -213,7 +203,7 @@ def resolve(spec, model, vocab_size: int, documents: dict | None, device: torch.
             del try_step, reset
             gc.collect()
             torch.cuda.empty_cache()
-            size = _smallest_over_ranks(size)
+            size = int(distributed.min_over_ranks(size))
             log(f"train.micro_batch_size auto: {size} of {rows} rows per process fit "
                 f"({rows // size} accumulation step(s) per update)")
     return {"micro_batch_size": size, "bf16": bf16, "device": device.type}
