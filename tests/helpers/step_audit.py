@@ -40,14 +40,15 @@ class OpCounter(TorchDispatchMode):
 
 class SavedBytes:
     """``with SavedBytes(exclude=model.parameters()) as s: loss = model(x)``; then ``s.bytes``:
-    the bytes of the distinct storages autograd saved for backward, leaving out those of
-    ``exclude`` (the parameters, which exist anyway). Each storage counts once however many
+    the bytes of the distinct storages autograd saved for backward, leaving out parameters
+    and the storages of ``exclude`` (the parameters' other copies: both exist anyway). Each storage counts once however many
     views of it are saved; on the meta device storages are told apart by their identity."""
 
     def __init__(self, exclude=()):
         self._exclude = {self._key(t) for t in exclude}
         self._seen: dict[int, int] = {}
         self._what: dict[int, str] = {}
+        self._keep: list[torch.Tensor] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @staticmethod
@@ -55,10 +56,12 @@ class SavedBytes:
         return t.untyped_storage()._cdata
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided \
+                and not isinstance(t, torch.nn.Parameter):     # held whether saved or not
             key = self._key(t)
             if key not in self._exclude and key not in self._seen:
                 self._seen[key] = t.untyped_storage().nbytes()
+                self._keep.append(t)    # so no storage id is reused while counting
                 self._what[key] = f"{str(t.dtype).split('.')[-1]}{list(t.shape)}"
         return t
 

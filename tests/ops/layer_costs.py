@@ -19,7 +19,7 @@ import torch
 from pipeline.models.config import AllAttnConfig
 from pipeline.models.layers import AllAttnLayer
 from pipeline.ops import get_attention_impl
-from tests.helpers.step_audit import OpCounter
+from tests.helpers.step_audit import OpCounter, SavedBytes
 
 GIB = 2**30
 
@@ -31,21 +31,10 @@ TINY = dict(b=2, d=16, h=2, m=8, span=32, n=4, ramp=4, p=0.3)
 
 def saved_bytes(run) -> int:
     """Bytes of the distinct storages autograd saves for backward while ``run()`` records
-    (each storage counted once, whatever views of it are saved; parameters excluded:
-    they are held whether or not anything is saved)."""
-    seen: dict[int, int] = {}
-    keep = []
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            s = t.untyped_storage()
-            seen[s._cdata] = s.nbytes()
-            keep.append(t)  # so no storage id is reused while counting
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    (``SavedBytes``: each storage once, parameters left out)."""
+    with SavedBytes() as saved:
         run()
-    return sum(seen.values())
+    return saved.bytes
 
 
 def aten_ops(step) -> Counter:
