@@ -22,6 +22,19 @@ from tests.helpers.cli_fuzz import build_world, fuzz  # noqa: E402
 from tests.helpers.path_fuzz import fuzz_paths  # noqa: E402
 
 
+def timed(run_fuzzer, cases: int) -> tuple[list, float, float]:
+    """A fuzzer's outcomes over a fresh tiny world, the seconds the world took to train and
+    the seconds the cases took."""
+    outcomes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.monotonic()
+        world = build_world(Path(tmp) / "world")
+        built = time.monotonic() - start
+        start = time.monotonic()
+        run_fuzzer(world, cases, outcomes.append)
+        return outcomes, built, time.monotonic() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=2000)
@@ -32,15 +45,7 @@ def main() -> None:
     if args.paths:
         paths(args.paths, args.show_bad)
         return
-    outcomes = []
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.monotonic()
-        world = build_world(Path(tmp) / "world")
-        built = time.monotonic() - start
-        start = time.monotonic()
-        fuzz(world, args.cases, outcomes.append)
-        seconds = time.monotonic() - start
-
+    outcomes, built, seconds = timed(fuzz, args.cases)
     bad = [o for o in outcomes if o.problem]
     kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
     print(f"cases            {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
@@ -67,14 +72,7 @@ def main() -> None:
 def paths(cases: int, show_bad: int) -> None:
     """The path fuzzer's figure: cases, files changed outside what the command owns,
     tracebacks, hangs, by command."""
-    outcomes = []
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.monotonic()
-        world = build_world(Path(tmp) / "world")
-        built = time.monotonic() - start
-        start = time.monotonic()
-        fuzz_paths(world, cases, outcomes.append)
-        seconds = time.monotonic() - start
+    outcomes, built, seconds = timed(fuzz_paths, cases)
     bad = [o for o in outcomes if o.problem]
     kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
     print(f"path cases       {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "

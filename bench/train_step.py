@@ -77,7 +77,8 @@ class Ours:
         self.vocab, self.seq, self.device = vocab, spec.train.seq_len, device
         # train.compile's path: the layers compiled for the planned updates (the first
         # update of each span bucket compiles; the warm-up updates absorb it)
-        self.compiled = compile and self.model.compile_for_training()
+        if compile:
+            self.model.compile_for_training()
 
     def describe(self) -> str:
         return self.model.describe()
