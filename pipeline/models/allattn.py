@@ -341,7 +341,7 @@ class AllAttnLM(SequenceModel):
         """``metrics()`` on the device, and with adaptive span ``span_plan_overflows``: the
         planned forwards so far whose plan was too short (see the class doc)."""
         if not self.cfg.adaptive_span:
-            return {k: torch.tensor(v, dtype=torch.float64) for k, v in self.metrics().items()}
+            return super().metric_tensors()
         spans = torch.cat([layer.attn.adaptive_span.frac.detach().double()
                            for layer in self.layers]) * self.cfg.max_span
         out = {"span_mean": spans.mean(), "span_max": spans.max()}
