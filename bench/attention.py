@@ -94,6 +94,11 @@ def main() -> None:
                 mem = "- | - | -" if device.type == "cpu" else f"{ref_mb:.0f} | {mb:.0f} | {mb / ref_mb:.2f}"
                 print(f"| {impl} | {span} | {n} | {'fwd+bwd' if backward else 'fwd'} | "
                       f"{ref_ms:.0f} | {ms:.0f} | {ref_ms / ms:.2f}x | {mem} |", flush=True)
+    if "flex" in args.impls.split(","):
+        from pipeline.ops import fused
+        tiles = {f"{d} {t} d_h {h}": fused.FLEX_TILES[i] or "torch's default"
+                 for (d, t, h), i in fused._flex_tile.items()}
+        print(f"\nflex forward tile (the first of FLEX_TILES that compiled): {tiles}")
 
 
 if __name__ == "__main__":

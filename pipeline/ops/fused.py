@@ -171,18 +171,47 @@ def _block_mask(m: int, bucket: int, n: int, device: torch.device):
     return _block_masks[key]
 
 
-def _with_lse(flex, q, keys, values, score_mod, block_mask) -> tuple[Tensor, Tensor]:
-    """FlexAttention's output and log-sum-exp (``return_aux`` where torch has it; the
+# FlexAttention's forward tile, tried in this order until one compiles. torch's own choice
+# comes first; on an H100/H200 in bf16 at d_h 64 that is 128 queries x 128 keys in 3 stages,
+# which with the two tables score_mod gathers asks for 242 KiB of shared memory where the
+# chip has 227 KiB ("out of resource", make gpu-check 2026-11-26). The first tile that
+# compiled is kept per device, dtype and head size.
+FLEX_TILES: tuple[dict, ...] = (
+    {},
+    {"BLOCK_N": 64},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1},
+)
+_flex_tile: dict = {}
+
+
+def _run_flex(flex, q, keys, values, score_mod, block_mask, lse: bool = False):
+    """``flex`` on these inputs in the first tile of ``FLEX_TILES`` that fits the device;
+    with ``lse`` the output and its log-sum-exp (``return_aux`` where torch has it, the
     deprecated ``return_lse`` before)."""
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        return flex(q, keys, values, score_mod=score_mod, block_mask=block_mask, return_lse=True)
-    out, aux = flex(
-        q, keys, values, score_mod=score_mod, block_mask=block_mask,
-        return_aux=AuxRequest(lse=True),
-    )
-    return out, aux.lse
+    kwargs: dict = {"score_mod": score_mod, "block_mask": block_mask}
+    if lse:
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest
+            kwargs["return_aux"] = AuxRequest(lse=True)
+        except ImportError:
+            kwargs["return_lse"] = True
+    where = (str(q.device), q.dtype, q.shape[-1])
+    first = _flex_tile.get(where, 0)
+    for i in range(first, len(FLEX_TILES)):
+        tile = {"kernel_options": FLEX_TILES[i]} if FLEX_TILES[i] else {}
+        try:
+            result = flex(q, keys, values, **kwargs, **tile)
+        except Exception as error:  # inductor wraps triton's OutOfResources in its own types
+            if "out of resource" in str(error) and i + 1 < len(FLEX_TILES):
+                continue
+            raise
+        break
+    _flex_tile[where] = i
+    if "return_aux" in kwargs:
+        out, aux = result
+        return out, aux.lse
+    return result
 
 
 def attend_flex(
@@ -256,7 +285,7 @@ def _attend_flex(
         else:
             flex = _flex()
     if not drop:
-        return flex(q, keys, values, score_mod=add_position, block_mask=block_mask)
+        return _run_flex(flex, q, keys, values, add_position, block_mask)
 
     seed = draw_dropout_seed(q.device) if dropout_seed is None else dropout_seed
     threshold = keep_threshold(dropout_p)
@@ -271,8 +300,10 @@ def _attend_flex(
     # normaliser alike, while dropout after the softmax removes a weight from the numerator
     # only. The kept pass gives out_kept = sum_kept e^s v / sum_kept e^s and lse_kept; the
     # normaliser of all weights, lse_all, needs every score once more.
-    out_kept, lse_kept = _with_lse(flex, q, keys, values, add_position_and_drop, block_mask)
-    _, lse_all = _with_lse(flex, q, keys, values, add_position, block_mask)
+    out_kept, lse_kept = _run_flex(
+        flex, q, keys, values, add_position_and_drop, block_mask, lse=True
+    )
+    _, lse_all = _run_flex(flex, q, keys, values, add_position, block_mask, lse=True)
     # a row whose weights were all dropped: out_kept 0 and lse_kept -inf (FlexAttention's
     # convention for an empty row), so its output is 0 * 0 = 0
     scale = (torch.exp(lse_kept - lse_all) / (1.0 - dropout_p)).unsqueeze(-1)
@@ -288,13 +319,13 @@ def pick_attention_impl(device_type: str, dtype: torch.dtype, dropout: bool, gra
     """The backend ``auto`` uses for a call on this device and dtype, with attention
     dropout on or off and autograd recording or not.
 
-    From the step times measured on an H200 (docs/benchmarks.md, "auto"): on CUDA in
-    float32 flex runs without tensor cores and is 2.5-2.7x slower than the reference, so
-    float32 takes the reference; in bf16 / fp16 flex (308 / 634 ms per enwik8_large step at
-    span 1/16 / 1) beats the reference in float32 (390 / 1,200 ms) and fits in 17 GiB where
-    the reference needs 109. On CPU: sdpa trains without dropout, flex evaluates."""
+    From the step times measured on an H200 (docs/benchmarks.md, "auto"): on CUDA the
+    reference wins in every dtype. In bf16 an enwik8_large step takes 102 / 301 ms with it
+    at span 1/16 / 1 and 853 / 1,584 ms with flex (flex needs 16 GiB where the reference
+    needs 35, but the reference fits micro-batch 14 on the H200); in float32 flex has no
+    tensor cores. On CPU: sdpa trains without dropout, flex evaluates."""
     if device_type == "cuda":
-        return "flex" if dtype in (torch.bfloat16, torch.float16) else "reference"
+        return "reference"
     if device_type == "cpu" and dtype == torch.float32 and not dropout:
         return "flex" if not grad else "sdpa"  # flex is forward-only on CPU
     return "reference"
