@@ -231,8 +231,10 @@ def test_parameter_counts_in_the_tables_are_shows():
 
 
 def test_specs_on_the_pages_validate(tmp_path):
-    """A YAML block that is a whole spec (it lists `stages:`) is a valid one."""
-    specs = [(page.name, block) for page in PAGES
+    """A YAML block that is a whole spec (it lists `stages:`) is a valid one. extending.md's
+    names the example plugin's kinds: tests/plugins validates and runs it where that is
+    installed."""
+    specs = [(page.name, block) for page in PAGES if page.name != "extending.md"
              for block in code_blocks(page) if re.search(r"^stages:", block, re.M)]
     assert specs
     for i, (page, block) in enumerate(specs):

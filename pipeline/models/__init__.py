@@ -1,20 +1,30 @@
-"""Model registry. Models are plain torch modules built from a config dataclass."""
+"""Model registry. Models are plain torch modules built from a config dataclass; every family,
+built-in or installed, is an entry point in the group `allattn_pipe.models` (pipeline/plugins.py)."""
 
 from __future__ import annotations
 
+from dataclasses import is_dataclass
+
 import torch.nn as nn
 
-from pipeline.models.active_memory import ActiveMemoryConfig, ActiveMemoryModel
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
 from pipeline.models.allattn import FF_KINDS, PERSISTENT_MODES, AllAttnConfig, AllAttnLM
-from pipeline.models.infinity_former import InfinityFormerConfig, InfinityFormerLM
-from pipeline.models.protocol import ModelOutput, SequenceModel, State
+from pipeline.models.protocol import ModelFamily, ModelOutput, SequenceModel, State
+from pipeline.plugins import MODEL_GROUP, load
 
-MODELS: dict[str, tuple[type, type[nn.Module]]] = {
-    "allattn": (AllAttnConfig, AllAttnLM),
-    "active_memory": (ActiveMemoryConfig, ActiveMemoryModel),
-    "infinity_former": (InfinityFormerConfig, InfinityFormerLM),
-}
+
+def _not_a_family(kind: str, obj) -> str | None:
+    if not isinstance(obj, ModelFamily):
+        return (f"expected a pipeline.models.protocol.ModelFamily (config dataclass, model "
+                f"class), found {type(obj).__name__}")
+    if not (isinstance(obj.config, type) and is_dataclass(obj.config)):
+        return f"its config {obj.config!r} is not a dataclass"
+    if not (isinstance(obj.model, type) and issubclass(obj.model, SequenceModel)):
+        return f"its model {obj.model!r} is not a subclass of SequenceModel"
+    return None
+
+
+MODELS: dict[str, ModelFamily] = load(MODEL_GROUP, "model kind", _not_a_family)  # type: ignore[assignment]
 """kind -> (config dataclass, model class taking (cfg, vocab_size))."""
 
 
@@ -41,6 +51,6 @@ def count_parameters(model: nn.Module) -> int:
 
 __all__ = [
     "FF_KINDS", "MODELS", "PERSISTENT_MODES", "AdaptiveInput", "AdaptiveLogSoftmax",
-    "AllAttnConfig", "AllAttnLM", "ModelOutput", "SequenceModel", "State", "build_model",
-    "count_parameters",
+    "AllAttnConfig", "AllAttnLM", "ModelFamily", "ModelOutput", "SequenceModel", "State",
+    "build_model", "count_parameters",
 ]

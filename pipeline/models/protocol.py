@@ -2,8 +2,9 @@
 
 Every registered model family subclasses `SequenceModel` (a plain `nn.Module`) and nothing
 outside `pipeline/models` looks further into it: no parameter is found by name, no state is
-taken apart. Adding a family is a config dataclass, a module, and one line in the registry
-(`pipeline.models.MODELS`).
+taken apart. Adding a family is a config dataclass, a module, and a `ModelFamily` pairing them
+named by an entry point in the group `allattn_pipe.models` (pipeline/plugins.py; the built-ins
+are in pipeline/models/builtin.py, declared in pyproject.toml; docs/extending.md).
 
 A model maps a block of tokens [B, M] (with the state the previous block left) to a per-token
 loss [B, M] and the next state:
@@ -155,3 +156,12 @@ class SequenceModel(nn.Module):
             role = name.split(".", 1)[0]
             groups[role] = groups.get(role, 0) + p.numel()
         return groups
+
+
+class ModelFamily(NamedTuple):
+    """What an `allattn_pipe.models` entry point names: a config dataclass, whose fields are
+    the spec's `model.*` keys (an optional ``inert_keys()`` lists those that do nothing under
+    the others, as (key, why) pairs), and the model class, built as ``model(config,
+    vocab_size)``."""
+    config: type
+    model: type[SequenceModel]

@@ -35,6 +35,7 @@ from pipeline.models.active_memory import CONV_ACTIVATIONS, GATES, MIXERS, Activ
 from pipeline.models.config import (ATTENTION_IMPL_NAMES, FF_KINDS, PERSISTENT_MODES,
                                     AllAttnConfig, AttentionConfig)
 from pipeline.models.infinity_former import InfinityFormerConfig
+from pipeline.plugins import MODEL_GROUP, PROJECT, STAGE_GROUP, providers
 from pipeline.spec.schema import TASK_SYMBOLS_LIMIT, Spec, _task_symbols
 from pipeline.spec import PROJECT_ROOT, load_spec
 from pipeline.spec.validation import MODEL_LIMITS
@@ -152,7 +153,17 @@ class Section:
 
 
 def _source(obj) -> str:
-    return Path(inspect.getsourcefile(obj)).resolve().relative_to(PROJECT_ROOT).as_posix()
+    """The file defining `obj`, relative to the project root; a plugin's, as its module."""
+    path = Path(inspect.getsourcefile(obj)).resolve()
+    if not path.is_relative_to(PROJECT_ROOT):
+        return f"{inspect.getmodule(obj).__name__} ({path.name})"
+    return path.relative_to(PROJECT_ROOT).as_posix()
+
+
+def _plugin(group: str, name: str) -> str:
+    """"from the installed distribution `X`" for a plugin's kind; "" for a built-in."""
+    dist = providers.get(group, {}).get(name, PROJECT)
+    return "" if dist == PROJECT else f"from the installed distribution `{dist}`"
 
 
 def _prose(text: str | None) -> str:
@@ -500,15 +511,27 @@ def _stage_notes() -> str:
         joint = ", and " if any(len(n) > 1 for n in needs) else " and "
         after = f" Comes after {joint.join(reads)}." if reads else ""
         needs = f" Needs the `{stage.section_key}` section." if stage.section_key else ""
-        lines.append(f"- `{name}`: {_md(stage.summary)}{after}{needs}")
+        plugin = f" ({origin})" if (origin := _plugin(STAGE_GROUP, name)) else ""
+        lines.append(f"- `{name}`{plugin}: {_md(stage.summary)}{after}{needs}")
     return "\n".join(lines)
+
+
+def _stage_choices() -> str:
+    """The registered stage kinds (plugins included), which validation checks `stages` by."""
+    from stages import STAGES
+
+    return f"each {_choices(STAGES)}"
 
 
 def _model_kind_sections(model_row: Entry, depth: int) -> list[Section]:
     """`model`: its kind, an index of every kind's keys, and one section per kind."""
     import pipeline.models as registry
 
-    kinds = ", ".join(f"`{kind}` ({cfg.__name__})" for kind, (cfg, _) in MODELS.items())
+    labels = []
+    for name, (cfg, _) in MODELS.items():
+        origin = _plugin(MODEL_GROUP, name)
+        labels.append(f"`{name}` ({cfg.__name__}{', ' + origin if origin else ''})")
+    kinds = ", ".join(labels)
     kind = Entry("model.kind", "string", "required", _choices(MODELS),
                  f"The model family: {kinds}. The other `model.*` keys are the fields of its "
                  f"config dataclass.", "MODELS", _source(registry), is_value=False)
@@ -556,6 +579,7 @@ def sections() -> list[Section]:
     top.entries.insert(1, extends)
     stages = next(e for e in top.entries if e.key == "stages")
     stages.description = _join(stages.description, _stage_notes())
+    stages.allowed = "; ".join(filter(None, [stages.allowed, _stage_choices()]))
     anchors = [s.anchor for s in out] + [e.anchor for s in out for e in s.entries]
     duplicated = sorted({a for a in anchors if anchors.count(a) > 1})
     if duplicated:

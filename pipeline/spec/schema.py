@@ -15,9 +15,6 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
                       model_validator)
 
-STAGE_KINDS = ("download", "preprocess", "train", "finetune", "evaluate", "curriculum")
-
-
 # The output layer scores every token of the vocabulary at every position; far larger
 # vocabularies than any tokenizer makes would not fit in an accelerator's memory.
 VOCAB_LIMIT = 1 << 24
@@ -641,7 +638,8 @@ class Spec(Section):
     tracking: TrackingSpec = TrackingSpec()
     workspace: WorkspaceSpec = WorkspaceSpec()
     paper: PaperSpec | None = None
-    stages: list[Literal[STAGE_KINDS]] = Field(  # type: ignore[valid-type]
+    # names checked against the registered stage kinds (plugins included) in validation
+    stages: list[str] = Field(
         min_length=1, description="the stages to run, in order; each after the stages whose "
                                   "outputs it reads")
 
@@ -738,7 +736,8 @@ class Spec(Section):
         ):
             if applies:
                 out += [(tuple(key.split(".")), why) for key in keys]
-        if params is not None:      # each model kind's config knows its own
+        # each model kind's config knows its own; a plugin's config may have none
+        if params is not None and hasattr(params, "inert_keys"):
             out += [(("model", key), why) for key, why in params.inert_keys()]
         return out
 

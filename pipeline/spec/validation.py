@@ -86,6 +86,7 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
         spec = None
         errors += [_describe(err, where, origin, Spec) for err in e.errors()]
 
+    errors += _check_stage_names(data.get("stages"), where, origin)
     model = data.get("model")
     params = None
     if isinstance(model, dict):
@@ -240,6 +241,24 @@ def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> l
                     f"{params.mem_len} is shorter than {key} {length}: with the long-term "
                     f"memory on, the states leaving the short-term memory in a segment wait "
                     f"in its mem_len extra rows; make mem_len at least {length}")
+    return errors
+
+
+def _check_stage_names(names, where: dict, origin: str) -> list[str]:
+    """Each name in `stages:` a registered stage kind (built-in or a plugin's); the list's
+    own shape is the schema's to check."""
+    from stages import STAGES
+
+    if not isinstance(names, list):
+        return []
+    errors = []
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or name in STAGES:
+            continue
+        close = difflib.get_close_matches(name, list(STAGES), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        errors.append(f"{_locate(where, ('stages', i), origin)}: stages.{i}: unknown stage "
+                      f"kind '{_shown(name)}'{hint}; known: {', '.join(STAGES)}")
     return errors
 
 

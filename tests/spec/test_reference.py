@@ -188,7 +188,7 @@ def test_defaults_are_what_load_spec_gives(page):
      "`8000` when `dataset.generator.frequency_sort.sequences` is left out; required in it"),
     ("paper.results", "Allowed", "keys: `valid_bpc`, `test_bpc`, `valid_ppl`, `test_ppl`, "
                                  "`test_paper_loss`; at least 1 item"),
-    ("model.kind", "Allowed", "one of `allattn`, `active_memory`, `infinity_former`"),
+    ("model.kind", "Allowed", "one of `active_memory`, `allattn`, `infinity_former`"),
     ("model.attn_double_scale@active_memory", "Default", "`false`"),
     ("model.attn_dropout@allattn", "Allowed", "0 ≤ value < 1"),
     ("model.tau@infinity_former", "Allowed", "0 < value < 1"),

@@ -307,8 +307,8 @@ LAUGHS = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in ran
     ("name: tiny", "name: tiny\nl0: &l0 [lol, lol]\n" + LAUGHS,
      ":2: more than 10,000 values once YAML aliases are expanded; a spec has hundreds"),
     ("kind: allattn", "kind: [allattn]", ":4: model.kind: expected the name of a model kind, "
-                                         "found ['allattn'] (a list); known: allattn, "
-                                         "active_memory, infinity_former"),
+                                         "found ['allattn'] (a list); known: active_memory, "
+                                         "allattn, infinity_former"),
     ("name: tiny", "name: " + "n" * 300, ":1: name: string should have at most 100 "
                                          "characters; found '" + "n" * 56 + "... (a string)"),
     ("dataset: python_docs", "dataset: " + "d" * 300,
