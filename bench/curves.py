@@ -171,7 +171,7 @@ def main() -> None:
     names = list(curves)
     print("\nvalid bpc by step")
     print("  step  " + "  ".join(f"{n:>12}" for n in names))
-    for row in zip(*(curves[n] for n in names)):
+    for row in zip(*(curves[n] for n in names), strict=False):
         print(f"{row[0][0]:>6}  " + "  ".join(f"{r[1]:>12.3f}" for r in row))
 
 

@@ -51,7 +51,7 @@ def time_limit_seconds(text: str) -> int:
     for pattern, units in _TIME_FORMATS:
         match = pattern.fullmatch(text)
         if match:
-            return sum(int(n) * _SECONDS[u] for n, u in zip(match.groups(), units))
+            return sum(int(n) * _SECONDS[u] for n, u in zip(match.groups(), units, strict=False))
     raise PipelineError(f"--time {text!r}: not a Slurm time limit; use minutes (90), "
                         f"minutes:seconds, hours:minutes:seconds (24:00:00) or "
                         f"days-hours[:minutes[:seconds]] (1-00:00:00)")

@@ -417,7 +417,7 @@ def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
     widths = [max(len(r[i]) for r in [header] + cells) for i in range(len(header))]
     lines = [f"equal in every row: {'; '.join(notes)}"] if notes else []
     for row in [header] + cells:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
     return "\n".join(lines)
 
 

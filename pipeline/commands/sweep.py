@@ -97,7 +97,7 @@ def points(config: str, overrides: list[str], grid: list[tuple[str, list[str]]],
     experiment = base.tracking.experiment or base.name
     out, names = [], set()
     for values in itertools.product(*(v for _, v in grid), *([seeds] if seeds else [])):
-        chosen = list(zip(keys, values))
+        chosen = list(zip(keys, values, strict=False))
         seed = values[len(keys)] if seeds else None
         parts = [f"{_label(k, keys)}{v}" for k, v in chosen]
         if seed is not None:

@@ -156,7 +156,7 @@ class SentencePieceTokenizer:
         ends = np.flatnonzero(arr == self.eos_id)
         starts = np.concatenate([[0], ends + 1])
         stops = np.concatenate([ends, [arr.size]])
-        pieces = [arr[a:b].tolist() for a, b in zip(starts, stops)]
+        pieces = [arr[a:b].tolist() for a, b in zip(starts, stops, strict=False)]
         if not pieces[-1]:
             pieces.pop()
         return self._sp.decode(pieces)

@@ -376,7 +376,7 @@ class AllAttnLM(SequenceModel):
             return
         sums = [PersistentShareSum(self.cfg.n_heads, self.pos_table.device) for _ in self.layers]
         tables: dict[str, list[list[float]]] = {}
-        for layer, s in zip(self.layers, sums):
+        for layer, s in zip(self.layers, sums, strict=False):
             layer.attn.persistent_share = s
         try:
             yield tables
@@ -438,7 +438,7 @@ class AllAttnLM(SequenceModel):
         layers = self._compiled if planned and self._compiled is not None else self.layers
         h = self.emb_dropout(self.embed(tokens))
         new_cache: list[Tensor] = []
-        for layer, past, span_len in zip(layers, cache, span_lens):
+        for layer, past, span_len in zip(layers, cache, span_lens, strict=False):
             keep = cache_len(span_len, self.cfg.max_span)  # = max_span for a fixed span
             past = past.to(h.dtype)
             if keep > m:

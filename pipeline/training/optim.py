@@ -86,7 +86,7 @@ class _Plan:
     def runs(self, per_tensor: list[torch.Tensor]) -> list[torch.Tensor]:
         """Views of the runs of tensors shaped like the stepped ones (their gradients...)."""
         out = []
-        for x, split in zip(per_tensor, self.splits):
+        for x, split in zip(per_tensor, self.splits, strict=False):
             if split is None:
                 out.append(x)
             else:
@@ -155,13 +155,13 @@ class ClippedAdagrad(torch.optim.Optimizer):
         # DeepSpeed's unfused bf16 wrapper steps once with zero gradients while it is being
         # built, before it can be bound: a zero gradient changes nothing, whatever the layout.
         # This check syncs, but only until bind_to_engine; such a plan is not cached.
-        if any(layout is None and t.grad.any() for t, layout in zip(tensors, layouts)):
+        if any(layout is None and t.grad.any() for t, layout in zip(tensors, layouts, strict=False)):
             raise PipelineError(
                 "ClippedAdagrad is asked to step a tensor it was not built with "
                 "(DeepSpeed flattened the parameters): call "
                 "pipeline.training.optim.bind_to_engine(engine) after deepspeed.initialize")
-        bound = [(t, layout) for t, layout in zip(tensors, layouts) if layout is not None]
-        return _Plan(*map(list, zip(*bound)), self.fused) if bound else None
+        bound = [(t, layout) for t, layout in zip(tensors, layouts, strict=False) if layout is not None]
+        return _Plan(*map(list, zip(*bound, strict=False)), self.fused) if bound else None
 
     def _update(self, plan: _Plan, group: dict) -> None:
         grads = [t.grad for t in plan.tensors]
@@ -261,8 +261,8 @@ def _master_layouts(engine) -> dict[torch.Tensor, _Layout]:
                             "offload; turn offload off")
     layouts = {}
     if type(wrapper) is FP16_UnfusedOptimizer:      # ZeRO 0, bf16: one fp32 copy per tensor
-        for masters, params in zip(wrapper.fp32_groups, wrapper.fp16_groups):
-            layouts |= {m: _whole(m, p) for m, p in zip(masters, params)}
+        for masters, params in zip(wrapper.fp32_groups, wrapper.fp16_groups, strict=False):
+            layouts |= {m: _whole(m, p) for m, p in zip(masters, params, strict=False)}
     elif type(wrapper) in (DeepSpeedZeroOptimizer, BF16_Optimizer):
         # ZeRO 1 and 2, and bf16 with fp32 gradient accumulation: one flat buffer per group,
         # cut into equal partitions, the same layout under two sets of attribute names
@@ -394,7 +394,7 @@ def float32_from_master(engine, params: Iterable[torch.Tensor],
             buf[at:at + view.numel()] = view
         if group is not None:
             dist.all_reduce(buf, group=group)
-        for p, a, b in zip(params, starts, starts[1:]):
+        for p, a, b in zip(params, starts, starts[1:], strict=False):
             p.data = buf[a:b].view(p.shape)
     to_float32()
     return to_float32

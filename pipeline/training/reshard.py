@@ -130,7 +130,7 @@ def load_zero_partitions(engine, ckpt: Path, writers: int) -> None:
         for key, value in base["state"].get(i, {}).items():
             if torch.is_tensor(value) and value.shape == (padded,):
                 pieces = [sd[BASE_OPTIMIZER_STATE]["state"][i][key][:m.numel()]
-                          for sd, m in zip(old, masters)]
+                          for sd, m in zip(old, masters, strict=False)]
                 value = _slice(pieces, start, master.numel())
             state[i][key] = value.clone() if torch.is_tensor(value) else value   # off the mmap
     wrapper.optimizer.load_state_dict({"state": state, "param_groups": base["param_groups"]})

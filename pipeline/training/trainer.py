@@ -318,7 +318,7 @@ class Trainer:
             return {}
         stacked = torch.stack([t.detach().to(self.device, torch.float64, non_blocking=True)
                                .reshape(()) for t in tensors.values()])
-        return dict(zip(tensors, stacked.tolist()))
+        return dict(zip(tensors, stacked.tolist(), strict=False))
 
     def _report(self, window: LossWindow, until: int, progress: Progress) -> None:
         """Log the mean loss (over all ranks), lr, throughput, memory and the model's own
