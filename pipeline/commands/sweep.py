@@ -401,7 +401,7 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
                             f"{p.spec.workspace_dir / 'sweep.log'}")
                         failed.append(p.name)
         finally:
-            for p, proc, out in running:      # interrupted: the points' runs stop too
+            for _p, proc, out in running:      # interrupted: the points' runs stop too
                 if proc.poll() is None and signals.received is None:
                     proc.terminate()
                 proc.wait()

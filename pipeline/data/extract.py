@@ -100,7 +100,7 @@ def _extract_zip(src: Path, dest: Path, wanted: dict, label: str, log: Log) -> d
                 raise PipelineError(f"{label}: the zip archive holds no files")
             chosen = {PurePosixPath(i.filename).name: (i, None) for i in kept}
         targets: dict[str, str] = {}
-        for role, (info, spec) in chosen.items():
+        for role, (info, _spec) in chosen.items():
             base = _base_name(info.filename, label, role)
             if targets.setdefault(base, info.filename) != info.filename:
                 raise PipelineError(f"{label}: members '{targets[base]}' and '{info.filename}' "

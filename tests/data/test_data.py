@@ -435,7 +435,7 @@ def test_eval_real_text(text):
     ids = v.encode(text.encode())[:7_777]
     total = 0
     xs = []
-    for x, y, m in eval_batches(ids, batch_size=4, seq_len=100):
+    for x, _y, m in eval_batches(ids, batch_size=4, seq_len=100):
         total += int(m.sum())
         xs.append(x[2])
     assert total == ids.size - 1

@@ -437,7 +437,7 @@ def test_tiny_model_overfits_a_repeated_sequence():
     data = pattern.repeat(20)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(40):
+    for _step in range(40):
         starts = torch.randint(0, len(data) - 33, (4,))
         x = torch.stack([data[s : s + 32] for s in starts])
         y = torch.stack([data[s + 1 : s + 33] for s in starts])
