@@ -417,7 +417,7 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
     return failed
 
 
-# -- as a Slurm job array: pipeline.cluster.slurm renders it, each task calls these around its ranks --
+# -- as a Slurm job array: pipeline.cluster.slurm renders it, each task calls these around its ranks
 
 def prepare_array_task(config: str, overrides: list[str], grid_items: list[str],
                        seeds_text: str | None, index: int, log=print) -> None:

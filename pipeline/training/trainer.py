@@ -7,7 +7,8 @@ checkpoint (model, optimizer, model states, RNG, step) resumes exactly where the
 
 A dataset of documents (the manifest's `documents`, pipeline.data.documents) trains document
 by document instead: each update reads a batch of whole documents through
-pipeline.training.document_passes.run_documents, every document from the model's initial state, and is
+pipeline.training.document_passes.run_documents, every document from the model's initial state, and
+is
 scored on the targets after each separator. Nothing carries across updates, so its state is
 the step alone; validation reports the loss per scored target, token accuracy and exact match.
 """

@@ -89,7 +89,7 @@ E   assert [31, 31, 31] == [32, 32, 32]
 =========================== short test summary info ============================
 FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - assert [31, 31, 31] == [32, 32, 32]
 1 failed, 2 passed in 12.00s
-"""
+"""  # noqa: E501  (pytest's summary line is one line)
     digest = pytest_digest(out)
     assert digest.startswith("1 failed, 2 passed in 12.00s")
     assert ("FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - "

@@ -229,7 +229,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory) -> dict:
-    """tests/helpers/dist_optim_worker.py on 2 CPU processes (gloo), every configuration in one run."""
+    """tests/helpers/dist_optim_worker.py on 2 CPU processes (gloo), every configuration in one
+    run."""
     out = tmp_path_factory.mktemp("dist_optim") / "results.json"
     env = os.environ | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu",

@@ -1,6 +1,7 @@
 """Resuming a checkpoint on another number of processes (pipeline/training/reshard.py).
 
-On DeepSpeed engines (tests/helpers/reshard_worker.py): checkpoints of ZeRO 0, 1 and 2 (fp32 and bf16)
+On DeepSpeed engines (tests/helpers/reshard_worker.py): checkpoints of ZeRO 0, 1 and 2 (fp32 and
+bf16)
 written by 1 process resume in 2 and the other way round, continuing as the run that wrote
 them would have; ZeRO 3 is refused with a message.
 
