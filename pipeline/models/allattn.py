@@ -167,7 +167,8 @@ class AllAttnLM(SequenceModel):
 
     def _adaptive_spans(self) -> list[AdaptiveSpan]:
         """Each layer's AdaptiveSpan; every layer has one when cfg.adaptive_span."""
-        return [s for layer in self.layers if (s := layer.attn.adaptive_span) is not None]
+        return [layer.attn.adaptive_span for layer in self.layers
+                if layer.attn.adaptive_span is not None]
 
     def _span_fracs(self) -> list[list[float]] | None:
         if not self.cfg.adaptive_span:
