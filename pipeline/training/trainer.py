@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from pipeline.models.protocol import State
 from pipeline.ops import compile_count
 from pipeline.training.progress import LossWindow, Progress
 from pipeline.cluster.signals import StopSignal
+
+if TYPE_CHECKING:     # imported where it is used, in Trainer.__init__
+    from pipeline.data import StreamBatches
 
 
 class Trainer:
@@ -104,7 +107,8 @@ class Trainer:
         rows = self.micro_batch * self.accum
         self.train_tokens = load_split(preprocess_dir, "train")
         self.preprocess_dir = preprocess_dir
-        self.valid_tokens = None
+        self.valid_tokens: np.ndarray | None = None
+        self.batches: StreamBatches | DocumentBatches
         try:
             if self.documents is None:
                 self.batches = StreamBatches(self.train_tokens, rows, train.seq_len,
@@ -221,12 +225,13 @@ class Trainer:
 
     def _stream_updates(self) -> list[torch.Tensor]:
         """Each micro-batch's rows continue their streams from the carried states."""
-        if self.step > 0 and self.batches.starts_epoch(self.step):
+        batches = cast(StreamBatches, self.batches)     # this path is for token streams
+        if self.step > 0 and batches.starts_epoch(self.step):
             # The streams restart at a new offset: the carried states are no longer the
             # rows' left context, so start from the initial ones, as the authors' trainer
             # does at the wrap.
             self.states = self._initial_states()
-        x, y = self.batches.batch(self.step)
+        x, y = batches.batch(self.step)
         x, y = self._to_device(x), self._to_device(y)
         mb = self.micro_batch
         losses = []
@@ -243,7 +248,8 @@ class Trainer:
     def _document_updates(self) -> list[torch.Tensor]:
         """Each micro-batch is whole documents, read from the initial state and scored after
         their separators (pipeline.training.document_passes.run_documents)."""
-        docs = self._to_device(self.batches.batch(self.step))
+        docs = self._to_device(cast(DocumentBatches, self.batches).batch(self.step))
+        assert self.documents is not None       # this path is for documents only
         mb = self.micro_batch
         losses = []
         for i in range(self.accum):
