@@ -225,7 +225,7 @@ class Trainer:
 
     def _stream_updates(self) -> list[torch.Tensor]:
         """Each micro-batch's rows continue their streams from the carried states."""
-        batches = cast(StreamBatches, self.batches)     # this path is for token streams
+        batches = cast("StreamBatches", self.batches)   # this path is for token streams
         if self.step > 0 and batches.starts_epoch(self.step):
             # The streams restart at a new offset: the carried states are no longer the
             # rows' left context, so start from the initial ones, as the authors' trainer
