@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: quickstart test install clean gpu-check gpu-wheels cluster-deps
+.PHONY: quickstart test install lint format clean gpu-check gpu-wheels cluster-deps
 
 quickstart: $(VENV)/.installed
 	$(BIN)/allattn-pipe run configs/quickstart.yaml
@@ -20,6 +20,26 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 install: $(VENV)/.installed
+
+# The house rules (pyproject.toml: [tool.ruff], [tool.mypy]); CI runs `make lint` before the
+# tests. Every check runs, then any finding fails the target. `make format` fixes what the
+# tools can fix by themselves; the rest is by hand. pre-commit is optional: `pre-commit install`
+# runs the same tools, from .venv, on each commit (.pre-commit-config.yaml).
+lint: $(VENV)/.lint-installed
+	@status=0; \
+	$(BIN)/ruff check . || status=1; \
+	$(BIN)/ruff format --check . || status=1; \
+	$(BIN)/mypy || status=1; \
+	exit $$status
+
+format: $(VENV)/.lint-installed
+	$(BIN)/ruff check --fix --exit-zero .   # what is left is listed, for a hand fix
+	$(BIN)/ruff format .
+
+# The pinned linters of the `lint` extra, beside what .installed put there.
+$(VENV)/.lint-installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[test,lint]"
+	touch $@
 
 # The GPU check (bench/gpu_check.py): the CUDA tests and the GPU benchmarks, one report.
 # It runs under the interpreter that has the machine's torch: the project's .venv where there

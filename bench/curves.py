@@ -8,7 +8,8 @@ unicode characters; the vocabulary is the training file's characters plus one id
 characters only the validation file has. Training: B parallel streams over the training
 text, consecutive segments of M characters, the cache carried from segment to segment (the
 paper's Transformer-XL-style training), the project's model and optimizers
-(``pipeline.training.optim``: Adam with global clipping, or the paper's ClippedAdagrad), linear warmup.
+(``pipeline.training.optim``: Adam with global clipping, or the paper's ClippedAdagrad), linear
+warmup.
 Validation: the first --valid-chars characters of the validation file, cut into 8 streams,
 scored block by block with the cache (every character once), in bits per character.
 
@@ -171,7 +172,7 @@ def main() -> None:
     names = list(curves)
     print("\nvalid bpc by step")
     print("  step  " + "  ".join(f"{n:>12}" for n in names))
-    for row in zip(*(curves[n] for n in names)):
+    for row in zip(*(curves[n] for n in names), strict=False):
         print(f"{row[0][0]:>6}  " + "  ".join(f"{r[1]:>12.3f}" for r in row))
 
 

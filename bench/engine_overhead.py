@@ -7,7 +7,8 @@ The same model, weights, batch and optimizer (the config's train.optimizer, buil
 pipeline.training.optim) step in two ways:
 
 - engine: deepspeed.initialize with pipeline.training.ds_config's config (ZeRO 0, float32
-  or with --bf16 DeepSpeed's bf16 mode, one process), then engine(x, y, state), engine.backward(loss), engine.step(), as the
+  or with --bf16 DeepSpeed's bf16 mode, one process), then engine(x, y, state),
+  engine.backward(loss), engine.step(), as the
   trainer does (inside the model's planned_update(), request_plan() after it);
 - plain: model(x, y, state), loss.backward(), clip_grad_norm_ where clip is global (what the
   engine's gradient_clipping does), optimizer.step(), optimizer.zero_grad().
@@ -15,7 +16,8 @@ pipeline.training.optim) step in two ways:
 Per step it counts the aten ops that run (a TorchDispatchMode: forward, backward and
 optimizer alike) and the host syncs: the ops that make the host wait for the device on
 CUDA (`.item()`, `.tolist()`, bool of a tensor, nonzero...; tests/helpers/host_syncs.py's
-HostSyncCounter), with the line that asked for each. Times are the median of --steps steps after warm-up, the three kinds of step
+HostSyncCounter), with the line that asked for each. Times are the median of --steps steps after
+warm-up, the three kinds of step
 interleaved. Prints markdown tables; asserts
 nothing. Without --config: the quickstart's model (the all-attention network) at a small
 shape, with the paper's per-tensor clipped Adagrad; --set train.optimizer.clip=global and

@@ -1,6 +1,6 @@
 """The command-line fuzzer's figure: cases, tracebacks, hangs, exit codes, cases per command,
-seconds. The same derandomized cases as tests/commands/test_cli_fuzz.py (which fails on any bad one);
-here every case runs and the bad ones are listed.
+seconds. The same derandomized cases as tests/commands/test_cli_fuzz.py (which fails on any bad
+one); here every case runs and the bad ones are listed.
 
     .venv/bin/python bench/fuzz.py [--cases 2000] [--show-bad 20]
     .venv/bin/python bench/fuzz.py --paths 1000     # the path fuzzer (tests/helpers/path_fuzz.py)
@@ -81,7 +81,8 @@ def paths(cases: int, show_bad: int) -> None:
           f"{kinds['changed what it does not own']}")
     print(f"tracebacks       {kinds['traceback']}")
     print(f"hangs            {kinds['hang']}")
-    print(f"other bad cases  {len(bad) - sum(kinds[k] for k in ('traceback', 'hang', 'changed what it does not own'))}")
+    named = sum(kinds[k] for k in ("traceback", "hang", "changed what it does not own"))
+    print(f"other bad cases  {len(bad) - named}")
     exits = collections.Counter(str(c) for o in outcomes for c in o.exit_codes)
     print("exit codes       " + ", ".join(f"{code}: {n}" for code, n in sorted(exits.items())))
     print(f"\n{'command':<24} {'cases':>6} {'bad':>4} {'max s':>6}")

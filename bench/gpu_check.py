@@ -97,7 +97,7 @@ def pytest_digest(text: str, cap: int = 8000, per_failure: int = 1800) -> str:
     closing = lines[-1] if lines else "(no output)"
     sections = re.split(r"^=+ (FAILURES|ERRORS|short test summary info|warnings summary) =+$",
                         text, flags=re.M)
-    named = dict(zip(sections[1::2], sections[2::2]))
+    named = dict(zip(sections[1::2], sections[2::2], strict=False))
     parts = []
     summary = named.get("short test summary info", "")
     summary = "\n".join(line for line in summary.splitlines()

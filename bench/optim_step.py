@@ -89,7 +89,7 @@ def shapes_of(config: str) -> list[torch.Size]:
 def measure(make, shapes, grads, reps: int, device: torch.device):
     torch.manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=False):
         p.grad = g
     opt = make(params)
     opt.step()                                   # warm-up: state, plans
@@ -148,7 +148,7 @@ def main() -> None:
     for name, make in rows:
         ms, ops, syncs, params = measure(make, shapes, grads, args.reps, device)
         first = params if first is None else first
-        diff = max((a - b).abs().max().item() for a, b in zip(params, first))
+        diff = max((a - b).abs().max().item() for a, b in zip(params, first, strict=False))
         print(f"| {name} | {ms:,.0f} | {ops:,} | {syncs:,} | {diff:.1e} |", flush=True)
         del params
 

@@ -16,7 +16,8 @@ Protocols (--epochs / --steps override either, for every problem):
 - cpu: a budget per problem, for self-attention and conv (the two operators the paper's
   ordering is about; --mixers adds others), about an hour a seed on 2 cores with --jobs 2
   (docs/benchmarks.md: more than the 2 hours for 3 seeds aimed at, which is as short as
-  remember's ordering allows). Everything else is the paper's (model, batch 32, Adam at 0.01, 32 check cases,
+  remember's ordering allows). Everything else is the paper's (model, batch 32, Adam at 0.01, 32
+  check cases,
   promotion at 100%). Epochs are 25 steps, so that an operator which has learned the
   algorithm climbs fast (a check, and a possible promotion, every 25 updates); what differs
   is how many:

@@ -62,6 +62,7 @@ def run(ctx: StageContext) -> dict:
         ctx.tracker.log_metrics({f"{split}_bpc": nats / LN2, f"{split}_loss": nats,
                                  f"{split}_ppl": math.exp(nats)}, step=0)
         if ev.line_losses:
+            assert eos_id is not None       # read above when line_losses is asked for
             lines = line_losses(model, tokens, eos_id, ev.batch_size, device)
             results[split]["lines"] = lines
             ctx.tracker.log_metrics({f"{split}_paper_loss": lines["paper_loss"],

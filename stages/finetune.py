@@ -31,7 +31,9 @@ def run(ctx: StageContext) -> dict:
         ctx.log(f"resuming the LR-drop phase at step {trainer.load(ckpt_root)}")
         # where the first attempt began: train's newest intact checkpoint, as trainer.load
         # chose it (not `latest`, which may name a damaged one)
-        begin = step_of(newest_intact(train_root, ctx.log))
+        newest = newest_intact(train_root, ctx.log)
+        assert newest is not None       # train finished: it left an intact checkpoint
+        begin = step_of(newest)
     else:
         begin = trainer.load(train_root)
     lr = ctx.spec.train.optimizer.lr / ft.lr_divisor

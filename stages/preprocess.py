@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any, cast
 
 from pipeline.errors import PipelineError
 from pipeline.data.manifest import write_manifest
@@ -185,7 +186,7 @@ def _sentencepiece_tokens(ds, parts: dict, shard_dir: Path, log):
 
 # ---------------------------------------------------------------- the stage
 
-def preprocess(ds, download_dir: Path, out_dir: Path, log=print) -> dict:
+def preprocess(ds, download_dir: Path | None, out_dir: Path, log=print) -> dict:
     """Tokenize and split the download of dataset card `ds` into `out_dir`; the manifest."""
     import numpy as np
 
@@ -197,6 +198,7 @@ def preprocess(ds, download_dir: Path, out_dir: Path, log=print) -> dict:
         raise PipelineError(f"dataset '{ds.name}' is a generated task (generator: "
                             f"{ds.generator.task}): its cases are made online by the curriculum "
                             f"stage, not by download and preprocess")
+    assert download_dir is not None     # a downloaded dataset: the download stage ran
     download_dir, out_dir = Path(download_dir), Path(out_dir)
     info, roles = _download_roles(download_dir, ds)
     raw = {role: _read_checked(download_dir, role, entry) for role, entry in roles.items()}
@@ -205,6 +207,7 @@ def preprocess(ds, download_dir: Path, out_dir: Path, log=print) -> dict:
     shard_dir.mkdir(parents=True, exist_ok=True)
 
     # the splits as bytes (or text for char), cut by a tail split or given as files
+    parts: dict[str, Any]
     if ds.split.kind == "files":
         parts = raw
         if kind == "char":
@@ -217,7 +220,7 @@ def preprocess(ds, download_dir: Path, out_dir: Path, log=print) -> dict:
         stream = raw["all"] if kind == "byte" else _decode_utf8(raw["all"], roles["all"]["path"])
         sizes = split_sizes(len(stream), ds.split.valid, ds.split.test)
         cut1, cut2 = sizes["train"], sizes["train"] + sizes["valid"]
-        view = memoryview(stream) if kind == "byte" else stream
+        view = memoryview(cast(bytes, stream)) if kind == "byte" else stream
         parts = {"train": view[:cut1], "valid": view[cut1:cut2], "test": view[cut2:]}
         split = {"kind": "tail", "unit": UNITS[kind], **sizes}
     if split["kind"] == "tail":

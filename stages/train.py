@@ -3,7 +3,8 @@
 Outputs: `checkpoints/` (DeepSpeed checkpoints `step-N`, `latest`, and `best` by validation),
 `deepspeed_config.json`, and `resolved.json`: the micro-batch and precision the run trains
 with (train.micro_batch_size and train.deepspeed.bf16 `auto` settled on the device at the
-start; a resume and the finetune stage read them back, pipeline.training.micro_batch). An interrupted run resumes from the newest intact checkpoint in
+start; a resume and the finetune stage read them back, pipeline.training.micro_batch). An
+interrupted run resumes from the newest intact checkpoint in
 its partial directory when re-run with the same settings (`RUNTIME_ONLY` ones may differ).
 With `finetune.patience`, training stops early once validation has stalled, and the finetune
 stage takes over from there.

@@ -221,7 +221,7 @@ def test_parameter_counts_in_the_tables_are_shows():
         counts = [c.strip() for c in cells[-1].split("/")]
         assert len(names) == len(counts), row
         first = Path(names[0])
-        for name, count in zip(names, counts):
+        for name, count in zip(names, counts, strict=False):
             path = ROOT / (name if "/" in name else first.parent / name)
             out = show(str(path.relative_to(ROOT)))
             n = int(re.search(r"^parameters: ([\d,]+)", out, re.M).group(1).replace(",", ""))

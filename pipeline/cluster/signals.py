@@ -12,7 +12,8 @@ process was started with it ignored (`nohup`): then it stays ignored.
 - A second signal stops at once (no checkpoint, no cleanup), as the README promises, with
   one exception: a SIGTERM within `DUPLICATE_WINDOW_S` of the first is the same request
   delivered twice (a preemption reaches the ranks from Slurm and, near a time limit, from the
-  job script's `scancel --signal=TERM` too), not impatience. A launcher that is asked twice escalates to SIGINT.
+  job script's `scancel --signal=TERM` too), not impatience. A launcher that is asked twice
+  escalates to SIGINT.
 """
 
 from __future__ import annotations

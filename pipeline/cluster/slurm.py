@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.errors import PipelineError
@@ -51,7 +52,7 @@ def time_limit_seconds(text: str) -> int:
     for pattern, units in _TIME_FORMATS:
         match = pattern.fullmatch(text)
         if match:
-            return sum(int(n) * _SECONDS[u] for n, u in zip(match.groups(), units))
+            return sum(int(n) * _SECONDS[u] for n, u in zip(match.groups(), units, strict=False))
     raise PipelineError(f"--time {text!r}: not a Slurm time limit; use minutes (90), "
                         f"minutes:seconds, hours:minutes:seconds (24:00:00) or "
                         f"days-hours[:minutes[:seconds]] (1-00:00:00)")
@@ -102,7 +103,7 @@ def _resources(nodes: int, gpus_per_node: int, procs_per_node: int | None) -> in
 
 
 def _directives(gpus_per_node: int, partition: str | None, time: str | None,
-                signal_lead: int, extra: list[str] = ()) -> str:
+                signal_lead: int, extra: Sequence[str] = ()) -> str:
     directives = [*extra]
     if gpus_per_node:
         directives.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
@@ -170,6 +171,7 @@ def render_sbatch(config_path: str | Path, spec: Spec, nodes: int, gpus_per_node
     sets = [*overrides, *_launcher_sets(nodes, procs)]
     # the spec refuses a train.batch_size that does not split over the job's processes
     job_spec = load_spec(config_path, sets)
+    assert job_spec.train is not None       # checked above: a train stage runs
     port = job_spec.train.launcher.master_port
     command = (f"allattn-pipe launch slurm {config_path} --nodes {nodes} "
                f"--gpus-per-node {gpus_per_node}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from typing import TYPE_CHECKING, cast
 
 import click
 
@@ -50,14 +51,20 @@ class OneLineUsageError(click.UsageError):
         click.echo(f"error: {message}{hint}", err=True)
 
 
-class OneLineErrors:
+if TYPE_CHECKING:     # a mixin of click's Command and Group: what its super() calls reach
+    _Mixin = click.Group
+else:
+    _Mixin = object
+
+
+class OneLineErrors(_Mixin):
     """Click's usage errors of a command or group as one line (--help stays click's)."""
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:
             return super().make_context(info_name, args, parent, **extra)
         except click.exceptions.NoArgsIsHelpError as e:   # a bare group: what it has
-            commands = ", ".join(e.ctx.command.list_commands(e.ctx))
+            commands = ", ".join(cast(click.Group, e.ctx.command).list_commands(e.ctx))
             raise OneLineUsageError(click.UsageError(
                 f"missing command, one of: {commands}", e.ctx)) from None
         except click.UsageError as e:

@@ -24,6 +24,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from pipeline.errors import PipelineError, shown
 
@@ -141,7 +142,8 @@ def collect(client, specs=(), experiments=(), run_ids=(), filter_string: str = "
     syntax) keeps a pipeline run when it or one of its stage runs matches."""
     from mlflow.exceptions import MlflowException
 
-    wanted: dict[str, object] = {}   # experiment id -> a predicate on the parent's params
+    # experiment id -> predicates on a pipeline run's row
+    wanted: dict[str, list[Callable[..., bool]]] = {}
     for spec in specs:
         exp = client.get_experiment_by_name(spec.tracking.experiment or spec.name)
         if exp is None:
@@ -336,6 +338,8 @@ def _fmt_size(n) -> str:
 
 
 def _tokens(row: RunRow) -> int | None:
+    if row.steps is None:
+        return None
     try:
         return row.steps * int(row.params["train.batch_size"]) * int(row.params["train.seq_len"])
     except (KeyError, TypeError, ValueError):
@@ -417,12 +421,12 @@ def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
     widths = [max(len(r[i]) for r in [header] + cells) for i in range(len(header))]
     lines = [f"equal in every row: {'; '.join(notes)}"] if notes else []
     for row in [header] + cells:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
     return "\n".join(lines)
 
 
 def _as_json(g: Group, metrics: list[str]) -> dict:
-    out = {"name": g.name, "status": g.rows[0].status, "n": len(g.rows),
+    out: dict[str, Any] = {"name": g.name, "status": g.rows[0].status, "n": len(g.rows),
            "runs": [{"run_id": r.run_id, "run_ids": r.run_ids, "name": r.name, "seed": r.params.get(SEED),
                      "steps": r.steps, "tokens": _tokens(r), "parameters": r.parameters,
                      "wall_s": r.wall_s, "metrics": r.metrics} for r in g.rows],

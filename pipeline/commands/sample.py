@@ -30,11 +30,11 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
             ids = tokenizer.encode(prompt.encode())
     except ValueError as e:
         raise PipelineError(f"--prompt: {e}") from None
-    ids = [int(i) for i in ids]
+    out = [int(i) for i in ids]
     eos = getattr(tokenizer, "eos_id", None)
-    if ids and eos is not None and ids[-1] == eos and not prompt.endswith("\n"):
-        ids.pop()
-    return ids
+    if out and eos is not None and out[-1] == eos and not prompt.endswith("\n"):
+        out.pop()
+    return out
 
 
 def decode(tokenizer, ids: list[int]) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import itertools
 import json
 import re
@@ -29,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pipeline.cluster import distributed
 from pipeline.cluster.signals import _Handler
@@ -36,6 +38,9 @@ from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.workspace.layout import Workspace, fingerprint
 from pipeline.workspace.runner import Runner
 from pipeline.spec import load_spec
+
+if TYPE_CHECKING:             # a name for annotations only
+    from pipeline.spec.schema import Spec
 from stages import STAGES, resolve_inputs
 
 
@@ -43,12 +48,12 @@ from stages import STAGES, resolve_inputs
 class Point:
     name: str
     overrides: list[str]          # the user's --set, then the grid's, the seed, name, experiment
-    spec: object                  # its resolved pipeline.spec.schema.Spec
+    spec: Spec                    # its resolved spec
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     """['train.optimizer.lr=1e-3,3e-3'] -> [('train.optimizer.lr', ['1e-3', '3e-3'])]."""
-    grid = []
+    grid: list[tuple[str, list[str]]] = []
     for item in items:
         key, eq, values = item.partition("=")
         key, parts = key.strip(), [v.strip() for v in values.split(",")]
@@ -97,7 +102,7 @@ def points(config: str, overrides: list[str], grid: list[tuple[str, list[str]]],
     experiment = base.tracking.experiment or base.name
     out, names = [], set()
     for values in itertools.product(*(v for _, v in grid), *([seeds] if seeds else [])):
-        chosen = list(zip(keys, values))
+        chosen = list(zip(keys, values, strict=False))
         seed = values[len(keys)] if seeds else None
         parts = [f"{_label(k, keys)}{v}" for k, v in chosen]
         if seed is not None:
@@ -126,7 +131,7 @@ def sweep_id(config: str, overrides: list[str], grid, seeds) -> str:
 def shared_prefix(pts: list[Point]) -> list[str]:
     """The leading stages whose fingerprinted config is the same at every point."""
     first = pts[0].spec
-    prefix = []
+    prefix: list[str] = []
     for name in first.stages:
         if any(p.spec.stages[:len(prefix) + 1] != first.stages[:len(prefix) + 1] for p in pts):
             break
@@ -176,8 +181,8 @@ class SweepRun:
         from pipeline.tracking.tracker import tracking_uri
 
         self.warn = warn
-        self.client = None
-        self.run_id = None
+        self.client: Any = None       # an MlflowClient or open_store's; None: not recorded
+        self.run_id: str | None = None
         if not spec.tracking.enabled:
             return
         try:
@@ -263,9 +268,9 @@ def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_te
             f"{', '.join(prefix) or 'nothing'}")
         for p in pts:
             plan = Runner(p.spec, log=lambda m: None).plan()
-            todo = [s.stage for s in plan if s.action == "run"]
+            to_run = [s.stage for s in plan if s.action == "run"]
             sets = " ".join(f"--set {o}" for o in p.overrides[len(overrides):-2])
-            log(f"  {p.name:<40} {'done' if not todo else 'run ' + ','.join(todo)}  {sets}")
+            log(f"  {p.name:<40} {'done' if not to_run else 'run ' + ','.join(to_run)}  {sets}")
         return []
     sweep = _sweep_run(pts, ident, log)
     workspaces = [p.spec.workspace_dir for p in pts]
@@ -366,7 +371,7 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
     sweep waits for them to save and exit, then stops with `Preempted` (exit 128 + the
     signal's number), its MLflow run marked KILLED."""
     failed: list[str] = []
-    running: list[tuple[Point, subprocess.Popen, object]] = []
+    running: list[tuple[Point, subprocess.Popen, io.BufferedWriter]] = []
     stopped: list[str] = []
     queue = list(todo)
     with ForwardSignals(running) as signals:
@@ -401,7 +406,7 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
                             f"{p.spec.workspace_dir / 'sweep.log'}")
                         failed.append(p.name)
         finally:
-            for p, proc, out in running:      # interrupted: the points' runs stop too
+            for _p, proc, out in running:      # interrupted: the points' runs stop too
                 if proc.poll() is None and signals.received is None:
                     proc.terminate()
                 proc.wait()
@@ -417,7 +422,7 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
     return failed
 
 
-# -- as a Slurm job array: pipeline.cluster.slurm renders it, each task calls these around its ranks --
+# -- as a Slurm job array: pipeline.cluster.slurm renders it, each task calls these around its ranks
 
 def prepare_array_task(config: str, overrides: list[str], grid_items: list[str],
                        seeds_text: str | None, index: int, log=print) -> None:

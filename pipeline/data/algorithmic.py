@@ -86,7 +86,7 @@ def _arithmetic(problem: str, length: int, batch: int,
                 generator: torch.Generator) -> tuple[Tensor, Tensor]:
     width = (length - 1) // 2
     a, b = _operands(width, batch, generator), _operands(width, batch, generator)
-    rows = [binary_case(problem, length, x, y) for x, y in zip(a, b)]
+    rows = [binary_case(problem, length, x, y) for x, y in zip(a, b, strict=False)]
     return (torch.tensor([r[0] for r in rows], dtype=torch.int64).view(batch, length),
             torch.tensor([r[1] for r in rows], dtype=torch.int64).view(batch, length))
 

@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from pipeline.data.fetch import CHUNK, DISK_FULL, MD5_HEX, SHA256_HEX, Log, check_hex, open_for_write
 from pipeline.errors import PipelineError
@@ -100,7 +100,7 @@ def _extract_zip(src: Path, dest: Path, wanted: dict, label: str, log: Log) -> d
                 raise PipelineError(f"{label}: the zip archive holds no files")
             chosen = {PurePosixPath(i.filename).name: (i, None) for i in kept}
         targets: dict[str, str] = {}
-        for role, (info, spec) in chosen.items():
+        for role, (info, _spec) in chosen.items():
             base = _base_name(info.filename, label, role)
             if targets.setdefault(base, info.filename) != info.filename:
                 raise PipelineError(f"{label}: members '{targets[base]}' and '{info.filename}' "
@@ -125,7 +125,13 @@ def _extract_zip(src: Path, dest: Path, wanted: dict, label: str, log: Log) -> d
     return out
 
 
-def write_verified(reader: BinaryIO, target: str | os.PathLike, *, label: str,
+class _Reader(Protocol):
+    """What write_verified reads from: a file, a zip member, a gzip stream."""
+
+    def read(self, size: int = ..., /) -> bytes: ...
+
+
+def write_verified(reader: _Reader, target: str | os.PathLike, *, label: str,
                    sha256: str | None = None, md5: str | None = None,
                    size: int | None = None, source: str = "", role: str = "",
                    bad_input: tuple[type[BaseException], ...] = (),
@@ -165,7 +171,8 @@ def write_verified(reader: BinaryIO, target: str | os.PathLike, *, label: str,
                 raise PipelineError(f"{label}: disk full writing {target} ({e.strerror})"
                                     f"{needed}") from None
             raise
-        found = {"sha256": h.hexdigest(), "md5": m.hexdigest() if m else None}
+        sha256_found = h.hexdigest()
+        found = {"sha256": sha256_found, "md5": m.hexdigest() if m else None}
         for algo, expected in (("sha256", expect_sha), ("md5", expect_md5)):
             if expected and found[algo] != expected.lower():
                 raise PipelineError(
@@ -176,7 +183,7 @@ def write_verified(reader: BinaryIO, target: str | os.PathLike, *, label: str,
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return Extracted(target, found["sha256"], n, source or target.name)
+    return Extracted(target, sha256_found, n, source or target.name)
 
 
 # ---------------------------------------------------------------- internals

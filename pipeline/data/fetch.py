@@ -31,7 +31,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import IO, Any
 
 from pipeline.errors import PipelineError
 
@@ -152,16 +152,16 @@ def fetch(url: str, cache: str | os.PathLike, *, sha256: str | None = None, log:
                 time.sleep(wait)
         found, _, _ = digests(part)
         if found != key:
-            kept = ""
+            kept_as = ""
             if size is not None and part.stat().st_size == size:
                 # complete as the server sent it: keep it under its own checksum, so that
                 # --set dataset.sha256=<found> (a repacked mirror) needs no second download
                 os.replace(part, downloads / found)
-                kept = f"; kept as {downloads / found}"
+                kept_as = f"; kept as {downloads / found}"
             else:
                 part.unlink(missing_ok=True)
             raise PipelineError(f"dataset.url {url}: sha256 mismatch: expected {key}, found "
-                                f"{found}{kept}{mismatch_hint.replace('{found}', found)}")
+                                f"{found}{kept_as}{mismatch_hint.replace('{found}', found)}")
         os.replace(part, final)
     log(f"saved in the cache as {final}")
     return Fetched(url, final, key, final.stat().st_size, cached=False)
@@ -369,7 +369,7 @@ class _Progress:
                  f"({self._rate(have):.1f} MB/s)")
 
 
-def open_for_write(path: Path, mode: str) -> BinaryIO:
+def open_for_write(path: Path, mode: str) -> IO[Any]:
     """Every file this module writes is opened here (the tests simulate a full disk)."""
     return open(path, mode)
 

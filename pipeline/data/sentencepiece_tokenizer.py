@@ -22,6 +22,7 @@ import io
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +81,7 @@ def train_sentencepiece(train_data, options: SentencePieceOptions) -> bytes:
         raise ValueError("the training text has no non-empty lines to train sentencepiece on")
     spm.set_random_generator_seed(options.seed)
     model = io.BytesIO()
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         sentence_iterator=iter(sentences), model_writer=model,
         model_type=options.model_type, vocab_size=options.vocab_size,
         character_coverage=options.character_coverage, byte_fallback=options.byte_fallback,
@@ -156,7 +157,7 @@ class SentencePieceTokenizer:
         ends = np.flatnonzero(arr == self.eos_id)
         starts = np.concatenate([[0], ends + 1])
         stops = np.concatenate([ends, [arr.size]])
-        pieces = [arr[a:b].tolist() for a, b in zip(starts, stops)]
+        pieces = [arr[a:b].tolist() for a, b in zip(starts, stops, strict=False)]
         if not pieces[-1]:
             pieces.pop()
         return self._sp.decode(pieces)

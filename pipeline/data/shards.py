@@ -210,7 +210,9 @@ def _read_one(out_dir: Path, entry: dict, dt: np.dtype, first_block: int) -> lis
                     raise ShardError(
                         f"shard {path}: block order, expected block {expected} found {key}"
                     )
-                raw = tf.extractfile(ti).read()
+                member = tf.extractfile(ti)
+                assert member is not None       # a regular file: checked above
+                raw = member.read()
                 if len(raw) % dt.itemsize:
                     raise ShardError(
                         f"shard {path}: member {ti.name!r} has {len(raw)} bytes, not a multiple "

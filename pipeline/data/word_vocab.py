@@ -91,7 +91,7 @@ class WordVocab:
         words = list(words)
         if not words:
             raise ValueError("a vocabulary needs at least one word")
-        index = {}
+        index: dict[str, int] = {}
         for i, w in enumerate(words):
             if not isinstance(w, str) or w.split() != [w]:
                 raise ValueError(f"vocabulary words must be non-empty strings without "
@@ -208,7 +208,8 @@ class WordVocab:
         last line without one is kept)."""
         if self.eos is None:
             raise ValueError("a vocabulary without an end-of-line token has no lines")
-        lines, cur = [], []
+        lines: list[str] = []
+        cur: list[str] = []
         for w in self.decode(ids):
             if w == self.eos:
                 lines.append(" ".join(cur))

@@ -87,7 +87,7 @@ class AdaptiveInput(nn.Module):
             raise ValueError(f"adaptive_div {div}: d_model {d_model} leaves a band of size 0")
         self.bands = nn.ModuleList(
             nn.Embedding(hi - lo, di)
-            for lo, hi, di in zip(self.bounds[:-1], self.bounds[1:], self.dims)
+            for lo, hi, di in zip(self.bounds[:-1], self.bounds[1:], self.dims, strict=False)
         )
         for i, di in enumerate(self.dims):  # direct attributes: used in this module's forward
             setattr(self, f"proj{i}", _linear_weight(d_model, di))
@@ -102,7 +102,7 @@ class AdaptiveInput(nn.Module):
         flat = tokens.reshape(-1)
         projs = self.projs
         out = projs[0].new_zeros(flat.shape[0], self.d_model)
-        for i, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
+        for i, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:], strict=False)):
             rows = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)
             if rows.numel() == 0:
                 continue
@@ -136,7 +136,7 @@ class AdaptiveLogSoftmax(nn.Module):
         # objects of the input's bands and projections (one tensor, counted once).
         if tie is not None and (tie.bounds != self.bounds or tie.dims != self.dims):
             raise ValueError("a tied adaptive softmax needs the input's bands")
-        for i, (lo, hi, di) in enumerate(zip(self.bounds[:-1], self.bounds[1:], self.dims)):
+        for i, (lo, hi, di) in enumerate(zip(self.bounds[:-1], self.bounds[1:], self.dims, strict=False)):
             if tie is not None:
                 setattr(self, f"weight{i}", tie.bands[i].weight)
                 setattr(self, f"proj{i}", tie.projs[i])
@@ -179,7 +179,7 @@ class AdaptiveLogSoftmax(nn.Module):
         t = target.reshape(-1)
         head_lp = self._head_logprob(h)  # [n, c_1 + K]
         nll = head_lp.new_zeros(t.shape[0])
-        for i, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
+        for i, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:], strict=False)):
             rows = ((t >= lo) & (t < hi)).nonzero().squeeze(1)
             if rows.numel() == 0:
                 continue

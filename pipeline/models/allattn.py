@@ -56,7 +56,9 @@ The ablations (paper section 5.3, text8, large model), as implemented here
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import cast
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -67,6 +69,7 @@ from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
 from pipeline.models.config import FF_KINDS, PERSISTENT_MODES, AllAttnConfig
 from pipeline.models.layers import (
     SPAN_GRANULARITY,
+    AdaptiveSpan,
     AllAttnLayer,
     PersistentShareSum,
     attn_span_len,
@@ -126,6 +129,8 @@ class AllAttnLM(SequenceModel):
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.cfg = cfg
         self.vocab_size = vocab_size
+        self.embed: nn.Module
+        self.out: nn.Module
         if cfg.adaptive_io:
             # tied adaptive input / softmax (pipeline.models.adaptive): four bands for the
             # paper's cutoffs; ``out`` shares ``embed``'s band weights and projections
@@ -135,13 +140,15 @@ class AllAttnLM(SequenceModel):
         # One key-side relative position table shared by all heads and layers, N(0, 1);
         # column L - x holds u_x, the embedding of distance x in [1, L].
         self.pos_table = nn.Parameter(torch.randn(cfg.head_dim, cfg.max_span))
-        self.layers = nn.ModuleList(AllAttnLayer(cfg) for _ in range(cfg.n_layers))
+        # typed as what it holds: a ModuleList iterates as plain Modules
+        self.layers: list[AllAttnLayer] = nn.ModuleList(  # type: ignore[assignment]
+            AllAttnLayer(cfg) for _ in range(cfg.n_layers))
         self.emb_dropout = nn.Dropout(cfg.emb_dropout)
         self.out_dropout = nn.Dropout(cfg.out_dropout)
         if cfg.adaptive_io:
             self.out = AdaptiveLogSoftmax(
                 vocab_size, cfg.d_model, cfg.adaptive_cutoffs, cfg.adaptive_div,
-                tie=self.embed if cfg.adaptive_tied else None,
+                tie=cast(AdaptiveInput, self.embed) if cfg.adaptive_tied else None,  # adaptive_io
             )
         else:
             self.out = nn.Linear(cfg.d_model, vocab_size)
@@ -158,10 +165,15 @@ class AllAttnLM(SequenceModel):
 
     # ---- spans -------------------------------------------------------------------------
 
+    def _adaptive_spans(self) -> list[AdaptiveSpan]:
+        """Each layer's AdaptiveSpan; every layer has one when cfg.adaptive_span."""
+        return [layer.attn.adaptive_span for layer in self.layers
+                if layer.attn.adaptive_span is not None]
+
     def _span_fracs(self) -> list[list[float]] | None:
         if not self.cfg.adaptive_span:
             return None
-        fracs = torch.stack([layer.attn.adaptive_span.frac.detach() for layer in self.layers])
+        fracs = torch.stack([s.frac.detach() for s in self._adaptive_spans()])
         return fracs.cpu().tolist()  # one host sync for all layers
 
     def span_lens(self) -> list[int]:
@@ -182,7 +194,7 @@ class AllAttnLM(SequenceModel):
 
     def _layer_max_fracs(self) -> Tensor:
         """[n_layers] each layer's largest span fraction, float32, on the device."""
-        fracs = torch.stack([layer.attn.adaptive_span.frac.detach() for layer in self.layers])
+        fracs = torch.stack([s.frac.detach() for s in self._adaptive_spans()])
         return fracs.float().amax(dim=1)
 
     def _set_plan(self, max_fracs: list[float]) -> None:
@@ -228,7 +240,7 @@ class AllAttnLM(SequenceModel):
         while len(self._pending) > 2:       # requested twice without an update between
             self._free.append(self._pending.pop(0)[:2])
 
-    def _host_buffer(self, device: torch.device) -> tuple[Tensor, object]:
+    def _host_buffer(self, device: torch.device) -> tuple[Tensor, np.ndarray]:
         """A [n_layers] float32 host buffer (pinned for CUDA) and a numpy view of it."""
         buffer = torch.empty(len(self.layers), dtype=torch.float32,
                              pin_memory=device.type == "cuda")
@@ -266,6 +278,7 @@ class AllAttnLM(SequenceModel):
         """On the device: +1 if some layer's current span needs more than its planned L'
         (the mask's first cut column, distance L' + 1, is R + z - L' > 0)."""
         spans = self._layer_max_fracs() * self.cfg.max_span
+        assert self._limits is not None     # planned_update() set them
         cut = ((self.cfg.span_ramp + spans) - self._limits).gt(0).any()
         if self._overflows is None:
             self._overflows = torch.zeros((), dtype=torch.int64, device=spans.device)
@@ -305,14 +318,14 @@ class AllAttnLM(SequenceModel):
         are fixed."""
         if not self.cfg.adaptive_span:
             return self.pos_table.new_zeros(())
-        total = sum(layer.attn.adaptive_span.span().mean() for layer in self.layers)
+        total = cast(Tensor, sum(s.span().mean() for s in self._adaptive_spans()))  # n_layers >= 1
         return self.cfg.span_loss_coef * total
 
     def bounded_parameters(self) -> list[tuple[nn.Parameter, float, float]]:
         """The span fractions, in [0, 1]."""
         if not self.cfg.adaptive_span:
             return []
-        return [(layer.attn.adaptive_span.frac, 0.0, 1.0) for layer in self.layers]
+        return [(s.frac, 0.0, 1.0) for s in self._adaptive_spans()]
 
     def describe(self) -> str:
         """The attention backend; for ``auto``, what it picks on the model's current device
@@ -342,8 +355,8 @@ class AllAttnLM(SequenceModel):
         planned forwards so far whose plan was too short (see the class doc)."""
         if not self.cfg.adaptive_span:
             return super().metric_tensors()
-        spans = torch.cat([layer.attn.adaptive_span.frac.detach().double()
-                           for layer in self.layers]) * self.cfg.max_span
+        spans = torch.cat([s.frac.detach().double()
+                           for s in self._adaptive_spans()]) * self.cfg.max_span
         out = {"span_mean": spans.mean(), "span_max": spans.max()}
         if self._overflows is not None:
             out["span_plan_overflows"] = self._overflows
@@ -376,7 +389,7 @@ class AllAttnLM(SequenceModel):
             return
         sums = [PersistentShareSum(self.cfg.n_heads, self.pos_table.device) for _ in self.layers]
         tables: dict[str, list[list[float]]] = {}
-        for layer, s in zip(self.layers, sums):
+        for layer, s in zip(self.layers, sums, strict=False):
             layer.attn.persistent_share = s
         try:
             yield tables
@@ -438,7 +451,7 @@ class AllAttnLM(SequenceModel):
         layers = self._compiled if planned and self._compiled is not None else self.layers
         h = self.emb_dropout(self.embed(tokens))
         new_cache: list[Tensor] = []
-        for layer, past, span_len in zip(layers, cache, span_lens):
+        for layer, past, span_len in zip(layers, cache, span_lens, strict=False):
             keep = cache_len(span_len, self.cfg.max_span)  # = max_span for a fixed span
             past = past.to(h.dtype)
             if keep > m:

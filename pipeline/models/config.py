@@ -167,7 +167,7 @@ class AllAttnConfig:
             isinstance(c, bool) or not isinstance(c, int) for c in cut
         ):
             raise ValueError(f"adaptive_cutoffs must be a non-empty list of ints, got {cut!r}")
-        if cut[0] <= 0 or any(b <= a for a, b in zip(cut, cut[1:])):
+        if cut[0] <= 0 or any(b <= a for a, b in zip(cut, cut[1:], strict=False)):
             raise ValueError(f"adaptive_cutoffs must be increasing and > 0, got {cut}")
         if self.adaptive_io and min(band_dims(self.d_model, len(cut) + 1, self.adaptive_div)) < 1:
             raise ValueError(

@@ -272,6 +272,10 @@ class ContinuousMemory(nn.Module):
     values, and μ would move in steps of up to 1/256, a good part of the 0.01 width. The
     matrix products with the model's vectors run in the model's dtype."""
 
+
+    centres: Tensor     # buffers (register_buffer), rebuilt from the config by _apply
+    widths: Tensor
+
     def __init__(self, cfg: InfinityFormerConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -438,6 +442,7 @@ class XLLayer(nn.Module):
         out = self.attn_out((attn @ v).transpose(1, 2).reshape(bsz, m, d))
         read = None
         if ltm_in is not None:
+            assert self.ltm is not None     # ltm_in is given only to a layer with one
             ltm_out, *read = self.ltm(*ltm_in, q)
             out = out + ltm_out
         x = self.norm1(x + self.attn_out_drop(out))
@@ -570,7 +575,7 @@ class InfinityFormerLM(SequenceModel):
     def metrics(self) -> dict[str, float]:
         """The last forward's Σ_layers mean KL and mean σ² of the LTM reads (none before the
         LTM holds anything)."""
-        if self._kl is None:
+        if self._kl is None or self._sigma_sq is None:     # set together
             return {}
         return {"ltm_kl": float(self._kl.detach()), "ltm_sigma_sq": float(self._sigma_sq)}
 

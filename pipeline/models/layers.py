@@ -6,6 +6,7 @@ What each ablation means is written out in pipeline/models/allattn.py's docstrin
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -154,7 +155,7 @@ class AllAttention(nn.Module):
             self.persistent_dim = 0
             self.register_parameter("persistent_k", None)
             self.register_parameter("persistent_v", None)
-        self.adaptive_span = None
+        self.adaptive_span: AdaptiveSpan | None = None
         if cfg.adaptive_span:
             self.adaptive_span = AdaptiveSpan(
                 self.n_ctx_heads, cfg.max_span, cfg.span_ramp, cfg.span_init
@@ -208,7 +209,7 @@ class AllAttention(nn.Module):
         pos = pos_table[:, self.max_span - span_len :]  # [d_h, L'], last column = distance 1
         pk, pv = self.persistent_vectors()
         mask = self.adaptive_span.mask(span_len) if self.adaptive_span is not None else None
-        drop = dict(dropout_p=self.dropout_p, training=self.training)
+        drop: dict[str, Any] = dict(dropout_p=self.dropout_p, training=self.training)
         # each backend draws its attention dropout on the device (pipeline.ops.dropout)
         b, m = h.shape[0], h.shape[1]
         if self.mode == "all_attn":  # eq. 13: one softmax over context + persistent
@@ -216,18 +217,22 @@ class AllAttention(nn.Module):
                 # the reference op's weights for the same inputs (every backend matches
                 # them); the output still comes from the configured backend
                 _, a_pers = attention_weights(q, k, pos, persistent_k=pk, span_mask=mask)
+                assert a_pers is not None       # persistent_k given: its weights come back
                 self.persistent_share.add(a_pers)
             out = self.attend(
                 q, k, v, pos, persistent_k=pk, persistent_v=pv, span_mask=mask,
                 **drop,
             )
         elif self.mode == "attn_split":  # two softmaxes, outputs summed
+            assert pk is not None and pv is not None    # the split modes always have them
             out = self.attend(q, k, v, pos, span_mask=mask, **drop)
             out = out + attend_persistent(q, pk, pv, **drop)
         elif self.mode == "head_split":  # first half: context only; second: persistent only
+            assert pk is not None and pv is not None
             ctx = self.attend(q[:, :hc], k, v, pos, span_mask=mask, **drop)
             out = torch.cat([ctx, attend_persistent(q[:, hc:], pk, pv, **drop)], dim=1)
         else:  # single_head: one d-dimensional set of persistent vectors, own softmax
+            assert pk is not None and pv is not None
             out = self.attend(q, k, v, pos, span_mask=mask, **drop)
             pers = attend_persistent(q_full[:, None], pk, pv, **drop)[:, 0]  # [B, M, d]
             return self.o_proj(out.transpose(1, 2).reshape(b, m, -1) + pers)
@@ -295,6 +300,8 @@ class AllAttnLayer(nn.Module):
         super().__init__()
         self.attn = AllAttention(cfg)
         self.norm1 = nn.LayerNorm(cfg.d_model)
+        self.ff: nn.Module | None
+        self.norm2: nn.LayerNorm | None
         if cfg.ff_dim > 0:
             self.ff = _FF_CLASSES[cfg.ff_kind](cfg.d_model, cfg.ff_dim, cfg.attn_dropout)
             self.norm2 = nn.LayerNorm(cfg.d_model)
@@ -306,6 +313,6 @@ class AllAttnLayer(nn.Module):
         self, x: Tensor, context: Tensor, pos_table: Tensor, span_len: int | None = None
     ) -> Tensor:
         h = self.norm1(x + self.attn(x, context, pos_table, span_len))
-        if self.ff is not None:
+        if self.ff is not None and self.norm2 is not None:     # both or neither
             h = self.norm2(h + self.ff(h))
         return h

@@ -287,6 +287,7 @@ def attend_reference(
     # y_t = sum_c a_tc v_c: place row i's L' weights back at key indices i..i+L'-1.
     out = torch.matmul(skew(a_ctx, 0.0), v)  # [B, H, M, d_h]
     if a_pers is not None:
+        assert persistent_v is not None  # both or neither
         out = out + torch.matmul(a_pers, persistent_v)  # [H, N, d_h] broadcast over B
     if r is None:
         return out if owed == 1.0 else out * owed

@@ -8,6 +8,7 @@ dataset card named by string replaced by the card's contents, then `--set` overr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.errors import shown
@@ -19,7 +20,7 @@ from pipeline.spec.validation import _refuse_inert_keys, _validate
 __all__ = ["PROJECT_ROOT", "Spec", "SpecError", "load_spec", "parse_override"]
 
 
-def load_spec(path: str | Path, overrides: list[str] = ()) -> Spec:
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
     """Read, merge, override and validate a pipeline spec; SpecError on any mistake."""
     path = Path(path)
     origin = shown(path)   # where an error without a line of its own points

@@ -216,7 +216,7 @@ def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) ->
     return _merge(merged, data)
 
 
-def _is_file(path: Path, at: str) -> bool:
+def _is_file(path: Path, at: str | None) -> bool:
     try:
         return path.is_file()
     except OSError as e:   # a name too long for the filesystem

@@ -148,7 +148,7 @@ class Sender:
         self._thread: threading.Thread | None = None
 
     def run_id(self, key: str | None) -> str | None:
-        return self.delivery.run_ids.get(key)
+        return self.delivery.run_ids.get(key) if key is not None else None
 
     def submit(self, record: dict) -> None:
         with self._cond:
@@ -206,6 +206,7 @@ class Sender:
         if self.unwritten:
             self.unwritten.extend(records)
             return
+        assert self.spilled_to is not None      # spill() set it before anything is kept
         try:
             append_records(self.spilled_to, records)
         except OSError as e:

@@ -23,6 +23,7 @@ import uuid
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -206,7 +207,7 @@ class MlflowTracker:
             raise PipelineError(f"tracking store {shown(uri)}: MLflow refuses it: "
                                 f"{_first_sentence(e.message)}") from None
         self.sender = Sender(Delivery(self.client), self.warn_server, retry_s)
-        self.spec = None
+        self.spec: Any = None           # the Spec, from start() on
         self.parent: StageTracker | None = None
 
     @property
@@ -500,6 +501,7 @@ def _open_store(action, uri: str, warn):
     if path is None:
         return action()
     deadline = None                     # from the first refusal: an attempt may block
+    error: Exception
     while True:
         try:
             return action()

@@ -69,11 +69,11 @@ def head_heat_map(table: list[list[float]], title: str, path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n_heads = {len(row) for row in table}
-    if not table or len(n_heads) != 1 or 0 in n_heads:
+    head_counts = {len(row) for row in table}
+    if not table or len(head_counts) != 1 or 0 in head_counts:
         raise ValueError(f"a heat map needs the same number (> 0) of heads in every layer; "
-                         f"got rows of {sorted(n_heads) or 'no'} values")
-    n_layers, n_heads = len(table), n_heads.pop()
+                         f"got rows of {sorted(head_counts) or 'no'} values")
+    n_layers, n_heads = len(table), head_counts.pop()
     top = max(max(row) for row in table)
     width = 2 + 0.9 * n_heads
     fig, ax = plt.subplots(figsize=(width, 1.5 + 0.45 * n_layers))

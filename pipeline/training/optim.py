@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,10 @@ class _Plan:
         self.fused = (device.type == "cpu" and hasattr(torch, "_fused_adagrad_")
                       if fused is None else fused)
         self.tensors = tensors
-        self.splits = []       # per tensor: its runs' lengths, or None where it is one run
-        owners, slots, self.reduce = [], 0, []     # owners: a run's slot, None for padding
+        self.splits: list[list[int] | None] = []       # per tensor: its runs' lengths, or None where it is one run
+        owners: list[int | None] = []             # a run's slot, None for padding
+        slots = 0
+        self.reduce: list[list[Any]] = []         # [process group, first slot, end slot]
         for layout in layouts:
             n = len(layout.params)
             self.splits.append(None if len(layout.runs) == 1 else
@@ -83,10 +85,10 @@ class _Plan:
         self.base = torch.zeros(slots + 1, dtype=self.dtype, device=device)
         self.base[slots] = math.inf
 
-    def runs(self, per_tensor: list[torch.Tensor]) -> list[torch.Tensor]:
+    def runs(self, per_tensor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Views of the runs of tensors shaped like the stepped ones (their gradients...)."""
         out = []
-        for x, split in zip(per_tensor, self.splits):
+        for x, split in zip(per_tensor, self.splits, strict=False):
             if split is None:
                 out.append(x)
             else:
@@ -150,21 +152,23 @@ class ClippedAdagrad(torch.optim.Optimizer):
             return self._plans[key]
         layouts = [self._layouts.get(t) for t in tensors]
         if all(layout is not None for layout in layouts):
-            plan = self._plans[key] = _Plan(tensors, layouts, self.fused)
+            plan = self._plans[key] = _Plan(tensors, cast("list[_Layout]", layouts), self.fused)
             return plan
         # DeepSpeed's unfused bf16 wrapper steps once with zero gradients while it is being
         # built, before it can be bound: a zero gradient changes nothing, whatever the layout.
         # This check syncs, but only until bind_to_engine; such a plan is not cached.
-        if any(layout is None and t.grad.any() for t, layout in zip(tensors, layouts)):
+        if any(layout is None and t.grad is not None and t.grad.any() for t, layout in zip(tensors, layouts, strict=False)):
             raise PipelineError(
                 "ClippedAdagrad is asked to step a tensor it was not built with "
                 "(DeepSpeed flattened the parameters): call "
                 "pipeline.training.optim.bind_to_engine(engine) after deepspeed.initialize")
-        bound = [(t, layout) for t, layout in zip(tensors, layouts) if layout is not None]
-        return _Plan(*map(list, zip(*bound)), self.fused) if bound else None
+        bound = [(t, layout) for t, layout in zip(tensors, layouts, strict=False) if layout is not None]
+        return _Plan([t for t, _ in bound], [layout for _, layout in bound],
+                     self.fused) if bound else None
 
     def _update(self, plan: _Plan, group: dict) -> None:
-        grads = [t.grad for t in plan.tensors]
+        # a plan holds only tensors with a gradient (step() leaves the others out)
+        grads = cast("list[torch.Tensor]", [t.grad for t in plan.tensors])
         for t in plan.tensors:
             if not self.state[t]:
                 self.state[t]["sum"] = torch.zeros_like(t, memory_format=torch.preserve_format)
@@ -259,10 +263,10 @@ def _master_layouts(engine) -> dict[torch.Tensor, _Layout]:
     if getattr(wrapper, "cpu_offload", False) or getattr(wrapper, "offload_optimizer", False):
         raise PipelineError("per-parameter optimizer layouts are not supported with ZeRO "
                             "offload; turn offload off")
-    layouts = {}
+    layouts: dict[torch.Tensor, _Layout] = {}
     if type(wrapper) is FP16_UnfusedOptimizer:      # ZeRO 0, bf16: one fp32 copy per tensor
-        for masters, params in zip(wrapper.fp32_groups, wrapper.fp16_groups):
-            layouts |= {m: _whole(m, p) for m, p in zip(masters, params)}
+        for masters, params in zip(wrapper.fp32_groups, wrapper.fp16_groups, strict=False):
+            layouts |= {m: _whole(m, p) for m, p in zip(masters, params, strict=False)}
     elif type(wrapper) in (DeepSpeedZeroOptimizer, BF16_Optimizer):
         # ZeRO 1 and 2, and bf16 with fp32 gradient accumulation: one flat buffer per group,
         # cut into equal partitions, the same layout under two sets of attribute names
@@ -394,7 +398,7 @@ def float32_from_master(engine, params: Iterable[torch.Tensor],
             buf[at:at + view.numel()] = view
         if group is not None:
             dist.all_reduce(buf, group=group)
-        for p, a, b in zip(params, starts, starts[1:]):
+        for p, a, b in zip(params, starts, starts[1:], strict=False):
             p.data = buf[a:b].view(p.shape)
     to_float32()
     return to_float32
@@ -441,6 +445,8 @@ def scheduled_lr(base_lr: float, warmup_steps: int, update: int,
     if schedule == "transformer":
         return base_lr * min(update ** -0.5, update * warmup_steps ** -1.5)
     if schedule == "cosine" and update > warmup_steps:
+        if total_steps is None:         # was a TypeError on the division below
+            raise ValueError("scheduled_lr: the cosine schedule needs total_steps")
         # the ∞-former authors' CosineAnnealingLR to 0 over all updates, warm-up included
         # (theirs is recomputed every 240 updates; this one every update)
         return base_lr * 0.5 * (1 + math.cos(math.pi * (update - 1) / total_steps))

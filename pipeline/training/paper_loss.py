@@ -37,7 +37,7 @@ def split_lines(tokens: np.ndarray, eos_id: int) -> list[np.ndarray]:
     line without one is kept."""
     ends = np.flatnonzero(tokens == eos_id)
     starts = np.concatenate([[0], ends + 1])
-    lines = [tokens[s:e] for s, e in zip(starts, ends)]
+    lines = [tokens[s:e] for s, e in zip(starts, ends, strict=False)]
     if starts[-1] < len(tokens):
         lines.append(tokens[starts[-1]:])
     return lines

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Progress:
@@ -44,9 +47,10 @@ class LossWindow:
 
     def __init__(self, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
-        self.loss, self.steps, self.start = 0.0, 0, time.time()
+        self.loss: float | torch.Tensor = 0.0      # a tensor once a step's loss is added
+        self.steps, self.start = 0, time.time()
 
-    def add(self, loss: float) -> None:
+    def add(self, loss: float | torch.Tensor) -> None:     # a tensor: summed on the device
         self.loss += loss
         self.steps += 1
 
@@ -54,7 +58,7 @@ class LossWindow:
         """Leave validation and checkpoint time out of the throughput."""
         self.start = time.time()
 
-    def take(self) -> tuple[float, float, float]:
+    def take(self) -> tuple[float | torch.Tensor, float, float]:
         """(mean loss, seconds per step, tokens per second), and start a new window."""
         elapsed = time.time() - self.start
         out = (self.loss / self.steps, elapsed / self.steps,

@@ -23,6 +23,7 @@ would have continued on the old world size.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ def load_zero_partitions(engine, ckpt: Path, writers: int) -> None:
                             f"padding than this run: it cannot be resharded")
     wrapper._load_global_state(old[0])     # loss scale, overflow flag, clipping: rank-independent
     base = old[0][BASE_OPTIMIZER_STATE]
-    state = {}
+    state: dict[Any, Any] = {}
     for i, master in enumerate(wrapper.single_partition_of_fp32_groups):
         rank = torch.distributed.get_rank(group=wrapper.real_dp_process_group[i])
         start = rank * master.numel()            # the flat buffer is cut into equal slices
@@ -130,7 +131,7 @@ def load_zero_partitions(engine, ckpt: Path, writers: int) -> None:
         for key, value in base["state"].get(i, {}).items():
             if torch.is_tensor(value) and value.shape == (padded,):
                 pieces = [sd[BASE_OPTIMIZER_STATE]["state"][i][key][:m.numel()]
-                          for sd, m in zip(old, masters)]
+                          for sd, m in zip(old, masters, strict=False)]
                 value = _slice(pieces, start, master.numel())
             state[i][key] = value.clone() if torch.is_tensor(value) else value   # off the mmap
     wrapper.optimizer.load_state_dict({"state": state, "param_groups": base["param_groups"]})

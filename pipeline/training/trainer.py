@@ -7,7 +7,8 @@ checkpoint (model, optimizer, model states, RNG, step) resumes exactly where the
 
 A dataset of documents (the manifest's `documents`, pipeline.data.documents) trains document
 by document instead: each update reads a batch of whole documents through
-pipeline.training.document_passes.run_documents, every document from the model's initial state, and is
+pipeline.training.document_passes.run_documents, every document from the model's initial state, and
+is
 scored on the targets after each separator. Nothing carries across updates, so its state is
 the step alone; validation reports the loss per scored target, token accuracy and exact match.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ from pipeline.models.protocol import State
 from pipeline.ops import compile_count
 from pipeline.training.progress import LossWindow, Progress
 from pipeline.cluster.signals import StopSignal
+
+if TYPE_CHECKING:     # imported where it is used, in Trainer.__init__
+    from pipeline.data import StreamBatches
 
 
 class Trainer:
@@ -103,7 +107,8 @@ class Trainer:
         rows = self.micro_batch * self.accum
         self.train_tokens = load_split(preprocess_dir, "train")
         self.preprocess_dir = preprocess_dir
-        self.valid_tokens = None
+        self.valid_tokens: np.ndarray | None = None
+        self.batches: StreamBatches | DocumentBatches
         try:
             if self.documents is None:
                 self.batches = StreamBatches(self.train_tokens, rows, train.seq_len,
@@ -220,12 +225,13 @@ class Trainer:
 
     def _stream_updates(self) -> list[torch.Tensor]:
         """Each micro-batch's rows continue their streams from the carried states."""
-        if self.step > 0 and self.batches.starts_epoch(self.step):
+        batches = cast("StreamBatches", self.batches)   # this path is for token streams
+        if self.step > 0 and batches.starts_epoch(self.step):
             # The streams restart at a new offset: the carried states are no longer the
             # rows' left context, so start from the initial ones, as the authors' trainer
             # does at the wrap.
             self.states = self._initial_states()
-        x, y = self.batches.batch(self.step)
+        x, y = batches.batch(self.step)
         x, y = self._to_device(x), self._to_device(y)
         mb = self.micro_batch
         losses = []
@@ -242,7 +248,8 @@ class Trainer:
     def _document_updates(self) -> list[torch.Tensor]:
         """Each micro-batch is whole documents, read from the initial state and scored after
         their separators (pipeline.training.document_passes.run_documents)."""
-        docs = self._to_device(self.batches.batch(self.step))
+        docs = self._to_device(cast(DocumentBatches, self.batches).batch(self.step))
+        assert self.documents is not None       # this path is for documents only
         mb = self.micro_batch
         losses = []
         for i in range(self.accum):
@@ -318,7 +325,7 @@ class Trainer:
             return {}
         stacked = torch.stack([t.detach().to(self.device, torch.float64, non_blocking=True)
                                .reshape(()) for t in tensors.values()])
-        return dict(zip(tensors, stacked.tolist()))
+        return dict(zip(tensors, stacked.tolist(), strict=False))
 
     def _report(self, window: LossWindow, until: int, progress: Progress) -> None:
         """Log the mean loss (over all ranks), lr, throughput, memory and the model's own

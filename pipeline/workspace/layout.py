@@ -46,7 +46,7 @@ CHECKPOINTS = "checkpoints"     # where train and finetune keep theirs in their 
 READ_AT_EVERY_PLAN = 16 << 20   # bytes: output files up to this size are hashed at every plan
 
 
-def fingerprint(config: dict, input_builds: dict[str, str]) -> str:
+def fingerprint(config: dict, input_builds: dict[str, str | None]) -> str:
     blob = json.dumps({"config": config, "inputs": input_builds}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

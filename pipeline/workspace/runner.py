@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import cast
 
 from pipeline.cluster import distributed
 from pipeline.cluster.signals import RaiseOnSignal
@@ -107,7 +108,8 @@ class Runner:
         a damaged one rebuilt keeps its own: `Step.repair`). Refuses (PipelineError) a run
         that would discard an interrupted run's checkpoints without --force, or a finished
         one's to rebuild a damaged output."""
-        steps, builds = [], {}
+        steps: list[Step] = []
+        builds: dict[str, str | None] = {}
         rerun: set[str] = set()
         forced_from = (self.spec.stages[self.spec.stages.index(self.start_from):]
                        if self.start_from else [])
@@ -122,7 +124,8 @@ class Runner:
             fp = None if changed_inputs else fingerprint(config, input_builds)
             up_to_date = record is not None and not changed_inputs and \
                 record.get("fingerprint") == fp
-            damage = self.ws.output_damage(name, record) if up_to_date else None
+            damage = (self.ws.output_damage(name, record)
+                      if up_to_date and record is not None else None)
             repair = False
             if self.only and name not in self.only:
                 if record is None:
@@ -172,6 +175,7 @@ class Runner:
         if step is None or forced:
             return step
         kept = self.ws.partial_marker(name)
+        assert kept is not None         # a partial checkpoint: the partial directory is there
         if fp is not None and kept.get("fingerprint") == fp:
             return step
         partial = self.ws.partial_dir(name)
@@ -228,8 +232,8 @@ class Runner:
             return False
         return any(s.action == "run" and STAGES[s.stage].distributed for s in self.plan())
 
-    def run(self, tracker) -> dict[str, dict]:
-        """Execute the plan. Returns each stage's record (run or skipped).
+    def run(self, tracker) -> dict[str, dict | None]:
+        """Execute the plan. Returns each stage's record (run or skipped; None: held, not done).
 
         In a multi-process launch rank 0 does all of this (lock, plan, tracking, the
         single-process stages, publishing); the other ranks only join the distributed stages,
@@ -237,7 +241,7 @@ class Runner:
         if distributed.rank() != 0:
             self._follow()
             return {}
-        records: dict[str, dict] = {}
+        records: dict[str, dict | None] = {}    # None: a held stage not done yet
         with WorkspaceLock(self.ws.path), RaiseOnSignal():
             for name in self.spec.stages:
                 self.ws.finish_publish(name)      # one a crash interrupted
@@ -265,7 +269,8 @@ class Runner:
             self.log(f"[{name}] {'skipped' if step.action == 'skip' else 'held'}: {step.reason}")
             return self.ws.record(name)
         # every input ran or was skipped/held with a record before this stage (plan() checks)
-        input_records = {i: records[i] for i in resolve_inputs(stage, self.spec.stages)}
+        input_records = {i: cast(dict, records[i])
+                         for i in resolve_inputs(stage, self.spec.stages)}
         config = stage.fingerprinted(self.spec)
         builds = {i: r["build"] for i, r in input_records.items()}
         fp = fingerprint(config, builds)
@@ -279,6 +284,7 @@ class Runner:
         self.log(f"[{name}] running: {step.reason}")
         started = time.time()
         partial = self.ws.partial_marker(name)
+        assert partial is not None      # begin() made it
         with tracker.stage(name, stage.config(self.spec), partial["series"],
                            resumed=partial["attempt"] > 1) as stage_tracker:
             inputs = {i: self.ws.done_dir(i) for i in input_records}
@@ -317,6 +323,7 @@ class Runner:
         directory) and the run stops, rather than leave them built from another output."""
         name = step.stage
         damaged = self.ws.record(name)
+        assert damaged is not None      # a repair rebuilds a published stage
         kept = [s.stage for s in steps if s.action != "run"
                 and name in resolve_inputs(STAGES[s.stage], self.spec.stages)]
         differs = _first_difference(damaged["outputs"], outputs)

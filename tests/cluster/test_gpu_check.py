@@ -89,7 +89,7 @@ E   assert [31, 31, 31] == [32, 32, 32]
 =========================== short test summary info ============================
 FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - assert [31, 31, 31] == [32, 32, 32]
 1 failed, 2 passed in 12.00s
-"""
+"""  # noqa: E501  (pytest's summary line is one line)
     digest = pytest_digest(out)
     assert digest.startswith("1 failed, 2 passed in 12.00s")
     assert ("FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - "
@@ -128,7 +128,7 @@ def test_make_gpu_wheels_dry_run_resolves_what_the_image_lacks(tmp_path):
     assert not [n for n in names if in_image(n)]           # nothing the image has
     built = [r for r in rows if r[0].strip() == "deepspeed"]
     assert built and built[0][2].strip() == "built here"
-    for name, version, source in rows:                      # every other one a wheel for 3.12
+    for name, _version, source in rows:                      # every other one a wheel for 3.12
         if name.strip() != "deepspeed":
             assert source.strip().endswith(".whl")
             assert ("-py3-" in source or "-py2.py3-" in source or "cp312" in source

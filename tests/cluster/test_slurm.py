@@ -222,13 +222,13 @@ def test_writes_the_script_and_says_how_to_submit(project, tmp_path):
     (["--nodes", "2", "--gpus-per-node", "8", "--time", "5"],
      "--time 5: the job is asked to checkpoint 300 s before its time limit"),
     (["--nodes", "3", "--gpus-per-node", "8"],
-     ("train.batch_size 64 is not divisible by 3 nodes x 8 processes x 1 gradient accumulation "
-      "steps = 24")),
+     ("train.batch_size 64 is not divisible by 3 nodes x 8 processes "
+      "x 1 gradient accumulation steps = 24")),
     (["--nodes", "2", "--gpus-per-node", "8",
       "--set", "train.micro_batch_size=null",
       "--set", "train.deepspeed.gradient_accumulation_steps=8"],
-     ("train.batch_size 64 is not divisible by 2 nodes x 8 processes x 8 gradient accumulation "
-      "steps = 128")),
+     ("train.batch_size 64 is not divisible by 2 nodes x 8 processes "
+      "x 8 gradient accumulation steps = 128")),
     (["--nodes", "2", "--gpus-per-node", "8", "--set", "stages=[download,preprocess]"],
      "has no train stage"),
 ])

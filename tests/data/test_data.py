@@ -49,7 +49,7 @@ def test_byte_vocab_round_trip(text):
     assert ids.dtype == np.uint8 and ids.shape == (len(data),)
     assert v.decode(ids) == data
     # ids follow the sorted order of symbols
-    assert all(v.symbols[i] == b for i, b in zip(ids[:500].tolist(), data[:500]))
+    assert all(v.symbols[i] == b for i, b in zip(ids[:500].tolist(), data[:500], strict=False))
 
 
 def test_char_vocab_round_trip_unicode(text):
@@ -323,7 +323,7 @@ def test_stream_resume_equals_sequential(text):
         x, y = fresh.batch(k)
         assert torch.equal(x, seq[k][0]) and torch.equal(y, seq[k][1])
     resumed = [x for _, x, _ in fresh.iter_from(25, num_steps=15)]
-    assert all(torch.equal(a, b[0]) for a, b in zip(resumed, seq[25:]))
+    assert all(torch.equal(a, b[0]) for a, b in zip(resumed, seq[25:], strict=False))
     # rows are real, continuous text from the split
     row = "".join(v.decode(seq[k][0][0].numpy()) for k in range(5))
     assert row in text and len(row) == 5 * 64
@@ -435,7 +435,7 @@ def test_eval_real_text(text):
     ids = v.encode(text.encode())[:7_777]
     total = 0
     xs = []
-    for x, y, m in eval_batches(ids, batch_size=4, seq_len=100):
+    for x, _y, m in eval_batches(ids, batch_size=4, seq_len=100):
         total += int(m.sum())
         xs.append(x[2])
     assert total == ids.size - 1

@@ -96,8 +96,8 @@ def fp32_master(engine, name: str, param: torch.Tensor) -> torch.Tensor:
     if engine.optimizer is engine.basic_optimizer:       # ZeRO 0, fp32: the parameter itself
         return param.detach().double()
     # ZeRO 0, bf16: DeepSpeed's unfused wrapper keeps one fp32 copy per parameter
-    for masters, params in zip(engine.optimizer.fp32_groups, engine.optimizer.fp16_groups):
-        for m, p in zip(masters, params):
+    for masters, params in zip(engine.optimizer.fp32_groups, engine.optimizer.fp16_groups, strict=False):
+        for m, p in zip(masters, params, strict=False):
             if p is param:
                 return m.detach().double()
     raise AssertionError(f"no fp32 master found for {name}")

@@ -17,7 +17,8 @@ operation rather than by the devices involved. Two modes work together:
 - a ``TorchFunctionMode`` catches the Python-level reads of a tensor's values: ``item``,
   ``tolist``, ``numpy``, ``bool()``, ``float()``, ``int()``, ``operator.index``, ``.cpu()``
   and blocking ``.to('cpu')`` of an accelerator's tensor (on a CPU run the CPU is the training
-  device too, so ``.to(cpu)`` is not a read there); and blocking copies of a host tensor to an accelerator
+  device too, so ``.to(cpu)`` is not a read there); and blocking copies of a host tensor to an
+  accelerator
   (``.to(device)``, ``.cuda()``, ``copy_``), after which PyTorch waits for the stream.
   A Python call is one sync: the aten ops it dispatches (``float(t)`` dispatches
   ``_local_scalar_dense``) are not counted again.

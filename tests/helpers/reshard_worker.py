@@ -1,4 +1,5 @@
-"""One rank of tests/training/test_reshard.py's check of pipeline.training.reshard.load_engine on DeepSpeed engines.
+"""One rank of tests/training/test_reshard.py's check of pipeline.training.reshard.load_engine on
+DeepSpeed engines.
 
     reshard_worker.py OUT.json CKPT_ROOT PHASE...     (RANK, WORLD_SIZE, ... set by the test)
 

@@ -41,7 +41,8 @@ class OpCounter(TorchDispatchMode):
 class SavedBytes:
     """``with SavedBytes(exclude=model.parameters()) as s: loss = model(x)``; then ``s.bytes``:
     the bytes of the distinct storages autograd saved for backward, leaving out parameters
-    and the storages of ``exclude`` (the parameters' other copies: both exist anyway). Each storage counts once however many
+    and the storages of ``exclude`` (the parameters' other copies: both exist anyway). Each storage
+    counts once however many
     views of it are saved; on the meta device storages are told apart by their identity."""
 
     def __init__(self, exclude=()):

@@ -1,13 +1,13 @@
-"""`allattn-pipe` with stand-in stages, for tests/commands/test_sweep.py: a sweep in its own process,
-which the test can kill -9.
+"""`allattn-pipe` with stand-in stages, for tests/commands/test_sweep.py: a sweep in its own
+process, which the test can kill -9.
 
     sweep_worker.py ARGS...        (the CLI's arguments)
 
 Each stage call appends {"stage", "point", "resumed"} to $SWEEP_CALLS ("resumed": the
 stage found the marker an interrupted call left in its partial directory). The train call
-of the point and stage named by $SWEEP_HANG_AT ("POINT:STAGE", "*:STAGE" for every point) leaves that marker and then
-hangs until it is killed. Stages log what the real ones log for `compare` (loss by step,
-the final bpc)."""
+of the point and stage named by $SWEEP_HANG_AT ("POINT:STAGE", "*:STAGE" for every point) leaves
+that marker and then hangs until it is killed. Stages log what the real ones log for `compare`
+(loss by step, the final bpc)."""
 
 from __future__ import annotations
 

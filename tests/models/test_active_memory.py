@@ -71,7 +71,7 @@ def attention(module, ys, causal, scale):
             weights = [math.exp(s - top) for s in scores]
             total = sum(weights)
             heads.append(sum(w / total * (module.value.weight[rows] @ ys[j])
-                             for w, j in zip(weights, seen)))
+                             for w, j in zip(weights, seen, strict=False)))
         out.append(module.out.weight @ torch.cat(heads))
     return out
 
@@ -84,12 +84,12 @@ def operator(layer, mixer, ys, left, right, cfg):
     if kind == "highway_conv":
         a = conv(op.transform, ys, left, right)
         b = [hard_sigmoid(v) for v in conv(op.gate, ys, left, right)]
-        return [a_t * b_t + y * (1 - b_t) for a_t, b_t, y in zip(a, b, ys)]
+        return [a_t * b_t + y * (1 - b_t) for a_t, b_t, y in zip(a, b, ys, strict=False)]
     gate = hard_sigmoid if cfg["cgru_gate"] == "hard_sigmoid" else torch.sigmoid
     u = [gate(v) for v in conv(op.update, ys, left, right)]
     r = [gate(v) for v in conv(op.reset, ys, left, right)]
-    c = conv(op.candidate, [r_t * y for r_t, y in zip(r, ys)], left, right)
-    return [u_t * y + (1 - u_t) * torch.tanh(c_t) for u_t, y, c_t in zip(u, ys, c)]
+    c = conv(op.candidate, [r_t * y for r_t, y in zip(r, ys, strict=False)], left, right)
+    return [u_t * y + (1 - u_t) * torch.tanh(c_t) for u_t, y, c_t in zip(u, ys, c, strict=False)]
 
 
 def reference(model, mixer, causal, tokens, targets, conv_activation="gelu",
@@ -106,7 +106,7 @@ def reference(model, mixer, causal, tokens, targets, conv_activation="gelu",
         right = [torch.zeros(d, dtype=torch.float64)] * (k - 1 - n_left)
     scale = dh ** -1.5 if attn_double_scale else dh ** -0.5
     all_logits, all_nll = [], []
-    for row, target_row in zip(tokens.tolist(), targets.tolist()):
+    for row, target_row in zip(tokens.tolist(), targets.tolist(), strict=False):
         xs = [model.embedding.weight[tok] * math.sqrt(d) + timing(t, d)
               for t, tok in enumerate(row)]
         for layer in model.layers:
@@ -115,11 +115,11 @@ def reference(model, mixer, causal, tokens, targets, conv_activation="gelu",
             mixed = [torch.zeros(d, dtype=torch.float64) for _ in xs]
             if mixer != "self_attention":
                 mixed = [m + o for m, o in zip(mixed, operator(layer, mixer, ys, left, right,
-                                                                  cfg))]
+                                                                  cfg), strict=False)]
             if mixer == "self_attention" or mixer.startswith("sa+"):
                 mixed = [m + a for m, a in zip(mixed, attention(layer.attention, ys, causal,
-                                                                   scale))]
-            xs = [x + m for x, m in zip(xs, mixed)]
+                                                                   scale), strict=False)]
+            xs = [x + m for x, m in zip(xs, mixed, strict=False)]
             for t, x in enumerate(xs):
                 hidden = torch.relu(layer.ff_in.weight @ layer_norm(x, layer.ff_norm)
                                     + layer.ff_in.bias)
@@ -129,7 +129,7 @@ def reference(model, mixer, causal, tokens, targets, conv_activation="gelu",
         all_logits.append(torch.stack(logits))
         all_nll.append(torch.tensor([
             math.log(sum(math.exp(v) for v in z.tolist())) - float(z[y])
-            for z, y in zip(logits, target_row)], dtype=torch.float64))
+            for z, y in zip(logits, target_row, strict=False)], dtype=torch.float64))
     return torch.stack(all_logits), torch.stack(all_nll)
 
 

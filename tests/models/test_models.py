@@ -42,7 +42,7 @@ def tiny_model(vocab=11, seed=0, **kw) -> AllAttnLM:
 
 def set_spans(model: AllAttnLM, spans_tokens: list[list[float]]) -> None:
     with torch.no_grad():
-        for layer, z in zip(model.layers, spans_tokens):
+        for layer, z in zip(model.layers, spans_tokens, strict=False):
             layer.attn.adaptive_span.frac.copy_(torch.tensor(z, dtype=DT) / model.cfg.max_span)
 
 
@@ -255,7 +255,7 @@ def dense_lm(model: AllAttnLM, tokens: torch.Tensor) -> torch.Tensor:
     H, dh, L, r = cfg.n_heads, cfg.head_dim, cfg.max_span, cfg.span_ramp
     x = model.embed(tokens)
     bsz, T, d = x.shape
-    for layer, span_len, z in zip(model.layers, model.span_lens(), model.spans()):
+    for layer, span_len, z in zip(model.layers, model.span_lens(), model.spans(), strict=False):
         a_ = layer.attn
         P = torch.cat([x.new_zeros(bsz, span_len, d), x], 1)
         heads = lambda y: y.view(bsz, -1, H, dh).transpose(1, 2)  # noqa: E731
@@ -437,7 +437,7 @@ def test_tiny_model_overfits_a_repeated_sequence():
     data = pattern.repeat(20)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(40):
+    for _step in range(40):
         starts = torch.randint(0, len(data) - 33, (4,))
         x = torch.stack([data[s : s + 32] for s in starts])
         y = torch.stack([data[s + 1 : s + 33] for s in starts])

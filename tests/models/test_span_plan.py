@@ -80,7 +80,7 @@ def test_planned_training_equals_synchronous_while_spans_grow_slowly():
     assert b == pytest.approx(a, rel=1e-7, abs=0)
     # the plans were not the synchronous L' (slack, buckets), and never too short
     assert any(used != now for used, now in planned.seen)
-    assert all(u >= n for used, now in planned.seen for u, n in zip(used, now))
+    assert all(u >= n for used, now in planned.seen for u, n in zip(used, now, strict=False))
     assert len({tuple(used) for used, _ in planned.seen}) >= 2      # the plan followed
     assert planned.model.metric_tensors()["span_plan_overflows"].item() == 0
     assert planned.model.metric_warnings({"span_plan_overflows": 0.0}) == []

@@ -202,7 +202,7 @@ def test_sdpa_equals_reference_forward_and_backward(persistent, monkeypatch):
     want, want_grads = _grads(attend_reference, xs, spans)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     names = ["q", "k", "v", "pos", "persistent_k", "persistent_v", "spans"]
-    for name, g, w in zip(names, grads, want_grads):
+    for name, g, w in zip(names, grads, want_grads, strict=False):
         if w is None:
             assert g is None, name
             continue
@@ -376,7 +376,7 @@ def test_flex_dropout_forward_and_backward_on_cpu_through_torch_s_math_backward(
     want, want_grads = _grads(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
                               **kw)
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
-    for name, g, w in zip(["q", "k", "v", "pos", "pk", "pv", "spans"], grads, want_grads):
+    for name, g, w in zip(["q", "k", "v", "pos", "pk", "pv", "spans"], grads, want_grads, strict=False):
         assert torch.isfinite(g).all(), name
         torch.testing.assert_close(g.double(), w, rtol=tol,
                                    atol=tol * max(1.0, w.abs().max().item()), msg=name)
@@ -395,7 +395,7 @@ def test_flex_on_cuda_equals_reference_with_dropout_forward_and_backward(dtype, 
     want, want_grads = _grads(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
                               **kw)
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
-    for g, w in zip(grads, want_grads):
+    for g, w in zip(grads, want_grads, strict=False):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * max(1.0, w.abs().max().item()))
 
@@ -467,6 +467,6 @@ def test_flex_on_cuda_compiles_and_trains_at_the_paper_s_head_size_in_bf16(dropo
                               spans.double(), **kw)
     tol = 3e-2
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
-    for g, w in zip(grads, want_grads):
+    for g, w in zip(grads, want_grads, strict=False):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * max(1.0, w.abs().max().item()))

@@ -78,9 +78,9 @@ def formula(cfg, vocab: int) -> dict[str, int]:
     if cfg.adaptive_io:
         bounds = [0, *cfg.adaptive_cutoffs, vocab]
         dims = [d // cfg.adaptive_div**i for i in range(len(bounds) - 1)]
-        sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
         k = len(cfg.adaptive_cutoffs)
-        parts["adaptive input bands (tied)"] = sum(n * e for n, e in zip(sizes, dims))
+        parts["adaptive input bands (tied)"] = sum(n * e for n, e in zip(sizes, dims, strict=False))
         parts["band projections (tied)"] = sum(d * e for e in dims)
         parts["output biases + cluster logits"] = vocab + k * d + k
     else:

@@ -210,7 +210,7 @@ def test_model_limits_are_shown(page):
 # ---------------------------------------------------------------- MODEL_CHECKS vs __post_init__
 
 def _model_fields():
-    for kind, (cfg_cls, _) in MODELS.items():
+    for _kind, (cfg_cls, _) in MODELS.items():
         stack = [cfg_cls]
         while stack:
             cls = stack.pop()

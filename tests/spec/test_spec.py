@@ -413,7 +413,7 @@ def test_a_task_vocabulary_no_machine_can_hold_is_refused_with_the_reason(config
         f"papers' tasks use 20 to 100); found 1000000000 (an integer)")
 
 
-# ---------------------------------------------------------------- checks the model would make at its first step
+# ----------------------------------------------- checks the model would make at its first step
 
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 SORT_CPU = ROOT / "configs" / "infinity_former" / "sort_4k_cpu.yaml"
@@ -422,7 +422,8 @@ SORT_CPU = ROOT / "configs" / "infinity_former" / "sort_4k_cpu.yaml"
 def test_sdpa_with_attention_dropout_is_refused_before_training():
     msg = error_of(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.1"])
     assert msg == ("--set model.attention.impl=sdpa: model.attention.impl: sdpa has no attention "
-                   "dropout (SDPA's own drops weights before the span mask), and this model trains with attn_dropout 0.1: "
+                   "dropout (SDPA's own drops weights before the span mask), and this model trains "
+                   "with attn_dropout 0.1: "
                    "use flex, reference or auto (or attn_dropout 0)")
     load_spec(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.0"])
     load_spec(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.1",

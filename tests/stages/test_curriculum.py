@@ -54,7 +54,7 @@ def test_operands_are_every_width_bit_number_but_all_ones(problem):
     a = [decode(r[:2]) for r in x.tolist()]
     b = [decode(r[3:]) for r in x.tolist()]
     assert set(a) == set(b) == {0, 1, 2}
-    expect = [p + q if problem == "add" else p * q for p, q in zip(a, b)]
+    expect = [p + q if problem == "add" else p * q for p, q in zip(a, b, strict=False)]
     assert [decode(r) for r in y.tolist()] == expect
 
 
@@ -91,7 +91,7 @@ def test_generators_are_seeded():
     for problem in ("reverse", "add", "remember"):
         first, again = generate(problem, 5, 4, gen(7)), generate(problem, 5, 4, gen(7))
         other = generate(problem, 5, 4, gen(8))
-        assert all(torch.equal(p, q) for p, q in zip(first, again))
+        assert all(torch.equal(p, q) for p, q in zip(first, again, strict=False))
         assert not torch.equal(first[0], other[0])
 
 

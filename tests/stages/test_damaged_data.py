@@ -57,7 +57,7 @@ def workspace(tmp_path):
 def one_line_error(result, *needles: str) -> str:
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]

@@ -502,7 +502,8 @@ def test_builtin_source_still_works(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- a full disk
 
 def full_disk_after(limit: int):
-    """A stand-in for fetch.open_for_write (which extract shares) whose file raises ENOSPC past `limit` bytes."""
+    """A stand-in for fetch.open_for_write (which extract shares) whose file raises ENOSPC past
+    `limit` bytes."""
     def opener(path, mode):
         f = open(path, mode)  # noqa: SIM115 (closed by Full.__exit__)
 

@@ -130,7 +130,7 @@ def test_the_pages_quickstart_excerpt_is_a_real_run(pipeline_runs, page):
     entropy = float(head.group(2))
     ws = pipeline_runs["tmp"] / "runs" / "tiny"
     results = json.loads((ws / "evaluate" / "results.json").read_text())
-    for split, line in zip(("valid", "test"), shown[1:]):
+    for split, line in zip(("valid", "test"), shown[1:], strict=False):
         m = re.fullmatch(rf"\[evaluate\] {split}\s+bpc (\d\.\d{{3}})   ppl (\d+\.\d\d)   "
                          rf"\(([\d,]+) tokens\)", line)
         assert m, line

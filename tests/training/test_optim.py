@@ -61,23 +61,23 @@ def test_clipped_adagrad_equals_its_update_rule_in_float64(fused):
     torch.manual_seed(0)
     groups = [[torch.nn.Parameter(torch.randn(s)) for s in g["shapes"]] for g in GROUPS]
     opt = ClippedAdagrad([{"params": ps, **{k: g[k] for k in ("lr", "clip_norm", "eps")}}
-                          for ps, g in zip(groups, GROUPS)], lr=1.0, fused=fused)
+                          for ps, g in zip(groups, GROUPS, strict=False)], lr=1.0, fused=fused)
     ref = [[p.detach().double().clone() for p in ps] for ps in groups]
     acc = [[torch.zeros_like(r) for r in rs] for rs in ref]
     clipped = total = 0
     for step in range(6):
-        for gi, (ps, g) in enumerate(zip(groups, GROUPS)):
-            grads = [torch.randn(s) * c for s, c in zip(g["shapes"], g["scales"])]
+        for gi, (ps, g) in enumerate(zip(groups, GROUPS, strict=False)):
+            grads = [torch.randn(s) * c for s, c in zip(g["shapes"], g["scales"], strict=False)]
             if step == 2:
                 grads[1] = None          # a tensor without a gradient is left alone
-            for p, grad in zip(ps, grads):
+            for p, grad in zip(ps, grads, strict=False):
                 p.grad = None if grad is None else grad.clone()
             clipped += reference_step(ref[gi], acc[gi], grads, g["lr"], g["clip_norm"], g["eps"])
             total += sum(grad is not None for grad in grads)
         opt.step()
     assert 0 < clipped < total
-    for ps, rs, accs in zip(groups, ref, acc):
-        for p, r, a in zip(ps, rs, accs):
+    for ps, rs, accs in zip(groups, ref, acc, strict=False):
+        for p, r, a in zip(ps, rs, accs, strict=False):
             torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(opt.state[p]["sum"].double(), a, rtol=1e-5, atol=0)
 
@@ -120,16 +120,16 @@ def test_flat_partitions_step_each_parameter_by_its_own_norm_and_padding_never_m
     for _ in range(4):
         for t in stepped:
             t.grad = torch.randn_like(t)     # padding gets gradients too: it must not move
-        for (t, s), c in zip(where, scales):
+        for (t, s), c in zip(where, scales, strict=False):
             t.grad.view(-1)[s] *= c
         grads = [t.grad.reshape(-1)[s].clone() for t, s in where]
         clipped += reference_step(ref, acc, grads, lr=0.1, clip=0.5, eps=1e-10)
         opt.step()
     assert 0 < clipped < 4 * len(where)
-    for (t, s), r in zip(where, ref):
+    for (t, s), r in zip(where, ref, strict=False):
         torch.testing.assert_close(t.detach().reshape(-1)[s].double(), r, rtol=1e-5, atol=1e-7)
     for t, sl in padding.items():
-        for s, before in zip(sl, pad_before[t]):
+        for s, before in zip(sl, pad_before[t], strict=False):
             assert torch.equal(t.detach().reshape(-1)[s], before)
 
 
@@ -191,11 +191,11 @@ def test_the_state_loaded_from_a_checkpoint_is_the_one_stepped():
     run(2, opt_b, b, 2)              # b drifts, then gets a's state and weights back
     opt_b.load_state_dict(saved)
     with torch.no_grad():
-        for p, q in zip(a, b):
+        for p, q in zip(a, b, strict=False):
             q.copy_(p)
     run(2, opt_a, a, 3)
     run(2, opt_b, b, 3)
-    for p, q in zip(a, b):
+    for p, q in zip(a, b, strict=False):
         assert torch.equal(p, q)
 
 
@@ -229,7 +229,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory) -> dict:
-    """tests/helpers/dist_optim_worker.py on 2 CPU processes (gloo), every configuration in one run."""
+    """tests/helpers/dist_optim_worker.py on 2 CPU processes (gloo), every configuration in one
+    run."""
     out = tmp_path_factory.mktemp("dist_optim") / "results.json"
     env = os.environ | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu",
@@ -240,7 +241,7 @@ def two_rank_results(tmp_path_factory) -> dict:
              for r in range(2)]
     # a first run on a machine builds DeepSpeed's shared-memory comm op (~70 s)
     logs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs):
+    for p, log in zip(procs, logs, strict=False):
         assert p.returncode == 0, log[-5000:]
     return json.loads(out.read_text())
 

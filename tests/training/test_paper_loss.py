@@ -1,4 +1,5 @@
-"""pipeline.training.paper_loss: the active-memory paper's padded "loss per token" and the proper NLL."""
+"""pipeline.training.paper_loss: the active-memory paper's padded "loss per token" and the
+proper NLL."""
 
 from __future__ import annotations
 

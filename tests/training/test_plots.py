@@ -30,7 +30,7 @@ def tiny_model(**overrides) -> AllAttnLM:
     model = AllAttnLM(AllAttnConfig(**config), vocab_size=11).double().eval()
     if model.cfg.adaptive_span:
         with torch.no_grad():
-            for layer, fracs in zip(model.layers, FRACS):
+            for layer, fracs in zip(model.layers, FRACS, strict=False):
                 span = layer.attn.adaptive_span
                 span.frac.copy_(torch.tensor(fracs[:span.frac.numel()], dtype=torch.float64))
     return model
@@ -57,7 +57,7 @@ def share_row_by_row(q, k, pos, pk, mask) -> torch.Tensor:
 def test_persistent_share_is_the_mean_weight_on_the_persistent_vectors():
     model = tiny_model()
     recorded: list[list[torch.Tensor]] = [[], []]
-    for layer, calls in zip(model.layers, recorded):
+    for layer, calls in zip(model.layers, recorded, strict=False):
         def attend(q, k, v, pos, *, calls=calls, **kw):
             calls.append(share_row_by_row(q, k, pos, kw["persistent_k"], kw["span_mask"]))
             return attend_reference(q, k, v, pos, **kw)
@@ -73,7 +73,7 @@ def test_persistent_share_is_the_mean_weight_on_the_persistent_vectors():
         calls.clear()
     with model.measure_persistent_share() as tables:
         state = None
-        for x, nll in zip(blocks, plain):
+        for x, nll in zip(blocks, plain, strict=False):
             out = model(x, x, state)
             state = out.state
             assert torch.equal(out.nll, nll)           # measuring changes no number

@@ -1,6 +1,7 @@
 """Resuming a checkpoint on another number of processes (pipeline/training/reshard.py).
 
-On DeepSpeed engines (tests/helpers/reshard_worker.py): checkpoints of ZeRO 0, 1 and 2 (fp32 and bf16)
+On DeepSpeed engines (tests/helpers/reshard_worker.py): checkpoints of ZeRO 0, 1 and 2 (fp32 and
+bf16)
 written by 1 process resume in 2 and the other way round, continuing as the run that wrote
 them would have; ZeRO 3 is refused with a message.
 
@@ -81,7 +82,7 @@ def launch(world: int, out: Path, ckpts: Path, *phases: str) -> dict:
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, log in zip(procs, logs):
+    for p, log in zip(procs, logs, strict=False):
         assert p.returncode == 0, log[-5000:]
     return json.loads(out.read_text())
 
@@ -108,7 +109,7 @@ def test_a_checkpoint_of_another_world_size_continues_its_run(resumed, world, co
     uninterrupted = resumed[other][config]["fresh"][SAVE:]
     got = resumed[world][config]["resume"]
     assert len(got) == len(uninterrupted) == STEPS_TOY - SAVE
-    for step, (want, have) in enumerate(zip(uninterrupted, got), SAVE + 1):
+    for step, (want, have) in enumerate(zip(uninterrupted, got, strict=False), SAVE + 1):
         for name in want:
             assert have[name] == pytest.approx(want[name], rel=1e-5, abs=1e-7), (step, name)
 

@@ -331,7 +331,7 @@ def test_publish_interrupted_at_any_operation_loses_nothing(cfg, calls, monkeypa
             run(cfg)
         done = 0
 
-        def failing(real):
+        def failing(real, k=k):       # this attempt's k, bound where op is made
             def op(*args, **kwargs):
                 nonlocal done
                 done += 1

@@ -1,7 +1,8 @@
 """A completed stage's outputs carry checksums in its record: a damaged one is rebuilt (or,
 where a rebuild would cost checkpoints, refused in one line), never trusted as up to date.
 
-The stand-in stages of tests/workspace/test_runner.py show the runner's decisions in milliseconds; the
+The stand-in stages of tests/workspace/test_runner.py show the runner's decisions in milliseconds;
+the
 curriculum pipeline (curriculum -> evaluate, a toy model in one process) shows them on real
 outputs: evaluate's results.json, the curriculum's checkpoints and curriculum.json.
 """
