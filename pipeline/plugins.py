@@ -18,6 +18,7 @@ is a `PluginError`: one line naming its distribution.
 
 from __future__ import annotations
 
+import importlib
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
@@ -81,18 +82,23 @@ def _entry_points(group: str) -> list[tuple[str, metadata.EntryPoint]]:
 
 def _declared_in_source(group: str) -> list[metadata.EntryPoint]:
     try:
-        import tomllib
-    except ModuleNotFoundError:     # Python 3.10
-        tomllib = None
-    if tomllib is None or not PYPROJECT.is_file():
-        raise PluginError(f"{PROJECT} is not installed (no entry points in '{group}') and "
-                          f"its pyproject.toml cannot be read here: install it, "
-                          f"`pip install -e .` in the project")
+        tomllib = importlib.import_module("tomllib")    # Python 3.11 on
+    except ModuleNotFoundError:
+        raise _not_installed(group) from None
+
+    if not PYPROJECT.is_file():
+        raise _not_installed(group)
     table = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))
     declared = table.get("project", {}).get("entry-points", {}).get(group)
     if not declared:
         raise PluginError(f"{PYPROJECT} declares no [project.entry-points.\"{group}\"]")
     return [metadata.EntryPoint(name, value, group) for name, value in declared.items()]
+
+
+def _not_installed(group: str) -> PluginError:
+    return PluginError(f"{PROJECT} is not installed (no entry points in '{group}') and its "
+                       f"pyproject.toml cannot be read here: install it, `pip install -e .` "
+                       f"in the project")
 
 
 def _normal(dist: str) -> str:

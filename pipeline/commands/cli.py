@@ -258,10 +258,10 @@ def _sweep_on_slurm(args, nodes, gpus_per_node, procs_per_node, partition, time_
     from pipeline.cluster.slurm import render_sweep_array, slurm_dir, submit
     from pipeline.commands import sweep as sweeps
 
-    config, *rest = args
-    points, _, _ = sweeps.plan_sweep(str(config), *rest)
+    config, overrides, grid, seeds = args
+    points, _, _ = sweeps.plan_sweep(str(config), overrides, grid, seeds)
     script, base = render_sweep_array(
-        *args, points, nodes, gpus_per_node, procs_per_node, partition=partition, time=time_limit,
+        config, overrides, grid, seeds, points, nodes, gpus_per_node, procs_per_node, partition=partition, time=time_limit,
         max_parallel=max_parallel,
         **({"signal_lead": signal_lead} if signal_lead is not None else {}))
     if dry_run:

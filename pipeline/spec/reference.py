@@ -154,9 +154,9 @@ class Section:
 
 def _source(obj) -> str:
     """The file defining `obj`, relative to the project root; a plugin's, as its module."""
-    path = Path(inspect.getsourcefile(obj)).resolve()
+    path = Path(inspect.getsourcefile(obj) or inspect.getfile(obj)).resolve()
     if not path.is_relative_to(PROJECT_ROOT):
-        return f"{inspect.getmodule(obj).__name__} ({path.name})"
+        return f"{obj.__module__} ({path.name})"
     return path.relative_to(PROJECT_ROOT).as_posix()
 
 
@@ -188,9 +188,11 @@ def _sentence(text: str, capital: bool = False) -> str:
 def _attribute_docs(cls) -> dict[str, str]:
     """The string literal under each field of a dataclass (its attribute docstring)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    class_def = tree.body[0]
+    assert isinstance(class_def, ast.ClassDef)
+    body = class_def.body
     docs = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in zip(body, body[1:], strict=False):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
                 and isinstance(after.value.value, str)):
@@ -232,8 +234,8 @@ def _json(value) -> str:
 
 @dataclass
 class _Constraints:
-    low: float | None = None
-    high: float | None = None
+    low: Any = None     # a bound as the schema wrote it (an int stays an int in the docs)
+    high: Any = None
     low_open: bool = False
     high_open: bool = False
     min_len: int | None = None
@@ -312,9 +314,9 @@ def _type(annotation, metadata=()) -> _Type:
     annotation, meta = _strip(annotation)
     metadata = [*metadata, *meta]
     if typing.get_origin(annotation) in (Union, UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not NoneType]
-        nullable = len(args) < len(typing.get_args(annotation))
-        parts = [_type(a, metadata if len(args) == 1 else ()) for a in args]
+        members = [a for a in typing.get_args(annotation) if a is not NoneType]
+        nullable = len(members) < len(typing.get_args(annotation))
+        parts = [_type(a, metadata if len(members) == 1 else ()) for a in members]
         if len(parts) == 1 and parts[0].section is not None:
             return parts[0]
         texts = [p.text for p in parts] + (["null"] if nullable else [])
@@ -344,10 +346,10 @@ def _type(annotation, metadata=()) -> _Type:
         return _Type(f"mapping of {key.text} to {value.text}", keys + own)
     if annotation is Any:
         return _Type("any", [])
-    text = _SCALARS.get(annotation)
-    if text is None:
+    scalar = _SCALARS.get(annotation)
+    if scalar is None:
         raise TypeError(f"{MODULE} cannot describe the type {annotation!r}")
-    return _Type(text, _Constraints().read(metadata).words("value", text=annotation is str))
+    return _Type(scalar, _Constraints().read(metadata).words("value", text=annotation is str))
 
 
 # ---------------------------------------------------------------- walking the schema
@@ -378,13 +380,14 @@ def _pydantic_sections(cls: type[BaseModel], prefix: str, default, depth: int,
             rows.append(row)
             entries.append(row)
             continue
-        value = None if info.is_required() else info.get_default(call_default_factory=True)
+        section_value = (None if info.is_required()
+                         else info.get_default(call_default_factory=True))
         if default is not None:
-            value = getattr(default, name)
+            section_value = getattr(default, name)
         doc = _join(description, _prose(sub.__doc__) if tp.per_name is None else "",
                     LOADER_NOTES.get(key, ""))
         if tp.per_name is not None:     # a mapping of names the user chooses to sections
-            text, is_value = _value_or("required", value)
+            text, is_value = _value_or("required", section_value)
             row = Entry(key, tp.text, text, "; ".join(tp.allowed), doc, owner, source,
                         is_value=is_value)
             rows.append(row)
@@ -394,12 +397,12 @@ def _pydantic_sections(cls: type[BaseModel], prefix: str, default, depth: int,
             subsections += _pydantic_sections(sub, f"{key}.*.", None, depth + 1, item)
             continue
         words = ("required" if info.is_required() else
-                 "none: the section is optional" if value is None else
+                 "none: the section is optional" if section_value is None else
                  "every key at its default")
         row = Entry(key, LOADER_TYPES.get(key, "mapping"), words, "", doc, owner, source,
                     section=True, is_value=False)
         rows.append(row)
-        subsections += _pydantic_sections(sub, f"{key}.", value, depth + 1, row)
+        subsections += _pydantic_sections(sub, f"{key}.", section_value, depth + 1, row)
     path = prefix.rstrip(".")
     section = Section(title or f"`{path}`", anchor or path, depth, entry, rows, entries)
     return [section, *subsections]
@@ -442,7 +445,8 @@ def _model_sections(kind: str, cfg_cls, prefix: str, depth: int,
             rows.append(row)
             subsections += _model_sections(kind, tp.section, f"{key}.", depth + 1, row)
             continue
-        value = f.default if f.default is not MISSING else f.default_factory()
+        factory: Any = f.default_factory
+        value = f.default if f.default is not MISSING else factory()
         row = Entry(key, tp.text, _json(value), _model_allowed(f.name, checks.get(f.name), tp),
                     _sentence(_prose(docs.get(f.name))), owner, source, kind=kind)
         rows.append(row)
@@ -510,9 +514,9 @@ def _stage_notes() -> str:
                  for n in needs]
         joint = ", and " if any(len(n) > 1 for n in needs) else " and "
         after = f" Comes after {joint.join(reads)}." if reads else ""
-        needs = f" Needs the `{stage.section_key}` section." if stage.section_key else ""
+        section = f" Needs the `{stage.section_key}` section." if stage.section_key else ""
         plugin = f" ({origin})" if (origin := _plugin(STAGE_GROUP, name)) else ""
-        lines.append(f"- `{name}`{plugin}: {_md(stage.summary)}{after}{needs}")
+        lines.append(f"- `{name}`{plugin}: {_md(stage.summary)}{after}{section}")
     return "\n".join(lines)
 
 
@@ -550,6 +554,7 @@ def _model_index(per_kind: list[Section]) -> str:
     by_key: dict[str, dict[str, Entry]] = {}
     for section in per_kind:
         for row in section.rows:
+            assert row.kind is not None     # a model section's rows name their kind
             by_key.setdefault(row.key, {})[row.kind] = row
     lines = ["#### Model keys by kind", "",
              "Each key's default per kind; a link leads to the key's entry, — means the kind "

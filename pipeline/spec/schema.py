@@ -748,7 +748,7 @@ class Spec(Section):
         always did and editing one changes nothing."""
         out = {}
         for path, _ in self.inert_keys():
-            section = self
+            section: Any = self
             for part in path[:-1]:
                 section = getattr(section, part, None)
             if isinstance(section, BaseModel):

@@ -9,7 +9,10 @@ import difflib
 import functools
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, fields, is_dataclass
+
+from typing import Any
 
 import pydantic
 from pydantic import BaseModel, ConfigDict
@@ -54,7 +57,8 @@ def _inner_type(annotation):
     return annotation
 
 
-def _describe(err: dict, where: dict, fallback: str, schema, loc_prefix: tuple = ()) -> str:
+def _describe(err: Mapping[str, Any], where: dict, fallback: str, schema,
+              loc_prefix: tuple = ()) -> str:
     loc = loc_prefix + tuple(err["loc"])
     place = _locate(where, loc, fallback)
     kind = err["type"]
@@ -127,6 +131,7 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
         errors += _check_names(spec, where, origin)
     if errors:
         raise SpecError("\n".join(errors))
+    assert spec is not None     # a spec pydantic refused left its errors above
     _normalise_paths(spec)
     spec._model_params = params
     return spec
@@ -191,24 +196,27 @@ def _at_most(name: str):
 
 
 @functools.cache
-def _strict_schema(cfg_cls) -> type[BaseModel]:
+def _strict_schema(cfg_cls: Any) -> type[BaseModel]:
     """A strict pydantic model with the fields of a model's config dataclass: the models
     stay plain dataclasses, the spec still refuses unknown keys, wrong types, infinities and
     sizes above MODEL_LIMITS. A field whose type is itself a dataclass (model.attention) is
     checked the same way."""
-    hints = {name: _strict_schema(t) if is_dataclass(t) else
+    hints = {name: _strict_schema(typing.cast(Any, t)) if is_dataclass(t) else
              typing.Annotated[t, _at_most(name)] if name in MODEL_LIMITS else t
              for name, t in typing.get_type_hints(cfg_cls).items()}
+    field_types: dict[str, Any] = {f.name: (hints[f.name], _default(f)) for f in fields(cfg_cls)}
     return pydantic.create_model(
         cfg_cls.__name__, __config__=ConfigDict(extra="forbid", strict=True,
                                                 allow_inf_nan=False),
-        **{f.name: (hints[f.name], _default(f)) for f in fields(cfg_cls)})
+        **field_types)
 
 
-def _default(f):
-    value = f.default if f.default is not MISSING else (
+def _default(f) -> Any:
+    value: Any = f.default if f.default is not MISSING else (
         f.default_factory() if f.default_factory is not MISSING else ...)
-    return _strict_schema(type(value))(**asdict(value)) if is_dataclass(value) else value
+    if is_dataclass(value) and not isinstance(value, type):
+        return _strict_schema(type(value))(**asdict(value))
+    return value
 
 
 def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> list[str]:
@@ -223,15 +231,16 @@ def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> l
         errors.append(f"{at_impl}: model.attention.impl: sdpa has no attention dropout (SDPA's "
                       f"own drops weights before the span mask), and this model trains with attn_dropout "
                       f"{params.attn_dropout}: use flex, reference or auto (or attn_dropout 0)")
-    if trains and impl == "flex" and spec.train.device == "cpu":
+    train = spec.train
+    if trains and impl == "flex" and train is not None and train.device == "cpu":
         errors.append(f"{at_impl}: model.attention.impl: flex runs forward only on CPU (torch "
                       f"has no CPU backward for FlexAttention) and train.device is cpu: use "
                       f"reference, sdpa or auto to train on CPU")
     if getattr(params, "ltm", False) and hasattr(params, "mem_len"):
-        segments = {}
-        if trains:
-            segments |= {"train.seq_len": spec.train.seq_len,
-                         "train.eval_seq_len": spec.train.eval_seq_len}
+        segments: dict[str, int | None] = {}
+        if trains and train is not None:
+            segments |= {"train.seq_len": train.seq_len,
+                         "train.eval_seq_len": train.eval_seq_len}
         if "evaluate" in spec.stages:
             segments["evaluate.seq_len"] = spec.evaluate.seq_len
         for key, length in segments.items():

@@ -44,7 +44,7 @@ CFG = dict(d_model=6, n_heads=2, n_layers=2, ff_dim=8, dropout=0.0, attn_dropout
 # --- the formula, written out -----------------------------------------------------------------
 
 def matvec(matrix, vector):
-    return [sum(a * b for a, b in zip(row, vector)) for row in matrix]
+    return [sum(a * b for a, b in zip(row, vector, strict=False)) for row in matrix]
 
 
 def relative_embedding(distance, d_model):
@@ -82,7 +82,7 @@ def short_term_attention(history, start, block_len, mem_len, p, n_heads):
             top = max(scores)
             weights = [math.exp(s - top) for s in scores]
             total = sum(weights)
-            heads += [sum(wt / total * v[pos][c] for wt, pos in zip(weights, keys))
+            heads += [sum(wt / total * v[pos][c] for wt, pos in zip(weights, keys, strict=False))
                       for c in cols]
         outputs.append(matvec(p["attn_out.weight"], heads))
     return outputs
@@ -141,13 +141,13 @@ def expected_outputs(model, blocks, mem_len, start=0, history=None):
     expected = []
     for block in blocks:
         per_layer = []
-        for l, (x, _) in enumerate(block):
+        for i, (x, _) in enumerate(block):
             block_len = x.shape[1]
             rows = []
             for b in range(bsz):
-                history[l][b] += x[b].tolist()
-                rows.append(short_term_attention(history[l][b], start, block_len, mem_len,
-                                                 params[l], model.cfg.n_heads))
+                history[i][b] += x[b].tolist()
+                rows.append(short_term_attention(history[i][b], start, block_len, mem_len,
+                                                 params[i], model.cfg.n_heads))
             per_layer.append(torch.tensor(rows, dtype=torch.float64))
         expected.append(per_layer)
         start += block[0][0].shape[1]
@@ -155,10 +155,10 @@ def expected_outputs(model, blocks, mem_len, start=0, history=None):
 
 
 def assert_outputs_match(blocks, expected):
-    for k, (block, reference) in enumerate(zip(blocks, expected)):
-        for l, ((_, got), want) in enumerate(zip(block, reference)):
+    for k, (block, reference) in enumerate(zip(blocks, expected, strict=True)):
+        for i, ((_, got), want) in enumerate(zip(block, reference, strict=True)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7,
-                                       msg=lambda m: f"block {k}, layer {l}: {m}")
+                                       msg=lambda m, k=k, i=i: f"block {k}, layer {i}: {m}")
 
 
 # --- the tests ------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def test_rows_without_states_are_masked_whatever_they_hold():
     first, state = run_blocks(model, tokens[:, :block_len], block_len, fresh)
     # one block in: 2 states of 3 rows, the first row garbage
     rest, _ = run_blocks(model, tokens[:, block_len:], block_len, soiled(state, block_len))
-    for got, want in zip(first + rest, clean):
-        for (_, got_out), (_, want_out) in zip(got, want):
+    for got, want in zip(first + rest, clean, strict=False):
+        for (_, got_out), (_, want_out) in zip(got, want, strict=False):
             torch.testing.assert_close(got_out, want_out, rtol=1e-12, atol=1e-12)
     assert_outputs_match(first + rest, expected_outputs(model, first + rest, mem_len))

@@ -38,7 +38,7 @@ def test_closed_form_equals_numerical_integration():
     sigma_sq = torch.tensor([1e-4, 0.002, 0.05, 0.3], dtype=torch.float64)
     t = torch.linspace(-3, 4, 200_001, dtype=torch.float64)
     psi = basis_values(t, centres, widths)                                 # [T, N]
-    for m, s in zip(mu, sigma_sq):
+    for m, s in zip(mu, sigma_sq, strict=False):
         density = torch.exp(-0.5 * (t - m) ** 2 / s) / torch.sqrt(2 * math.pi * s)
         numeric = torch.trapezoid(density.unsqueeze(-1) * psi, t, dim=0)
         closed = expected_basis(m, s, centres, widths)
@@ -103,7 +103,7 @@ def test_sticky_histogram_equals_a_direct_computation():
             direct.append(sum(
                 0.5 * (math.erf((hi - m) / math.sqrt(2 * s))
                        - math.erf((lo - m) / math.sqrt(2 * s)))
-                for m, s in zip(mu[b].tolist(), sigma_sq[b].tolist())))
+                for m, s in zip(mu[b].tolist(), sigma_sq[b].tolist(), strict=False)))
         total = sum(direct)
         torch.testing.assert_close(hist[b], torch.tensor([v / total for v in direct],
                                                          dtype=torch.float64))
@@ -169,7 +169,7 @@ def test_gradcheck_through_the_whole_ltm_read(sticky):
     q = torch.randn(1, 2, 2, 1, dtype=torch.float64, requires_grad=True)
 
     def step(old, new, q, *ps):
-        return functional_call(memory, dict(zip(names, ps)), (old, hist, new, q))
+        return functional_call(memory, dict(zip(names, ps, strict=False)), (old, hist, new, q))
 
     assert torch.autograd.gradcheck(step, (old, new, q, *params))
 
@@ -390,7 +390,7 @@ def test_contraction_grid_positions(midpoints):
     coeff = torch.arange(1.0, 7.0, dtype=torch.float64).view(1, 6, 1)
     centres, widths = [0, 0, 0.5, 0.5, 1, 1], [0.01, 0.05] * 3
     expected = [sum(c * math.exp(-0.5 * ((u - mu) / s) ** 2) / (s * math.sqrt(2 * math.pi))
-                    for c, mu, s in zip(coeff.flatten().tolist(), centres, widths))
+                    for c, mu, s in zip(coeff.flatten().tolist(), centres, widths, strict=False))
                 for u in old_at]
     got = memory.old_samples(coeff, None).flatten().tolist()
     assert got == pytest.approx(expected, rel=1e-12)

@@ -114,11 +114,11 @@ def read(q, coeff, p, fns, n_heads):
         for i in range(m):
             s = [sum(q[h][i][a] * keys[j][c] for a, c in enumerate(cols)) / math.sqrt(dh)
                  for j in range(len(coeff))]
-            mu = 1 / (1 + math.exp(-sum(w * x for w, x in zip(p["mu.weight"][0], s))))
-            var = max(math.log1p(math.exp(sum(w * x for w, x in zip(p["sigma.weight"][0], s)))), 1e-6)
+            mu = 1 / (1 + math.exp(-sum(w * x for w, x in zip(p["mu.weight"][0], s, strict=False))))
+            var = max(math.log1p(math.exp(sum(w * x for w, x in zip(p["sigma.weight"][0], s, strict=False)))), 1e-6)
             mus[h].append(mu), sigmas[h].append(var)
             r = gaussian_read(mu, var, fns)
-            for a, c in enumerate(cols):
+            for c in cols:
                 z[i][c] = sum(r[j] * values[j][c] for j in range(len(coeff)))
     out = [[sum(p["out.weight"][o][c] * z[i][c] for c in range(d)) for o in range(d)] for i in range(m)]
     return out, mus, sigmas
@@ -127,7 +127,7 @@ def read(q, coeff, p, fns, n_heads):
 def histogram(mus, sigmas, n_bins):
     """The mass each N(μ, σ²) puts on each of n_bins equal bins of [0, 1], summed, normalised."""
     mass = [0.0] * n_bins
-    for mu, var in zip(mus, sigmas):
+    for mu, var in zip(mus, sigmas, strict=False):
         for k in range(n_bins):
             lo, hi = k / n_bins, (k + 1) / n_bins
             mass[k] += 0.5 * (math.erf((hi - mu) / math.sqrt(2 * var))
@@ -214,7 +214,7 @@ def test_kl_against_the_gaussians_kl_and_quadrature():
     sigma_sq = [1e-6, 0.0025, 0.01, 0.3]
     t = torch.linspace(-6, 6, 600_001, dtype=torch.float64)
     for var, kl in zip(sigma_sq, kl_variance(torch.tensor(sigma_sq, dtype=torch.float64),
-                                              sigma_0).tolist()):
+                                              sigma_0).tolist(), strict=False):
         closed = math.log(sigma_0 / math.sqrt(var)) + var / (2 * sigma_0 ** 2) - 0.5
         assert kl == pytest.approx(closed, rel=1e-12)
         if var >= 1e-4:       # numerically: ∫ p log(p / p0), p = N(0.4, σ²), p0 = N(0.4, σ0²)
@@ -247,7 +247,7 @@ def reference_steps(memory, blocks, queries, sticky):
     time, where the sticky histogram of the first read says when ``sticky``), read."""
     p, fns, n = params(memory), basis(), CFG["n_samples"]
     outs, coeff, hist = [], None, None
-    for new, q in zip(blocks, queries):
+    for new, q in zip(blocks, queries, strict=False):
         xs = gate(new, p["gate.weight"], p["gate.bias"])
         if coeff is None:
             coeff = ridge_fit(xs, 0, CFG["tau"], CFG["ridge_penalty"], fns).tolist()
@@ -275,7 +275,7 @@ def test_two_ltm_steps_against_the_definitions(sticky):
                                [q[0].tolist() for q in queries], sticky)
     coeff, hist = None, None
     clamped = False
-    for (new, q), (out_ref, coeff_ref, mu_ref, sigma_ref) in zip(zip(blocks, queries), expected):
+    for (new, q), (out_ref, coeff_ref, mu_ref, sigma_ref) in zip(zip(blocks, queries, strict=False), expected, strict=False):
         out, coeff, mu, sigma_sq = memory(coeff, hist, new, q)
         torch.testing.assert_close(coeff[0], torch.tensor(coeff_ref, dtype=torch.float64),
                                    rtol=1e-9, atol=1e-12)
@@ -310,7 +310,7 @@ def test_gradients_against_finite_differences_of_the_definitions():
         samples = [signal_at(old_, k / n, fns) for k in range(1, n + 1)]
         coeff = ridge_fit(samples + xs, n, CFG["tau"], CFG["ridge_penalty"], fns).tolist()
         ref, _, _ = read(q_, coeff, p, fns, CFG["n_heads"])
-        return sum(a * b for row, wrow in zip(ref, w[0].tolist()) for a, b in zip(row, wrow))
+        return sum(a * b for row, wrow in zip(ref, w[0].tolist(), strict=False) for a, b in zip(row, wrow, strict=False))
 
     base = [new[0].tolist(), q[0].tolist(), old[0].tolist(), params(memory)]
     eps = 1e-6
