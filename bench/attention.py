@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.ops import adaptive_span_mask, get_attention_impl  # noqa: E402
+from pipeline.ops import adaptive_span_mask, get_attention_impl
 
 
 def inputs(batch, span, n, device, dtype, grad):
@@ -31,7 +31,11 @@ def inputs(batch, span, n, device, dtype, grad):
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_(grad)
 
-    q, k, v = rand(batch, heads, m, d_h), rand(batch, heads, span + m, d_h), rand(batch, heads, span + m, d_h)
+    q, k, v = (
+        rand(batch, heads, m, d_h),
+        rand(batch, heads, span + m, d_h),
+        rand(batch, heads, span + m, d_h),
+    )
     pos = rand(d_h, span)
     pk, pv = (rand(heads, n, d_h), rand(heads, n, d_h)) if n else (None, None)
     # spans spread over the window, so the mask ramps inside it (what a trained layer sees)
@@ -80,24 +84,44 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"all-attention op, T=512, H=8, d_h=64, batch {args.batch}, {dtype}, {where}, "
-          f"torch {torch.__version__}\n")
-    print("| impl | L' | N | pass | ref ms | fused ms | speed-up | ref MiB | fused MiB | mem ratio |")
+    where = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else f"CPU, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"all-attention op, T=512, H=8, d_h=64, batch {args.batch}, {dtype}, {where}, "
+        f"torch {torch.__version__}\n"
+    )
+    print(
+        "| impl | L' | N | pass | ref ms | fused ms | speed-up | ref MiB | fused MiB | mem ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for span in (int(s) for s in args.spans.split(",")):
         for n in (int(s) for s in args.persistent.split(",")):
             for impl in args.impls.split(","):
                 backward = not (impl == "flex" and device.type == "cpu")
-                ref_ms, ref_mb = measure("reference", args.batch, span, n, device, dtype, backward, args.repeat)
+                ref_ms, ref_mb = measure(
+                    "reference", args.batch, span, n, device, dtype, backward, args.repeat
+                )
                 ms, mb = measure(impl, args.batch, span, n, device, dtype, backward, args.repeat)
-                mem = "- | - | -" if device.type == "cpu" else f"{ref_mb:.0f} | {mb:.0f} | {mb / ref_mb:.2f}"
-                print(f"| {impl} | {span} | {n} | {'fwd+bwd' if backward else 'fwd'} | "
-                      f"{ref_ms:.0f} | {ms:.0f} | {ref_ms / ms:.2f}x | {mem} |", flush=True)
+                mem = (
+                    "- | - | -"
+                    if device.type == "cpu"
+                    else f"{ref_mb:.0f} | {mb:.0f} | {mb / ref_mb:.2f}"
+                )
+                print(
+                    f"| {impl} | {span} | {n} | {'fwd+bwd' if backward else 'fwd'} | "
+                    f"{ref_ms:.0f} | {ms:.0f} | {ref_ms / ms:.2f}x | {mem} |",
+                    flush=True,
+                )
     if "flex" in args.impls.split(","):
         from pipeline.ops import fused
-        tiles = {f"{d} {t} d_h {h}": fused.FLEX_TILES[i] or "torch's default"
-                 for (d, t, h), i in fused._flex_tile.items()}
+
+        tiles = {
+            f"{d} {t} d_h {h}": fused.FLEX_TILES[i] or "torch's default"
+            for (d, t, h), i in fused._flex_tile.items()
+        }
         print(f"\nflex forward tile (the first of FLEX_TILES that compiled): {tiles}")
 
 

@@ -52,19 +52,25 @@ def main() -> None:
     args = p.parse_args()
     spec = load_spec(args.config)
     train = spec.train
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"batch {train.batch_size} x {train.seq_len}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"batch {train.batch_size} x {train.seq_len}"
+    )
     tokens = torch.randint(0, 256, (args.steps, train.batch_size, train.seq_len + 1))
-    runs = {"eager": Updates(spec, False, args.backend),
-            f"compiled ({args.backend})": Updates(spec, True, args.backend)}
+    runs = {
+        "eager": Updates(spec, False, args.backend),
+        f"compiled ({args.backend})": Updates(spec, True, args.backend),
+    }
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for t in tokens:        # alternating, so that a change in the machine's load hits both
+    for t in tokens:  # alternating, so that a change in the machine's load hits both
         for name, run in runs.items():
             times[name].append(run.update(t))
     for name, ts in times.items():
-        print(f"{name:>20}: first update {ts[0]:.2f} s, then median "
-              f"{statistics.median(ts[1:]) * 1e3:.0f} ms/update, "
-              f"{args.steps} updates {sum(ts):.1f} s")
+        print(
+            f"{name:>20}: first update {ts[0]:.2f} s, then median "
+            f"{statistics.median(ts[1:]) * 1e3:.0f} ms/update, "
+            f"{args.steps} updates {sum(ts):.1f} s"
+        )
 
 
 if __name__ == "__main__":

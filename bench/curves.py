@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.data import StreamBatches  # noqa: E402
-from pipeline.training.evaluation import LN2, evaluate_nll  # noqa: E402
 from pipeline.models import AllAttnConfig, AllAttnLM, count_parameters  # noqa: E402
+from pipeline.training.evaluation import LN2, evaluate_nll  # noqa: E402
 from pipeline.training.optim import ClippedAdagrad, scheduled_lr  # noqa: E402
 
 
@@ -48,7 +48,9 @@ def find_data() -> Path:
     for base in (ROOT.parent / "shared" / "data", ROOT / "shared" / "data"):
         if (base / "wikitext-2" / "wiki.train.tokens.gz").exists():
             return base / "wikitext-2"
-    raise SystemExit("WikiText-2 not found in ../shared/data/wikitext-2 (see shared/data/README.md)")
+    raise SystemExit(
+        "WikiText-2 not found in ../shared/data/wikitext-2 (see shared/data/README.md)"
+    )
 
 
 def load_chars(data: Path, train_chars: int, valid_chars: int):
@@ -68,24 +70,33 @@ def load_chars(data: Path, train_chars: int, valid_chars: int):
 
 def model_configs(args) -> dict[str, AllAttnConfig]:
     common = dict(
-        d_model=args.d, n_heads=args.heads, max_span=args.max_span, adaptive_span=True,
-        span_ramp=32, span_loss_coef=args.span_loss, attn_dropout=args.dropout,
+        d_model=args.d,
+        n_heads=args.heads,
+        max_span=args.max_span,
+        adaptive_span=True,
+        span_ramp=32,
+        span_loss_coef=args.span_loss,
+        attn_dropout=args.dropout,
     )
     return {
         "allattn": AllAttnConfig(
             n_layers=args.allattn_layers, n_persistent=args.n_persistent, ff_dim=0, **common
         ),
         "transformer": AllAttnConfig(
-            n_layers=args.transformer_layers, n_persistent=0, ff_dim=args.ff_dim,
-            ff_kind="relu", **common
+            n_layers=args.transformer_layers,
+            n_persistent=0,
+            ff_dim=args.ff_dim,
+            ff_kind="relu",
+            **common,
         ),
     }
 
 
 def valid_bpc(model, valid: np.ndarray, seq_len: int) -> float:
     """The pipeline's full evaluation (every character scored once, with the cache)."""
-    total, count = evaluate_nll(model, valid, batch_size=8, seq_len=seq_len,
-                                device=torch.device("cpu"))
+    total, count = evaluate_nll(
+        model, valid, batch_size=8, seq_len=seq_len, device=torch.device("cpu")
+    )
     return total / count / LN2
 
 
@@ -93,9 +104,12 @@ def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, 
     torch.manual_seed(args.seed)
     model = AllAttnLM(cfg, vocab)
     groups = Counter(model.parameter_groups())
-    print(f"\n[{name}] {cfg.n_layers} layers, d {cfg.d_model}, H {cfg.n_heads}, "
-          f"N {cfg.n_persistent}, ff {cfg.ff_dim}: {count_parameters(model):,} parameters "
-          f"({', '.join(f'{k} {v:,}' for k, v in groups.most_common())})", flush=True)
+    print(
+        f"\n[{name}] {cfg.n_layers} layers, d {cfg.d_model}, H {cfg.n_heads}, "
+        f"N {cfg.n_persistent}, ff {cfg.ff_dim}: {count_parameters(model):,} parameters "
+        f"({', '.join(f'{k} {v:,}' for k, v in groups.most_common())})",
+        flush=True,
+    )
     if args.optimizer == "adagrad":
         opt = ClippedAdagrad(model.parameters(), lr=args.lr, clip_norm=args.clip)
     else:
@@ -128,8 +142,11 @@ def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, 
             elapsed = time.perf_counter() - start
             spans = [z for layer in model.spans() for z in layer]
             curve.append((step, bpc, train_bpc, elapsed))
-            print(f"[{name}] step {step:>5}  valid bpc {bpc:.3f}  train bpc {train_bpc:.3f}  "
-                  f"max span {max(spans):6.1f}  {elapsed:6.0f}s", flush=True)
+            print(
+                f"[{name}] step {step:>5}  valid bpc {bpc:.3f}  train bpc {train_bpc:.3f}  "
+                f"max span {max(spans):6.1f}  {elapsed:6.0f}s",
+                flush=True,
+            )
     return curve
 
 
@@ -161,9 +178,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     train, valid, vocab = load_chars(find_data(), args.train_chars, args.valid_chars)
-    print(f"WikiText-2 as characters: train {train.size:,}, valid slice {valid.size:,}, "
-          f"vocabulary {vocab}; batch {args.batch} x {args.seq_len}, {args.optimizer} "
-          f"lr {args.lr}, {args.steps} steps, {args.threads} threads")
+    print(
+        f"WikiText-2 as characters: train {train.size:,}, valid slice {valid.size:,}, "
+        f"vocabulary {vocab}; batch {args.batch} x {args.seq_len}, {args.optimizer} "
+        f"lr {args.lr}, {args.steps} steps, {args.threads} threads"
+    )
     cfgs = model_configs(args)
     curves = {}
     for name in args.models.split(","):

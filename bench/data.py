@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.data import StreamBatches  # noqa: E402
-from pipeline.spec import load_spec  # noqa: E402
 from pipeline.data.manifest import load_split  # noqa: E402
+from pipeline.spec import load_spec  # noqa: E402
 from stages.preprocess import preprocess  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
@@ -40,9 +40,15 @@ def fake_download(root: Path, role: str, name: str, data: bytes) -> Path:
     (root / "files").mkdir(parents=True)
     (root / "files" / name).write_bytes(data)
     sha = hashlib.sha256(data).hexdigest()
-    (root / "download.json").write_text(json.dumps({
-        "url": f"file:///{name}", "sha256": sha,
-        "files": {role: {"path": f"files/{name}", "sha256": sha, "bytes": len(data)}}}))
+    (root / "download.json").write_text(
+        json.dumps(
+            {
+                "url": f"file:///{name}",
+                "sha256": sha,
+                "files": {role: {"path": f"files/{name}", "sha256": sha, "bytes": len(data)}},
+            }
+        )
+    )
     return root
 
 
@@ -81,21 +87,30 @@ def main() -> None:
         secs, manifest, out = time_preprocess(tmp, "enwik8", data, "all", [])
         del data
         n_shards = sum(len(s["shards"]) for s in manifest["splits"].values())
-        rows.append((f"preprocess byte, enwik8 card ({n / 1e6:.0f} MB)", secs,
-                     f"{n / 1e6 / secs:.1f} MB/s; vocab {manifest['vocab_size']}, "
-                     f"{n_shards} shards"))
+        rows.append(
+            (
+                f"preprocess byte, enwik8 card ({n / 1e6:.0f} MB)",
+                secs,
+                f"{n / 1e6 / secs:.1f} MB/s; vocab {manifest['vocab_size']}, {n_shards} shards",
+            )
+        )
 
         wt2 = SHARED / "wikitext-2" / "wiki.train.tokens.gz"
         if wt2.is_file():
-            text = repeated(wt2, 54_000_000, opener=gzip.open)   # ~10M tokens, whole lines
-            text = text[:text.rindex(b"\n") + 1]
-            cfg_sets = ["dataset.split={kind: tail, valid: 1000, test: 1000}",
-                        "dataset.files={}", "dataset.archive=none", "dataset.vocab_size=null"]
+            text = repeated(wt2, 54_000_000, opener=gzip.open)  # ~10M tokens, whole lines
+            text = text[: text.rindex(b"\n") + 1]
+            cfg_sets = [
+                "dataset.split={kind: tail, valid: 1000, test: 1000}",
+                "dataset.files={}",
+                "dataset.archive=none",
+                "dataset.vocab_size=null",
+            ]
             secs_w, m_w, _ = time_preprocess(tmp, "wikitext2", text, "all", cfg_sets)
             toks = sum(s["tokens"] for s in m_w["splits"].values())
             rate = f"{toks / secs_w / 1e6:.2f} M tokens/s; vocab {m_w['vocab_size']:,}"
-            rows.append((f"preprocess word, WikiText-2 train x5 ({len(text) / 1e6:.0f} MB)",
-                         secs_w, rate))
+            rows.append(
+                (f"preprocess word, WikiText-2 train x5 ({len(text) / 1e6:.0f} MB)", secs_w, rate)
+            )
 
         ids = load_split(out, "train")
         sb = StreamBatches(ids, batch_size=args.batch, seq_len=args.seq)
@@ -106,8 +121,13 @@ def main() -> None:
             sb.batch(k)
         secs_l = time.perf_counter() - t0
         tok = steps * args.batch * args.seq
-        rows.append((f"loader StreamBatches {args.batch} x {args.seq}, {steps} steps", secs_l,
-                     f"{tok / secs_l / 1e6:.1f} M tokens/s ({secs_l / steps * 1e3:.2f} ms/step)"))
+        rows.append(
+            (
+                f"loader StreamBatches {args.batch} x {args.seq}, {steps} steps",
+                secs_l,
+                f"{tok / secs_l / 1e6:.1f} M tokens/s ({secs_l / steps * 1e3:.2f} ms/step)",
+            )
+        )
 
     print(f"cpus: {os.cpu_count()}  (python {sys.version.split()[0]})")
     w = max(len(r[0]) for r in rows)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def config(tmp: Path, steps: int, procs: int, zero: int) -> Path:
     path = tmp / f"bench-{procs}-{zero}.yaml"
     path.write_text(f"""\
-extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
+extends: [{ROOT / "configs" / "quickstart.yaml"}]
 name: bench
 train:
   steps: {steps}
@@ -37,7 +37,7 @@ train:
   deepspeed: {{zero_stage: {zero}}}
   launcher: {{procs_per_node: {procs}}}
 tracking: {{experiment: procs{procs}-zero{zero}}}
-workspace: {{root: {tmp / 'runs'}}}
+workspace: {{root: {tmp / "runs"}}}
 stages: [download, preprocess, train]
 """)
     return path
@@ -50,8 +50,9 @@ def measure(tmp: Path, steps: int, procs: int, zero: int) -> dict:
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
     cmd = [sys.executable, "-m", "pipeline.commands.cli", "run", str(cfg)]
-    subprocess.run(cmd + ["--only", "download,preprocess"], check=True, env=env,
-                   capture_output=True)
+    subprocess.run(
+        cmd + ["--only", "download,preprocess"], check=True, env=env, capture_output=True
+    )
     started = time.time()
     subprocess.run(cmd + ["--force", "train"], check=True, env=env, capture_output=True)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
@@ -75,8 +76,10 @@ def main() -> None:
             for zero in args.zero if procs > 1 else [0]:
                 rows.append(measure(Path(tmp), args.steps, procs, zero))
     base = next((r["step"] for r in rows if r["procs"] == 1), None)
-    print(f"quickstart model, batch 16 x 128 (global), {args.steps} steps, "
-          f"{os.cpu_count()} CPU cores\n")
+    print(
+        f"quickstart model, batch 16 x 128 (global), {args.steps} steps, "
+        f"{os.cpu_count()} CPU cores\n"
+    )
     print("| processes | ZeRO | start -> step 1 (s) | step (s) | vs 1 process |")
     print("|---|---|---|---|---|")
     for r in rows:

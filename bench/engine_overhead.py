@@ -36,7 +36,7 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -53,7 +53,7 @@ def build(spec, vocab: int):
     return model, build_optimizer(model.parameters(), spec.train.optimizer)
 
 
-BF16 = False      # --bf16: the engines in DeepSpeed's bf16 mode, the plain step in autocast
+BF16 = False  # --bf16: the engines in DeepSpeed's bf16 mode, the plain step in autocast
 
 
 class Engine:
@@ -73,13 +73,12 @@ class Engine:
         config["gradient_accumulation_steps"] = 1
         config |= ds_overrides
         self.config = config
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                    config=config)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         bind_to_engine(self.engine)
         self.model = self.engine.module
 
     def step(self, x, y, state):
-        with self.model.planned_update():          # as Trainer.train_step drives the model
+        with self.model.planned_update():  # as Trainer.train_step drives the model
             out = self.engine(x, y, state)
             self.engine.backward(out.nll.float().mean() + self.model.aux_loss())
             self.engine.step()
@@ -94,7 +93,7 @@ class EngineNoAllreduce(Engine):
         from pipeline.training.ds_config import skip_single_process_allreduce
 
         super().__init__(*args)
-        skip_single_process_allreduce(self.engine, 1)     # ZeRO 1-3 keep it
+        skip_single_process_allreduce(self.engine, 1)  # ZeRO 1-3 keep it
 
 
 class Plain:
@@ -106,7 +105,7 @@ class Plain:
         self.clip = opt.clip_norm if opt.clip == "global" else None
 
     def step(self, x, y, state):
-        with self.model.planned_update():          # the model driven as the engine's is
+        with self.model.planned_update():  # the model driven as the engine's is
             with torch.autocast(x.device.type, torch.bfloat16, enabled=BF16):
                 out = self.model(x, y, state)
             (out.nll.float().mean() + self.model.aux_loss()).backward()
@@ -148,11 +147,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--ds", action="append", default=[], metavar="KEY=JSON",
-                        help="override a top-level key of the engine's DeepSpeed config")
+    parser.add_argument(
+        "--ds",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override a top-level key of the engine's DeepSpeed config",
+    )
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--bf16", action="store_true", help="engines in DeepSpeed's bf16 "
-                        "mode (fp32 masters), the plain step under torch.autocast(bf16)")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="engines in DeepSpeed's bf16 "
+        "mode (fp32 masters), the plain step under torch.autocast(bf16)",
+    )
     args = parser.parse_args()
     global BF16
     BF16 = args.bf16
@@ -162,11 +170,21 @@ def main() -> None:
 
     from pipeline.spec import load_spec
 
-    small = ["model.d_model=64", "model.n_layers=4", "model.n_heads=4",
-             "model.n_persistent=16", "model.max_span=128", "model.attn_dropout=0.0",
-             "model.emb_dropout=0.0", "model.out_dropout=0.0", "train.optimizer.type=adagrad",
-             "train.optimizer.clip=per_param", "train.optimizer.clip_norm=0.03",
-             "train.optimizer.lr=0.07", "tracking.enabled=false"]
+    small = [
+        "model.d_model=64",
+        "model.n_layers=4",
+        "model.n_heads=4",
+        "model.n_persistent=16",
+        "model.max_span=128",
+        "model.attn_dropout=0.0",
+        "model.emb_dropout=0.0",
+        "model.out_dropout=0.0",
+        "train.optimizer.type=adagrad",
+        "train.optimizer.clip=per_param",
+        "train.optimizer.clip_norm=0.03",
+        "train.optimizer.lr=0.07",
+        "tracking.enabled=false",
+    ]
     if args.config.endswith("quickstart.yaml"):
         overrides = [*small, *args.overrides]
     else:
@@ -188,10 +206,12 @@ def main() -> None:
         results[name]["ms"] = ms
     opt = spec.train.optimizer
     params = sum(p.numel() for p in runner.model.parameters())
-    print(f"{spec.model_kind}, {params:,} parameters, micro-batch {args.batch} x {args.seq}, "
-          f"{'bf16 (plain: autocast)' if BF16 else 'float32'}, "
-          f"optimizer {opt.type} (clip {opt.clip}), CPU, {args.threads} thread(s), torch "
-          f"{torch.__version__}; host syncs by tests/helpers/host_syncs.py\n")
+    print(
+        f"{spec.model_kind}, {params:,} parameters, micro-batch {args.batch} x {args.seq}, "
+        f"{'bf16 (plain: autocast)' if BF16 else 'float32'}, "
+        f"optimizer {opt.type} (clip {opt.clip}), CPU, {args.threads} thread(s), torch "
+        f"{torch.__version__}; host syncs by tests/helpers/host_syncs.py\n"
+    )
     print("| step | ms/step (median) | aten ops/step | host syncs/step |")
     print("|---|---:|---:|---:|")
     for name, r in results.items():
@@ -200,12 +220,16 @@ def main() -> None:
     print()
     for name in (Engine.name, EngineNoAllreduce.name):
         r = results[name]
-        print(f"{name} - plain: {r['ops'] - plain['ops']:+,} aten ops, "
-              f"{len(r['syncs']) - len(plain['syncs']):+} host syncs, "
-              f"{r['ms'] - plain['ms']:+.1f} ms/step")
+        print(
+            f"{name} - plain: {r['ops'] - plain['ops']:+,} aten ops, "
+            f"{len(r['syncs']) - len(plain['syncs']):+} host syncs, "
+            f"{r['ms'] - plain['ms']:+.1f} ms/step"
+        )
     print()
-    diff = {op: eng["by_op"][op] - plain["by_op"][op]
-            for op in eng["by_op"].keys() | plain["by_op"].keys()}
+    diff = {
+        op: eng["by_op"][op] - plain["by_op"][op]
+        for op in eng["by_op"].keys() | plain["by_op"].keys()
+    }
     shown = sorted((d, op) for op, d in diff.items() if d)[::-1]
     if shown:
         print("| aten op | engine - plain |")
@@ -217,10 +241,18 @@ def main() -> None:
             print(f"\nhost syncs of one {name} step, by the line that asked:")
             for line, n in collections.Counter(r["syncs"]).most_common():
                 print(f"  {n:>4}  {line}")
-    shown_keys = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown", "bf16",
-                  "fp16", "zero_optimization")
-    print("\nthe engine's config: " + json.dumps({k: engine_config.get(k) for k in shown_keys
-                                                 if k in engine_config}))
+    shown_keys = (
+        "gradient_clipping",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "bf16",
+        "fp16",
+        "zero_optimization",
+    )
+    print(
+        "\nthe engine's config: "
+        + json.dumps({k: engine_config.get(k) for k in shown_keys if k in engine_config})
+    )
 
 
 if __name__ == "__main__":

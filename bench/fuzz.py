@@ -39,8 +39,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=2000)
     parser.add_argument("--show-bad", type=int, default=20, help="bad cases to print")
-    parser.add_argument("--paths", type=int, metavar="N",
-                        help="run N cases of the path fuzzer instead")
+    parser.add_argument(
+        "--paths", type=int, metavar="N", help="run N cases of the path fuzzer instead"
+    )
     args = parser.parse_args()
     if args.paths:
         paths(args.paths, args.show_bad)
@@ -48,23 +49,31 @@ def main() -> None:
     outcomes, built, seconds = timed(fuzz, args.cases)
     bad = [o for o in outcomes if o.problem]
     kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
-    print(f"cases            {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
-          f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s")
+    print(
+        f"cases            {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
+        f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s"
+    )
     print(f"tracebacks       {kinds['traceback']}")
     print(f"hangs (> 30 s)   {kinds['hang']}")
     print(f"other bad cases  {len(bad) - kinds['traceback'] - kinds['hang']}")
     exits = collections.Counter(o.exit_code for o in outcomes)
-    print("exit codes       " + ", ".join(f"{code}: {n}" for code, n in sorted(
-        exits.items(), key=lambda item: str(item[0]))))
+    print(
+        "exit codes       "
+        + ", ".join(
+            f"{code}: {n}" for code, n in sorted(exits.items(), key=lambda item: str(item[0]))
+        )
+    )
     print(f"\n{'command':<24} {'cases':>6} {'exit 0':>7} {'exit 2':>7} {'bad':>4} {'max s':>6}")
     by_command = collections.defaultdict(list)
     for o in outcomes:
         by_command[o.command].append(o)
     for command, group in sorted(by_command.items()):
-        print(f"{command:<24} {len(group):>6} {sum(o.exit_code == 0 for o in group):>7} "
-              f"{sum(o.exit_code == 2 for o in group):>7} {sum(bool(o.problem) for o in group):>4} "
-              f"{max(o.seconds for o in group):>6.1f}")
-    for o in bad[:args.show_bad]:
+        print(
+            f"{command:<24} {len(group):>6} {sum(o.exit_code == 0 for o in group):>7} "
+            f"{sum(o.exit_code == 2 for o in group):>7} {sum(bool(o.problem) for o in group):>4} "
+            f"{max(o.seconds for o in group):>6.1f}"
+        )
+    for o in bad[: args.show_bad]:
         print(f"\n{o.args!r}\n  {o.problem}")
     sys.exit(1 if bad else 0)
 
@@ -75,10 +84,11 @@ def paths(cases: int, show_bad: int) -> None:
     outcomes, built, seconds = timed(fuzz_paths, cases)
     bad = [o for o in outcomes if o.problem]
     kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
-    print(f"path cases       {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
-          f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s")
-    print(f"changed files outside what the command owns  "
-          f"{kinds['changed what it does not own']}")
+    print(
+        f"path cases       {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
+        f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s"
+    )
+    print(f"changed files outside what the command owns  {kinds['changed what it does not own']}")
     print(f"tracebacks       {kinds['traceback']}")
     print(f"hangs            {kinds['hang']}")
     named = sum(kinds[k] for k in ("traceback", "hang", "changed what it does not own"))
@@ -90,8 +100,10 @@ def paths(cases: int, show_bad: int) -> None:
     for o in outcomes:
         by_command[o.command].append(o)
     for command, group in sorted(by_command.items()):
-        print(f"{command:<24} {len(group):>6} {sum(bool(o.problem) for o in group):>4} "
-              f"{max(o.seconds for o in group):>6.1f}")
+        print(
+            f"{command:<24} {len(group):>6} {sum(bool(o.problem) for o in group):>4} "
+            f"{max(o.seconds for o in group):>6.1f}"
+        )
     for o in bad[:show_bad]:
         print(f"\n{o.args!r}\n  {o.problem}")
     sys.exit(1 if bad else 0)

@@ -43,11 +43,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NEEDED = ("pydantic", "deepspeed", "mlflow", "webdataset")     # what a bare CUDA image lacks
+NEEDED = ("pydantic", "deepspeed", "mlflow", "webdataset")  # what a bare CUDA image lacks
 
-TOTAL_BUDGET = 530.0            # seconds for everything after start-up (9 minutes minus margin)
-BUDGETS = {"install": 60, "tests": 120, "step": 240, "pipeline": 120, "compiled": 120,
-           "attention": 60}
+TOTAL_BUDGET = 530.0  # seconds for everything after start-up (9 minutes minus margin)
+BUDGETS = {
+    "install": 60,
+    "tests": 120,
+    "step": 240,
+    "pipeline": 120,
+    "compiled": 120,
+    "attention": 60,
+}
 CONFIG = "configs/enwik8_large.yaml"
 SPANS = "0.0625,1"
 PIPELINE_STEPS = 50
@@ -65,8 +71,15 @@ def run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> tuple[int, str]:
     """Run ``cmd``; on timeout kill its whole process group (compile workers too) and return
     124 with what it printed so far."""
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                env=quiet_env(), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=quiet_env(),
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
@@ -86,7 +99,7 @@ def table_lines(text: str) -> str:
     keep = [i for i, line in enumerate(lines) if line.startswith("|")]
     if not keep:
         return text[-3000:]
-    return "\n".join(lines[max(keep[0] - 2, 0):])[-6000:]
+    return "\n".join(lines[max(keep[0] - 2, 0) :])[-6000:]
 
 
 def pytest_digest(text: str, cap: int = 8000, per_failure: int = 1800) -> str:
@@ -95,13 +108,15 @@ def pytest_digest(text: str, cap: int = 8000, per_failure: int = 1800) -> str:
     ``per_failure`` characters; at most ``cap`` characters in all."""
     lines = text.rstrip().splitlines()
     closing = lines[-1] if lines else "(no output)"
-    sections = re.split(r"^=+ (FAILURES|ERRORS|short test summary info|warnings summary) =+$",
-                        text, flags=re.M)
+    sections = re.split(
+        r"^=+ (FAILURES|ERRORS|short test summary info|warnings summary) =+$", text, flags=re.M
+    )
     named = dict(zip(sections[1::2], sections[2::2], strict=False))
     parts = []
     summary = named.get("short test summary info", "")
-    summary = "\n".join(line for line in summary.splitlines()
-                        if line.startswith(("FAILED", "ERROR")))
+    summary = "\n".join(
+        line for line in summary.splitlines() if line.startswith(("FAILED", "ERROR"))
+    )
     if summary:
         parts.append(summary)
     for kind in ("FAILURES", "ERRORS"):
@@ -109,8 +124,11 @@ def pytest_digest(text: str, cap: int = 8000, per_failure: int = 1800) -> str:
         for block in re.split(r"^(?=_{3,} .* _{3,}$)", body, flags=re.M):
             block = block.strip()
             if block:
-                parts.append(block if len(block) <= per_failure
-                             else block.splitlines()[0] + "\n...\n" + block[-per_failure:])
+                parts.append(
+                    block
+                    if len(block) <= per_failure
+                    else block.splitlines()[0] + "\n...\n" + block[-per_failure:]
+                )
     body = "\n\n".join(parts)
     if len(body) > cap:
         body = body[:cap] + "\n... (cut)"
@@ -122,8 +140,9 @@ class Report:
         self.parts: list[str] = []
         self.failed: list[str] = []
 
-    def add(self, title: str, code: int, body: str, seconds: float | None = None,
-            optional: bool = False) -> None:
+    def add(
+        self, title: str, code: int, body: str, seconds: float | None = None, optional: bool = False
+    ) -> None:
         """optional: a part that only uses the time left; cut at its budget it is not a
         failure."""
         status = "ok" if code == 0 else ("TIMED OUT" if code == 124 else f"FAILED (exit {code})")
@@ -138,8 +157,7 @@ class Report:
         self.parts.append(f"## {title}: skipped\n\n{why}\n")
 
     def text(self, header: str) -> str:
-        summary = ("all parts passed" if not self.failed
-                   else f"failed: {', '.join(self.failed)}")
+        summary = "all parts passed" if not self.failed else f"failed: {', '.join(self.failed)}"
         return f"# GPU check\n\n{header}\n\n" + "\n".join(self.parts) + f"\n{summary}\n"
 
 
@@ -167,23 +185,37 @@ def install_wheels(folder: Path, timeout: float) -> tuple[int, str]:
     wheels = missing_wheels(folder)
     if not wheels:
         return 0, f"every package of the {len(list(folder.glob('*.whl')))} wheels is installed"
-    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps",
-           "--disable-pip-version-check", "--no-compile"]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--no-compile",
+    ]
     t0 = time.monotonic()
     code, out = run([*pip, *map(str, wheels)], timeout)
     where = "into the interpreter's environment"
     if code not in (0, 124):
         # a read-only environment: beside it, on PYTHONPATH for every part (and this process)
         site = Path(tempfile.gettempdir()) / "gpu-check-site"
-        code, out = run([*pip, "--target", str(site), *map(str, wheels)],
-                        timeout - (time.monotonic() - t0))
+        code, out = run(
+            [*pip, "--target", str(site), *map(str, wheels)], timeout - (time.monotonic() - t0)
+        )
         if code == 0:
             os.environ["PYTHONPATH"] = os.pathsep.join(
-                [str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+                [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+            )
             sys.path.insert(0, str(site))
             where = f"into {site} (PYTHONPATH), the environment refusing them"
-    return code, (f"installed {len(wheels)} wheels {where}: "
-                  + ", ".join(wheel_name(w) for w in wheels) + "\n" + out[-1500:])
+    return code, (
+        f"installed {len(wheels)} wheels {where}: "
+        + ", ".join(wheel_name(w) for w in wheels)
+        + "\n"
+        + out[-1500:]
+    )
 
 
 def missing(*modules: str) -> list[str]:
@@ -193,8 +225,11 @@ def missing(*modules: str) -> list[str]:
 def cuda_test_files() -> list[str]:
     """The test files with `cuda`-marked tests: collecting only those keeps a bare image's
     missing packages (hypothesis, mlflow, ...) from erroring the collection of others."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
-                  if re.search(r"mark\.cuda\b", p.read_text()))
+    return sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if re.search(r"mark\.cuda\b", p.read_text())
+    )
 
 
 def pipeline_config(folder: Path, batch: int) -> Path:
@@ -216,32 +251,46 @@ train:
   checkpoint_every: {PIPELINE_STEPS}
   deepspeed: {{bf16: true}}
 stages: [download, preprocess, train]
-workspace: {{root: {folder / 'runs'}}}
+workspace: {{root: {folder / "runs"}}}
 """)
     return path
 
 
 def pipeline_digest(out: str, seconds: float) -> str:
     steps = [line.strip() for line in out.splitlines() if "tok/s" in line]
-    rates = [float(m.group(1).replace(",", "")) for line in steps
-             if (m := re.search(r"([\d,]+) tok/s", line))]
-    head = (f"tokens/s over the last logged window: {rates[-1]:,.0f} (windows: "
-            f"{', '.join(f'{r:,.0f}' for r in rates)}); the whole run {seconds:.0f} s\n\n"
-            if rates else "")
+    rates = [
+        float(m.group(1).replace(",", ""))
+        for line in steps
+        if (m := re.search(r"([\d,]+) tok/s", line))
+    ]
+    head = (
+        f"tokens/s over the last logged window: {rates[-1]:,.0f} (windows: "
+        f"{', '.join(f'{r:,.0f}' for r in rates)}); the whole run {seconds:.0f} s\n\n"
+        if rates
+        else ""
+    )
     return head + "```\n" + "\n".join(steps[-6:] or out.splitlines()[-25:]) + "\n```"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wheels", type=Path, help="a folder of wheels for what is missing")
-    parser.add_argument("--reference-code", type=Path,
-                        help="a checkout of the authors' code (facebookresearch/adaptive-span): "
-                             "their step timed beside ours")
+    parser.add_argument(
+        "--reference-code",
+        type=Path,
+        help="a checkout of the authors' code (facebookresearch/adaptive-span): "
+        "their step timed beside ours",
+    )
     parser.add_argument("--report", type=Path, help="also write the report here")
-    parser.add_argument("--budget", type=float, default=TOTAL_BUDGET,
-                        help="seconds for all parts together (default %(default)g)")
-    parser.add_argument("--pipeline-batch", type=int, default=8,
-                        help="the pipeline's batch (sequences per step)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=TOTAL_BUDGET,
+        help="seconds for all parts together (default %(default)g)",
+    )
+    parser.add_argument(
+        "--pipeline-batch", type=int, default=8, help="the pipeline's batch (sequences per step)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -256,8 +305,9 @@ def main() -> int:
     def timeout(part: str) -> float:
         return min(BUDGETS[part], deadline - time.monotonic())
 
-    def part(title: str, budget: str, cmd: list[str], digest=table_lines,
-             optional: bool = False) -> None:
+    def part(
+        title: str, budget: str, cmd: list[str], digest=table_lines, optional: bool = False
+    ) -> None:
         limit = timeout(budget)
         if limit < 15:
             report.skip(title, f"the check's {args.budget:.0f} s were spent")
@@ -277,35 +327,71 @@ def main() -> int:
             report.add(f"install from {args.wheels}", code, out, time.monotonic() - t0)
         else:
             wheels = sorted(args.wheels.glob("*.whl")) if args.wheels.is_dir() else []
-            report.add(f"install from {args.wheels} (not run)", 0 if wheels else 1,
-                       f"{len(wheels)} wheels, {len(missing_wheels(args.wheels))} of them "
-                       f"for packages not installed here" if wheels else
-                       f"{args.wheels}: no wheels (make gpu-wheels)")
+            report.add(
+                f"install from {args.wheels} (not run)",
+                0 if wheels else 1,
+                f"{len(wheels)} wheels, {len(missing_wheels(args.wheels))} of them "
+                f"for packages not installed here"
+                if wheels
+                else f"{args.wheels}: no wheels (make gpu-wheels)",
+            )
     importlib.invalidate_caches()
     absent = missing(*NEEDED)
     if absent:
-        report.skip("packages", f"{', '.join(absent)} not installed (give --wheels DIR from "
-                                f"`make gpu-wheels`): the parts that need them are skipped")
+        report.skip(
+            "packages",
+            f"{', '.join(absent)} not installed (give --wheels DIR from "
+            f"`make gpu-wheels`): the parts that need them are skipped",
+        )
 
     # 2. the CUDA tests
     files = cuda_test_files()
-    tests = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", *files, "-p", "no:cacheprovider",
-             "--tb=short", "-rfEs", "--show-capture=no", "--log-level=WARNING"]
+    tests = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "cuda",
+        *files,
+        "-p",
+        "no:cacheprovider",
+        "--tb=short",
+        "-rfEs",
+        "--show-capture=no",
+        "--log-level=WARNING",
+    ]
     if gpu:
         part("CUDA tests", "tests", tests, digest=pytest_digest)
     else:
         code, out = run([*tests, "--collect-only"], 120)
-        report.add("CUDA tests (collected)", code,
-                   out.strip().splitlines()[-1] if out.strip() else "")
+        report.add(
+            "CUDA tests (collected)", code, out.strip().splitlines()[-1] if out.strip() else ""
+        )
 
     # 3. the training step, ours and the authors'
-    step = [sys.executable, "bench/train_step.py", CONFIG, "--dtype", "bf16", "--span", SPANS,
-            "--batch", "4,max", "--steps", "5", "--warmup", "2",
-            "--time-budget", str(max(BUDGETS["step"] - 40, 30))]
+    step = [
+        sys.executable,
+        "bench/train_step.py",
+        CONFIG,
+        "--dtype",
+        "bf16",
+        "--span",
+        SPANS,
+        "--batch",
+        "4,max",
+        "--steps",
+        "5",
+        "--warmup",
+        "2",
+        "--time-budget",
+        str(max(BUDGETS["step"] - 40, 30)),
+    ]
     if args.reference_code:
         step += ["--reference-code", str(args.reference_code.resolve())]
-    title = (f"training step, {CONFIG} bf16" + (" vs the authors' code (fp32)"
-                                                 if args.reference_code else ""))
+    title = f"training step, {CONFIG} bf16" + (
+        " vs the authors' code (fp32)" if args.reference_code else ""
+    )
     if missing("pydantic"):
         report.skip(title, "needs pydantic (the config's schema): give --wheels DIR")
     elif gpu:
@@ -324,16 +410,34 @@ def main() -> int:
             report.skip(title, f"needs {', '.join(lacking)}: give --wheels DIR")
         elif gpu:
             t0 = time.monotonic()
-            part(title, "pipeline", cli,
-                 digest=lambda out: pipeline_digest(out, time.monotonic() - t0))
+            part(
+                title,
+                "pipeline",
+                cli,
+                digest=lambda out: pipeline_digest(out, time.monotonic() - t0),
+            )
         else:
             code, out = run([*cli, "--dry-run"], 120)
             report.add(f"{title} (--dry-run)", code, out.strip()[-2000:])
 
     # 5. train.compile's step beside the eager one of part 3 (same shape, span 1/16,
     # micro-batch 4), with what is left: the measurement train.compile's default waits for
-    compiled = [sys.executable, "bench/train_step.py", CONFIG, "--dtype", "bf16", "--span",
-                SPANS.split(",")[0], "--batch", "4", "--steps", "5", "--warmup", "2", "--compile"]
+    compiled = [
+        sys.executable,
+        "bench/train_step.py",
+        CONFIG,
+        "--dtype",
+        "bf16",
+        "--span",
+        SPANS.split(",")[0],
+        "--batch",
+        "4",
+        "--steps",
+        "5",
+        "--warmup",
+        "2",
+        "--compile",
+    ]
     title = f"training step, {CONFIG} bf16, layers compiled (train.compile)"
     if missing("pydantic"):
         report.skip(title, "needs pydantic (the config's schema): give --wheels DIR")
@@ -344,19 +448,25 @@ def main() -> int:
         report.add(f"{title} (--dry-run)", code, out.strip()[-2000:])
 
     # 6. the attention kernels alone, with what is left
-    attention = [sys.executable, "bench/attention.py", "--spans", "512,2048,8192",
-                 "--impls", "sdpa,flex"]
+    attention = [
+        sys.executable,
+        "bench/attention.py",
+        "--spans",
+        "512,2048,8192",
+        "--impls",
+        "sdpa,flex",
+    ]
     if gpu:
         part("bench/attention.py", "attention", attention, optional=True)
-        report.parts.append(f"total {time.monotonic() - start:.0f} s of a {args.budget:.0f} s "
-                            f"budget\n")
+        report.parts.append(
+            f"total {time.monotonic() - start:.0f} s of a {args.budget:.0f} s budget\n"
+        )
     else:
         code, out = run([*attention, "--help"], 60)
         report.add("bench/attention.py (--help)", code, out.splitlines()[0] if out else "")
 
     device = torch.cuda.get_device_name() if gpu else "no GPU"
-    text = report.text(f"torch {torch.__version__}, {device}, python "
-                       f"{sys.version.split()[0]}")
+    text = report.text(f"torch {torch.__version__}, {device}, python {sys.version.split()[0]}")
     print(text)
     if args.report:
         args.report.write_text(text)

@@ -38,30 +38,64 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
 PYTHON_VERSION = "3.12"
-PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64",
-             "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux1_x86_64")
+PLATFORMS = (
+    "manylinux2014_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux1_x86_64",
+)
 
 # What the GPU image already has: the packages the issue names and the packages they
 # depend on (torch's CUDA stack, matplotlib's), and pip's own. Names normalised (PEP 503).
-IMAGE_TOP = ("torch", "click", "pyyaml", "numpy", "sentencepiece", "psutil", "matplotlib",
-             "safetensors")
+IMAGE_TOP = (
+    "torch",
+    "click",
+    "pyyaml",
+    "numpy",
+    "sentencepiece",
+    "psutil",
+    "matplotlib",
+    "safetensors",
+)
 IMAGE = frozenset(IMAGE_TOP) | {
     # torch
-    "filelock", "typing-extensions", "sympy", "mpmath", "networkx", "jinja2", "markupsafe",
-    "fsspec", "setuptools", "triton", "cuda-bindings", "cuda-pathfinder", "cuda-toolkit",
+    "filelock",
+    "typing-extensions",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "jinja2",
+    "markupsafe",
+    "fsspec",
+    "setuptools",
+    "triton",
+    "cuda-bindings",
+    "cuda-pathfinder",
+    "cuda-toolkit",
     # matplotlib
-    "contourpy", "cycler", "fonttools", "kiwisolver", "packaging", "pillow", "pyparsing",
-    "python-dateutil", "six",
+    "contourpy",
+    "cycler",
+    "fonttools",
+    "kiwisolver",
+    "packaging",
+    "pillow",
+    "pyparsing",
+    "python-dateutil",
+    "six",
     # installers
-    "pip", "wheel",
+    "pip",
+    "wheel",
 }
-IMAGE_PREFIXES = ("nvidia-",)      # nvidia-cublas-cu12, nvidia-nccl-cu13, ... (torch's)
+IMAGE_PREFIXES = ("nvidia-",)  # nvidia-cublas-cu12, nvidia-nccl-cu13, ... (torch's)
 
 # what must be in the folder, whatever the resolver picks: the packages the image lacks
 MUST_CARRY = ("deepspeed", "mlflow-skinny", "pydantic", "webdataset")
@@ -101,13 +135,19 @@ def runtime_requirements() -> list[str]:
     for req in deps:
         name = requirement_name(req)
         if name == "deepspeed":
-            continue                                        # built separately
+            continue  # built separately
         if name == "mlflow":
             version = installed_version("mlflow")
-            out.append(f"mlflow-skinny=={version}" if version else
-                       req.replace("mlflow", "mlflow-skinny", 1))
-            store = {requirement_name(r): r.split(";")[0].strip()
-                     for r in (md.requires("mlflow") or []) if version}
+            out.append(
+                f"mlflow-skinny=={version}"
+                if version
+                else req.replace("mlflow", "mlflow-skinny", 1)
+            )
+            store = {
+                requirement_name(r): r.split(";")[0].strip()
+                for r in (md.requires("mlflow") or [])
+                if version
+            }
             out += [store.get(s, s) for s in MLFLOW_STORE]
             continue
         out.append(req)
@@ -120,8 +160,11 @@ def deepspeed_requirement() -> str:
     version = installed_version("deepspeed")
     if version:
         return f"deepspeed=={version}"
-    return next(r for r in tomllib.loads((ROOT / "pyproject.toml").read_text())
-                ["project"]["dependencies"] if requirement_name(r) == "deepspeed")
+    return next(
+        r
+        for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if requirement_name(r) == "deepspeed"
+    )
 
 
 def build_deepspeed(dest: Path) -> Path:
@@ -130,20 +173,35 @@ def build_deepspeed(dest: Path) -> Path:
     req = deepspeed_requirement()
     existing = sorted(dest.glob("deepspeed-*.whl"))
     if existing and req.startswith("deepspeed==") and f"-{req[11:]}-" in existing[-1].name:
-        return existing[-1]                         # built by an earlier run
+        return existing[-1]  # built by an earlier run
     env = {**os.environ, "DS_BUILD_OPS": "0", "DS_SKIP_CUDA_CHECK": "1"}
-    pip(["wheel", "--no-deps", "--no-build-isolation", "--no-binary", "deepspeed",
-         "-w", str(dest), req], env=env)
+    pip(
+        [
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-binary",
+            "deepspeed",
+            "-w",
+            str(dest),
+            req,
+        ],
+        env=env,
+    )
     return sorted(dest.glob("deepspeed-*.whl"))[-1]
 
 
 def wheel_requirements(wheel: Path) -> list[str]:
     import zipfile
+
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode()
-    return [line.split(":", 1)[1].strip() for line in text.splitlines()
-            if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    return [
+        line.split(":", 1)[1].strip()
+        for line in text.splitlines()
+        if line.startswith("Requires-Dist:") and "extra ==" not in line
+    ]
 
 
 def pip(args: list[str], env=None, quiet=True) -> str:
@@ -169,6 +227,7 @@ def image_stubs(folder: Path) -> list[str]:
     package installed here, at this environment's version with the local label +image (no
     dependencies), and a constraint that only it satisfies. Returns pip's arguments."""
     import zipfile
+
     folder.mkdir(parents=True, exist_ok=True)
     constraints = []
     for dist in md.distributions():
@@ -179,10 +238,14 @@ def image_stubs(folder: Path) -> list[str]:
         stem = f"{name.replace('-', '_')}-{version}"
         with zipfile.ZipFile(folder / f"{stem}-py3-none-any.whl", "w") as z:
             info = f"{stem}.dist-info"
-            z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\n"
-                                           f"Version: {version}\n")
-            z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: gpu_wheels\n"
-                                        "Root-Is-Purelib: true\nTag: py3-none-any\n")
+            z.writestr(
+                f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+            )
+            z.writestr(
+                f"{info}/WHEEL",
+                "Wheel-Version: 1.0\nGenerator: gpu_wheels\n"
+                "Root-Is-Purelib: true\nTag: py3-none-any\n",
+            )
             z.writestr(f"{info}/RECORD", "")
         constraints.append(f"{name}=={version}")
     (folder / "constraints.txt").write_text("\n".join(constraints) + "\n")
@@ -193,39 +256,63 @@ def resolve(requirements: list[str], target: list[str]) -> list[dict]:
     """pip's resolution for the target platform: [{name, version, url}], metadata only."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        pip(["install", "--dry-run", "--ignore-installed", "--target", str(Path(tmp) / "t"),
-             "--report", str(report), *target, *image_stubs(Path(tmp) / "image"),
-             *requirements])
+        pip(
+            [
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--target",
+                str(Path(tmp) / "t"),
+                "--report",
+                str(report),
+                *target,
+                *image_stubs(Path(tmp) / "image"),
+                *requirements,
+            ]
+        )
         items = json.loads(report.read_text())["install"]
-    return [{"name": normalise(i["metadata"]["name"]), "version": i["metadata"]["version"],
-             "url": i["download_info"]["url"]} for i in items]
+    return [
+        {
+            "name": normalise(i["metadata"]["name"]),
+            "version": i["metadata"]["version"],
+            "url": i["download_info"]["url"],
+        }
+        for i in items
+    ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dest", type=Path, default=ROOT / "gpu-wheels")
     parser.add_argument("--max-mb", type=float, default=60.0)
-    parser.add_argument("--dry-run", action="store_true",
-                        help="resolve and list; download nothing, build nothing")
-    parser.add_argument("--python-version", default=PYTHON_VERSION,
-                        help="the GPU machine's Python (default %(default)s)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="resolve and list; download nothing, build nothing"
+    )
+    parser.add_argument(
+        "--python-version",
+        default=PYTHON_VERSION,
+        help="the GPU machine's Python (default %(default)s)",
+    )
     args = parser.parse_args()
     target = target_args(args.python_version)
 
     requirements = runtime_requirements()
     if args.dry_run:
         ds = deepspeed_requirement()
-        ds_needs = [r.split(";")[0].strip() for r in (md.requires("deepspeed") or [])
-                    if "extra ==" not in r]
-        print(f"gpu-wheels (dry run): would build {ds} (DS_BUILD_OPS=0, no deps) into "
-              f"{args.dest}")
+        ds_needs = [
+            r.split(";")[0].strip() for r in (md.requires("deepspeed") or []) if "extra ==" not in r
+        ]
+        print(f"gpu-wheels (dry run): would build {ds} (DS_BUILD_OPS=0, no deps) into {args.dest}")
     else:
         args.dest.mkdir(parents=True, exist_ok=True)
         wheel = build_deepspeed(args.dest)
         ds = wheel.name
         ds_needs = wheel_requirements(wheel)
-    needs = requirements + [r for r in ds_needs if requirement_name(r) not in
-                            {requirement_name(x) for x in requirements}]
+    needs = requirements + [
+        r
+        for r in ds_needs
+        if requirement_name(r) not in {requirement_name(x) for x in requirements}
+    ]
     resolved = resolve(needs, target)
     carry = sorted((r for r in resolved if not in_image(r["name"])), key=lambda r: r["name"])
     skipped = sorted(r["name"] for r in resolved if in_image(r["name"]))
@@ -234,23 +321,35 @@ def main() -> int:
     if missing:
         print(f"gpu-wheels: the plan lacks {', '.join(missing)}", file=sys.stderr)
         return 1
-    print(f"target: CPython {args.python_version}, {', '.join(PLATFORMS[:2])}, ...; the image's "
-          f"{len(skipped)} packages left out: {', '.join(skipped)}\n")
+    print(
+        f"target: CPython {args.python_version}, {', '.join(PLATFORMS[:2])}, ...; the image's "
+        f"{len(skipped)} packages left out: {', '.join(skipped)}\n"
+    )
 
     if args.dry_run:
         print("| wheel | version | from |\n|---|---|---|")
         print(f"| deepspeed | {ds.removeprefix('deepspeed')} | built here |")
         for r in carry:
             print(f"| {r['name']} | {r['version']} | {r['url'].rsplit('/', 1)[-1]} |")
-        print(f"\n{len(carry) + 1} wheels; `pip download --no-deps {' '.join(target)} "
-              f"-d {args.dest} NAME==VERSION ...`")
+        print(
+            f"\n{len(carry) + 1} wheels; `pip download --no-deps {' '.join(target)} "
+            f"-d {args.dest} NAME==VERSION ...`"
+        )
         return 0
 
-    pip(["download", "--no-deps", *target, "-d", str(args.dest),
-         *[f"{r['name']}=={r['version']}" for r in carry]])
+    pip(
+        [
+            "download",
+            "--no-deps",
+            *target,
+            "-d",
+            str(args.dest),
+            *[f"{r['name']}=={r['version']}" for r in carry],
+        ]
+    )
     planned = {(r["name"], r["version"]) for r in carry}
     files = sorted(args.dest.glob("*.whl"))
-    for f in files:           # a wheel an earlier plan fetched: two versions stop an install
+    for f in files:  # a wheel an earlier plan fetched: two versions stop an install
         name, version = normalise(f.name.split("-")[0]), f.name.split("-")[1]
         if f.name != ds and (name, version) not in planned:
             f.unlink()
@@ -261,8 +360,10 @@ def main() -> int:
         print(f"| {f.name} | {f.stat().st_size / 1e6:.1f} |")
     print(f"\n{len(files)} wheels, {total / 1e6:.1f} MB in {args.dest} (limit {args.max_mb:g} MB)")
     if total > args.max_mb * 1e6:
-        print(f"gpu-wheels: {total / 1e6:.1f} MB is over the {args.max_mb:g} MB limit",
-              file=sys.stderr)
+        print(
+            f"gpu-wheels: {total / 1e6:.1f} MB is over the {args.max_mb:g} MB limit",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

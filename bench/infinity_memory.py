@@ -27,11 +27,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.models import build_model  # noqa: E402
+from pipeline.models import build_model
 
 VOCAB = 256
-BASE = dict(d_model=128, n_layers=2, n_heads=4, ff_dim=256, dropout=0.0,
-            n_basis=128, n_samples=128)
+BASE = dict(d_model=128, n_layers=2, n_heads=4, ff_dim=256, dropout=0.0, n_basis=128, n_samples=128)
 
 
 def stream_to(model, n_segments, seg_len, device, gen):
@@ -84,21 +83,27 @@ def main() -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     segments = [int(s) for s in args.segments.split(",")]
-    print(f"segment {args.seg_len} tokens, {device.type} ({args.threads} CPU threads); "
-          f"∞-former: mem_len {args.seg_len} + LTM {BASE['n_basis']} RBFs; "
-          f"Transformer-XL: mem_len = stored × {args.seg_len}\n")
+    print(
+        f"segment {args.seg_len} tokens, {device.type} ({args.threads} CPU threads); "
+        f"∞-former: mem_len {args.seg_len} + LTM {BASE['n_basis']} RBFs; "
+        f"Transformer-XL: mem_len = stored × {args.seg_len}\n"
+    )
     print("| segments stored | model | ms / segment | state MB | GFLOP fwd | peak MB |")
     print("|---:|---|---:|---:|---:|---:|")
     for n in segments:
-        rows = [("∞-former", dict(BASE, mem_len=args.seg_len, ltm=True)),
-                ("Transformer-XL", dict(BASE, mem_len=n * args.seg_len, ltm=False))]
+        rows = [
+            ("∞-former", dict(BASE, mem_len=args.seg_len, ltm=True)),
+            ("Transformer-XL", dict(BASE, mem_len=n * args.seg_len, ltm=False)),
+        ]
         for name, cfg in rows:
             torch.manual_seed(0)
             model = build_model("infinity_former", cfg, VOCAB).to(device)
             ms, state_mb, flops, peak = measure(model, n, args.seg_len, device, args.repeat)
             shown = "-" if peak is None else f"{peak:.1f}"
-            print(f"| {n} | {name} | {ms:.1f} | {state_mb:.2f} | {flops / 1e9:.3f} | {shown} |",
-                  flush=True)
+            print(
+                f"| {n} | {name} | {ms:.1f} | {state_mb:.2f} | {flops / 1e9:.3f} | {shown} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

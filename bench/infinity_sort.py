@@ -64,28 +64,45 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.data.frequency_sort import generate_split  # noqa: E402
-from pipeline.models import build_model  # noqa: E402
-from pipeline.training.document_passes import run_documents  # noqa: E402
+from pipeline.data.frequency_sort import generate_split
+from pipeline.models import build_model
+from pipeline.training.document_passes import run_documents
 
 VOCAB = 20
-WEIGHTS = (1, 9)        # the paper's integer mixture weights
-MODEL = dict(d_model=128, n_layers=3, n_heads=8, ff_dim=256, dropout=0.0, n_basis=64,
-             n_samples=64, sticky_bins=32)
-MODELS = {"xl": ("Transformer-XL", dict(ltm=False)),
-          "infinity": ("∞-former", dict(ltm=True)),
-          "sticky": ("∞-former, sticky memories", dict(ltm=True, sticky=True))}
+WEIGHTS = (1, 9)  # the paper's integer mixture weights
+MODEL = dict(
+    d_model=128,
+    n_layers=3,
+    n_heads=8,
+    ff_dim=256,
+    dropout=0.0,
+    n_basis=64,
+    n_samples=64,
+    sticky_bins=32,
+)
+MODELS = {
+    "xl": ("Transformer-XL", dict(ltm=False)),
+    "infinity": ("∞-former", dict(ltm=True)),
+    "sticky": ("∞-former, sticky memories", dict(ltm=True, sticky=True)),
+}
 
 
-def train_and_score(model_key: str, length: int, seed: int, args: dict,
-                    base: Path | None = None, save: Path | None = None) -> dict:
+def train_and_score(
+    model_key: str,
+    length: int,
+    seed: int,
+    args: dict,
+    base: Path | None = None,
+    save: Path | None = None,
+) -> dict:
     """One run: a model trained on `length`-token inputs (from scratch, or continuing from
     the weights at `base`), scored on held-out documents; its weights saved to `save`."""
     torch.set_num_threads(args["threads"])
     torch.manual_seed(seed)
     start = time.perf_counter()
-    model = build_model("infinity_former", dict(MODEL, mem_len=args["segment"],
-                                                **MODELS[model_key][1]), VOCAB + 2)
+    model = build_model(
+        "infinity_former", dict(MODEL, mem_len=args["segment"], **MODELS[model_key][1]), VOCAB + 2
+    )
     if base is None:
         steps, lr, warmup = args["base_steps"], args["lr"], 100
     else:
@@ -102,13 +119,15 @@ def train_and_score(model_key: str, length: int, seed: int, args: dict,
     batch = args["batch"]
     # a continuing run draws other documents than its base (split seed offset by the length)
     data_seed = seed if base is None else seed * 1000 + length
-    train = torch.from_numpy(generate_split(data_seed, "train", steps * batch, VOCAB, length,
-                                            WEIGHTS))
+    train = torch.from_numpy(
+        generate_split(data_seed, "train", steps * batch, VOCAB, length, WEIGHTS)
+    )
     test = torch.from_numpy(generate_split(seed, "test", args["test"], VOCAB, length, WEIGHTS))
     model.train()
     for step in range(steps):
-        out = run_documents(model, train[step * batch:(step + 1) * batch], args["segment"],
-                            length, True)
+        out = run_documents(
+            model, train[step * batch : (step + 1) * batch], args["segment"], length, True
+        )
         opt.zero_grad()
         (out.nll.mean() + out.aux).backward()
         opt.step()
@@ -117,18 +136,27 @@ def train_and_score(model_key: str, length: int, seed: int, args: dict,
         torch.save(model.state_dict(), save)
     model.eval()
     with torch.no_grad():
-        right = run_documents(model, test, args["segment"], length, False).predictions \
-            == test[:, length + 1:]
-    return dict(model=model_key, length=length, seed=seed, accuracy=float(right.float().mean()),
-                exact=float(right.all(1).float().mean()),
-                seconds=round(time.perf_counter() - start, 1), base=base is None,
-                settings=protocol(args))
+        right = (
+            run_documents(model, test, args["segment"], length, False).predictions
+            == test[:, length + 1 :]
+        )
+    return dict(
+        model=model_key,
+        length=length,
+        seed=seed,
+        accuracy=float(right.float().mean()),
+        exact=float(right.all(1).float().mean()),
+        seconds=round(time.perf_counter() - start, 1),
+        base=base is None,
+        settings=protocol(args),
+    )
 
 
 def protocol(args: dict) -> dict:
     """What a stored result must share with this invocation to be reused."""
-    return {k: args[k] for k in ("base_steps", "steps", "batch", "segment", "lr", "test")} \
-        | {"model": MODEL}
+    return {k: args[k] for k in ("base_steps", "steps", "batch", "segment", "lr", "test")} | {
+        "model": MODEL
+    }
 
 
 def load_results(path: Path | None) -> list[dict]:
@@ -146,8 +174,11 @@ def table(results: list[dict], lengths: list[int], models: list[str]) -> str:
             return [r for r in results if r["base"] and r["length"] == length]
         return [r for r in results if r["model"] == key and r["length"] == length]
 
-    lines = ["| length | model | token accuracy (mean ± sd) | exact match (mean ± sd) | seeds "
-             "| minutes per run |", "|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| length | model | token accuracy (mean ± sd) | exact match (mean ± sd) | seeds "
+        "| minutes per run |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for length in lengths:
         for key in models:
             rs = runs(key, length)
@@ -155,15 +186,21 @@ def table(results: list[dict], lengths: list[int], models: list[str]) -> str:
                 continue
             acc, exact = np.array([r["accuracy"] for r in rs]), np.array([r["exact"] for r in rs])
             minutes = np.mean([r["seconds"] for r in rs]) / 60
-            lines.append(f"| {length} | {MODELS[key][0]} | {acc.mean():.3f} ± {acc.std():.3f} | "
-                         f"{exact.mean():.3f} ± {exact.std():.3f} | {len(rs)} | {minutes:.1f} |")
+            lines.append(
+                f"| {length} | {MODELS[key][0]} | {acc.mean():.3f} ± {acc.std():.3f} | "
+                f"{exact.mean():.3f} ± {exact.std():.3f} | {len(rs)} | {minutes:.1f} |"
+            )
     lo, hi = min(lengths), max(lengths)
-    lines += ["", f"| model | accuracy lost from length {lo} to {hi} (mean ± sd over seeds) |",
-              "|---|---:|"]
+    lines += [
+        "",
+        f"| model | accuracy lost from length {lo} to {hi} (mean ± sd over seeds) |",
+        "|---|---:|",
+    ]
     for key in models:
         by_seed = {r["seed"]: r["accuracy"] for r in runs(key, lo)}
-        drops = np.array([by_seed[r["seed"]] - r["accuracy"] for r in runs(key, hi)
-                          if r["seed"] in by_seed])
+        drops = np.array(
+            [by_seed[r["seed"]] - r["accuracy"] for r in runs(key, hi) if r["seed"] in by_seed]
+        )
         if len(drops):
             lines.append(f"| {MODELS[key][0]} | {drops.mean():.3f} ± {drops.std():.3f} |")
     return "\n".join(lines)
@@ -179,8 +216,12 @@ def plot(results: list[dict], lengths: list[int], models: list[str], path: Path)
     for key in models:
         xs, mean, sd = [], [], []
         for length in lengths:
-            acc = [r["accuracy"] for r in results if r["length"] == length
-                   and (r["base"] if length == min(lengths) else r["model"] == key)]
+            acc = [
+                r["accuracy"]
+                for r in results
+                if r["length"] == length
+                and (r["base"] if length == min(lengths) else r["model"] == key)
+            ]
             if acc:
                 xs.append(length)
                 mean.append(np.mean(acc))
@@ -203,12 +244,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="32,64,256")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--models", default="xl,infinity,sticky",
-                    help=f"comma-separated: {', '.join(MODELS)}")
-    ap.add_argument("--base-steps", type=int, default=2500,
-                    help="updates of the base model at the shortest length")
-    ap.add_argument("--steps", type=int, default=150,
-                    help="updates of each model continuing at each longer length")
+    ap.add_argument(
+        "--models", default="xl,infinity,sticky", help=f"comma-separated: {', '.join(MODELS)}"
+    )
+    ap.add_argument(
+        "--base-steps",
+        type=int,
+        default=2500,
+        help="updates of the base model at the shortest length",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=150,
+        help="updates of each model continuing at each longer length",
+    )
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--segment", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -217,8 +267,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--results", type=Path, help="JSON lines: finished runs, kept and reused")
     ap.add_argument("--plot", type=Path, help="PNG: accuracy against length, per model")
-    ap.add_argument("--table-only", action="store_true",
-                    help="print the table (and draw --plot) from --results, train nothing")
+    ap.add_argument(
+        "--table-only",
+        action="store_true",
+        help="print the table (and draw --plot) from --results, train nothing",
+    )
     args = ap.parse_args()
     lengths = sorted(int(s) for s in args.lengths.split(","))
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -240,15 +293,19 @@ def main() -> None:
         stem = args.results.name if args.results else "infinity_sort"
         return folder / f"{stem}.base-{seed}.pt"
 
-    bases = [s for s in seeds if ("xl", shortest, s, True) not in done
-             or not base_path(s).exists()]
-    continuing = {s: [(m, n, s) for n in lengths[1:] for m in models
-                      if (m, n, s, False) not in done] for s in seeds}
+    bases = [s for s in seeds if ("xl", shortest, s, True) not in done or not base_path(s).exists()]
+    continuing = {
+        s: [(m, n, s) for n in lengths[1:] for m in models if (m, n, s, False) not in done]
+        for s in seeds
+    }
     todo = len(bases) + sum(map(len, continuing.values()))
-    print(f"base: {args.base_steps} updates at length {shortest}; then {args.steps} updates per "
-          f"model and longer length; x {args.batch} documents, segment = mem_len = "
-          f"{args.segment}, model {MODEL}, seeds {seeds}; {len(results)} runs from "
-          f"{args.results}, {0 if args.table_only else todo} to train\n", flush=True)
+    print(
+        f"base: {args.base_steps} updates at length {shortest}; then {args.steps} updates per "
+        f"model and longer length; x {args.batch} documents, segment = mem_len = "
+        f"{args.segment}, model {MODEL}, seeds {seeds}; {len(results)} runs from "
+        f"{args.results}, {0 if args.table_only else todo} to train\n",
+        flush=True,
+    )
     start = time.perf_counter()
     if todo and not args.table_only:
         results = [r for r in results if not (r["base"] and r["seed"] in bases)]
@@ -258,31 +315,40 @@ def main() -> None:
             if args.results:
                 with args.results.open("a") as f:
                     f.write(json.dumps(result) + "\n")
-            print(f"  {'base' if result['base'] else MODELS[result['model']][0]}, length "
-                  f"{result['length']}, seed {result['seed']}: accuracy "
-                  f"{result['accuracy']:.3f}, exact {result['exact']:.3f} "
-                  f"({result['seconds'] / 60:.1f} min)", flush=True)
+            print(
+                f"  {'base' if result['base'] else MODELS[result['model']][0]}, length "
+                f"{result['length']}, seed {result['seed']}: accuracy "
+                f"{result['accuracy']:.3f}, exact {result['exact']:.3f} "
+                f"({result['seconds'] / 60:.1f} min)",
+                flush=True,
+            )
 
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+
             def submit_continuing(seed: int) -> list:
                 # longest first: the slowest runs start early, so the jobs end together
                 jobs = sorted(continuing[seed], key=lambda job: -job[1])
-                return [pool.submit(train_and_score, *job, settings, base_path(seed))
-                        for job in jobs]
+                return [
+                    pool.submit(train_and_score, *job, settings, base_path(seed)) for job in jobs
+                ]
 
-            pending = {pool.submit(train_and_score, "xl", shortest, s, settings, None,
-                                   base_path(s)): s for s in bases}
+            pending = {
+                pool.submit(train_and_score, "xl", shortest, s, settings, None, base_path(s)): s
+                for s in bases
+            }
             pending |= {f: None for s in seeds if s not in bases for f in submit_continuing(s)}
             while pending:
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
                     seed = pending.pop(future)
                     record(future.result())
-                    if seed is not None:        # a base: its continuing runs can start
+                    if seed is not None:  # a base: its continuing runs can start
                         pending |= {f: None for f in submit_continuing(seed)}
-        print(f"\ntrained {todo} runs in {(time.perf_counter() - start) / 60:.0f} min at "
-              f"--jobs {args.jobs}\n")
+        print(
+            f"\ntrained {todo} runs in {(time.perf_counter() - start) / 60:.0f} min at "
+            f"--jobs {args.jobs}\n"
+        )
     print(table(results, lengths, models))
     if args.plot:
         plot(results, lengths, models, args.plot)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.tracking import test_kill9_tracking as kill9  # noqa: E402
+from tests.tracking import test_kill9_tracking as kill9
 
 
 def main() -> None:
@@ -23,12 +23,14 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--seed", type=int, default=20)
     args = parser.parse_args()
-    kill9.STEPS = 4 * (args.kills + 3)      # a checkpoint every 4 steps, one per kill or more
+    kill9.STEPS = 4 * (args.kills + 3)  # a checkpoint every 4 steps, one per kill or more
     with tempfile.TemporaryDirectory() as tmp:
         f = kill9.kill_and_resume(Path(tmp), args.kills, args.seed)
-    print(f"kills {f['kills']}  steps checked {f['steps']}  lost {f['lost']}  "
-          f"doubled {f['doubled']}  wrong values {f['wrong']}  "
-          f"killed attempts marked KILLED {f['killed_runs']}/{f['runs'] - 1}")
+    print(
+        f"kills {f['kills']}  steps checked {f['steps']}  lost {f['lost']}  "
+        f"doubled {f['doubled']}  wrong values {f['wrong']}  "
+        f"killed attempts marked KILLED {f['killed_runs']}/{f['runs'] - 1}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,14 @@ class LoopClippedAdagrad(torch.optim.Optimizer):
 
     def __init__(self, params, lr, clip_norm, eps):
         super().__init__(params, {"lr": lr, "clip_norm": clip_norm, "eps": eps})
-        self.index = {p: (torch.zeros(1, dtype=torch.long, device=p.device),
-                          torch.tensor([p.numel()], device=p.device))
-                      for g in self.param_groups for p in g["params"]}
+        self.index = {
+            p: (
+                torch.zeros(1, dtype=torch.long, device=p.device),
+                torch.tensor([p.numel()], device=p.device),
+            )
+            for g in self.param_groups
+            for p in g["params"]
+        }
 
     @torch.no_grad()
     def step(self):
@@ -92,7 +97,7 @@ def measure(make, shapes, grads, reps: int, device: torch.device):
     for p, g in zip(params, grads, strict=False):
         p.grad = g
     opt = make(params)
-    opt.step()                                   # warm-up: state, plans
+    opt.step()  # warm-up: state, plans
     with OpCounter() as ops, HostSyncCounter() as counted:
         opt.step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -112,12 +117,17 @@ def main() -> None:
     parser.add_argument("config", nargs="?", default=str(ROOT / "configs" / "enwik8_large.yaml"))
     parser.add_argument("--reps", type=int, default=3, help="timed steps, after 2 untimed")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads (on a busy machine, 1 times more steadily)")
-    parser.add_argument("--reference-code", metavar="DIR",
-                        help="a checkout of facebookresearch/adaptive-span")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (on a busy machine, 1 times more steadily)",
+    )
+    parser.add_argument(
+        "--reference-code", metavar="DIR", help="a checkout of facebookresearch/adaptive-span"
+    )
     args = parser.parse_args()
-    warnings.filterwarnings("ignore", category=UserWarning)   # the authors' old signatures
+    warnings.filterwarnings("ignore", category=UserWarning)  # the authors' old signatures
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,23 +135,37 @@ def main() -> None:
     shapes = shapes_of(args.config)
     torch.manual_seed(0)
     # gradient norms spread around the clip: some tensors clipped, some not
-    grads = [torch.randn(s, device=device) * 10 ** torch.empty(()).uniform_(-5, -1).item()
-             for s in shapes]
+    grads = [
+        torch.randn(s, device=device) * 10 ** torch.empty(()).uniform_(-5, -1).item()
+        for s in shapes
+    ]
     clipped = sum(g.norm().item() > CLIP for g in grads)
-    rows = [("ClippedAdagrad, multi-tensor (foreach)",
-             lambda ps: ClippedAdagrad(ps, lr=LR, clip_norm=CLIP, eps=EPS, fused=False)),
-            ("this project before, a loop over tensors",
-             lambda ps: LoopClippedAdagrad(ps, lr=LR, clip_norm=CLIP, eps=EPS))]
+    rows = [
+        (
+            "ClippedAdagrad, multi-tensor (foreach)",
+            lambda ps: ClippedAdagrad(ps, lr=LR, clip_norm=CLIP, eps=EPS, fused=False),
+        ),
+        (
+            "this project before, a loop over tensors",
+            lambda ps: LoopClippedAdagrad(ps, lr=LR, clip_norm=CLIP, eps=EPS),
+        ),
+    ]
     if device.type == "cpu":
-        rows.append(("ClippedAdagrad, fused CPU kernel (the CPU's default)",
-                     lambda ps: ClippedAdagrad(ps, lr=LR, clip_norm=CLIP, eps=EPS, fused=True)))
+        rows.append(
+            (
+                "ClippedAdagrad, fused CPU kernel (the CPU's default)",
+                lambda ps: ClippedAdagrad(ps, lr=LR, clip_norm=CLIP, eps=EPS, fused=True),
+            )
+        )
     if args.reference_code:
         rows.append(("authors' AdagradWithGradClip", lambda ps: authors(ps, args.reference_code)))
 
-    print(f"{Path(args.config).name}: {len(shapes)} parameter tensors, "
-          f"{sum(s.numel() for s in shapes):,} elements ({clipped} clipped), {device}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"median of {args.reps} steps\n")
+    print(
+        f"{Path(args.config).name}: {len(shapes)} parameter tensors, "
+        f"{sum(s.numel() for s in shapes):,} elements ({clipped} clipped), {device}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"median of {args.reps} steps\n"
+    )
     print("| optimizer | ms/step | aten ops/step | host syncs/step | max abs diff vs first row |")
     print("|---|---:|---:|---:|---:|")
     first = None
@@ -151,6 +175,7 @@ def main() -> None:
         diff = max((a - b).abs().max().item() for a, b in zip(params, first, strict=False))
         print(f"| {name} | {ms:,.0f} | {ops:,} | {syncs:,} | {diff:.1e} |", flush=True)
         del params
+
 
 if __name__ == "__main__":
     main()

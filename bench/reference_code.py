@@ -25,6 +25,7 @@ import torch
 @dataclass
 class Shape:
     """One model and micro-batch shape, in our config's terms."""
+
     d_model: int = 512
     n_heads: int = 8
     n_layers: int = 36
@@ -40,13 +41,23 @@ class Shape:
     span_loss: float = 1e-7
 
     @classmethod
-    def from_spec(cls, spec, vocab: int, batch: int) -> "Shape":
+    def from_spec(cls, spec, vocab: int, batch: int) -> Shape:
         m, t = spec.model_params, spec.train
-        return cls(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers,
-                   n_persistent=m.n_persistent, max_span=m.max_span, span_ramp=m.span_ramp,
-                   dropout=m.attn_dropout, batch=batch, seq=t.seq_len, vocab=vocab,
-                   lr=t.optimizer.lr, clip=t.optimizer.clip_norm,
-                   span_loss=m.span_loss_coef)
+        return cls(
+            d_model=m.d_model,
+            n_heads=m.n_heads,
+            n_layers=m.n_layers,
+            n_persistent=m.n_persistent,
+            max_span=m.max_span,
+            span_ramp=m.span_ramp,
+            dropout=m.attn_dropout,
+            batch=batch,
+            seq=t.seq_len,
+            vocab=vocab,
+            lr=t.optimizer.lr,
+            clip=t.optimizer.clip_norm,
+            span_loss=m.span_loss_coef,
+        )
 
 
 class _Wrapped(torch.nn.Module):
@@ -67,12 +78,22 @@ class ReferenceCode:
 
     def __init__(self, directory: str | Path):
         directory = Path(directory).resolve()
-        missing = [f for f in ("models.py", "trainer.py", "adagrad_with_grad_clip.py",
-                               "adaptive_span.py", "persistent_memory.py")
-                   if not (directory / f).is_file()]
+        missing = [
+            f
+            for f in (
+                "models.py",
+                "trainer.py",
+                "adagrad_with_grad_clip.py",
+                "adaptive_span.py",
+                "persistent_memory.py",
+            )
+            if not (directory / f).is_file()
+        ]
         if missing:
-            raise FileNotFoundError(f"{directory} is not a checkout of the authors' "
-                                    f"adaptive-span code: no {', '.join(missing)}")
+            raise FileNotFoundError(
+                f"{directory} is not a checkout of the authors' "
+                f"adaptive-span code: no {', '.join(missing)}"
+            )
         if str(directory) not in sys.path:
             sys.path.insert(0, str(directory))
         self.directory = directory
@@ -83,20 +104,33 @@ class ReferenceCode:
     def build(self, shape: Shape, device, dtype=torch.float32):
         """(model wrapped as their trainer expects, their optimizer)."""
         model = self.models.TransformerSeq(
-            vocab_size=shape.vocab, hidden_size=shape.d_model, nb_heads=shape.n_heads,
-            nb_layers=shape.n_layers, attn_span=shape.max_span, emb_dropout=0.0,
-            inner_hidden_size=1, dropout=shape.dropout, block_size=shape.seq,
-            adapt_io_params={"adapt_io_enabled": False, "adapt_io_tied": False,
-                             "adapt_io_divval": 4, "adapt_io_cutoffs": []},
-            adapt_span_params={"adapt_span_enabled": True,
-                               "adapt_span_loss": shape.span_loss,
-                               "adapt_span_ramp": shape.span_ramp, "adapt_span_init": 0.0,
-                               "adapt_span_cache": True},
+            vocab_size=shape.vocab,
+            hidden_size=shape.d_model,
+            nb_heads=shape.n_heads,
+            nb_layers=shape.n_layers,
+            attn_span=shape.max_span,
+            emb_dropout=0.0,
+            inner_hidden_size=1,
+            dropout=shape.dropout,
+            block_size=shape.seq,
+            adapt_io_params={
+                "adapt_io_enabled": False,
+                "adapt_io_tied": False,
+                "adapt_io_divval": 4,
+                "adapt_io_cutoffs": [],
+            },
+            adapt_span_params={
+                "adapt_span_enabled": True,
+                "adapt_span_loss": shape.span_loss,
+                "adapt_span_ramp": shape.span_ramp,
+                "adapt_span_init": 0.0,
+                "adapt_span_cache": True,
+            },
             pers_mem_params={"pers_mem_size": shape.n_persistent},
         ).to(device=device, dtype=dtype)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = self.adagrad.AdagradWithGradClip(params, lr=shape.lr, grad_clip=shape.clip)
-        optimizer.grad_clip = 0                 # as their utils.py: clipping is inside step()
+        optimizer.grad_clip = 0  # as their utils.py: clipping is inside step()
         return _Wrapped(model), optimizer
 
     @staticmethod
@@ -109,15 +143,18 @@ class ReferenceCode:
     def init_cache(model, batch: int, device, dtype=torch.float32) -> list[torch.Tensor]:
         """Zero hidden-state caches, as their main.py makes them (size from the span)."""
         d = model.module.in_emb.embedding_dim
-        return [torch.zeros(batch, layer.attn.attn.get_cache_size(), d, device=device,
-                            dtype=dtype) for layer in model.module.layers]
+        return [
+            torch.zeros(batch, layer.attn.attn.get_cache_size(), d, device=device, dtype=dtype)
+            for layer in model.module.layers
+        ]
 
     def step(self, model, optimizer, x, y, cache):
         """One update as their trainer does it; returns (loss value, the next cache)."""
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")     # addcmul_(Number, ...) is deprecated
-            return self.trainer._train_batch(model, optimizer, None, x, y, cache,
-                                             eval_only=False, batch_split=1)
+            warnings.simplefilter("ignore")  # addcmul_(Number, ...) is deprecated
+            return self.trainer._train_batch(
+                model, optimizer, None, x, y, cache, eval_only=False, batch_split=1
+            )
 
     @staticmethod
     def span_len(model) -> int:

@@ -41,27 +41,36 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from train_step import Authors, Ours  # noqa: E402
+
 from pipeline.commands.report import vocab_size_for  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
 from tests.helpers.host_syncs import HostSyncCounter  # noqa: E402
 from tests.helpers.step_audit import OpCounter, SavedBytes  # noqa: E402
-from train_step import Authors, Ours  # noqa: E402
 
 CONFIG = ROOT / "configs" / "enwik8_large.yaml"
 LAYERS = 36
 TINY = dict(d_model=64, n_heads=4, n_persistent=32, max_span=256, seq=64, batch=2, frac=1.0)
-LARGE = dict(d_model=512, n_heads=8, n_persistent=2048, max_span=8192, seq=512, batch=4,
-             frac=1.0)
-TIMED = dict(d_model=512, n_heads=8, n_persistent=2048, max_span=1024, seq=256, batch=2,
-             frac=1.0, layers=2)
+LARGE = dict(d_model=512, n_heads=8, n_persistent=2048, max_span=8192, seq=512, batch=4, frac=1.0)
+TIMED = dict(
+    d_model=512, n_heads=8, n_persistent=2048, max_span=1024, seq=256, batch=2, frac=1.0, layers=2
+)
 
 
 def spec_at(shape: dict, layers: int, overrides=()):
     """enwik8_large's spec (its dropout, span ramp and loss, clipped Adagrad) at this shape."""
-    return load_spec(str(CONFIG), [
-        f"model.n_layers={layers}", f"model.d_model={shape['d_model']}",
-        f"model.n_heads={shape['n_heads']}", f"model.n_persistent={shape['n_persistent']}",
-        f"model.max_span={shape['max_span']}", f"train.seq_len={shape['seq']}", *overrides])
+    return load_spec(
+        str(CONFIG),
+        [
+            f"model.n_layers={layers}",
+            f"model.d_model={shape['d_model']}",
+            f"model.n_heads={shape['n_heads']}",
+            f"model.n_persistent={shape['n_persistent']}",
+            f"model.max_span={shape['max_span']}",
+            f"train.seq_len={shape['seq']}",
+            *overrides,
+        ],
+    )
 
 
 def runners(shape: dict, layers: int, ref, device="cpu"):
@@ -73,8 +82,9 @@ def runners(shape: dict, layers: int, ref, device="cpu"):
     ours = Ours(spec, vocab, torch.device(device), torch.float32)
     theirs = None
     if ref is not None:
-        theirs = Authors(ref, Shape.from_spec(spec, vocab, shape["batch"]),
-                         torch.device(device), torch.float32)
+        theirs = Authors(
+            ref, Shape.from_spec(spec, vocab, shape["batch"]), torch.device(device), torch.float32
+        )
     return ours, theirs
 
 
@@ -98,8 +108,13 @@ def count(shape: dict, layers: int, ref) -> dict:
         # the warm-up inside the sync counter: it sees the optimizer's state made (the
         # authors' step counters live on the host on a GPU too), then counts one update
         # torch's optimizers keep a tensor step counter on the host (not capturable/fused)
-        steps = [v for st in runner.optimizer.state.values() if isinstance(st, dict)
-                 for k, v in st.items() if k == "step" and isinstance(v, torch.Tensor)]
+        steps = [
+            v
+            for st in runner.optimizer.state.values()
+            if isinstance(st, dict)
+            for k, v in st.items()
+            if k == "step" and isinstance(v, torch.Tensor)
+        ]
         with HostSyncCounter(host=steps) as syncs:
             step()
             step()
@@ -107,8 +122,7 @@ def count(shape: dict, layers: int, ref) -> dict:
             step()
         with OpCounter() as ops:
             step()
-        out[runner.name] = {"ops": ops.total, "syncs": list(syncs.syncs[first:]),
-                            "by_op": ops.ops}
+        out[runner.name] = {"ops": ops.total, "syncs": list(syncs.syncs[first:]), "by_op": ops.ops}
     return out
 
 
@@ -120,9 +134,11 @@ def extrapolate(at2: float, at3: float, layers: int = LAYERS) -> tuple[float, fl
 
 def ops_and_syncs(ref) -> None:
     c2, c3 = count(TINY, 2, ref), count(TINY, 3, ref)
-    shape = (f"d {TINY['d_model']}, {TINY['n_heads']} heads, N {TINY['n_persistent']}, max "
-             f"span {TINY['max_span']} held at {TINY['frac']:g}, micro-batch {TINY['batch']} x "
-             f"{TINY['seq']}, dropout 0.4, clipped Adagrad, float32, CPU")
+    shape = (
+        f"d {TINY['d_model']}, {TINY['n_heads']} heads, N {TINY['n_persistent']}, max "
+        f"span {TINY['max_span']} held at {TINY['frac']:g}, micro-batch {TINY['batch']} x "
+        f"{TINY['seq']}, dropout 0.4, clipped Adagrad, float32, CPU"
+    )
     print(f"### aten ops per update ({shape})\n")
     print("| code | 2 layers | 3 layers | per layer | fixed | scaled to 36 layers |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -130,11 +146,13 @@ def ops_and_syncs(ref) -> None:
     for name in c2:
         per, fixed, total = extrapolate(c2[name]["ops"], c3[name]["ops"])
         scaled[name] = total
-        print(f"| {name} | {c2[name]['ops']:,} | {c3[name]['ops']:,} | {per:,.0f} | "
-              f"{fixed:,.0f} | {total:,.0f} |")
+        print(
+            f"| {name} | {c2[name]['ops']:,} | {c3[name]['ops']:,} | {per:,.0f} | "
+            f"{fixed:,.0f} | {total:,.0f} |"
+        )
     if "authors" in scaled:
         print(f"\nours / authors at 36 layers: {scaled['ours'] / scaled['authors']:.2f}")
-    print(f"\n### host syncs per steady-state update (same shape; tests/helpers/host_syncs.py)\n")
+    print("\n### host syncs per steady-state update (same shape; tests/helpers/host_syncs.py)\n")
     print("| code | 2 layers | 3 layers | per layer | scaled to 36 layers |")
     print("|---|---:|---:|---:|---:|")
     for name in c2:
@@ -174,11 +192,14 @@ class MetaSpanReads(TorchDispatchMode):
         if meta and func is aten._local_scalar_dense.default:
             self.reads += 1
             return self.frac
-        if meta and func is aten._to_copy.default and kwargs.get("device") is not None \
-                and torch.device(kwargs["device"]).type == "cpu":
+        if (
+            meta
+            and func is aten._to_copy.default
+            and kwargs.get("device") is not None
+            and torch.device(kwargs["device"]).type == "cpu"
+        ):
             self.reads += 1
-            return torch.full(meta[0].shape, self.frac,
-                              dtype=kwargs.get("dtype") or meta[0].dtype)
+            return torch.full(meta[0].shape, self.frac, dtype=kwargs.get("dtype") or meta[0].dtype)
         return func(*args, **kwargs)
 
 
@@ -236,26 +257,38 @@ def saved_bytes(ref) -> None:
         with torch.device("meta"):
             built = [Ours(spec, vocab, torch.device("meta"), torch.float32)]
             if ref is not None:
-                built.append(Authors(ref, Shape.from_spec(spec, vocab, LARGE["batch"]),
-                                     torch.device("meta"), torch.float32))
+                built.append(
+                    Authors(
+                        ref,
+                        Shape.from_spec(spec, vocab, LARGE["batch"]),
+                        torch.device("meta"),
+                        torch.float32,
+                    )
+                )
         for runner in built:
             n, r, top = saved_by_forward(runner, LARGE)
             results.setdefault(runner.name, []).append(n)
             reads[runner.name] = r
             if layers == 1:
                 largest[runner.name] = top
-    print(f"### bytes kept for backward per layer (enwik8_large: micro-batch "
-          f"{LARGE['batch']} x {LARGE['seq']}, max span {LARGE['max_span']} held at "
-          f"{LARGE['frac']:g}, N {LARGE['n_persistent']}, d {LARGE['d_model']}, "
-          f"{LARGE['n_heads']} heads, float32, dropout 0.4; meta device)\n")
+    print(
+        f"### bytes kept for backward per layer (enwik8_large: micro-batch "
+        f"{LARGE['batch']} x {LARGE['seq']}, max span {LARGE['max_span']} held at "
+        f"{LARGE['frac']:g}, N {LARGE['n_persistent']}, d {LARGE['d_model']}, "
+        f"{LARGE['n_heads']} heads, float32, dropout 0.4; meta device)\n"
+    )
     print("| code | 1 layer GiB | 2 layers GiB | per layer GiB | span reads answered |")
     print("|---|---:|---:|---:|---:|")
     for name, (one, two) in results.items():
-        print(f"| {name} | {one / 2**30:.2f} | {two / 2**30:.2f} | {(two - one) / 2**30:.2f} | "
-              f"{reads[name]} |")
+        print(
+            f"| {name} | {one / 2**30:.2f} | {two / 2**30:.2f} | {(two - one) / 2**30:.2f} | "
+            f"{reads[name]} |"
+        )
     for name, top in largest.items():
-        print(f"\n{name}, 1 layer, the largest storages kept: "
-              + ", ".join(f"{what} {b / 2**30:.3f} GiB" for b, what in top))
+        print(
+            f"\n{name}, 1 layer, the largest storages kept: "
+            + ", ".join(f"{what} {b / 2**30:.3f} GiB" for b, what in top)
+        )
     print()
 
 
@@ -277,11 +310,13 @@ def step_time(ref, steps: int, repeats: int) -> None:
                 step()
                 times.append(time.perf_counter() - t0)
             rounds[runner.name].append(statistics.median(times) * 1000)
-    print(f"### CPU step time (d {shape['d_model']}, {shape['n_heads']} heads, N "
-          f"{shape['n_persistent']}, {shape['layers']} layers, max span {shape['max_span']} "
-          f"held at {shape['frac']:g}, micro-batch {shape['batch']} x {shape['seq']}, dropout "
-          f"0.4, clipped Adagrad, float32; {torch.get_num_threads()} threads; median of "
-          f"{steps} updates, {repeats} alternating rounds)\n")
+    print(
+        f"### CPU step time (d {shape['d_model']}, {shape['n_heads']} heads, N "
+        f"{shape['n_persistent']}, {shape['layers']} layers, max span {shape['max_span']} "
+        f"held at {shape['frac']:g}, micro-batch {shape['batch']} x {shape['seq']}, dropout "
+        f"0.4, clipped Adagrad, float32; {torch.get_num_threads()} threads; median of "
+        f"{steps} updates, {repeats} alternating rounds)\n"
+    )
     print(f"ours: {ours.describe()}\n")
     print("| code | ms/update (median round) | rounds | tokens/s |")
     print("|---|---:|---|---:|")
@@ -290,20 +325,30 @@ def step_time(ref, steps: int, repeats: int) -> None:
         if not ms:
             continue
         medians[name] = statistics.median(ms)
-        print(f"| {name} | {medians[name]:,.0f} | {', '.join(f'{m:,.0f}' for m in ms)} | "
-              f"{shape['batch'] * shape['seq'] / medians[name] * 1000:,.0f} |")
+        print(
+            f"| {name} | {medians[name]:,.0f} | {', '.join(f'{m:,.0f}' for m in ms)} | "
+            f"{shape['batch'] * shape['seq'] / medians[name] * 1000:,.0f} |"
+        )
     if "authors" in medians:
-        print(f"\nours vs authors: {medians['authors'] / medians['ours']:.2f}x "
-              f"(the authors' ms over ours)")
+        print(
+            f"\nours vs authors: {medians['authors'] / medians['ours']:.2f}x "
+            f"(the authors' ms over ours)"
+        )
     print()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reference-code", type=Path,
-                        help="a checkout of the authors' code (facebookresearch/adaptive-span)")
-    parser.add_argument("--parts", default="ops,saved,time",
-                        help="which tables: ops (aten ops and host syncs), saved, time")
+    parser.add_argument(
+        "--reference-code",
+        type=Path,
+        help="a checkout of the authors' code (facebookresearch/adaptive-span)",
+    )
+    parser.add_argument(
+        "--parts",
+        default="ops,saved,time",
+        help="which tables: ops (aten ops and host syncs), saved, time",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed updates per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the step time")
     args = parser.parse_args()
@@ -311,10 +356,14 @@ def main() -> int:
     ref = None
     if args.reference_code:
         from reference_code import ReferenceCode
+
         ref = ReferenceCode(args.reference_code)
     parts = args.parts.split(",")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads"
-          + (f"; the authors' code from {args.reference_code}" if ref else "") + "\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        + (f"; the authors' code from {args.reference_code}" if ref else "")
+        + "\n"
+    )
     if "ops" in parts:
         ops_and_syncs(ref)
     if "saved" in parts:

@@ -62,22 +62,63 @@ sys.path.insert(0, str(ROOT))
 
 # Table 4 of the paper (PAPERS.md §2): mean longest length solved over 3 runs
 PAPER = {
-    "self_attention": {"reverse": 41.0, "sort": 14.0, "add": 7.0, "mult": 7.0, "not": 104,
-                       "remember": 57.0},
-    "conv": {"reverse": 17.7, "sort": 20.7, "add": 41.0, "mult": 17.0, "not": 104,
-             "remember": 36.0},
-    "persistent_conv": {"reverse": 25.0, "sort": 20.3, "add": 38.3, "mult": 16.3, "not": 104,
-                        "remember": 35.0},
-    "highway_conv": {"reverse": 19.7, "sort": 16.7, "add": 35.7, "mult": 13.7, "not": 104,
-                     "remember": 33.0},
-    "cgru": {"reverse": 7.7, "sort": 5.7, "add": 16.3, "mult": 9.0, "not": 104,
-             "remember": 9.0},
-    "sa+conv": {"reverse": 41.0, "sort": 23.3, "add": 36.3, "mult": 12.3, "not": 104,
-                "remember": 26.0},
-    "sa+persistent_conv": {"reverse": 43.7, "sort": 23.3, "add": 35.0, "mult": 12.3,
-                           "not": 104, "remember": 27.0},
-    "sa+highway_conv": {"reverse": 41.0, "sort": 20.0, "add": 34.3, "mult": 11.7, "not": 104,
-                        "remember": 24.7},
+    "self_attention": {
+        "reverse": 41.0,
+        "sort": 14.0,
+        "add": 7.0,
+        "mult": 7.0,
+        "not": 104,
+        "remember": 57.0,
+    },
+    "conv": {
+        "reverse": 17.7,
+        "sort": 20.7,
+        "add": 41.0,
+        "mult": 17.0,
+        "not": 104,
+        "remember": 36.0,
+    },
+    "persistent_conv": {
+        "reverse": 25.0,
+        "sort": 20.3,
+        "add": 38.3,
+        "mult": 16.3,
+        "not": 104,
+        "remember": 35.0,
+    },
+    "highway_conv": {
+        "reverse": 19.7,
+        "sort": 16.7,
+        "add": 35.7,
+        "mult": 13.7,
+        "not": 104,
+        "remember": 33.0,
+    },
+    "cgru": {"reverse": 7.7, "sort": 5.7, "add": 16.3, "mult": 9.0, "not": 104, "remember": 9.0},
+    "sa+conv": {
+        "reverse": 41.0,
+        "sort": 23.3,
+        "add": 36.3,
+        "mult": 12.3,
+        "not": 104,
+        "remember": 26.0,
+    },
+    "sa+persistent_conv": {
+        "reverse": 43.7,
+        "sort": 23.3,
+        "add": 35.0,
+        "mult": 12.3,
+        "not": 104,
+        "remember": 27.0,
+    },
+    "sa+highway_conv": {
+        "reverse": 41.0,
+        "sort": 20.0,
+        "add": 34.3,
+        "mult": 11.7,
+        "not": 104,
+        "remember": 24.7,
+    },
 }
 
 
@@ -85,46 +126,71 @@ PROBLEMS = ("reverse", "sort", "add", "mult", "not", "remember")
 # {protocol: {problem: (epochs, steps per epoch)}}; see the docstring for the cpu budgets
 PROTOCOLS = {
     "full": {p: (100, 100) for p in PROBLEMS},
-    "cpu": {"add": (40, 25), "mult": (40, 25), "remember": (200, 25), "reverse": (200, 25),
-            "sort": (200, 25), "not": (40, 25)},
+    "cpu": {
+        "add": (40, 25),
+        "mult": (40, 25),
+        "remember": (200, 25),
+        "reverse": (200, 25),
+        "sort": (200, 25),
+        "not": (40, 25),
+    },
 }
 DEFAULT_MIXERS = {"full": "self_attention,conv,sa+conv", "cpu": "self_attention,conv"}
 
 
-def one_run(problem: str, mixer: str, seed: int, epochs: int, steps: int,
-            device: str, threads: int) -> dict:
+def one_run(
+    problem: str, mixer: str, seed: int, epochs: int, steps: int, device: str, threads: int
+) -> dict:
     """score, next_length, per-epoch lengths and seconds of one curriculum."""
     import torch
 
     from pipeline.fsutil import read_json
     from pipeline.spec import load_spec
-    from stages.base import NullStageTracker
     from stages import StageContext, curriculum
+    from stages.base import NullStageTracker
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         cur = "dataset.generator.algorithmic.curriculum"
-        spec = load_spec(ROOT / "configs" / "active_memory" / f"{problem}.yaml", [
-            f"model.mixer={mixer}", f"train.seed={seed}", f"dataset.generator.seed={seed}",
-            f"train.device={device}", f"{cur}.epochs={epochs}",
-            f"{cur}.steps_per_epoch={steps}", f"workspace.root={tmp}"])
-        ctx = StageContext(spec=spec, out_dir=Path(tmp) / "out", inputs={},
-                           tracker=NullStageTracker(), log=lambda m: None)
+        spec = load_spec(
+            ROOT / "configs" / "active_memory" / f"{problem}.yaml",
+            [
+                f"model.mixer={mixer}",
+                f"train.seed={seed}",
+                f"dataset.generator.seed={seed}",
+                f"train.device={device}",
+                f"{cur}.epochs={epochs}",
+                f"{cur}.steps_per_epoch={steps}",
+                f"workspace.root={tmp}",
+            ],
+        )
+        ctx = StageContext(
+            spec=spec,
+            out_dir=Path(tmp) / "out",
+            inputs={},
+            tracker=NullStageTracker(),
+            log=lambda m: None,
+        )
         ctx.out_dir.mkdir()
         started = time.time()
         summary = curriculum.run(ctx)
         seconds = time.time() - started
         history = read_json(ctx.out_dir / curriculum.RESULT)["history"]
-    return {"score": summary["score"], "next_length": summary["next_length"],
-            "lengths": [h["length"] for h in history], "seconds": seconds}
+    return {
+        "score": summary["score"],
+        "next_length": summary["next_length"],
+        "lengths": [h["length"] for h in history],
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--protocol", default="full", choices=sorted(PROTOCOLS))
     ap.add_argument("--problems", default="add,mult,remember,reverse")
-    ap.add_argument("--mixers", help="default: self_attention,conv,sa+conv (full); "
-                    "self_attention,conv (cpu)")
+    ap.add_argument(
+        "--mixers", help="default: self_attention,conv,sa+conv (full); self_attention,conv (cpu)"
+    )
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--epochs", type=int, help="default: the protocol's")
     ap.add_argument("--steps", type=int, help="steps per epoch; default: the protocol's")
@@ -141,8 +207,13 @@ def main() -> None:
     threads = args.threads or (1 if args.jobs > 1 else os.cpu_count())
     # seed by seed: a table stopped part-way holds every cell of its first seeds
     cells = [(p, m, s) for s in seeds for p in problems for m in mixers]
-    budgets = {p: {"epochs": args.epochs or PROTOCOLS[args.protocol][p][0],
-                   "steps": args.steps or PROTOCOLS[args.protocol][p][1]} for p in problems}
+    budgets = {
+        p: {
+            "epochs": args.epochs or PROTOCOLS[args.protocol][p][0],
+            "steps": args.steps or PROTOCOLS[args.protocol][p][1],
+        }
+        for p in problems
+    }
     results = earlier_results(args.results, budgets) if args.results else {}
     for cell in cells:
         if cell in results:
@@ -151,21 +222,35 @@ def main() -> None:
     started = time.time()
     # spawned workers: a forked one can hang in OpenMP that its parent's torch started
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {cell: pool.submit(one_run, *cell, budgets[cell[0]]["epochs"],
-                                     budgets[cell[0]]["steps"], args.device, threads)
-                   for cell in todo}
+        futures = {
+            cell: pool.submit(
+                one_run,
+                *cell,
+                budgets[cell[0]]["epochs"],
+                budgets[cell[0]]["steps"],
+                args.device,
+                threads,
+            )
+            for cell in todo
+        }
         for cell, future in futures.items():
             results[cell] = future.result()
             show(cell, results[cell])
             if args.results:
                 with args.results.open("a") as f:
-                    f.write(json.dumps({"cell": cell, "protocol": budgets[cell[0]],
-                                        "result": results[cell]}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {"cell": cell, "protocol": budgets[cell[0]], "result": results[cell]}
+                        )
+                        + "\n"
+                    )
     total = time.time() - started
-    print(f"\nTable 4, protocol {args.protocol} (" + ", ".join(
-        f"{p} {b['epochs']} x {b['steps']}" for p, b in budgets.items())
+    print(
+        f"\nTable 4, protocol {args.protocol} ("
+        + ", ".join(f"{p} {b['epochs']} x {b['steps']}" for p, b in budgets.items())
         + f" epochs x steps), seeds {args.seeds}: mean longest length solved, ours / the "
-        "paper's (100 x 100)")
+        "paper's (100 x 100)"
+    )
     print(f"{'operator':<16}" + "".join(f"{p:>16}" for p in problems))
     for mixer in mixers:
         row = f"{mixer:<16}"
@@ -173,16 +258,21 @@ def main() -> None:
             ours = sum(results[(problem, mixer, s)]["score"] for s in seeds) / len(seeds)
             row += f"{ours:>8.1f} / {PAPER[mixer][problem]:<5}"
         print(row)
-    print(f"\n{len(todo)} curricula run in {total / 60:.1f} min ({args.jobs} at a time); "
-          f"{len(cells) - len(todo)} from {args.results}; their own times: "
-          f"{sum(results[c]['seconds'] for c in cells) / 3600:.1f} h in all")
+    print(
+        f"\n{len(todo)} curricula run in {total / 60:.1f} min ({args.jobs} at a time); "
+        f"{len(cells) - len(todo)} from {args.results}; their own times: "
+        f"{sum(results[c]['seconds'] for c in cells) / 3600:.1f} h in all"
+    )
 
 
 def show(cell, result: dict, note: str = "") -> None:
     lengths = result["lengths"]
-    print(f"{cell[0]:<9} {cell[1]:<15} seed {cell[2]}: score {result['score']:>3}  next "
-          f"{result['next_length']:>3}  ({result['seconds']:.0f} s; lengths {lengths[0]}.."
-          f"{lengths[-1]}) {note}", flush=True)
+    print(
+        f"{cell[0]:<9} {cell[1]:<15} seed {cell[2]}: score {result['score']:>3}  next "
+        f"{result['next_length']:>3}  ({result['seconds']:.0f} s; lengths {lengths[0]}.."
+        f"{lengths[-1]}) {note}",
+        flush=True,
+    )
 
 
 def earlier_results(path: Path, budgets: dict) -> dict:

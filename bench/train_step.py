@@ -38,14 +38,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline.models import build_model  # noqa: E402
-from pipeline.training.optim import build_optimizer  # noqa: E402
-from pipeline.commands.report import vocab_size_for  # noqa: E402
-from pipeline.spec import load_spec  # noqa: E402
-from pipeline.cluster.device import peak_memory_mb  # noqa: E402
+from pipeline.cluster.device import peak_memory_mb
+from pipeline.commands.report import vocab_size_for
+from pipeline.models import build_model
+from pipeline.spec import load_spec
+from pipeline.training.optim import build_optimizer
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def is_oom(e: BaseException) -> bool:
@@ -108,10 +112,11 @@ class Ours:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-            model.after_step()                     # the trainer's clamp of the spans
-            hold()                                 # hold the span fixed while timing
+            model.after_step()  # the trainer's clamp of the spans
+            hold()  # hold the span fixed while timing
             model.request_plan()
             state[0] = out.state
+
         return step
 
     def span_len(self) -> int:
@@ -148,6 +153,7 @@ class Authors:
         def step():
             _, cache[0] = ref.step(model, optimizer, x, y, cache[0])
             ref.hold_span(model, frac)
+
         return step
 
     def span_len(self) -> int:
@@ -155,7 +161,7 @@ class Authors:
 
     def flops_per_token(self) -> float:
         s = self.shape
-        weights = s.n_layers * (4 * s.d_model ** 2) + s.d_model * s.vocab
+        weights = s.n_layers * (4 * s.d_model**2) + s.d_model * s.vocab
         return 6 * weights + s.n_layers * 6 * 2 * s.d_model * (self.span_len() + s.n_persistent)
 
     def close(self) -> None:
@@ -180,9 +186,15 @@ def time_step(runner, batch: int, frac: float, steps: int, warmup: int) -> dict:
         sync(device)
         times.append(time.perf_counter() - start)
     ms = statistics.median(times) * 1000
-    return {"batch": batch, "frac": frac, "span": runner.span_len(), "ms": ms,
-            "tokens_s": batch * runner_seq(runner) / ms * 1000,
-            "peak_mb": peak_memory_mb(device), "flops": runner.flops_per_token()}
+    return {
+        "batch": batch,
+        "frac": frac,
+        "span": runner.span_len(),
+        "ms": ms,
+        "tokens_s": batch * runner_seq(runner) / ms * 1000,
+        "peak_mb": peak_memory_mb(device),
+        "flops": runner.flops_per_token(),
+    }
 
 
 def runner_seq(runner) -> int:
@@ -207,8 +219,9 @@ def fits(runner, batch: int, frac: float) -> bool:
     return not oom
 
 
-def largest_batch(runner, frac: float, known: dict | None, fixed_bytes: int,
-                  limit: int = 1024) -> tuple[int | None, list[int]]:
+def largest_batch(
+    runner, frac: float, known: dict | None, fixed_bytes: int, limit: int = 1024
+) -> tuple[int | None, list[int]]:
     """The largest micro-batch that fits at span ``frac``, in this process: the memory of
     ``known`` (a timed row at a smaller batch) gives an estimate, then 15% steps down.
     Returns (batch or None, the batches that did not fit)."""
@@ -235,15 +248,20 @@ def flops_per_token(model, seq: int) -> float:
     attention's q.k, q.u and a.v products over L' context + N persistent keys (3 x 2 x 2
     FLOPs per key and model dimension, forward + backward)."""
     cfg = model.cfg
-    weights = sum(p.numel() for name, p in model.named_parameters()
-                  if "persistent" not in name and "pos_table" not in name and "embed" not in name)
+    weights = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if "persistent" not in name and "pos_table" not in name and "embed" not in name
+    )
     attn = sum(6 * 2 * cfg.d_model * (span + cfg.n_persistent) for span in model.span_lens())
     return 6 * weights + attn
 
 
 def row_text(code: str, r: dict, gpu: bool, peak_tflops: float, vs: str = "") -> str:
-    text = (f"| {code} | {r['batch']} | {r['frac']:.4g} | {r['span']} | {r['ms']:,.1f} | "
-            f"{r['tokens_s']:,.0f} | {r['peak_mb']:,.0f} |")
+    text = (
+        f"| {code} | {r['batch']} | {r['frac']:.4g} | {r['span']} | {r['ms']:,.1f} | "
+        f"{r['tokens_s']:,.0f} | {r['peak_mb']:,.0f} |"
+    )
     if gpu:
         text += f" {r['tokens_s'] * r['flops'] / peak_tflops / 1e12:.1%} |"
     return text + f" {vs} |"
@@ -256,24 +274,46 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--span", default="0,0.5,1", help="span fractions to time at")
-    parser.add_argument("--batch", default=None,
-                        help="micro-batch sizes, comma-separated; 'max': the largest that fits "
-                             "(CUDA)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                        help="the model's dtype (bf16: the whole model in bfloat16)")
-    parser.add_argument("--reference-code", type=Path,
-                        help="a checkout of the authors' code: time their step beside ours")
+    parser.add_argument(
+        "--batch",
+        default=None,
+        help="micro-batch sizes, comma-separated; 'max': the largest that fits (CUDA)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="the model's dtype (bf16: the whole model in bfloat16)",
+    )
+    parser.add_argument(
+        "--reference-code",
+        type=Path,
+        help="a checkout of the authors' code: time their step beside ours",
+    )
     parser.add_argument("--reference-dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="GPU dense bf16 peak for MFU (H100/H200 SXM: 989)")
-    parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds after which no further row is started")
-    parser.add_argument("--compile", action="store_true",
-                        help="compile our layers as train.compile does (the first update of "
-                             "each span bucket compiles: give --warmup >= 1)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="load the config (and the authors' code), print the plan, time "
-                             "nothing")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="GPU dense bf16 peak for MFU (H100/H200 SXM: 989)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds after which no further row is started",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile our layers as train.compile does (the first update of "
+        "each span bucket compiles: give --warmup >= 1)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="load the config (and the authors' code), print the plan, time nothing",
+    )
     args = parser.parse_args()
 
     started = time.monotonic()
@@ -288,13 +328,19 @@ def main() -> int:
     ref = shape = None
     if args.reference_code:
         from reference_code import ReferenceCode, Shape
+
         ref = ReferenceCode(args.reference_code)
         shape = Shape.from_spec(spec, vocab, sizes[0] if sizes else 4)
 
-    plan = (f"{spec.name}: micro-batch {', '.join(batches)} x {spec.train.seq_len}, spans "
-            f"{args.span}, {args.dtype}, {device}, torch {torch.__version__}"
-            + (f"; the authors' code from {args.reference_code} ({args.reference_dtype})"
-               if ref else ""))
+    plan = (
+        f"{spec.name}: micro-batch {', '.join(batches)} x {spec.train.seq_len}, spans "
+        f"{args.span}, {args.dtype}, {device}, torch {torch.__version__}"
+        + (
+            f"; the authors' code from {args.reference_code} ({args.reference_dtype})"
+            if ref
+            else ""
+        )
+    )
     if args.dry_run:
         print(f"dry run: {plan}")
         return 0
@@ -304,10 +350,15 @@ def main() -> int:
     ours = Ours(spec, vocab, device, DTYPES[args.dtype], compile=args.compile)
     fixed_bytes = torch.cuda.memory_allocated(device) if gpu else 0
     params = sum(p.numel() for p in ours.model.parameters())
-    print(f"{plan}\n{spec.name}: {params:,} parameters, {torch.get_num_threads()} threads; "
-          f"{ours.describe()}\n")
-    header = ("| code | micro-batch | span frac | L' tokens | ms/step | tokens/s | peak MB |"
-              + (" MFU |" if gpu else "") + " vs authors |")
+    print(
+        f"{plan}\n{spec.name}: {params:,} parameters, {torch.get_num_threads()} threads; "
+        f"{ours.describe()}\n"
+    )
+    header = (
+        "| code | micro-batch | span frac | L' tokens | ms/step | tokens/s | peak MB |"
+        + (" MFU |" if gpu else "")
+        + " vs authors |"
+    )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
 
@@ -330,8 +381,12 @@ def main() -> int:
                 r = None
             if r is None:
                 free_memory()
-                print(f"| ours | {batch} | {frac:.4g} | | out of memory | | |"
-                      + (" |" if gpu else "") + " |", flush=True)
+                print(
+                    f"| ours | {batch} | {frac:.4g} | | out of memory | | |"
+                    + (" |" if gpu else "")
+                    + " |",
+                    flush=True,
+                )
                 continue
             ours_rows[(batch, frac)] = r
             print(row_text("ours", r, gpu, args.peak_tflops), flush=True)
@@ -351,10 +406,14 @@ def main() -> int:
                     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
                         if not is_oom(e):
                             raise
-                    if r is None:           # theirs may not fit where ours does: half of it
+                    if r is None:  # theirs may not fit where ours does: half of it
                         free_memory()
-                        print(f"| authors | {tried} | {frac:.4g} | | out of memory | | |"
-                              + (" |" if gpu else "") + " |", flush=True)
+                        print(
+                            f"| authors | {tried} | {frac:.4g} | | out of memory | | |"
+                            + (" |" if gpu else "")
+                            + " |",
+                            flush=True,
+                        )
                         tried = tried // 2 if tried == batch else 0
                 if r is None:
                     continue
@@ -363,27 +422,34 @@ def main() -> int:
                 print(row_text("authors", r, gpu, args.peak_tflops, vs=vs), flush=True)
         authors.close()
         free_memory()
-        notes.append("vs authors: our tokens/s over the authors' at the same span and "
-                     "micro-batch (on the authors' row; where theirs ran out of memory, over "
-                     "theirs at half the micro-batch)")
+        notes.append(
+            "vs authors: our tokens/s over the authors' at the same span and "
+            "micro-batch (on the authors' row; where theirs ran out of memory, over "
+            "theirs at half the micro-batch)"
+        )
     if search:
         top = max(fracs)
-        known = max((r for (b, f), r in ours_rows.items() if f == top),
-                    key=lambda r: r["batch"], default=None)
+        known = max(
+            (r for (b, f), r in ours_rows.items() if f == top),
+            key=lambda r: r["batch"],
+            default=None,
+        )
         if over_budget():
             skipped.append("ours at the largest micro-batch")
         else:
             best, failed = largest_batch(ours, top, known, fixed_bytes)
-            notes.append(f"the largest micro-batch that fits at span {top:g}: {best or 'none'}"
-                         + (f" (out of memory at {', '.join(map(str, failed))})" if failed
-                            else ""))
+            notes.append(
+                f"the largest micro-batch that fits at span {top:g}: {best or 'none'}"
+                + (f" (out of memory at {', '.join(map(str, failed))})" if failed else "")
+            )
             if best:
                 for frac in fracs:
                     if over_budget():
                         skipped.append(f"ours at micro-batch {best}, span {frac:g}")
                         continue
-                    r = ours_rows.get((best, frac)) or time_step(ours, best, frac,
-                                                                  min(args.steps, 3), 1)
+                    r = ours_rows.get((best, frac)) or time_step(
+                        ours, best, frac, min(args.steps, 3), 1
+                    )
                     print(row_text("ours", r, gpu, args.peak_tflops), flush=True)
     ours.close()
     if notes:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
-from pipeline.cluster import distributed  # noqa: E402
-from pipeline.commands.launched import main  # noqa: E402
+from pipeline.cluster import distributed
+from pipeline.commands.launched import main
 
 if __name__ == "__main__":
     distributed.exit_process(main())

@@ -3,12 +3,14 @@
 
 class PipelineError(Exception):
     """Bad input or a refused action; the message says what and where."""
+
     exit_code = 2
 
 
 class Preempted(PipelineError):
     """Training stopped on a signal after saving a checkpoint; a re-run resumes from it."""
-    exit_code = 143   # 128 + SIGTERM, what a scheduler expects of a job it terminated
+
+    exit_code = 143  # 128 + SIGTERM, what a scheduler expects of a job it terminated
 
 
 class Interrupted(Preempted):
@@ -21,9 +23,10 @@ class Interrupted(Preempted):
         super().__init__(
             f"stopped at once by a second signal ({signal_name}): nothing more was saved; run "
             f"the pipeline again to resume from the last checkpoint or redo the stage"
-            if at_once else
-            f"stopped by {signal_name}: the stage that was running is left unfinished; run "
-            f"the pipeline again to redo it")
+            if at_once
+            else f"stopped by {signal_name}: the stage that was running is left unfinished; run "
+            f"the pipeline again to redo it"
+        )
         self.exit_code = 128 + signal_number
 
 

@@ -77,8 +77,9 @@ def file_checksum(path: str | os.PathLike, chunk: int = 1 << 20) -> dict:
     return {"sha256": sha256_file(path, chunk), "bytes": os.stat(path).st_size}
 
 
-def file_mismatch(path: str | os.PathLike, name: str, expected: dict, chunk: int = 1 << 20,
-                  read: bool = True) -> str | None:
+def file_mismatch(
+    path: str | os.PathLike, name: str, expected: dict, chunk: int = 1 << 20, read: bool = True
+) -> str | None:
     """Why the file `path` (called `name` in the message) is not the one `file_checksum`
     recorded as `expected`, or None when it is. `read=False` checks only that it is there
     with its size, for a caller that has another reason to trust its content."""

@@ -12,7 +12,7 @@ from stages.base import Stage, StageContext, resolve_inputs, without
 def _not_a_stage(name: str, obj) -> str | None:
     if not isinstance(obj, Stage):
         return f"expected a stages.base.Stage, found {type(obj).__name__}"
-    if obj.name != name:    # the runner, records and --only know a stage by Stage.name
+    if obj.name != name:  # the runner, records and --only know a stage by Stage.name
         return f"its Stage.name is '{obj.name}': it must be the entry point's name"
     return None
 
@@ -20,19 +20,24 @@ def _not_a_stage(name: str, obj) -> str | None:
 def _in_reading_order(stages: dict[str, Stage]) -> dict[str, Stage]:
     """The stages, each after every stage it may read (ties by name): the order `allattn-pipe
     stages` and the reference list them in, a plugin's beside the built-ins it reads."""
-    before = {name: {o for need in stage.inputs
-                     for o in (need if isinstance(need, tuple) else (need,)) if o in stages}
-              for name, stage in stages.items()}
+    before = {
+        name: {
+            o
+            for need in stage.inputs
+            for o in (need if isinstance(need, tuple) else (need,))
+            if o in stages
+        }
+        for name, stage in stages.items()
+    }
     ordered: dict[str, Stage] = {}
     while len(ordered) < len(stages):
         ready = sorted(n for n in stages if n not in ordered and before[n] <= ordered.keys())
-        if not ready:   # stages reading each other: no order runs them, keep them by name
+        if not ready:  # stages reading each other: no order runs them, keep them by name
             ready = sorted(n for n in stages if n not in ordered)
         ordered[ready[0]] = stages[ready[0]]
     return ordered
 
 
-STAGES: dict[str, Stage] = _in_reading_order(
-    load(STAGE_GROUP, "stage kind", _not_a_stage))  # type: ignore[arg-type]
+STAGES: dict[str, Stage] = _in_reading_order(load(STAGE_GROUP, "stage kind", _not_a_stage))  # type: ignore[arg-type]
 
 __all__ = ["STAGES", "Stage", "StageContext", "resolve_inputs", "without"]

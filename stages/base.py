@@ -7,21 +7,22 @@ fingerprints, skipping, atomic publication of `out_dir`, tracking.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Stage:
     name: str
-    summary: str                     # one line, for `allattn-pipe stages`
+    summary: str  # one line, for `allattn-pipe stages`
     # Stages whose outputs this one reads. A tuple entry means "the last of these that the
     # pipeline runs" (evaluate reads finetune's checkpoint if there is one, else train's).
     inputs: tuple[str | tuple[str, ...], ...]
-    section_key: str | None          # the spec section it requires, if any
-    config: Callable[[Any], dict]    # the resolved config the stage runs with
-    run: Callable[["StageContext"], dict]
+    section_key: str | None  # the spec section it requires, if any
+    config: Callable[[Any], dict]  # the resolved config the stage runs with
+    run: Callable[[StageContext], dict]
     # Runs on every rank of a multi-process launch; the others run on rank 0 alone.
     distributed: bool = False
     # Dotted key paths of `config` that change how the stage runs but not its result, each
@@ -42,13 +43,19 @@ class Stage:
         earlier value, with every key that takes no effect under the others (Spec.inert_keys)
         at its default: what decides whether outputs are reusable."""
         config = self.config(spec)
-        at_old_value = [path for path, value in self.added_keys.items()
-                        if _lookup(config, path) == value]
+        at_old_value = [
+            path for path, value in self.added_keys.items() if _lookup(config, path) == value
+        ]
         config = without(config, [*self.runtime_only, *at_old_value])
         prefix = f"{self.config_section}." if self.config_section else ""
-        return with_values(config, {path[len(prefix):]: value
-                                    for path, value in spec.inert_defaults().items()
-                                    if path.startswith(prefix)})
+        return with_values(
+            config,
+            {
+                path[len(prefix) :]: value
+                for path, value in spec.inert_defaults().items()
+                if path.startswith(prefix)
+            },
+        )
 
 
 def _lookup(config: dict, path: str):
@@ -81,6 +88,7 @@ def with_values(config: dict, values: Mapping[str, object]) -> dict:
 class NullStageTracker:
     """What a stage may call on `ctx.tracker` (`pipeline.tracking.tracker.StageTracker` logs
     it to MLflow), doing nothing: tracking off, ranks other than 0, and tests."""
+
     run_id = None
 
     def log_params(self, params: dict) -> None: ...
@@ -92,12 +100,12 @@ class NullStageTracker:
 
 @dataclass
 class StageContext:
-    spec: Any                        # pipeline.spec.Spec
-    out_dir: Path                    # where outputs go; published atomically on success
-    inputs: dict[str, Path]          # input stage name -> its published output directory
-    tracker: Any                     # a StageTracker, or NullStageTracker
+    spec: Any  # pipeline.spec.Spec
+    out_dir: Path  # where outputs go; published atomically on success
+    inputs: dict[str, Path]  # input stage name -> its published output directory
+    tracker: Any  # a StageTracker, or NullStageTracker
     log: Callable[[str], None] = print
-    info: dict = field(default_factory=dict)   # free-form notes a stage leaves for the runner
+    info: dict = field(default_factory=dict)  # free-form notes a stage leaves for the runner
 
 
 def without(config: dict, paths) -> dict:
@@ -118,7 +126,7 @@ def without(config: dict, paths) -> dict:
 
 def resolve_inputs(stage: Stage, order: list[str]) -> list[str]:
     """The concrete input stage names for `stage` in a pipeline that runs `order`."""
-    before = order[:order.index(stage.name)]
+    before = order[: order.index(stage.name)]
     names = []
     for needed in stage.inputs:
         options = needed if isinstance(needed, tuple) else (needed,)

@@ -36,8 +36,8 @@ from stages.base import Stage, StageContext
 CHECKPOINTS = "checkpoints"
 RESULT = "curriculum.json"
 STATE = "state.pt"
-KEEP = 2                      # checkpoints kept: the newest may be damaged on disk
-EVAL_CASES = 512              # generated cases scored at each length by evaluate
+KEEP = 2  # checkpoints kept: the newest may be damaged on disk
+EVAL_CASES = 512  # generated cases scored at each length by evaluate
 EVAL_BATCH = 128
 
 
@@ -68,9 +68,11 @@ def run(ctx: StageContext) -> dict:
         ctx.log(f"resuming after epoch {state['epoch']} at length {state['length']}")
     params = sum(p.numel() for p in model.parameters())
     ctx.tracker.log_params({"parameters": params, "vocab_size": vocab, "length_step": step_by})
-    ctx.log(f"{task.problem}: {params:,} parameters ({model.describe()}), vocabulary {vocab}, "
-            f"{cur.epochs} epochs of {cur.steps_per_epoch} steps x {train.batch_size} cases "
-            f"on {device}, from length {cur.start_length} by {step_by}")
+    ctx.log(
+        f"{task.problem}: {params:,} parameters ({model.describe()}), vocabulary {vocab}, "
+        f"{cur.epochs} epochs of {cur.steps_per_epoch} steps x {train.batch_size} cases "
+        f"on {device}, from length {cur.start_length} by {step_by}"
+    )
     opt = train.optimizer
     for epoch in range(state["epoch"] + 1, cur.epochs + 1):
         length = state["length"]
@@ -81,8 +83,9 @@ def run(ctx: StageContext) -> dict:
         for i in range(cur.steps_per_epoch):
             update = (epoch - 1) * cur.steps_per_epoch + i + 1
             for group in optimizer.param_groups:
-                group["lr"] = scheduled_lr(opt.lr, opt.warmup_steps, update, opt.schedule,
-                                           cur.epochs * cur.steps_per_epoch)
+                group["lr"] = scheduled_lr(
+                    opt.lr, opt.warmup_steps, update, opt.schedule, cur.epochs * cur.steps_per_epoch
+                )
             x, y = generate(task.problem, length, train.batch_size, batches, task.vocab)
             out = model(x.to(device), y.to(device))
             loss = out.nll.mean() + model.aux_loss()
@@ -94,32 +97,45 @@ def run(ctx: StageContext) -> dict:
             model.after_step()
             loss_sum += loss.detach()
         check = torch.Generator().manual_seed(stream_seed(data_seed, "check", epoch))
-        correct, total, _ = score(model, task.problem, length, cur.check_cases, check,
-                                  task.vocab, device)
+        correct, total, _ = score(
+            model, task.problem, length, cur.check_cases, check, task.vocab, device
+        )
         accuracy, loss = correct / total, loss_sum.item() / cur.steps_per_epoch
         solved = accuracy >= cur.promote_accuracy
-        state["history"].append({"epoch": epoch, "length": length, "loss": loss,
-                                 "accuracy": accuracy, "solved": solved})
+        state["history"].append(
+            {"epoch": epoch, "length": length, "loss": loss, "accuracy": accuracy, "solved": solved}
+        )
         if solved:
             state["length"] = length + step_by
         state["epoch"] = epoch
-        ctx.tracker.log_metrics({"length": length, "accuracy": accuracy, "loss": loss},
-                                step=epoch)
-        ctx.log(f"epoch {epoch:>3}  length {length:>3}  loss {loss:.4f}  accuracy "
-                f"{accuracy:.4f}{'  solved' if solved else ''}")
+        ctx.tracker.log_metrics({"length": length, "accuracy": accuracy, "loss": loss}, step=epoch)
+        ctx.log(
+            f"epoch {epoch:>3}  length {length:>3}  loss {loss:.4f}  accuracy "
+            f"{accuracy:.4f}{'  solved' if solved else ''}"
+        )
         _save(root, epoch, model, optimizer, state)
-    result = {"problem": task.problem, "score": best_length(state["history"]),
-              "next_length": state["length"],
-              "final_length": state["history"][-1]["length"], "epochs": state["epoch"],
-              "parameters": params, "history": state["history"]}
+    result = {
+        "problem": task.problem,
+        "score": best_length(state["history"]),
+        "next_length": state["length"],
+        "final_length": state["history"][-1]["length"],
+        "epochs": state["epoch"],
+        "parameters": params,
+        "history": state["history"],
+    }
     atomic_write_json(ctx.out_dir / RESULT, result)
     ctx.tracker.log_artifact(ctx.out_dir / RESULT)
-    ctx.tracker.log_metrics({"score": result["score"], "next_length": result["next_length"]},
-                            step=state["epoch"])
-    ctx.log(f"score {result['score']} (the longest length solved in {state['epoch']} epochs); "
-            f"next length {result['next_length']} (the authors' script's reading)")
-    return {key: result[key] for key in ("problem", "score", "next_length", "final_length",
-                                         "epochs", "parameters")}
+    ctx.tracker.log_metrics(
+        {"score": result["score"], "next_length": result["next_length"]}, step=state["epoch"]
+    )
+    ctx.log(
+        f"score {result['score']} (the longest length solved in {state['epoch']} epochs); "
+        f"next length {result['next_length']} (the authors' script's reading)"
+    )
+    return {
+        key: result[key]
+        for key in ("problem", "score", "next_length", "final_length", "epochs", "parameters")
+    }
 
 
 def best_length(history: list[dict]) -> int:
@@ -127,8 +143,16 @@ def best_length(history: list[dict]) -> int:
     return max((h["length"] for h in history if h["solved"]), default=0)
 
 
-def score(model, problem: str, length: int, cases: int, generator, vocab: int | None,
-          device, batch: int | None = None) -> tuple[int, int, int]:
+def score(
+    model,
+    problem: str,
+    length: int,
+    cases: int,
+    generator,
+    vocab: int | None,
+    device,
+    batch: int | None = None,
+) -> tuple[int, int, int]:
     """(correct tokens, tokens, fully correct cases) of `cases` fresh cases at `length`,
     scored in eval mode (no dropout), `batch` cases at a time (default: all at once)."""
     import torch
@@ -173,24 +197,34 @@ def evaluate_task(ctx: StageContext) -> dict:
     final, start = trained["final_length"], task.curriculum.start_length
     step_by = length_step(task.problem, task.curriculum.length_step)
 
-    def on_grid(n: int) -> int:        # the curriculum's nearest length at or above n
+    def on_grid(n: int) -> int:  # the curriculum's nearest length at or above n
         return start + -(-(n - start) // step_by) * step_by
 
-    lengths = sorted({final, *(on_grid(n) for n in (final + 2, final + 5, final + 10,
-                                                    2 * final))})
-    results = {"checkpoint": f"curriculum/{tag}", "problem": task.problem,
-               "score": trained["score"], "final_length": final, "cases": EVAL_CASES,
-               "lengths": {}}
+    lengths = sorted({final, *(on_grid(n) for n in (final + 2, final + 5, final + 10, 2 * final))})
+    results = {
+        "checkpoint": f"curriculum/{tag}",
+        "problem": task.problem,
+        "score": trained["score"],
+        "final_length": final,
+        "cases": EVAL_CASES,
+        "lengths": {},
+    }
     for length in lengths:
         cases = torch.Generator().manual_seed(stream_seed(data_seed, "evaluate", length))
-        correct, total, exact = score(model, task.problem, length, EVAL_CASES, cases,
-                                      task.vocab, device, EVAL_BATCH)
-        results["lengths"][str(length)] = {"accuracy": correct / total,
-                                           "sequence_accuracy": exact / EVAL_CASES}
-        ctx.tracker.log_metrics({"accuracy": correct / total,
-                                 "sequence_accuracy": exact / EVAL_CASES}, step=length)
-        ctx.log(f"length {length:>3}{' (final)' if length == final else '':<8}  token "
-                f"accuracy {correct / total:.4f}  cases all right {exact / EVAL_CASES:.4f}")
+        correct, total, exact = score(
+            model, task.problem, length, EVAL_CASES, cases, task.vocab, device, EVAL_BATCH
+        )
+        results["lengths"][str(length)] = {
+            "accuracy": correct / total,
+            "sequence_accuracy": exact / EVAL_CASES,
+        }
+        ctx.tracker.log_metrics(
+            {"accuracy": correct / total, "sequence_accuracy": exact / EVAL_CASES}, step=length
+        )
+        ctx.log(
+            f"length {length:>3}{' (final)' if length == final else '':<8}  token "
+            f"accuracy {correct / total:.4f}  cases all right {exact / EVAL_CASES:.4f}"
+        )
     ctx.tracker.log_metrics({"score": trained["score"]}, step=0)
     atomic_write_json(ctx.out_dir / "results.json", results)
     ctx.tracker.log_artifact(ctx.out_dir / "results.json")
@@ -217,8 +251,9 @@ def _build(spec, vocab: int, device, optimizer: bool = True):
     if not optimizer:
         return model, None
     opt = spec.train.optimizer
-    return model, torch.optim.Adam(model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                   weight_decay=opt.weight_decay)
+    return model, torch.optim.Adam(
+        model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
+    )
 
 
 def _save(root: Path, epoch: int, model, optimizer, state: dict) -> None:
@@ -233,8 +268,9 @@ def _save(root: Path, epoch: int, model, optimizer, state: dict) -> None:
     if aside.exists():
         shutil.rmtree(aside)
     aside.mkdir(parents=True)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state},
-               aside / STATE)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, aside / STATE
+    )
     write_checksums(aside)
     os.replace(aside, root / tag)
     for old in step_dirs(root)[KEEP:]:
@@ -260,11 +296,16 @@ def _load(path: Path, model, optimizer=None) -> dict:
 
 def config(spec) -> dict:
     train = spec.train
-    return {"model": spec.resolved()["model"],
-            "task": spec.dataset.generator.model_dump(mode="json"),
-            "train": {"seed": train.seed, "device": train.device,
-                      "batch_size": train.batch_size,
-                      "optimizer": train.optimizer.model_dump(mode="json")}}
+    return {
+        "model": spec.resolved()["model"],
+        "task": spec.dataset.generator.model_dump(mode="json"),
+        "train": {
+            "seed": train.seed,
+            "device": train.device,
+            "batch_size": train.batch_size,
+            "optimizer": train.optimizer.model_dump(mode="json"),
+        },
+    }
 
 
 STAGE = Stage(

@@ -32,8 +32,10 @@ def _builtin(ds, files_dir, log) -> tuple[str, dict]:
 
     name = ds.url.split("://", 1)[1]
     if ds.archive != "none":
-        raise PipelineError(f"dataset.url {ds.url}: a built-in corpus is plain text; "
-                            f"dataset.archive must be none, not {ds.archive}")
+        raise PipelineError(
+            f"dataset.url {ds.url}: a built-in corpus is plain text; "
+            f"dataset.archive must be none, not {ds.archive}"
+        )
     log(f"building the built-in corpus '{name}' (no network)")
     try:
         data = build(name)
@@ -41,17 +43,27 @@ def _builtin(ds, files_dir, log) -> tuple[str, dict]:
         raise PipelineError(f"dataset.url {ds.url}: {e}") from None
     sha = hashlib.sha256(data).hexdigest()
     if ds.sha256 and sha != ds.sha256.lower():
-        raise PipelineError(f"dataset.url {ds.url}: sha256 mismatch: expected "
-                            f"{ds.sha256.lower()}, found {sha} (the corpus depends on the "
-                            f"Python version)")
+        raise PipelineError(
+            f"dataset.url {ds.url}: sha256 mismatch: expected "
+            f"{ds.sha256.lower()}, found {sha} (the corpus depends on the "
+            f"Python version)"
+        )
     if len(ds.files) > 1:
-        raise PipelineError(f"dataset.url {ds.url}: a built-in corpus is a single file; "
-                            f"dataset.files names {len(ds.files)} ({', '.join(ds.files)})")
+        raise PipelineError(
+            f"dataset.url {ds.url}: a built-in corpus is a single file; "
+            f"dataset.files names {len(ds.files)} ({', '.join(ds.files)})"
+        )
     role, spec = next(iter(ds.files.items())) if ds.files else ("all", None)
     target = files_dir / ((PurePosixPath(spec.path).name if spec else "") or f"{name}.txt")
     extracted = extract.write_verified(
-        io.BytesIO(data), target, label=ds.url, size=len(data), role=role,
-        sha256=spec.sha256 if spec else None, md5=spec.md5 if spec else None)
+        io.BytesIO(data),
+        target,
+        label=ds.url,
+        size=len(data),
+        role=role,
+        sha256=spec.sha256 if spec else None,
+        md5=spec.md5 if spec else None,
+    )
     return sha, {role: extracted}
 
 
@@ -59,11 +71,13 @@ def run(ctx: StageContext) -> dict:
     ds = ctx.spec.dataset
     if ds.generator is not None:
         # nothing to fetch: kept a no-op so that one stage list serves every card
-        ctx.log(f"dataset '{ds.name}' is generated ({ds.generator.task}), not downloaded: "
-                f"nothing to fetch")
+        ctx.log(
+            f"dataset '{ds.name}' is generated ({ds.generator.task}), not downloaded: "
+            f"nothing to fetch"
+        )
         return {"generated": ds.generator.task}
     files_dir = ctx.out_dir / "files"
-    if files_dir.exists():          # left by an interrupted attempt
+    if files_dir.exists():  # left by an interrupted attempt
         shutil.rmtree(files_dir)
     files_dir.mkdir(parents=True)
     cached = False
@@ -71,23 +85,35 @@ def run(ctx: StageContext) -> dict:
         sha, extracted = _builtin(ds, files_dir, ctx.log)
     else:
         checked = any(f.sha256 or f.md5 for f in ds.files.values())
-        hint = ("; if this is a repacked mirror of the same files, --set "
-                "dataset.sha256={found} accepts it (dataset.files still checks each file)"
-                if checked else "")
-        fetched = fetch.fetch(ds.url, fetch.cache_dir(ctx.spec), sha256=ds.sha256,
-                              log=ctx.log, mismatch_hint=hint)
+        hint = (
+            "; if this is a repacked mirror of the same files, --set "
+            "dataset.sha256={found} accepts it (dataset.files still checks each file)"
+            if checked
+            else ""
+        )
+        fetched = fetch.fetch(
+            ds.url, fetch.cache_dir(ctx.spec), sha256=ds.sha256, log=ctx.log, mismatch_hint=hint
+        )
         sha, cached = fetched.sha256, fetched.cached
         if not ds.sha256:
             ctx.log(f"note: no dataset.sha256 to check {ds.url} against; it is {sha}")
-        extracted = extract.extract(fetched.path, ds.archive, files_dir, ds.files,
-                                  name=fetch.file_name(ds.url, ds.archive), label=ds.url,
-                                  log=ctx.log)
+        extracted = extract.extract(
+            fetched.path,
+            ds.archive,
+            files_dir,
+            ds.files,
+            name=fetch.file_name(ds.url, ds.archive),
+            label=ds.url,
+            log=ctx.log,
+        )
 
     info = {
         "url": ds.url,
         "sha256": sha,
-        "files": {role: {"path": f"files/{e.path.name}", "sha256": e.sha256, "bytes": e.bytes}
-                  for role, e in extracted.items()},
+        "files": {
+            role: {"path": f"files/{e.path.name}", "sha256": e.sha256, "bytes": e.bytes}
+            for role, e in extracted.items()
+        },
     }
     atomic_write_json(ctx.out_dir / "download.json", info)
     size = sum(e.bytes for e in {e.path: e for e in extracted.values()}.values())
@@ -95,8 +121,12 @@ def run(ctx: StageContext) -> dict:
     ctx.tracker.log_metrics({"bytes": size}, step=0)
     ctx.tracker.set_tags({"sha256": sha})
     ctx.tracker.log_artifact(ctx.out_dir / "download.json")
-    return {"sha256": sha, "bytes": size, "cached": cached,
-            "files": {role: e.path.name for role, e in extracted.items()}}
+    return {
+        "sha256": sha,
+        "bytes": size,
+        "cached": cached,
+        "files": {role: e.path.name for role, e in extracted.items()},
+    }
 
 
 def config(spec) -> dict:
@@ -111,7 +141,7 @@ def config(spec) -> dict:
 STAGE = Stage(
     name="download",
     summary="Fetch the dataset (builtin://, file://, http(s)://; cached, resumable), "
-            "check sha256, extract.",
+    "check sha256, extract.",
     inputs=(),
     section_key=None,
     config=config,

@@ -16,21 +16,21 @@ from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
 from stages.base import Stage, StageContext
 
-
 # below this many tokens a split's bpc is too noisy to compare runs on (its standard error
 # is roughly 1/sqrt(n) of the per-token spread), so evaluate says so
 FEW_TOKENS = 1000
 
 
 def run(ctx: StageContext) -> dict:
-    if "curriculum" in ctx.inputs:             # an algorithmic task: scored by its lengths
+    if "curriculum" in ctx.inputs:  # an algorithmic task: scored by its lengths
         from stages.curriculum import evaluate_task
+
         return evaluate_task(ctx)
     import torch
 
-    from pipeline.training.checkpoints import load_model_weights
-    from pipeline.data.manifest import load_manifest, load_split
     from pipeline.cluster.device import resolve_device
+    from pipeline.data.manifest import load_manifest, load_split
+    from pipeline.training.checkpoints import load_model_weights
     from pipeline.training.evaluation import LN2, evaluate_nll
     from pipeline.training.paper_loss import line_losses
 
@@ -38,49 +38,62 @@ def run(ctx: StageContext) -> dict:
     manifest = load_manifest(ctx.inputs["preprocess"])
     source, tag = _checkpoint(ctx)
     device = resolve_device(spec.train.device if spec.train else "auto")
-    model = spec.build_model(manifest["vocab_size"],
-                             f"{ctx.inputs['preprocess']}/manifest.json")
+    model = spec.build_model(manifest["vocab_size"], f"{ctx.inputs['preprocess']}/manifest.json")
     tag = load_model_weights(model, ctx.inputs[source] / "checkpoints", ctx.log, tag)
     model.to(device)
     eos_id = _eos_id(ctx) if ev.line_losses else None
     seq_len = ev.seq_len or spec.train.seq_len
-    results = {"checkpoint": f"{source}/{tag}",
-               "unigram_entropy_bits": manifest["unigram_entropy_bits"]}
+    results = {
+        "checkpoint": f"{source}/{tag}",
+        "unigram_entropy_bits": manifest["unigram_entropy_bits"],
+    }
     if manifest.get("documents"):
         return _evaluate_documents(ctx, model, seq_len, device, manifest["documents"], results)
-    loaded = {}                # split -> tokens: the persistent share reads valid again
+    loaded = {}  # split -> tokens: the persistent share reads valid again
     for split in ev.splits:
         tokens = loaded[split] = load_split(ctx.inputs["preprocess"], split)
         with torch.no_grad():
             total, count = evaluate_nll(model, tokens, ev.batch_size, seq_len, device)
         nats = total / count
         if count < FEW_TOKENS:
-            ctx.log(f"warning: the {split} split has only {count:,} scored tokens: its bpc is "
-                    f"a rough estimate (make dataset.split.{split} larger)")
-        results[split] = {"tokens": count, "loss": nats, "bpc": nats / LN2,
-                          "ppl": math.exp(nats)}
-        ctx.tracker.log_metrics({f"{split}_bpc": nats / LN2, f"{split}_loss": nats,
-                                 f"{split}_ppl": math.exp(nats)}, step=0)
+            ctx.log(
+                f"warning: the {split} split has only {count:,} scored tokens: its bpc is "
+                f"a rough estimate (make dataset.split.{split} larger)"
+            )
+        results[split] = {"tokens": count, "loss": nats, "bpc": nats / LN2, "ppl": math.exp(nats)}
+        ctx.tracker.log_metrics(
+            {f"{split}_bpc": nats / LN2, f"{split}_loss": nats, f"{split}_ppl": math.exp(nats)},
+            step=0,
+        )
         if ev.line_losses:
-            assert eos_id is not None       # read above when line_losses is asked for
+            assert eos_id is not None  # read above when line_losses is asked for
             lines = line_losses(model, tokens, eos_id, ev.batch_size, device)
             results[split]["lines"] = lines
-            ctx.tracker.log_metrics({f"{split}_paper_loss": lines["paper_loss"],
-                                     f"{split}_line_nll": lines["line_nll"]}, step=0)
+            ctx.tracker.log_metrics(
+                {
+                    f"{split}_paper_loss": lines["paper_loss"],
+                    f"{split}_line_nll": lines["line_nll"],
+                },
+                step=0,
+            )
     results |= _persistent_share(ctx, model, seq_len, device, loaded.get("valid"))
     atomic_write_json(ctx.out_dir / "results.json", results)
     ctx.tracker.log_artifact(ctx.out_dir / "results.json")
-    ctx.log(f"checkpoint {source}/{tag}; unigram entropy of the train split "
-            f"{results['unigram_entropy_bits']:.3f} bits")
+    ctx.log(
+        f"checkpoint {source}/{tag}; unigram entropy of the train split "
+        f"{results['unigram_entropy_bits']:.3f} bits"
+    )
     for split in ev.splits:
         r = results[split]
         ctx.log(f"{split:<5} bpc {r['bpc']:.3f}   ppl {r['ppl']:.2f}   ({r['tokens']:,} tokens)")
         if "lines" in r:
             lines = r["lines"]
-            ctx.log(f"{split:<5} line by line: loss per token {lines['paper_loss']:.4f} as the "
-                    f"active-memory paper averages it (padding included), "
-                    f"{lines['line_nll']:.4f} nats per token ({lines['lines']:,} lines, "
-                    f"{lines['skipped_lines']:,} longer ones skipped)")
+            ctx.log(
+                f"{split:<5} line by line: loss per token {lines['paper_loss']:.4f} as the "
+                f"active-memory paper averages it (padding included), "
+                f"{lines['line_nll']:.4f} nats per token ({lines['lines']:,} lines, "
+                f"{lines['skipped_lines']:,} longer ones skipped)"
+            )
     return results
 
 
@@ -109,17 +122,20 @@ def _persistent_share(ctx: StageContext, model, seq_len: int, device, valid=None
     if not tables:
         return {}
     share = tables["persistent_share"]
-    ctx.log(f"persistent share measured on (at most) the first {SHARE_BATCHES} valid batches "
-            f"of {batch_size} x {seq_len} with the reference op's attention weights "
-            f"(scoring used {model.describe()})")
+    ctx.log(
+        f"persistent share measured on (at most) the first {SHARE_BATCHES} valid batches "
+        f"of {batch_size} x {seq_len} with the reference op's attention weights "
+        f"(scoring used {model.describe()})"
+    )
     title = f"share of attention weight on the persistent vectors, valid split ({ctx.spec.name})"
     path = head_heat_map(share, title, ctx.out_dir / "persistent_share.png")
     ctx.tracker.log_artifact(path)
     return {"persistent_share": share}
 
 
-def _evaluate_documents(ctx: StageContext, model, seq_len: int, device, layout: dict,
-                        results: dict) -> dict:
+def _evaluate_documents(
+    ctx: StageContext, model, seq_len: int, device, layout: dict, results: dict
+) -> dict:
     """Each split's documents (the manifest's `layout`): loss per scored target, token
     accuracy, exact match."""
     from pipeline.data.documents import as_documents
@@ -128,23 +144,33 @@ def _evaluate_documents(ctx: StageContext, model, seq_len: int, device, layout: 
 
     ev = ctx.spec.evaluate
     if ev.line_losses:
-        raise PipelineError("evaluate.line_losses scores lines of text; this dataset is "
-                            "documents, scored on the targets after their separator")
+        raise PipelineError(
+            "evaluate.line_losses scores lines of text; this dataset is "
+            "documents, scored on the targets after their separator"
+        )
     for split in ev.splits:
-        docs = as_documents(load_split(ctx.inputs["preprocess"], split), layout,
-                            f"{ctx.inputs['preprocess']}, {split} split")
-        scores = score_documents(model, docs, ev.batch_size, seq_len, layout["input_length"],
-                                 device)
+        docs = as_documents(
+            load_split(ctx.inputs["preprocess"], split),
+            layout,
+            f"{ctx.inputs['preprocess']}, {split} split",
+        )
+        scores = score_documents(
+            model, docs, ev.batch_size, seq_len, layout["input_length"], device
+        )
         results[split] = scores.metrics()
-        ctx.tracker.log_metrics({f"{split}_{k}": results[split][k]
-                                 for k in ("loss", "token_accuracy", "exact_match")}, step=0)
+        ctx.tracker.log_metrics(
+            {f"{split}_{k}": results[split][k] for k in ("loss", "token_accuracy", "exact_match")},
+            step=0,
+        )
     atomic_write_json(ctx.out_dir / "results.json", results)
     ctx.tracker.log_artifact(ctx.out_dir / "results.json")
     ctx.log(f"checkpoint {results['checkpoint']}")
     for split in ev.splits:
         r = results[split]
-        ctx.log(f"{split:<5} loss {r['loss']:.4f}   token accuracy {r['token_accuracy']:.3f}   "
-                f"exact match {r['exact_match']:.3f}   ({r['documents']:,} documents)")
+        ctx.log(
+            f"{split:<5} loss {r['loss']:.4f}   token accuracy {r['token_accuracy']:.3f}   "
+            f"exact match {r['exact_match']:.3f}   ({r['documents']:,} documents)"
+        )
     return results
 
 
@@ -154,9 +180,11 @@ def _eos_id(ctx: StageContext) -> int:
 
     eos = getattr(load_tokenizer(ctx.inputs["preprocess"]), "eos_id", None)
     if eos is None:
-        raise PipelineError(f"evaluate.line_losses scores lines, but the dataset's tokenizer "
-                            f"({ctx.spec.dataset.tokenizer.kind}) marks no line ends: give it "
-                            f"an eos (word or sentencepiece tokenizers)")
+        raise PipelineError(
+            f"evaluate.line_losses scores lines, but the dataset's tokenizer "
+            f"({ctx.spec.dataset.tokenizer.kind}) marks no line ends: give it "
+            f"an eos (word or sentencepiece tokenizers)"
+        )
     return eos
 
 
@@ -169,22 +197,29 @@ def _checkpoint(ctx: StageContext) -> tuple[str, str | None]:
     if ctx.spec.evaluate.checkpoint == "latest":
         return ("finetune" if "finetune" in ctx.inputs else "train"), None
     for source in ("finetune", "train"):
-        if source in ctx.inputs and (tag := read_pointer(ctx.inputs[source] / "checkpoints"
-                                                         / "best")):
+        if source in ctx.inputs and (
+            tag := read_pointer(ctx.inputs[source] / "checkpoints" / "best")
+        ):
             return source, tag
-    searched = ", ".join(str(ctx.inputs[s] / "checkpoints")
-                         for s in ("finetune", "train") if s in ctx.inputs)
-    raise PipelineError(f"evaluate.checkpoint is best, but no checkpoint is marked best under "
-                        f"{searched} (it is set by train.eval_every's validations)")
+    searched = ", ".join(
+        str(ctx.inputs[s] / "checkpoints") for s in ("finetune", "train") if s in ctx.inputs
+    )
+    raise PipelineError(
+        f"evaluate.checkpoint is best, but no checkpoint is marked best under "
+        f"{searched} (it is set by train.eval_every's validations)"
+    )
 
 
 STAGE = Stage(
     name="evaluate",
     summary="Score every token of valid/test with the cache: bpc, perplexity (a task: accuracy "
-            "by length).",
+    "by length).",
     # train too: with evaluate.checkpoint best, the best may be train's
-    inputs=(("preprocess", "curriculum"), ("train", "finetune", "curriculum"),
-            ("train", "curriculum")),
+    inputs=(
+        ("preprocess", "curriculum"),
+        ("train", "finetune", "curriculum"),
+        ("train", "curriculum"),
+    ),
     section_key=None,
     # Every key changes the numbers (batch_size and seq_len set where the cached streams cut
     # the splits): no runtime_only.

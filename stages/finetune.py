@@ -22,25 +22,28 @@ def run(ctx: StageContext) -> dict:
     ckpt_root = ctx.out_dir / "checkpoints"
     train_root = ctx.inputs["train"] / "checkpoints"
     # train's checkpoint continues at train's micro-batch and precision, never searched again
-    recorded = ((step_dirs(ckpt_root) and read_record(ctx.out_dir))
-                or read_record(ctx.inputs["train"]))
-    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log,
-                      recorded=recorded)
+    recorded = (step_dirs(ckpt_root) and read_record(ctx.out_dir)) or read_record(
+        ctx.inputs["train"]
+    )
+    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log, recorded=recorded)
     record_resolved(ctx, trainer)
-    if step_dirs(ckpt_root):               # an interrupted finetune resumes from its own
+    if step_dirs(ckpt_root):  # an interrupted finetune resumes from its own
         ctx.log(f"resuming the LR-drop phase at step {trainer.load(ckpt_root)}")
         # where the first attempt began: train's newest intact checkpoint, as trainer.load
         # chose it (not `latest`, which may name a damaged one)
         newest = newest_intact(train_root, ctx.log)
-        assert newest is not None       # train finished: it left an intact checkpoint
+        assert newest is not None  # train finished: it left an intact checkpoint
         begin = step_of(newest)
     else:
         begin = trainer.load(train_root)
     lr = ctx.spec.train.optimizer.lr / ft.lr_divisor
-    ctx.log(f"from step {begin}: lr {ctx.spec.train.optimizer.lr:g} / {ft.lr_divisor:g} "
-            f"= {lr:g} for {ft.steps} steps")
-    summary = trainer.fit(begin + ft.steps, lambda k: lr, ckpt_root,
-                          expect_lr=lr if trainer.step == begin else None)
+    ctx.log(
+        f"from step {begin}: lr {ctx.spec.train.optimizer.lr:g} / {ft.lr_divisor:g} "
+        f"= {lr:g} for {ft.steps} steps"
+    )
+    summary = trainer.fit(
+        begin + ft.steps, lambda k: lr, ckpt_root, expect_lr=lr if trainer.step == begin else None
+    )
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
     log_head_tables(ctx, trainer, "finetune")
     return summary | {"lr": lr, "from_step": begin} | resolved_summary(trainer)

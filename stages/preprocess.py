@@ -34,8 +34,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, cast
 
-from pipeline.errors import PipelineError
 from pipeline.data.manifest import write_manifest
+from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_bytes, read_json, sha256_file
 from stages.base import Stage, StageContext
 
@@ -46,44 +46,56 @@ UNITS = {"byte": "bytes", "char": "characters", "word": "lines", "sentencepiece"
 
 def split_sizes(total: int, valid: float, test: float) -> dict[str, int]:
     """Tail split: the last `test` symbols are test, the `valid` before them valid."""
+
     def size(x: float) -> int:
         return int(x) if x >= 1 else round(total * x)
 
     n_valid, n_test = size(valid), size(test)
     for name, n, given in (("valid", n_valid, valid), ("test", n_test, test)):
         if n == 0:
-            raise PipelineError(f"dataset.split.{name}: {given} of {total:,} units is "
-                                f"nothing; give a count or a larger fraction")
+            raise PipelineError(
+                f"dataset.split.{name}: {given} of {total:,} units is "
+                f"nothing; give a count or a larger fraction"
+            )
     n_train = total - n_valid - n_test
     if n_train <= 0:
-        raise PipelineError(f"dataset.split: valid ({n_valid:,}) + test ({n_test:,}) symbols "
-                            f"leave nothing to train on in {total:,} symbols")
+        raise PipelineError(
+            f"dataset.split: valid ({n_valid:,}) + test ({n_test:,}) symbols "
+            f"leave nothing to train on in {total:,} symbols"
+        )
     return {"train": n_train, "valid": n_valid, "test": n_test}
 
 
 # ---------------------------------------------------------------- reading the download
+
 
 def _download_roles(download_dir: Path, ds) -> tuple[dict, dict]:
     """download.json and the roles preprocess reads: {split or 'all': role entry}."""
     info = read_json(download_dir / "download.json")
     files = info.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
-        raise PipelineError(f"{download_dir}/download.json lists no files by role (written by "
-                            f"an older download stage?); re-run it: --force download")
+        raise PipelineError(
+            f"{download_dir}/download.json lists no files by role (written by "
+            f"an older download stage?); re-run it: --force download"
+        )
     roles = sorted(files)
     if ds.split.kind == "tail":
         if "all" in files:
             return info, {"all": files["all"]}
-        if len(files) == 1:                   # a zip's only member, files: {} in the card
+        if len(files) == 1:  # a zip's only member, files: {} in the card
             return info, {"all": files[roles[0]]}
-        raise PipelineError(f"dataset '{ds.name}': a tail split reads one stream (role 'all'); "
-                            f"the download has {len(roles)} files ({', '.join(roles)}): name "
-                            f"the one to use in dataset.files.all, or use split kind 'files'")
+        raise PipelineError(
+            f"dataset '{ds.name}': a tail split reads one stream (role 'all'); "
+            f"the download has {len(roles)} files ({', '.join(roles)}): name "
+            f"the one to use in dataset.files.all, or use split kind 'files'"
+        )
     missing = [s for s in SPLITS if s not in files]
     if missing:
-        raise PipelineError(f"dataset '{ds.name}': split kind 'files' needs the roles train, "
-                            f"valid and test; the download has {', '.join(roles)} (missing "
-                            f"{', '.join(missing)}): map them in dataset.files")
+        raise PipelineError(
+            f"dataset '{ds.name}': split kind 'files' needs the roles train, "
+            f"valid and test; the download has {', '.join(roles)} (missing "
+            f"{', '.join(missing)}): map them in dataset.files"
+        )
     return info, {s: files[s] for s in SPLITS}
 
 
@@ -92,12 +104,15 @@ def _read_checked(download_dir: Path, role: str, entry: dict) -> bytes:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise PipelineError(f"{path} (role '{role}'): cannot read ({e.strerror}); re-run "
-                            f"download") from None
+        raise PipelineError(
+            f"{path} (role '{role}'): cannot read ({e.strerror}); re-run download"
+        ) from None
     found = hashlib.sha256(data).hexdigest()
     if len(data) != entry.get("bytes", len(data)) or found != entry["sha256"]:
-        raise PipelineError(f"{path} (role '{role}'): changed since download (sha256 {found}, "
-                            f"download.json says {entry['sha256']}); re-run download")
+        raise PipelineError(
+            f"{path} (role '{role}'): changed since download (sha256 {found}, "
+            f"download.json says {entry['sha256']}); re-run download"
+        )
     return data
 
 
@@ -122,11 +137,13 @@ def _decode_utf8(data, what: str) -> str:
     try:
         return bytes(data).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PipelineError(f"{what}: not UTF-8 text at byte {e.start:,}; use "
-                            f"dataset.tokenizer: byte") from None
+        raise PipelineError(
+            f"{what}: not UTF-8 text at byte {e.start:,}; use dataset.tokenizer: byte"
+        ) from None
 
 
 # ---------------------------------------------------------------- tokenizing
+
 
 def _symbol_tokens(kind: str, parts: dict):
     """byte / char: the symbol set of all splits together, and each split's ids."""
@@ -152,12 +169,13 @@ def _word_tokens(ds, parts: dict, log):
         try:
             ids[name] = vocab.encode(parts[name])
         except UnknownWordError as e:
-            raise PipelineError(f"dataset '{ds.name}', {name} split: {e}; a word vocabulary "
-                                f"comes from the train split alone") from None
+            raise PipelineError(
+                f"dataset '{ds.name}', {name} split: {e}; a word vocabulary "
+                f"comes from the train split alone"
+            ) from None
         except ValueError as e:
             raise PipelineError(f"dataset '{ds.name}', {name} split: {e}") from None
-    log(f"word vocabulary: {len(vocab):,} types; most frequent: "
-        + " ".join(vocab.symbols[:8]))
+    log(f"word vocabulary: {len(vocab):,} types; most frequent: " + " ".join(vocab.symbols[:8]))
     return vocab, ids
 
 
@@ -166,11 +184,20 @@ def _sentencepiece_tokens(ds, parts: dict, shard_dir: Path, log):
 
     t = ds.tokenizer
     options = SentencePieceOptions(
-        vocab_size=t.vocab_size, model_type=t.model_type, character_coverage=t.character_coverage,
-        byte_fallback=t.byte_fallback, normalization=t.normalization,
-        sample_sentences=t.sample_sentences, seed=t.seed, num_threads=t.num_threads, eos=t.eos)
-    log(f"training sentencepiece {t.model_type}, {t.vocab_size:,} pieces, on the train split "
-        f"(up to {t.sample_sentences:,} lines, seed {t.seed})")
+        vocab_size=t.vocab_size,
+        model_type=t.model_type,
+        character_coverage=t.character_coverage,
+        byte_fallback=t.byte_fallback,
+        normalization=t.normalization,
+        sample_sentences=t.sample_sentences,
+        seed=t.seed,
+        num_threads=t.num_threads,
+        eos=t.eos,
+    )
+    log(
+        f"training sentencepiece {t.model_type}, {t.vocab_size:,} pieces, on the train split "
+        f"(up to {t.sample_sentences:,} lines, seed {t.seed})"
+    )
     try:
         model = train_sentencepiece(parts["train"], options)
     except ValueError as e:
@@ -186,6 +213,7 @@ def _sentencepiece_tokens(ds, parts: dict, shard_dir: Path, log):
 
 # ---------------------------------------------------------------- the stage
 
+
 def preprocess(ds, download_dir: Path | None, out_dir: Path, log=print) -> dict:
     """Tokenize and split the download of dataset card `ds` into `out_dir`; the manifest."""
     import numpy as np
@@ -195,10 +223,12 @@ def preprocess(ds, download_dir: Path | None, out_dir: Path, log=print) -> dict:
     if ds.generator is not None and ds.generator.frequency_sort is not None:
         return _frequency_sort(ds, Path(out_dir), log)
     if ds.generator is not None:
-        raise PipelineError(f"dataset '{ds.name}' is a generated task (generator: "
-                            f"{ds.generator.task}): its cases are made online by the curriculum "
-                            f"stage, not by download and preprocess")
-    assert download_dir is not None     # a downloaded dataset: the download stage ran
+        raise PipelineError(
+            f"dataset '{ds.name}' is a generated task (generator: "
+            f"{ds.generator.task}): its cases are made online by the curriculum "
+            f"stage, not by download and preprocess"
+        )
+    assert download_dir is not None  # a downloaded dataset: the download stage ran
     download_dir, out_dir = Path(download_dir), Path(out_dir)
     info, roles = _download_roles(download_dir, ds)
     raw = {role: _read_checked(download_dir, role, entry) for role, entry in roles.items()}
@@ -224,8 +254,7 @@ def preprocess(ds, download_dir: Path | None, out_dir: Path, log=print) -> dict:
         parts = {"train": view[:cut1], "valid": view[cut1:cut2], "test": view[cut2:]}
         split = {"kind": "tail", "unit": UNITS[kind], **sizes}
     if split["kind"] == "tail":
-        log(f"tail split in {split['unit']}: "
-            + " / ".join(f"{s} {split[s]:,}" for s in SPLITS))
+        log(f"tail split in {split['unit']}: " + " / ".join(f"{s} {split[s]:,}" for s in SPLITS))
 
     tokenizer_config = ds.tokenizer.settings()
     if kind in ("byte", "char"):
@@ -243,25 +272,34 @@ def preprocess(ds, download_dir: Path | None, out_dir: Path, log=print) -> dict:
 
     splits = {}
     for name in SPLITS:
-        if ids[name].size < 2:     # one input and its target, at the very least
-            raise PipelineError(f"dataset '{ds.name}': the {name} split has {ids[name].size} "
-                                f"token(s); it needs at least 2 to be scored: make "
-                                f"dataset.split.{'valid or test' if name == 'train' else name} "
-                                f"{'smaller' if name == 'train' else 'larger'}")
-        shards = write_shards(ids[name], shard_dir, name, ds.shards.block_tokens,
-                              ds.shards.blocks_per_shard)
+        if ids[name].size < 2:  # one input and its target, at the very least
+            raise PipelineError(
+                f"dataset '{ds.name}': the {name} split has {ids[name].size} "
+                f"token(s); it needs at least 2 to be scored: make "
+                f"dataset.split.{'valid or test' if name == 'train' else name} "
+                f"{'smaller' if name == 'train' else 'larger'}"
+            )
+        shards = write_shards(
+            ids[name], shard_dir, name, ds.shards.block_tokens, ds.shards.blocks_per_shard
+        )
         splits[name] = {"tokens": int(ids[name].size), "shards": shards}
-    log(f"{len(tok):,} {kind} tokens in the vocabulary; tokens "
-        + " / ".join(f"{s} {splits[s]['tokens']:,}" for s in SPLITS))
+    log(
+        f"{len(tok):,} {kind} tokens in the vocabulary; tokens "
+        + " / ".join(f"{s} {splits[s]['tokens']:,}" for s in SPLITS)
+    )
     if ds.vocab_size is not None and ds.vocab_size != len(tok):
-        log(f"warning: the card expects a vocabulary of {ds.vocab_size:,}, the data has "
-            f"{len(tok):,}")
+        log(
+            f"warning: the card expects a vocabulary of {ds.vocab_size:,}, the data has "
+            f"{len(tok):,}"
+        )
     entropy = unigram_entropy_bits(ids["train"], len(tok))
     manifest = {
         "dataset": ds.name,
         "source_sha256": info["sha256"],
-        "sources": {role: {k: e[k] for k in ("path", "sha256", "bytes") if k in e}
-                    for role, e in roles.items()},
+        "sources": {
+            role: {k: e[k] for k in ("path", "sha256", "bytes") if k in e}
+            for role, e in roles.items()
+        },
         "tokenizer": kind,
         "tokenizer_config": tokenizer_config,
         "split": split,
@@ -296,18 +334,21 @@ def _frequency_sort(ds, out_dir: Path, log) -> dict:
         # filled document by document: the split is held once, in the vocabulary's dtype
         # (one byte a token), never as the int64 stack generate_split would make
         tokens = np.empty(count * doc_len, dtype=vocab.dtype)
-        for i, doc in enumerate(split_documents(seed, name, count, task.vocab, task.length,
-                                                tuple(task.weight_range))):
-            tokens[i * doc_len:(i + 1) * doc_len] = doc
-        shards = write_shards(tokens, shard_dir, name, ds.shards.block_tokens,
-                              ds.shards.blocks_per_shard)
+        for i, doc in enumerate(
+            split_documents(seed, name, count, task.vocab, task.length, tuple(task.weight_range))
+        ):
+            tokens[i * doc_len : (i + 1) * doc_len] = doc
+        shards = write_shards(
+            tokens, shard_dir, name, ds.shards.block_tokens, ds.shards.blocks_per_shard
+        )
         splits[name] = {"tokens": int(tokens.size), "shards": shards}
         if name == "train":
             entropy = unigram_entropy_bits(tokens, len(vocab))
         del tokens
-    log(f"{task.vocab} symbols + separator + padding; documents of {task.length:,} + 1 + "
-        f"{task.vocab} tokens: " + " / ".join(
-            f"{s} {getattr(task.sequences, s):,}" for s in SPLITS))
+    log(
+        f"{task.vocab} symbols + separator + padding; documents of {task.length:,} + 1 + "
+        f"{task.vocab} tokens: " + " / ".join(f"{s} {getattr(task.sequences, s):,}" for s in SPLITS)
+    )
     manifest = {
         "dataset": ds.name,
         "source_sha256": None,
@@ -315,16 +356,23 @@ def _frequency_sort(ds, out_dir: Path, log) -> dict:
         "generator": ds.generator.model_dump(mode="json"),
         "tokenizer": vocab.kind,
         "tokenizer_config": {"kind": vocab.kind, "eos": None},
-        "split": {"kind": "generated", "unit": "documents",
-                  **{s: getattr(task.sequences, s) for s in SPLITS}},
+        "split": {
+            "kind": "generated",
+            "unit": "documents",
+            **{s: getattr(task.sequences, s) for s in SPLITS},
+        },
         "vocab_size": len(vocab),
         "vocab": vocab.to_json(),
         "dtype": np.dtype(vocab.dtype).name,
         "unigram_entropy_bits": entropy,
         "splits": splits,
-        "documents": {"length": doc_len, "input_length": task.length,
-                      "separator": separator(task.vocab), "padding": padding(task.vocab),
-                      "count": {s: getattr(task.sequences, s) for s in SPLITS}},
+        "documents": {
+            "length": doc_len,
+            "input_length": task.length,
+            "separator": separator(task.vocab),
+            "padding": padding(task.vocab),
+            "count": {s: getattr(task.sequences, s) for s in SPLITS},
+        },
     }
     return write_manifest(out_dir, manifest)
 
@@ -334,9 +382,11 @@ def run(ctx: StageContext) -> dict:
     manifest = preprocess(ctx.spec.dataset, ctx.inputs.get("download"), ctx.out_dir, ctx.log)
     tokens = {name: s["tokens"] for name, s in manifest["splits"].items()}
     entropy, vocab_size = manifest["unigram_entropy_bits"], manifest["vocab_size"]
-    ctx.tracker.log_metrics({f"tokens_{k}": v for k, v in tokens.items()}
-                            | {"vocab_size": vocab_size, "unigram_entropy_bits": entropy},
-                            step=0)
+    ctx.tracker.log_metrics(
+        {f"tokens_{k}": v for k, v in tokens.items()}
+        | {"vocab_size": vocab_size, "unigram_entropy_bits": entropy},
+        step=0,
+    )
     ctx.tracker.log_artifact(ctx.out_dir / "manifest.json")
     if manifest["vocab"]["kind"] == "sentencepiece":
         ctx.tracker.log_artifact(ctx.out_dir / "shards" / SPM_MODEL)
@@ -349,6 +399,7 @@ STAGE = Stage(
     inputs=("download",),
     section_key=None,
     config=lambda spec: spec.dataset.model_dump(
-        mode="json", include={"tokenizer", "split", "shards", "generator"}),
+        mode="json", include={"tokenizer", "split", "shards", "generator"}
+    ),
     run=run,
 )

@@ -21,36 +21,53 @@ def patience(spec) -> int | None:
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.training.optim import scheduled_lr
     from pipeline.training.checkpoints import step_dirs
     from pipeline.training.micro_batch import read_record
+    from pipeline.training.optim import scheduled_lr
     from pipeline.training.trainer import Trainer
 
     train = ctx.spec.train
     ckpt_root = ctx.out_dir / "checkpoints"
     resuming = bool(step_dirs(ckpt_root))
-    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log,
-                      recorded=read_record(ctx.out_dir) if resuming else None)
+    trainer = Trainer(
+        ctx.spec,
+        ctx.inputs["preprocess"],
+        ctx.tracker,
+        ctx.log,
+        recorded=read_record(ctx.out_dir) if resuming else None,
+    )
     record_resolved(ctx, trainer)
-    if resuming:                      # the newest intact one, or a refusal if none is
+    if resuming:  # the newest intact one, or a refusal if none is
         ctx.log(f"resuming from step {trainer.load(ckpt_root)}")
     if trainer.rank == 0:
         atomic_write_json(ctx.out_dir / "deepspeed_config.json", trainer.ds_config)
         ctx.tracker.log_artifact(ctx.out_dir / "deepspeed_config.json")
-        ctx.tracker.log_params({"parameters": trainer.params, "vocab_size": trainer.vocab_size,
-                                "world_size": trainer.world_size})
+        ctx.tracker.log_params(
+            {
+                "parameters": trainer.params,
+                "vocab_size": trainer.vocab_size,
+                "world_size": trainer.world_size,
+            }
+        )
     docs = trainer.documents
-    batch = (f"{train.batch_size} documents of {docs['length']:,} tokens in segments of "
-             f"{train.seq_len}" if docs else f"{train.batch_size} x {train.seq_len} tokens")
-    ctx.log(f"{trainer.params:,} parameters, vocabulary {trainer.vocab_size}, "
-            f"{train.steps} steps of {batch} "
-            f"on {trainer.device} (world size {trainer.world_size}), "
-            f"{trainer.model.describe()}")
+    batch = (
+        f"{train.batch_size} documents of {docs['length']:,} tokens in segments of {train.seq_len}"
+        if docs
+        else f"{train.batch_size} x {train.seq_len} tokens"
+    )
+    ctx.log(
+        f"{trainer.params:,} parameters, vocabulary {trainer.vocab_size}, "
+        f"{train.steps} steps of {batch} "
+        f"on {trainer.device} (world size {trainer.world_size}), "
+        f"{trainer.model.describe()}"
+    )
     opt = train.optimizer
-    summary = trainer.fit(train.steps,
-                          lambda k: scheduled_lr(opt.lr, opt.warmup_steps, k, opt.schedule,
-                                                 train.steps),
-                          ckpt_root, patience=patience(ctx.spec))
+    summary = trainer.fit(
+        train.steps,
+        lambda k: scheduled_lr(opt.lr, opt.warmup_steps, k, opt.schedule, train.steps),
+        ckpt_root,
+        patience=patience(ctx.spec),
+    )
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
     log_head_tables(ctx, trainer, "train")
     return summary | resolved_summary(trainer)
@@ -64,17 +81,21 @@ def record_resolved(ctx: StageContext, trainer) -> None:
     if trainer.rank != 0:
         return
     atomic_write_json(ctx.out_dir / RECORD, trainer.resolved)
-    ctx.tracker.log_params({f"resolved.{key}": value for key, value in
-                            resolved_summary(trainer).items()})
+    ctx.tracker.log_params(
+        {f"resolved.{key}": value for key, value in resolved_summary(trainer).items()}
+    )
 
 
 def resolved_summary(trainer) -> dict:
     """For the stage's record (stage.json): the micro-batch and precision that ran."""
     r = trainer.resolved
-    return {"micro_batch_size": r["micro_batch_size"],
-            "gradient_accumulation_steps": trainer.accum,
-            "precision": "bf16" if r["bf16"] else ("fp16" if trainer.ds_config["fp16"]
-                                                   ["enabled"] else "float32")}
+    return {
+        "micro_batch_size": r["micro_batch_size"],
+        "gradient_accumulation_steps": trainer.accum,
+        "precision": "bf16"
+        if r["bf16"]
+        else ("fp16" if trainer.ds_config["fp16"]["enabled"] else "float32"),
+    }
 
 
 def log_head_tables(ctx: StageContext, trainer, stage: str) -> None:
@@ -84,8 +105,11 @@ def log_head_tables(ctx: StageContext, trainer, stage: str) -> None:
 
     if trainer.rank != 0:
         return
-    for path in save_head_tables(trainer.model.head_tables(), ctx.out_dir,
-                                 f"after step {trainer.step} ({ctx.spec.name}, {stage})"):
+    for path in save_head_tables(
+        trainer.model.head_tables(),
+        ctx.out_dir,
+        f"after step {trainer.step} ({ctx.spec.name}, {stage})",
+    ):
         ctx.tracker.log_artifact(path)
 
 
@@ -95,8 +119,11 @@ VALIDATION = ("eval_every", "eval_batches", "eval_batch_size", "eval_seq_len")
 
 def config(spec) -> dict:
     train = spec.train
-    out = {"model": spec.resolved()["model"], "train": train.model_dump(mode="json"),
-           "finetune": {"patience": patience(spec)}}
+    out = {
+        "model": spec.resolved()["model"],
+        "train": train.model_dump(mode="json"),
+        "finetune": {"patience": patience(spec)},
+    }
     if patience(spec) is not None:
         # the validations decide when train stops: here their settings change the result
         out["validation"] = {key: getattr(train, key) for key in VALIDATION}
@@ -108,21 +135,21 @@ def config(spec) -> dict:
 # train.deepspeed.activation_checkpointing (recomputation replays dropout: not proven exact).
 RUNTIME_ONLY = {
     "train.launcher": "the global batch is fixed, so the process count does not change the "
-                      "numbers (a checkpoint still resumes only at the world size that wrote it)",
+    "numbers (a checkpoint still resumes only at the world size that wrote it)",
     "train.log_every": "logging reads the loss and changes no state",
     "train.eval_every": "validation runs in eval mode under no_grad with its own cache: no "
-                        "dropout, no RNG draw (with finetune.patience it is under validation.*)",
+    "dropout, no RNG draw (with finetune.patience it is under validation.*)",
     "train.eval_batches": "as eval_every: it only sizes the validation estimate",
     "train.eval_batch_size": "as eval_batches",
     "train.eval_seq_len": "as eval_batches",
     "train.checkpoint_every": "saving reads the state; a resumed run is the uninterrupted run",
     "train.keep_checkpoints": "only which older checkpoints are deleted",
     "model.attention.impl": "every backend computes the reference op's maths (up to float "
-                            "rounding) or refuses the configuration; with attention dropout each "
-                            "draws its own masks from the same distribution, so the steps after "
-                            "the edit are the same training, not the same bits",
+    "rounding) or refuses the configuration; with attention dropout each "
+    "draws its own masks from the same distribution, so the steps after "
+    "the edit are the same training, not the same bits",
     "train.compile": "compiled layers compute the eager layers' maths (up to float rounding), "
-                     "their dropout drawn from torch's generator as in eager mode",
+    "their dropout drawn from torch's generator as in eager mode",
 }
 
 

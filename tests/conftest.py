@@ -19,8 +19,12 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 REQUIRE_SHARED_DATA = "ALLATTN_REQUIRE_SHARED_DATA"
 # A user's tracking server (and registry), and the HTTP limits MlflowTracker exports for
 # one: never a test's.
-TRACKING_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
-                      "MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_REGISTRY_URI")
+TRACKING_VARIABLES = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "MLFLOW_REGISTRY_URI",
+)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = {"commands": 5, "workspace": 4, "stages": 3, "training": 2, "models": 1, "ops": 1}
-LEAVES = {"data", "models", "ops"}        # import only each other, errors and fsutil
+LEAVES = {"data", "models", "ops"}  # import only each other, errors and fsutil
 BESIDE = {"spec", "cluster", "tracking", "data"}
 
 
@@ -38,10 +38,13 @@ def imports(path: Path, package: str, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
-                                + ([base] if base else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                     for a in node.names]
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1]
+                    + ([base] if base else [])
+                )
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         found.update(n for n in names if n in known)
@@ -51,9 +54,11 @@ def imports(path: Path, package: str, known: set[str]) -> set[str]:
 def graph() -> dict[str, set[str]]:
     mods = project_modules()
     known = set(mods)
-    return {name: imports(path, name if path.name == "__init__.py" else name.rpartition(".")[0],
-                          known) - {name}
-            for name, path in mods.items()}
+    return {
+        name: imports(path, name if path.name == "__init__.py" else name.rpartition(".")[0], known)
+        - {name}
+        for name, path in mods.items()
+    }
 
 
 def layer(module: str) -> str:
@@ -61,15 +66,18 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "stages":
         return "stages"
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and
-                                           (ROOT / "pipeline" / parts[1]).is_dir()) else ""
+    return (
+        parts[1]
+        if len(parts) > 2 or (len(parts) == 2 and (ROOT / "pipeline" / parts[1]).is_dir())
+        else ""
+    )
 
 
 def test_no_import_runs_in_a_circle():
     g = graph()
     index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
 
-    def visit(v):                                   # Tarjan's strongly connected components
+    def visit(v):  # Tarjan's strongly connected components
         index[v] = low[v] = counter[0]
         counter[0] += 1
         stack.append(v)
@@ -118,4 +126,7 @@ def test_the_layer_rule_sees_a_wrong_import():
     assert "pipeline.workspace.runner" in g["pipeline.commands.launched"]
     assert layer("pipeline.workspace.runner") == "workspace" and layer("pipeline.errors") == ""
     assert layer("stages.train") == "stages" and layer("pipeline.data") == "data"
-    assert "stages" in g["pipeline.workspace.runner"] and "pipeline.training.trainer" in g["stages.train"]
+    assert (
+        "stages" in g["pipeline.workspace.runner"]
+        and "pipeline.training.trainer" in g["stages.train"]
+    )

@@ -31,6 +31,7 @@ README_LIMIT = 8192
 
 # ---------------------------------------------------------------- reading the pages
 
+
 def code_blocks(path: Path) -> list[str]:
     """Every fenced (```) and indented (4 spaces, after a blank line) code block of a
     Markdown page, as text without the indentation."""
@@ -70,8 +71,10 @@ def commands(path: Path) -> list[str]:
     return found
 
 
-PLACEHOLDER = re.compile(r"\b(CFG|CONFIG|STAGE|DIR|TEXT|FILE|PATH|EXPERIMENT|RUN_ID|[A-Z])\b"
-                         r"|[\[\]|]|\.\.\.|K=V")
+PLACEHOLDER = re.compile(
+    r"\b(CFG|CONFIG|STAGE|DIR|TEXT|FILE|PATH|EXPERIMENT|RUN_ID|[A-Z])\b"
+    r"|[\[\]|]|\.\.\.|K=V"
+)
 CHEAP = ("validate", "show", "stages")
 
 
@@ -79,18 +82,23 @@ def runnable(command: str) -> bool:
     """A command a test can run in moments: validate, show, stages or any --help, written
     out in full (no CFG, [options] or ... placeholders)."""
     words = shlex.split(command)[1:]
-    return (not PLACEHOLDER.search(command) and bool(words)
-            and (words[0] in CHEAP or "--help" in words or "-h" in words))
+    return (
+        not PLACEHOLDER.search(command)
+        and bool(words)
+        and (words[0] in CHEAP or "--help" in words or "-h" in words)
+    )
 
 
 def cli_group() -> click.Group:
     """The click group behind the `allattn-pipe` console script, wherever pyproject.toml
     says it lives."""
-    entry = re.search(r'^allattn-pipe\s*=\s*"([\w.]+):\w+"',
-                      (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    entry = re.search(
+        r'^allattn-pipe\s*=\s*"([\w.]+):\w+"', (ROOT / "pyproject.toml").read_text(), re.M
+    ).group(1)
     module = importlib.import_module(entry)
-    groups = [v for v in vars(module).values()
-              if isinstance(v, click.Group) and "run" in v.commands]
+    groups = [
+        v for v in vars(module).values() if isinstance(v, click.Group) and "run" in v.commands
+    ]
     assert groups, f"no click group with a `run` command in {module.__name__}"
     return groups[0]
 
@@ -98,9 +106,9 @@ def cli_group() -> click.Group:
 def invoke(args: list[str], cwd: Path):
     """The command in this process (one import of torch for them all), stderr apart."""
     try:
-        runner = CliRunner(mix_stderr=False)     # click 8.1
+        runner = CliRunner(mix_stderr=False)  # click 8.1
     except TypeError:
-        runner = CliRunner()                     # click 8.2+: stderr is always apart
+        runner = CliRunner()  # click 8.2+: stderr is always apart
     old = Path.cwd()
     os.chdir(cwd)
     try:
@@ -122,16 +130,34 @@ def show(config: str) -> str:
 
 # ---------------------------------------------------------------- the site
 
+
 def test_mkdocs_builds_strict_and_offline(tmp_path):
     for module in ("mkdocs", "material"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed: pip install -e '.[test]' "
-                        f"(or pip install mkdocs mkdocs-material)")
+            pytest.skip(
+                f"{module} is not installed: pip install -e '.[test]' "
+                f"(or pip install mkdocs mkdocs-material)"
+            )
     site = tmp_path / "site"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
-                           "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(site),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     pages = {p.stem for p in DOCS.glob("*.md")}
     built = {p.parent.name if p.parent != site else "index" for p in site.glob("**/index.html")}
@@ -153,6 +179,7 @@ def test_every_page_is_in_the_nav():
 
 # ---------------------------------------------------------------- the README
 
+
 def test_readme_is_a_front_door():
     size = len(README.read_bytes())
     assert size <= README_LIMIT, f"README.md is {size:,} bytes, over {README_LIMIT:,}"
@@ -162,21 +189,24 @@ def test_readme_is_a_front_door():
     assert re.search(r"^    make test(\s|$)", text, re.M)
 
 
-@pytest.mark.parametrize("page", [README, ROOT / "bench" / "README.md",
-                                  ROOT / "launch" / "README.md"],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "page",
+    [README, ROOT / "bench" / "README.md", ROOT / "launch" / "README.md"],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_relative_links_resolve(page):
     text = page.read_text(encoding="utf-8")
     links = re.findall(r"\]\(([^)\s]+)\)", text)
     assert links or page != README
     for link in links:
         if re.match(r"^[a-z][a-z0-9+.-]*:", link) or link.startswith("#"):
-            continue      # a URL, or an anchor of the page itself
+            continue  # a URL, or an anchor of the page itself
         target = (page.parent / link.split("#")[0]).resolve()
         assert target.exists(), f"{page.name}: link {link} -> {target} does not exist"
 
 
 # ---------------------------------------------------------------- what the pages show
+
 
 def page_commands() -> list[tuple[str, str]]:
     return [(page.name, c) for page in PAGES for c in commands(page) if runnable(c)]
@@ -189,19 +219,24 @@ def test_the_pages_show_cheap_commands():
     assert any("--help" in c for _, c in shown_commands)
 
 
-@pytest.mark.parametrize("page, command", page_commands(),
-                         ids=[f"{p}: {c}" for p, c in page_commands()])
+@pytest.mark.parametrize(
+    "page, command", page_commands(), ids=[f"{p}: {c}" for p, c in page_commands()]
+)
 def test_shown_command_runs(page, command, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     result = invoke(shlex.split(command)[1:], ROOT)
-    assert result.exit_code == 0, f"{page}: `{command}` exited {result.exit_code}:\n" \
-                                  f"{shown(result)}"
+    assert result.exit_code == 0, f"{page}: `{command}` exited {result.exit_code}:\n{shown(result)}"
 
 
 def test_published_rows_are_what_show_prints():
     """Every `published: ...` line a page shows is printed by `show` of a paper config."""
-    lines = {line.strip() for page in PAGES for block in code_blocks(page)
-             for line in block.splitlines() if line.strip().startswith("published: ")}
+    lines = {
+        line.strip()
+        for page in PAGES
+        for block in code_blocks(page)
+        for line in block.splitlines()
+        if line.strip().startswith("published: ")
+    }
     assert lines
     outputs = [show(str(cfg.relative_to(ROOT))) for cfg in sorted(ROOT.glob("configs/*.yaml"))]
     for line in lines:
@@ -211,8 +246,12 @@ def test_published_rows_are_what_show_prints():
 def test_parameter_counts_in_the_tables_are_shows():
     """The model-family table's counts (`38.5M / 38.3M` for `enwik8_small.yaml` /
     `text8_small.yaml`) are `show`'s counts, rounded."""
-    rows = [line for page in PAGES for line in page.read_text(encoding="utf-8").splitlines()
-            if re.match(r"^\| `configs/[^|]*\.yaml`", line)]
+    rows = [
+        line
+        for page in PAGES
+        for line in page.read_text(encoding="utf-8").splitlines()
+        if re.match(r"^\| `configs/[^|]*\.yaml`", line)
+    ]
     assert rows
     checked = 0
     for row in rows:
@@ -234,23 +273,30 @@ def test_specs_on_the_pages_validate(tmp_path):
     """A YAML block that is a whole spec (it lists `stages:`) is a valid one. extending.md's
     names the example plugin's kinds: tests/plugins validates and runs it where that is
     installed."""
-    specs = [(page.name, block) for page in PAGES if page.name != "extending.md"
-             for block in code_blocks(page) if re.search(r"^stages:", block, re.M)]
+    specs = [
+        (page.name, block)
+        for page in PAGES
+        if page.name != "extending.md"
+        for block in code_blocks(page)
+        if re.search(r"^stages:", block, re.M)
+    ]
     assert specs
     for i, (page, block) in enumerate(specs):
         path = tmp_path / f"spec{i}.yaml"
         path.write_text(block)
         result = invoke(["validate", str(path)], ROOT)
-        assert result.exit_code == 0, f"{page}: the spec\n{block}\nis refused:\n" \
-                                      f"{shown(result)}"
+        assert result.exit_code == 0, f"{page}: the spec\n{block}\nis refused:\n{shown(result)}"
 
 
 def test_validation_example_prints_what_the_page_shows(tmp_path):
     """configs.md's bad.yaml and the errors it shows for it, exactly."""
     text = (DOCS / "configs.md").read_text(encoding="utf-8")
     spec = re.search(r"A file `bad.yaml`.*?```yaml\n(.*?)```", text, re.S).group(1)
-    transcript = next(b for b in code_blocks(DOCS / "configs.md")
-                      if b.startswith("$ allattn-pipe validate bad.yaml"))
+    transcript = next(
+        b
+        for b in code_blocks(DOCS / "configs.md")
+        if b.startswith("$ allattn-pipe validate bad.yaml")
+    )
     expected = transcript.splitlines()[1:]
     (tmp_path / "bad.yaml").write_text(spec)
     (tmp_path / "configs").symlink_to(ROOT / "configs")
@@ -277,8 +323,9 @@ def test_readme_lists_every_command_and_each_has_help():
     assert len(found) >= 10
     for path in found:
         if not isinstance(cli_group().commands[path[0]], click.Group) or len(path) > 1:
-            assert re.search(rf"^    allattn-pipe {' '.join(path)}(\s|$)", text, re.M), \
+            assert re.search(rf"^    allattn-pipe {' '.join(path)}(\s|$)", text, re.M), (
                 f"README's commands lack {' '.join(path)}"
+            )
         result = invoke([*path, "--help"], ROOT)
         assert result.exit_code == 0, shown(result)
         assert "Usage: allattn-pipe" in result.stdout

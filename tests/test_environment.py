@@ -11,7 +11,7 @@ from pathlib import Path
 
 CONFTEST = Path(__file__).with_name("conftest.py")
 
-TESTS = '''
+TESTS = """
 import os
 
 def test_a_stage_in_this_process_exports_its_process_group():
@@ -23,7 +23,7 @@ def test_the_next_test_starts_without_it():
                           "MLFLOW_TRACKING_URI") if k in os.environ}
     assert not leaked
     assert os.environ["KEPT"] == "yes"      # the session's own variables stay
-'''
+"""
 
 
 def test_a_variable_one_test_sets_never_reaches_the_next(tmp_path):
@@ -31,8 +31,13 @@ def test_a_variable_one_test_sets_never_reaches_the_next(tmp_path):
     (tmp_path / "test_pair.py").write_text(TESTS)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT")}
     env.update(MLFLOW_TRACKING_URI="http://a-users-server:5000", KEPT="yes")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout

@@ -29,7 +29,7 @@ def clone(tmp_path) -> Path:
     tests = tmp_path / "clone" / "tests"
     tests.mkdir(parents=True)
     shutil.copy(TESTS / "conftest.py", tests)
-    (tests / "__init__.py").touch()          # tests/ is a package, as in the project
+    (tests / "__init__.py").touch()  # tests/ is a package, as in the project
     (tests / "test_uses_shared_data.py").write_text(USES_SHARED_DATA)
     return tmp_path / "clone"
 
@@ -38,9 +38,14 @@ def pytest_in(clone: Path, *, require: bool) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "ALLATTN_REQUIRE_SHARED_DATA"}
     if require:
         env["ALLATTN_REQUIRE_SHARED_DATA"] = "1"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           "tests"], cwd=clone, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_missing_shared_data_skips_with_the_path(clone):
@@ -48,8 +53,11 @@ def test_missing_shared_data_skips_with_the_path(clone):
     path = clone.parent / "shared" / "data" / "corpus" / "input.txt"
     assert r.returncode == 0, r.stdout
     reason = f": needs {path} (benchmark data beside the checkout)"
-    assert [line for line in r.stdout.splitlines()
-            if line.startswith("SKIPPED [1] tests/conftest.py:") and line.endswith(reason)]
+    assert [
+        line
+        for line in r.stdout.splitlines()
+        if line.startswith("SKIPPED [1] tests/conftest.py:") and line.endswith(reason)
+    ]
     assert r.stdout.splitlines()[-1].startswith("1 skipped in ")
 
 

@@ -28,8 +28,16 @@ def free_port() -> int:
 
 # What a launcher (or prepare_environment, for a single process) exports to describe the
 # process group a process belongs to.
-GROUP_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                   "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
+GROUP_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+)
 
 
 def environment_for_new_group() -> dict[str, str]:
@@ -42,13 +50,18 @@ def environment_for_new_group() -> dict[str, str]:
 def take_rank_from_slurm() -> None:
     """This process is one task of an `srun` step (the Slurm batch script's): its rank and
     the world come from Slurm's task variables. MASTER_ADDR / MASTER_PORT the script exports."""
-    slurm = {"RANK": "SLURM_PROCID", "LOCAL_RANK": "SLURM_LOCALID",
-             "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_WORLD_SIZE": "SLURM_NTASKS_PER_NODE"}
-    missing = [v for v in (*slurm.values(), "MASTER_ADDR", "MASTER_PORT")
-               if v not in os.environ]
+    slurm = {
+        "RANK": "SLURM_PROCID",
+        "LOCAL_RANK": "SLURM_LOCALID",
+        "WORLD_SIZE": "SLURM_NTASKS",
+        "LOCAL_WORLD_SIZE": "SLURM_NTASKS_PER_NODE",
+    }
+    missing = [v for v in (*slurm.values(), "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
-        raise PipelineError(f"--ranks-from-slurm: {', '.join(missing)} not set; this process "
-                            f"is not a task of an srun step started by the Slurm script")
+        raise PipelineError(
+            f"--ranks-from-slurm: {', '.join(missing)} not set; this process "
+            f"is not a task of an srun step started by the Slurm script"
+        )
     os.environ.update({ours: os.environ[theirs] for ours, theirs in slurm.items()})
 
 
@@ -64,9 +77,15 @@ def prepare_environment() -> None:
     _pin_ninja()
     # Launched by hand as a single process: give the process group what a launcher would.
     if "RANK" not in os.environ:
-        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                           "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port()))})
+        os.environ.update(
+            {
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port())),
+            }
+        )
 
 
 def init_process_group() -> tuple[int, int]:
@@ -83,8 +102,11 @@ def init_process_group() -> tuple[int, int]:
             # our own group, bound to the local rank's GPU; DeepSpeed adopts an initialised one
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local_rank)
-            dist.init_process_group(backend, timeout=TIMEOUT, **nccl_group_kwargs(
-                int(os.environ.get("WORLD_SIZE", "1")), local_rank))
+            dist.init_process_group(
+                backend,
+                timeout=TIMEOUT,
+                **nccl_group_kwargs(int(os.environ.get("WORLD_SIZE", "1")), local_rank),
+            )
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=TIMEOUT)
         _unlink_shm_buffer(dist.get_rank())
         atexit.register(_destroy_process_group)
@@ -140,7 +162,7 @@ def exit_process(code=0) -> NoReturn:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except (OSError, ValueError):     # closed, or its reader went away
+            except (OSError, ValueError):  # closed, or its reader went away
                 pass
         os._exit(code or 0)
 
@@ -173,9 +195,12 @@ def _op_build_lock(extensions: Path):
     its holder dies, however it dies (torch's own `lock` file stays behind a killed build)."""
     extensions.mkdir(parents=True, exist_ok=True)
     with open(extensions / OP_BUILD_LOCK, "a") as f:
-        notice = threading.Timer(QUIET_WAIT_S, print, [
-            f"waiting for another process building DeepSpeed's C++ ops in {extensions}"],
-            {"file": sys.stderr, "flush": True})
+        notice = threading.Timer(
+            QUIET_WAIT_S,
+            print,
+            [f"waiting for another process building DeepSpeed's C++ ops in {extensions}"],
+            {"file": sys.stderr, "flush": True},
+        )
         notice.start()
         try:
             fcntl.flock(f, fcntl.LOCK_EX)
@@ -199,8 +224,12 @@ def _load_comm_op() -> None:
     with _op_build_lock(extensions):
         stale = extensions / builder.name / "lock"
         if stale.exists():
-            print(f"removing {stale}: an interrupted build of DeepSpeed's {builder.name} op "
-                  f"left it (no process is building it now)", file=sys.stderr, flush=True)
+            print(
+                f"removing {stale}: an interrupted build of DeepSpeed's {builder.name} op "
+                f"left it (no process is building it now)",
+                file=sys.stderr,
+                flush=True,
+            )
             stale.unlink(missing_ok=True)
         builder.load()
 
@@ -211,8 +240,10 @@ def _unlink_shm_buffer(rank: int) -> None:
     the others' files (they have when init returns; the barrier makes sure of all of them),
     the names can go; the mappings live until the processes exit."""
     barrier()
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{rank}")
+    name = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+        f"{os.environ.get('MASTER_PORT')}_{rank}"
+    )
     Path("/dev/shm", name).unlink(missing_ok=True)
 
 

@@ -21,20 +21,31 @@ def launcher_command(spec, pipeline_args: list[str]) -> list[str]:
     """The `deepspeed` command that runs this pipeline on `spec.train.launcher`'s processes."""
     launcher = spec.train.launcher
     if not ENTRY.is_file():
-        raise PipelineError(f"{ENTRY} is missing: multi-process runs need the project's "
-                            f"launch/ directory (a source checkout)")
+        raise PipelineError(
+            f"{ENTRY} is missing: multi-process runs need the project's "
+            f"launch/ directory (a source checkout)"
+        )
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if launcher.nodes > 1 and not launcher.hostfile:
-        raise PipelineError(f"train.launcher.nodes {launcher.nodes}: the deepspeed launcher "
-                            f"needs train.launcher.hostfile naming the nodes (on Slurm, "
-                            f"`allattn-pipe launch slurm` starts the processes instead)")
+        raise PipelineError(
+            f"train.launcher.nodes {launcher.nodes}: the deepspeed launcher "
+            f"needs train.launcher.hostfile naming the nodes (on Slurm, "
+            f"`allattn-pipe launch slurm` starts the processes instead)"
+        )
     if launcher.hostfile:
         if not Path(launcher.hostfile).is_file():
             raise PipelineError(f"train.launcher.hostfile {launcher.hostfile}: no such file")
         cmd += ["--hostfile", launcher.hostfile]
     port = launcher.master_port or distributed.free_port()
-    cmd += ["--num_nodes", str(launcher.nodes), "--num_gpus", str(launcher.procs_per_node),
-            "--master_port", str(port), str(ENTRY)]
+    cmd += [
+        "--num_nodes",
+        str(launcher.nodes),
+        "--num_gpus",
+        str(launcher.procs_per_node),
+        "--master_port",
+        str(port),
+        str(ENTRY),
+    ]
     return cmd + pipeline_args
 
 
@@ -65,8 +76,7 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
         # one preemption delivered twice; see pipeline.cluster.signals).
         to_ranks = signal.SIGINT if stopped else signal.SIGTERM
         stopped.append(signal.Signals(signum).name)
-        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                 if _is_rank(c)]
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if _is_rank(c)]
         for rank in ranks:
             rank.send_signal(to_ranks)
         signalled.extend(ranks)
@@ -74,16 +84,20 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = proc.wait()
-        psutil.wait_procs(signalled, timeout=600)   # the ranks finish saving
+        psutil.wait_procs(signalled, timeout=600)  # the ranks finish saving
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if stopped or code == Preempted.exit_code:
-        raise Preempted(f"training stopped by {stopped[0] if stopped else 'a signal'}; "
-                        f"run the pipeline again to resume from its last checkpoint")
+        raise Preempted(
+            f"training stopped by {stopped[0] if stopped else 'a signal'}; "
+            f"run the pipeline again to resume from its last checkpoint"
+        )
     if code != 0:
-        raise PipelineError(f"the deepspeed launcher exited with code {code} (the failing "
-                            f"rank's error is printed above)")
+        raise PipelineError(
+            f"the deepspeed launcher exited with code {code} (the failing "
+            f"rank's error is printed above)"
+        )
 
 
 def _is_rank(process) -> bool:
@@ -91,7 +105,7 @@ def _is_rank(process) -> bool:
 
     try:
         argv = process.cmdline()
-    except psutil.Error:          # already gone
+    except psutil.Error:  # already gone
         return False
     # `python -u launch/train.py ...`; the launchers run as `python -u -m deepspeed...` with
     # the script among their arguments

@@ -33,15 +33,17 @@ class _Handler:
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
         self.signals, self._previous = signals, {}
-        self.received: str | None = None     # the first signal's name
+        self.received: str | None = None  # the first signal's name
         self._first_at = 0.0
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received, self._first_at = signal.Signals(signum).name, time.monotonic()
             self._first(signum)
-        elif not (signum in (signal.SIGTERM, signal.SIGHUP)
-                  and time.monotonic() - self._first_at < DUPLICATE_WINDOW_S):
+        elif not (
+            signum in (signal.SIGTERM, signal.SIGHUP)
+            and time.monotonic() - self._first_at < DUPLICATE_WINDOW_S
+        ):
             raise Interrupted(signal.Signals(signum).name, signum, at_once=True)
 
     def _first(self, signum) -> None:
@@ -51,7 +53,7 @@ class _Handler:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
-                    continue            # nohup: the user asked for it to be ignored
+                    continue  # nohup: the user asked for it to be ignored
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.spec.schema import Spec
 from pipeline.spec import PROJECT_ROOT, load_spec
+from pipeline.spec.schema import Spec
 
 TEMPLATE = PROJECT_ROOT / "launch" / "slurm.sbatch"
 
@@ -53,9 +53,11 @@ def time_limit_seconds(text: str) -> int:
         match = pattern.fullmatch(text)
         if match:
             return sum(int(n) * _SECONDS[u] for n, u in zip(match.groups(), units, strict=False))
-    raise PipelineError(f"--time {text!r}: not a Slurm time limit; use minutes (90), "
-                        f"minutes:seconds, hours:minutes:seconds (24:00:00) or "
-                        f"days-hours[:minutes[:seconds]] (1-00:00:00)")
+    raise PipelineError(
+        f"--time {text!r}: not a Slurm time limit; use minutes (90), "
+        f"minutes:seconds, hours:minutes:seconds (24:00:00) or "
+        f"days-hours[:minutes[:seconds]] (1-00:00:00)"
+    )
 
 
 def slurm_dir(spec: Spec) -> Path:
@@ -66,8 +68,10 @@ def slurm_dir(spec: Spec) -> Path:
 def _plain(what: str, path: str | Path) -> str:
     text = str(path)
     if not _PLAIN_PATH.fullmatch(text):
-        raise PipelineError(f"{what} {text!r}: only letters, digits and _@%+=:,./- are "
-                            f"supported in paths the Slurm script uses (move or link it)")
+        raise PipelineError(
+            f"{what} {text!r}: only letters, digits and _@%+=:,./- are "
+            f"supported in paths the Slurm script uses (move or link it)"
+        )
     return text
 
 
@@ -86,40 +90,54 @@ def _resources(nodes: int, gpus_per_node: int, procs_per_node: int | None) -> in
     if nodes < 1:
         raise PipelineError(f"--nodes must be at least 1, got {nodes}")
     if gpus_per_node < 0:
-        raise PipelineError(f"--gpus-per-node must be 0 (a CPU partition) or more, "
-                            f"got {gpus_per_node}")
+        raise PipelineError(
+            f"--gpus-per-node must be 0 (a CPU partition) or more, got {gpus_per_node}"
+        )
     if procs_per_node is None:
         if gpus_per_node == 0:
-            raise PipelineError("--gpus-per-node 0 (a CPU partition) needs --procs-per-node: "
-                                "how many training processes each node runs")
+            raise PipelineError(
+                "--gpus-per-node 0 (a CPU partition) needs --procs-per-node: "
+                "how many training processes each node runs"
+            )
         return gpus_per_node
     if procs_per_node < 1:
         raise PipelineError(f"--procs-per-node must be at least 1, got {procs_per_node}")
     if gpus_per_node and procs_per_node != gpus_per_node:
-        raise PipelineError(f"--procs-per-node {procs_per_node} with --gpus-per-node "
-                            f"{gpus_per_node}: each process trains on one GPU; give one of "
-                            f"the two, or --gpus-per-node 0 for a CPU partition")
+        raise PipelineError(
+            f"--procs-per-node {procs_per_node} with --gpus-per-node "
+            f"{gpus_per_node}: each process trains on one GPU; give one of "
+            f"the two, or --gpus-per-node 0 for a CPU partition"
+        )
     return procs_per_node
 
 
-def _directives(gpus_per_node: int, partition: str | None, time: str | None,
-                signal_lead: int, extra: Sequence[str] = ()) -> str:
+def _directives(
+    gpus_per_node: int,
+    partition: str | None,
+    time: str | None,
+    signal_lead: int,
+    extra: Sequence[str] = (),
+) -> str:
     directives = [*extra]
     if gpus_per_node:
         directives.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     if partition is not None:
         if not re.fullmatch(r"[\w.,-]+", partition):
-            raise PipelineError(f"--partition {partition!r}: not a partition name (or a "
-                                f"comma-separated list of them)")
+            raise PipelineError(
+                f"--partition {partition!r}: not a partition name (or a "
+                f"comma-separated list of them)"
+            )
         directives.append(f"#SBATCH --partition={partition}")
     if signal_lead < 1:
         raise PipelineError(f"--signal-lead must be at least 1 second, got {signal_lead}")
     if time is not None:
         if time_limit_seconds(time) <= signal_lead:
-            raise PipelineError(f"--time {time}: the job is asked to checkpoint "
-                                f"{signal_lead} s before its time limit, which leaves "
-                                f"no time to train; give it longer (or a shorter "
-                                f"--signal-lead)")
+            raise PipelineError(
+                f"--time {time}: the job is asked to checkpoint "
+                f"{signal_lead} s before its time limit, which leaves "
+                f"no time to train; give it longer (or a shorter "
+                f"--signal-lead)"
+            )
         directives.append(f"#SBATCH --time={time}")
     return "".join(d + "\n" for d in directives)
 
@@ -128,8 +146,10 @@ def _environment(gpus_per_node: int) -> str:
     if gpus_per_node:
         return ""
     # DeepSpeed would look for a GPU; OpenMP threads default to the cores Slurm gave a task
-    return ('export DS_ACCELERATOR=cpu\n'
-            'export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}\n')
+    return (
+        "export DS_ACCELERATOR=cpu\n"
+        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}\n"
+    )
 
 
 def _launcher_sets(nodes: int, procs_per_node: int) -> list[str]:
@@ -142,8 +162,14 @@ def _set_args(sets: list[str]) -> str:
     return "".join(f" \\\n    --set {shlex.quote(kv)}" for kv in sets)
 
 
-def _common_values(config_path: str | Path, nodes: int, procs: int, gpus_per_node: int,
-                   signal_lead: int, master_port: int | None) -> dict[str, str]:
+def _common_values(
+    config_path: str | Path,
+    nodes: int,
+    procs: int,
+    gpus_per_node: int,
+    signal_lead: int,
+    master_port: int | None,
+) -> dict[str, str]:
     """The template's values that a single job and a sweep's array share."""
     return {
         "config": _plain("config", config_path),
@@ -157,43 +183,66 @@ def _common_values(config_path: str | Path, nodes: int, procs: int, gpus_per_nod
     }
 
 
-def render_sbatch(config_path: str | Path, spec: Spec, nodes: int, gpus_per_node: int,
-                  procs_per_node: int | None = None, partition: str | None = None,
-                  time: str | None = None, signal_lead: int = SIGNAL_LEAD_S,
-                  overrides: tuple[str, ...] | list[str] = ()) -> str:
+def render_sbatch(
+    config_path: str | Path,
+    spec: Spec,
+    nodes: int,
+    gpus_per_node: int,
+    procs_per_node: int | None = None,
+    partition: str | None = None,
+    time: str | None = None,
+    signal_lead: int = SIGNAL_LEAD_S,
+    overrides: tuple[str, ...] | list[str] = (),
+) -> str:
     """The batch script that trains `spec` (loaded from `config_path` with `overrides`) on
     `nodes` x processes per node. The job must be submitted from the current directory's
     project: the script `cd`s here, so relative paths mean the same there."""
     procs = _resources(nodes, gpus_per_node, procs_per_node)
     if "train" not in spec.stages:
-        raise PipelineError(f"{config_path}: the pipeline {spec.name} has no train stage, "
-                            f"so nothing to run on {nodes} x {procs} processes")
+        raise PipelineError(
+            f"{config_path}: the pipeline {spec.name} has no train stage, "
+            f"so nothing to run on {nodes} x {procs} processes"
+        )
     sets = [*overrides, *_launcher_sets(nodes, procs)]
     # the spec refuses a train.batch_size that does not split over the job's processes
     job_spec = load_spec(config_path, sets)
-    assert job_spec.train is not None       # checked above: a train stage runs
+    assert job_spec.train is not None  # checked above: a train stage runs
     port = job_spec.train.launcher.master_port
-    command = (f"allattn-pipe launch slurm {config_path} --nodes {nodes} "
-               f"--gpus-per-node {gpus_per_node}"
-               + (f" --procs-per-node {procs}" if not gpus_per_node else ""))
-    return _fill(TEMPLATE.read_text(encoding="utf-8"), {
-        **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
-        "name": job_spec.name,
-        "rendered_by": command,
-        "optional_directives": _directives(gpus_per_node, partition, time, signal_lead),
-        "log_dir": _plain("log directory", slurm_dir(spec) / "logs"),
-        "log_name": "%x-%j.out",
-        "point_setup": "",
-        "point_finish": "",
-        "train_args": _set_args(sets),
-    })
+    command = (
+        f"allattn-pipe launch slurm {config_path} --nodes {nodes} "
+        f"--gpus-per-node {gpus_per_node}"
+        + (f" --procs-per-node {procs}" if not gpus_per_node else "")
+    )
+    return _fill(
+        TEMPLATE.read_text(encoding="utf-8"),
+        {
+            **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
+            "name": job_spec.name,
+            "rendered_by": command,
+            "optional_directives": _directives(gpus_per_node, partition, time, signal_lead),
+            "log_dir": _plain("log directory", slurm_dir(spec) / "logs"),
+            "log_name": "%x-%j.out",
+            "point_setup": "",
+            "point_finish": "",
+            "train_args": _set_args(sets),
+        },
+    )
 
 
-def render_sweep_array(config_path: str | Path, overrides: list[str], grid: list[str],
-                       seeds: str | None, points: list, nodes: int, gpus_per_node: int,
-                       procs_per_node: int | None = None, partition: str | None = None,
-                       time: str | None = None, signal_lead: int = SIGNAL_LEAD_S,
-                       max_parallel: int | None = None) -> tuple[str, Spec]:
+def render_sweep_array(
+    config_path: str | Path,
+    overrides: list[str],
+    grid: list[str],
+    seeds: str | None,
+    points: list,
+    nodes: int,
+    gpus_per_node: int,
+    procs_per_node: int | None = None,
+    partition: str | None = None,
+    time: str | None = None,
+    signal_lead: int = SIGNAL_LEAD_S,
+    max_parallel: int | None = None,
+) -> tuple[str, Spec]:
     """A job array that runs every point of `allattn-pipe sweep CONFIG --grid ... --seeds ...`
     as one task (at most `max_parallel` at once), each on `nodes` x processes per node.
     `points` are the sweep's points as `pipeline.commands.sweep.plan_sweep` plans them.
@@ -204,44 +253,62 @@ def render_sweep_array(config_path: str | Path, overrides: list[str], grid: list
     launcher_sets = _launcher_sets(nodes, procs)
     for p in points:
         if "train" not in p.spec.stages:
-            raise PipelineError(f"{config_path}: sweep point {p.name} has no train stage, so "
-                                f"nothing to run on {nodes} x {procs} processes")
-        load_spec(config_path, [*p.overrides, *launcher_sets])   # the batch splits over them
+            raise PipelineError(
+                f"{config_path}: sweep point {p.name} has no train stage, so "
+                f"nothing to run on {nodes} x {procs} processes"
+            )
+        load_spec(config_path, [*p.overrides, *launcher_sets])  # the batch splits over them
     base = load_spec(config_path, overrides)
     python = _plain("python interpreter", sys.executable)
-    sweep_args = " ".join(shlex.quote(a) for a in [
-        _plain("config", config_path), *(x for o in overrides for x in ("--set", o)),
-        *(x for g in grid for x in ("--grid", g)), *(["--seeds", seeds] if seeds else [])])
+    sweep_args = " ".join(
+        shlex.quote(a)
+        for a in [
+            _plain("config", config_path),
+            *(x for o in overrides for x in ("--set", o)),
+            *(x for g in grid for x in ("--grid", g)),
+            *(["--seeds", seeds] if seeds else []),
+        ]
+    )
     cases = "".join(
         f"    {i}) POINT=({' '.join('--set ' + shlex.quote(o) for o in p.overrides)}) ;;\n"
-        for i, p in enumerate(points))
+        for i, p in enumerate(points)
+    )
     task = '"$SLURM_ARRAY_TASK_ID"'
-    setup = (f"# This task's point of the sweep, and its shared stages: built once, by the\n"
-             f"# first task to get here, and linked into the point's workspace.\n"
-             f"case \"$SLURM_ARRAY_TASK_ID\" in\n{cases}"
-             f"    *) echo \"no sweep point $SLURM_ARRAY_TASK_ID\" >&2; exit 1 ;;\nesac\n"
-             f"{python} -m pipeline.commands.cli sweep {sweep_args} --array-task-prepare {task}\n")
-    finish = (f"# The point's runs under the sweep's MLflow run.\n"
-              f"if [ \"$status\" -eq 0 ]; then\n"
-              f"    {python} -m pipeline.commands.cli sweep {sweep_args} --array-task-finish {task}\n"
-              f"fi\n")
+    setup = (
+        f"# This task's point of the sweep, and its shared stages: built once, by the\n"
+        f"# first task to get here, and linked into the point's workspace.\n"
+        f'case "$SLURM_ARRAY_TASK_ID" in\n{cases}'
+        f'    *) echo "no sweep point $SLURM_ARRAY_TASK_ID" >&2; exit 1 ;;\nesac\n'
+        f"{python} -m pipeline.commands.cli sweep {sweep_args} --array-task-prepare {task}\n"
+    )
+    finish = (
+        f"# The point's runs under the sweep's MLflow run.\n"
+        f'if [ "$status" -eq 0 ]; then\n'
+        f"    {python} -m pipeline.commands.cli sweep {sweep_args} --array-task-finish {task}\n"
+        f"fi\n"
+    )
     limit = f"%{max_parallel}" if max_parallel else ""
     array = [f"#SBATCH --array=0-{len(points) - 1}{limit}"]
-    rendered_by = (f"allattn-pipe sweep {sweep_args} --slurm --nodes {nodes} "
-                   f"--gpus-per-node {gpus_per_node}"
-                   + (f" --procs-per-node {procs}" if not gpus_per_node else ""))
+    rendered_by = (
+        f"allattn-pipe sweep {sweep_args} --slurm --nodes {nodes} "
+        f"--gpus-per-node {gpus_per_node}"
+        + (f" --procs-per-node {procs}" if not gpus_per_node else "")
+    )
     port = base.train.launcher.master_port if base.train else None
-    script = _fill(TEMPLATE.read_text(encoding="utf-8"), {
-        **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
-        "name": f"{base.name}-sweep",
-        "rendered_by": rendered_by,
-        "optional_directives": _directives(gpus_per_node, partition, time, signal_lead, array),
-        "log_dir": _plain("log directory", slurm_dir(base) / "logs"),
-        "log_name": "%x-%A_%a.out",
-        "point_setup": setup,
-        "point_finish": finish,
-        "train_args": ' \\\n    "${POINT[@]}"' + _set_args(launcher_sets),
-    })
+    script = _fill(
+        TEMPLATE.read_text(encoding="utf-8"),
+        {
+            **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
+            "name": f"{base.name}-sweep",
+            "rendered_by": rendered_by,
+            "optional_directives": _directives(gpus_per_node, partition, time, signal_lead, array),
+            "log_dir": _plain("log directory", slurm_dir(base) / "logs"),
+            "log_name": "%x-%A_%a.out",
+            "point_setup": setup,
+            "point_finish": finish,
+            "train_args": ' \\\n    "${POINT[@]}"' + _set_args(launcher_sets),
+        },
+    )
     return script, base
 
 
@@ -252,8 +319,9 @@ def submit(script_path: Path) -> str:
 
     if shutil.which("sbatch") is None:
         raise PipelineError(f"sbatch not found: submit {script_path} from a Slurm login node")
-    done = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["sbatch", "--parsable", str(script_path)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise PipelineError(f"sbatch {script_path} failed: {done.stderr.strip()}")
     return done.stdout.strip().split(";")[0]

@@ -10,9 +10,14 @@ from pipeline.commands.click_types import FilePath, Main
 from pipeline.errors import PipelineError, shown
 
 CONFIG = click.argument("config", type=FilePath(dir_okay=False))
-SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                   help="Override any key of the spec, e.g. --set train.optimizer.lr=0.05 "
-                        "(values are typed as YAML: 12 is an int, 0.05 a float). Repeatable.")
+SET = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override any key of the spec, e.g. --set train.optimizer.lr=0.05 "
+    "(values are typed as YAML: 12 is an int, 0.05 a float). Repeatable.",
+)
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,19 +30,31 @@ def main(debug: bool) -> None:
 @main.command()
 @CONFIG
 @SET
-@click.option("--from", "start_from", metavar="STAGE",
-              help="Re-run STAGE and every stage after it; earlier ones run only if needed.")
-@click.option("--only", multiple=True, metavar="STAGE[,STAGE]",
-              help="Run only these stages (if out of date); the others are left as they are.")
-@click.option("--force", multiple=True, metavar="STAGE",
-              help="Re-run STAGE even if up to date (and so everything reading its output), "
-                   "discarding the checkpoints of an interrupted run of it.")
+@click.option(
+    "--from",
+    "start_from",
+    metavar="STAGE",
+    help="Re-run STAGE and every stage after it; earlier ones run only if needed.",
+)
+@click.option(
+    "--only",
+    multiple=True,
+    metavar="STAGE[,STAGE]",
+    help="Run only these stages (if out of date); the others are left as they are.",
+)
+@click.option(
+    "--force",
+    multiple=True,
+    metavar="STAGE",
+    help="Re-run STAGE even if up to date (and so everything reading its output), "
+    "discarding the checkpoints of an interrupted run of it.",
+)
 @click.option("--dry-run", is_flag=True, help="Print what would run and why; run nothing.")
 def run(config, overrides, start_from, only, force, dry_run):
     """Run the pipeline CONFIG, skipping stages whose outputs are up to date."""
-    from pipeline.workspace.runner import Runner
     from pipeline.spec import load_spec
     from pipeline.tracking.tracker import make_tracker
+    from pipeline.workspace.runner import Runner
 
     spec = load_spec(config, list(overrides))
     runner = Runner(spec, force=list(force), start_from=start_from, only=list(only))
@@ -48,14 +65,20 @@ def run(config, overrides, start_from, only, force, dry_run):
         return
     from pipeline.fsutil import writable_dir
 
-    writable_dir(spec.workspace_dir, "workspace")    # before MLflow's store is made in it
+    writable_dir(spec.workspace_dir, "workspace")  # before MLflow's store is made in it
     if runner.needs_launcher():
         from pipeline.cluster.launcher import run_under_launcher
 
-        make_tracker(spec).check(spec)   # here, not after every process has started
+        make_tracker(spec).check(spec)  # here, not after every process has started
 
-        args = ["--config", config, *_repeat("--set", overrides), *_repeat("--only", only),
-                *_repeat("--force", force), *_repeat("--from", [start_from] if start_from else [])]
+        args = [
+            "--config",
+            config,
+            *_repeat("--set", overrides),
+            *_repeat("--only", only),
+            *_repeat("--force", force),
+            *_repeat("--from", [start_from] if start_from else []),
+        ]
         run_under_launcher(spec, args)
         return
     runner.run(make_tracker(spec))
@@ -87,7 +110,7 @@ def _is_file(name: str) -> bool:
 
     try:
         return Path(name).is_file()
-    except (OSError, ValueError):   # too long, or a NUL byte
+    except (OSError, ValueError):  # too long, or a NUL byte
         return False
 
 
@@ -129,17 +152,36 @@ def show(config, overrides):
 @main.command()
 @click.argument("targets", nargs=-1, metavar="[CONFIG | EXPERIMENT | RUN_ID]...")
 @SET
-@click.option("--metric", "metrics", multiple=True, metavar="M",
-              help="Show this metric (repeatable; default: every final metric logged).")
-@click.option("--filter", "filter_string", default="", metavar="EXPR",
-              help="MLflow search syntax, e.g. \"params.train.seed = '2'\" or "
-                   "\"metrics.test_bpc < 1.5\": a pipeline run is kept when it or one of "
-                   "its stage runs matches.")
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]),
-              default="table", show_default=True)
-@click.option("--plot", type=FilePath(dir_okay=False), metavar="FILE.png",
-              help="Also draw the runs' learning curves (train loss, valid bpc by step, "
-                   "tokens and wall-clock) into FILE.png, and log it to their sweep's run.")
+@click.option(
+    "--metric",
+    "metrics",
+    multiple=True,
+    metavar="M",
+    help="Show this metric (repeatable; default: every final metric logged).",
+)
+@click.option(
+    "--filter",
+    "filter_string",
+    default="",
+    metavar="EXPR",
+    help="MLflow search syntax, e.g. \"params.train.seed = '2'\" or "
+    '"metrics.test_bpc < 1.5": a pipeline run is kept when it or one of '
+    "its stage runs matches.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "markdown", "csv", "json"]),
+    default="table",
+    show_default=True,
+)
+@click.option(
+    "--plot",
+    type=FilePath(dir_okay=False),
+    metavar="FILE.png",
+    help="Also draw the runs' learning curves (train loss, valid bpc by step, "
+    "tokens and wall-clock) into FILE.png, and log it to their sweep's run.",
+)
 def compare(targets, overrides, metrics, filter_string, fmt, plot):
     """Pipeline runs side by side from the MLflow store: seeds grouped (mean ± std, n),
     published results beside ours, columns equal in every row folded into a header line."""
@@ -152,8 +194,8 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
         from pipeline.fsutil import user_path
         from pipeline.training.head_maps import image_format
 
-        plot = str(user_path(plot))     # `..` resolved: nothing made beside the picture
-        with _flag("--plot"):   # a name no picture can have is refused before the queries
+        plot = str(user_path(plot))  # `..` resolved: nothing made beside the picture
+        with _flag("--plot"):  # a name no picture can have is refused before the queries
             image_format(plot)
     specs, experiments, run_ids = [], [], []
     for target in targets:
@@ -183,18 +225,31 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
 
 def SLURM_JOB(command):
     """The options of a Slurm job that `launch slurm` and `sweep --slurm` share."""
-    for option in reversed([
-        click.option("--procs-per-node", type=int,
-                     help="Slurm: training processes per node (default: one per GPU; "
-                          "required with --gpus-per-node 0)."),
-        click.option("--partition", help="Slurm partition (default: the cluster's)."),
-        click.option("--time", "time_limit", metavar="TIME",
-                     help="Slurm time limit, e.g. 24:00:00 or 1-00:00:00; the job "
-                          "checkpoints and requeues itself shortly before it."),
-        click.option("--signal-lead", type=int, metavar="SECONDS",
-                     help="Slurm: how long before the time limit the job starts "
-                          "checkpointing (default 300)."),
-    ]):
+    for option in reversed(
+        [
+            click.option(
+                "--procs-per-node",
+                type=int,
+                help="Slurm: training processes per node (default: one per GPU; "
+                "required with --gpus-per-node 0).",
+            ),
+            click.option("--partition", help="Slurm partition (default: the cluster's)."),
+            click.option(
+                "--time",
+                "time_limit",
+                metavar="TIME",
+                help="Slurm time limit, e.g. 24:00:00 or 1-00:00:00; the job "
+                "checkpoints and requeues itself shortly before it.",
+            ),
+            click.option(
+                "--signal-lead",
+                type=int,
+                metavar="SECONDS",
+                help="Slurm: how long before the time limit the job starts "
+                "checkpointing (default 300).",
+            ),
+        ]
+    ):
         command = option(command)
     return command
 
@@ -202,28 +257,69 @@ def SLURM_JOB(command):
 @main.command()
 @CONFIG
 @SET
-@click.option("--grid", multiple=True, metavar="KEY=V1,V2,...",
-              help="A spec key and its values; the points are every combination of the "
-                   "grids (x seeds). Repeatable.")
+@click.option(
+    "--grid",
+    multiple=True,
+    metavar="KEY=V1,V2,...",
+    help="A spec key and its values; the points are every combination of the "
+    "grids (x seeds). Repeatable.",
+)
 @click.option("--seeds", metavar="S1,S2,...", help="Run every point with each train.seed.")
-@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Points run at once, each as its own process.")
-@click.option("--dry-run", is_flag=True,
-              help="Print the points and what each would run (with --slurm: the script).")
-@click.option("--slurm", is_flag=True,
-              help="Submit the sweep as one Slurm job array, a task per point.")
-@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --slurm: nodes per point.")
-@click.option("--gpus-per-node", type=int, default=1, show_default=True,
-              help="With --slurm: GPUs per node, one process each; 0 for a CPU partition.")
+@click.option(
+    "--parallel",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Points run at once, each as its own process.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the points and what each would run (with --slurm: the script).",
+)
+@click.option(
+    "--slurm", is_flag=True, help="Submit the sweep as one Slurm job array, a task per point."
+)
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --slurm: nodes per point.",
+)
+@click.option(
+    "--gpus-per-node",
+    type=int,
+    default=1,
+    show_default=True,
+    help="With --slurm: GPUs per node, one process each; 0 for a CPU partition.",
+)
 @SLURM_JOB
-@click.option("--max-parallel", type=click.IntRange(min=1),
-              help="With --slurm: at most this many points run at once.")
+@click.option(
+    "--max-parallel",
+    type=click.IntRange(min=1),
+    help="With --slurm: at most this many points run at once.",
+)
 @click.option("--array-task-prepare", type=int, hidden=True)
 @click.option("--array-task-finish", type=int, hidden=True)
-def sweep(config, overrides, grid, seeds, parallel, dry_run, slurm, nodes, gpus_per_node,
-          procs_per_node, partition, time_limit, signal_lead, max_parallel,
-          array_task_prepare, array_task_finish):
+def sweep(
+    config,
+    overrides,
+    grid,
+    seeds,
+    parallel,
+    dry_run,
+    slurm,
+    nodes,
+    gpus_per_node,
+    procs_per_node,
+    partition,
+    time_limit,
+    signal_lead,
+    max_parallel,
+    array_task_prepare,
+    array_task_finish,
+):
     """Run CONFIG at every point of a grid (x seeds), each its own run name under one MLflow
     run; stages every point shares run once; a re-run skips finished points and resumes
     interrupted ones."""
@@ -237,33 +333,68 @@ def sweep(config, overrides, grid, seeds, parallel, dry_run, slurm, nodes, gpus_
         sweeps.finish_array_task(*args, array_task_finish, log=click.echo)
         return
     if slurm:
-        _sweep_on_slurm(args, nodes, gpus_per_node, procs_per_node, partition, time_limit,
-                        signal_lead, max_parallel, dry_run)
+        _sweep_on_slurm(
+            args,
+            nodes,
+            gpus_per_node,
+            procs_per_node,
+            partition,
+            time_limit,
+            signal_lead,
+            max_parallel,
+            dry_run,
+        )
         return
-    cluster_only = {"--nodes": nodes != 1, "--gpus-per-node": gpus_per_node != 1,
-                    "--procs-per-node": procs_per_node, "--partition": partition,
-                    "--time": time_limit, "--signal-lead": signal_lead,
-                    "--max-parallel": max_parallel}
+    cluster_only = {
+        "--nodes": nodes != 1,
+        "--gpus-per-node": gpus_per_node != 1,
+        "--procs-per-node": procs_per_node,
+        "--partition": partition,
+        "--time": time_limit,
+        "--signal-lead": signal_lead,
+        "--max-parallel": max_parallel,
+    }
     given = [flag for flag, value in cluster_only.items() if value]
     if given:
-        raise PipelineError(f"{', '.join(given)}: only with --slurm (locally, --parallel "
-                            f"sets how many points run at once)")
+        raise PipelineError(
+            f"{', '.join(given)}: only with --slurm (locally, --parallel "
+            f"sets how many points run at once)"
+        )
     failed = sweeps.run_sweep(*args, parallel, dry_run, log=click.echo)
     if failed:
         raise PipelineError(f"{len(failed)} sweep points failed: {', '.join(failed)}")
 
 
-def _sweep_on_slurm(args, nodes, gpus_per_node, procs_per_node, partition, time_limit,
-                    signal_lead, max_parallel, dry_run) -> None:
+def _sweep_on_slurm(
+    args,
+    nodes,
+    gpus_per_node,
+    procs_per_node,
+    partition,
+    time_limit,
+    signal_lead,
+    max_parallel,
+    dry_run,
+) -> None:
     from pipeline.cluster.slurm import render_sweep_array, slurm_dir, submit
     from pipeline.commands import sweep as sweeps
 
     config, overrides, grid, seeds = args
     points, _, _ = sweeps.plan_sweep(str(config), overrides, grid, seeds)
     script, base = render_sweep_array(
-        config, overrides, grid, seeds, points, nodes, gpus_per_node, procs_per_node, partition=partition, time=time_limit,
+        config,
+        overrides,
+        grid,
+        seeds,
+        points,
+        nodes,
+        gpus_per_node,
+        procs_per_node,
+        partition=partition,
+        time=time_limit,
         max_parallel=max_parallel,
-        **({"signal_lead": signal_lead} if signal_lead is not None else {}))
+        **({"signal_lead": signal_lead} if signal_lead is not None else {}),
+    )
     if dry_run:
         click.echo(script, nl=False)
         return
@@ -272,10 +403,14 @@ def _sweep_on_slurm(args, nodes, gpus_per_node, procs_per_node, partition, time_
     click.echo(f"submitted job array {submit(path)}")
 
 
-CHECKPOINT = click.option("--checkpoint", default="latest", show_default=True,
-                          metavar="latest|best|PATH",
-                          help="latest: finetune's last (else train's); best: the best "
-                               "validation's; or a checkpoint directory.")
+CHECKPOINT = click.option(
+    "--checkpoint",
+    default="latest",
+    show_default=True,
+    metavar="latest|best|PATH",
+    help="latest: finetune's last (else train's); best: the best "
+    "validation's; or a checkpoint directory.",
+)
 
 
 @main.command()
@@ -283,10 +418,20 @@ CHECKPOINT = click.option("--checkpoint", default="latest", show_default=True,
 @SET
 @CHECKPOINT
 @click.option("--prompt", required=True, help="The text to continue.")
-@click.option("--tokens", type=click.IntRange(min=1), default=200, show_default=True,
-              help="How many tokens to generate.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="Softmax temperature; 0 picks the most likely token.")
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="How many tokens to generate.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Softmax temperature; 0 picks the most likely token.",
+)
 @click.option("--top-k", type=click.IntRange(min=1), help="Draw from the K most likely only.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, seed):
@@ -295,8 +440,16 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
     from pipeline.spec import load_spec
 
     spec = load_spec(config, list(overrides))
-    for text in generate_text(spec, checkpoint, prompt, tokens, temperature, top_k, seed,
-                              log=lambda m: click.echo(m, err=True)):
+    for text in generate_text(
+        spec,
+        checkpoint,
+        prompt,
+        tokens,
+        temperature,
+        top_k,
+        seed,
+        log=lambda m: click.echo(m, err=True),
+    ):
         click.echo(text, nl=False)
     click.echo()
 
@@ -305,14 +458,21 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
 @CONFIG
 @SET
 @CHECKPOINT
-@click.option("--out", required=True, type=FilePath(file_okay=False),
-              help="The directory to write (model.safetensors, config.json, vocab.json).")
-@click.option("--register", metavar="NAME",
-              help="Also register the export as a new version of model NAME in MLflow's model "
-                   "registry, in the tracking store of CONFIG's runs (tracking must be on): "
-                   "its files are logged by an 'export' run under the pipeline's run, with "
-                   "the resolved config and evaluate's results; the version is tagged with "
-                   "the checkpoint and the headline numbers.")
+@click.option(
+    "--out",
+    required=True,
+    type=FilePath(file_okay=False),
+    help="The directory to write (model.safetensors, config.json, vocab.json).",
+)
+@click.option(
+    "--register",
+    metavar="NAME",
+    help="Also register the export as a new version of model NAME in MLflow's model "
+    "registry, in the tracking store of CONFIG's runs (tracking must be on): "
+    "its files are logged by an 'export' run under the pipeline's run, with "
+    "the resolved config and evaluate's results; the version is tagged with "
+    "the checkpoint and the headline numbers.",
+)
 def export(config, overrides, checkpoint, out, register):
     """Write CONFIG's trained weights as safetensors, with the model config and vocabulary
     as JSON: `pipeline.commands.export.load_exported(DIR)` loads them into the plain torch model."""
@@ -321,12 +481,14 @@ def export(config, overrides, checkpoint, out, register):
 
     spec = load_spec(config, list(overrides))
     client = None
-    if register is not None:        # refused before anything is written
+    if register is not None:  # refused before anything is written
         from pipeline.tracking.registry import check_registrable
+
         client = check_registrable(spec, register)
     exported = write_export(spec, out, checkpoint, log=click.echo)
     if register is not None:
         from pipeline.tracking.registry import register as register_export
+
         register_export(spec, out, register, exported, client, log=click.echo)
 
 
@@ -349,27 +511,52 @@ def launch():
 @launch.command()
 @CONFIG
 @click.option("--nodes", type=int, required=True, help="Nodes to train on.")
-@click.option("--gpus-per-node", type=int, required=True,
-              help="GPUs per node, one training process each; 0 for a CPU partition.")
+@click.option(
+    "--gpus-per-node",
+    type=int,
+    required=True,
+    help="GPUs per node, one training process each; 0 for a CPU partition.",
+)
 @SLURM_JOB
 @SET
 @click.option("--dry-run", is_flag=True, help="Print the script instead of writing it.")
-@click.option("--output", type=FilePath(dir_okay=False),
-              help="Where to write the script (default <workspace>/<name>/slurm/<name>.sbatch).")
-def slurm(config, nodes, gpus_per_node, procs_per_node, partition, time_limit, signal_lead,
-          overrides, dry_run, output):
+@click.option(
+    "--output",
+    type=FilePath(dir_okay=False),
+    help="Where to write the script (default <workspace>/<name>/slurm/<name>.sbatch).",
+)
+def slurm(
+    config,
+    nodes,
+    gpus_per_node,
+    procs_per_node,
+    partition,
+    time_limit,
+    signal_lead,
+    overrides,
+    dry_run,
+    output,
+):
     """Render a Slurm batch script that trains CONFIG on NODES x GPUS-PER-NODE processes."""
     from pipeline.cluster.slurm import render_sbatch, slurm_dir
     from pipeline.spec import load_spec
 
     spec = load_spec(config, list(overrides))
-    script = render_sbatch(config, spec, nodes, gpus_per_node, procs_per_node,
-                           partition=partition, time=time_limit, overrides=list(overrides),
-                           **({"signal_lead": signal_lead} if signal_lead is not None else {}))
+    script = render_sbatch(
+        config,
+        spec,
+        nodes,
+        gpus_per_node,
+        procs_per_node,
+        partition=partition,
+        time=time_limit,
+        overrides=list(overrides),
+        **({"signal_lead": signal_lead} if signal_lead is not None else {}),
+    )
     if dry_run:
         click.echo(script, nl=False)
         return
-    from pipeline.fsutil import user_path     # `..` resolved: nothing made on the way
+    from pipeline.fsutil import user_path  # `..` resolved: nothing made on the way
 
     path = user_path(output) if output else slurm_dir(spec) / f"{spec.name}.sbatch"
     with _flag("--output"):
@@ -387,8 +574,9 @@ def _write_script(path, script: str, log_dir, submit_hint: bool = True) -> None:
         if previous != script:
             atomic_write_text(path, script)
     except (OSError, UnicodeDecodeError) as e:
-        raise PipelineError(f"{shown(path)}: cannot write the script: "
-                            f"{getattr(e, 'strerror', None) or e}") from None
+        raise PipelineError(
+            f"{shown(path)}: cannot write the script: {getattr(e, 'strerror', None) or e}"
+        ) from None
     if previous == script:
         click.echo(f"{path}: unchanged")
     else:

@@ -24,9 +24,8 @@ class FilePath(click.Path):
             value = os.path.expanduser(value)
         if str(value) == "":
             self.fail("the file name is empty", param, ctx)
-        if str(value) == "-":   # click's standard stream; ours are files and directories
-            self.fail("'-' (a standard stream) is not supported here: give a path",
-                      param, ctx)
+        if str(value) == "-":  # click's standard stream; ours are files and directories
+            self.fail("'-' (a standard stream) is not supported here: give a path", param, ctx)
         if "\x00" in str(value):
             self.fail("a file name cannot hold a NUL byte", param, ctx)
         try:
@@ -51,7 +50,7 @@ class OneLineUsageError(click.UsageError):
         click.echo(f"error: {message}{hint}", err=True)
 
 
-if TYPE_CHECKING:     # a mixin of click's Command and Group: what its super() calls reach
+if TYPE_CHECKING:  # a mixin of click's Command and Group: what its super() calls reach
     _Mixin = click.Group
 else:
     _Mixin = object
@@ -63,10 +62,11 @@ class OneLineErrors(_Mixin):
     def make_context(self, info_name, args, parent=None, **extra):
         try:
             return super().make_context(info_name, args, parent, **extra)
-        except click.exceptions.NoArgsIsHelpError as e:   # a bare group: what it has
+        except click.exceptions.NoArgsIsHelpError as e:  # a bare group: what it has
             commands = ", ".join(cast(click.Group, e.ctx.command).list_commands(e.ctx))
-            raise OneLineUsageError(click.UsageError(
-                f"missing command, one of: {commands}", e.ctx)) from None
+            raise OneLineUsageError(
+                click.UsageError(f"missing command, one of: {commands}", e.ctx)
+            ) from None
         except click.UsageError as e:
             raise _one_line(e) from None
 
@@ -89,7 +89,7 @@ class Group(OneLineErrors, click.Group):
     command_class = Command
 
 
-Group.group_class = Group    # `launch` and its commands too
+Group.group_class = Group  # `launch` and its commands too
 
 
 class Main(Group):
@@ -98,14 +98,14 @@ class Main(Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except click.UsageError as e:   # `allattn-pipe --`: no command after the options
+        except click.UsageError as e:  # `allattn-pipe --`: no command after the options
             raise _one_line(e) from None
         except PipelineError as e:
             if ctx.params.get("debug"):
                 raise
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
-        except KeyboardInterrupt:     # a second ctrl-C, or one outside `run`'s stages
+        except KeyboardInterrupt:  # a second ctrl-C, or one outside `run`'s stages
             if ctx.params.get("debug"):
                 raise
             click.echo("error: interrupted (SIGINT)", err=True)

@@ -22,9 +22,10 @@ import re
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pipeline.errors import PipelineError, shown
 
@@ -33,30 +34,37 @@ _PLACE = ("name", "workspace.", "tracking.", "paper.")
 SEED = "train.seed"
 # the metrics shown by default, in this order, when a run logged them
 METRICS = ("valid_bpc", "test_bpc", "valid_ppl", "test_ppl")
-STATUS = {"FINISHED": "finished", "KILLED": "killed", "FAILED": "failed",
-          "RUNNING": "running", "SCHEDULED": "running"}
+STATUS = {
+    "FINISHED": "finished",
+    "KILLED": "killed",
+    "FAILED": "failed",
+    "RUNNING": "running",
+    "SCHEDULED": "running",
+}
 
 
 @dataclass
 class RunRow:
     """One workspace's pipeline runs, as MLflow recorded them."""
-    run_id: str                     # the latest pipeline run of its workspace
-    run_ids: list[str]              # all of them, oldest first
+
+    run_id: str  # the latest pipeline run of its workspace
+    run_ids: list[str]  # all of them, oldest first
     name: str
     status: str
-    params: dict[str, str]          # the resolved spec, flattened (the parent run's params)
-    metrics: dict[str, float]       # evaluate's (and the tasks') final numbers
-    steps: int | None               # the last optimizer step train / finetune logged
-    parameters: int | None          # the model's size, as train logged it
+    params: dict[str, str]  # the resolved spec, flattened (the parent run's params)
+    metrics: dict[str, float]  # evaluate's (and the tasks') final numbers
+    steps: int | None  # the last optimizer step train / finetune logged
+    parameters: int | None  # the model's size, as train logged it
     wall_s: float
-    sweep: str | None               # the run of the sweep it belongs to, if any
+    sweep: str | None  # the run of the sweep it belongs to, if any
 
 
 @dataclass
 class Group:
     """Rows alike in everything but the seed and the run name."""
+
     rows: list[RunRow]
-    paper: dict | None = None       # {"table", "parameters", "results": {metric: value}}
+    paper: dict | None = None  # {"table", "parameters", "results": {metric: value}}
     key: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -107,8 +115,10 @@ def open_store(uri: str):
     if uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///"))
         if not path.is_file():
-            raise PipelineError(f"no tracking store at {path}: no pipeline has run with it "
-                                f"(name a CONFIG, or set MLFLOW_TRACKING_URI)")
+            raise PipelineError(
+                f"no tracking store at {path}: no pipeline has run with it "
+                f"(name a CONFIG, or set MLFLOW_TRACKING_URI)"
+            )
         _check_sqlite_store(path)
     return MlflowClient(tracking_uri=uri)
 
@@ -121,21 +131,24 @@ def _check_sqlite_store(path) -> None:
     try:
         with sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True) as db:
             problems = [row[0] for row in db.execute("PRAGMA quick_check")]
-            tables = {row[0] for row in db.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table'")}
+            tables = {
+                row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            }
         db.close()
     except sqlite3.DatabaseError as e:
         raise PipelineError(f"{path}: not a readable MLflow tracking store ({e})") from None
     if problems != ["ok"]:
-        raise PipelineError(f"{path}: the MLflow tracking store is damaged "
-                            f"({problems[0]})")
+        raise PipelineError(f"{path}: the MLflow tracking store is damaged ({problems[0]})")
     if not {"experiments", "runs", "alembic_version"} <= tables:
-        raise PipelineError(f"{path}: not an MLflow tracking store (no experiments or runs "
-                            f"tables); no pipeline has run with it")
+        raise PipelineError(
+            f"{path}: not an MLflow tracking store (no experiments or runs "
+            f"tables); no pipeline has run with it"
+        )
 
 
-def collect(client, specs=(), experiments=(), run_ids=(), filter_string: str = "",
-            overrides=()) -> list[RunRow]:
+def collect(
+    client, specs=(), experiments=(), run_ids=(), filter_string: str = "", overrides=()
+) -> list[RunRow]:
     """The pipeline runs that the targets name: each spec's runs (its experiment, its name,
     the values its --set overrides give), every run of each experiment, and each run id;
     everything in the store when no target is given. `filter_string` (MLflow's search
@@ -147,15 +160,19 @@ def collect(client, specs=(), experiments=(), run_ids=(), filter_string: str = "
     for spec in specs:
         exp = client.get_experiment_by_name(spec.tracking.experiment or spec.name)
         if exp is None:
-            raise PipelineError(f"{spec.source}: no runs of it in {client.tracking_uri} "
-                                f"(experiment '{spec.tracking.experiment or spec.name}')")
+            raise PipelineError(
+                f"{spec.source}: no runs of it in {client.tracking_uri} "
+                f"(experiment '{spec.tracking.experiment or spec.name}')"
+            )
         wanted.setdefault(exp.experiment_id, [])
         wanted[exp.experiment_id].append(_names(spec, overrides))
     for name in experiments:
         exp = client.get_experiment_by_name(name)
         if exp is None:
-            raise PipelineError(f"no experiment '{shown(name)}' in {client.tracking_uri} (nor a "
-                                f"config file or a run id of that name)")
+            raise PipelineError(
+                f"no experiment '{shown(name)}' in {client.tracking_uri} (nor a "
+                f"config file or a run id of that name)"
+            )
         wanted.setdefault(exp.experiment_id, []).append(lambda row: True)
     for run_id in run_ids:
         try:
@@ -164,7 +181,8 @@ def collect(client, specs=(), experiments=(), run_ids=(), filter_string: str = "
             raise PipelineError(f"no run {run_id} in {client.tracking_uri}") from None
         ids = set(_pipelines_of(run, _search(client, run.info.experiment_id, "")))
         wanted.setdefault(run.info.experiment_id, []).append(
-            lambda row, ids=ids: bool(ids & set(row.run_ids)))
+            lambda row, ids=ids: bool(ids & set(row.run_ids))
+        )
     if not (specs or experiments or run_ids):
         for exp in client.search_experiments():
             wanted[exp.experiment_id] = [lambda row: True]
@@ -202,8 +220,7 @@ def _pipelines_of(run, runs) -> list[str]:
         return [run.info.run_id]
     if "stage" in tags:
         return [tags.get("mlflow.parentRunId")]
-    return [r.info.run_id for r in runs
-            if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
+    return [r.info.run_id for r in runs if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
 
 
 def _search(client, exp_id: str, filter_string: str) -> list:
@@ -224,10 +241,13 @@ def _names(spec, overrides):
 
     resolved = flatten(spec.resolved())
     keys = [".".join(parse_override(text)[0]) for text in overrides]
-    fixed = {k: v for k, v in resolved.items() if any(k == x or k.startswith(x + ".")
-                                                      for x in keys)}
-    return lambda row: (row.name == spec.name or row.name.startswith(f"{spec.name}-")) \
+    fixed = {
+        k: v for k, v in resolved.items() if any(k == x or k.startswith(x + ".") for x in keys)
+    }
+    return lambda row: (
+        (row.name == spec.name or row.name.startswith(f"{spec.name}-"))
         and all(row.params.get(k) == v for k, v in fixed.items())
+    )
 
 
 def _row(client, invocations, children: dict[str, list]) -> RunRow:
@@ -251,8 +271,7 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
             # killed without a word (kill -9): its time ended with its last record
             end = last_activity(client, parent, children.get(info.run_id, []))
         wall += ((end or int(time.time() * 1000)) - info.start_time) / 1000
-        for child in sorted(children.get(info.run_id, []),
-                            key=lambda c: c.info.start_time or 0):
+        for child in sorted(children.get(info.run_id, []), key=lambda c: c.info.start_time or 0):
             stage = child.data.tags.get("stage")
             if stage == "evaluate" and child.data.metrics:
                 metrics = dict(child.data.metrics)
@@ -263,12 +282,18 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
                 if "parameters" in child.data.params:
                     parameters = int(child.data.params["parameters"])
     info = latest.info
-    return RunRow(run_id=info.run_id, run_ids=[r.info.run_id for r in invocations],
-                  name=latest.data.tags.get("mlflow.runName", info.run_id),
-                  status=status,
-                  params=dict(latest.data.params), metrics=metrics, steps=steps,
-                  parameters=parameters, wall_s=wall,
-                  sweep=latest.data.tags.get("mlflow.parentRunId"))
+    return RunRow(
+        run_id=info.run_id,
+        run_ids=[r.info.run_id for r in invocations],
+        name=latest.data.tags.get("mlflow.runName", info.run_id),
+        status=status,
+        params=dict(latest.data.params),
+        metrics=metrics,
+        steps=steps,
+        parameters=parameters,
+        wall_s=wall,
+        sweep=latest.data.tags.get("mlflow.parentRunId"),
+    )
 
 
 def _died(run) -> bool:
@@ -277,8 +302,11 @@ def _died(run) -> bool:
     from pipeline.workspace.lock import lock_is_free
 
     tags = run.data.tags
-    return (tags.get("host") == socket.gethostname() and "workspace" in tags
-            and lock_is_free(Path(tags["workspace"])))
+    return (
+        tags.get("host") == socket.gethostname()
+        and "workspace" in tags
+        and lock_is_free(Path(tags["workspace"]))
+    )
 
 
 def group(rows: list[RunRow]) -> list[Group]:
@@ -294,13 +322,18 @@ def group(rows: list[RunRow]) -> list[Group]:
 
 
 def _paper(params: dict[str, str]) -> dict | None:
-    results = {k.removeprefix("paper.results."): float(v) for k, v in params.items()
-               if k.startswith("paper.results.")}
+    results = {
+        k.removeprefix("paper.results."): float(v)
+        for k, v in params.items()
+        if k.startswith("paper.results.")
+    }
     if not results:
         return None
-    return {"table": params.get("paper.table", ""),
-            "parameters": int(params["paper.parameters"]) if "paper.parameters" in params
-            else None, "results": results}
+    return {
+        "table": params.get("paper.table", ""),
+        "parameters": int(params["paper.parameters"]) if "paper.parameters" in params else None,
+        "results": results,
+    }
 
 
 def metric_names(groups: list[Group], chosen=()) -> list[str]:
@@ -312,6 +345,7 @@ def metric_names(groups: list[Group], chosen=()) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- render
+
 
 def _varying_params(groups: list[Group]) -> list[str]:
     keys = sorted({k for g in groups for k in g.key})
@@ -354,25 +388,37 @@ def _mean_of(values):
 def table_rows(groups: list[Group], metrics: list[str]) -> tuple[list[str], list[list[str]]]:
     """The header and the cells of every row (paper rows included), nothing folded yet."""
     params = _varying_params(groups)
-    header = (["name", "status", "n", "seeds", "model", "parameters", "steps", "tokens",
-               "wall"] + params + metrics)
+    header = (
+        ["name", "status", "n", "seeds", "model", "parameters", "steps", "tokens", "wall"]
+        + params
+        + metrics
+    )
     cells = []
     for g in groups:
         first = g.rows[0]
         tokens = _mean_of(_tokens(r) for r in g.rows)
-        cells.append([g.name, first.status, str(len(g.rows)), g.seeds,
-                      first.params.get("model.kind", "?"),
-                      _fmt_size(_mean_of(r.parameters for r in g.rows)),
-                      str(_mean_of(r.steps for r in g.rows) or "-"),
-                      "-" if tokens is None else f"{tokens:,}",
-                      _fmt_wall(statistics.fmean(r.wall_s for r in g.rows))]
-                     + [g.key.get(p, "-") for p in params]
-                     + [_fmt_metric(g.metric(m)) for m in metrics])
+        cells.append(
+            [
+                g.name,
+                first.status,
+                str(len(g.rows)),
+                g.seeds,
+                first.params.get("model.kind", "?"),
+                _fmt_size(_mean_of(r.parameters for r in g.rows)),
+                str(_mean_of(r.steps for r in g.rows) or "-"),
+                "-" if tokens is None else f"{tokens:,}",
+                _fmt_wall(statistics.fmean(r.wall_s for r in g.rows)),
+            ]
+            + [g.key.get(p, "-") for p in params]
+            + [_fmt_metric(g.metric(m)) for m in metrics]
+        )
         if g.paper:
             label = f"  published: {g.paper['table']}"
             if g.paper["parameters"]:
                 label += f", {_fmt_size(g.paper['parameters'])} parameters"
-            row = [label, "published", "", "", "", _fmt_size(g.paper["parameters"]), "", "", ""] + ["" for _ in params]
+            row = [label, "published", "", "", "", _fmt_size(g.paper["parameters"]), "", "", ""] + [
+                "" for _ in params
+            ]
             for m in metrics:
                 published, ours = g.paper["results"].get(m), g.metric(m)
                 if published is None:
@@ -385,8 +431,9 @@ def table_rows(groups: list[Group], metrics: list[str]) -> tuple[list[str], list
     return header, cells
 
 
-def _fold(header: list[str], cells: list[list[str]]) -> tuple[list[str], list[str],
-                                                                list[list[str]]]:
+def _fold(
+    header: list[str], cells: list[list[str]]
+) -> tuple[list[str], list[str], list[list[str]]]:
     """Drop the columns whose value is the same in every run row (paper rows leave theirs
     blank); return them as 'column: value' notes, and the columns left."""
     runs = [c for c in cells if c[1] != "published"]
@@ -426,20 +473,41 @@ def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
 
 
 def _as_json(g: Group, metrics: list[str]) -> dict:
-    out: dict[str, Any] = {"name": g.name, "status": g.rows[0].status, "n": len(g.rows),
-           "runs": [{"run_id": r.run_id, "run_ids": r.run_ids, "name": r.name, "seed": r.params.get(SEED),
-                     "steps": r.steps, "tokens": _tokens(r), "parameters": r.parameters,
-                     "wall_s": r.wall_s, "metrics": r.metrics} for r in g.rows],
-           "params": g.key, "metrics": {}}
+    out: dict[str, Any] = {
+        "name": g.name,
+        "status": g.rows[0].status,
+        "n": len(g.rows),
+        "runs": [
+            {
+                "run_id": r.run_id,
+                "run_ids": r.run_ids,
+                "name": r.name,
+                "seed": r.params.get(SEED),
+                "steps": r.steps,
+                "tokens": _tokens(r),
+                "parameters": r.parameters,
+                "wall_s": r.wall_s,
+                "metrics": r.metrics,
+            }
+            for r in g.rows
+        ],
+        "params": g.key,
+        "metrics": {},
+    }
     for m in metrics:
         stat = g.metric(m)
         if stat is not None:
             mean, std, n = stat
             out["metrics"][m] = {"mean": mean, "std": std, "n": n}
     if g.paper:
-        out["paper"] = dict(g.paper, difference={
-            m: out["metrics"][m]["mean"] - v for m, v in g.paper["results"].items()
-            if m in out["metrics"]})
+        out["paper"] = dict(
+            g.paper,
+            difference={
+                m: out["metrics"][m]["mean"] - v
+                for m, v in g.paper["results"].items()
+                if m in out["metrics"]
+            },
+        )
     return out
 
 

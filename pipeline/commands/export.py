@@ -22,8 +22,12 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError, shown
 
-WEIGHTS, CONFIG, VOCAB, SP_MODEL = "model.safetensors", "config.json", "vocab.json", \
-    "tokenizer.model"
+WEIGHTS, CONFIG, VOCAB, SP_MODEL = (
+    "model.safetensors",
+    "config.json",
+    "vocab.json",
+    "tokenizer.model",
+)
 # The ownership marker: written into every export directory, it proves that the directory is
 # an earlier export, the only kind of directory `export --out` replaces.
 MARKER = ".allattn-export"
@@ -39,23 +43,28 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
     from pipeline.training.checkpoints import read_pointer
 
     ws = spec.workspace_dir
-    trained = [s for s in ("finetune", "train") if s in spec.stages
-               and (ws / s / "stage.json").is_file()]
+    trained = [
+        s for s in ("finetune", "train") if s in spec.stages and (ws / s / "stage.json").is_file()
+    ]
     if which in ("latest", "best"):
         if not trained:
-            raise PipelineError(f"{spec.source}: no finished train stage in {ws}; run "
-                                f"`allattn-pipe run {spec.source}` first, or name a "
-                                f"checkpoint directory with --checkpoint PATH")
+            raise PipelineError(
+                f"{spec.source}: no finished train stage in {ws}; run "
+                f"`allattn-pipe run {spec.source}` first, or name a "
+                f"checkpoint directory with --checkpoint PATH"
+            )
         if which == "latest":
             return ws / trained[0] / "checkpoints", None, f"{trained[0]} (latest)"
         for stage in trained:
             root = ws / stage / "checkpoints"
             if tag := read_pointer(root / "best"):
                 return root, tag, f"{stage}/{tag} (best)"
-        raise PipelineError(f"--checkpoint best: no checkpoint is marked best under "
-                            f"{', '.join(str(ws / s / 'checkpoints') for s in trained)} "
-                            f"(train.eval_every's validations mark it)")
-    if not which.strip():       # Path("") is the current directory
+        raise PipelineError(
+            f"--checkpoint best: no checkpoint is marked best under "
+            f"{', '.join(str(ws / s / 'checkpoints') for s in trained)} "
+            f"(train.eval_every's validations mark it)"
+        )
+    if not which.strip():  # Path("") is the current directory
         raise PipelineError("--checkpoint is empty: give latest, best, or a checkpoint directory")
     path = Path(which).expanduser()
     if (path / "mp_rank_00_model_states.pt").is_file() or path.name.startswith("step-"):
@@ -68,14 +77,16 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
 def trained_model(spec, which: str, log):
     """The spec's model with the weights of checkpoint `which`, in eval mode, and the
     preprocess stage's directory (its vocabulary, its manifest)."""
-    from pipeline.training.checkpoints import load_model_weights
     from pipeline.data.manifest import load_manifest
+    from pipeline.training.checkpoints import load_model_weights
     from stages import STAGES
 
     if "train" not in spec.stages or "preprocess" not in spec.stages:
-        raise PipelineError(f"{spec.source}: sample and export need a language model that "
-                            f"preprocess and train made; this config's stages are "
-                            f"{', '.join(spec.stages)}")
+        raise PipelineError(
+            f"{spec.source}: sample and export need a language model that "
+            f"preprocess and train made; this config's stages are "
+            f"{', '.join(spec.stages)}"
+        )
     preprocess = spec.workspace_dir / "preprocess"
     manifest = load_manifest(preprocess)
     model = spec.build_model(manifest["vocab_size"], str(preprocess / "manifest.json"))
@@ -99,8 +110,9 @@ def export(spec, out: Path, which: str = "latest", log=print) -> str:
     given = out
     out = real_destination(out)
     if any(len(os.fsencode(part)) > 255 for part in out.parts):
-        raise PipelineError(f"--out {shown(given)}: a name in it is longer than a file name "
-                            f"can be (255 bytes)")
+        raise PipelineError(
+            f"--out {shown(given)}: a name in it is longer than a file name can be (255 bytes)"
+        )
     check_replaceable(out, given)
     model, preprocess, checkpoint = trained_model(spec, which, log)
     manifest = load_manifest(preprocess)
@@ -109,24 +121,34 @@ def export(spec, out: Path, which: str = "latest", log=print) -> str:
     try:
         tmp = private_temp_dir(out.parent, out.name)
     except OSError as e:
-        raise PipelineError(f"--out {shown(given)}: cannot write there: "
-                            f"{e.strerror or e}") from None
+        raise PipelineError(
+            f"--out {shown(given)}: cannot write there: {e.strerror or e}"
+        ) from None
     try:
         save_model(model, str(tmp / WEIGHTS))
-        (tmp / CONFIG).write_text(json.dumps({
-            "kind": spec.model_kind, "model": asdict(spec.model_params),
-            "vocab_size": manifest["vocab_size"],
-            "source": {"spec": spec.source, "checkpoint": checkpoint}}, indent=2) + "\n")
+        (tmp / CONFIG).write_text(
+            json.dumps(
+                {
+                    "kind": spec.model_kind,
+                    "model": asdict(spec.model_params),
+                    "vocab_size": manifest["vocab_size"],
+                    "source": {"spec": spec.source, "checkpoint": checkpoint},
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         (tmp / VOCAB).write_text(json.dumps(vocab, indent=1) + "\n")
         if vocab["kind"] == "sentencepiece":
             shutil.copy2(preprocess / "shards" / vocab["model"], tmp / SP_MODEL)
         (tmp / MARKER).write_text(MARKER_TEXT)
         _replace(tmp, out, given)
     except OSError as e:
-        raise PipelineError(f"--out {shown(given)}: cannot write the export: "
-                            f"{e.strerror or e}") from None
+        raise PipelineError(
+            f"--out {shown(given)}: cannot write the export: {e.strerror or e}"
+        ) from None
     finally:
-        _remove_export(tmp)         # ours (mkdtemp): gone once renamed, else half-written
+        _remove_export(tmp)  # ours (mkdtemp): gone once renamed, else half-written
     log(f"{out}: {checkpoint} exported ({WEIGHTS}, {CONFIG}, {VOCAB})")
     return checkpoint
 
@@ -138,8 +160,10 @@ def check_replaceable(out: Path, given) -> None:
     if not os.path.lexists(out):
         return
     if not out.is_dir():
-        raise PipelineError(f"--out {where}: exists and is not a directory; name a new "
-                            f"directory or an earlier export's")
+        raise PipelineError(
+            f"--out {where}: exists and is not a directory; name a new "
+            f"directory or an earlier export's"
+        )
     try:
         entries = sorted(p.name for p in out.iterdir())
     except OSError as e:
@@ -147,20 +171,28 @@ def check_replaceable(out: Path, given) -> None:
     if not entries:
         return
     if MARKER not in entries or not _is_marker(out / MARKER):
-        raise PipelineError(f"--out {where}: exists and holds other files, and is not an "
-                            f"earlier export (no {MARKER} file in it); name a new directory "
-                            f"or an earlier export's")
+        raise PipelineError(
+            f"--out {where}: exists and holds other files, and is not an "
+            f"earlier export (no {MARKER} file in it); name a new directory "
+            f"or an earlier export's"
+        )
     for name in entries:
         path = out / name
         if name not in FILES or path.is_symlink() or not path.is_file():
-            raise PipelineError(f"--out {where}: an earlier export, but {shown(path)} is not "
-                                f"one of its files; move it away or name another directory")
+            raise PipelineError(
+                f"--out {where}: an earlier export, but {shown(path)} is not "
+                f"one of its files; move it away or name another directory"
+            )
 
 
 def _is_marker(path: Path) -> bool:
     try:
-        return not path.is_symlink() and path.is_file() and \
-            path.stat().st_size < 1024 and json.loads(path.read_text()).get("kind") == "export"
+        return (
+            not path.is_symlink()
+            and path.is_file()
+            and path.stat().st_size < 1024
+            and json.loads(path.read_text()).get("kind") == "export"
+        )
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -180,7 +212,7 @@ def _replace(tmp: Path, out: Path, given) -> None:
         try:
             tmp.rename(out)
         except BaseException:
-            (trash / "old").rename(out)      # the earlier export stays where it was
+            (trash / "old").rename(out)  # the earlier export stays where it was
             raise
     finally:
         _remove_export(trash / "old")
@@ -217,6 +249,9 @@ def load_exported(directory, device="cpu"):
     model = build_model(config["kind"], config["model"], config["vocab_size"])
     load_model(model, str(directory / WEIGHTS), strict=True, device=str(device))
     vocab = json.loads((directory / VOCAB).read_text())
-    tokenizer = (SentencePieceTokenizer.load(directory / SP_MODEL)
-                 if vocab["kind"] == "sentencepiece" else vocab_from_json(vocab))
+    tokenizer = (
+        SentencePieceTokenizer.load(directory / SP_MODEL)
+        if vocab["kind"] == "sentencepiece"
+        else vocab_from_json(vocab)
+    )
     return model.to(device).eval(), tokenizer

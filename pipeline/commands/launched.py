@@ -19,17 +19,21 @@ from pipeline.workspace.runner import Runner
 def main(argv: list[str] | None = None) -> int:
     """One launched process: the pipeline of --config, this process being one rank."""
     parser = argparse.ArgumentParser(
-        prog="launch/train.py", description="Run a pipeline as one rank of a multi-process "
-        "launch: deepspeed --hostfile hosts launch/train.py --config CFG")
+        prog="launch/train.py",
+        description="Run a pipeline as one rank of a multi-process "
+        "launch: deepspeed --hostfile hosts launch/train.py --config CFG",
+    )
     parser.add_argument("--config", required=True)
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--from", dest="start_from", metavar="STAGE")
     parser.add_argument("--only", action="append", default=[], metavar="STAGE")
     parser.add_argument("--force", action="append", default=[], metavar="STAGE")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # older launchers
-    parser.add_argument("--ranks-from-slurm", action="store_true",
-                        help="a task of an srun step: rank and world size from Slurm")
+    parser.add_argument(
+        "--ranks-from-slurm",
+        action="store_true",
+        help="a task of an srun step: rank and world size from Slurm",
+    )
     args = parser.parse_args(argv)
     rank = 0
     try:
@@ -37,11 +41,16 @@ def main(argv: list[str] | None = None) -> int:
             distributed.take_rank_from_slurm()
         spec = load_spec(args.config, args.overrides)
         rank, _ = distributed.init_process_group()
-        runner = Runner(spec, force=args.force, start_from=args.start_from, only=args.only,
-                        log=print if rank == 0 else (lambda m: None))
+        runner = Runner(
+            spec,
+            force=args.force,
+            start_from=args.start_from,
+            only=args.only,
+            log=print if rank == 0 else (lambda m: None),
+        )
         runner.run(make_tracker(spec, rank=rank))
     except PipelineError as e:
-        if rank == 0 or not isinstance(e, Preempted):    # every rank stops the same way
+        if rank == 0 or not isinstance(e, Preempted):  # every rank stops the same way
             print(f"error (rank {rank}): {e}", file=sys.stderr)
         return e.exit_code
     return 0

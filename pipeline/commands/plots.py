@@ -23,31 +23,40 @@ def curves(client, row) -> dict[str, list[dict]]:
         per_step = int(row.params["train.batch_size"]) * int(row.params["train.seq_len"])
     except (KeyError, ValueError):
         per_step = 0
-    stage_runs = [child for run_id in row.run_ids
-                  for child in client.search_runs([client.get_run(run_id).info.experiment_id],
-                                                  f"tags.`mlflow.parentRunId` = '{run_id}'")
-                  if child.data.tags.get("stage") in ("train", "finetune")]
-    stage_runs.sort(key=lambda child: child.info.start_time or 0)   # so the latest wins
+    stage_runs = [
+        child
+        for run_id in row.run_ids
+        for child in client.search_runs(
+            [client.get_run(run_id).info.experiment_id], f"tags.`mlflow.parentRunId` = '{run_id}'"
+        )
+        if child.data.tags.get("stage") in ("train", "finetune")
+    ]
+    stage_runs.sort(key=lambda child: child.info.start_time or 0)  # so the latest wins
     found: dict[str, dict[int, tuple[int, float]]] = {}
     for metric in SERIES:
         points = {}
         for child in stage_runs:
             for m in client.get_metric_history(child.info.run_id, metric):
-                points[m.step] = (m.timestamp, m.value)   # a resumed run re-logs: last wins
+                points[m.step] = (m.timestamp, m.value)  # a resumed run re-logs: last wins
         if points:
             found[metric] = points
     if not found:
         return {}
     start = min(t for points in found.values() for t, _ in points.values())
-    return {metric: [{"step": s, "tokens": s * per_step, "minutes": (t - start) / 60000,
-                      "value": v} for s, (t, v) in sorted(points.items())]
-            for metric, points in found.items()}
+    return {
+        metric: [
+            {"step": s, "tokens": s * per_step, "minutes": (t - start) / 60000, "value": v}
+            for s, (t, v) in sorted(points.items())
+        ]
+        for metric, points in found.items()
+    }
 
 
 def learning_curves(data: dict[str, dict[str, list[dict]]], path) -> Path:
     """A PNG at `path`: one row of panels per metric of SERIES, one column per x-axis of
     AXES, one line per run (`data`: run name -> `curves`)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -58,17 +67,27 @@ def learning_curves(data: dict[str, dict[str, list[dict]]], path) -> Path:
             for name, series in data.items():
                 points = series.get(metric, [])
                 if points:
-                    ax.plot([p[x] for p in points], [p["value"] for p in points],
-                            marker="." if len(points) < 30 else None, label=name)
+                    ax.plot(
+                        [p[x] for p in points],
+                        [p["value"] for p in points],
+                        marker="." if len(points) < 30 else None,
+                        label=name,
+                    )
             if not ax.lines:
-                ax.text(0.5, 0.5, f"no run logged {metric}", ha="center", va="center",
-                        transform=ax.transAxes, color="grey")
+                ax.text(
+                    0.5,
+                    0.5,
+                    f"no run logged {metric}",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                    color="grey",
+                )
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="upper center", ncol=min(4, len(labels)),
-                   fontsize="small")
+        fig.legend(handles, labels, loc="upper center", ncol=min(4, len(labels)), fontsize="small")
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return save(fig, path, dpi=100)

@@ -11,7 +11,7 @@ same text.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -57,9 +57,16 @@ FLUSH_EVERY = 16
 """Generated tokens between two prints of the text so far."""
 
 
-def generate(model, prompt_ids: list[int], tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, seed: int = 0, device="cpu",
-             block_len: int = 512) -> Iterator[int]:
+def generate(
+    model,
+    prompt_ids: list[int],
+    tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    device="cpu",
+    block_len: int = 512,
+) -> Iterator[int]:
     """`tokens` new ids after `prompt_ids`, yielded as they are drawn from the model's
     next-token distribution (softmax of logits / temperature, over the top_k most likely
     when given; temperature 0 is greedy). The prompt is read `block_len` tokens at a time."""
@@ -73,14 +80,17 @@ def generate(model, prompt_ids: list[int], tokens: int, temperature: float = 1.0
     state = model.init_state(1, device=device)
     with torch.no_grad():
         for start in range(0, len(prompt_ids), block_len):
-            block = torch.tensor([prompt_ids[start:start + block_len]], dtype=torch.long,
-                                 device=device)
+            block = torch.tensor(
+                [prompt_ids[start : start + block_len]], dtype=torch.long, device=device
+            )
             out = model(block, None, state)
             state = out.state
         for n in range(1, tokens + 1):
             if out.logits is None:
-                raise PipelineError("sample: this model does not form logits (an adaptive "
-                                    "softmax); sampling from it is not supported")
+                raise PipelineError(
+                    "sample: this model does not form logits (an adaptive "
+                    "softmax); sampling from it is not supported"
+                )
             scores = out.logits[0, -1].float().cpu()
             if temperature == 0:
                 nxt = int(scores.argmax())
@@ -96,30 +106,40 @@ def generate(model, prompt_ids: list[int], tokens: int, temperature: float = 1.0
                 state = out.state
 
 
-def sample(spec, which: str, prompt: str, tokens: int, temperature: float,
-           top_k: int | None, seed: int, log) -> Iterator[str]:
+def sample(
+    spec,
+    which: str,
+    prompt: str,
+    tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    log,
+) -> Iterator[str]:
     """The prompt and its continuation, as pieces of text that join to it, yielded as the
     tokens are generated."""
-    from pipeline.data.manifest import load_tokenizer
     from pipeline.commands.export import trained_model
+    from pipeline.data.manifest import load_tokenizer
 
     if tokens > MAX_TOKENS:
-        raise PipelineError(f"--tokens {tokens:,}: at most {MAX_TOKENS:,}, each a forward pass "
-                            f"of the model")
+        raise PipelineError(
+            f"--tokens {tokens:,}: at most {MAX_TOKENS:,}, each a forward pass of the model"
+        )
     model, preprocess, _ = trained_model(spec, which, log)
     tokenizer = load_tokenizer(preprocess)
     ids = encode_prompt(tokenizer, prompt)
     block_len = spec.train.eval_seq_len or spec.train.seq_len
     shown = ""
-    for n, nxt in enumerate(generate(model, ids, tokens, temperature, top_k, seed,
-                                     block_len=block_len), 1):
+    for n, nxt in enumerate(
+        generate(model, ids, tokens, temperature, top_k, seed, block_len=block_len), 1
+    ):
         ids.append(nxt)
         if n % FLUSH_EVERY == 0:
             # the last character waits: the next token can still change it (a byte of a
             # longer UTF-8 character, a word's end)
             text = decode(tokenizer, ids)[:-1]
             if text.startswith(shown):
-                yield text[len(shown):]
+                yield text[len(shown) :]
                 shown = text
     text = decode(tokenizer, ids)
-    yield text[len(shown):]
+    yield text[len(shown) :]

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 from pipeline.cluster import distributed
 from pipeline.cluster.signals import _Handler
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
+from pipeline.spec import load_spec
 from pipeline.workspace.layout import Workspace, fingerprint
 from pipeline.workspace.runner import Runner
-from pipeline.spec import load_spec
 
-if TYPE_CHECKING:             # a name for annotations only
+if TYPE_CHECKING:  # a name for annotations only
     from pipeline.spec.schema import Spec
 from stages import STAGES, resolve_inputs
 
@@ -47,8 +47,8 @@ from stages import STAGES, resolve_inputs
 @dataclass
 class Point:
     name: str
-    overrides: list[str]          # the user's --set, then the grid's, the seed, name, experiment
-    spec: Spec                    # its resolved spec
+    overrides: list[str]  # the user's --set, then the grid's, the seed, name, experiment
+    spec: Spec  # its resolved spec
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -58,8 +58,10 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
         key, eq, values = item.partition("=")
         key, parts = key.strip(), [v.strip() for v in values.split(",")]
         if not eq or not key or not all(parts):
-            raise PipelineError(f"--grid {shown(item)}: expected KEY=V1,V2,... (e.g. "
-                                f"--grid train.optimizer.lr=1e-3,3e-3)")
+            raise PipelineError(
+                f"--grid {shown(item)}: expected KEY=V1,V2,... (e.g. "
+                f"--grid train.optimizer.lr=1e-3,3e-3)"
+            )
         if key in SWEEP_SETS:
             raise PipelineError(f"--grid {shown(item)}: the sweep sets {key} itself, one per point")
         if key in (k for k, _ in grid):
@@ -80,7 +82,9 @@ def overlapping(a: str, b: str) -> bool:
 def parse_seeds(text: str | None) -> list[str]:
     seeds = [s.strip() for s in (text or "").split(",") if s.strip()]
     if text is not None and (not seeds or not all(s.isdigit() for s in seeds)):
-        raise PipelineError(f"--seeds {shown(text)}: expected integers separated by commas, e.g. 1,2,3")
+        raise PipelineError(
+            f"--seeds {shown(text)}: expected integers separated by commas, e.g. 1,2,3"
+        )
     return seeds
 
 
@@ -91,14 +95,17 @@ def _label(key: str, keys: list[str]) -> str:
     return last if sum(k.rsplit(".", 1)[-1] == last for k in keys) == 1 else key.replace(".", "_")
 
 
-def points(config: str, overrides: list[str], grid: list[tuple[str, list[str]]],
-           seeds: list[str]) -> list[Point]:
+def points(
+    config: str, overrides: list[str], grid: list[tuple[str, list[str]]], seeds: list[str]
+) -> list[Point]:
     """Every point of the grid x seeds, each validated as its own spec."""
     base = load_spec(config, overrides)
     keys = [k for k, _ in grid]
     if seeds and any(overlapping(k, "train.seed") for k in keys):
-        raise PipelineError("--grid train.seed and --seeds both set train.seed: each point "
-                            "would run under two names; give the seeds once")
+        raise PipelineError(
+            "--grid train.seed and --seeds both set train.seed: each point "
+            "would run under two names; give the seeds once"
+        )
     experiment = base.tracking.experiment or base.name
     out, names = [], set()
     for values in itertools.product(*(v for _, v in grid), *([seeds] if seeds else [])):
@@ -108,12 +115,17 @@ def points(config: str, overrides: list[str], grid: list[tuple[str, list[str]]],
         if seed is not None:
             parts.append(f"seed{seed}")
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join([base.name, *parts]))
-        sets = [*overrides, *(f"{k}={v}" for k, v in chosen),
-                *([f"train.seed={seed}"] if seed is not None else []),
-                f"name={name}", f"tracking.experiment={experiment}"]
+        sets = [
+            *overrides,
+            *(f"{k}={v}" for k, v in chosen),
+            *([f"train.seed={seed}"] if seed is not None else []),
+            f"name={name}",
+            f"tracking.experiment={experiment}",
+        ]
         if name in names:
-            raise PipelineError(f"sweep: two points would both be named {name}; give each "
-                                f"value once")
+            raise PipelineError(
+                f"sweep: two points would both be named {name}; give each value once"
+            )
         names.add(name)
         try:
             spec = load_spec(config, sets)
@@ -133,7 +145,7 @@ def shared_prefix(pts: list[Point]) -> list[str]:
     first = pts[0].spec
     prefix: list[str] = []
     for name in first.stages:
-        if any(p.spec.stages[:len(prefix) + 1] != first.stages[:len(prefix) + 1] for p in pts):
+        if any(p.spec.stages[: len(prefix) + 1] != first.stages[: len(prefix) + 1] for p in pts):
             break
         config = STAGES[name].fingerprinted(first)
         if any(STAGES[name].fingerprinted(p.spec) != config for p in pts):
@@ -181,7 +193,7 @@ class SweepRun:
         from pipeline.tracking.tracker import tracking_uri
 
         self.warn = warn
-        self.client: Any = None       # an MlflowClient or open_store's; None: not recorded
+        self.client: Any = None  # an MlflowClient or open_store's; None: not recorded
         self.run_id: str | None = None
         if not spec.tracking.enabled:
             return
@@ -190,30 +202,34 @@ class SweepRun:
             if uri.startswith("sqlite:///"):
                 Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
                 from pipeline.tracking.tracker import open_client
+
                 self.client = open_client(uri, warn)
             else:
                 self.client = open_store(uri)
             from pipeline.tracking.sender import experiment_id
             from pipeline.tracking.tracker import artifact_location, experiment_name
 
-            exp_id = experiment_id(self.client, experiment_name(spec),
-                                   artifact_location(spec, uri))
+            exp_id = experiment_id(self.client, experiment_name(spec), artifact_location(spec, uri))
             self.experiment_id = exp_id
             found = self.client.search_runs([exp_id], f"tags.`sweep.id` = '{ident}'")
             if found:
                 self.run_id = found[0].info.run_id
                 self.client.update_run(self.run_id, "RUNNING")
             else:
-                run = self.client.create_run(exp_id, run_name=f"{spec.name}-sweep",
-                                             tags={"sweep.id": ident,
-                                                   "sweep.points": description})
+                run = self.client.create_run(
+                    exp_id,
+                    run_name=f"{spec.name}-sweep",
+                    tags={"sweep.id": ident, "sweep.points": description},
+                )
                 self.run_id = run.info.run_id
-        except Exception as e:          # tracking never stops the pipeline
+        except Exception as e:  # tracking never stops the pipeline
             self._give_up(e)
 
     def _give_up(self, e: Exception) -> None:
-        self.warn(f"the sweep's MLflow run is not recorded ({type(e).__name__}: {e}); "
-                  f"the points' own runs are")
+        self.warn(
+            f"the sweep's MLflow run is not recorded ({type(e).__name__}: {e}); "
+            f"the points' own runs are"
+        )
         self.client = self.run_id = None
 
     def adopt(self, workspaces: list[Path]) -> None:
@@ -225,8 +241,7 @@ class SweepRun:
                 filt = f"tags.workspace = '{ws.resolve()}'"
                 for run in self.client.search_runs([self.experiment_id], filt):
                     if run.data.tags.get("mlflow.parentRunId") != self.run_id:
-                        self.client.set_tag(run.info.run_id, "mlflow.parentRunId",
-                                            self.run_id)
+                        self.client.set_tag(run.info.run_id, "mlflow.parentRunId", self.run_id)
         except Exception as e:
             self._give_up(e)
 
@@ -238,16 +253,16 @@ class SweepRun:
                 self._give_up(e)
 
 
-def plan_sweep(config: str, overrides: list[str], grid_items: list[str],
-               seeds_text: str | None, log=None) -> tuple[list[Point], list[str], str]:
+def plan_sweep(
+    config: str, overrides: list[str], grid_items: list[str], seeds_text: str | None, log=None
+) -> tuple[list[Point], list[str], str]:
     """The sweep's points, the stages they share, and its id (its MLflow run's tag); `log`
     is told of each --set that the grid or the seeds replace."""
     grid = parse_grid(grid_items)
     seeds = parse_seeds(seeds_text)
     if not grid and not seeds:
         raise PipelineError("sweep: give at least one --grid KEY=V1,V2 or --seeds")
-    varied = [(k, f"--grid {k}") for k, _ in grid] + (
-        [("train.seed", "--seeds")] if seeds else [])
+    varied = [(k, f"--grid {k}") for k, _ in grid] + ([("train.seed", "--seeds")] if seeds else [])
     for item in overrides if log else ():
         key = item.partition("=")[0].strip()
         replaced_by = [flag for k, flag in varied if overlapping(key, k)]
@@ -257,19 +272,28 @@ def plan_sweep(config: str, overrides: list[str], grid_items: list[str],
     return pts, shared_prefix(pts), sweep_id(config, overrides, grid, seeds)
 
 
-def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_text: str | None,
-              parallel: int = 1, dry_run: bool = False, log=print) -> list[str]:
+def run_sweep(
+    config: str,
+    overrides: list[str],
+    grid_items: list[str],
+    seeds_text: str | None,
+    parallel: int = 1,
+    dry_run: bool = False,
+    log=print,
+) -> list[str]:
     """Run (or, dry, describe) every point; returns the names of the points that failed."""
     from pipeline.tracking.tracker import make_tracker
 
     pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text, log)
     if dry_run:
-        log(f"{len(pts)} points; run once and reused by every point: "
-            f"{', '.join(prefix) or 'nothing'}")
+        log(
+            f"{len(pts)} points; run once and reused by every point: "
+            f"{', '.join(prefix) or 'nothing'}"
+        )
         for p in pts:
             plan = Runner(p.spec, log=lambda m: None).plan()
             to_run = [s.stage for s in plan if s.action == "run"]
-            sets = " ".join(f"--set {o}" for o in p.overrides[len(overrides):-2])
+            sets = " ".join(f"--set {o}" for o in p.overrides[len(overrides) : -2])
             log(f"  {p.name:<40} {'done' if not to_run else 'run ' + ','.join(to_run)}  {sets}")
         return []
     sweep = _sweep_run(pts, ident, log)
@@ -292,10 +316,11 @@ def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_te
             for p in todo:
                 try:
                     Runner(p.spec, log=lambda m, p=p: log(f"[{p.name}] {m}")).run(
-                        make_tracker(p.spec))
+                        make_tracker(p.spec)
+                    )
                 except Preempted:
-                    raise                               # a signal stops the whole sweep
-                except Exception as e:                  # the other points still run
+                    raise  # a signal stops the whole sweep
+                except Exception as e:  # the other points still run
                     log(f"[{p.name}] failed: {e}")
                     failed.append(p.name)
                 sweep.adopt([p.spec.workspace_dir])
@@ -306,8 +331,10 @@ def run_sweep(config: str, overrides: list[str], grid_items: list[str], seeds_te
     finally:
         sweep.adopt(workspaces)
         sweep.end(status)
-    log(f"{len(pts) - len(failed)} of {len(pts)} points done"
-        + (f"; failed: {', '.join(failed)}" if failed else ""))
+    log(
+        f"{len(pts) - len(failed)} of {len(pts)} points done"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return failed
 
 
@@ -324,19 +351,28 @@ def run_shared_prefix(pts: list[Point], prefix: list[str], sweep: SweepRun, log)
     for p in pts:
         reuse_outputs(p.spec, log)
     first = pts[0]
-    if not all(s.action == "skip" for s in Runner(first.spec, only=prefix,
-                                                  log=lambda m: None).plan()
-               if s.stage in prefix):
+    if not all(
+        s.action == "skip"
+        for s in Runner(first.spec, only=prefix, log=lambda m: None).plan()
+        if s.stage in prefix
+    ):
         log(f"[{first.name}] running what every point shares: {', '.join(prefix)}")
-        Runner(first.spec, only=prefix,
-               log=lambda m: log(f"[{first.name}] {m}")).run(make_tracker(first.spec))
+        Runner(first.spec, only=prefix, log=lambda m: log(f"[{first.name}] {m}")).run(
+            make_tracker(first.spec)
+        )
         sweep.adopt([first.spec.workspace_dir])
 
 
 def point_command(config: str, point: Point) -> list[str]:
     """The command that runs one point in its own process (tests put stand-ins here)."""
-    return [sys.executable, "-m", "pipeline.commands.cli", "run", config,
-            *(x for o in point.overrides for x in ("--set", o))]
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.commands.cli",
+        "run",
+        config,
+        *(x for o in point.overrides for x in ("--set", o)),
+    ]
 
 
 class ForwardSignals(_Handler):
@@ -364,8 +400,9 @@ class ForwardSignals(_Handler):
             raise
 
 
-def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRun,
-                   log) -> list[str]:
+def _run_processes(
+    config: str, todo: list[Point], parallel: int, sweep: SweepRun, log
+) -> list[str]:
     """Each point as its own `allattn-pipe run`, at most `parallel` at a time; their output
     goes to `<workspace>/sweep.log`. A signal is forwarded to them (`ForwardSignals`); the
     sweep waits for them to save and exit, then stops with `Preempted` (exit 128 + the
@@ -382,9 +419,12 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
                     p.spec.workspace_dir.mkdir(parents=True, exist_ok=True)
                     out = open(p.spec.workspace_dir / "sweep.log", "ab")
                     # each point is a run of its own: its own process group, its own port
-                    proc = subprocess.Popen(point_command(config, p), stdout=out,
-                                            stderr=subprocess.STDOUT,
-                                            env=distributed.environment_for_new_group())
+                    proc = subprocess.Popen(
+                        point_command(config, p),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=distributed.environment_for_new_group(),
+                    )
                     running.append((p, proc, out))
                     log(f"[{p.name}] started (log: {p.spec.workspace_dir / 'sweep.log'})")
                 if signals.received is not None and not running:
@@ -398,25 +438,30 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
                     if proc.returncode == 0:
                         log(f"[{p.name}] finished")
                     elif signals.received is not None:
-                        log(f"[{p.name}] stopped by {signals.received} (exit "
-                            f"{proc.returncode}); see {p.spec.workspace_dir / 'sweep.log'}")
+                        log(
+                            f"[{p.name}] stopped by {signals.received} (exit "
+                            f"{proc.returncode}); see {p.spec.workspace_dir / 'sweep.log'}"
+                        )
                         stopped.append(p.name)
                     else:
-                        log(f"[{p.name}] failed (exit {proc.returncode}); see "
-                            f"{p.spec.workspace_dir / 'sweep.log'}")
+                        log(
+                            f"[{p.name}] failed (exit {proc.returncode}); see "
+                            f"{p.spec.workspace_dir / 'sweep.log'}"
+                        )
                         failed.append(p.name)
         finally:
-            for _p, proc, out in running:      # interrupted: the points' runs stop too
+            for _p, proc, out in running:  # interrupted: the points' runs stop too
                 if proc.poll() is None and signals.received is None:
                     proc.terminate()
                 proc.wait()
                 out.close()
     if signals.received is not None:
         name = signals.received
-        error = Preempted(f"sweep stopped by {name}: "
-                          + (f"{', '.join(stopped)} saved what they had and stopped; "
-                             if stopped else "")
-                          + "run the sweep again to resume its points")
+        error = Preempted(
+            f"sweep stopped by {name}: "
+            + (f"{', '.join(stopped)} saved what they had and stopped; " if stopped else "")
+            + "run the sweep again to resume its points"
+        )
         error.exit_code = 128 + signal.Signals[name].value
         raise error
     return failed
@@ -424,8 +469,15 @@ def _run_processes(config: str, todo: list[Point], parallel: int, sweep: SweepRu
 
 # -- as a Slurm job array: pipeline.cluster.slurm renders it, each task calls these around its ranks
 
-def prepare_array_task(config: str, overrides: list[str], grid_items: list[str],
-                       seeds_text: str | None, index: int, log=print) -> None:
+
+def prepare_array_task(
+    config: str,
+    overrides: list[str],
+    grid_items: list[str],
+    seeds_text: str | None,
+    index: int,
+    log=print,
+) -> None:
     """Before task `index`'s ranks start: the shared stages built once (by whichever task
     gets here first; the others wait, then link them in) and whatever this point can reuse
     linked into its workspace."""
@@ -440,14 +492,21 @@ def prepare_array_task(config: str, overrides: list[str], grid_items: list[str],
         sweep = _sweep_run(pts, ident, log)
         if prefix and not is_done(point.spec):
             # built in the first point's workspace, linked into this one
-            run_shared_prefix(list({id(p): p for p in (pts[0], point)}.values()), prefix,
-                              sweep, log)
+            run_shared_prefix(
+                list({id(p): p for p in (pts[0], point)}.values()), prefix, sweep, log
+            )
         reuse_outputs(point.spec, log)
     log(f"[{point.name}] sweep point {index + 1} of {len(pts)}")
 
 
-def finish_array_task(config: str, overrides: list[str], grid_items: list[str],
-                      seeds_text: str | None, index: int, log=print) -> None:
+def finish_array_task(
+    config: str,
+    overrides: list[str],
+    grid_items: list[str],
+    seeds_text: str | None,
+    index: int,
+    log=print,
+) -> None:
     """After task `index`'s ranks end: its runs filed under the sweep's run, which is marked
     finished once every point is done."""
     pts, _, ident = plan_sweep(config, overrides, grid_items, seeds_text)

@@ -14,11 +14,11 @@ from pipeline.data.shards import (
     dtype_extension,
     read_shards,
     shard_name,
+    smallest_uint_dtype,
     verify_shard,
     write_shards,
 )
 from pipeline.data.stream import StreamBatches, eval_batches, eval_num_batches
-from pipeline.data.shards import smallest_uint_dtype
 from pipeline.data.vocab import Vocab, unigram_entropy_bits, vocab_from_json
 from pipeline.data.word_vocab import UnknownWordError, WordVocab, count_lines, split_words
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 PROBLEMS = ("reverse", "sort", "add", "mult", "not", "remember")
 SEPARATOR = 2
-BINARY_VOCAB = {"add": 3, "mult": 3, "not": 3}   # 0, 1 and the separator 2
+BINARY_VOCAB = {"add": 3, "mult": 3, "not": 3}  # 0, 1 and the separator 2
 DEFAULT_VOCAB = {"reverse": 100, "sort": 20, "remember": 20}
 BINARY = ("add", "mult")
 
@@ -54,14 +54,17 @@ def length_step(problem: str, step: int | None = None) -> int:
 def check_length(problem: str, length: int) -> None:
     """ValueError naming the problem if it cannot make cases of `length`."""
     if problem in BINARY and (length < 3 or length % 2 == 0):
-        raise ValueError(f"{problem} needs an odd length of at least 3 (two operands of "
-                         f"(length - 1) / 2 bits and a separator); got {length}")
+        raise ValueError(
+            f"{problem} needs an odd length of at least 3 (two operands of "
+            f"(length - 1) / 2 bits and a separator); got {length}"
+        )
     if length < 1:
         raise ValueError(f"{problem} needs a length of at least 1; got {length}")
 
 
-def generate(problem: str, length: int, batch: int, generator: torch.Generator,
-             vocab: int | None = None) -> tuple[Tensor, Tensor]:
+def generate(
+    problem: str, length: int, batch: int, generator: torch.Generator, vocab: int | None = None
+) -> tuple[Tensor, Tensor]:
     """A batch of `batch` cases of `problem` at `length` (see the module doc for the layouts),
     drawn from `generator` (CPU)."""
     check_length(problem, length)
@@ -82,13 +85,16 @@ def generate(problem: str, length: int, batch: int, generator: torch.Generator,
     raise ValueError(f"unknown problem {problem!r}; known: {', '.join(PROBLEMS)}")
 
 
-def _arithmetic(problem: str, length: int, batch: int,
-                generator: torch.Generator) -> tuple[Tensor, Tensor]:
+def _arithmetic(
+    problem: str, length: int, batch: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
     width = (length - 1) // 2
     a, b = _operands(width, batch, generator), _operands(width, batch, generator)
     rows = [binary_case(problem, length, x, y) for x, y in zip(a, b, strict=False)]
-    return (torch.tensor([r[0] for r in rows], dtype=torch.int64).view(batch, length),
-            torch.tensor([r[1] for r in rows], dtype=torch.int64).view(batch, length))
+    return (
+        torch.tensor([r[0] for r in rows], dtype=torch.int64).view(batch, length),
+        torch.tensor([r[1] for r in rows], dtype=torch.int64).view(batch, length),
+    )
 
 
 def binary_case(problem: str, length: int, a: int, b: int) -> tuple[list[int], list[int]]:

@@ -12,7 +12,7 @@ import ast
 import sysconfig
 from pathlib import Path
 
-MIN_DOCSTRING = 200   # shorter ones are mostly one-line summaries; keep prose
+MIN_DOCSTRING = 200  # shorter ones are mostly one-line summaries; keep prose
 
 
 def _stdlib_docstrings(root: Path) -> list[str]:
@@ -20,16 +20,18 @@ def _stdlib_docstrings(root: Path) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).parts
         # third-party packages, tests and tool scripts are not the library's prose
-        if rel[0] in ("site-packages", "dist-packages", "test", "idlelib", "lib2to3") or \
-                "tests" in rel or rel[0].startswith("config-"):
+        if (
+            rel[0] in ("site-packages", "dist-packages", "test", "idlelib", "lib2to3")
+            or "tests" in rel
+            or rel[0].startswith("config-")
+        ):
             continue
         try:
             tree = ast.parse(path.read_bytes())
         except (SyntaxError, ValueError, OSError):
             continue
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                 ast.AsyncFunctionDef)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
                 if doc and len(doc) >= MIN_DOCSTRING:
                     texts.append(doc.strip())

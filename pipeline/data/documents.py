@@ -27,8 +27,10 @@ def as_documents(tokens: np.ndarray, layout: dict, what: str) -> np.ndarray:
     into whole documents."""
     length = layout["length"]
     if tokens.size % length:
-        raise PipelineError(f"{what}: {tokens.size:,} tokens are not whole documents of "
-                            f"{length:,}; run the pipeline with --force preprocess to rebuild it")
+        raise PipelineError(
+            f"{what}: {tokens.size:,} tokens are not whole documents of "
+            f"{length:,}; run the pipeline with --force preprocess to rebuild it"
+        )
     return tokens.reshape(-1, length)
 
 
@@ -36,16 +38,19 @@ class DocumentBatches:
     """``batch(step) -> [rows, length]`` int64: this rank's documents for optimizer step
     ``step``."""
 
-    def __init__(self, documents: np.ndarray, rows: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0):
+    def __init__(
+        self, documents: np.ndarray, rows: int, rank: int = 0, world_size: int = 1, seed: int = 0
+    ):
         if documents.ndim != 2:
             raise ValueError(f"documents must be [count, length], got shape {documents.shape}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
         per_step = rows * world_size
         if len(documents) < per_step:
-            raise ValueError(f"a step reads {per_step} documents (batch of {rows} x world size "
-                             f"{world_size}), the split has {len(documents)}")
+            raise ValueError(
+                f"a step reads {per_step} documents (batch of {rows} x world size "
+                f"{world_size}), the split has {len(documents)}"
+            )
         self.documents, self.rows, self.rank, self.seed = documents, rows, rank, seed
         self.per_step = per_step
         self.steps_per_epoch = len(documents) // per_step
@@ -58,7 +63,7 @@ class DocumentBatches:
         """Which documents this rank reads at ``step``."""
         epoch, k = divmod(step, self.steps_per_epoch)
         first = k * self.per_step + self.rank * self.rows
-        return self.epoch_order(epoch)[first:first + self.rows]
+        return self.epoch_order(epoch)[first : first + self.rows]
 
     def batch(self, step: int) -> torch.Tensor:
         return torch.from_numpy(self.documents[self.indices(step)].astype(np.int64))

@@ -35,11 +35,11 @@ from typing import IO, Any
 
 from pipeline.errors import PipelineError
 
-CHUNK = 1 << 20                   # bytes per read/write
-TIMEOUT_S = 60.0                  # socket timeout: connect, and each read
-RETRIES = 2                       # in-process resumes of an interrupted http transfer
-RETRY_WAIT_S = 2.0                # times the attempt number
-PROGRESS_MIN_BYTES = 8 << 20      # smaller downloads log no progress lines
+CHUNK = 1 << 20  # bytes per read/write
+TIMEOUT_S = 60.0  # socket timeout: connect, and each read
+RETRIES = 2  # in-process resumes of an interrupted http transfer
+RETRY_WAIT_S = 2.0  # times the attempt number
+PROGRESS_MIN_BYTES = 8 << 20  # smaller downloads log no progress lines
 PROGRESS_UNKNOWN_STEP = 32 << 20  # without a Content-Length: a line every this many bytes
 USER_AGENT = "allattn-pipe (python urllib)"
 SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -52,10 +52,10 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class Fetched:
     url: str
-    path: Path        # the verified file: in the cache (http) or the file:// source itself
+    path: Path  # the verified file: in the cache (http) or the file:// source itself
     sha256: str
     bytes: int
-    cached: bool      # served from the cache without a request
+    cached: bool  # served from the cache without a request
 
 
 def cache_dir(spec) -> Path:
@@ -76,7 +76,7 @@ def file_name(url: str, archive: str = "none") -> str:
     if archive == "gz":
         for suffix in (".gz", ".gzip"):
             if name.lower().endswith(suffix):
-                name = name[:-len(suffix)]
+                name = name[: -len(suffix)]
                 break
     return name if name not in ("", ".", "..") else "data"
 
@@ -95,9 +95,17 @@ def digests(path: str | os.PathLike, md5: bool = False) -> tuple[str, str | None
 
 # ---------------------------------------------------------------- fetch
 
-def fetch(url: str, cache: str | os.PathLike, *, sha256: str | None = None, log: Log = print,
-          retries: int = RETRIES, timeout: float = TIMEOUT_S,
-          mismatch_hint: str = "") -> Fetched:
+
+def fetch(
+    url: str,
+    cache: str | os.PathLike,
+    *,
+    sha256: str | None = None,
+    log: Log = print,
+    retries: int = RETRIES,
+    timeout: float = TIMEOUT_S,
+    mismatch_hint: str = "",
+) -> Fetched:
     """A verified local copy of `url` (http(s):// or file://).
 
     http(s): `sha256` is required; the file is taken from the cache or downloaded into it
@@ -109,14 +117,17 @@ def fetch(url: str, cache: str | os.PathLike, *, sha256: str | None = None, log:
     if scheme == "file":
         return _fetch_file(url, sha256, mismatch_hint)
     if scheme not in ("http", "https"):
-        raise PipelineError(f"dataset.url {url}: unsupported scheme '{scheme}' "
-                            f"(use builtin://NAME, file:///path or http(s)://...)")
+        raise PipelineError(
+            f"dataset.url {url}: unsupported scheme '{scheme}' "
+            f"(use builtin://NAME, file:///path or http(s)://...)"
+        )
     if not sha256:
         raise PipelineError(
             f"dataset.url {url}: an http(s) download needs the file's sha256 (the integrity "
             f"check and the cache key): set `sha256:` in the dataset card or pass --set "
             f"dataset.sha256=<output of sha256sum FILE>, or download it by hand and use "
-            f"--set dataset.url=file:///path/to/{file_name(url)}")
+            f"--set dataset.url=file:///path/to/{file_name(url)}"
+        )
     key = check_hex(sha256, SHA256_HEX, "dataset.sha256", "sha256").lower()
     downloads = Path(cache) / "downloads"
     final = downloads / key
@@ -127,10 +138,12 @@ def fetch(url: str, cache: str | os.PathLike, *, sha256: str | None = None, log:
     try:
         downloads.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise PipelineError(f"download cache {downloads}: cannot create it ({e.strerror}); "
-                            f"set workspace.cache to a writable directory") from None
+        raise PipelineError(
+            f"download cache {downloads}: cannot create it ({e.strerror}); "
+            f"set workspace.cache to a writable directory"
+        ) from None
     with _locked(downloads / f"{key}.lock", log):
-        hit = _cache_hit(final, key, url, log)   # another process may have just finished
+        hit = _cache_hit(final, key, url, log)  # another process may have just finished
         if hit:
             return hit
         part = downloads / f"{key}.part"
@@ -144,11 +157,14 @@ def fetch(url: str, cache: str | os.PathLike, *, sha256: str | None = None, log:
                     kept = part.stat().st_size if part.exists() else 0
                     raise PipelineError(
                         f"dataset.url {url}: download interrupted ({e}); the {kept:,} bytes "
-                        f"received are kept in {part}: run again to resume") from None
+                        f"received are kept in {part}: run again to resume"
+                    ) from None
                 attempt += 1
                 wait = RETRY_WAIT_S * attempt
-                log(f"download interrupted ({e}); resuming in {wait:.0f}s "
-                    f"(retry {attempt} of {retries})")
+                log(
+                    f"download interrupted ({e}); resuming in {wait:.0f}s "
+                    f"(retry {attempt} of {retries})"
+                )
                 time.sleep(wait)
         found, _, _ = digests(part)
         if found != key:
@@ -160,8 +176,10 @@ def fetch(url: str, cache: str | os.PathLike, *, sha256: str | None = None, log:
                 kept_as = f"; kept as {downloads / found}"
             else:
                 part.unlink(missing_ok=True)
-            raise PipelineError(f"dataset.url {url}: sha256 mismatch: expected {key}, found "
-                                f"{found}{kept_as}{mismatch_hint.replace('{found}', found)}")
+            raise PipelineError(
+                f"dataset.url {url}: sha256 mismatch: expected {key}, found "
+                f"{found}{kept_as}{mismatch_hint.replace('{found}', found)}"
+            )
         os.replace(part, final)
     log(f"saved in the cache as {final}")
     return Fetched(url, final, key, final.stat().st_size, cached=False)
@@ -191,22 +209,25 @@ def local_source_identity(url: str) -> dict | None:
 def _fetch_file(url: str, sha256: str | None, mismatch_hint: str) -> Fetched:
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):
-        raise PipelineError(f"dataset.url {url}: a file URL needs an absolute path, with three "
-                            f"slashes: file:///{parsed.netloc}{parsed.path}")
+        raise PipelineError(
+            f"dataset.url {url}: a file URL needs an absolute path, with three "
+            f"slashes: file:///{parsed.netloc}{parsed.path}"
+        )
     src = Path(urllib.request.url2pathname(parsed.path))
     if not src.exists():
         raise PipelineError(f"dataset.url {url}: no such file {src}")
     if not src.is_file():
         raise PipelineError(f"dataset.url {url}: {src} is not a regular file")
-    expected = check_hex(sha256, SHA256_HEX, "dataset.sha256", "sha256").lower() if sha256 \
-        else None
+    expected = check_hex(sha256, SHA256_HEX, "dataset.sha256", "sha256").lower() if sha256 else None
     try:
         found, _, size = digests(src)
     except OSError as e:
         raise PipelineError(f"dataset.url {url}: cannot read {src} ({e.strerror})") from None
     if expected and found != expected:
-        raise PipelineError(f"dataset.url {url}: sha256 mismatch: expected {expected}, found "
-                            f"{found}{mismatch_hint.replace('{found}', found)}")
+        raise PipelineError(
+            f"dataset.url {url}: sha256 mismatch: expected {expected}, found "
+            f"{found}{mismatch_hint.replace('{found}', found)}"
+        )
     return Fetched(url, src, found, size, cached=False)
 
 
@@ -228,7 +249,7 @@ def _locked(path: Path, log: Log):
     waits, then finds the file in the cache. Where the filesystem has no locks, no lock."""
     try:
         import fcntl
-    except ImportError:          # not POSIX
+    except ImportError:  # not POSIX
         yield
         return
     with open(path, "a") as handle:
@@ -260,7 +281,7 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
     request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
     if have:
         request.add_header("Range", f"bytes={have}-")
-    opener = urllib.request.build_opener()   # reads the *_proxy variables now
+    opener = urllib.request.build_opener()  # reads the *_proxy variables now
     try:
         response = opener.open(request, timeout=timeout)
     except urllib.error.HTTPError as e:
@@ -271,10 +292,14 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
             if digests(part)[0] == key:
                 return have
             part.unlink()
-            raise _Interrupted(f"HTTP 416 for a .part of {have:,} bytes that is not the file; "
-                               f"starting over") from None
-        hint = "; the file may have moved: point --set dataset.url=... at a mirror" \
-            if e.code in (404, 410) else ""
+            raise _Interrupted(
+                f"HTTP 416 for a .part of {have:,} bytes that is not the file; starting over"
+            ) from None
+        hint = (
+            "; the file may have moved: point --set dataset.url=... at a mirror"
+            if e.code in (404, 410)
+            else ""
+        )
         raise PipelineError(f"dataset.url {url}: HTTP {e.code} {e.reason}{hint}") from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
         reason = getattr(e, "reason", None) or e
@@ -282,7 +307,8 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
         raise PipelineError(
             f"dataset.url {url}: cannot reach {host} ({reason}); on a machine without "
             f"internet, copy the file to local or shared storage and use --set "
-            f"dataset.url=file:///path/to/{file_name(url)}") from None
+            f"dataset.url=file:///path/to/{file_name(url)}"
+        ) from None
 
     with response:
         status = response.status
@@ -292,21 +318,21 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
             start, total = _content_range(response.headers.get("Content-Range"))
             if start != have:
                 part.unlink()
-                raise _Interrupted(f"the server resumed at byte {start}, not {have}; "
-                                   f"starting over")
+                raise _Interrupted(f"the server resumed at byte {start}, not {have}; starting over")
             if total is None and length is not None:
                 total = have + length
             mode = "ab"
-            log(f"resuming {url} at {have / 1e6:.1f}"
-                + (f" of {total / 1e6:.1f} MB" if total else " MB"))
+            log(
+                f"resuming {url} at {have / 1e6:.1f}"
+                + (f" of {total / 1e6:.1f} MB" if total else " MB")
+            )
         elif status == 200:
             if have:
                 log("the server sent the whole file (HTTP 200, not 206): starting over")
             have, total, mode = 0, length, "wb"
             log(f"downloading {url}" + (f" ({total / 1e6:.1f} MB)" if total else ""))
         else:
-            raise PipelineError(f"dataset.url {url}: unexpected HTTP {status} "
-                                f"{response.reason}")
+            raise PipelineError(f"dataset.url {url}: unexpected HTTP {status} {response.reason}")
 
         progress = _Progress(log, have, total)
         try:
@@ -316,8 +342,7 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
                         block = response.read(CHUNK)
                     except (OSError, http.client.HTTPException) as e:
                         out.flush()
-                        raise _Interrupted(f"{type(e).__name__}: {e}".rstrip(": ")) \
-                            from None
+                        raise _Interrupted(f"{type(e).__name__}: {e}".rstrip(": ")) from None
                     if not block:
                         break
                     out.write(block)
@@ -327,12 +352,13 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
                 os.fsync(out.fileno())
         except OSError as e:
             if e.errno in DISK_FULL:
-                kept = part.stat().st_size if part.exists() else 0   # what reached the disk
+                kept = part.stat().st_size if part.exists() else 0  # what reached the disk
                 needed = f"; {total - kept:,} more bytes were needed" if total else ""
                 raise PipelineError(
                     f"dataset.url {url}: disk full writing {part} ({e.strerror}){needed}; "
                     f"free space (or set workspace.cache elsewhere) and run again to resume "
-                    f"from the {kept:,} bytes kept") from None
+                    f"from the {kept:,} bytes kept"
+                ) from None
             raise
     if total is not None and have < total:
         raise _Interrupted(f"the connection closed after {have:,} of {total:,} bytes")
@@ -358,15 +384,19 @@ class _Progress:
             return
         self.next = (have // self.step + 1) * self.step
         if self.total:
-            self.log(f"  {100 * have // self.total:3d}%  {have / 1e6:,.1f} of "
-                     f"{self.total / 1e6:,.1f} MB  {self._rate(have):.1f} MB/s")
+            self.log(
+                f"  {100 * have // self.total:3d}%  {have / 1e6:,.1f} of "
+                f"{self.total / 1e6:,.1f} MB  {self._rate(have):.1f} MB/s"
+            )
         else:
             self.log(f"  {have / 1e6:,.1f} MB  {self._rate(have):.1f} MB/s")
 
     def done(self, have: int) -> None:
         seconds = time.monotonic() - self.t0
-        self.log(f"downloaded {(have - self.start) / 1e6:,.1f} MB in {seconds:.1f}s "
-                 f"({self._rate(have):.1f} MB/s)")
+        self.log(
+            f"downloaded {(have - self.start) / 1e6:,.1f} MB in {seconds:.1f}s "
+            f"({self._rate(have):.1f} MB/s)"
+        )
 
 
 def open_for_write(path: Path, mode: str) -> IO[Any]:
@@ -376,10 +406,10 @@ def open_for_write(path: Path, mode: str) -> IO[Any]:
 
 # ---------------------------------------------------------------- extract
 
+
 def check_hex(value: str, pattern: re.Pattern, key: str, algo: str) -> str:
     if not isinstance(value, str) or not pattern.match(value):
-        raise PipelineError(f"{key}: {value!r} is not a {algo} "
-                            f"({32 if algo == 'md5' else 64} hex digits)")
+        raise PipelineError(
+            f"{key}: {value!r} is not a {algo} ({32 if algo == 'md5' else 64} hex digits)"
+        )
     return value.lower()
-
-

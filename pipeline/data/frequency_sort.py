@@ -13,7 +13,7 @@ vocabulary is ``vocab + 2``. A language model reads the document and is scored o
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -30,8 +30,9 @@ def padding(vocab: int) -> int:
     return vocab + 1
 
 
-def mixture_ends(rng: np.random.Generator, vocab: int,
-                 weight_range: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def mixture_ends(
+    rng: np.random.Generator, vocab: int, weight_range: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
     """p_start, p_end [vocab] (float64): integer weights in weight_range, normalised."""
     low, high = weight_range
     ends = rng.integers(low, high + 1, size=(2, vocab)).astype(np.float64)
@@ -39,8 +40,9 @@ def mixture_ends(rng: np.random.Generator, vocab: int,
     return ends[0], ends[1]
 
 
-def drifting_tokens(rng: np.random.Generator, p_start: np.ndarray, p_end: np.ndarray,
-                    length: int) -> np.ndarray:
+def drifting_tokens(
+    rng: np.random.Generator, p_start: np.ndarray, p_end: np.ndarray, length: int
+) -> np.ndarray:
     """[length] int64: token j drawn from (1 − r) p_start + r p_end, r = (j + 1)/length."""
     r = (np.arange(length) + 1.0) / length
     cdf = (1 - r)[:, None] * np.cumsum(p_start) + r[:, None] * np.cumsum(p_end)
@@ -54,21 +56,23 @@ def sort_by_count(tokens: np.ndarray, vocab: int) -> np.ndarray:
     """[vocab] int64: the symbols by decreasing count in tokens, ties by first appearance,
     absent symbols last in index order."""
     counts = np.bincount(tokens, minlength=vocab)
-    first = np.full(vocab, len(tokens), dtype=np.int64) + np.arange(vocab)   # absent: by index
-    seen, where = np.unique(tokens, return_index=True)                       # first occurrences
+    first = np.full(vocab, len(tokens), dtype=np.int64) + np.arange(vocab)  # absent: by index
+    seen, where = np.unique(tokens, return_index=True)  # first occurrences
     first[seen] = where
     return np.lexsort((first, -counts)).astype(np.int64)
 
 
-def document(rng: np.random.Generator, vocab: int, length: int,
-             weight_range: tuple[int, int]) -> np.ndarray:
+def document(
+    rng: np.random.Generator, vocab: int, length: int, weight_range: tuple[int, int]
+) -> np.ndarray:
     """[length + 1 + vocab] int64: one case's input, the separator, its target."""
     tokens = drifting_tokens(rng, *mixture_ends(rng, vocab, weight_range), length)
     return np.concatenate([tokens, [separator(vocab)], sort_by_count(tokens, vocab)])
 
 
-def split_documents(seed: int, split: str, sequences: int, vocab: int, length: int,
-                    weight_range: tuple[int, int]) -> Iterator[np.ndarray]:
+def split_documents(
+    seed: int, split: str, sequences: int, vocab: int, length: int, weight_range: tuple[int, int]
+) -> Iterator[np.ndarray]:
     """The documents of one split one at a time (a writer need not hold the split). Each
     split has its own stream of random numbers from (seed, split), so changing how many
     sequences one split has leaves the others as they were."""
@@ -77,7 +81,8 @@ def split_documents(seed: int, split: str, sequences: int, vocab: int, length: i
         yield document(rng, vocab, length, weight_range)
 
 
-def generate_split(seed: int, split: str, sequences: int, vocab: int, length: int,
-                   weight_range: tuple[int, int]) -> np.ndarray:
+def generate_split(
+    seed: int, split: str, sequences: int, vocab: int, length: int, weight_range: tuple[int, int]
+) -> np.ndarray:
     """[sequences, length + 1 + vocab] int64: split_documents' documents, stacked."""
     return np.stack(list(split_documents(seed, split, sequences, vocab, length, weight_range)))

@@ -45,8 +45,10 @@ def load_manifest(preprocess_dir: Path) -> dict:
         raise PipelineError(f"{path}: not a manifest (a JSON object); {REBUILD}")
     # manifests written before checksums existed have none; everything later must match
     if "sha256" in manifest and manifest["sha256"] != _content_sha256(manifest):
-        raise PipelineError(f"{path}: its content does not match its sha256 (edited or "
-                            f"damaged since preprocess wrote it); {REBUILD}")
+        raise PipelineError(
+            f"{path}: its content does not match its sha256 (edited or "
+            f"damaged since preprocess wrote it); {REBUILD}"
+        )
     return manifest
 
 
@@ -75,6 +77,8 @@ def load_tokenizer(preprocess_dir: Path):
         return vocab_from_json(vocab)
     path = Path(preprocess_dir) / "shards" / vocab["model"]
     if not path.is_file() or sha256_file(path) != vocab["sha256"]:
-        raise PipelineError(f"{path}: the sentencepiece model is missing or does not match "
-                            f"its sha256 in the manifest; {REBUILD}")
+        raise PipelineError(
+            f"{path}: the sentencepiece model is missing or does not match "
+            f"its sha256 in the manifest; {REBUILD}"
+        )
     return SentencePieceTokenizer.load(path)

@@ -35,11 +35,11 @@ UNK_ID, EOS_ID = 0, 1
 @dataclass(frozen=True)
 class SentencePieceOptions:
     vocab_size: int
-    model_type: str = "bpe"              # "bpe" or "unigram"
+    model_type: str = "bpe"  # "bpe" or "unigram"
     character_coverage: float = 1.0
     byte_fallback: bool = False
-    normalization: str = "identity"      # a sentencepiece normalization rule name
-    sample_sentences: int = 1_000_000    # lines of the training text to train on, at most
+    normalization: str = "identity"  # a sentencepiece normalization rule name
+    sample_sentences: int = 1_000_000  # lines of the training text to train on, at most
     seed: int = 0
     num_threads: int = 4
     eos: str | None = "<eos>"
@@ -82,12 +82,21 @@ def train_sentencepiece(train_data, options: SentencePieceOptions) -> bytes:
     spm.set_random_generator_seed(options.seed)
     model = io.BytesIO()
     kwargs: dict[str, Any] = dict(
-        sentence_iterator=iter(sentences), model_writer=model,
-        model_type=options.model_type, vocab_size=options.vocab_size,
-        character_coverage=options.character_coverage, byte_fallback=options.byte_fallback,
-        normalization_rule_name=options.normalization, remove_extra_whitespaces=False,
-        input_sentence_size=0, shuffle_input_sentence=False, num_threads=options.num_threads,
-        unk_id=UNK_ID, bos_id=-1, pad_id=-1, minloglevel=2,
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        model_type=options.model_type,
+        vocab_size=options.vocab_size,
+        character_coverage=options.character_coverage,
+        byte_fallback=options.byte_fallback,
+        normalization_rule_name=options.normalization,
+        remove_extra_whitespaces=False,
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        num_threads=options.num_threads,
+        unk_id=UNK_ID,
+        bos_id=-1,
+        pad_id=-1,
+        minloglevel=2,
     )
     if options.eos is None:
         kwargs["eos_id"] = -1
@@ -115,7 +124,7 @@ class SentencePieceTokenizer:
         self.eos: str | None = None if eos < 0 else self._sp.id_to_piece(eos)
 
     @classmethod
-    def load(cls, path: str | Path) -> "SentencePieceTokenizer":
+    def load(cls, path: str | Path) -> SentencePieceTokenizer:
         return cls(Path(path).read_bytes())
 
     def __len__(self) -> int:
@@ -141,8 +150,9 @@ class SentencePieceTokenizer:
             if self.eos_id is not None:
                 for ids in encoded:
                     ids.append(self.eos_id)
-            parts.append(np.fromiter(itertools.chain.from_iterable(encoded), dtype=self.dtype,
-                                     count=n))
+            parts.append(
+                np.fromiter(itertools.chain.from_iterable(encoded), dtype=self.dtype, count=n)
+            )
         if not parts:
             return np.zeros(0, dtype=self.dtype)
         return np.concatenate(parts)
@@ -173,6 +183,10 @@ class SentencePieceTokenizer:
 
     def to_json(self, model_file: str, model_sha256: str) -> dict:
         """The manifest's description: the model file (beside the shards) and its sha256."""
-        return {"kind": "sentencepiece", "size": len(self), "eos": self.eos,
-                "model": model_file, "sha256": model_sha256}
-
+        return {
+            "kind": "sentencepiece",
+            "size": len(self),
+            "eos": self.eos,
+            "model": model_file,
+            "sha256": model_sha256,
+        }

@@ -211,7 +211,7 @@ def _read_one(out_dir: Path, entry: dict, dt: np.dtype, first_block: int) -> lis
                         f"shard {path}: block order, expected block {expected} found {key}"
                     )
                 member = tf.extractfile(ti)
-                assert member is not None       # a regular file: checked above
+                assert member is not None  # a regular file: checked above
                 raw = member.read()
                 if len(raw) % dt.itemsize:
                     raise ShardError(

@@ -24,7 +24,7 @@ padding rows/batches where needed) so collectives in the evaluation loop never h
 from __future__ import annotations
 
 import bisect
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -43,7 +43,11 @@ def _check_layout(batch_size, seq_len, rank, world_size) -> None:
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+    if (
+        isinstance(rank, bool)
+        or not isinstance(rank, (int, np.integer))
+        or not 0 <= rank < world_size
+    ):
         raise ValueError(f"rank must be an integer in 0..{world_size - 1}, got {rank!r}")
 
 

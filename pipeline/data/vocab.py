@@ -12,7 +12,8 @@ Everything here is plain numpy: no torch, no yaml.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +84,7 @@ class Vocab:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def build(cls, kind: str, data) -> "Vocab":
+    def build(cls, kind: str, data) -> Vocab:
         """The distinct symbols occurring in ``data`` (bytes for "byte", str for "char"), sorted."""
         if kind == "byte":
             codes = np.flatnonzero(_code_counts(_bytes_array(data), 256))
@@ -140,9 +141,9 @@ class Vocab:
             return np.zeros(0, dtype=self.dtype)
         known = self._known
         hi = int(codes.max())
-        if hi >= len(known):   # a character beyond the vocabulary's highest code point
+        if hi >= len(known):  # a character beyond the vocabulary's highest code point
             known = np.zeros(hi + 1, dtype=bool)
-            known[:len(self._known)] = self._known
+            known[: len(self._known)] = self._known
         bad_codes = np.flatnonzero((_code_counts(codes, len(known)) > 0) & ~known)
         if bad_codes.size:
             is_bad = np.zeros(len(known), dtype=bool)
@@ -180,7 +181,7 @@ class Vocab:
         return {"kind": self.kind, "size": len(self), "symbols": self.symbols}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Vocab":
+    def from_json(cls, d: dict) -> Vocab:
         if not isinstance(d, dict) or "kind" not in d or "symbols" not in d:
             raise ValueError("a vocabulary JSON object needs 'kind' and 'symbols'")
         v = cls(d["kind"], d["symbols"])
@@ -196,11 +197,11 @@ def _code_counts(codes: np.ndarray, size: int) -> np.ndarray:
     """Occurrences of each code 0..size-1 (chunked: bincount would copy all of it to int64)."""
     counts = np.zeros(size, dtype=np.int64)
     for i in range(0, codes.size, _CHUNK):
-        counts += np.bincount(codes[i:i + _CHUNK], minlength=size)
+        counts += np.bincount(codes[i : i + _CHUNK], minlength=size)
     return counts
 
 
-def vocab_from_json(d: dict) -> "Vocab | WordVocab":
+def vocab_from_json(d: dict) -> Vocab | WordVocab:
     """The vocabulary a manifest describes (kinds byte, char and word)."""
     if isinstance(d, dict) and d.get("kind") == "word":
         return WordVocab.from_json(d)

@@ -9,7 +9,7 @@ never has to be one Python string. Plain numpy: no torch, no yaml.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -21,8 +21,10 @@ class UnknownWordError(ValueError):
 
     def __init__(self, word: str, line: int):
         self.word, self.line = word, line
-        super().__init__(f"word {word!r} on line {line:,} is not in the vocabulary "
-                         f"(it never occurs in the training text)")
+        super().__init__(
+            f"word {word!r} on line {line:,} is not in the vocabulary "
+            f"(it never occurs in the training text)"
+        )
 
 
 class _FirstSeen(dict):
@@ -33,7 +35,7 @@ class _FirstSeen(dict):
         return n
 
 
-LINE_CHUNK = 1 << 24   # bytes of text tokenized at a time
+LINE_CHUNK = 1 << 24  # bytes of text tokenized at a time
 
 
 def iter_line_chunks(data, chunk_bytes: int = LINE_CHUNK) -> Iterator[tuple[str, int]]:
@@ -44,7 +46,7 @@ def iter_line_chunks(data, chunk_bytes: int = LINE_CHUNK) -> Iterator[tuple[str,
     while start < n:
         end = min(start + chunk_bytes, n)
         if end < n:
-            cut = bytes(mv[end:min(end + chunk_bytes, n)]).find(b"\n")
+            cut = bytes(mv[end : min(end + chunk_bytes, n)]).find(b"\n")
             end = n if cut < 0 else end + cut + 1
         raw = bytes(mv[start:end])
         try:
@@ -77,7 +79,7 @@ def split_words(text: str, eos: str | None) -> list[str]:
         return text.split()
     words = text.replace("\n", f" {eos} ").split()
     if text and not text.endswith("\n"):
-        words.append(eos)   # the last line has no "\n" but is a line all the same
+        words.append(eos)  # the last line has no "\n" but is a line all the same
     return words
 
 
@@ -94,8 +96,10 @@ class WordVocab:
         index: dict[str, int] = {}
         for i, w in enumerate(words):
             if not isinstance(w, str) or w.split() != [w]:
-                raise ValueError(f"vocabulary words must be non-empty strings without "
-                                 f"whitespace, got {w!r} at id {i}")
+                raise ValueError(
+                    f"vocabulary words must be non-empty strings without "
+                    f"whitespace, got {w!r} at id {i}"
+                )
             if index.setdefault(w, i) != i:
                 raise ValueError(f"word {w!r} is listed twice (ids {index[w]} and {i})")
         if eos is not None and eos not in index:
@@ -103,11 +107,11 @@ class WordVocab:
         self.eos = eos
         self._words = words
         self._index = index
-        self._table: np.ndarray | None = None   # object array for decode, made on first use
+        self._table: np.ndarray | None = None  # object array for decode, made on first use
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def fit(cls, data, eos: str | None = "<eos>") -> tuple["WordVocab", np.ndarray]:
+    def fit(cls, data, eos: str | None = "<eos>") -> tuple[WordVocab, np.ndarray]:
         """The vocabulary of the training text ``data`` (UTF-8 bytes) and its ids.
 
         Words are ordered by descending count; equal counts keep the order in which the words
@@ -119,14 +123,15 @@ class WordVocab:
         parts = []
         for text, _ in iter_line_chunks(data):
             words = split_words(text, eos)
-            parts.append(np.fromiter(map(first.__getitem__, words), dtype=np.uint32,
-                                     count=len(words)))
+            parts.append(
+                np.fromiter(map(first.__getitem__, words), dtype=np.uint32, count=len(words))
+            )
         if not first:
             raise ValueError("the training text has no words")
         counts = np.zeros(len(first), dtype=np.int64)
         for p in parts:
             counts += np.bincount(p, minlength=len(first))
-        order = np.argsort(-counts, kind="stable")       # ties: first occurrence first
+        order = np.argsort(-counts, kind="stable")  # ties: first occurrence first
         words = list(first)
         vocab = cls([words[i] for i in order], eos)
         remap = np.empty(len(order), dtype=vocab.dtype)
@@ -134,12 +139,12 @@ class WordVocab:
         ids = np.empty(sum(p.size for p in parts), dtype=vocab.dtype)
         pos = 0
         for p in parts:
-            ids[pos:pos + p.size] = remap[p]
+            ids[pos : pos + p.size] = remap[p]
             pos += p.size
         vocab.counts = counts[order]
         return vocab, ids
 
-    counts: np.ndarray | None = None   # training counts in id order, when built by fit()
+    counts: np.ndarray | None = None  # training counts in id order, when built by fit()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -161,8 +166,7 @@ class WordVocab:
         return len(self._words)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, WordVocab) and (self.eos, self._words) == (other.eos,
-                                                                           other._words)
+        return isinstance(other, WordVocab) and (self.eos, self._words) == (other.eos, other._words)
 
     def __hash__(self):
         return hash((self.eos, tuple(self._words)))
@@ -178,8 +182,11 @@ class WordVocab:
         for text, first_line in iter_line_chunks(data):
             words = split_words(text, self.eos)
             try:
-                parts.append(np.fromiter(map(self._index.__getitem__, words),
-                                         dtype=self.dtype, count=len(words)))
+                parts.append(
+                    np.fromiter(
+                        map(self._index.__getitem__, words), dtype=self.dtype, count=len(words)
+                    )
+                )
             except KeyError:
                 for i, line in enumerate(text.split("\n")):
                     for w in line.split():
@@ -197,8 +204,10 @@ class WordVocab:
             raise TypeError(f"ids must be integers, got dtype {arr.dtype}")
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= len(self)):
             bad = int(np.flatnonzero((arr < 0) | (arr >= len(self)))[0])
-            raise ValueError(f"id {int(arr[bad])} at position {bad} is out of range for a "
-                             f"vocabulary of {len(self)} words")
+            raise ValueError(
+                f"id {int(arr[bad])} at position {bad} is out of range for a "
+                f"vocabulary of {len(self)} words"
+            )
         if self._table is None:
             self._table = np.array(self._words, dtype=object)
         return self._table[arr].tolist()
@@ -226,7 +235,7 @@ class WordVocab:
         return {"kind": "word", "size": len(self), "eos": self.eos, "symbols": self.symbols}
 
     @classmethod
-    def from_json(cls, d: dict) -> "WordVocab":
+    def from_json(cls, d: dict) -> WordVocab:
         if not isinstance(d, dict) or d.get("kind") != "word" or "symbols" not in d:
             raise ValueError("a word vocabulary JSON object needs kind 'word' and 'symbols'")
         v = cls(d["symbols"], d.get("eos"))

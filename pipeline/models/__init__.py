@@ -15,8 +15,10 @@ from pipeline.plugins import MODEL_GROUP, load
 
 def _not_a_family(kind: str, obj) -> str | None:
     if not isinstance(obj, ModelFamily):
-        return (f"expected a pipeline.models.protocol.ModelFamily (config dataclass, model "
-                f"class), found {type(obj).__name__}")
+        return (
+            f"expected a pipeline.models.protocol.ModelFamily (config dataclass, model "
+            f"class), found {type(obj).__name__}"
+        )
     if not (isinstance(obj.config, type) and is_dataclass(obj.config)):
         return f"its config {obj.config!r} is not a dataclass"
     if not (isinstance(obj.model, type) and issubclass(obj.model, SequenceModel)):
@@ -50,7 +52,17 @@ def count_parameters(model: nn.Module) -> int:
 
 
 __all__ = [
-    "FF_KINDS", "MODELS", "PERSISTENT_MODES", "AdaptiveInput", "AdaptiveLogSoftmax",
-    "AllAttnConfig", "AllAttnLM", "ModelFamily", "ModelOutput", "SequenceModel", "State",
-    "build_model", "count_parameters",
+    "FF_KINDS",
+    "MODELS",
+    "PERSISTENT_MODES",
+    "AdaptiveInput",
+    "AdaptiveLogSoftmax",
+    "AllAttnConfig",
+    "AllAttnLM",
+    "ModelFamily",
+    "ModelOutput",
+    "SequenceModel",
+    "State",
+    "build_model",
+    "count_parameters",
 ]

@@ -47,14 +47,22 @@ from torch import Tensor
 from pipeline.models.checks import check_at_least, check_scalar_types
 from pipeline.models.protocol import ModelOutput, SequenceModel, State
 
-MIXERS = ("self_attention", "conv", "persistent_conv", "highway_conv", "cgru",
-          "sa+conv", "sa+persistent_conv", "sa+highway_conv")
+MIXERS = (
+    "self_attention",
+    "conv",
+    "persistent_conv",
+    "highway_conv",
+    "cgru",
+    "sa+conv",
+    "sa+persistent_conv",
+    "sa+highway_conv",
+)
 """The layer's token mixer; ``sa+X`` = X(y) + self_attention(y) on the same normalised y."""
 
 CONV_ACTIVATIONS = ("gelu", "relu")
 GATES = ("hard_sigmoid", "sigmoid")
 
-LN_EPS = 1e-6   # the code's layer_norm epsilon
+LN_EPS = 1e-6  # the code's layer_norm epsilon
 
 
 @dataclass
@@ -98,13 +106,18 @@ class ActiveMemoryConfig:
 
     def __post_init__(self) -> None:
         check_scalar_types(self)
-        check_at_least(self, ("d_model", "n_layers", "ff_dim", "kernel_size", "n_heads",
-                              "head_dim"), 1)
-        for name, choices in (("mixer", MIXERS), ("conv_activation", CONV_ACTIVATIONS),
-                              ("cgru_gate", GATES)):
+        check_at_least(
+            self, ("d_model", "n_layers", "ff_dim", "kernel_size", "n_heads", "head_dim"), 1
+        )
+        for name, choices in (
+            ("mixer", MIXERS),
+            ("conv_activation", CONV_ACTIVATIONS),
+            ("cgru_gate", GATES),
+        ):
             if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}; "
-                                 f"got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}"
+                )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -113,16 +126,24 @@ class ActiveMemoryConfig:
         where the user wrote them)."""
         out = []
         if self.operator is None:
-            out += [(k, f"mixer {self.mixer} has no convolution")
-                    for k in ("kernel_size", "conv_activation", "cgru_gate")]
+            out += [
+                (k, f"mixer {self.mixer} has no convolution")
+                for k in ("kernel_size", "conv_activation", "cgru_gate")
+            ]
         elif self.operator not in ("conv", "persistent_conv"):
-            out.append(("conv_activation", f"only conv and persistent_conv have an activation "
-                                           f"(mixer {self.mixer})"))
+            out.append(
+                (
+                    "conv_activation",
+                    f"only conv and persistent_conv have an activation (mixer {self.mixer})",
+                )
+            )
         if self.operator is not None and self.operator != "cgru":
             out.append(("cgru_gate", f"mixer {self.mixer} has no CGRU"))
         if not self.uses_attention:
-            out += [(k, f"mixer {self.mixer} has no self-attention")
-                    for k in ("n_heads", "head_dim", "attn_double_scale")]
+            out += [
+                (k, f"mixer {self.mixer} has no self-attention")
+                for k in ("n_heads", "head_dim", "attn_double_scale")
+            ]
         return out
 
     @property
@@ -168,9 +189,9 @@ class Conv(nn.Module):
 
     def __init__(self, d: int, k: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(d, d, k))    # [out, in, tap]
+        self.weight = nn.Parameter(torch.empty(d, d, k))  # [out, in, tap]
         self.bias = nn.Parameter(torch.empty(d))
-        _glorot_uniform_(self.weight, k * d, k * d)         # TF fans of a [k, in, out] kernel
+        _glorot_uniform_(self.weight, k * d, k * d)  # TF fans of a [k, in, out] kernel
         _glorot_uniform_(self.bias, d, d)
 
     def forward(self, x: Tensor, left: Tensor, right: Tensor) -> Tensor:
@@ -245,9 +266,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, m, _ = x.shape
-        q, k, v = (lin(x).view(b, m, self.n_heads, self.head_dim).transpose(1, 2)
-                   for lin in (self.query, self.key, self.value))
-        logits = (q @ k.transpose(-1, -2)) * self.scale           # [B, H, M, M]
+        q, k, v = (
+            lin(x).view(b, m, self.n_heads, self.head_dim).transpose(1, 2)
+            for lin in (self.query, self.key, self.value)
+        )
+        logits = (q @ k.transpose(-1, -2)) * self.scale  # [B, H, M, M]
         if self.causal:
             future = torch.ones(m, m, dtype=torch.bool, device=x.device).triu(1)
             logits = logits.masked_fill(future, float("-inf"))
@@ -255,8 +278,12 @@ class SelfAttention(nn.Module):
         return self.out((weights @ v).transpose(1, 2).reshape(b, m, -1))
 
 
-OPERATORS = {"conv": ConvOperator, "persistent_conv": ConvOperator,
-             "highway_conv": HighwayConv, "cgru": CGRU}
+OPERATORS = {
+    "conv": ConvOperator,
+    "persistent_conv": ConvOperator,
+    "highway_conv": HighwayConv,
+    "cgru": CGRU,
+}
 
 
 class Layer(nn.Module):
@@ -269,7 +296,7 @@ class Layer(nn.Module):
         self.ff_in = nn.Linear(cfg.d_model, cfg.ff_dim)
         self.ff_out = nn.Linear(cfg.ff_dim, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
-        for lin in (self.ff_in, self.ff_out):   # the code's dense: N(0, 1), zero bias
+        for lin in (self.ff_in, self.ff_out):  # the code's dense: N(0, 1), zero bias
             nn.init.normal_(lin.weight, std=1.0)
             nn.init.zeros_(lin.bias)
 
@@ -293,7 +320,7 @@ class PersistentPadding(nn.Module):
         n_left, n_right = cfg.padding
         self.left = nn.Parameter(torch.empty(n_left, cfg.d_model))
         self.right = nn.Parameter(torch.empty(n_right, cfg.d_model))
-        for p in (self.left, self.right):   # TF fans of a [1, rows, d] variable
+        for p in (self.left, self.right):  # TF fans of a [1, rows, d] variable
             _glorot_uniform_(p, p.shape[0], cfg.d_model)
 
 
@@ -309,15 +336,17 @@ class ActiveMemoryModel(SequenceModel):
         nn.init.normal_(self.embedding.weight, std=1.0)
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
-        self.persistent_padding = (PersistentPadding(cfg)
-                                   if cfg.operator == "persistent_conv" else None)
+        self.persistent_padding = (
+            PersistentPadding(cfg) if cfg.operator == "persistent_conv" else None
+        )
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=LN_EPS)
         self.output = nn.Linear(cfg.d_model, vocab_size)
         _glorot_uniform_(self.output.weight, cfg.d_model, vocab_size)
         _glorot_uniform_(self.output.bias, vocab_size, vocab_size)
 
-    def forward(self, tokens: Tensor, targets: Tensor | None = None,
-                state: State | None = None) -> ModelOutput:
+    def forward(
+        self, tokens: Tensor, targets: Tensor | None = None, state: State | None = None
+    ) -> ModelOutput:
         m, d = tokens.shape[1], self.cfg.d_model
         x = self.embedding(tokens) * math.sqrt(d)
         timing = timing_signal(m, d, x.dtype, x.device)
@@ -332,37 +361,45 @@ class ActiveMemoryModel(SequenceModel):
         logits = self.output(self.final_norm(x))
         nll = None
         if targets is not None:
-            nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                  reduction="none").view(targets.shape)
+            nll = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), reduction="none"
+            ).view(targets.shape)
         return ModelOutput(logits, nll, [])
 
     def describe(self) -> str:
         c = self.cfg
-        parts = [f"active memory: {c.mixer}", "causal" if c.causal else "bidirectional",
-                 f"kernel {c.kernel_size}"]
+        parts = [
+            f"active memory: {c.mixer}",
+            "causal" if c.causal else "bidirectional",
+            f"kernel {c.kernel_size}",
+        ]
         if c.operator in ("conv", "persistent_conv"):
             parts.append(f"conv {c.conv_activation}")
         if c.operator == "cgru":
             parts.append(f"CGRU gates {c.cgru_gate}")
         if c.uses_attention:
-            parts.append("attention scale d_h^-1.5 (the code's)" if c.attn_double_scale
-                         else "attention scale d_h^-0.5")
+            parts.append(
+                "attention scale d_h^-1.5 (the code's)"
+                if c.attn_double_scale
+                else "attention scale d_h^-0.5"
+            )
         return ", ".join(parts)
 
     def parameter_groups(self) -> dict[str, int]:
         def count(*modules) -> int:
-            return sum(p.numel() for mod in modules if mod is not None
-                       for p in mod.parameters())
+            return sum(p.numel() for mod in modules if mod is not None for p in mod.parameters())
 
         groups = {
             "embeddings": count(self.embedding),
             "operator": count(*(layer.operator for layer in self.layers)),
             "self-attention": count(*(layer.attention for layer in self.layers)),
-            "feed-forward": count(*(mod for layer in self.layers
-                                    for mod in (layer.ff_in, layer.ff_out))),
-            "layer norms": count(self.final_norm, *(mod for layer in self.layers
-                                                    for mod in (layer.mixer_norm,
-                                                                layer.ff_norm))),
+            "feed-forward": count(
+                *(mod for layer in self.layers for mod in (layer.ff_in, layer.ff_out))
+            ),
+            "layer norms": count(
+                self.final_norm,
+                *(mod for layer in self.layers for mod in (layer.mixer_norm, layer.ff_norm)),
+            ),
             "output": count(self.output),
             "persistent padding": count(self.persistent_padding),
         }

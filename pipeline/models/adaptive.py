@@ -121,7 +121,11 @@ class AdaptiveLogSoftmax(nn.Module):
     as its own output weights and projections (the paper); None = untied."""
 
     def __init__(
-        self, vocab_size: int, d_model: int, cutoffs: list[int], div: int,
+        self,
+        vocab_size: int,
+        d_model: int,
+        cutoffs: list[int],
+        div: int,
         tie: AdaptiveInput | None = None,
     ) -> None:
         super().__init__()
@@ -136,7 +140,9 @@ class AdaptiveLogSoftmax(nn.Module):
         # objects of the input's bands and projections (one tensor, counted once).
         if tie is not None and (tie.bounds != self.bounds or tie.dims != self.dims):
             raise ValueError("a tied adaptive softmax needs the input's bands")
-        for i, (lo, hi, di) in enumerate(zip(self.bounds[:-1], self.bounds[1:], self.dims, strict=False)):
+        for i, (lo, hi, di) in enumerate(
+            zip(self.bounds[:-1], self.bounds[1:], self.dims, strict=False)
+        ):
             if tie is not None:
                 setattr(self, f"weight{i}", tie.bands[i].weight)
                 setattr(self, f"proj{i}", tie.projs[i])
@@ -161,7 +167,9 @@ class AdaptiveLogSoftmax(nn.Module):
         return [getattr(self, f"bias{i}") for i in range(len(self.dims))]
 
     def _band_logits(self, h: Tensor, i: int) -> Tensor:
-        return F.linear(h @ getattr(self, f"proj{i}"), getattr(self, f"weight{i}"), getattr(self, f"bias{i}"))
+        return F.linear(
+            h @ getattr(self, f"proj{i}"), getattr(self, f"weight{i}"), getattr(self, f"bias{i}")
+        )
 
     def _head_logprob(self, h: Tensor) -> Tensor:
         head = torch.cat([self._band_logits(h, 0), self.cluster(h)], dim=-1)

@@ -134,7 +134,9 @@ class AllAttnLM(SequenceModel):
         if cfg.adaptive_io:
             # tied adaptive input / softmax (pipeline.models.adaptive): four bands for the
             # paper's cutoffs; ``out`` shares ``embed``'s band weights and projections
-            self.embed = AdaptiveInput(vocab_size, cfg.d_model, cfg.adaptive_cutoffs, cfg.adaptive_div)
+            self.embed = AdaptiveInput(
+                vocab_size, cfg.d_model, cfg.adaptive_cutoffs, cfg.adaptive_div
+            )
         else:
             self.embed = nn.Embedding(vocab_size, cfg.d_model)  # default init N(0, 1), as the code
         # One key-side relative position table shared by all heads and layers, N(0, 1);
@@ -142,33 +144,40 @@ class AllAttnLM(SequenceModel):
         self.pos_table = nn.Parameter(torch.randn(cfg.head_dim, cfg.max_span))
         # typed as what it holds: a ModuleList iterates as plain Modules
         self.layers: list[AllAttnLayer] = nn.ModuleList(  # type: ignore[assignment]
-            AllAttnLayer(cfg) for _ in range(cfg.n_layers))
+            AllAttnLayer(cfg) for _ in range(cfg.n_layers)
+        )
         self.emb_dropout = nn.Dropout(cfg.emb_dropout)
         self.out_dropout = nn.Dropout(cfg.out_dropout)
         if cfg.adaptive_io:
             self.out = AdaptiveLogSoftmax(
-                vocab_size, cfg.d_model, cfg.adaptive_cutoffs, cfg.adaptive_div,
+                vocab_size,
+                cfg.d_model,
+                cfg.adaptive_cutoffs,
+                cfg.adaptive_div,
                 tie=cast(AdaptiveInput, self.embed) if cfg.adaptive_tied else None,  # adaptive_io
             )
         else:
             self.out = nn.Linear(cfg.d_model, vocab_size)
         self.set_attention_impl(cfg.attention.impl)
-        self._planning = False      # inside planned_update()
-        self._planned: list[int] | None = None      # L' per layer in force while planning
-        self._limits: Tensor | None = None          # the same on the device, float32
+        self._planning = False  # inside planned_update()
+        self._planned: list[int] | None = None  # L' per layer in force while planning
+        self._limits: Tensor | None = None  # the same on the device, float32
         # requested [n_layers] host copies: (buffer, a numpy view of it, CUDA event or None)
         self._pending: list[tuple] = []
-        self._free: list[tuple] = []                 # (buffer, view) to reuse
-        self._overflows: Tensor | None = None        # forwards whose plan was too short
-        self._overflows_seen = 0                     # the count at the last report
-        self._compiled: list | None = None           # compile_for_training(): per layer
+        self._free: list[tuple] = []  # (buffer, view) to reuse
+        self._overflows: Tensor | None = None  # forwards whose plan was too short
+        self._overflows_seen = 0  # the count at the last report
+        self._compiled: list | None = None  # compile_for_training(): per layer
 
     # ---- spans -------------------------------------------------------------------------
 
     def _adaptive_spans(self) -> list[AdaptiveSpan]:
         """Each layer's AdaptiveSpan; every layer has one when cfg.adaptive_span."""
-        return [layer.attn.adaptive_span for layer in self.layers
-                if layer.attn.adaptive_span is not None]
+        return [
+            layer.attn.adaptive_span
+            for layer in self.layers
+            if layer.attn.adaptive_span is not None
+        ]
 
     def _span_fracs(self) -> list[list[float]] | None:
         if not self.cfg.adaptive_span:
@@ -210,15 +219,15 @@ class AllAttnLM(SequenceModel):
 
     @contextmanager
     def planned_update(self):
-        if not self.cfg.adaptive_span:      # a fixed span: L' = max_span, nothing to read
+        if not self.cfg.adaptive_span:  # a fixed span: L' = max_span, nothing to read
             self._planned = [self.cfg.max_span] * len(self.layers)
-        elif len(self._pending) >= 2:       # requested after update s - 2
+        elif len(self._pending) >= 2:  # requested after update s - 2
             buffer, view, event = self._pending.pop(0)
             if event is not None:
-                event.synchronize()          # long done while the device is busy
-            self._set_plan(view.tolist())    # host memory: a numpy read, no device access
+                event.synchronize()  # long done while the device is busy
+            self._set_plan(view.tolist())  # host memory: a numpy read, no device access
             self._free.append((buffer, view))
-        elif self._planned is None:         # the first update (or a checkpoint without a plan)
+        elif self._planned is None:  # the first update (or a checkpoint without a plan)
             self._set_plan(self._layer_max_fracs().tolist())
         self._planning = True
         try:
@@ -237,13 +246,14 @@ class AllAttnLM(SequenceModel):
             event = torch.cuda.Event()
             event.record()
         self._pending.append((buffer, view, event))
-        while len(self._pending) > 2:       # requested twice without an update between
+        while len(self._pending) > 2:  # requested twice without an update between
             self._free.append(self._pending.pop(0)[:2])
 
     def _host_buffer(self, device: torch.device) -> tuple[Tensor, np.ndarray]:
         """A [n_layers] float32 host buffer (pinned for CUDA) and a numpy view of it."""
-        buffer = torch.empty(len(self.layers), dtype=torch.float32,
-                             pin_memory=device.type == "cuda")
+        buffer = torch.empty(
+            len(self.layers), dtype=torch.float32, pin_memory=device.type == "cuda"
+        )
         return buffer, buffer.numpy()
 
     def plan_state(self) -> dict | None:
@@ -265,20 +275,22 @@ class AllAttnLM(SequenceModel):
         if state["planned"] is not None:
             self._planned = list(state["planned"])
             self._limits = torch.tensor(self._planned, dtype=torch.float32).to(
-                self.pos_table.device)
+                self.pos_table.device
+            )
         for values in state["pending"]:
             buffer, view = self._host_buffer(self.pos_table.device)
             view[:] = values
             self._pending.append((buffer, view, None))
         self._overflows = torch.tensor(state["overflows"], dtype=torch.int64).to(
-            self.pos_table.device)
+            self.pos_table.device
+        )
         self._overflows_seen = state["overflows"]
 
     def _count_overflow(self) -> None:
         """On the device: +1 if some layer's current span needs more than its planned L'
         (the mask's first cut column, distance L' + 1, is R + z - L' > 0)."""
         spans = self._layer_max_fracs() * self.cfg.max_span
-        assert self._limits is not None     # planned_update() set them
+        assert self._limits is not None  # planned_update() set them
         cut = ((self.cfg.span_ramp + spans) - self._limits).gt(0).any()
         if self._overflows is None:
             self._overflows = torch.zeros((), dtype=torch.int64, device=spans.device)
@@ -299,8 +311,9 @@ class AllAttnLM(SequenceModel):
         # torch's generator as eager does, not inductor's own: compiled training makes the
         # eager run's dropout draws, so it resumes and compares like it
         torch._inductor.config.fallback_random = True
-        self._compiled = [torch.compile(layer, backend=backend, dynamic=False)
-                          for layer in self.layers]
+        self._compiled = [
+            torch.compile(layer, backend=backend, dynamic=False) for layer in self.layers
+        ]
         return True
 
     def spans(self) -> list[list[float]]:
@@ -333,14 +346,18 @@ class AllAttnLM(SequenceModel):
         compiled = ", layers compiled for training (torch.compile)" if self._compiled else ""
         if self.attention_impl != "auto":
             return f"attention impl {self.attention_impl}{compiled}"
-        return describe_auto(self.pos_table.device.type, self.pos_table.dtype,
-                             self.cfg.attn_dropout) + compiled
+        return (
+            describe_auto(self.pos_table.device.type, self.pos_table.dtype, self.cfg.attn_dropout)
+            + compiled
+        )
 
     def cannot_train_on(self, device: torch.device) -> str | None:
         if self.attention_impl == "flex" and device.type == "cpu":
-            return ("model.attention.impl: flex runs forward only on CPU (torch has no CPU "
-                    "backward for FlexAttention) and this run trains on the CPU: use reference, "
-                    "sdpa or auto")
+            return (
+                "model.attention.impl: flex runs forward only on CPU (torch has no CPU "
+                "backward for FlexAttention) and this run trains on the CPU: use reference, "
+                "sdpa or auto"
+            )
         return None
 
     def metrics(self) -> dict[str, float]:
@@ -355,8 +372,10 @@ class AllAttnLM(SequenceModel):
         planned forwards so far whose plan was too short (see the class doc)."""
         if not self.cfg.adaptive_span:
             return super().metric_tensors()
-        spans = torch.cat([s.frac.detach().double()
-                           for s in self._adaptive_spans()]) * self.cfg.max_span
+        spans = (
+            torch.cat([s.frac.detach().double() for s in self._adaptive_spans()])
+            * self.cfg.max_span
+        )
         out = {"span_mean": spans.mean(), "span_max": spans.max()}
         if self._overflows is not None:
             out["span_plan_overflows"] = self._overflows
@@ -367,10 +386,12 @@ class AllAttnLM(SequenceModel):
         new, self._overflows_seen = n - self._overflows_seen, n
         if new <= 0:
             return []
-        return [f"warning: in {new} forward(s) since the last report a span outgrew its "
-                f"planned length (it grew by more than {SPAN_GRANULARITY} tokens within two "
-                f"updates): the oldest context columns it would attend to were cut "
-                f"({n} so far)"]
+        return [
+            f"warning: in {new} forward(s) since the last report a span outgrew its "
+            f"planned length (it grew by more than {SPAN_GRANULARITY} tokens within two "
+            f"updates): the oldest context columns it would attend to were cut "
+            f"({n} so far)"
+        ]
 
     def head_tables(self) -> dict[str, list[list[float]]]:
         """{"spans": ``spans()``} with adaptive span (a fixed span is max_span everywhere:
@@ -463,7 +484,7 @@ class AllAttnLM(SequenceModel):
             c = past.shape[1]
             if c >= span_len:
                 past = past[:, c - span_len :]
-                if layers is self._compiled:    # compiled code is specialised to strides too
+                if layers is self._compiled:  # compiled code is specialised to strides too
                     past = past.contiguous()
             else:
                 past = F.pad(past, (0, 0, span_len - c, 0))

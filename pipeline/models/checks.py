@@ -16,8 +16,11 @@ def check_scalar_types(cfg) -> None:
             raise ValueError(f"{f.name} must be an int, got {value!r}")
         if kind == "bool" and not isinstance(value, bool):
             raise ValueError(f"{f.name} must be a bool, got {value!r}")
-        if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                or not math.isfinite(value)):
+        if kind == "float" and (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise ValueError(f"{f.name} must be a finite number, got {value!r}")
         if kind == "str" and not isinstance(value, str):
             raise ValueError(f"{f.name} must be a string, got {value!r}")

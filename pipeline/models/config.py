@@ -122,8 +122,9 @@ class AllAttnConfig:
         if not isinstance(self.attention, AttentionConfig):
             raise ValueError(f"attention must be a mapping, got {self.attention!r}")
         check_scalar_types(self)
-        check_at_least(self, ("d_model", "n_layers", "n_heads", "max_span", "span_ramp",
-                              "adaptive_div"), 1)
+        check_at_least(
+            self, ("d_model", "n_layers", "n_heads", "max_span", "span_ramp", "adaptive_div"), 1
+        )
         check_at_least(self, ("n_persistent", "ff_dim"), 0)
         if self.d_model % self.n_heads != 0:
             raise ValueError(
@@ -155,16 +156,16 @@ class AllAttnConfig:
                 f"even, got {self.n_heads}"
             )
         if self.ff_kind not in FF_KINDS:
-            raise ValueError(
-                f"ff_kind must be one of {', '.join(FF_KINDS)}; got {self.ff_kind!r}"
-            )
+            raise ValueError(f"ff_kind must be one of {', '.join(FF_KINDS)}; got {self.ff_kind!r}")
         if self.ff_kind != "relu" and self.ff_dim == 0:
             raise ValueError(
                 f"ff_kind {self.ff_kind} is a feed-forward sublayer: it needs ff_dim > 0"
             )
         cut = self.adaptive_cutoffs
-        if not isinstance(cut, list) or not cut or any(
-            isinstance(c, bool) or not isinstance(c, int) for c in cut
+        if (
+            not isinstance(cut, list)
+            or not cut
+            or any(isinstance(c, bool) or not isinstance(c, int) for c in cut)
         ):
             raise ValueError(f"adaptive_cutoffs must be a non-empty list of ints, got {cut!r}")
         if cut[0] <= 0 or any(b <= a for a, b in zip(cut, cut[1:], strict=False)):
@@ -184,9 +185,13 @@ class AllAttnConfig:
         refuses them where the user wrote them)."""
         out = []
         if not self.adaptive_span:
-            out += [(k, "model.adaptive_span is false")
-                    for k in ("span_ramp", "span_init", "span_loss_coef")]
+            out += [
+                (k, "model.adaptive_span is false")
+                for k in ("span_ramp", "span_init", "span_loss_coef")
+            ]
         if not self.adaptive_io:
-            out += [(k, "model.adaptive_io is false")
-                    for k in ("adaptive_cutoffs", "adaptive_div", "adaptive_tied")]
+            out += [
+                (k, "model.adaptive_io is false")
+                for k in ("adaptive_cutoffs", "adaptive_div", "adaptive_tied")
+            ]
         return out

@@ -127,24 +127,47 @@ class InfinityFormerConfig:
 
     def __post_init__(self) -> None:
         check_scalar_types(self)
-        check_at_least(self, ("d_model", "n_layers", "n_heads", "ff_dim", "mem_len", "n_basis",
-                              "n_samples", "sticky_bins"), 1)
+        check_at_least(
+            self,
+            (
+                "d_model",
+                "n_layers",
+                "n_heads",
+                "ff_dim",
+                "mem_len",
+                "n_basis",
+                "n_samples",
+                "sticky_bins",
+            ),
+            1,
+        )
         if self.d_model % self.n_heads:
             raise ValueError(
-                f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+                f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})"
+            )
         for name in ("dropout", "attn_dropout"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         widths = self.basis_widths
-        if (not isinstance(widths, list) or not widths
-                or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
-                           and math.isfinite(w) and w > 0 for w in widths)):
+        if (
+            not isinstance(widths, list)
+            or not widths
+            or not all(
+                isinstance(w, (int, float))
+                and not isinstance(w, bool)
+                and math.isfinite(w)
+                and w > 0
+                for w in widths
+            )
+        ):
             raise ValueError(
-                f"basis_widths must be a non-empty list of numbers > 0, got {widths!r}")
+                f"basis_widths must be a non-empty list of numbers > 0, got {widths!r}"
+            )
         if self.n_basis % len(widths) or self.n_basis // len(widths) < 2:
             raise ValueError(
                 f"n_basis ({self.n_basis}) must be a multiple of len(basis_widths) "
-                f"({len(widths)}) with at least 2 centres")
+                f"({len(widths)}) with at least 2 centres"
+            )
         if self.ridge_penalty <= 0:
             raise ValueError(f"ridge_penalty must be > 0, got {self.ridge_penalty}")
         if not 0 < self.tau < 1:
@@ -161,16 +184,29 @@ class InfinityFormerConfig:
         if self.dropout == 0:
             inert.append(("attention_output_dropout", "model.dropout is 0"))
         if not self.ltm:
-            return inert + [(k, "model.ltm is false") for k in (
-                "n_basis", "basis_widths", "ridge_penalty", "n_samples", "tau",
-                "contraction_midpoints", "gate",
-                "sticky", "sticky_bins", "sigma_0", "kl_weight")]
+            return inert + [
+                (k, "model.ltm is false")
+                for k in (
+                    "n_basis",
+                    "basis_widths",
+                    "ridge_penalty",
+                    "n_samples",
+                    "tau",
+                    "contraction_midpoints",
+                    "gate",
+                    "sticky",
+                    "sticky_bins",
+                    "sigma_0",
+                    "kl_weight",
+                )
+            ]
         if not self.sticky:
             inert.append(("sticky_bins", "model.sticky is false"))
         return inert
 
 
 # --- the continuous memory's mathematics (float64 where precomputed) -------------------------
+
 
 def gaussian_basis(n_basis: int, widths: list[float]) -> tuple[Tensor, Tensor]:
     """Centres and widths [N] (float64): n_basis / len(widths) centres evenly on [0, 1], each
@@ -193,8 +229,9 @@ def contraction_grid(n: int, midpoints: bool) -> Tensor:
     return (k - 0.5) / n if midpoints else k / n
 
 
-def fit_positions(n_old: int, n_new: int, tau: float, midpoints: bool = False
-                  ) -> tuple[Tensor, int]:
+def fit_positions(
+    n_old: int, n_new: int, tau: float, midpoints: bool = False
+) -> tuple[Tensor, int]:
     """Where the vectors of one fit sit on [0, 1] (float64), with the zero-padding around
     them, and the padding count on the left (as many on the right).
 
@@ -206,22 +243,27 @@ def fit_positions(n_old: int, n_new: int, tau: float, midpoints: bool = False
     total = n_old + n_new
     pad = total // 2
     if n_old:
-        inner = torch.cat([tau * contraction_grid(n_old, midpoints),
-                           tau + (1 - tau) * contraction_grid(n_new, midpoints)])
+        inner = torch.cat(
+            [
+                tau * contraction_grid(n_old, midpoints),
+                tau + (1 - tau) * contraction_grid(n_new, midpoints),
+            ]
+        )
     else:
         inner = (torch.arange(n_new, dtype=torch.float64) + 0.5) / n_new
     offsets = (torch.arange(pad, dtype=torch.float64) + 0.5) / total
     return torch.cat([-offsets.flip(0), inner, 1 + offsets]), pad
 
 
-def ridge_fit_matrix(positions: Tensor, pad: int, centres: Tensor, widths: Tensor,
-                     ridge: float) -> Tensor:
+def ridge_fit_matrix(
+    positions: Tensor, pad: int, centres: Tensor, widths: Tensor, ridge: float
+) -> Tensor:
     """G [L, N] (float64) with B = Gᵀ X: the rows of Fᵀ(FFᵀ + λI)⁻¹ of the L inner positions
     (F = ψ at every position, padding included: zero vectors there)."""
-    basis_t = basis_values(positions, centres, widths)               # Fᵀ [P, N]
+    basis_t = basis_values(positions, centres, widths)  # Fᵀ [P, N]
     gram = basis_t.T @ basis_t + ridge * torch.eye(len(centres), dtype=torch.float64)
-    g = torch.linalg.solve(gram, basis_t.T).T                        # Fᵀ (FFᵀ + λI)⁻¹
-    return g[pad:len(positions) - pad]
+    g = torch.linalg.solve(gram, basis_t.T).T  # Fᵀ (FFᵀ + λI)⁻¹
+    return g[pad : len(positions) - pad]
 
 
 def expected_basis(mu: Tensor, sigma_sq: Tensor, centres: Tensor, widths: Tensor) -> Tensor:
@@ -237,7 +279,7 @@ def bin_masses(mu: Tensor, sigma_sq: Tensor, n_bins: int) -> Tensor:
     the row's Gaussians and normalised to sum 1."""
     edges = torch.linspace(0, 1, n_bins + 1, dtype=mu.dtype, device=mu.device)
     z = (edges - mu.unsqueeze(-1)) / torch.sqrt(2 * sigma_sq).unsqueeze(-1)
-    cdf = 0.5 * (1 + torch.erf(z))                                  # [B, Q, n_bins + 1]
+    cdf = 0.5 * (1 + torch.erf(z))  # [B, Q, n_bins + 1]
     mass = (cdf[..., 1:] - cdf[..., :-1]).sum(1)
     return mass / mass.sum(-1, keepdim=True)
 
@@ -272,8 +314,7 @@ class ContinuousMemory(nn.Module):
     values, and μ would move in steps of up to 1/256, a good part of the 0.01 width. The
     matrix products with the model's vectors run in the model's dtype."""
 
-
-    centres: Tensor     # buffers (register_buffer), rebuilt from the config by _apply
+    centres: Tensor  # buffers (register_buffer), rebuilt from the config by _apply
     widths: Tensor
 
     def __init__(self, cfg: InfinityFormerConfig) -> None:
@@ -306,8 +347,9 @@ class ContinuousMemory(nn.Module):
         key = (n_old, n_new, like.dtype, like.device)
         if key not in self._fits:
             # from the config, not the buffers: casting the module (bf16) rounds those
-            positions, pad = fit_positions(n_old, n_new, self.cfg.tau,
-                                           self.cfg.contraction_midpoints)
+            positions, pad = fit_positions(
+                n_old, n_new, self.cfg.tau, self.cfg.contraction_midpoints
+            )
             basis = gaussian_basis(self.cfg.n_basis, self.cfg.basis_widths)
             g = ridge_fit_matrix(positions, pad, *basis, self.cfg.ridge_penalty)
             self._fits[key] = g.to(device=like.device, dtype=like.dtype)
@@ -336,8 +378,9 @@ class ContinuousMemory(nn.Module):
             g = self._fit_matrix(0, new.shape[1], new)
         return torch.einsum("ln,bld->bnd", g, new)
 
-    def forward(self, coeff: Tensor | None, hist: Tensor | None, new: Tensor, q: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def forward(
+        self, coeff: Tensor | None, hist: Tensor | None, new: Tensor, q: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``update`` then ``read``: (output [B, M, d], the new coefficients, μ, σ²)."""
         coeff = self.update(coeff, hist, new)
         out, mu, sigma_sq = self.read(q, coeff)
@@ -350,7 +393,7 @@ class ContinuousMemory(nn.Module):
         n = coeff.shape[1]
         keys = self.key(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)
         values = self.value(coeff).view(bsz, n, n_heads, d_head).transpose(1, 2)
-        scores = q @ keys.transpose(-1, -2) / math.sqrt(d_head)           # [B, H, M, N]
+        scores = q @ keys.transpose(-1, -2) / math.sqrt(d_head)  # [B, H, M, N]
         # μ and σ² in the basis's precision (float32 under bf16 / fp16; see the class doc)
         scores = scores.to(self.centres.dtype)
         mu_logit = F.linear(scores, self.mu.weight.to(scores.dtype)).squeeze(-1)
@@ -363,8 +406,9 @@ class ContinuousMemory(nn.Module):
 
     def read_weights(self, mu: Tensor, sigma_sq: Tensor) -> Tensor:
         """r [..., N] = E_{t ~ N(μ, σ²)}[ψ(t)] for μ, σ² [...], in the basis's precision."""
-        return expected_basis(mu.to(self.centres.dtype), sigma_sq.to(self.centres.dtype),
-                              self.centres, self.widths)
+        return expected_basis(
+            mu.to(self.centres.dtype), sigma_sq.to(self.centres.dtype), self.centres, self.widths
+        )
 
 
 def _exact(dtype: torch.dtype) -> torch.dtype:
@@ -382,10 +426,13 @@ def _same_in_every_row(counter: Tensor, what: str) -> int:
 
 # --- the Transformer-XL host --------------------------------------------------------------
 
+
 def sinusoid(distances: Tensor, d_model: int) -> Tensor:
     """Transformer-XL's relative position embeddings [K, d] of the distances [K]."""
-    inv_freq = 1 / (10000 ** (torch.arange(0, d_model, 2, dtype=torch.float32,
-                                            device=distances.device) / d_model))
+    inv_freq = 1 / (
+        10000
+        ** (torch.arange(0, d_model, 2, dtype=torch.float32, device=distances.device) / d_model)
+    )
     angles = distances.float().unsqueeze(-1) * inv_freq
     return torch.cat([angles.sin(), angles.cos()], -1)
 
@@ -404,18 +451,25 @@ class XLLayer(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(h, d // h))
         self.attn_out = nn.Linear(d, d, bias=False)
         self.norm1 = nn.LayerNorm(d)
-        self.ff = nn.Sequential(nn.Linear(d, cfg.ff_dim), nn.ReLU(), nn.Dropout(cfg.dropout),
-                                nn.Linear(cfg.ff_dim, d))
+        self.ff = nn.Sequential(
+            nn.Linear(d, cfg.ff_dim), nn.ReLU(), nn.Dropout(cfg.dropout), nn.Linear(cfg.ff_dim, d)
+        )
         self.norm2 = nn.LayerNorm(d)
         self.drop = nn.Dropout(cfg.dropout)
-        self.attn_out_drop = (nn.Dropout(cfg.dropout) if cfg.attention_output_dropout
-                              else nn.Identity())
+        self.attn_out_drop = (
+            nn.Dropout(cfg.dropout) if cfg.attention_output_dropout else nn.Identity()
+        )
         self.attn_drop = nn.Dropout(cfg.attn_dropout)
         self.ltm = ContinuousMemory(cfg) if cfg.ltm else None
 
-    def forward(self, x: Tensor, cache: Tensor, n_valid: int, pos_emb: Tensor,
-                ltm_in: tuple[Tensor | None, Tensor | None, Tensor] | None
-                ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+    def forward(
+        self,
+        x: Tensor,
+        cache: Tensor,
+        n_valid: int,
+        pos_emb: Tensor,
+        ltm_in: tuple[Tensor | None, Tensor | None, Tensor] | None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
         """x [B, M, d], cache [B, C, d] (the STM) whose last n_valid rows hold states;
         pos_emb [C + M, d]: the embeddings of distances 0..C+M−1; ltm_in: what the LTM steps
         with (old coefficients or None, sticky histogram or None, vectors to take in), None
@@ -424,14 +478,14 @@ class XLLayer(nn.Module):
         c = cache.shape[1]
         h, dh = self.n_heads, self.d_head
         q, k, v = self.qkv(torch.cat([cache, x], 1)).chunk(3, -1)
-        q = q[:, c:].view(bsz, m, h, dh).transpose(1, 2)                  # [B, H, M, dh]
+        q = q[:, c:].view(bsz, m, h, dh).transpose(1, 2)  # [B, H, M, dh]
         k = k.view(bsz, c + m, h, dh).transpose(1, 2)
         v = v.view(bsz, c + m, h, dh).transpose(1, 2)
         # distance of key j from query i is (c + i) − j; scores by distance, then gathered
         keys_at = torch.arange(c + m, device=x.device)
         dist = (c + torch.arange(m, device=x.device)).unsqueeze(1) - keys_at
         rel = self.pos(pos_emb.to(x.dtype))
-        rel = rel.view(c + m, h, dh).transpose(0, 1)                      # [H, K, dh]
+        rel = rel.view(c + m, h, dh).transpose(0, 1)  # [H, K, dh]
         content = (q + self.content_bias.unsqueeze(1)) @ k.transpose(-1, -2)
         by_dist = (q + self.position_bias.unsqueeze(1)) @ rel.transpose(-1, -2)
         position = by_dist.gather(-1, dist.clamp(min=0).expand(bsz, h, m, c + m))
@@ -442,7 +496,7 @@ class XLLayer(nn.Module):
         out = self.attn_out((attn @ v).transpose(1, 2).reshape(bsz, m, d))
         read = None
         if ltm_in is not None:
-            assert self.ltm is not None     # ltm_in is given only to a layer with one
+            assert self.ltm is not None  # ltm_in is given only to a layer with one
             ltm_out, *read = self.ltm(*ltm_in, q)
             out = out + ltm_out
         x = self.norm1(x + self.attn_out_drop(out))
@@ -478,16 +532,24 @@ class InfinityFormerLM(SequenceModel):
             state.append(torch.zeros(batch_size, self._cache_len(), cfg.d_model, **like))
             if cfg.ltm:
                 state.append(torch.zeros(batch_size, cfg.n_basis, cfg.d_model, **like))
-                if cfg.sticky:      # bin masses: float32 at least, as μ and σ² are
-                    state.append(torch.full((batch_size, cfg.sticky_bins), 1 / cfg.sticky_bins,
-                                            device=device, dtype=_exact(like["dtype"])))
-        counters = 2 if cfg.ltm else 1        # positions the LTM has taken in; tokens seen
-        state.extend(torch.zeros(batch_size, dtype=torch.int64, device=device)
-                     for _ in range(counters))
+                if cfg.sticky:  # bin masses: float32 at least, as μ and σ² are
+                    state.append(
+                        torch.full(
+                            (batch_size, cfg.sticky_bins),
+                            1 / cfg.sticky_bins,
+                            device=device,
+                            dtype=_exact(like["dtype"]),
+                        )
+                    )
+        counters = 2 if cfg.ltm else 1  # positions the LTM has taken in; tokens seen
+        state.extend(
+            torch.zeros(batch_size, dtype=torch.int64, device=device) for _ in range(counters)
+        )
         return state
 
-    def forward(self, tokens: Tensor, targets: Tensor | None = None,
-                state: State | None = None) -> ModelOutput:
+    def forward(
+        self, tokens: Tensor, targets: Tensor | None = None, state: State | None = None
+    ) -> ModelOutput:
         cfg = self.cfg
         bsz, m = tokens.shape
         if state is None:
@@ -495,16 +557,20 @@ class InfinityFormerLM(SequenceModel):
         per = self._per_layer()
         counters = 2 if cfg.ltm else 1
         if len(state) != per * cfg.n_layers + counters:
-            raise ValueError(f"state has {len(state)} tensors; this model carries "
-                             f"{per * cfg.n_layers + counters}")
+            raise ValueError(
+                f"state has {len(state)} tensors; this model carries "
+                f"{per * cfg.n_layers + counters}"
+            )
         seen_rows = state[-1]
         seen = _same_in_every_row(seen_rows, "seen")
         if cfg.ltm and m > cfg.mem_len:
-            raise ValueError(f"the ∞-former needs model.mem_len ({cfg.mem_len}) >= the block "
-                             f"length ({m}): the states leaving the short-term memory in a "
-                             f"block wait in the cache's extra mem_len rows for the LTM")
+            raise ValueError(
+                f"the ∞-former needs model.mem_len ({cfg.mem_len}) >= the block "
+                f"length ({m}): the states leaving the short-term memory in a "
+                f"block wait in the cache's extra mem_len rows for the LTM"
+            )
         c = self._cache_len()
-        n_valid = min(seen, cfg.mem_len)      # the STM: the cache's last n_valid rows
+        n_valid = min(seen, cfg.mem_len)  # the STM: the cache's last n_valid rows
         if cfg.ltm:
             # the LTM takes in positions [taken, seen − mem_len): those that left the STM
             # since the last block, still in the cache (position p is row p − seen + c)
@@ -514,8 +580,9 @@ class InfinityFormerLM(SequenceModel):
             intake_rows = slice(taken - seen + c, c - cfg.mem_len)
         x = self.drop(self.embed(tokens) * math.sqrt(cfg.d_model))
         # one draw of dropout on the position embeddings for every layer, as the authors'
-        pos_emb = self.drop(sinusoid(torch.arange(cfg.mem_len + m, device=tokens.device),
-                                     cfg.d_model))
+        pos_emb = self.drop(
+            sinusoid(torch.arange(cfg.mem_len + m, device=tokens.device), cfg.d_model)
+        )
         new_state: State = []
         kls: list[Tensor] = []
         sig_means: list[Tensor] = []
@@ -526,18 +593,22 @@ class InfinityFormerLM(SequenceModel):
                 old = state[i * per + 1].detach() if holds else None
                 hist = state[i * per + 2] if cfg.sticky else None
                 ltm_in = (old, hist, cache[:, intake_rows])
-            out, read = layer(x, cache[:, c - cfg.mem_len:], n_valid, pos_emb, ltm_in)
+            out, read = layer(x, cache[:, c - cfg.mem_len :], n_valid, pos_emb, ltm_in)
             new_state.append(torch.cat([cache, x], 1)[:, -c:].detach())
             if cfg.ltm:
                 if read is None:
-                    new_state.extend(state[i * per + 1:(i + 1) * per])
+                    new_state.extend(state[i * per + 1 : (i + 1) * per])
                 else:
                     coeff, mu, sigma_sq = read
                     new_state.append(coeff.detach())
                     if cfg.sticky:
-                        new_state.append(bin_masses(mu.detach().reshape(bsz, -1),
-                                                    sigma_sq.detach().reshape(bsz, -1),
-                                                    cfg.sticky_bins))
+                        new_state.append(
+                            bin_masses(
+                                mu.detach().reshape(bsz, -1),
+                                sigma_sq.detach().reshape(bsz, -1),
+                                cfg.sticky_bins,
+                            )
+                        )
                     kls.append(kl_variance(sigma_sq, cfg.sigma_0).mean())
                     sig_means.append(sigma_sq.detach().mean())
             x = out
@@ -561,28 +632,37 @@ class InfinityFormerLM(SequenceModel):
 
     def describe(self) -> str:
         cfg = self.cfg
-        host = (f"Transformer-XL {cfg.n_layers}x{cfg.d_model}, {cfg.n_heads} heads, "
-                f"mem_len {cfg.mem_len}")
+        host = (
+            f"Transformer-XL {cfg.n_layers}x{cfg.d_model}, {cfg.n_heads} heads, "
+            f"mem_len {cfg.mem_len}"
+        )
         if not cfg.ltm:
             return f"{host}; no long-term memory"
         widths = "/".join(f"{w:g}" for w in cfg.basis_widths)
         sampling = f"sticky ({cfg.sticky_bins} bins)" if cfg.sticky else "even"
         if cfg.contraction_midpoints:
             sampling += ", cell midpoints"
-        return (f"∞-former: {host}; LTM {cfg.n_basis} Gaussian RBFs (widths {widths}), "
-                f"tau {cfg.tau:g}, {cfg.n_samples} samples, {sampling}")
+        return (
+            f"∞-former: {host}; LTM {cfg.n_basis} Gaussian RBFs (widths {widths}), "
+            f"tau {cfg.tau:g}, {cfg.n_samples} samples, {sampling}"
+        )
 
     def metrics(self) -> dict[str, float]:
         """The last forward's Σ_layers mean KL and mean σ² of the LTM reads (none before the
         LTM holds anything)."""
-        if self._kl is None or self._sigma_sq is None:     # set together
+        if self._kl is None or self._sigma_sq is None:  # set together
             return {}
         return {"ltm_kl": float(self._kl.detach()), "ltm_sigma_sq": float(self._sigma_sq)}
 
     def parameter_groups(self) -> dict[str, int]:
-        groups = {"embedding": self.embed.weight.numel(), "attention": 0, "feed_forward": 0,
-                  "long_term_memory": 0, "norms": 0,
-                  "output": sum(p.numel() for p in self.head.parameters())}
+        groups = {
+            "embedding": self.embed.weight.numel(),
+            "attention": 0,
+            "feed_forward": 0,
+            "long_term_memory": 0,
+            "norms": 0,
+            "output": sum(p.numel() for p in self.head.parameters()),
+        }
         for layer in self.layers:
             for name, p in layer.named_parameters():
                 role = name.split(".", 1)[0]

@@ -217,14 +217,20 @@ class AllAttention(nn.Module):
                 # the reference op's weights for the same inputs (every backend matches
                 # them); the output still comes from the configured backend
                 _, a_pers = attention_weights(q, k, pos, persistent_k=pk, span_mask=mask)
-                assert a_pers is not None       # persistent_k given: its weights come back
+                assert a_pers is not None  # persistent_k given: its weights come back
                 self.persistent_share.add(a_pers)
             out = self.attend(
-                q, k, v, pos, persistent_k=pk, persistent_v=pv, span_mask=mask,
+                q,
+                k,
+                v,
+                pos,
+                persistent_k=pk,
+                persistent_v=pv,
+                span_mask=mask,
                 **drop,
             )
         elif self.mode == "attn_split":  # two softmaxes, outputs summed
-            assert pk is not None and pv is not None    # the split modes always have them
+            assert pk is not None and pv is not None  # the split modes always have them
             out = self.attend(q, k, v, pos, span_mask=mask, **drop)
             out = out + attend_persistent(q, pk, pv, **drop)
         elif self.mode == "head_split":  # first half: context only; second: persistent only
@@ -313,6 +319,6 @@ class AllAttnLayer(nn.Module):
         self, x: Tensor, context: Tensor, pos_table: Tensor, span_len: int | None = None
     ) -> Tensor:
         h = self.norm1(x + self.attn(x, context, pos_table, span_len))
-        if self.ff is not None and self.norm2 is not None:     # both or neither
+        if self.ff is not None and self.norm2 is not None:  # both or neither
             h = self.norm2(h + self.ff(h))
         return h

@@ -31,8 +31,9 @@ the checkpoint. Families without such shapes keep the defaults, which do nothing
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -163,5 +164,6 @@ class ModelFamily(NamedTuple):
     the spec's `model.*` keys (an optional ``inert_keys()`` lists those that do nothing under
     the others, as (key, why) pairs), and the model class, built as ``model(config,
     vocab_size)``."""
+
     config: type
     model: type[SequenceModel]

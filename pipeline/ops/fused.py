@@ -40,8 +40,13 @@ from pipeline.ops.attention import ATTENTION_IMPLS, log_span_mask, skew
 from pipeline.ops.dropout import draw_dropout_seed, flex_keep, keep_threshold
 
 __all__ = [
-    "attend_auto", "attend_flex", "attend_sdpa", "compile_count", "describe_auto",
-    "flex_bucket", "pick_attention_impl",
+    "attend_auto",
+    "attend_flex",
+    "attend_sdpa",
+    "compile_count",
+    "describe_auto",
+    "flex_bucket",
+    "pick_attention_impl",
 ]
 
 
@@ -193,6 +198,7 @@ def _run_flex(flex, q, keys, values, score_mod, block_mask, lse: bool = False):
     if lse:
         try:
             from torch.nn.attention.flex_attention import AuxRequest
+
             kwargs["return_aux"] = AuxRequest(lse=True)
         except ImportError:
             kwargs["return_lse"] = True
@@ -231,22 +237,44 @@ def attend_flex(
 
     dropout_seed: int32 scalar tensor on q's device seeding the dropout mask
     (``pipeline.ops.dropout.flex_keep``); None draws one there from torch's generator."""
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (q, k, v, pos, persistent_k, persistent_v, span_mask)
+    if (
+        q.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and any(
+            t is not None and t.requires_grad
+            for t in (q, k, v, pos, persistent_k, persistent_v, span_mask)
+        )
     ):
         raise ValueError(
             "attention impl flex runs forward only on CPU (torch 2.13 has no CPU backward "
             "for FlexAttention); use sdpa or reference to train on CPU, or auto"
         )
     return _attend_flex(
-        q, k, v, pos, persistent_k=persistent_k, persistent_v=persistent_v,
-        span_mask=span_mask, dropout_p=dropout_p, training=training, dropout_seed=dropout_seed,
+        q,
+        k,
+        v,
+        pos,
+        persistent_k=persistent_k,
+        persistent_v=persistent_v,
+        span_mask=span_mask,
+        dropout_p=dropout_p,
+        training=training,
+        dropout_seed=dropout_seed,
     )
 
 
 def _attend_flex(
-    q, k, v, pos, *, persistent_k, persistent_v, span_mask, dropout_p, training, dropout_seed,
+    q,
+    k,
+    v,
+    pos,
+    *,
+    persistent_k,
+    persistent_v,
+    span_mask,
+    dropout_p,
+    training,
+    dropout_seed,
     flex=None,
 ) -> Tensor:
     """``attend_flex`` without its CPU guard; ``flex``: the flex_attention to call (None:
@@ -360,8 +388,16 @@ def attend_auto(
         q.device.type, q.dtype, dropout_p > 0.0 and training, torch.is_grad_enabled()
     )
     return ATTENTION_IMPLS[name](
-        q, k, v, pos, persistent_k=persistent_k, persistent_v=persistent_v,
-        span_mask=span_mask, dropout_p=dropout_p, training=training, dropout_seed=dropout_seed,
+        q,
+        k,
+        v,
+        pos,
+        persistent_k=persistent_k,
+        persistent_v=persistent_v,
+        span_mask=span_mask,
+        dropout_p=dropout_p,
+        training=training,
+        dropout_seed=dropout_seed,
     )
 
 

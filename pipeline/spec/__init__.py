@@ -13,8 +13,14 @@ from pathlib import Path
 
 from pipeline.errors import shown
 from pipeline.spec.schema import Spec
-from pipeline.spec.sources import (PROJECT_ROOT, SpecError, _apply_override, _load_with_extends,
-                                   _resolve_card, parse_override)
+from pipeline.spec.sources import (
+    PROJECT_ROOT,
+    SpecError,
+    _apply_override,
+    _load_with_extends,
+    _resolve_card,
+    parse_override,
+)
 from pipeline.spec.validation import _refuse_inert_keys, _validate
 
 __all__ = ["PROJECT_ROOT", "Spec", "SpecError", "load_spec", "parse_override"]
@@ -23,7 +29,7 @@ __all__ = ["PROJECT_ROOT", "Spec", "SpecError", "load_spec", "parse_override"]
 def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
     """Read, merge, override and validate a pipeline spec; SpecError on any mistake."""
     path = Path(path)
-    origin = shown(path)   # where an error without a line of its own points
+    origin = shown(path)  # where an error without a line of its own points
     where: dict = {}
     data = _load_with_extends(path, where)
     parsed = [(parse_override(text), text) for text in overrides]
@@ -31,14 +37,16 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
         if key == ("dataset",):
             _apply_override(data, key, value, where, text, path)
     if isinstance(data.get("dataset"), str):
-        data["dataset"] = _resolve_card(data["dataset"], path, where,
-                                        where.get(("dataset",), origin))
+        data["dataset"] = _resolve_card(
+            data["dataset"], path, where, where.get(("dataset",), origin)
+        )
     for (key, value), text in parsed:
         if key != ("dataset",):
             _apply_override(data, key, value, where, text, path)
     if isinstance(data.get("dataset"), str):  # --set dataset=NAME
-        data["dataset"] = _resolve_card(data["dataset"], path, where,
-                                        where.get(("dataset",), origin))
+        data["dataset"] = _resolve_card(
+            data["dataset"], path, where, where.get(("dataset",), origin)
+        )
     spec = _validate(data, where, origin)
     spec._source = str(path)
     _refuse_inert_keys(spec, where, origin)

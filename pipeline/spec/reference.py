@@ -32,27 +32,34 @@ from pydantic.fields import FieldInfo
 
 from pipeline.models import MODELS
 from pipeline.models.active_memory import CONV_ACTIVATIONS, GATES, MIXERS, ActiveMemoryConfig
-from pipeline.models.config import (ATTENTION_IMPL_NAMES, FF_KINDS, PERSISTENT_MODES,
-                                    AllAttnConfig, AttentionConfig)
+from pipeline.models.config import (
+    ATTENTION_IMPL_NAMES,
+    FF_KINDS,
+    PERSISTENT_MODES,
+    AllAttnConfig,
+    AttentionConfig,
+)
 from pipeline.models.infinity_former import InfinityFormerConfig
 from pipeline.plugins import MODEL_GROUP, PROJECT, STAGE_GROUP, providers
-from pipeline.spec.schema import TASK_SYMBOLS_LIMIT, Spec, _task_symbols
 from pipeline.spec import PROJECT_ROOT, load_spec
+from pipeline.spec.schema import TASK_SYMBOLS_LIMIT, Spec, _task_symbols
 from pipeline.spec.validation import MODEL_LIMITS
 
 # how this module is run, for the messages that say how to regenerate the page
 MODULE = __spec__.name if __spec__ is not None else __name__
 REGENERATE = f"python -m {MODULE} --write"
-PAGE = Path("docs") / "reference.md"   # relative to the project root
+PAGE = Path("docs") / "reference.md"  # relative to the project root
 
 
 # ---------------------------------------------------------------- what __post_init__ checks
+
 
 @dataclass(frozen=True)
 class Check:
     """A model config field's allowed values as its dataclass's `__post_init__` enforces them
     (bounds inclusive unless `*_open`; `items`: the bounds apply to each list item). `note`:
     a rule that involves other fields, in words."""
+
     low: float | None = None
     high: float | None = None
     low_open: bool = False
@@ -81,10 +88,14 @@ MODEL_CHECKS: dict[type, dict[str, Check]] = {
         "attn_dropout": _DROPOUT,
         "emb_dropout": _DROPOUT,
         "out_dropout": _DROPOUT,
-        "adaptive_cutoffs": Check(low=0, low_open=True, items=True,
-                                  note="a non-empty, increasing list"),
-        "adaptive_div": Check(low=1, note="with adaptive_io, d_model // adaptive_div ** "
-                                          "len(adaptive_cutoffs) must be at least 1"),
+        "adaptive_cutoffs": Check(
+            low=0, low_open=True, items=True, note="a non-empty, increasing list"
+        ),
+        "adaptive_div": Check(
+            low=1,
+            note="with adaptive_io, d_model // adaptive_div ** "
+            "len(adaptive_cutoffs) must be at least 1",
+        ),
     },
     ActiveMemoryConfig: {
         "mixer": Check(choices=MIXERS),
@@ -106,8 +117,11 @@ MODEL_CHECKS: dict[type, dict[str, Check]] = {
         "dropout": _DROPOUT,
         "attn_dropout": _DROPOUT,
         "mem_len": Check(low=1),
-        "n_basis": Check(low=1, note="a multiple of len(basis_widths), with at least 2 "
-                                     "centres (n_basis / len(basis_widths))"),
+        "n_basis": Check(
+            low=1,
+            note="a multiple of len(basis_widths), with at least 2 "
+            "centres (n_basis / len(basis_widths))",
+        ),
         "basis_widths": Check(low=0, low_open=True, items=True, note="a non-empty list"),
         "ridge_penalty": Check(low=0, low_open=True),
         "n_samples": Check(low=1),
@@ -121,20 +135,22 @@ MODEL_CHECKS: dict[type, dict[str, Check]] = {
 
 # ---------------------------------------------------------------- the page's content
 
+
 @dataclass
 class Entry:
     """One key of the spec as the page shows it."""
-    key: str                  # dotted path; `*` stands for a name the user chooses
+
+    key: str  # dotted path; `*` stands for a name the user chooses
     type: str
-    default: str              # the default as JSON, or words where there is no value
-    allowed: str              # "" when the type says it all
+    default: str  # the default as JSON, or words where there is no value
+    allowed: str  # "" when the type says it all
     description: str
-    owner: str                # Class.field (or what defines the key)
-    source: str               # the file that defines it, relative to the project root
-    kind: str | None = None   # the model kind, for model.* keys
-    section: bool = False     # its value is a mapping of keys of its own
-    is_value: bool = True     # `default` is JSON (else words: required, optional, ...)
-    note: str = ""            # after the default: when it holds
+    owner: str  # Class.field (or what defines the key)
+    source: str  # the file that defines it, relative to the project root
+    kind: str | None = None  # the model kind, for model.* keys
+    section: bool = False  # its value is a mapping of keys of its own
+    is_value: bool = True  # `default` is JSON (else words: required, optional, ...)
+    note: str = ""  # after the default: when it holds
 
     @property
     def anchor(self) -> str:
@@ -146,10 +162,10 @@ class Section:
     title: str
     anchor: str
     depth: int
-    entry: Entry | None               # the section's own key (None: the top level)
-    rows: list[Entry]                 # its keys, subsections included (the summary table)
-    entries: list[Entry]              # its keys described here (subsections have their own)
-    extra: str = ""                   # Markdown after the entries (the model kinds' index)
+    entry: Entry | None  # the section's own key (None: the top level)
+    rows: list[Entry]  # its keys, subsections included (the summary table)
+    entries: list[Entry]  # its keys described here (subsections have their own)
+    extra: str = ""  # Markdown after the entries (the model kinds' index)
 
 
 def _source(obj) -> str:
@@ -161,7 +177,7 @@ def _source(obj) -> str:
 
 
 def _plugin(group: str, name: str) -> str:
-    """"from the installed distribution `X`" for a plugin's kind; "" for a built-in."""
+    """ "from the installed distribution `X`" for a plugin's kind; "" for a built-in."""
     dist = providers.get(group, {}).get(name, PROJECT)
     return "" if dist == PROJECT else f"from the installed distribution `{dist}`"
 
@@ -193,9 +209,13 @@ def _attribute_docs(cls) -> dict[str, str]:
     body = class_def.body
     docs = {}
     for node, after in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = after.value.value
     return docs
 
@@ -219,13 +239,16 @@ def _range(low, high, low_open=False, high_open=False, what="value") -> str:
         return f"{what} {'<' if high_open else '≤'} {_number(high)}"
     if high is None:
         return f"{what} {'>' if low_open else '≥'} {_number(low)}"
-    return (f"{_number(low)} {'<' if low_open else '≤'} {what} "
-            f"{'<' if high_open else '≤'} {_number(high)}")
+    return (
+        f"{_number(low)} {'<' if low_open else '≤'} {what} "
+        f"{'<' if high_open else '≤'} {_number(high)}"
+    )
 
 
 def _choices(values) -> str:
-    return "one of " + ", ".join(f"`{_json(v)}`" if not isinstance(v, str) else f"`{v}`"
-                                 for v in values)
+    return "one of " + ", ".join(
+        f"`{_json(v)}`" if not isinstance(v, str) else f"`{v}`" for v in values
+    )
 
 
 def _json(value) -> str:
@@ -234,7 +257,7 @@ def _json(value) -> str:
 
 @dataclass
 class _Constraints:
-    low: Any = None     # a bound as the schema wrote it (an int stays an int in the docs)
+    low: Any = None  # a bound as the schema wrote it (an int stays an int in the docs)
     high: Any = None
     low_open: bool = False
     high_open: bool = False
@@ -242,7 +265,7 @@ class _Constraints:
     max_len: int | None = None
     pattern: str | None = None
 
-    def read(self, metadata) -> "_Constraints":
+    def read(self, metadata) -> _Constraints:
         for m in metadata:
             if isinstance(m, annotated_types.Gt):
                 self.low, self.low_open = m.gt, True
@@ -263,8 +286,10 @@ class _Constraints:
             elif isinstance(m, FieldInfo):
                 self.read(m.metadata)
             else:
-                raise TypeError(f"{MODULE} cannot describe the constraint {m!r}: teach "
-                                f"_Constraints.read what it allows")
+                raise TypeError(
+                    f"{MODULE} cannot describe the constraint {m!r}: teach "
+                    f"_Constraints.read what it allows"
+                )
         return self
 
     def words(self, what: str, text: bool) -> list[str]:
@@ -293,8 +318,8 @@ _SCALARS = {int: "int", float: "float", bool: "bool", str: "string"}
 class _Type:
     text: str
     allowed: list[str]
-    section: type | None = None     # a pydantic section or a config dataclass
-    per_name: type | None = None    # a mapping of user-chosen names to this section
+    section: type | None = None  # a pydantic section or a config dataclass
+    per_name: type | None = None  # a mapping of user-chosen names to this section
 
 
 def _strip(annotation) -> tuple[Any, list]:
@@ -321,16 +346,17 @@ def _type(annotation, metadata=()) -> _Type:
             return parts[0]
         texts = [p.text for p in parts] + (["null"] if nullable else [])
         allowed = [w for p in parts for w in p.allowed]
-        return _Type(" or ".join(texts), [" or ".join(allowed)] if len(parts) > 1 and allowed
-                     else allowed)
+        return _Type(
+            " or ".join(texts), [" or ".join(allowed)] if len(parts) > 1 and allowed else allowed
+        )
     if _is_section(annotation):
         return _Type("mapping", [], section=annotation)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
         kinds = {type(a) for a in args}
         text = "string" if kinds == {str} else _SCALARS.get(kinds.pop(), "value")
-        if len(args) == 1:     # one value, as in `int | Literal["all"]`
-            return _Type(f'`{_json(args[0])}`', [f"`{args[0]}`"])
+        if len(args) == 1:  # one value, as in `int | Literal["all"]`
+            return _Type(f"`{_json(args[0])}`", [f"`{args[0]}`"])
         return _Type(text, [_choices(args)])
     if origin is list:
         item = _type(args[0])
@@ -354,8 +380,16 @@ def _type(annotation, metadata=()) -> _Type:
 
 # ---------------------------------------------------------------- walking the schema
 
-def _pydantic_sections(cls: type[BaseModel], prefix: str, default, depth: int,
-                       entry: Entry | None, title: str = "", anchor: str = "") -> list[Section]:
+
+def _pydantic_sections(
+    cls: type[BaseModel],
+    prefix: str,
+    default,
+    depth: int,
+    entry: Entry | None,
+    title: str = "",
+    anchor: str = "",
+) -> list[Section]:
     """The section of `cls` at `prefix` and its subsections, depth first. `default`: the
     instance the section is when it is left out (its fields' defaults come from it)."""
     rows, entries, subsections = [], [], []
@@ -364,43 +398,84 @@ def _pydantic_sections(cls: type[BaseModel], prefix: str, default, depth: int,
         owner, source = f"{cls.__name__}.{name}", _source(cls)
         description = _sentence(_prose(info.description), capital=True)
         if cls is Spec and name == "model":
-            row = Entry(key, "mapping", "required", "", _join(description, LOADER_NOTES[key]),
-                        owner, source, section=True, is_value=False)
+            row = Entry(
+                key,
+                "mapping",
+                "required",
+                "",
+                _join(description, LOADER_NOTES[key]),
+                owner,
+                source,
+                section=True,
+                is_value=False,
+            )
             rows.append(row)
             subsections += _model_kind_sections(row, depth + 1)
             continue
         sub = tp.section or tp.per_name
         if sub is None:
             value, is_value = _default(info, default, name)
-            row = Entry(key, tp.text, value, "; ".join(tp.allowed),
-                        _join(description, LOADER_NOTES.get(key, "")), owner, source,
-                        is_value=is_value)
+            row = Entry(
+                key,
+                tp.text,
+                value,
+                "; ".join(tp.allowed),
+                _join(description, LOADER_NOTES.get(key, "")),
+                owner,
+                source,
+                is_value=is_value,
+            )
             if default is not None and info.is_required():
                 row.note = f" when `{prefix.rstrip('.')}` is left out; required in it"
             rows.append(row)
             entries.append(row)
             continue
-        section_value = (None if info.is_required()
-                         else info.get_default(call_default_factory=True))
+        section_value = None if info.is_required() else info.get_default(call_default_factory=True)
         if default is not None:
             section_value = getattr(default, name)
-        doc = _join(description, _prose(sub.__doc__) if tp.per_name is None else "",
-                    LOADER_NOTES.get(key, ""))
-        if tp.per_name is not None:     # a mapping of names the user chooses to sections
+        doc = _join(
+            description,
+            _prose(sub.__doc__) if tp.per_name is None else "",
+            LOADER_NOTES.get(key, ""),
+        )
+        if tp.per_name is not None:  # a mapping of names the user chooses to sections
             text, is_value = _value_or("required", section_value)
-            row = Entry(key, tp.text, text, "; ".join(tp.allowed), doc, owner, source,
-                        is_value=is_value)
+            row = Entry(
+                key, tp.text, text, "; ".join(tp.allowed), doc, owner, source, is_value=is_value
+            )
             rows.append(row)
             entries.append(row)
-            item = Entry(f"{key}.*", "mapping", "", "", _prose(sub.__doc__),
-                         sub.__name__, _source(sub), section=True, is_value=False)
+            item = Entry(
+                f"{key}.*",
+                "mapping",
+                "",
+                "",
+                _prose(sub.__doc__),
+                sub.__name__,
+                _source(sub),
+                section=True,
+                is_value=False,
+            )
             subsections += _pydantic_sections(sub, f"{key}.*.", None, depth + 1, item)
             continue
-        words = ("required" if info.is_required() else
-                 "none: the section is optional" if section_value is None else
-                 "every key at its default")
-        row = Entry(key, LOADER_TYPES.get(key, "mapping"), words, "", doc, owner, source,
-                    section=True, is_value=False)
+        words = (
+            "required"
+            if info.is_required()
+            else "none: the section is optional"
+            if section_value is None
+            else "every key at its default"
+        )
+        row = Entry(
+            key,
+            LOADER_TYPES.get(key, "mapping"),
+            words,
+            "",
+            doc,
+            owner,
+            source,
+            section=True,
+            is_value=False,
+        )
         rows.append(row)
         subsections += _pydantic_sections(sub, f"{key}.", section_value, depth + 1, row)
     path = prefix.rstrip(".")
@@ -426,8 +501,9 @@ def _default(info: FieldInfo, section_default, name: str) -> tuple[str, bool]:
     return _json(info.get_default(call_default_factory=True)), True
 
 
-def _model_sections(kind: str, cfg_cls, prefix: str, depth: int,
-                    entry: Entry | None) -> list[Section]:
+def _model_sections(
+    kind: str, cfg_cls, prefix: str, depth: int, entry: Entry | None
+) -> list[Section]:
     """A model kind's config dataclass at `prefix` as a section, nested config dataclasses
     (model.attention) as subsections."""
     hints = typing.get_type_hints(cfg_cls)
@@ -438,22 +514,40 @@ def _model_sections(kind: str, cfg_cls, prefix: str, depth: int,
         key, tp = f"{prefix}{f.name}", _type(hints[f.name])
         owner, source = f"{cfg_cls.__name__}.{f.name}", _source(cfg_cls)
         if tp.section is not None:
-            doc = "\n\n".join(d for d in (_sentence(_prose(docs.get(f.name))),
-                                           _prose(tp.section.__doc__)) if d)
-            row = Entry(key, "mapping", "every key at its default", "", doc, owner, source,
-                        kind=kind, section=True, is_value=False)
+            doc = "\n\n".join(
+                d for d in (_sentence(_prose(docs.get(f.name))), _prose(tp.section.__doc__)) if d
+            )
+            row = Entry(
+                key,
+                "mapping",
+                "every key at its default",
+                "",
+                doc,
+                owner,
+                source,
+                kind=kind,
+                section=True,
+                is_value=False,
+            )
             rows.append(row)
             subsections += _model_sections(kind, tp.section, f"{key}.", depth + 1, row)
             continue
         factory: Any = f.default_factory
         value = f.default if f.default is not MISSING else factory()
-        row = Entry(key, tp.text, _json(value), _model_allowed(f.name, checks.get(f.name), tp),
-                    _sentence(_prose(docs.get(f.name))), owner, source, kind=kind)
+        row = Entry(
+            key,
+            tp.text,
+            _json(value),
+            _model_allowed(f.name, checks.get(f.name), tp),
+            _sentence(_prose(docs.get(f.name))),
+            owner,
+            source,
+            kind=kind,
+        )
         rows.append(row)
         entries.append(row)
     path = prefix.rstrip(".")
-    section = Section(f"`{path}` (kind `{kind}`)", f"{path}@{kind}", depth, entry, rows,
-                      entries)
+    section = Section(f"`{path}` (kind `{kind}`)", f"{path}@{kind}", depth, entry, rows, entries)
     return [section, *subsections]
 
 
@@ -468,7 +562,7 @@ def _model_allowed(name: str, check: Check | None, tp: _Type) -> str:
         words.append(f"each {rng}" if check.items or tp.text.startswith("list") else rng)
     if check.note:
         words.append(check.note)
-    if limit is not None:       # its note names one paper's sizes; the field's doc has them
+    if limit is not None:  # its note names one paper's sizes; the field's doc has them
         words.append("the upper bound is a size limit far above the papers' models")
     return "; ".join(words)
 
@@ -479,25 +573,31 @@ LOADER_TYPES = {"dataset": "mapping, or string (a card's name)"}
 
 LOADER_NOTES = {
     "dataset": "Give the card inline, as a mapping, or by name: `dataset: enwik8` reads "
-               "`datasets/enwik8.yaml` (from a `datasets/` folder beside the spec's own "
-               "folder, else the project's). `--set dataset.KEY=VALUE` changes one value of "
-               "the named card; `--set dataset=NAME` takes another card.",
+    "`datasets/enwik8.yaml` (from a `datasets/` folder beside the spec's own "
+    "folder, else the project's). `--set dataset.KEY=VALUE` changes one value of "
+    "the named card; `--set dataset=NAME` takes another card.",
     "model": "The keys besides `model.kind` depend on the kind: each kind has its own "
-             "section below, and the [index of model keys](#model) gives every key's default "
-             "per kind.",
+    "section below, and the [index of model keys](#model) gives every key's default "
+    "per kind.",
 }
 
 
 def _extends_entry() -> Entry:
     return Entry(
-        "extends", "string or list of string", "none", "",
+        "extends",
+        "string or list of string",
+        "none",
+        "",
         "Spec files this one builds on, as paths relative to this file (each may extend "
         "others; a cycle is an error). They are merged in order and this file on top: "
         "mappings merge key by key, any other value, a list included, is replaced. A key "
         "that does nothing under the merged settings is refused where it is written (this "
         "file, or `--set`) and accepted when a base sets it, so a shared base may set what a "
         "variant switches off.",
-        "load_spec", _source(load_spec), is_value=False)
+        "load_spec",
+        _source(load_spec),
+        is_value=False,
+    )
 
 
 def _stage_notes() -> str:
@@ -510,8 +610,7 @@ def _stage_notes() -> str:
         needs = [set(need) if isinstance(need, tuple) else {need} for need in stage.inputs]
         # a need that another implies (any of a superset of its stages) goes without saying
         needs = [n for n in needs if not any(m < n for m in needs)]
-        reads = [" or ".join(f"`{o}`" for o in sorted(n, key=list(STAGES).index))
-                 for n in needs]
+        reads = [" or ".join(f"`{o}`" for o in sorted(n, key=list(STAGES).index)) for n in needs]
         joint = ", and " if any(len(n) > 1 for n in needs) else " and "
         after = f" Comes after {joint.join(reads)}." if reads else ""
         section = f" Needs the `{stage.section_key}` section." if stage.section_key else ""
@@ -536,16 +635,35 @@ def _model_kind_sections(model_row: Entry, depth: int) -> list[Section]:
         origin = _plugin(MODEL_GROUP, name)
         labels.append(f"`{name}` ({cfg.__name__}{', ' + origin if origin else ''})")
     kinds = ", ".join(labels)
-    kind = Entry("model.kind", "string", "required", _choices(MODELS),
-                 f"The model family: {kinds}. The other `model.*` keys are the fields of its "
-                 f"config dataclass.", "MODELS", _source(registry), is_value=False)
+    kind = Entry(
+        "model.kind",
+        "string",
+        "required",
+        _choices(MODELS),
+        f"The model family: {kinds}. The other `model.*` keys are the fields of its "
+        f"config dataclass.",
+        "MODELS",
+        _source(registry),
+        is_value=False,
+    )
     per_kind = []
     for name, (cfg_cls, _) in MODELS.items():
-        entry = Entry("model", "mapping", "", "", _prose(cfg_cls.__doc__), cfg_cls.__name__,
-                      _source(cfg_cls), kind=name, section=True, is_value=False)
+        entry = Entry(
+            "model",
+            "mapping",
+            "",
+            "",
+            _prose(cfg_cls.__doc__),
+            cfg_cls.__name__,
+            _source(cfg_cls),
+            kind=name,
+            section=True,
+            is_value=False,
+        )
         per_kind += _model_sections(name, cfg_cls, "model.", depth + 1, entry)
-    main = Section("`model`", "model", depth, model_row, [kind], [kind],
-                   extra=_model_index(per_kind))
+    main = Section(
+        "`model`", "model", depth, model_row, [kind], [kind], extra=_model_index(per_kind)
+    )
     return [main, *per_kind]
 
 
@@ -554,24 +672,28 @@ def _model_index(per_kind: list[Section]) -> str:
     by_key: dict[str, dict[str, Entry]] = {}
     for section in per_kind:
         for row in section.rows:
-            assert row.kind is not None     # a model section's rows name their kind
+            assert row.kind is not None  # a model section's rows name their kind
             by_key.setdefault(row.key, {})[row.kind] = row
-    lines = ["#### Model keys by kind", "",
-             "Each key's default per kind; a link leads to the key's entry, — means the kind "
-             "has no such key.", "",
-             "| Key | " + " | ".join(f"`{k}`" for k in MODELS) + " |",
-             "|---|" + "---|" * len(MODELS)]
+    lines = [
+        "#### Model keys by kind",
+        "",
+        "Each key's default per kind; a link leads to the key's entry, — means the kind "
+        "has no such key.",
+        "",
+        "| Key | " + " | ".join(f"`{k}`" for k in MODELS) + " |",
+        "|---|" + "---|" * len(MODELS),
+    ]
     for key, kinds in by_key.items():
         cells = []
         for name in MODELS:
             e = kinds.get(name)
-            cells.append("—" if e is None else
-                         f"[{_cell_default(e) or 'mapping'}](#{e.anchor})")
+            cells.append("—" if e is None else f"[{_cell_default(e) or 'mapping'}](#{e.anchor})")
         lines.append(f'| <a id="{key}"></a>`{key}` | ' + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the page
+
 
 def sections() -> list[Section]:
     """The page's sections in order: the top level, then each section of the spec, depth
@@ -607,8 +729,13 @@ def _md(text: str) -> str:
     HTML or emphasis is escaped."""
     parts = text.split("`")
     for i in range(0, len(parts), 2):
-        parts[i] = (parts[i].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-                    .replace("*", r"\*"))
+        parts[i] = (
+            parts[i]
+            .replace("&", "&amp;")
+            .replace("<", "&lt;")
+            .replace(">", "&gt;")
+            .replace("*", r"\*")
+        )
     return "`".join(parts)
 
 
@@ -643,8 +770,10 @@ def _render_section(s: Section) -> list[str]:
         out += _facts(s.entry) + [""]
     if s.rows:
         out += ["| Key | Type | Default |", "|---|---|---|"]
-        out += [f"| [`{r.key}`](#{r.anchor}) | {_cell(r.type)} | {_cell(_cell_default(r))} |"
-                for r in s.rows]
+        out += [
+            f"| [`{r.key}`](#{r.anchor}) | {_cell(r.type)} | {_cell(_cell_default(r))} |"
+            for r in s.rows
+        ]
         out.append("")
     for e in s.entries:
         out += [_heading(e), ""]
@@ -715,12 +844,14 @@ def page_path() -> Path:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split(
-        "\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write", action="store_true", help=f"write {PAGE.as_posix()}")
-    group.add_argument("--check", action="store_true",
-                       help=f"exit 1 if {PAGE.as_posix()} differs from the schema's page")
+    group.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit 1 if {PAGE.as_posix()} differs from the schema's page",
+    )
     args = parser.parse_args(argv)
     page, path = render(), page_path()
     if args.write:
@@ -730,8 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.check:
         current = path.read_text(encoding="utf-8") if path.is_file() else None
         if current != page:
-            print(f"{PAGE.as_posix()} is stale: regenerate it with `{REGENERATE}`",
-                  file=sys.stderr)
+            print(f"{PAGE.as_posix()} is stale: regenerate it with `{REGENERATE}`", file=sys.stderr)
             return 1
     else:
         sys.stdout.write(page)

@@ -18,7 +18,6 @@ import yaml
 from pipeline.errors import PipelineError
 from pipeline.errors import shown as _shown
 
-
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,6 +26,7 @@ class SpecError(PipelineError):
 
 
 # ---------------------------------------------------------------- YAML with line numbers
+
 
 class Where(str):
     """Where a value came from: 'file:line' or '--set key=value'."""
@@ -52,8 +52,11 @@ def _line_loader():
             try:
                 if self.depth > MAX_DEPTH:
                     raise yaml.composer.ComposerError(
-                        None, None, f"nested more than {MAX_DEPTH} levels deep",
-                        self.peek_event().start_mark)
+                        None,
+                        None,
+                        f"nested more than {MAX_DEPTH} levels deep",
+                        self.peek_event().start_mark,
+                    )
                 return super().compose_node(parent, index)
             finally:
                 self.depth -= 1
@@ -88,41 +91,51 @@ class _Builder:
     def build(self, node, path: tuple):
         self.values += 1
         if self.values > MAX_VALUES:
-            raise SpecError(f"{self.place(node)}: more than {MAX_VALUES:,} values once YAML "
-                            f"aliases are expanded; a spec has hundreds")
+            raise SpecError(
+                f"{self.place(node)}: more than {MAX_VALUES:,} values once YAML "
+                f"aliases are expanded; a spec has hundreds"
+            )
         if len(path) > MAX_DEPTH:
-            raise SpecError(f"{self.place(node)}: nested more than {MAX_DEPTH} levels deep "
-                            f"(an alias inside its own anchor?)")
+            raise SpecError(
+                f"{self.place(node)}: nested more than {MAX_DEPTH} levels deep "
+                f"(an alias inside its own anchor?)"
+            )
         self.where[path] = self.place(node)
         if not isinstance(node, yaml.ScalarNode) and node.tag not in COLLECTION_TAGS:
             # !!set {a, b}, !!str [1], !!python/object:... {k: v} would otherwise be read as
             # the plain mapping or list under the tag, and the tag silently dropped
             what = "a mapping" if isinstance(node, yaml.MappingNode) else "a list"
-            raise SpecError(f"{self.place(node)}: {_dotted(path)}: the tag "
-                            f"{_shown(_tag_name(node.tag))} on {what} is not supported; a "
-                            f"spec's mappings and lists are plain ones")
+            raise SpecError(
+                f"{self.place(node)}: {_dotted(path)}: the tag "
+                f"{_shown(_tag_name(node.tag))} on {what} is not supported; a "
+                f"spec's mappings and lists are plain ones"
+            )
         if isinstance(node, yaml.MappingNode):
             return self._mapping(node, path)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
         try:
             return self.scalars.construct_object(node, deep=True)
-        except yaml.constructor.ConstructorError as e:   # a tag the safe loader does not know
+        except yaml.constructor.ConstructorError as e:  # a tag the safe loader does not know
             raise SpecError(f"{self.place(node)}: {_dotted(path)}: {e.problem}") from None
         # PyYAML's constructors assume text their tag's pattern matched: on other text they
         # fail with whatever their parsing hits (!!int abc: ValueError, !!bool maybe:
         # KeyError, !!timestamp notadate: AttributeError, !!int '': IndexError)
         except Exception:
-            raise SpecError(f"{self.place(node)}: {_dotted(path)}: {_show(node.value)} is not "
-                            f"a valid {_tag_name(node.tag)}") from None
+            raise SpecError(
+                f"{self.place(node)}: {_dotted(path)}: {_show(node.value)} is not "
+                f"a valid {_tag_name(node.tag)}"
+            ) from None
 
     def _mapping(self, node, path: tuple) -> dict:
         out = {}
         for key_node, value_node in node.value:
             at = self.place(key_node)
             if key_node.tag == "tag:yaml.org,2002:merge":
-                raise SpecError(f"{at}: {_dotted(path)}: merge keys (<<) are not supported; "
-                                f"share settings between files with `extends`")
+                raise SpecError(
+                    f"{at}: {_dotted(path)}: merge keys (<<) are not supported; "
+                    f"share settings between files with `extends`"
+                )
             if not isinstance(key_node, yaml.ScalarNode):
                 found = "a list" if isinstance(key_node, yaml.SequenceNode) else "a mapping"
                 raise SpecError(f"{at}: {_dotted(path)}: a key must be a name, found {found}")
@@ -136,11 +149,11 @@ class _Builder:
 
 def _tag_name(tag: str) -> str:
     standard = "tag:yaml.org,2002:"
-    return "!!" + tag[len(standard):] if tag.startswith(standard) else tag
+    return "!!" + tag[len(standard) :] if tag.startswith(standard) else tag
 
 
 def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
-    name = _shown(path)   # as given on the command line, where it may hold a newline
+    name = _shown(path)  # as given on the command line, where it may hold a newline
     try:
         # a device or a pipe (/dev/zero, /dev/stdin) never ends: only regular files, read
         # no further than a spec can be long
@@ -156,8 +169,9 @@ def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
     except OSError as e:
         raise SpecError(f"{name}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise SpecError(f"{name}: not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset "
-                        f"{e.start}") from None
+        raise SpecError(
+            f"{name}: not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        ) from None
     try:
         node = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as e:
@@ -196,17 +210,19 @@ def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) ->
     own_where: dict = {}
     data = _load_yaml(path, own_where)
     if not isinstance(data, dict):
-        raise SpecError(f"{_shown(path)}:1: a pipeline spec must be a mapping of keys, "
-                        f"found {_kind(data)}")
+        raise SpecError(
+            f"{_shown(path)}:1: a pipeline spec must be a mapping of keys, found {_kind(data)}"
+        )
     extends = data.pop("extends", [])
     if isinstance(extends, str):
         extends = [extends]
     if not isinstance(extends, list) or not all(isinstance(e, str) for e in extends):
-        raise SpecError(f"{own_where[('extends',)]}: extends: expected a list of file paths, "
-                        f"found {extends!r}")
+        raise SpecError(
+            f"{own_where[('extends',)]}: extends: expected a list of file paths, found {extends!r}"
+        )
     merged: dict = {}
     for i, parent in enumerate(extends):
-        parent_path = (path.parent / parent)
+        parent_path = path.parent / parent
         at = own_where.get(("extends", i), own_where.get(("extends",)))  # `extends: FILE`
         if not _is_file(parent_path, at):
             raise SpecError(f"{at}: extends: no such file {_shown(parent_path)}")
@@ -219,7 +235,7 @@ def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) ->
 def _is_file(path: Path, at: str | None) -> bool:
     try:
         return path.is_file()
-    except OSError as e:   # a name too long for the filesystem
+    except OSError as e:  # a name too long for the filesystem
         raise SpecError(f"{at}: cannot read {_show(str(path))}: {e.strerror}") from None
 
 
@@ -236,8 +252,10 @@ def dataset_card_dirs(spec_path: Path) -> list[Path]:
 
 def _resolve_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
     if not CARD_NAME.fullmatch(name):
-        raise SpecError(f"{at}: dataset: {_show(name)} is not a dataset card's name (letters, "
-                        f"digits, _ . -, at most 100 characters) nor a mapping")
+        raise SpecError(
+            f"{at}: dataset: {_show(name)} is not a dataset card's name (letters, "
+            f"digits, _ . -, at most 100 characters) nor a mapping"
+        )
     dirs = dataset_card_dirs(spec_path)
     for d in dirs:
         card = d / f"{name}.yaml"
@@ -252,11 +270,14 @@ def _resolve_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
     known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
     hint = difflib.get_close_matches(name, known, n=1)
     suggest = f" (did you mean '{hint[0]}'?)" if hint else ""
-    raise SpecError(f"{at}: dataset: no dataset card named '{_shown(name)}'{suggest}; "
-                    f"known cards: {', '.join(known) or 'none'}")
+    raise SpecError(
+        f"{at}: dataset: no dataset card named '{_shown(name)}'{suggest}; "
+        f"known cards: {', '.join(known) or 'none'}"
+    )
 
 
 # ---------------------------------------------------------------- --set overrides
+
 
 def _set_origin(text: str) -> str:
     # an error is one line, even for an override with a newline in it
@@ -265,8 +286,9 @@ def _set_origin(text: str) -> str:
 
 def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     if "=" not in text:
-        raise SpecError(f"{_set_origin(text)}: expected KEY=VALUE, for example "
-                        f"--set train.optimizer.lr=0.05")
+        raise SpecError(
+            f"{_set_origin(text)}: expected KEY=VALUE, for example --set train.optimizer.lr=0.05"
+        )
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
@@ -281,30 +303,40 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     return path, None if node is None else _Builder(_set_origin(text), {}).build(node, path)
 
 
-def _apply_override(data: dict, path: tuple, value, where: dict, text: str,
-                    spec_path: Path) -> None:
+def _apply_override(
+    data: dict, path: tuple, value, where: dict, text: str, spec_path: Path
+) -> None:
     if path[0] == "dataset" and len(path) > 1 and isinstance(data.get("dataset"), str):
-        data["dataset"] = _resolve_card(data["dataset"], spec_path, where,
-                                        where.get(("dataset",), _shown(spec_path)))
+        data["dataset"] = _resolve_card(
+            data["dataset"], spec_path, where, where.get(("dataset",), _shown(spec_path))
+        )
     node = data
     for i, part in enumerate(path[:-1]):
         child = node.get(part)
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, dict):
-            raise SpecError(f"{_set_origin(text)}: {_dotted(path[:i + 1])} is {_kind(child)}, "
-                            f"not a mapping, so it has no key '{path[i + 1]}'")
+            raise SpecError(
+                f"{_set_origin(text)}: {_dotted(path[: i + 1])} is {_kind(child)}, "
+                f"not a mapping, so it has no key '{path[i + 1]}'"
+            )
         node = child
     node[path[-1]] = value
-    for k in [k for k in where if k[:len(path)] == path]:
+    for k in [k for k in where if k[: len(path)] == path]:
         del where[k]
     where[path] = Where(_set_origin(text))
 
 
 def _kind(value) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number", type(None): "null"}.get(type(value),
-                                                                        type(value).__name__)
+    return {
+        dict: "a mapping",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _show(value) -> str:

@@ -11,7 +11,6 @@ import re
 import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, fields, is_dataclass
-
 from typing import Any
 
 import pydantic
@@ -57,8 +56,9 @@ def _inner_type(annotation):
     return annotation
 
 
-def _describe(err: Mapping[str, Any], where: dict, fallback: str, schema,
-              loc_prefix: tuple = ()) -> str:
+def _describe(
+    err: Mapping[str, Any], where: dict, fallback: str, schema, loc_prefix: tuple = ()
+) -> str:
     loc = loc_prefix + tuple(err["loc"])
     place = _locate(where, loc, fallback)
     kind = err["type"]
@@ -66,16 +66,19 @@ def _describe(err: Mapping[str, Any], where: dict, fallback: str, schema,
         key = loc[-1]
         valid = _schema_keys(schema, tuple(err["loc"])[:-1])
         close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-        hint = f" (did you mean '{close[0]}'?)" if close else (
-            f" (valid keys: {', '.join(valid)})" if valid else "")
+        hint = (
+            f" (did you mean '{close[0]}'?)"
+            if close
+            else (f" (valid keys: {', '.join(valid)})" if valid else "")
+        )
         return f"{place}: {_dotted(loc)}: unknown key '{_shown(key)}'{hint}"
     if kind == "missing":
         return f"{place}: {_dotted(loc)}: required key is missing"
     msg = err["msg"]
     if msg.startswith("Input should be "):
-        msg = "expected " + msg[len("Input should be "):]
+        msg = "expected " + msg[len("Input should be ") :]
     elif msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     else:
         msg = msg[0].lower() + msg[1:]
     found = err.get("input")
@@ -96,13 +99,18 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
     if isinstance(model, dict):
         kind = model.get("kind")
         if not isinstance(kind, str) or kind not in MODELS:
-            close = difflib.get_close_matches(kind, list(MODELS), n=1) \
-                if isinstance(kind, str) else []
+            close = (
+                difflib.get_close_matches(kind, list(MODELS), n=1) if isinstance(kind, str) else []
+            )
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             at = _locate(where, ("model", "kind"), origin)
-            what = ("required key is missing" if kind is None else
-                    f"unknown model kind '{kind}'" if isinstance(kind, str) else
-                    f"expected the name of a model kind, found {_show(kind)} ({_kind(kind)})")
+            what = (
+                "required key is missing"
+                if kind is None
+                else f"unknown model kind '{kind}'"
+                if isinstance(kind, str)
+                else f"expected the name of a model kind, found {_show(kind)} ({_kind(kind)})"
+            )
             errors.append(f"{at}: model.kind: {what}{hint}; known: {', '.join(MODELS)}")
         else:
             cfg_cls = MODELS[kind][0]
@@ -111,27 +119,30 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
                 checked = _strict_schema(cfg_cls).model_validate(rest)
                 params = cfg_cls(**checked.model_dump())  # nested mappings as dicts
             except pydantic.ValidationError as e:
-                errors += [_describe(err, where, origin, cfg_cls, ("model",))
-                           for err in e.errors()]
-            except ValueError as e:   # the config's own cross-field checks
+                errors += [_describe(err, where, origin, cfg_cls, ("model",)) for err in e.errors()]
+            except ValueError as e:  # the config's own cross-field checks
                 errors.append(f"{_locate(where, ('model',), origin)}: model: {e}")
 
     if spec is not None and not errors:
         errors += _check_stages(spec, where, origin)
         errors += _check_model_for_training(spec, params, where, origin)
-        if spec.train and spec.train.deepspeed.zero_stage == 3 and \
-                getattr(params, "adaptive_span", False):
+        if (
+            spec.train
+            and spec.train.deepspeed.zero_stage == 3
+            and getattr(params, "adaptive_span", False)
+        ):
             errors.append(
                 f"{_locate(where, ('train', 'deepspeed', 'zero_stage'), origin)}: "
                 f"train.deepspeed.zero_stage: ZeRO stage 3 partitions every parameter "
                 f"between forward passes, but an adaptive-span model reads its span "
                 f"parameters outside forward (to size its cache and clamp them): use "
-                f"zero_stage 1 or 2, or model.adaptive_span: false")
+                f"zero_stage 1 or 2, or model.adaptive_span: false"
+            )
     if spec is not None and not errors:
         errors += _check_names(spec, where, origin)
     if errors:
         raise SpecError("\n".join(errors))
-    assert spec is not None     # a spec pydantic refused left its errors above
+    assert spec is not None  # a spec pydantic refused left its errors above
     _normalise_paths(spec)
     spec._model_params = params
     return spec
@@ -147,14 +158,19 @@ def _check_names(spec: Spec, where: dict, origin: str) -> list[str]:
     (<workspace.root>/mlartifacts/<experiment>): it is held to `name`'s rule, so that `..`,
     `/any/dir` or a separator can never put them outside workspace.root."""
     experiment = spec.tracking.experiment
-    if experiment is None or (NAME_PATTERN.fullmatch(experiment) and
-                              len(experiment) <= NAME_MAX and experiment not in (".", "..")):
+    if experiment is None or (
+        NAME_PATTERN.fullmatch(experiment)
+        and len(experiment) <= NAME_MAX
+        and experiment not in (".", "..")
+    ):
         return []
     at = _locate(where, ("tracking", "experiment"), origin)
-    return [f"{at}: tracking.experiment: becomes a directory name under "
-            f"{{workspace.root}}/mlartifacts, so it is held to the rule `name` has: letters, "
-            f"digits, '_', '.', '-', starting with a letter or digit, at most {NAME_MAX} "
-            f"characters; found {_show(experiment)}"]
+    return [
+        f"{at}: tracking.experiment: becomes a directory name under "
+        f"{{workspace.root}}/mlartifacts, so it is held to the rule `name` has: letters, "
+        f"digits, '_', '.', '-', starting with a letter or digit, at most {NAME_MAX} "
+        f"characters; found {_show(experiment)}"
+    ]
 
 
 def _normalise_paths(spec: Spec) -> None:
@@ -192,6 +208,7 @@ def _at_most(name: str):
         if any(v > limit for v in (value if isinstance(value, list) else [value])):
             raise ValueError(f"at most {limit:,} (the paper's models use {paper})")
         return value
+
     return pydantic.AfterValidator(check)
 
 
@@ -201,19 +218,28 @@ def _strict_schema(cfg_cls: Any) -> type[BaseModel]:
     stay plain dataclasses, the spec still refuses unknown keys, wrong types, infinities and
     sizes above MODEL_LIMITS. A field whose type is itself a dataclass (model.attention) is
     checked the same way."""
-    hints = {name: _strict_schema(typing.cast(Any, t)) if is_dataclass(t) else
-             typing.Annotated[t, _at_most(name)] if name in MODEL_LIMITS else t
-             for name, t in typing.get_type_hints(cfg_cls).items()}
+    hints = {
+        name: _strict_schema(typing.cast(Any, t))
+        if is_dataclass(t)
+        else typing.Annotated[t, _at_most(name)]
+        if name in MODEL_LIMITS
+        else t
+        for name, t in typing.get_type_hints(cfg_cls).items()
+    }
     field_types: dict[str, Any] = {f.name: (hints[f.name], _default(f)) for f in fields(cfg_cls)}
     return pydantic.create_model(
-        cfg_cls.__name__, __config__=ConfigDict(extra="forbid", strict=True,
-                                                allow_inf_nan=False),
-        **field_types)
+        cfg_cls.__name__,
+        __config__=ConfigDict(extra="forbid", strict=True, allow_inf_nan=False),
+        **field_types,
+    )
 
 
 def _default(f) -> Any:
-    value: Any = f.default if f.default is not MISSING else (
-        f.default_factory() if f.default_factory is not MISSING else ...)
+    value: Any = (
+        f.default
+        if f.default is not MISSING
+        else (f.default_factory() if f.default_factory is not MISSING else ...)
+    )
     if is_dataclass(value) and not isinstance(value, type):
         return _strict_schema(type(value))(**asdict(value))
     return value
@@ -228,19 +254,22 @@ def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> l
     impl = getattr(getattr(params, "attention", None), "impl", None)
     at_impl = _locate(where, ("model", "attention", "impl"), origin)
     if trains and impl == "sdpa" and getattr(params, "attn_dropout", 0) > 0:
-        errors.append(f"{at_impl}: model.attention.impl: sdpa has no attention dropout (SDPA's "
-                      f"own drops weights before the span mask), and this model trains with attn_dropout "
-                      f"{params.attn_dropout}: use flex, reference or auto (or attn_dropout 0)")
+        errors.append(
+            f"{at_impl}: model.attention.impl: sdpa has no attention dropout (SDPA's "
+            f"own drops weights before the span mask), and this model trains with attn_dropout "
+            f"{params.attn_dropout}: use flex, reference or auto (or attn_dropout 0)"
+        )
     train = spec.train
     if trains and impl == "flex" and train is not None and train.device == "cpu":
-        errors.append(f"{at_impl}: model.attention.impl: flex runs forward only on CPU (torch "
-                      f"has no CPU backward for FlexAttention) and train.device is cpu: use "
-                      f"reference, sdpa or auto to train on CPU")
+        errors.append(
+            f"{at_impl}: model.attention.impl: flex runs forward only on CPU (torch "
+            f"has no CPU backward for FlexAttention) and train.device is cpu: use "
+            f"reference, sdpa or auto to train on CPU"
+        )
     if getattr(params, "ltm", False) and hasattr(params, "mem_len"):
         segments: dict[str, int | None] = {}
         if trains and train is not None:
-            segments |= {"train.seq_len": train.seq_len,
-                         "train.eval_seq_len": train.eval_seq_len}
+            segments |= {"train.seq_len": train.seq_len, "train.eval_seq_len": train.eval_seq_len}
         if "evaluate" in spec.stages:
             segments["evaluate.seq_len"] = spec.evaluate.seq_len
         for key, length in segments.items():
@@ -249,7 +278,8 @@ def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> l
                     f"{_locate(where, ('model', 'mem_len'), origin)}: model.mem_len "
                     f"{params.mem_len} is shorter than {key} {length}: with the long-term "
                     f"memory on, the states leaving the short-term memory in a segment wait "
-                    f"in its mem_len extra rows; make mem_len at least {length}")
+                    f"in its mem_len extra rows; make mem_len at least {length}"
+                )
     return errors
 
 
@@ -266,8 +296,10 @@ def _check_stage_names(names, where: dict, origin: str) -> list[str]:
             continue
         close = difflib.get_close_matches(name, list(STAGES), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        errors.append(f"{_locate(where, ('stages', i), origin)}: stages.{i}: unknown stage "
-                      f"kind '{_shown(name)}'{hint}; known: {', '.join(STAGES)}")
+        errors.append(
+            f"{_locate(where, ('stages', i), origin)}: stages.{i}: unknown stage "
+            f"kind '{_shown(name)}'{hint}; known: {', '.join(STAGES)}"
+        )
     return errors
 
 
@@ -284,28 +316,36 @@ def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:
         for needed in stage.inputs:
             options = needed if isinstance(needed, tuple) else (needed,)
             if not any(o in seen for o in options):
-                errors.append(f"{at}: stages: '{name}' reads the output of "
-                              f"{' or '.join(repr(o) for o in options)}, which must come "
-                              f"before it in the list")
+                errors.append(
+                    f"{at}: stages: '{name}' reads the output of "
+                    f"{' or '.join(repr(o) for o in options)}, which must come "
+                    f"before it in the list"
+                )
         section = stage.section_key
         if section and getattr(spec, section) is None:
             errors.append(f"{at}: stages: '{name}' needs a `{section}:` section")
         seen.append(name)
     if "train" in spec.stages and spec.train:
-        errors += [f"{_locate(where, ('train', key), origin)}: train.{key}: required key is "
-                   f"missing" for key in ("steps", "seq_len") if getattr(spec.train, key) is None]
+        errors += [
+            f"{_locate(where, ('train', key), origin)}: train.{key}: required key is missing"
+            for key in ("steps", "seq_len")
+            if getattr(spec.train, key) is None
+        ]
     if "curriculum" in spec.stages:
         generator = spec.dataset.generator
         if generator is None or generator.algorithmic is None:
-            errors.append(f"{_locate(where, ('dataset',), origin)}: dataset: the curriculum "
-                          f"stage trains on an algorithmic task (dataset.generator.algorithmic, "
-                          f"e.g. dataset: reverse_algorithmic); '{spec.dataset.name}' is not one")
+            errors.append(
+                f"{_locate(where, ('dataset',), origin)}: dataset: the curriculum "
+                f"stage trains on an algorithmic task (dataset.generator.algorithmic, "
+                f"e.g. dataset: reverse_algorithmic); '{spec.dataset.name}' is not one"
+            )
         if spec.train and spec.train.optimizer.type != "adam":
-            errors.append(f"{_locate(where, ('train', 'optimizer', 'type'), origin)}: "
-                          f"train.optimizer.type: the curriculum trains with adam (the paper's "
-                          f"tasks); found {spec.train.optimizer.type}")
+            errors.append(
+                f"{_locate(where, ('train', 'optimizer', 'type'), origin)}: "
+                f"train.optimizer.type: the curriculum trains with adam (the paper's "
+                f"tasks); found {spec.train.optimizer.type}"
+            )
     return errors
-
 
 
 def _refuse_inert_keys(spec: Spec, where: dict, top: str) -> None:

@@ -28,7 +28,7 @@ from pipeline.errors import PipelineError, shown
 RESULTS = "results.json"
 # the numbers of evaluate's results that a model version carries as tags
 HEADLINE = ("bpc", "ppl", "loss", "paper_loss", "token_accuracy", "exact_match")
-_NAME_LIMIT = 256       # MLflow's database column for a registered model's name
+_NAME_LIMIT = 256  # MLflow's database column for a registered model's name
 
 
 def check_name(name: str) -> None:
@@ -49,8 +49,9 @@ def check_name(name: str) -> None:
     elif len(name) > _NAME_LIMIT:
         problem = f"is longer than MLflow's {_NAME_LIMIT} characters"
     if problem:
-        raise PipelineError(f"--register '{shown(name)}': not a registered model's name, "
-                            f"it {problem}")
+        raise PipelineError(
+            f"--register '{shown(name)}': not a registered model's name, it {problem}"
+        )
 
 
 def check_registrable(spec, name: str):
@@ -60,21 +61,24 @@ def check_registrable(spec, name: str):
 
     check_name(name)
     if not spec.tracking.enabled:
-        raise PipelineError(f"--register: tracking is off in {spec.source} (tracking.enabled "
-                            f"is false), and the model registry is MLflow's; turn it on "
-                            f"(--set tracking.enabled=true) to register in its store")
+        raise PipelineError(
+            f"--register: tracking is off in {spec.source} (tracking.enabled "
+            f"is false), and the model registry is MLflow's; turn it on "
+            f"(--set tracking.enabled=true) to register in its store"
+        )
     uri = tracking_uri(spec)
     registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
     try:
         client = _client(uri)
-    except Exception as e:      # MLflow opens a local store as it makes the client
+    except Exception as e:  # MLflow opens a local store as it makes the client
         raise PipelineError(_unusable(uri, "tracking store", e)) from None
     with _quick_requests(uri):
         try:
             client.search_experiments(max_results=1)
         except Exception as e:
-            raise PipelineError(f"--register: the tracking store {uri} is not answering "
-                                f"({_reason(e)})") from None
+            raise PipelineError(
+                f"--register: the tracking store {uri} is not answering ({_reason(e)})"
+            ) from None
     with _quick_requests(registry):
         try:
             client.search_registered_models(max_results=1)
@@ -97,11 +101,14 @@ def _client(uri: str):
 
 def _unusable(store: str, what: str, error: Exception) -> str:
     scheme = store.split(":", 1)[0].lower() if ":" in store else ""
-    if (scheme in ("", "file") or len(scheme) == 1) and \
-            os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
-        return (f"--register: {store} is a file store, which MLflow refuses as a {what} "
-                f"unless MLFLOW_ALLOW_FILE_STORE=true; use a database store (the default, "
-                f"sqlite:///<workspace root>/mlflow.db) or a tracking server")
+    if (scheme in ("", "file") or len(scheme) == 1) and os.environ.get(
+        "MLFLOW_ALLOW_FILE_STORE", ""
+    ).lower() not in ("true", "1"):
+        return (
+            f"--register: {store} is a file store, which MLflow refuses as a {what} "
+            f"unless MLFLOW_ALLOW_FILE_STORE=true; use a database store (the default, "
+            f"sqlite:///<workspace root>/mlflow.db) or a tracking server"
+        )
     return f"--register: {store} cannot serve as a {what} ({_reason(error)})"
 
 
@@ -135,8 +142,11 @@ def evaluation(spec, checkpoint: str) -> tuple[Path | None, dict[str, float], st
     on `checkpoint` (a checkpoint directory); (None, {}, why not) otherwise."""
     ws = spec.workspace_dir
     path = ws / "evaluate" / RESULTS
-    if "evaluate" not in spec.stages or not (ws / "evaluate" / "stage.json").is_file() \
-            or not path.is_file():
+    if (
+        "evaluate" not in spec.stages
+        or not (ws / "evaluate" / "stage.json").is_file()
+        or not path.is_file()
+    ):
         return None, {}, "no evaluate results in the workspace: registered without metrics"
     try:
         results = json.loads(path.read_text())
@@ -145,35 +155,49 @@ def evaluation(spec, checkpoint: str) -> tuple[Path | None, dict[str, float], st
         return None, {}, f"{path} is unreadable ({e}): registered without metrics"
     stage, _, tag = scored.partition("/")
     if Path(checkpoint).resolve() != (ws / stage / "checkpoints" / tag).resolve():
-        return None, {}, (f"evaluate scored {scored}, not the checkpoint exported: registered "
-                          f"without metrics (--checkpoint {ws / stage / 'checkpoints' / tag} "
-                          f"exports the one it scored)")
+        return (
+            None,
+            {},
+            (
+                f"evaluate scored {scored}, not the checkpoint exported: registered "
+                f"without metrics (--checkpoint {ws / stage / 'checkpoints' / tag} "
+                f"exports the one it scored)"
+            ),
+        )
     metrics = {}
     for split, values in results.items():
         if isinstance(values, dict):
             values = {**values, **(values.get("lines") or {})}
-            metrics.update({f"{split}_{k}": float(v) for k, v in values.items()
-                            if _number(v)})
+            metrics.update({f"{split}_{k}": float(v) for k, v in values.items() if _number(v)})
         elif _number(values):
             metrics[split] = float(values)
     return path, metrics, f"evaluate's numbers of {scored} attached"
 
 
 def _number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _pipeline_run(client, experiment_id: str, spec):
     """The workspace's latest pipeline run that ran a stage, or None."""
     ws = str(spec.workspace_dir.resolve())
     try:
-        runs = client.search_runs([experiment_id], f"tags.workspace = '{ws}'",
-                                  order_by=["attributes.start_time DESC"], max_results=100)
-    except Exception:       # a workspace path MLflow's filter cannot quote
+        runs = client.search_runs(
+            [experiment_id],
+            f"tags.workspace = '{ws}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=100,
+        )
+    except Exception:  # a workspace path MLflow's filter cannot quote
         return None
-    return next((r for r in runs if "spec" in r.data.tags
-                 and r.data.tags.get("stages.run", "none") != "none"), None)
+    return next(
+        (
+            r
+            for r in runs
+            if "spec" in r.data.tags and r.data.tags.get("stages.run", "none") != "none"
+        ),
+        None,
+    )
 
 
 def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print):
@@ -183,9 +207,14 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
     from mlflow.entities import Metric, Param
     from mlflow.exceptions import MlflowException
 
-    from pipeline.tracking.tracker import (_BATCH, artifact_location, experiment_name, flatten,
-                                           tracking_uri)
     from pipeline.tracking.sender import experiment_id
+    from pipeline.tracking.tracker import (
+        _BATCH,
+        artifact_location,
+        experiment_name,
+        flatten,
+        tracking_uri,
+    )
 
     uri = tracking_uri(spec)
     client = client or check_registrable(spec, name)
@@ -195,8 +224,11 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
     try:
         exp_id = experiment_id(client, experiment_name(spec), artifact_location(spec, uri))
         pipeline = _pipeline_run(client, exp_id, spec)
-        tags = {"mlflow.runName": f"{spec.name}-export", "export.checkpoint": checkpoint,
-                "export.registered_model": name}
+        tags = {
+            "mlflow.runName": f"{spec.name}-export",
+            "export.checkpoint": checkpoint,
+            "export.registered_model": name,
+        }
         if pipeline is not None:
             tags["mlflow.parentRunId"] = tags["pipeline_run_id"] = pipeline.info.run_id
         run = client.create_run(exp_id, tags=tags)
@@ -204,8 +236,9 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
         params = [Param(k, v) for k, v in flatten(spec.resolved()).items()]
         values = [Metric(k, v, run.info.start_time, 0) for k, v in metrics.items()]
         for i in range(0, max(len(params), len(values)), _BATCH):
-            client.log_batch(run_id, metrics=values[i:i + _BATCH], params=params[i:i + _BATCH],
-                             tags=[])
+            client.log_batch(
+                run_id, metrics=values[i : i + _BATCH], params=params[i : i + _BATCH], tags=[]
+            )
         client.log_artifacts(run_id, str(out), "model")
         with tempfile.TemporaryDirectory() as tmp:
             resolved = Path(tmp) / "spec.resolved.yaml"
@@ -218,14 +251,20 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
         except MlflowException as e:
             if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
                 raise
-        headline = {k: f"{v:.6g}" for k, v in metrics.items()
-                    if k.partition("_")[2] in HEADLINE}
+        headline = {k: f"{v:.6g}" for k, v in metrics.items() if k.partition("_")[2] in HEADLINE}
         version = client.create_model_version(
-            name, source=f"{run.info.artifact_uri}/model", run_id=run_id,
-            tags={"checkpoint": checkpoint, "spec": spec.source, "model.kind": spec.model_kind,
-                  **headline},
+            name,
+            source=f"{run.info.artifact_uri}/model",
+            run_id=run_id,
+            tags={
+                "checkpoint": checkpoint,
+                "spec": spec.source,
+                "model.kind": spec.model_kind,
+                **headline,
+            },
             description=f"{spec.model_kind} model of {spec.source}, {checkpoint}"
-                        + "".join(f"; {k} {v}" for k, v in headline.items()))
+            + "".join(f"; {k} {v}" for k, v in headline.items()),
+        )
         client.set_terminated(run_id, "FINISHED")
     except (MlflowException, OSError) as e:
         if run_id is not None:
@@ -233,10 +272,14 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
                 client.set_terminated(run_id, "FAILED")
             except (MlflowException, OSError):
                 pass
-        raise PipelineError(f"--register '{shown(name)}': MLflow ({uri}) refused "
-                            f"({_reason(e)}); the export in {out} is written, run the command "
-                            f"again to register it") from None
-    log(f"{out}: registered as model '{name}' version {version.version} in {uri} "
+        raise PipelineError(
+            f"--register '{shown(name)}': MLflow ({uri}) refused "
+            f"({_reason(e)}); the export in {out} is written, run the command "
+            f"again to register it"
+        ) from None
+    log(
+        f"{out}: registered as model '{name}' version {version.version} in {uri} "
         f"(run {run_id}{', under the pipeline run ' + pipeline.info.run_id if pipeline else ''}"
-        f"); {note}")
+        f"); {note}"
+    )
     return version

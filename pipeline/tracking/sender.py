@@ -18,10 +18,10 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-RETRY_SECONDS = 10.0    # between attempts while the server is not answering
+RETRY_SECONDS = 10.0  # between attempts while the server is not answering
 
 # The experiment tag MLflow's UI reads as what an experiment is for (the key and the values
 # of its `ExperimentKind`, in mlflow/server/js; its kind selector writes the same tag): a UI
@@ -35,8 +35,9 @@ def experiment_id(client, name: str, artifact_location: str | None) -> str:
     existing experiment without a kind tag gets ours; a kind someone set is kept."""
     found = client.get_experiment_by_name(name)
     if found is None:
-        return client.create_experiment(name, artifact_location=artifact_location,
-                                         tags=dict([EXPERIMENT_KIND]))
+        return client.create_experiment(
+            name, artifact_location=artifact_location, tags=dict([EXPERIMENT_KIND])
+        )
     mark_kind(client, found)
     return found.experiment_id
 
@@ -60,7 +61,7 @@ def is_transient(error: BaseException) -> bool:
     from mlflow.exceptions import MlflowException
 
     if not isinstance(error, MlflowException):
-        return isinstance(error, OSError)      # requests' connection errors are OSErrors
+        return isinstance(error, OSError)  # requests' connection errors are OSErrors
     status = _answered_status(error)
     if status is None and _NO_ANSWER in str(error):
         return True
@@ -93,25 +94,30 @@ class Delivery:
             tags = dict(record["tags"])
             if record["parent"] is not None:
                 tags["mlflow.parentRunId"] = self.run_ids[record["parent"]]
-            run = self.client.create_run(self._experiment(record["experiment"],
-                                                          record["artifact_location"]),
-                                         start_time=record["time"], tags=tags)
+            run = self.client.create_run(
+                self._experiment(record["experiment"], record["artifact_location"]),
+                start_time=record["time"],
+                tags=tags,
+            )
             self.run_ids[record["key"]] = run.info.run_id
         elif op == "batch":
             self.client.log_batch(
                 self.run_ids[record["key"]],
                 metrics=[Metric(k, v, t, s) for k, v, t, s in record.get("metrics", [])],
                 params=[Param(k, v) for k, v in record.get("params", [])],
-                tags=[RunTag(k, v) for k, v in record.get("tags", [])])
+                tags=[RunTag(k, v) for k, v in record.get("tags", [])],
+            )
         elif op == "artifact":
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / record["name"]
                 path.write_bytes(base64.b64decode(record["data"]))
-                self.client.log_artifact(self.run_ids[record["key"]], str(path),
-                                         record["artifact_path"])
+                self.client.log_artifact(
+                    self.run_ids[record["key"]], str(path), record["artifact_path"]
+                )
         elif op == "end":
-            self.client.set_terminated(self.run_ids[record["key"]], status=record["status"],
-                                       end_time=record["time"])
+            self.client.set_terminated(
+                self.run_ids[record["key"]], status=record["status"], end_time=record["time"]
+            )
         else:
             raise ValueError(f"unknown tracking record {op!r}")
 
@@ -133,15 +139,16 @@ class Sender:
     record MLflow refuses (see `is_transient`) is reported and dropped. `spill` writes what is
     left to a backlog file, and every later record goes straight there."""
 
-    def __init__(self, delivery: Delivery, warn: Callable[[str], None],
-                 retry_s: float = RETRY_SECONDS):
+    def __init__(
+        self, delivery: Delivery, warn: Callable[[str], None], retry_s: float = RETRY_SECONDS
+    ):
         self.delivery, self.warn, self.retry_s = delivery, warn, retry_s
         self.pending: deque[dict] = deque()
         self.failing = False
         self.spilled_to: Path | None = None
-        self.unwritten: list[dict] = []   # records neither the store nor the backlog took
-        self._lost: set[str] = set()      # keys whose `create` MLflow refused
-        self._hurry = False               # a flush is waiting: try now, not at _next_try
+        self.unwritten: list[dict] = []  # records neither the store nor the backlog took
+        self._lost: set[str] = set()  # keys whose `create` MLflow refused
+        self._hurry = False  # a flush is waiting: try now, not at _next_try
         self._next_try = 0.0
         self._stopped = False
         self._cond = threading.Condition()
@@ -157,8 +164,9 @@ class Sender:
                 return
             self.pending.append(record)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="mlflow-sender",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._loop, name="mlflow-sender", daemon=True
+                )
                 self._thread.start()
             self._cond.notify_all()
 
@@ -192,8 +200,9 @@ class Sender:
             self.pending.clear()
             self.spilled_to = path
             if records:
-                binds = [{"op": "bind", "key": k, "run_id": v}
-                         for k, v in self.delivery.run_ids.items()]
+                binds = [
+                    {"op": "bind", "key": k, "run_id": v} for k, v in self.delivery.run_ids.items()
+                ]
                 self._keep(binds + records)
             return len(records)
 
@@ -206,7 +215,7 @@ class Sender:
         if self.unwritten:
             self.unwritten.extend(records)
             return
-        assert self.spilled_to is not None      # spill() set it before anything is kept
+        assert self.spilled_to is not None  # spill() set it before anything is kept
         try:
             append_records(self.spilled_to, records)
         except OSError as e:
@@ -217,15 +226,20 @@ class Sender:
                 f"tracking backlog {self.spilled_to}: cannot write it ({e.strerror or e}) "
                 f"while the tracking store is not taking records either; the run stops "
                 f"here: free space (or make it writable) and run again, which resumes from "
-                f"the last checkpoint and logs the steps since then again") from None
+                f"the last checkpoint and logs the steps since then again"
+            ) from None
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopped or self.pending and
-                           (self._hurry or time.monotonic() >= self._next_try)):
-                    self._cond.wait(max(0.0, self._next_try - time.monotonic())
-                                    if self.pending else None)
+                while not (
+                    self._stopped
+                    or self.pending
+                    and (self._hurry or time.monotonic() >= self._next_try)
+                ):
+                    self._cond.wait(
+                        max(0.0, self._next_try - time.monotonic()) if self.pending else None
+                    )
                 if self._stopped:
                     return
                 record = self.pending[0]
@@ -236,26 +250,26 @@ class Sender:
                 if is_transient(e):
                     self._failed(e)
                     continue
-                self.warn(f"MLflow refused a {describe(record)} ({reason(e)}); "
-                          f"dropped it")
+                self.warn(f"MLflow refused a {describe(record)} ({reason(e)}); dropped it")
                 if record["op"] == "create":
                     self._lost.add(record["key"])
             with self._cond:
                 if self._stopped and not self.pending:
-                    return      # `spill` gave up waiting for this request and kept the record
+                    return  # `spill` gave up waiting for this request and kept the record
                 self.pending.popleft()
                 if self.failing:
                     self.failing = False
-                    self.warn("tracking server answers again; sending the records kept "
-                              "meanwhile")
+                    self.warn("tracking server answers again; sending the records kept meanwhile")
                 self._cond.notify_all()
 
     def _failed(self, error: Exception) -> None:
         with self._cond:
             if not self.failing:
                 self.failing = True
-                self.warn(f"{not_answering(error)}; training goes on, its records are kept "
-                          f"and sent when the store takes them again")
+                self.warn(
+                    f"{not_answering(error)}; training goes on, its records are kept "
+                    f"and sent when the store takes them again"
+                )
             self._next_try = time.monotonic() + self.retry_s
             self._hurry = False
 
@@ -264,8 +278,9 @@ def append_records(path: Path, records: list[dict]) -> None:
     """Append `records` a line each. After a line torn by a kill during an earlier append,
     start on a new line, so that the torn one stays alone and the new ones whole."""
     with open(path, "a", encoding="utf-8") as f:
-        f.write(("" if _ends_a_line(path) else "\n")
-                + "".join(json.dumps(r) + "\n" for r in records))
+        f.write(
+            ("" if _ends_a_line(path) else "\n") + "".join(json.dumps(r) + "\n" for r in records)
+        )
         f.flush()
 
 
@@ -297,9 +312,12 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
         except json.JSONDecodeError:
             torn.append(line)
             continue
-        if isinstance(record, dict) and record.get("op") in OPS and \
-                isinstance(record.get("key"), str) and \
-                (record["op"] != "bind" or isinstance(record.get("run_id"), str)):
+        if (
+            isinstance(record, dict)
+            and record.get("op") in OPS
+            and isinstance(record.get("key"), str)
+            and (record["op"] != "bind" or isinstance(record.get("run_id"), str))
+        ):
             records.append(record)
         else:
             torn.append(line)
@@ -329,8 +347,10 @@ def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple
         with open(aside, "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in torn))
         _rewrite(path, records)
-        warn(f"{len(torn)} line(s) of {path} are not tracking records (torn by a kill "
-             f"during a write, or edited); set aside in {aside}")
+        warn(
+            f"{len(torn)} line(s) of {path} are not tracking records (torn by a kill "
+            f"during a write, or edited); set aside in {aside}"
+        )
     sent, lost = 0, set()
     for i, record in enumerate(records):
         if record["op"] == "bind":
@@ -342,8 +362,7 @@ def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple
             delivery.send(record)
         except Exception as e:
             if is_transient(e):
-                binds = [{"op": "bind", "key": k, "run_id": v}
-                         for k, v in delivery.run_ids.items()]
+                binds = [{"op": "bind", "key": k, "run_id": v} for k, v in delivery.run_ids.items()]
                 _rewrite(path, binds + records[i:])
                 return sent, sum(r["op"] != "bind" for r in records[i:])
             warn(f"MLflow refused a {describe(record)} ({reason(e)}); dropped it")
@@ -360,7 +379,7 @@ def reason(error: BaseException) -> str:
     text = str(error)
     if status := _answered_status(error):
         return f"HTTP {status}"
-    if m := re.search(r"\(sqlite3\.\w+\) ([^\n\[]+)", text):    # a local store: its own words
+    if m := re.search(r"\(sqlite3\.\w+\) ([^\n\[]+)", text):  # a local store: its own words
         return m.group(1).strip()
     if m := re.search(r"\[Errno -?\d+\] ([^'\")]+)", text):
         return m.group(1).strip()

@@ -32,10 +32,10 @@ from pipeline.spec import PROJECT_ROOT
 from pipeline.tracking.sender import RETRY_SECONDS, Delivery, Sender, is_transient, reason, replay
 from stages.base import NullStageTracker
 
-_MAX_PARAM = 6000       # MLflow's limit on a param value
-_BATCH = 100            # params / metrics per log_batch call
+_MAX_PARAM = 6000  # MLflow's limit on a param value
+_BATCH = 100  # params / metrics per log_batch call
 BACKLOG = "tracking-backlog.jsonl"
-FLUSH_SECONDS = 10.0    # a stage's end waits this long for its records to reach the server
+FLUSH_SECONDS = 10.0  # a stage's end waits this long for its records to reach the server
 # one try per request, answered or given up within seconds (see MlflowTracker.__init__)
 _HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
@@ -46,8 +46,11 @@ def default_tracking_uri(workspace_root: str | Path) -> str:
 
 def tracking_uri(spec) -> str:
     """spec `tracking.uri`, else MLFLOW_TRACKING_URI, else the embedded sqlite store."""
-    return (spec.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
-            or default_tracking_uri(spec.workspace.root))
+    return (
+        spec.tracking.uri
+        or os.environ.get("MLFLOW_TRACKING_URI")
+        or default_tracking_uri(spec.workspace.root)
+    )
 
 
 def experiment_name(spec) -> str:
@@ -86,10 +89,18 @@ def environment_tags() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     try:
-        commit = subprocess.run(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"],
-                                capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(PROJECT_ROOT), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=10)
+        commit = subprocess.run(
+            ["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(PROJECT_ROOT), "status", "--porcelain"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if commit.returncode == 0:
             tags["git_commit"] = commit.stdout.strip()
             tags["git_dirty"] = str(bool(dirty.stdout.strip())).lower()
@@ -106,8 +117,7 @@ class NullTracker:
     def finish(self, status: str) -> None: ...
 
     @contextmanager
-    def stage(self, name: str, config: dict, series: str | None = None,
-              resumed: bool = False):
+    def stage(self, name: str, config: dict, series: str | None = None, resumed: bool = False):
         yield NullStageTracker()
 
 
@@ -118,8 +128,9 @@ class StageTracker:
     resumed run continues) have in MLflow; the resumed run, which recomputes those steps
     exactly, does not log them twice. `settle`: makes what is queued durable."""
 
-    def __init__(self, sender: Sender, key: str, recorded: dict[str, int] | None = None,
-                 settle=None):
+    def __init__(
+        self, sender: Sender, key: str, recorded: dict[str, int] | None = None, settle=None
+    ):
         self.sender, self.key = sender, key
         self.recorded = recorded or {}
         self.settle = settle
@@ -132,25 +143,34 @@ class StageTracker:
     def log_params(self, params: dict) -> None:
         items = [[k, v] for k, v in flatten(params).items()]
         for i in range(0, len(items), _BATCH):
-            self.sender.submit({"op": "batch", "key": self.key, "params": items[i:i + _BATCH]})
+            self.sender.submit({"op": "batch", "key": self.key, "params": items[i : i + _BATCH]})
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         now = int(time.time() * 1000)
-        items = [[k, float(v), now, int(step)] for k, v in metrics.items()
-                 if step > self.recorded.get(k, -1)]
+        items = [
+            [k, float(v), now, int(step)]
+            for k, v in metrics.items()
+            if step > self.recorded.get(k, -1)
+        ]
         for i in range(0, len(items), _BATCH):
-            self.sender.submit({"op": "batch", "key": self.key,
-                                "metrics": items[i:i + _BATCH]})
+            self.sender.submit({"op": "batch", "key": self.key, "metrics": items[i : i + _BATCH]})
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
         path = Path(path)
-        self.sender.submit({"op": "artifact", "key": self.key, "name": path.name,
-                            "artifact_path": artifact_path,
-                            "data": base64.b64encode(path.read_bytes()).decode("ascii")})
+        self.sender.submit(
+            {
+                "op": "artifact",
+                "key": self.key,
+                "name": path.name,
+                "artifact_path": artifact_path,
+                "data": base64.b64encode(path.read_bytes()).decode("ascii"),
+            }
+        )
 
     def set_tags(self, tags: dict) -> None:
-        self.sender.submit({"op": "batch", "key": self.key,
-                            "tags": [[k, str(v)] for k, v in tags.items()]})
+        self.sender.submit(
+            {"op": "batch", "key": self.key, "tags": [[k, str(v)] for k, v in tags.items()]}
+        )
 
     def make_durable(self) -> None:
         """Before a checkpoint is published: what was logged so far reaches the server, or
@@ -160,8 +180,9 @@ class StageTracker:
             self.settle()
 
     def end(self, status: str) -> None:
-        self.sender.submit({"op": "end", "key": self.key, "status": status,
-                            "time": int(time.time() * 1000)})
+        self.sender.submit(
+            {"op": "end", "key": self.key, "status": status, "time": int(time.time() * 1000)}
+        )
 
 
 def is_remote(uri: str) -> bool:
@@ -184,8 +205,9 @@ class MlflowTracker:
     what the server has not taken by then is written to the workspace's backlog file
     (`sync` sends it later), and so is everything logged after that."""
 
-    def __init__(self, uri: str, retry_s: float = RETRY_SECONDS, flush_s: float = FLUSH_SECONDS,
-                 warn=None):
+    def __init__(
+        self, uri: str, retry_s: float = RETRY_SECONDS, flush_s: float = FLUSH_SECONDS, warn=None
+    ):
         # the store's first-use schema migration logs at INFO on every new workspace
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -203,11 +225,12 @@ class MlflowTracker:
 
         try:
             self.client = open_client(uri, self.warn)
-        except MlflowException as e:     # a store MLflow refuses (file: without its opt-in)
-            raise PipelineError(f"tracking store {shown(uri)}: MLflow refuses it: "
-                                f"{_first_sentence(e.message)}") from None
+        except MlflowException as e:  # a store MLflow refuses (file: without its opt-in)
+            raise PipelineError(
+                f"tracking store {shown(uri)}: MLflow refuses it: {_first_sentence(e.message)}"
+            ) from None
         self.sender = Sender(Delivery(self.client), self.warn_server, retry_s)
-        self.spec: Any = None           # the Spec, from start() on
+        self.spec: Any = None  # the Spec, from start() on
         self.parent: StageTracker | None = None
 
     @property
@@ -230,12 +253,14 @@ class MlflowTracker:
             self.client.search_experiments(max_results=1)
         except Exception as e:
             if not is_transient(e):
-                raise PipelineError(f"tracking server {self.uri} refused a request "
-                                    f"({reason(e)})") from None
+                raise PipelineError(
+                    f"tracking server {self.uri} refused a request ({reason(e)})"
+                ) from None
             raise PipelineError(
                 f"tracking server {self.uri} is not answering ({reason(e)}); start it, or "
                 f"unset tracking.uri and MLFLOW_TRACKING_URI to record runs in the local "
-                f"store {default_tracking_uri(spec.workspace.root)}") from None
+                f"store {default_tracking_uri(spec.workspace.root)}"
+            ) from None
 
     def start(self, spec, plan) -> None:
         self.check(spec)
@@ -243,13 +268,15 @@ class MlflowTracker:
         self._replay_backlog(spec)
         self._end_dead_attempts(spec)
         tags = environment_tags()
-        tags.update({
-            "mlflow.runName": f"{spec.name}",
-            "spec": spec.source,
-            "workspace": str(spec.workspace_dir.resolve()),
-            "stages.run": ",".join(s.stage for s in plan if s.action == "run") or "none",
-            "stages.skipped": ",".join(s.stage for s in plan if s.action != "run") or "none",
-        })
+        tags.update(
+            {
+                "mlflow.runName": f"{spec.name}",
+                "spec": spec.source,
+                "workspace": str(spec.workspace_dir.resolve()),
+                "stages.run": ",".join(s.stage for s in plan if s.action == "run") or "none",
+                "stages.skipped": ",".join(s.stage for s in plan if s.action != "run") or "none",
+            }
+        )
         self.parent = self._create_run(tags)
         resolved = spec.resolved()
         self.parent.log_params(resolved)
@@ -265,12 +292,14 @@ class MlflowTracker:
             return
         try:
             sent, left = replay(backlog, Delivery(self.client), self.warn_server)
-        except Exception as e:          # the server failed in another way: sync can retry
+        except Exception as e:  # the server failed in another way: sync can retry
             sent, left = 0, None
             self.warn_server(f"sending the backlog failed ({reason(e)})")
         if left != 0:
-            self.warn(f"{backlog} holds tracking records an earlier run could not send; "
-                      f"`{sync_command(spec)}` sends them")
+            self.warn(
+                f"{backlog} holds tracking records an earlier run could not send; "
+                f"`{sync_command(spec)}` sends them"
+            )
         elif sent:
             self.warn(f"sent {sent} tracking records that an earlier run left in {backlog}")
 
@@ -283,12 +312,14 @@ class MlflowTracker:
             if exp is None:
                 return
             workspace = str(spec.workspace_dir.resolve())
-            for run in self.client.search_runs([exp.experiment_id],
-                                               "attributes.status = 'RUNNING'"):
+            for run in self.client.search_runs(
+                [exp.experiment_id], "attributes.status = 'RUNNING'"
+            ):
                 if run.data.tags.get("workspace") != workspace:
                     continue
                 children = self.client.search_runs(
-                    [exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+                    [exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'"
+                )
                 end = last_activity(self.client, run, children)
                 for r in [*children, run]:
                     if r.info.status == "RUNNING":
@@ -303,26 +334,37 @@ class MlflowTracker:
             return out
         try:
             exp = self.client.get_experiment_by_name(experiment)
-            runs = (self.client.search_runs([exp.experiment_id], f"tags.series = '{series}'")
-                    if exp is not None else [])
+            runs = (
+                self.client.search_runs([exp.experiment_id], f"tags.series = '{series}'")
+                if exp is not None
+                else []
+            )
             for run in runs:
                 for key in run.data.metrics:
-                    steps = [m.step for m in self.client.get_metric_history(run.info.run_id,
-                                                                            key)]
+                    steps = [m.step for m in self.client.get_metric_history(run.info.run_id, key)]
                     out[key] = max([out.get(key, -1), *steps])
         except Exception as e:
-            self.warn_server(f"could not read what an earlier attempt logged ({reason(e)}); "
-                             f"the steps since its checkpoint may appear twice")
+            self.warn_server(
+                f"could not read what an earlier attempt logged ({reason(e)}); "
+                f"the steps since its checkpoint may appear twice"
+            )
         return out
 
-    def _create_run(self, tags: dict, parent: StageTracker | None = None,
-                    recorded: dict[str, int] | None = None) -> StageTracker:
+    def _create_run(
+        self, tags: dict, parent: StageTracker | None = None, recorded: dict[str, int] | None = None
+    ) -> StageTracker:
         key = uuid.uuid4().hex
-        self.sender.submit({"op": "create", "key": key, "experiment": experiment_name(self.spec),
-                            "artifact_location": artifact_location(self.spec, self.uri),
-                            "tags": tags,
-                            "parent": parent.key if parent else None,
-                            "time": int(time.time() * 1000)})
+        self.sender.submit(
+            {
+                "op": "create",
+                "key": key,
+                "experiment": experiment_name(self.spec),
+                "artifact_location": artifact_location(self.spec, self.uri),
+                "tags": tags,
+                "parent": parent.key if parent else None,
+                "time": int(time.time() * 1000),
+            }
+        )
         return StageTracker(self.sender, key, recorded, settle=self._settle)
 
     def finish(self, status: str) -> None:
@@ -333,33 +375,42 @@ class MlflowTracker:
 
     @staticmethod
     def _request_timeout() -> float:
-        return float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT",
-                                    _HTTP_LIMITS["MLFLOW_HTTP_REQUEST_TIMEOUT"]))
+        return float(
+            os.environ.get(
+                "MLFLOW_HTTP_REQUEST_TIMEOUT", _HTTP_LIMITS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
+            )
+        )
 
     def _settle(self) -> None:
         """Give the queued records `flush_s` seconds; write what is left to the backlog."""
         if self.sender.spilled_to is not None or self.sender.flush(self.flush_s):
             return
-        if not self.sender.failing:     # a request still waiting: the sender has not said so
-            self.warn(f"tracking {'store' if sqlite_path(self.uri) else 'server'} not "
-                      f"answering (nothing taken in {self.flush_s:g} s)")
+        if not self.sender.failing:  # a request still waiting: the sender has not said so
+            self.warn(
+                f"tracking {'store' if sqlite_path(self.uri) else 'server'} not "
+                f"answering (nothing taken in {self.flush_s:g} s)"
+            )
         backlog = backlog_path(self.spec)
         count = self.sender.spill(backlog, join_s=self._request_timeout() + 1)
-        self.warn(f"{count} tracking records could not be sent to {self.uri}; they are in "
-                  f"{backlog}, and so will be the rest of this run's: "
-                  f"`{sync_command(self.spec)}` sends them when the server is back")
+        self.warn(
+            f"{count} tracking records could not be sent to {self.uri}; they are in "
+            f"{backlog}, and so will be the rest of this run's: "
+            f"`{sync_command(self.spec)}` sends them when the server is back"
+        )
 
     @contextmanager
-    def stage(self, name: str, config: dict, series: str | None = None,
-              resumed: bool = False):
+    def stage(self, name: str, config: dict, series: str | None = None, resumed: bool = False):
         """The stage's run. `series` names the stage's output in the making: a run that
         resumes it (`resumed`) shares it with the attempts before (see
         StageTracker.recorded); a first attempt has none to ask the server about."""
         tags = {"mlflow.runName": name, "stage": name}
         if series is not None:
             tags["series"] = series
-        recorded = (self._recorded(self.spec.tracking.experiment or self.spec.name, series)
-                    if resumed else {})
+        recorded = (
+            self._recorded(self.spec.tracking.experiment or self.spec.name, series)
+            if resumed
+            else {}
+        )
         tracker = self._create_run(tags, parent=self.parent, recorded=recorded)
         tracker.log_params(config)
         try:
@@ -377,7 +428,7 @@ def sync(spec, log=print) -> None:
     from pipeline.workspace.lock import WorkspaceLock
 
     path = backlog_path(spec)
-    with WorkspaceLock(spec.workspace_dir):      # a `run` may be appending to it
+    with WorkspaceLock(spec.workspace_dir):  # a `run` may be appending to it
         if not path.exists():
             log(f"{path}: no tracking records waiting")
             return
@@ -385,8 +436,10 @@ def sync(spec, log=print) -> None:
         tracker.check(spec)
         sent, left = replay(path, Delivery(tracker.client), tracker.warn_server)
     if left:
-        raise PipelineError(f"tracking server {tracker.uri} stopped answering: {sent} records "
-                            f"sent, {left} still in {path}; run `{sync_command(spec)}` again")
+        raise PipelineError(
+            f"tracking server {tracker.uri} stopped answering: {sent} records "
+            f"sent, {left} still in {path}; run `{sync_command(spec)}` again"
+        )
     log(f"{sent} tracking records sent to {tracker.uri}")
 
 
@@ -401,7 +454,7 @@ def last_activity(client, run, children) -> int:
     return max(times)
 
 
-STORE_WAIT_S = 60.0     # a run waits this long for another process to free a local store
+STORE_WAIT_S = 60.0  # a run waits this long for another process to free a local store
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -431,14 +484,16 @@ def store_lock(uri: str, warn):
 
     path = sqlite_path(uri)
     if path is None or not path.parent.is_dir():
-        yield                           # MLflow's own error names what is missing
+        yield  # MLflow's own error names what is missing
         return
     lock = path.parent / f".{path.name}.lock"
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise PipelineError(f"tracking store {shown(path)}: cannot create its lock file "
-                            f"{shown(lock)}: {e.strerror or e}") from None
+        raise PipelineError(
+            f"tracking store {shown(path)}: cannot create its lock file "
+            f"{shown(lock)}: {e.strerror or e}"
+        ) from None
     try:
         deadline, said = time.monotonic() + STORE_WAIT_S, False
         while True:
@@ -447,17 +502,17 @@ def store_lock(uri: str, warn):
                 break
             except BlockingIOError:
                 if not said:
-                    warn(f"waiting for another process that is opening the tracking store "
-                         f"{path}")
+                    warn(f"waiting for another process that is opening the tracking store {path}")
                     said = True
                 if time.monotonic() > deadline:
                     raise PipelineError(
                         f"tracking store {shown(path)}: another process has held {lock} for "
-                        f"{STORE_WAIT_S:g} s; let it finish, or stop it, and run again") from None
+                        f"{STORE_WAIT_S:g} s; let it finish, or stop it, and run again"
+                    ) from None
                 time.sleep(0.2)
         yield
     finally:
-        os.close(fd)                    # and with it the lock
+        os.close(fd)  # and with it the lock
 
 
 def open_client(uri: str, warn=None):
@@ -482,7 +537,7 @@ def _probe_write(uri: str) -> None:
         try:
             cursor = raw.cursor()
             cursor.execute("BEGIN IMMEDIATE")
-            try:                        # a write: a read-only store refuses only those
+            try:  # a write: a read-only store refuses only those
                 cursor.execute("CREATE TABLE allattn_write_probe (x)")
             finally:
                 cursor.execute("ROLLBACK")
@@ -500,30 +555,35 @@ def _open_store(action, uri: str, warn):
     path = sqlite_path(uri)
     if path is None:
         return action()
-    deadline = None                     # from the first refusal: an attempt may block
+    deadline = None  # from the first refusal: an attempt may block
     error: Exception
     while True:
         try:
             return action()
         except MlflowException as e:
             if "sqlite3" not in str(e):
-                raise                   # MLflow's own refusal, for the caller to word
+                raise  # MLflow's own refusal, for the caller to word
             error = e
-        except Exception as e:          # sqlalchemy's, raised before MLflow's wrapper
+        except Exception as e:  # sqlalchemy's, raised before MLflow's wrapper
             error = e
         why = reason(error)
         if "locked" in why and (deadline is None or time.monotonic() < deadline):
             if deadline is None:
                 deadline = time.monotonic() + STORE_WAIT_S
-                warn(f"tracking store {path} is locked by another process; waiting up to "
-                     f"{STORE_WAIT_S:g} s for it")
+                warn(
+                    f"tracking store {path} is locked by another process; waiting up to "
+                    f"{STORE_WAIT_S:g} s for it"
+                )
             time.sleep(0.5)
             continue
-        hint = ("another process holds it (an sqlite3 shell, a stuck process?): close it "
-                "and run again" if "locked" in why else
-                "free space and run again" if "full" in why else
-                "make it and its directory writable, or point tracking.uri elsewhere, or "
-                "set tracking.enabled: false")
+        hint = (
+            "another process holds it (an sqlite3 shell, a stuck process?): close it and run again"
+            if "locked" in why
+            else "free space and run again"
+            if "full" in why
+            else "make it and its directory writable, or point tracking.uri elsewhere, or "
+            "set tracking.enabled: false"
+        )
         raise PipelineError(f"tracking store {shown(path)}: {why}; {hint}") from None
 
 

@@ -11,28 +11,39 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from pipeline.cluster import distributed
-
-from pipeline.training import reshard
-from pipeline.training.checkpoints import (CHECKSUMS, checkpoint_bytes, disk_full, has_room, newest_intact,
-                                  out_of_space, read_checkpoint_file, read_pointer,
-                                  rng_state, set_rng_state,
-                                  step_dirs, step_of, write_checksums)
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_text
 from pipeline.models.protocol import State
+from pipeline.training import reshard
+from pipeline.training.checkpoints import (
+    CHECKSUMS,
+    checkpoint_bytes,
+    disk_full,
+    has_room,
+    newest_intact,
+    out_of_space,
+    read_checkpoint_file,
+    read_pointer,
+    rng_state,
+    set_rng_state,
+    step_dirs,
+    step_of,
+    write_checksums,
+)
 from pipeline.training.optim import before_save_checkpoint
 
 
 @dataclass
 class LoopState:
     """The training loop's part of a checkpoint, for one rank."""
+
     step: int
     states: list[State]
     """The model's state for each of this rank's micro-batches."""
@@ -92,17 +103,20 @@ def cannot_write(path: Path, failure: BaseException) -> PipelineError | None:
         if not isinstance(failure, OSError):
             return None
         why = failure.strerror or str(failure)
-    return PipelineError(f"checkpoint {path}: cannot write it: {why} (in {root}); the "
-                         f"checkpoints already there are as they were: make {root} writable "
-                         f"and run again to resume from the newest one")
+    return PipelineError(
+        f"checkpoint {path}: cannot write it: {why} (in {root}); the "
+        f"checkpoints already there are as they were: make {root} writable "
+        f"and run again to resume from the newest one"
+    )
 
 
 class CheckpointIO:
     """Saves and loads the checkpoints of one training process (every rank holds one and
     calls it together with the others)."""
 
-    def __init__(self, engine, rank: int, world_size: int, parameters: int,
-                 log: Callable[[str], None]):
+    def __init__(
+        self, engine, rank: int, world_size: int, parameters: int, log: Callable[[str], None]
+    ):
         self.engine, self.rank, self.world_size, self.log = engine, rank, world_size, log
         self.parameters = parameters
         # checkpoint directories this run wrote or verified: saving at their step writes none
@@ -128,8 +142,9 @@ class CheckpointIO:
             # Newer ones are damaged leftovers of the run this one resumed: the run rewrites
             # them as it reaches their steps, and they never take an intact one's place.
             older = [p for p in step_dirs(root) if step_of(p.name) < loop.step]
-            for path in [p for p in older[keep - 1:] if p.name != best_tag] + \
-                    list(root.glob("tmp-step-*")):
+            for path in [p for p in older[keep - 1 :] if p.name != best_tag] + list(
+                root.glob("tmp-step-*")
+            ):
                 shutil.rmtree(path, ignore_errors=True)
         distributed.barrier()
         return root / tag
@@ -152,14 +167,19 @@ class CheckpointIO:
             before_save_checkpoint(self.engine)
             with _quiet_failed_save():
                 self.engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
-            torch.save({"step": loop.step, "rng": rng_state(),
-                        "states": [[t.cpu() for t in state] for state in loop.states],
-                        "valid": {"best": loop.best_valid, "since_best": loop.evals_since_best},
-                        "plan": loop.plan},
-                       trainer_file(tmp, self.rank))
+            torch.save(
+                {
+                    "step": loop.step,
+                    "rng": rng_state(),
+                    "states": [[t.cpu() for t in state] for state in loop.states],
+                    "valid": {"best": loop.best_valid, "since_best": loop.evals_since_best},
+                    "plan": loop.plan,
+                },
+                trainer_file(tmp, self.rank),
+            )
         except (OSError, RuntimeError) as e:
             failure = e
-        self._settle(failure, tmp, needed)      # every rank's files are written past this
+        self._settle(failure, tmp, needed)  # every rank's files are written past this
         failure = None
         if self.rank == 0:
             try:
@@ -210,14 +230,20 @@ class CheckpointIO:
             self.log(reshard.message(writers, self.world_size))
             saved = reshard.trainer_state(
                 [read_trainer_file(trainer_file(ckpt, r)) for r in range(writers)],
-                self.rank, self.world_size, accum, ckpt)
+                self.rank,
+                self.world_size,
+                accum,
+                ckpt,
+            )
         else:
             saved = read_trainer_file(trainer_file(ckpt, self.rank))
         if saved["rng"] is not None:
             set_rng_state(saved["rng"])
         self.trusted.add(ckpt)
-        return LoopState(step=saved["step"],
-                         states=[[t.to(device) for t in state] for state in saved["states"]],
-                         best_valid=saved["valid"]["best"],
-                         evals_since_best=saved["valid"]["since_best"],
-                         plan=saved.get("plan"))
+        return LoopState(
+            step=saved["step"],
+            states=[[t.to(device) for t in state] for state in saved["states"]],
+            best_valid=saved["valid"]["best"],
+            evals_since_best=saved["valid"]["since_best"],
+            plan=saved.get("plan"),
+        )

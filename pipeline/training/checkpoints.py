@@ -18,8 +18,8 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -28,13 +28,12 @@ from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json, file_checksum, file_mismatch
 
 CHECKSUMS = "checksums.json"
-HASH_BLOCK = 4 << 20   # bytes read at a time: a 114M-parameter model's checkpoint is ~2 GB
+HASH_BLOCK = 4 << 20  # bytes read at a time: a 114M-parameter model's checkpoint is ~2 GB
 
 
 # The types other than tensors and plain containers that the files this pipeline writes hold:
 # NumPy's random state in trainer-rank<r>.pt (an array of its dtype).
-CHECKPOINT_TYPES = [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype,
-                    type(np.dtype(np.uint32))]
+CHECKPOINT_TYPES = [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def optimizer_file_types() -> list:
@@ -51,25 +50,31 @@ def read_checkpoint_file(path: Path, **load_args):
     (and DeepSpeed's optimizer types, in its optimizer files) allowed besides: a file whose
     pickle would build anything else (run code) is refused in one line naming it, before
     anything in it is built."""
-    allowed = CHECKPOINT_TYPES + (optimizer_file_types()
-                                  if Path(path).name.endswith("optim_states.pt") else [])
+    allowed = CHECKPOINT_TYPES + (
+        optimizer_file_types() if Path(path).name.endswith("optim_states.pt") else []
+    )
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, **load_args)
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         what = f"it would build {found.group(1)}" if found else "its pickle is not one"
-        raise PipelineError(f"{path}: refused, not a checkpoint this pipeline writes ({what}); "
-                            f"a checkpoint can run code when loaded, so only tensors and plain "
-                            f"values are read") from None
+        raise PipelineError(
+            f"{path}: refused, not a checkpoint this pipeline writes ({what}); "
+            f"a checkpoint can run code when loaded, so only tensors and plain "
+            f"values are read"
+        ) from None
     except (RuntimeError, EOFError) as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise PipelineError(f"{path}: not a readable checkpoint file ({why})") from None
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-             "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -96,8 +101,13 @@ def step_of(tag: str) -> int:
     return int(tag.removeprefix("step-"))
 
 
-def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], None],
-                       tag: str | None = None, model_section: dict | None = None) -> str:
+def load_model_weights(
+    model: torch.nn.Module,
+    root: Path,
+    log: Callable[[str], None],
+    tag: str | None = None,
+    model_section: dict | None = None,
+) -> str:
     """Load the module weights of checkpoint `tag` under `root`, verified, or of the newest
     intact one (no engine needed); returns its tag. Weights that do not fit the model are one
     line naming the first keys or shapes that differ, and the config that wrote them (and
@@ -115,9 +125,11 @@ def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], 
         weights = read_checkpoint_file(path)["module"]
     elif not list(ckpt.glob("*model_states.pt")):
         held = ", ".join(sorted(p.name for p in ckpt.iterdir())[:4]) or "nothing"
-        raise PipelineError(f"checkpoint {ckpt}: not a train or finetune checkpoint (no "
-                            f"model states file; it holds {held})")
-    else:   # ZeRO 3 saves each rank's shard only: assemble the fp32 weights from the shards
+        raise PipelineError(
+            f"checkpoint {ckpt}: not a train or finetune checkpoint (no "
+            f"model states file; it holds {held})"
+        )
+    else:  # ZeRO 3 saves each rank's shard only: assemble the fp32 weights from the shards
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # DeepSpeed unpickles them without restriction: each is read safely first
@@ -125,16 +137,21 @@ def load_model_weights(model: torch.nn.Module, root: Path, log: Callable[[str], 
             read_checkpoint_file(shard, mmap=True)
         weights = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     if misfit := _misfit(model.state_dict(), weights):
-        raise PipelineError(f"checkpoint {ckpt} does not fit the config's model: {misfit}"
-                            f"{_made_by(ckpt, model_section)}")
+        raise PipelineError(
+            f"checkpoint {ckpt} does not fit the config's model: {misfit}"
+            f"{_made_by(ckpt, model_section)}"
+        )
     model.load_state_dict(weights)
     return tag
 
 
 def _misfit(own: dict, saved: dict) -> str:
     """The first differences between a model's state dict and a checkpoint's, or ''."""
-    found = [f"{k} has shape {list(saved[k].shape)} there, {list(v.shape)} here"
-             for k, v in own.items() if k in saved and saved[k].shape != v.shape][:2]
+    found = [
+        f"{k} has shape {list(saved[k].shape)} there, {list(v.shape)} here"
+        for k, v in own.items()
+        if k in saved and saved[k].shape != v.shape
+    ][:2]
     found += [f"{k} is missing there" for k in own if k not in saved][:1]
     found += [f"{k} is not in this model" for k in saved if k not in own][:1]
     return "; ".join(found)
@@ -149,18 +166,23 @@ def _made_by(ckpt: Path, model_section: dict | None) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         return ""
     # settings only: a stage's record leaves defaults out of nested sections
-    differ = [f"model.{k}: {theirs[k]!r} there, {v!r} here"
-              for k, v in (model_section or {}).items()
-              if k in theirs and not isinstance(v, dict) and theirs[k] != v]
-    return (f"; it was written with the model section recorded in {record}"
-            + (f" ({', '.join(differ[:3])})" if differ else ""))
+    differ = [
+        f"model.{k}: {theirs[k]!r} there, {v!r} here"
+        for k, v in (model_section or {}).items()
+        if k in theirs and not isinstance(v, dict) and theirs[k] != v
+    ]
+    return f"; it was written with the model section recorded in {record}" + (
+        f" ({', '.join(differ[:3])})" if differ else ""
+    )
 
 
 def write_checksums(path: Path) -> int:
     """Record the sha256 and size of every file of the checkpoint directory `path`; written
     last, it is what makes the checkpoint complete. Returns the checkpoint's size in bytes."""
-    files = {f.relative_to(path).as_posix(): file_checksum(f, HASH_BLOCK)
-             for f in sorted(p for p in path.rglob("*") if p.is_file())}
+    files = {
+        f.relative_to(path).as_posix(): file_checksum(f, HASH_BLOCK)
+        for f in sorted(p for p in path.rglob("*") if p.is_file())
+    }
     atomic_write_json(path / CHECKSUMS, {"files": files})
     return sum(f["bytes"] for f in files.values())
 
@@ -187,8 +209,11 @@ def damage(path: Path) -> str | None:
 
 def step_dirs(root: Path) -> list[Path]:
     """The `step-N` directories under `root`, newest first."""
-    found = [p for p in Path(root).glob("step-*")
-             if p.is_dir() and p.name.removeprefix("step-").isdigit()]
+    found = [
+        p
+        for p in Path(root).glob("step-*")
+        if p.is_dir() and p.name.removeprefix("step-").isdigit()
+    ]
     return sorted(found, key=lambda p: step_of(p.name), reverse=True)
 
 
@@ -209,8 +234,10 @@ def newest_intact(root: Path, log: Callable[[str], None]) -> str | None:
             break
         passed.append(f"damaged checkpoint {path.name} ({why})")
     else:
-        raise PipelineError(f"no intact checkpoint under {root}: {'; '.join(passed)}; "
-                            f"run the stage that wrote them again with --force")
+        raise PipelineError(
+            f"no intact checkpoint under {root}: {'; '.join(passed)}; "
+            f"run the stage that wrote them again with --force"
+        )
     tag = path.name
     hint = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
     if hint and hint != tag and not (root / hint).is_dir():
@@ -218,8 +245,10 @@ def newest_intact(root: Path, log: Callable[[str], None]) -> str | None:
     if passed:
         log(f"{root}: {'; '.join(passed)}; using {tag}, the newest intact checkpoint")
     if not (root / tag / CHECKSUMS).exists():
-        log(f"checkpoint {root / tag} has no {CHECKSUMS} (it was written before checkpoints "
-            f"carried checksums): it cannot be verified")
+        log(
+            f"checkpoint {root / tag} has no {CHECKSUMS} (it was written before checkpoints "
+            f"carried checksums): it cannot be verified"
+        )
     return tag
 
 
@@ -243,15 +272,20 @@ def out_of_space(error: BaseException, root: Path, needed: int) -> bool:
     zip writer only says its stream failed, so then the disk must be short of room too."""
     if isinstance(error, OSError):
         return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    return (isinstance(error, RuntimeError)
-            and any(s in str(error) for s in ("iostream error", "PytorchStreamWriter",
-                                              "inline_container"))
-            and not has_room(root, needed))
+    return (
+        isinstance(error, RuntimeError)
+        and any(
+            s in str(error) for s in ("iostream error", "PytorchStreamWriter", "inline_container")
+        )
+        and not has_room(root, needed)
+    )
 
 
 def disk_full(path: Path, needed: int) -> PipelineError:
     """The one-line error for a checkpoint `path` of about `needed` bytes that does not fit."""
     free = shutil.disk_usage(path.parent).free
-    return PipelineError(f"disk full: checkpoint {path} needs about {_size(needed)} but "
-                         f"{path.parent} has {_size(free)} free; free "
-                         f"{_size(max(needed - free, 1))} or more and run again to resume")
+    return PipelineError(
+        f"disk full: checkpoint {path} needs about {_size(needed)} but "
+        f"{path.parent} has {_size(free)} free; free "
+        f"{_size(max(needed - free, 1))} or more and run again to resume"
+    )

@@ -31,8 +31,9 @@ class DocumentPass(NamedTuple):
     its last forward's; each of them adds its own)."""
 
 
-def run_documents(model, docs: Tensor, seq_len: int, input_length: int,
-                  train: bool) -> DocumentPass:
+def run_documents(
+    model, docs: Tensor, seq_len: int, input_length: int, train: bool
+) -> DocumentPass:
     """Read documents [B, length] segment by segment (see the module doc). ``model`` is any
     SequenceModel, or a DeepSpeed engine wrapping one."""
     tokens, targets = docs[:, :-1], docs[:, 1:]
@@ -41,22 +42,23 @@ def run_documents(model, docs: Tensor, seq_len: int, input_length: int,
     state = model.init_state(docs.shape[0], device=docs.device)
     nlls, predictions, aux = [], [], []
     for start in range(0, tokens.shape[1], seq_len):
-        segment = tokens[:, start:start + seq_len]
+        segment = tokens[:, start : start + seq_len]
         first_scored = max(input_length - start, 0)
         if first_scored >= segment.shape[1]:
             with torch.no_grad():
                 state = model(segment, None, state).state
             continue
         with torch.set_grad_enabled(train):
-            out = model(segment, targets[:, start:start + seq_len], state)
+            out = model(segment, targets[:, start : start + seq_len], state)
             if train:
                 aux.append(model.aux_loss())
         state = out.state
         nlls.append(out.nll[:, first_scored:].float())
         predictions.append(out.logits[:, first_scored:].argmax(-1))
     nll = torch.cat(nlls, 1)
-    return DocumentPass(nll, torch.cat(predictions, 1),
-                        torch.stack(aux).sum() if aux else nll.new_zeros(()))
+    return DocumentPass(
+        nll, torch.cat(predictions, 1), torch.stack(aux).sum() if aux else nll.new_zeros(())
+    )
 
 
 @dataclass
@@ -65,9 +67,9 @@ class DocumentScores:
 
     documents: int = 0
     targets: int = 0
-    nll: float = 0.0          # nats, summed over scored targets
-    correct: int = 0          # scored targets whose argmax is right
-    exact: int = 0            # documents with every scored target right
+    nll: float = 0.0  # nats, summed over scored targets
+    correct: int = 0  # scored targets whose argmax is right
+    exact: int = 0  # documents with every scored target right
 
     def add(self, nll: Tensor, right: Tensor) -> None:
         """Add a batch: nll and right [B, targets]."""
@@ -91,14 +93,25 @@ class DocumentScores:
         return self.exact / self.documents
 
     def metrics(self) -> dict:
-        return {"loss": self.loss, "token_accuracy": self.token_accuracy,
-                "exact_match": self.exact_match, "documents": self.documents,
-                "targets": self.targets}
+        return {
+            "loss": self.loss,
+            "token_accuracy": self.token_accuracy,
+            "exact_match": self.exact_match,
+            "documents": self.documents,
+            "targets": self.targets,
+        }
 
 
 @torch.no_grad()
-def score_documents(model, docs: np.ndarray, batch_size: int, seq_len: int, input_length: int,
-                    device, max_batches: int | None = None) -> DocumentScores:
+def score_documents(
+    model,
+    docs: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    input_length: int,
+    device,
+    max_batches: int | None = None,
+) -> DocumentScores:
     """Loss, token accuracy and exact match of the documents [N, length] (the first
     ``max_batches`` batches of ``batch_size`` of them), in eval mode (no dropout, no random
     numbers drawn); the model's train / eval mode is restored afterwards."""
@@ -108,8 +121,8 @@ def score_documents(model, docs: np.ndarray, batch_size: int, seq_len: int, inpu
     for i, first in enumerate(range(0, len(docs), batch_size)):
         if max_batches is not None and i >= max_batches:
             break
-        batch = torch.from_numpy(docs[first:first + batch_size].astype(np.int64)).to(device)
+        batch = torch.from_numpy(docs[first : first + batch_size].astype(np.int64)).to(device)
         out = run_documents(model, batch, seq_len, input_length, train=False)
-        scores.add(out.nll, out.predictions == batch[:, input_length + 1:])
+        scores.add(out.nll, out.predictions == batch[:, input_length + 1 :])
     model.train(was_training)
     return scores

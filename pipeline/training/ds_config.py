@@ -5,8 +5,9 @@ from __future__ import annotations
 from pipeline.errors import PipelineError
 
 
-def deepspeed_config(train, world_size: int, micro_batch_size: int | None = None,
-                     bf16: bool | None = None) -> dict:
+def deepspeed_config(
+    train, world_size: int, micro_batch_size: int | None = None, bf16: bool | None = None
+) -> dict:
     """DeepSpeed's config for the spec's `train` section at `world_size` processes.
 
     `micro_batch_size` and `bf16` are what train.micro_batch_size and train.deepspeed.bf16
@@ -20,17 +21,23 @@ def deepspeed_config(train, world_size: int, micro_batch_size: int | None = None
         else:
             per_step = world_size * ds.gradient_accumulation_steps
             if train.batch_size % per_step:
-                raise PipelineError(f"train.batch_size {train.batch_size} is not divisible by "
-                                    f"world size {world_size} x gradient_accumulation_steps "
-                                    f"{ds.gradient_accumulation_steps}")
+                raise PipelineError(
+                    f"train.batch_size {train.batch_size} is not divisible by "
+                    f"world size {world_size} x gradient_accumulation_steps "
+                    f"{ds.gradient_accumulation_steps}"
+                )
             micro_batch_size = train.batch_size // per_step
     if train.batch_size % (world_size * micro_batch_size):
-        raise PipelineError(f"train.batch_size {train.batch_size} is not divisible by world "
-                            f"size {world_size} x micro-batch {micro_batch_size}")
+        raise PipelineError(
+            f"train.batch_size {train.batch_size} is not divisible by world "
+            f"size {world_size} x micro-batch {micro_batch_size}"
+        )
     if bf16 is None:
         if ds.bf16 == "auto":
-            raise PipelineError("train.deepspeed.bf16 auto is resolved on the device "
-                                "(pipeline.training.micro_batch.resolve) before this")
+            raise PipelineError(
+                "train.deepspeed.bf16 auto is resolved on the device "
+                "(pipeline.training.micro_batch.resolve) before this"
+            )
         bf16 = ds.bf16
     return {
         "train_batch_size": train.batch_size,
@@ -44,8 +51,9 @@ def deepspeed_config(train, world_size: int, micro_batch_size: int | None = None
         "bf16": {"enabled": True, "check_grad_overflow": False} if bf16 else {"enabled": False},
         # dynamic loss scaling: fp16 gradients underflow without it
         "fp16": {"enabled": ds.fp16, "loss_scale": 0, "initial_scale_power": 16},
-        "gradient_clipping": (train.optimizer.clip_norm
-                              if train.optimizer.clip == "global" else 0.0),
+        "gradient_clipping": (
+            train.optimizer.clip_norm if train.optimizer.clip == "global" else 0.0
+        ),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,

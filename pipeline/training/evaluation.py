@@ -12,8 +12,9 @@ LN2 = math.log(2)
 
 
 @torch.no_grad()
-def evaluate_nll(model, tokens: np.ndarray, batch_size: int, seq_len: int, device,
-                 max_batches: int | None = None) -> tuple[float, int]:
+def evaluate_nll(
+    model, tokens: np.ndarray, batch_size: int, seq_len: int, device, max_batches: int | None = None
+) -> tuple[float, int]:
     """Sum of per-token nll (nats) and token count over a split, streamed in blocks with the
     model's state carried from each block to the next. In eval mode (no dropout, no random
     numbers drawn); the model's train / eval mode is restored afterwards.

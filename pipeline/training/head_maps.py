@@ -25,8 +25,10 @@ def image_format(path) -> str:
     suffix = Path(path).suffix.lower().removeprefix(".")
     formats = FigureCanvasBase.get_supported_filetypes()
     if suffix and suffix not in formats:
-        raise PipelineError(f"{shown(path)}: no image format is called .{shown(suffix)}; "
-                            f"name a .png, .svg or .pdf file (or {', '.join('.' + f for f in sorted(formats))})")
+        raise PipelineError(
+            f"{shown(path)}: no image format is called .{shown(suffix)}; "
+            f"name a .png, .svg or .pdf file (or {', '.join('.' + f for f in sorted(formats))})"
+        )
     return suffix or "png"
 
 
@@ -46,8 +48,9 @@ def save(fig, path, **savefig_args) -> Path:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         blocker = f" ({e.filename})" if e.filename not in (None, str(tmp)) else ""
-        raise PipelineError(f"{shown(path)}: cannot write the picture: {e.strerror or e}{blocker}") \
-            from None
+        raise PipelineError(
+            f"{shown(path)}: cannot write the picture: {e.strerror or e}{blocker}"
+        ) from None
     finally:
         plt.close(fig)
     return path
@@ -66,26 +69,37 @@ def head_heat_map(table: list[list[float]], title: str, path) -> Path:
     from 0 to the table's largest value, each value written in its cell, a colour bar beside.
     `table[layer][head]`; every layer has the same number of heads."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     head_counts = {len(row) for row in table}
     if not table or len(head_counts) != 1 or 0 in head_counts:
-        raise ValueError(f"a heat map needs the same number (> 0) of heads in every layer; "
-                         f"got rows of {sorted(head_counts) or 'no'} values")
+        raise ValueError(
+            f"a heat map needs the same number (> 0) of heads in every layer; "
+            f"got rows of {sorted(head_counts) or 'no'} values"
+        )
     n_layers, n_heads = len(table), head_counts.pop()
     top = max(max(row) for row in table)
     width = 2 + 0.9 * n_heads
     fig, ax = plt.subplots(figsize=(width, 1.5 + 0.45 * n_layers))
-    image = ax.imshow(table, origin="lower", aspect="auto", cmap="viridis", vmin=0,
-                      vmax=top if top > 0 else 1)
+    image = ax.imshow(
+        table, origin="lower", aspect="auto", cmap="viridis", vmin=0, vmax=top if top > 0 else 1
+    )
     fig.colorbar(image, ax=ax)
     if n_layers * n_heads <= ANNOTATE_CELLS:
         for i, row in enumerate(table):
             for j, value in enumerate(row):
                 # dark text on the light (high) end of viridis, light text on the dark end
-                ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize="small",
-                        color="black" if value > 0.6 * top else "white")
+                ax.text(
+                    j,
+                    i,
+                    f"{value:.3g}",
+                    ha="center",
+                    va="center",
+                    fontsize="small",
+                    color="black" if value > 0.6 * top else "white",
+                )
     ax.set_xticks(range(n_heads), [str(j + 1) for j in range(n_heads)])
     ax.set_yticks(range(n_layers), [str(i + 1) for i in range(n_layers)])
     ax.set_xlabel("head")
@@ -108,7 +122,10 @@ def save_head_tables(tables: dict[str, list[list[float]]], out_dir, title: str) 
     written = []
     for name, table in tables.items():
         atomic_write_json(Path(out_dir) / f"{name}.json", table)
-        written += [Path(out_dir) / f"{name}.json",
-                    head_heat_map(table, f"{TABLE_TITLES.get(name, name)} {title}",
-                                  Path(out_dir) / f"{name}.png")]
+        written += [
+            Path(out_dir) / f"{name}.json",
+            head_heat_map(
+                table, f"{TABLE_TITLES.get(name, name)} {title}", Path(out_dir) / f"{name}.png"
+            ),
+        ]
     return written

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import copy
 import gc
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 
@@ -43,9 +43,12 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError)
 
 
-def largest_that_fits(candidates: Iterable[int], try_step: Callable[[int], None],
-                      log: Callable[[str], None] = lambda line: None,
-                      reset: Callable[[], None] | None = None) -> int:
+def largest_that_fits(
+    candidates: Iterable[int],
+    try_step: Callable[[int], None],
+    log: Callable[[str], None] = lambda line: None,
+    reset: Callable[[], None] | None = None,
+) -> int:
     """The first of `candidates` (largest first) at which `try_step(size)` (one forward and
     backward) does not raise torch.cuda.OutOfMemoryError. Between tries the gradients are
     dropped (`reset`) and CUDA's cache emptied; any other error propagates. None fitting is a
@@ -61,12 +64,14 @@ def largest_that_fits(candidates: Iterable[int], try_step: Callable[[int], None]
         finally:
             if reset is not None:
                 reset()
-            gc.collect()        # the failed try's activations, held by the traceback's frames
+            gc.collect()  # the failed try's activations, held by the traceback's frames
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    raise PipelineError(f"no micro-batch fits on this device: out of memory at "
-                        f"{', '.join(map(str, tried)) or 'every size'} row(s); use a smaller "
-                        f"model or train.seq_len, or more processes")
+    raise PipelineError(
+        f"no micro-batch fits on this device: out of memory at "
+        f"{', '.join(map(str, tried)) or 'every size'} row(s); use a smaller "
+        f"model or train.seq_len, or more processes"
+    )
 
 
 def can_search(device: torch.device) -> bool:
@@ -94,9 +99,11 @@ def fixed_micro_batch(train, world_size: int) -> int | None:
     if train.micro_batch_size is None:
         return rows // train.deepspeed.gradient_accumulation_steps
     if rows % train.micro_batch_size:
-        raise PipelineError(f"train.micro_batch_size {train.micro_batch_size} does not divide "
-                            f"the {rows} rows each of {world_size} process(es) trains on "
-                            f"(train.batch_size {train.batch_size})")
+        raise PipelineError(
+            f"train.micro_batch_size {train.micro_batch_size} does not divide "
+            f"the {rows} rows each of {world_size} process(es) trains on "
+            f"(train.batch_size {train.batch_size})"
+        )
     return train.micro_batch_size
 
 
@@ -107,12 +114,15 @@ def read_record(directory: Path | None) -> dict | None:
     try:
         return read_json(directory / RECORD)
     except (OSError, ValueError) as e:
-        raise PipelineError(f"{directory / RECORD}: unreadable ({e}); it holds the "
-                            f"micro-batch and precision the run started with") from None
+        raise PipelineError(
+            f"{directory / RECORD}: unreadable ({e}); it holds the "
+            f"micro-batch and precision the run started with"
+        ) from None
 
 
-def probe(model, vocab_size: int, seq_len: int, device: torch.device, bf16: bool,
-          documents: dict | None) -> tuple[Callable[[int], None], Callable[[], None]]:
+def probe(
+    model, vocab_size: int, seq_len: int, device: torch.device, bf16: bool, documents: dict | None
+) -> tuple[Callable[[int], None], Callable[[], None]]:
     """`try_step(size)`: one forward and backward of a copy of `model` on `device` in the
     training precision, on `size` random rows, its bounded parameters (the adaptive spans)
     at their upper bounds and the carried state from a block before: the most memory a step
@@ -132,8 +142,7 @@ def probe(model, vocab_size: int, seq_len: int, device: torch.device, bf16: bool
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if documents is not None:
                 docs = torch.randint(vocab_size, (size, documents["length"]), device=device)
-                out = run_documents(trial, docs, seq_len, documents["input_length"],
-                                    train=True)
+                out = run_documents(trial, docs, seq_len, documents["input_length"], train=True)
                 loss = out.nll.float().mean() + out.aux
             else:
                 x = torch.randint(vocab_size, (size, seq_len), device=device)
@@ -143,7 +152,7 @@ def probe(model, vocab_size: int, seq_len: int, device: torch.device, bf16: bool
                 loss = out.nll.float().mean() + trial.aux_loss()
             loss.backward()
             if device.type == "cuda":
-                torch.cuda.synchronize(device)   # an asynchronous failure surfaces here
+                torch.cuda.synchronize(device)  # an asynchronous failure surfaces here
 
     def reset() -> None:
         trial.zero_grad(set_to_none=True)
@@ -151,8 +160,16 @@ def probe(model, vocab_size: int, seq_len: int, device: torch.device, bf16: bool
     return try_step, reset
 
 
-def resolve(spec, model, vocab_size: int, documents: dict | None, device: torch.device,
-            world_size: int, recorded: dict | None, log: Callable[[str], None]) -> dict:
+def resolve(
+    spec,
+    model,
+    vocab_size: int,
+    documents: dict | None,
+    device: torch.device,
+    world_size: int,
+    recorded: dict | None,
+    log: Callable[[str], None],
+) -> dict:
     """{"micro_batch_size", "bf16", "device"} for this run: `recorded` (a resume's, or
     train's for finetune) where there is one, else resolved here. Every rank gets rank 0's
     precision and the smallest micro-batch any rank fits."""
@@ -161,33 +178,44 @@ def resolve(spec, model, vocab_size: int, documents: dict | None, device: torch.
     train = spec.train
     ds = train.deepspeed
     if recorded is not None:
-        out = {"micro_batch_size": recorded["micro_batch_size"], "bf16": recorded["bf16"],
-               "device": recorded.get("device", device.type)}
+        out = {
+            "micro_batch_size": recorded["micro_batch_size"],
+            "bf16": recorded["bf16"],
+            "device": recorded.get("device", device.type),
+        }
         fixed = fixed_micro_batch(train, world_size)
         rows = per_rank_batch(train, world_size)
         if fixed is None and rows % out["micro_batch_size"]:
             # a resume on another number of processes (train.launcher is runtime-only)
-            raise PipelineError(f"train.micro_batch_size auto: this run started at "
-                                f"micro-batch {out['micro_batch_size']}, which does not divide "
-                                f"the {rows} rows per process at world size {world_size}; "
-                                f"resume on fewer processes, or start over")
+            raise PipelineError(
+                f"train.micro_batch_size auto: this run started at "
+                f"micro-batch {out['micro_batch_size']}, which does not divide "
+                f"the {rows} rows per process at world size {world_size}; "
+                f"resume on fewer processes, or start over"
+            )
         if isinstance(train.micro_batch_size, int) and fixed != out["micro_batch_size"]:
-            raise PipelineError(f"train.micro_batch_size: this run's checkpoints were written "
-                                f"at micro-batch {out['micro_batch_size']} and the spec now "
-                                f"gives {fixed}; set it back, or start over")
+            raise PipelineError(
+                f"train.micro_batch_size: this run's checkpoints were written "
+                f"at micro-batch {out['micro_batch_size']} and the spec now "
+                f"gives {fixed}; set it back, or start over"
+            )
         if fixed is not None:
             # unset, it is the per-rank batch over the accumulation steps: a resume on
             # another number of processes takes the new one (the states are resharded)
             out["micro_batch_size"] = fixed
         if ds.bf16 != "auto" and bool(ds.bf16) != out["bf16"]:
-            raise PipelineError(f"train.deepspeed.bf16: this run's checkpoints were written "
-                                f"with bf16 {str(out['bf16']).lower()}; set it back, or "
-                                f"start over")
+            raise PipelineError(
+                f"train.deepspeed.bf16: this run's checkpoints were written "
+                f"with bf16 {str(out['bf16']).lower()}; set it back, or "
+                f"start over"
+            )
         now = resolve_bf16(ds.bf16, device)
         if now != out["bf16"]:
-            log(f"train.deepspeed.bf16 auto: keeping {'bf16' if out['bf16'] else 'float32'}, "
+            log(
+                f"train.deepspeed.bf16 auto: keeping {'bf16' if out['bf16'] else 'float32'}, "
                 f"which this run started with on {out['device']} ({device.type} would "
-                f"pick {'bf16' if now else 'float32'})")
+                f"pick {'bf16' if now else 'float32'})"
+            )
         return out
     bf16 = distributed.broadcast_object(resolve_bf16(ds.bf16, device))
     size = fixed_micro_batch(train, world_size)
@@ -195,8 +223,10 @@ def resolve(spec, model, vocab_size: int, documents: dict | None, device: torch.
         rows = per_rank_batch(train, world_size)
         if not can_search(device):
             size = rows
-            log(f"train.micro_batch_size auto: {rows}, the whole per-rank batch (no "
-                f"out-of-memory signal on {device.type} to search on)")
+            log(
+                f"train.micro_batch_size auto: {rows}, the whole per-rank batch (no "
+                f"out-of-memory signal on {device.type} to search on)"
+            )
         else:
             try_step, reset = probe(model, vocab_size, train.seq_len, device, bf16, documents)
             size = largest_that_fits(divisors_largest_first(rows), try_step, log, reset)
@@ -204,6 +234,8 @@ def resolve(spec, model, vocab_size: int, documents: dict | None, device: torch.
             gc.collect()
             torch.cuda.empty_cache()
             size = int(distributed.min_over_ranks(size))
-            log(f"train.micro_batch_size auto: {size} of {rows} rows per process fit "
-                f"({rows // size} accumulation step(s) per update)")
+            log(
+                f"train.micro_batch_size auto: {size} of {rows} rows per process fit "
+                f"({rows // size} accumulation step(s) per update)"
+            )
     return {"micro_batch_size": size, "bf16": bf16, "device": device.type}

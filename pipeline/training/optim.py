@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -15,10 +16,11 @@ from pipeline.errors import PipelineError
 @dataclass(frozen=True)
 class _Run:
     """Consecutive elements of a stepped tensor that belong to one model parameter."""
-    owner: int          # index into _Layout.params; len(params) marks alignment padding
-    start: int          # first element in the stepped (flattened) tensor
+
+    owner: int  # index into _Layout.params; len(params) marks alignment padding
+    start: int  # first element in the stepped (flattened) tensor
     length: int
-    lp: torch.Tensor    # the same elements in the model's (or its partition's) copy
+    lp: torch.Tensor  # the same elements in the model's (or its partition's) copy
 
 
 @dataclass
@@ -28,9 +30,10 @@ class _Layout:
     Under ZeRO and the bf16 wrapper the optimizer steps one flat fp32 partition per rank:
     its runs may be pieces of parameters whose other pieces live on other ranks of `group`.
     """
-    params: list[torch.Tensor]    # the model parameters flattened together, same on all ranks
-    runs: list[_Run]              # cover the stepped tensor, in order
-    group: object | None          # process group holding the other pieces; None: whole tensors
+
+    params: list[torch.Tensor]  # the model parameters flattened together, same on all ranks
+    runs: list[_Run]  # cover the stepped tensor, in order
+    group: object | None  # process group holding the other pieces; None: whole tensors
 
 
 def _whole(master: torch.Tensor, param: torch.Tensor) -> _Layout:
@@ -52,36 +55,48 @@ class _Plan:
     def __init__(self, tensors: list[torch.Tensor], layouts: list[_Layout], fused: bool | None):
         devices = {t.device for t in tensors}
         if len(devices) > 1:
-            raise PipelineError(f"ClippedAdagrad: one param group spans devices {devices}; "
-                                "give each device its own group")
+            raise PipelineError(
+                f"ClippedAdagrad: one param group spans devices {devices}; "
+                "give each device its own group"
+            )
         (device,) = devices
         if fused and device.type != "cpu":
-            raise PipelineError(f"ClippedAdagrad(fused=True): torch's fused Adagrad kernel "
-                                f"runs on the CPU only, these tensors are on {device}")
+            raise PipelineError(
+                f"ClippedAdagrad(fused=True): torch's fused Adagrad kernel "
+                f"runs on the CPU only, these tensors are on {device}"
+            )
         # torch's fused CPU Adagrad came with 2.4; fall back to foreach where it is missing
-        self.fused = (device.type == "cpu" and hasattr(torch, "_fused_adagrad_")
-                      if fused is None else fused)
+        self.fused = (
+            device.type == "cpu" and hasattr(torch, "_fused_adagrad_") if fused is None else fused
+        )
         self.tensors = tensors
-        self.splits: list[list[int] | None] = []       # per tensor: its runs' lengths, or None where it is one run
-        owners: list[int | None] = []             # a run's slot, None for padding
+        self.splits: list[
+            list[int] | None
+        ] = []  # per tensor: its runs' lengths, or None where it is one run
+        owners: list[int | None] = []  # a run's slot, None for padding
         slots = 0
-        self.reduce: list[list[Any]] = []         # [process group, first slot, end slot]
+        self.reduce: list[list[Any]] = []  # [process group, first slot, end slot]
         for layout in layouts:
             n = len(layout.params)
-            self.splits.append(None if len(layout.runs) == 1 else
-                               [r.length for r in layout.runs])
+            self.splits.append(None if len(layout.runs) == 1 else [r.length for r in layout.runs])
             owners += [slots + r.owner if r.owner < n else None for r in layout.runs]
             if layout.group is not None:
                 # one all_reduce for neighbouring layouts of the same group
-                if self.reduce and self.reduce[-1][0] is layout.group and self.reduce[-1][2] == slots:
+                if (
+                    self.reduce
+                    and self.reduce[-1][0] is layout.group
+                    and self.reduce[-1][2] == slots
+                ):
                     self.reduce[-1][2] = slots + n
                 else:
                     self.reduce.append([layout.group, slots, slots + n])
             slots += n
-        self.dtype = (torch.float64 if any(t.dtype == torch.float64 for t in tensors)
-                      else torch.float32)
-        self.owners = torch.tensor([slots if o is None else o for o in owners],
-                                   dtype=torch.long, device=device)
+        self.dtype = (
+            torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        )
+        self.owners = torch.tensor(
+            [slots if o is None else o for o in owners], dtype=torch.long, device=device
+        )
         self.base = torch.zeros(slots + 1, dtype=self.dtype, device=device)
         self.base[slots] = math.inf
 
@@ -116,11 +131,18 @@ class ClippedAdagrad(torch.optim.Optimizer):
     forces either way (True: CPU only).
     """
 
-    def __init__(self, params, lr: float, clip_norm: float = 0.03, eps: float = 1e-10,
-                 fused: bool | None = None):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        clip_norm: float = 0.03,
+        eps: float = 1e-10,
+        fused: bool | None = None,
+    ):
         if lr <= 0 or clip_norm <= 0 or eps <= 0:
-            raise ValueError(f"ClippedAdagrad: lr, clip_norm and eps must be > 0 "
-                             f"(got {lr}, {clip_norm}, {eps})")
+            raise ValueError(
+                f"ClippedAdagrad: lr, clip_norm and eps must be > 0 (got {lr}, {clip_norm}, {eps})"
+            )
         super().__init__(params, {"lr": lr, "clip_norm": clip_norm, "eps": eps})
         self.fused = fused
         # built on whole parameters; a wrapper that flattens them must call bind_layouts
@@ -157,14 +179,23 @@ class ClippedAdagrad(torch.optim.Optimizer):
         # DeepSpeed's unfused bf16 wrapper steps once with zero gradients while it is being
         # built, before it can be bound: a zero gradient changes nothing, whatever the layout.
         # This check syncs, but only until bind_to_engine; such a plan is not cached.
-        if any(layout is None and t.grad is not None and t.grad.any() for t, layout in zip(tensors, layouts, strict=False)):
+        if any(
+            layout is None and t.grad is not None and t.grad.any()
+            for t, layout in zip(tensors, layouts, strict=False)
+        ):
             raise PipelineError(
                 "ClippedAdagrad is asked to step a tensor it was not built with "
                 "(DeepSpeed flattened the parameters): call "
-                "pipeline.training.optim.bind_to_engine(engine) after deepspeed.initialize")
-        bound = [(t, layout) for t, layout in zip(tensors, layouts, strict=False) if layout is not None]
-        return _Plan([t for t, _ in bound], [layout for _, layout in bound],
-                     self.fused) if bound else None
+                "pipeline.training.optim.bind_to_engine(engine) after deepspeed.initialize"
+            )
+        bound = [
+            (t, layout) for t, layout in zip(tensors, layouts, strict=False) if layout is not None
+        ]
+        return (
+            _Plan([t for t, _ in bound], [layout for _, layout in bound], self.fused)
+            if bound
+            else None
+        )
 
     def _update(self, plan: _Plan, group: dict) -> None:
         # a plan holds only tensors with a gradient (step() leaves the others out)
@@ -192,11 +223,19 @@ class ClippedAdagrad(torch.optim.Optimizer):
             # tensor of its own: with lr_decay = 1 and step = stretch that is lr · factor
             # (read as a float32: exact enough for fp32 and lower). The accumulator takes the
             # unclipped g², as here.
-            torch._fused_adagrad_(plan.runs(plan.tensors), plan.runs(grads), plan.runs(sums),
-                                  run_stretch, lr=group["lr"], lr_decay=1.0, weight_decay=0.0,
-                                  eps=group["eps"], maximize=False)
+            torch._fused_adagrad_(
+                plan.runs(plan.tensors),
+                plan.runs(grads),
+                plan.runs(sums),
+                run_stretch,
+                lr=group["lr"],
+                lr_decay=1.0,
+                weight_decay=0.0,
+                eps=group["eps"],
+                maximize=False,
+            )
             return
-        torch._foreach_addcmul_(sums, grads, grads)        # the unclipped g²
+        torch._foreach_addcmul_(sums, grads, grads)  # the unclipped g²
         std = torch._foreach_sqrt(sums)
         torch._foreach_add_(std, group["eps"])
         torch._foreach_mul_(plan.runs(std), run_stretch)
@@ -205,6 +244,7 @@ class ClippedAdagrad(torch.optim.Optimizer):
 
 # ------------------------------------------------------------ DeepSpeed's partitions
 
+
 def _flat_layout(master, flat, params, pieces, group) -> _Layout:
     """Layout of `master`, the fp32 copy of `flat` (a rank's low-precision partition).
 
@@ -212,17 +252,21 @@ def _flat_layout(master, flat, params, pieces, group) -> _Layout:
     that `flat` holds. Offsets come from where DeepSpeed put the tensors in memory, so
     DeepSpeed's alignment rules need not be re-derived here; gaps are padding."""
     if master.numel() != flat.numel():
-        raise PipelineError(f"DeepSpeed's fp32 partition ({master.numel()} elements) does not "
-                            f"match its model partition ({flat.numel()}): unknown layout")
+        raise PipelineError(
+            f"DeepSpeed's fp32 partition ({master.numel()} elements) does not "
+            f"match its model partition ({flat.numel()}): unknown layout"
+        )
     runs, pos = [], 0
     flat_1d = flat.view(-1)
     for owner, start, length in sorted(pieces, key=lambda piece: piece[1]):
         if start < pos or start + length > flat.numel():
-            raise PipelineError("DeepSpeed's partition layout has overlapping or out-of-range "
-                                "parameters: refusing to guess per-parameter norms")
+            raise PipelineError(
+                "DeepSpeed's partition layout has overlapping or out-of-range "
+                "parameters: refusing to guess per-parameter norms"
+            )
         if start > pos:
             runs.append(_Run(len(params), pos, start - pos, flat_1d[pos:start]))
-        runs.append(_Run(owner, start, length, flat_1d[start:start + length]))
+        runs.append(_Run(owner, start, length, flat_1d[start : start + length]))
         pos = start + length
     if pos < flat.numel() or not runs:
         runs.append(_Run(len(params), pos, flat.numel() - pos, flat_1d[pos:]))
@@ -231,10 +275,15 @@ def _flat_layout(master, flat, params, pieces, group) -> _Layout:
 
 def _offset(view: torch.Tensor, flat: torch.Tensor) -> int:
     """Element offset of `view` inside `flat`, checked to really be a view into it."""
-    if (view.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-            or not view.is_contiguous() or view.dtype != flat.dtype):
-        raise PipelineError("a parameter is not a view into DeepSpeed's flat buffer: the "
-                            "partition layout cannot be established")
+    if (
+        view.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+        or not view.is_contiguous()
+        or view.dtype != flat.dtype
+    ):
+        raise PipelineError(
+            "a parameter is not a view into DeepSpeed's flat buffer: the "
+            "partition layout cannot be established"
+        )
     return (view.data_ptr() - flat.data_ptr()) // flat.element_size()
 
 
@@ -258,32 +307,45 @@ def _master_layouts(engine) -> dict[torch.Tensor, _Layout]:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     wrapper = engine.optimizer
-    if wrapper is engine.basic_optimizer:            # ZeRO 0, fp32: steps the parameters
+    if wrapper is engine.basic_optimizer:  # ZeRO 0, fp32: steps the parameters
         return {p: _whole(p, p) for g in wrapper.param_groups for p in g["params"]}
     if getattr(wrapper, "cpu_offload", False) or getattr(wrapper, "offload_optimizer", False):
-        raise PipelineError("per-parameter optimizer layouts are not supported with ZeRO "
-                            "offload; turn offload off")
+        raise PipelineError(
+            "per-parameter optimizer layouts are not supported with ZeRO offload; turn offload off"
+        )
     layouts: dict[torch.Tensor, _Layout] = {}
-    if type(wrapper) is FP16_UnfusedOptimizer:      # ZeRO 0, bf16: one fp32 copy per tensor
+    if type(wrapper) is FP16_UnfusedOptimizer:  # ZeRO 0, bf16: one fp32 copy per tensor
         for masters, params in zip(wrapper.fp32_groups, wrapper.fp16_groups, strict=False):
             layouts |= {m: _whole(m, p) for m, p in zip(masters, params, strict=False)}
     elif type(wrapper) in (DeepSpeedZeroOptimizer, BF16_Optimizer):
         # ZeRO 1 and 2, and bf16 with fp32 gradient accumulation: one flat buffer per group,
         # cut into equal partitions, the same layout under two sets of attribute names
         if type(wrapper) is DeepSpeedZeroOptimizer:
-            names = ("bit16_groups", "bit16_groups_flat", "parallel_partitioned_bit16_groups",
-                     "single_partition_of_fp32_groups")
+            names = (
+                "bit16_groups",
+                "bit16_groups_flat",
+                "parallel_partitioned_bit16_groups",
+                "single_partition_of_fp32_groups",
+            )
         else:
-            names = ("bf16_groups", "bf16_groups_flat", "bf16_partitioned_groups",
-                     "fp32_groups_flat_partition")
+            names = (
+                "bf16_groups",
+                "bf16_groups_flat",
+                "bf16_partitioned_groups",
+                "fp32_groups_flat_partition",
+            )
         groups, flats, partitions, masters = (getattr(wrapper, n) for n in names)
         for i, params in enumerate(groups):
             rank = dist.get_rank(group=wrapper.real_dp_process_group[i])
             part = partitions[i][rank]
             start = _offset(part, flats[i])
             layouts[masters[i]] = _flat_layout(
-                masters[i], part, params, _clip_pieces(params, flats[i], start, part.numel()),
-                wrapper.real_dp_process_group[i])
+                masters[i],
+                part,
+                params,
+                _clip_pieces(params, flats[i], start, part.numel()),
+                wrapper.real_dp_process_group[i],
+            )
     elif type(wrapper) is DeepSpeedZeroOptimizer_Stage3:
         # each parameter is cut into equal ds_tensor slices, rank r holding elements from
         # r * slice; a sub-group's slices sit side by side in one flat buffer
@@ -296,14 +358,16 @@ def _master_layouts(engine) -> dict[torch.Tensor, _Layout]:
             pieces = []
             for j, p in enumerate(params):
                 size = p.ds_tensor.numel()
-                length = min(size, p.ds_numel - rank * size)   # the last slices are padded
+                length = min(size, p.ds_numel - rank * size)  # the last slices are padded
                 if length > 0:
                     pieces.append((j, _offset(p.ds_tensor, flat), length))
             master = wrapper.fp32_partitioned_groups_flat[sg]
             layouts[master] = _flat_layout(master, flat, params, pieces, group)
     else:
-        raise PipelineError(f"unknown DeepSpeed optimizer wrapper {type(wrapper).__name__}: "
-                            "cannot tell which parameter each optimizer element belongs to")
+        raise PipelineError(
+            f"unknown DeepSpeed optimizer wrapper {type(wrapper).__name__}: "
+            "cannot tell which parameter each optimizer element belongs to"
+        )
     return layouts
 
 
@@ -319,13 +383,16 @@ def bind_to_engine(engine) -> None:
     opt = engine.basic_optimizer
     if isinstance(opt, ClippedAdagrad):
         if _stepped_optimizer(engine) is not opt:
-            raise PipelineError(f"{type(engine.optimizer).__name__} replaced ClippedAdagrad "
-                                "by an optimizer of its own: per-tensor clipping would be lost")
+            raise PipelineError(
+                f"{type(engine.optimizer).__name__} replaced ClippedAdagrad "
+                "by an optimizer of its own: per-tensor clipping would be lost"
+            )
         opt.bind_layouts(_master_layouts(engine))
 
 
-def master_clamp(engine, bounded: Iterable[tuple[torch.Tensor, float, float]]
-                 ) -> Callable[[], None]:
+def master_clamp(
+    engine, bounded: Iterable[tuple[torch.Tensor, float, float]]
+) -> Callable[[], None]:
     """A function that clamps each model parameter of `bounded` (parameter, low, high: a
     model's `bounded_parameters()`) to [low, high] in every copy this rank holds: the fp32
     master the optimizer steps, from which DeepSpeed overwrites the model's copy at the next
@@ -338,21 +405,26 @@ def master_clamp(engine, bounded: Iterable[tuple[torch.Tensor, float, float]]
         for run in layout.runs:
             if run.owner < len(layout.params) and id(layout.params[run.owner]) in bounds:
                 low_high = bounds[id(layout.params[run.owner])]
-                views += [(flat_master[run.start:run.start + run.length], low_high),
-                          (run.lp, low_high)]
+                views += [
+                    (flat_master[run.start : run.start + run.length], low_high),
+                    (run.lp, low_high),
+                ]
     # ZeRO 0-2 keep every parameter whole on every rank (ZeRO 3: empty outside forward)
-    views += [(p.data, bounds[id(p)]) for p in engine.module.parameters()
-              if id(p) in bounds and p.numel()]
+    views += [
+        (p.data, bounds[id(p)]) for p in engine.module.parameters() if id(p) in bounds and p.numel()
+    ]
 
     @torch.no_grad()
     def clamp() -> None:
         for view, (low, high) in views:
             view.clamp_(low, high)
+
     return clamp
 
 
-def float32_from_master(engine, params: Iterable[torch.Tensor],
-                        initial: Iterable[torch.Tensor]) -> Callable[[], None]:
+def float32_from_master(
+    engine, params: Iterable[torch.Tensor], initial: Iterable[torch.Tensor]
+) -> Callable[[], None]:
     """A function that makes each of `params` (model parameters) a float32 tensor holding its
     fp32 master's values: for a model's `bounded_parameters()`, which it reads in float32
     (the span fractions: pipeline.models.layers.AdaptiveSpan). DeepSpeed casts every
@@ -381,25 +453,30 @@ def float32_from_master(engine, params: Iterable[torch.Tensor],
             if run.owner == len(layout.params) or id(layout.params[run.owner]) not in index:
                 continue
             param = layout.params[run.owner]
-            at = starts[index[id(param)]] + (
-                run.lp.data_ptr() - param.data.data_ptr()) // param.element_size()
-            view = flat_master[run.start:run.start + run.length]
-            view.copy_(values[at:at + run.length])
+            at = (
+                starts[index[id(param)]]
+                + (run.lp.data_ptr() - param.data.data_ptr()) // param.element_size()
+            )
+            view = flat_master[run.start : run.start + run.length]
+            view.copy_(values[at : at + run.length])
             pieces.append((view, at))
     if len(groups) != 1:
-        raise PipelineError("the bounded parameters are spread over several DeepSpeed process "
-                            "groups: cannot gather their fp32 masters")
+        raise PipelineError(
+            "the bounded parameters are spread over several DeepSpeed process "
+            "groups: cannot gather their fp32 masters"
+        )
     (group,) = groups
 
     @torch.no_grad()
     def to_float32() -> None:
         buf = torch.zeros(starts[-1], dtype=torch.float32, device=params[0].device)
         for view, at in pieces:
-            buf[at:at + view.numel()] = view
+            buf[at : at + view.numel()] = view
         if group is not None:
             dist.all_reduce(buf, group=group)
         for p, a, b in zip(params, starts, starts[1:], strict=False):
             p.data = buf[a:b].view(p.shape)
+
     to_float32()
     return to_float32
 
@@ -432,20 +509,25 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
     if cfg.type == "adagrad":
         if cfg.clip == "per_param":
             return ClippedAdagrad(params, lr=cfg.lr, clip_norm=cfg.clip_norm)
-        return torch.optim.Adagrad(params, lr=cfg.lr, eps=1e-10,
-                                   weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas),
-                            weight_decay=cfg.weight_decay)
+        return torch.optim.Adagrad(params, lr=cfg.lr, eps=1e-10, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+    )
 
 
-def scheduled_lr(base_lr: float, warmup_steps: int, update: int,
-                 schedule: str = "linear_warmup", total_steps: int | None = None) -> float:
+def scheduled_lr(
+    base_lr: float,
+    warmup_steps: int,
+    update: int,
+    schedule: str = "linear_warmup",
+    total_steps: int | None = None,
+) -> float:
     """The lr of optimizer update number `update` (1-based) under train.optimizer.schedule;
     cosine decays over `total_steps` updates."""
     if schedule == "transformer":
-        return base_lr * min(update ** -0.5, update * warmup_steps ** -1.5)
+        return base_lr * min(update**-0.5, update * warmup_steps**-1.5)
     if schedule == "cosine" and update > warmup_steps:
-        if total_steps is None:         # was a TypeError on the division below
+        if total_steps is None:  # was a TypeError on the division below
             raise ValueError("scheduled_lr: the cosine schedule needs total_steps")
         # the ∞-former authors' CosineAnnealingLR to 0 over all updates, warm-up included
         # (theirs is recomputed every 240 updates; this one every update)

@@ -23,7 +23,7 @@ with its left context) is the third, and the one to compare models with.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -39,33 +39,42 @@ def split_lines(tokens: np.ndarray, eos_id: int) -> list[np.ndarray]:
     starts = np.concatenate([[0], ends + 1])
     lines = [tokens[s:e] for s, e in zip(starts, ends, strict=False)]
     if starts[-1] < len(tokens):
-        lines.append(tokens[starts[-1]:])
+        lines.append(tokens[starts[-1] :])
     return lines
 
 
-def line_batches(lines: list[np.ndarray], eos_id: int, batch_size: int
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def line_batches(
+    lines: list[np.ndarray], eos_id: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(inputs, targets, mask), each [B, W]: `batch_size` consecutive lines, each row a line
     padded to the batch's longest (W = longest - 1, as the authors cut the padded rows);
     mask = the input is a piece, not padding. Targets past a line's end are `eos_id`."""
     for first in range(0, len(lines), batch_size):
-        batch = lines[first:first + batch_size]
+        batch = lines[first : first + batch_size]
         width = max(len(line) for line in batch)
         if width < 2:
-            continue            # no (input, target) pair in any row: nothing to score
+            continue  # no (input, target) pair in any row: nothing to score
         rows = np.full((len(batch), width), -1, dtype=np.int64)
         for i, line in enumerate(batch):
-            rows[i, :len(line)] = line
+            rows[i, : len(line)] = line
         inputs, targets = rows[:, :-1], rows[:, 1:]
         mask = inputs >= 0
-        yield (torch.from_numpy(np.where(mask, inputs, eos_id)),
-               torch.from_numpy(np.where(targets >= 0, targets, eos_id)),
-               torch.from_numpy(mask))
+        yield (
+            torch.from_numpy(np.where(mask, inputs, eos_id)),
+            torch.from_numpy(np.where(targets >= 0, targets, eos_id)),
+            torch.from_numpy(mask),
+        )
 
 
 @torch.no_grad()
-def line_losses(model, tokens: np.ndarray, eos_id: int, batch_size: int, device,
-                max_pieces: int = MAX_LINE_PIECES) -> dict:
+def line_losses(
+    model,
+    tokens: np.ndarray,
+    eos_id: int,
+    batch_size: int,
+    device,
+    max_pieces: int = MAX_LINE_PIECES,
+) -> dict:
     """{"paper_loss", "line_nll", "lines", "skipped_lines", "tokens"} over a split, each line
     scored on its own (a fresh state per batch)."""
     lines = split_lines(tokens, eos_id)
@@ -80,6 +89,10 @@ def line_losses(model, tokens: np.ndarray, eos_id: int, batch_size: int, device,
         total += float(nll.sum())
         count += int(mask.sum())
     model.train(was_training)
-    return {"paper_loss": sum(batch_means) / len(batch_means) if batch_means else float("nan"),
-            "line_nll": total / count if count else float("nan"),
-            "lines": len(kept), "skipped_lines": len(lines) - len(kept), "tokens": count}
+    return {
+        "paper_loss": sum(batch_means) / len(batch_means) if batch_means else float("nan"),
+        "line_nll": total / count if count else float("nan"),
+        "lines": len(kept),
+        "skipped_lines": len(lines) - len(kept),
+        "tokens": count,
+    }

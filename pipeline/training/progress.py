@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -19,8 +20,14 @@ class Progress:
         from tqdm import tqdm
 
         self._tqdm = tqdm
-        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
-                        leave=False, disable=not (enabled and sys.stderr.isatty()))
+        self.bar = tqdm(
+            total=total,
+            initial=start,
+            unit="step",
+            dynamic_ncols=True,
+            leave=False,
+            disable=not (enabled and sys.stderr.isatty()),
+        )
 
     def advance(self) -> None:
         self.bar.update(1)
@@ -47,10 +54,10 @@ class LossWindow:
 
     def __init__(self, tokens_per_step: int):
         self.tokens_per_step = tokens_per_step
-        self.loss: float | torch.Tensor = 0.0      # a tensor once a step's loss is added
+        self.loss: float | torch.Tensor = 0.0  # a tensor once a step's loss is added
         self.steps, self.start = 0, time.time()
 
-    def add(self, loss: float | torch.Tensor) -> None:     # a tensor: summed on the device
+    def add(self, loss: float | torch.Tensor) -> None:  # a tensor: summed on the device
         self.loss += loss
         self.steps += 1
 
@@ -61,7 +68,10 @@ class LossWindow:
     def take(self) -> tuple[float | torch.Tensor, float, float]:
         """(mean loss, seconds per step, tokens per second), and start a new window."""
         elapsed = time.time() - self.start
-        out = (self.loss / self.steps, elapsed / self.steps,
-               self.tokens_per_step * self.steps / elapsed)
+        out = (
+            self.loss / self.steps,
+            elapsed / self.steps,
+            self.tokens_per_step * self.steps / elapsed,
+        )
         self.loss, self.steps, self.start = 0.0, 0, time.time()
         return out

@@ -17,36 +17,47 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
 from pipeline.cluster import distributed
-from pipeline.training.checkpoint_io import CheckpointIO, LoopState
-from pipeline.data.manifest import load_manifest, load_split
-from pipeline.data.documents import DocumentBatches, as_documents
 from pipeline.cluster.device import peak_memory_mb, resolve_device
-from pipeline.training.document_passes import run_documents, score_documents
-from pipeline.training.ds_config import deepspeed_config, skip_single_process_allreduce
+from pipeline.cluster.signals import StopSignal
+from pipeline.data.documents import DocumentBatches, as_documents
+from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
-from pipeline.training.evaluation import LN2, evaluate_nll
 from pipeline.models.protocol import State
 from pipeline.ops import compile_count
+from pipeline.training.checkpoint_io import CheckpointIO, LoopState
+from pipeline.training.document_passes import run_documents, score_documents
+from pipeline.training.ds_config import deepspeed_config, skip_single_process_allreduce
+from pipeline.training.evaluation import LN2, evaluate_nll
 from pipeline.training.progress import LossWindow, Progress
-from pipeline.cluster.signals import StopSignal
 
-if TYPE_CHECKING:     # imported where it is used, in Trainer.__init__
+if TYPE_CHECKING:  # imported where it is used, in Trainer.__init__
     from pipeline.data import StreamBatches
 
 
 class Trainer:
-    def __init__(self, spec, preprocess_dir: Path, tracker, log: Callable[[str], None],
-                 recorded: dict | None = None):
+    def __init__(
+        self,
+        spec,
+        preprocess_dir: Path,
+        tracker,
+        log: Callable[[str], None],
+        recorded: dict | None = None,
+    ):
         from pipeline.data import StreamBatches
-        from pipeline.training.optim import (bind_to_engine, build_optimizer, float32_from_master,
-                                    master_clamp)
+        from pipeline.training.optim import (
+            bind_to_engine,
+            build_optimizer,
+            float32_from_master,
+            master_clamp,
+        )
 
         self.spec, self.tracker, self.log = spec, tracker, log
         train = spec.train
@@ -55,11 +66,13 @@ class Trainer:
 
         self.device = resolve_device(train.device)
         if train.deepspeed.fp16 and self.device.type != "cuda":
-            raise PipelineError("train.deepspeed.fp16 needs a GPU (DeepSpeed refuses fp16 on "
-                                "CPU); use bf16 or neither")
+            raise PipelineError(
+                "train.deepspeed.fp16 needs a GPU (DeepSpeed refuses fp16 on "
+                "CPU); use bf16 or neither"
+            )
         manifest = load_manifest(preprocess_dir)
         self.vocab_size = manifest["vocab_size"]
-        self.documents = manifest.get("documents")     # None: a token stream
+        self.documents = manifest.get("documents")  # None: a token stream
 
         # identical initial weights on every rank, then per-rank streams of randomness
         torch.manual_seed(train.seed)
@@ -73,15 +86,26 @@ class Trainer:
         # train.micro_batch_size and deepspeed.bf16 as this run has them (`auto` settled on
         # this device once; `recorded`: a resume's or, for finetune, train's record)
         from pipeline.training.micro_batch import resolve
-        self.resolved = resolve(spec, model, self.vocab_size, self.documents, self.device,
-                                self.world_size, recorded, log)
-        self.ds_config = deepspeed_config(train, self.world_size,
-                                          self.resolved["micro_batch_size"], self.resolved["bf16"])
+
+        self.resolved = resolve(
+            spec,
+            model,
+            self.vocab_size,
+            self.documents,
+            self.device,
+            self.world_size,
+            recorded,
+            log,
+        )
+        self.ds_config = deepspeed_config(
+            train, self.world_size, self.resolved["micro_batch_size"], self.resolved["bf16"]
+        )
         optimizer = build_optimizer(model.parameters(), train.optimizer)
         # float32, before DeepSpeed's cast to the training precision
         bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model.to(self.device), optimizer=optimizer, config=self.ds_config)
+            model=model.to(self.device), optimizer=optimizer, config=self.ds_config
+        )
         self.model = self.engine.module
         self.model.activation_checkpointing = train.deepspeed.activation_checkpointing
         # ZeRO and bf16 hand the optimizer flat partitions: tell the per-tensor clipping
@@ -94,13 +118,16 @@ class Trainer:
         if train.compile is True or (train.compile == "auto" and self.device.type == "cuda"):
             self.compiled = self.model.compile_for_training()
             if not self.compiled and train.compile is True:
-                log(f"train.compile: {type(self.model).__name__} has no compiled path; "
-                    f"training eagerly")
+                log(
+                    f"train.compile: {type(self.model).__name__} has no compiled path; "
+                    f"training eagerly"
+                )
         bounded = self.model.bounded_parameters()
         self.clamp_masters = master_clamp(self.engine, bounded)
         # bf16 / fp16: the forward reads the bounded parameters from their fp32 masters
         self.bounded_to_float32 = float32_from_master(
-            self.engine, [p for p, _, _ in bounded], bounded_init)
+            self.engine, [p for p, _, _ in bounded], bounded_init
+        )
 
         self.micro_batch = self.ds_config["train_micro_batch_size_per_gpu"]
         self.accum = self.ds_config["gradient_accumulation_steps"]
@@ -111,24 +138,33 @@ class Trainer:
         self.batches: StreamBatches | DocumentBatches
         try:
             if self.documents is None:
-                self.batches = StreamBatches(self.train_tokens, rows, train.seq_len,
-                                             rank=self.rank, world_size=self.world_size,
-                                             seed=train.seed)
+                self.batches = StreamBatches(
+                    self.train_tokens,
+                    rows,
+                    train.seq_len,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    seed=train.seed,
+                )
             else:
                 self.batches = DocumentBatches(
-                    as_documents(self.train_tokens, self.documents,
-                                 f"{preprocess_dir}, train split"),
-                    rows, rank=self.rank, world_size=self.world_size, seed=train.seed)
+                    as_documents(
+                        self.train_tokens, self.documents, f"{preprocess_dir}, train split"
+                    ),
+                    rows,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    seed=train.seed,
+                )
         except ValueError as e:
             raise PipelineError(f"train: {e}") from None
         # one model state per micro-batch: each carries its own rows' history
         self.states = self._initial_states()
-        self.step = 0     # optimizer updates done so far
+        self.step = 0  # optimizer updates done so far
         self.best_valid: float | None = None
         self.evals_since_best = 0
         self.params = sum(p.numel() for p in self.model.parameters())
-        self.checkpoints = CheckpointIO(self.engine, self.rank, self.world_size, self.params,
-                                        log)
+        self.checkpoints = CheckpointIO(self.engine, self.rank, self.world_size, self.params, log)
 
     def _initial_states(self) -> list[State]:
         """The model's state before a stream's first block, one per micro-batch. Documents
@@ -136,13 +172,20 @@ class Trainer:
         stateless model's, which checkpoints and resharding already handle."""
         if self.documents is not None:
             return [[] for _ in range(self.accum)]
-        return [self.model.init_state(self.micro_batch, device=self.device)
-                for _ in range(self.accum)]
+        return [
+            self.model.init_state(self.micro_batch, device=self.device) for _ in range(self.accum)
+        ]
 
     # ------------------------------------------------------------ the loop
 
-    def fit(self, until: int, lr_at: Callable[[int], float], ckpt_root: Path,
-            expect_lr: float | None = None, patience: int | None = None) -> dict:
+    def fit(
+        self,
+        until: int,
+        lr_at: Callable[[int], float],
+        ckpt_root: Path,
+        expect_lr: float | None = None,
+        patience: int | None = None,
+    ) -> dict:
         """Train from the current step to `until`, checkpointing into `ckpt_root`.
 
         `lr_at(k)` gives the lr of update k (1-based). `expect_lr`: after the first update,
@@ -153,8 +196,9 @@ class Trainer:
         resumes from there."""
         train = self.spec.train
         first = self.step + 1
-        window = LossWindow(train.batch_size * (self.documents["length"] - 1 if self.documents
-                                                else train.seq_len))
+        window = LossWindow(
+            train.batch_size * (self.documents["length"] - 1 if self.documents else train.seq_len)
+        )
         progress = Progress(self.step, until, enabled=self.rank == 0)
         stopped_early = False
         with StopSignal() as stop, progress:
@@ -162,11 +206,16 @@ class Trainer:
                 self.set_lr(lr_at(self.step + 1))
                 window.add(self.train_step())
                 progress.advance()
-                if expect_lr is not None and self.step == first and \
-                        not math.isclose(self.current_lr(), expect_lr, rel_tol=1e-9):
-                    raise PipelineError(f"the learning rate in effect is "
-                                        f"{self.current_lr():g}, expected {expect_lr:g}: "
-                                        f"the LR drop did not take")
+                if (
+                    expect_lr is not None
+                    and self.step == first
+                    and not math.isclose(self.current_lr(), expect_lr, rel_tol=1e-9)
+                ):
+                    raise PipelineError(
+                        f"the learning rate in effect is "
+                        f"{self.current_lr():g}, expected {expect_lr:g}: "
+                        f"the LR drop did not take"
+                    )
                 if self.step % train.log_every == 0 or self.step == until:
                     self._report(window, until, progress)
                 if train.eval_every and self.step % train.eval_every == 0:
@@ -174,28 +223,43 @@ class Trainer:
                         self.save(ckpt_root, train.keep_checkpoints, best=True)
                     window.restart_clock()
                     if patience and self.evals_since_best >= patience:
-                        progress.log(self.log, f"step {self.step}: validation has not "
-                                     f"improved for {patience} evaluations, stopping")
+                        progress.log(
+                            self.log,
+                            f"step {self.step}: validation has not "
+                            f"improved for {patience} evaluations, stopping",
+                        )
                         stopped_early = True
                         break
                 if distributed.any_rank(stop.received is not None):
                     path = self.save(ckpt_root, train.keep_checkpoints)
-                    raise Preempted(f"{stop.received or 'a signal on another rank'} at step "
-                                    f"{self.step}: checkpoint {path} saved; run the pipeline "
-                                    f"again to resume from it")
-                if train.checkpoint_every and self.step % train.checkpoint_every == 0 \
-                        and self.step < until:
+                    raise Preempted(
+                        f"{stop.received or 'a signal on another rank'} at step "
+                        f"{self.step}: checkpoint {path} saved; run the pipeline "
+                        f"again to resume from it"
+                    )
+                if (
+                    train.checkpoint_every
+                    and self.step % train.checkpoint_every == 0
+                    and self.step < until
+                ):
                     self.save(ckpt_root, train.keep_checkpoints)
                     window.restart_clock()
             # under StopSignal: a signal during the last write lets it complete, then stops
             path = self.save(ckpt_root, train.keep_checkpoints)
             if distributed.any_rank(stop.received is not None):
-                raise Preempted(f"{stop.received or 'a signal on another rank'} during the "
-                                f"last checkpoint, step {self.step}: {path} saved; run the "
-                                f"pipeline again to finish the stage")
+                raise Preempted(
+                    f"{stop.received or 'a signal on another rank'} during the "
+                    f"last checkpoint, step {self.step}: {path} saved; run the "
+                    f"pipeline again to finish the stage"
+                )
         best = "best_valid_loss" if self.documents else "best_valid_bpc_estimate"
-        return {"step": self.step, "checkpoint": str(path), "stopped_early": stopped_early,
-                best: self.best_valid, "parameters": self.params}
+        return {
+            "step": self.step,
+            "checkpoint": str(path),
+            "stopped_early": stopped_early,
+            best: self.best_valid,
+            "parameters": self.params,
+        }
 
     def train_step(self) -> torch.Tensor:
         """One optimizer update over all micro-batches; returns this rank's mean token nll
@@ -207,10 +271,9 @@ class Trainer:
         ``float()`` of the result waits for the step to finish."""
         self.bounded_to_float32()  # after a resume, too: the masters are what was loaded
         with self.model.planned_update():
-            losses = (self._stream_updates() if self.documents is None
-                      else self._document_updates())
-        self.clamp_masters()      # the fp32 masters DeepSpeed steps, and the model's copies
-        self.model.after_step()   # the model's own hook (the base clamps as above)
+            losses = self._stream_updates() if self.documents is None else self._document_updates()
+        self.clamp_masters()  # the fp32 masters DeepSpeed steps, and the model's copies
+        self.model.after_step()  # the model's own hook (the base clamps as above)
         self.bounded_to_float32()
         self.model.request_plan()
         self.step += 1
@@ -225,7 +288,7 @@ class Trainer:
 
     def _stream_updates(self) -> list[torch.Tensor]:
         """Each micro-batch's rows continue their streams from the carried states."""
-        batches = cast("StreamBatches", self.batches)   # this path is for token streams
+        batches = cast("StreamBatches", self.batches)  # this path is for token streams
         if self.step > 0 and batches.starts_epoch(self.step):
             # The streams restart at a new offset: the carried states are no longer the
             # rows' left context, so start from the initial ones, as the authors' trainer
@@ -249,12 +312,17 @@ class Trainer:
         """Each micro-batch is whole documents, read from the initial state and scored after
         their separators (pipeline.training.document_passes.run_documents)."""
         docs = self._to_device(cast(DocumentBatches, self.batches).batch(self.step))
-        assert self.documents is not None       # this path is for documents only
+        assert self.documents is not None  # this path is for documents only
         mb = self.micro_batch
         losses = []
         for i in range(self.accum):
-            out = run_documents(self.engine, docs[i * mb:(i + 1) * mb], self.spec.train.seq_len,
-                                self.documents["input_length"], train=True)
+            out = run_documents(
+                self.engine,
+                docs[i * mb : (i + 1) * mb],
+                self.spec.train.seq_len,
+                self.documents["input_length"],
+                train=True,
+            )
             nll = out.nll.mean()
             self.engine.backward(nll + out.aux)
             self.engine.step()
@@ -274,22 +342,35 @@ class Trainer:
         documents DocumentScores.metrics() (loss per scored target first); rank 0's values
         on every rank so that decisions taken on them agree."""
         train = self.spec.train
-        if self.valid_tokens is None:          # read (and checksum) only if validating
+        if self.valid_tokens is None:  # read (and checksum) only if validating
             self.valid_tokens = load_split(self.preprocess_dir, "valid")
         max_batches = None if train.eval_batches == "all" else train.eval_batches
         if self.documents is not None:
             scores = score_documents(
-                self.model, as_documents(self.valid_tokens, self.documents,
-                                         f"{self.preprocess_dir}, valid split"),
-                train.eval_batch_size, train.eval_seq_len or train.seq_len,
-                self.documents["input_length"], self.device, max_batches)
+                self.model,
+                as_documents(
+                    self.valid_tokens, self.documents, f"{self.preprocess_dir}, valid split"
+                ),
+                train.eval_batch_size,
+                train.eval_seq_len or train.seq_len,
+                self.documents["input_length"],
+                self.device,
+                max_batches,
+            )
             return distributed.broadcast_object(scores.metrics())
         total, count = evaluate_nll(
-            self.model, self.valid_tokens, train.eval_batch_size,
-            train.eval_seq_len or train.seq_len, self.device, max_batches=max_batches)
+            self.model,
+            self.valid_tokens,
+            train.eval_batch_size,
+            train.eval_seq_len or train.seq_len,
+            self.device,
+            max_batches=max_batches,
+        )
         if count == 0:
-            raise PipelineError(f"the valid split has {len(self.valid_tokens)} token(s): "
-                                f"nothing to validate on; make dataset.split.valid larger")
+            raise PipelineError(
+                f"the valid split has {len(self.valid_tokens)} token(s): "
+                f"nothing to validate on; make dataset.split.valid larger"
+            )
         return distributed.broadcast_object({"bpc": total / count / LN2, "tokens": count})
 
     def _track_validation(self, progress: Progress) -> bool:
@@ -303,19 +384,18 @@ class Trainer:
         else:
             self.evals_since_best += 1
         if self.rank == 0:
-            self.tracker.log_metrics({f"valid_{k}": v for k, v in metrics.items()},
-                                     step=self.step)
-            scope = ("the whole split" if self.spec.train.eval_batches == "all"
-                     else "an estimate")
+            self.tracker.log_metrics({f"valid_{k}": v for k, v in metrics.items()}, step=self.step)
+            scope = "the whole split" if self.spec.train.eval_batches == "all" else "an estimate"
             if self.documents:
-                line = (f"valid loss {valid:.4f}  token accuracy "
-                        f"{metrics['token_accuracy']:.3f}  exact match "
-                        f"{metrics['exact_match']:.3f} ({scope}, {metrics['documents']:,} "
-                        f"documents)")
+                line = (
+                    f"valid loss {valid:.4f}  token accuracy "
+                    f"{metrics['token_accuracy']:.3f}  exact match "
+                    f"{metrics['exact_match']:.3f} ({scope}, {metrics['documents']:,} "
+                    f"documents)"
+                )
             else:
                 line = f"valid bpc {valid:.3f} ({scope}, {metrics['tokens']:,} tokens)"
-            progress.log(self.log, f"step {self.step:>6}  {line}"
-                                   f"{'  (best)' if improved else ''}")
+            progress.log(self.log, f"step {self.step:>6}  {line}{'  (best)' if improved else ''}")
         return improved
 
     def _read_once(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -323,8 +403,12 @@ class Trainer:
         a report waits for the device."""
         if not tensors:
             return {}
-        stacked = torch.stack([t.detach().to(self.device, torch.float64, non_blocking=True)
-                               .reshape(()) for t in tensors.values()])
+        stacked = torch.stack(
+            [
+                t.detach().to(self.device, torch.float64, non_blocking=True).reshape(())
+                for t in tensors.values()
+            ]
+        )
         return dict(zip(tensors, stacked.tolist(), strict=False))
 
     def _report(self, window: LossWindow, until: int, progress: Progress) -> None:
@@ -337,10 +421,14 @@ class Trainer:
         warnings = self.model.metric_warnings(values)
         if self.rank != 0:
             return
-        metrics = {"loss": mean, "lr": self.current_lr(),
-                   "tokens_per_s": tokens_per_s, "step_time_s": seconds_per_step,
-                   "peak_memory_mb": peak_memory_mb(self.device),
-                   "attention_compiles": compile_count()}
+        metrics = {
+            "loss": mean,
+            "lr": self.current_lr(),
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": seconds_per_step,
+            "peak_memory_mb": peak_memory_mb(self.device),
+            "attention_compiles": compile_count(),
+        }
         # documents: the loss is over the sorted targets, not bits per character of a text
         if not self.documents:
             metrics["bpc"] = mean / LN2
@@ -349,9 +437,12 @@ class Trainer:
         self.tracker.log_metrics(metrics, step=self.step)
         eta = (until - self.step) * seconds_per_step
         progress.show(f"loss {mean:.4f} lr {metrics['lr']:.3g} {tokens_per_s:,.0f} tok/s")
-        progress.log(self.log, f"step {self.step:>6}/{until}  loss {mean:.4f}  "
-                               f"{bpc}lr {metrics['lr']:.3g}  "
-                               f"{tokens_per_s:,.0f} tok/s  eta {eta:,.0f}s")
+        progress.log(
+            self.log,
+            f"step {self.step:>6}/{until}  loss {mean:.4f}  "
+            f"{bpc}lr {metrics['lr']:.3g}  "
+            f"{tokens_per_s:,.0f} tok/s  eta {eta:,.0f}s",
+        )
         for line in warnings:
             progress.log(self.log, f"step {self.step:>6}/{until}  {line}")
 
@@ -362,9 +453,18 @@ class Trainer:
         once the metrics logged up to it are durable: a run resumed from it logs none of
         them again."""
         self.tracker.make_durable()
-        return self.checkpoints.save(root, keep, LoopState(
-            self.step, self.states, self.best_valid, self.evals_since_best,
-            self.model.plan_state()), best=best)
+        return self.checkpoints.save(
+            root,
+            keep,
+            LoopState(
+                self.step,
+                self.states,
+                self.best_valid,
+                self.evals_since_best,
+                self.model.plan_state(),
+            ),
+            best=best,
+        )
 
     def load(self, root: Path) -> int:
         """Restore the newest intact checkpoint under `root`; returns its step."""

@@ -42,8 +42,8 @@ from pipeline.training.checkpoints import CHECKSUMS, step_dirs, step_of
 
 RECORD = "stage.json"
 PARTIAL_RECORD = "partial.json"
-CHECKPOINTS = "checkpoints"     # where train and finetune keep theirs in their output
-READ_AT_EVERY_PLAN = 16 << 20   # bytes: output files up to this size are hashed at every plan
+CHECKPOINTS = "checkpoints"  # where train and finetune keep theirs in their output
+READ_AT_EVERY_PLAN = 16 << 20  # bytes: output files up to this size are hashed at every plan
 
 
 def fingerprint(config: dict, input_builds: dict[str, str | None]) -> str:
@@ -53,8 +53,11 @@ def fingerprint(config: dict, input_builds: dict[str, str | None]) -> str:
 
 def _dotted(data, prefix: str = "") -> dict[str, object]:
     if isinstance(data, dict) and data:
-        return {k: v for key, value in data.items()
-                for k, v in _dotted(value, f"{prefix}{key}.").items()}
+        return {
+            k: v
+            for key, value in data.items()
+            for k, v in _dotted(value, f"{prefix}{key}.").items()
+        }
     return {prefix[:-1]: data}
 
 
@@ -62,8 +65,11 @@ def config_changes(old: dict, new: dict) -> list[str]:
     """What differs between two stage configs, as 'dotted.key old -> new' (sorted)."""
     old, new = _dotted(old), _dotted(new)
     show = lambda d, k: json.dumps(d[k]) if k in d else "(absent)"  # noqa: E731
-    return [f"{k} {show(old, k)} -> {show(new, k)}"
-            for k in sorted(old.keys() | new.keys()) if old.get(k, ...) != new.get(k, ...)]
+    return [
+        f"{k} {show(old, k)} -> {show(new, k)}"
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k, ...) != new.get(k, ...)
+    ]
 
 
 class Workspace:
@@ -94,8 +100,10 @@ class Workspace:
             except FileNotFoundError:
                 continue
             except (OSError, json.JSONDecodeError) as e:
-                raise PipelineError(f"{path}: unreadable stage record ({e}); delete "
-                                    f"{path.parent} to re-run '{stage}'") from None
+                raise PipelineError(
+                    f"{path}: unreadable stage record ({e}); delete "
+                    f"{path.parent} to re-run '{stage}'"
+                ) from None
         return None
 
     def output_damage(self, stage: str, record: dict) -> str | None:
@@ -111,8 +119,11 @@ class Workspace:
         where = self.committed_dir(stage)
         for name, expected in record.get("outputs", {}).items():
             path = where / name
-            unchanged = (expected["bytes"] > READ_AT_EVERY_PLAN and path.is_file()
-                         and path.stat().st_mtime_ns == expected.get("mtime_ns"))
+            unchanged = (
+                expected["bytes"] > READ_AT_EVERY_PLAN
+                and path.is_file()
+                and path.stat().st_mtime_ns == expected.get("mtime_ns")
+            )
             if why := file_mismatch(path, name, expected, read=not unchanged):
                 return why
         return None
@@ -147,8 +158,11 @@ class Workspace:
             shutil.rmtree(partial)
             kept = None
         # the series: one id for this output's first attempt and the runs that resume it
-        marker = {**marker, "series": (kept or {}).get("series") or uuid.uuid4().hex[:12],
-                  "attempt": (kept or {}).get("attempt", 1) + (kept is not None)}
+        marker = {
+            **marker,
+            "series": (kept or {}).get("series") or uuid.uuid4().hex[:12],
+            "attempt": (kept or {}).get("attempt", 1) + (kept is not None),
+        }
         partial.mkdir(parents=True, exist_ok=True)
         atomic_write_json(partial / PARTIAL_RECORD, marker)
         return partial
@@ -167,7 +181,7 @@ class Workspace:
         partial, done, old = self.partial_dir(stage), self.done_dir(stage), self.old_dir(stage)
         if (partial / RECORD).exists():
             if done.exists():
-                if old.exists():            # an earlier, superseded output
+                if old.exists():  # an earlier, superseded output
                     shutil.rmtree(old)
                 os.rename(done, old)
             os.rename(partial, done)
@@ -221,8 +235,14 @@ def output_checksums(out_dir: Path) -> dict[str, dict]:
     files are verified whenever it is loaded; hashing gigabytes of them a second time at
     publish would double the cost of saving)."""
     checksummed = {p.parent for p in out_dir.rglob(CHECKSUMS)}
-    files = sorted(f for f in out_dir.rglob("*")
-                   if f.is_file() and f not in (out_dir / RECORD, out_dir / PARTIAL_RECORD)
-                   and checksummed.isdisjoint(f.parents))
-    return {f.relative_to(out_dir).as_posix():
-            file_checksum(f) | {"mtime_ns": f.stat().st_mtime_ns} for f in files}
+    files = sorted(
+        f
+        for f in out_dir.rglob("*")
+        if f.is_file()
+        and f not in (out_dir / RECORD, out_dir / PARTIAL_RECORD)
+        and checksummed.isdisjoint(f.parents)
+    )
+    return {
+        f.relative_to(out_dir).as_posix(): file_checksum(f) | {"mtime_ns": f.stat().st_mtime_ns}
+        for f in files
+    }

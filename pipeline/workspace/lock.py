@@ -28,19 +28,24 @@ class WorkspaceLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise PipelineError(f"workspace {self.path.parent}: cannot create its lock file "
-                                f"{self.path}: {e.strerror or e}") from None
+            raise PipelineError(
+                f"workspace {self.path.parent}: cannot create its lock file "
+                f"{self.path}: {e.strerror or e}"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise PipelineError(f"workspace {self.path.parent} is in use by another run "
-                                f"({holder}); wait for it to finish or stop it") from None
+            raise PipelineError(
+                f"workspace {self.path.parent} is in use by another run "
+                f"({holder}); wait for it to finish or stop it"
+            ) from None
         os.ftruncate(fd, 0)
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n"
-                  .encode(), 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n".encode(), 0
+        )
         self._fd = fd
         return self
 
@@ -64,4 +69,4 @@ def lock_is_free(workspace: Path) -> bool:
     except BlockingIOError:
         return False
     finally:
-        os.close(fd)            # releases the shared lock at once
+        os.close(fd)  # releases the shared lock at once

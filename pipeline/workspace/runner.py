@@ -27,8 +27,13 @@ from pipeline.cluster import distributed
 from pipeline.cluster.signals import RaiseOnSignal
 from pipeline.errors import PipelineError, Preempted, shown
 from pipeline.spec.schema import Spec
-from pipeline.workspace.layout import (PARTIAL_RECORD, Workspace, config_changes, fingerprint,
-                                       output_checksums)
+from pipeline.workspace.layout import (
+    PARTIAL_RECORD,
+    Workspace,
+    config_changes,
+    fingerprint,
+    output_checksums,
+)
 from pipeline.workspace.lock import WorkspaceLock
 from stages import STAGES, StageContext, resolve_inputs
 from stages.base import NullStageTracker
@@ -37,10 +42,11 @@ from stages.base import NullStageTracker
 @dataclass
 class Step:
     """One entry of the plan: what the runner will do with a stage, and why."""
+
     stage: str
-    action: str          # "run", "skip" or "hold" (not selected by --only)
+    action: str  # "run", "skip" or "hold" (not selected by --only)
     reason: str
-    forced: bool = False # by --force / --from: start clean, even over a resumable partial
+    forced: bool = False  # by --force / --from: start clean, even over a resumable partial
     # run: the step of the newest checkpoint in its partial directory, which it resumes
     # from (or, forced, discards); None when there is none
     checkpoint: int | None = None
@@ -74,7 +80,9 @@ def _differences(kept: dict, config: dict, input_builds: dict) -> list[str]:
     kept_builds = kept.get("inputs", {})
     return config_changes(kept["config"], config) + [
         f"input {i} is another build ({kept_builds.get(i)} -> {b})"
-        for i, b in input_builds.items() if kept_builds.get(i) != b]
+        for i, b in input_builds.items()
+        if kept_builds.get(i) != b
+    ]
 
 
 def _parse_selection(names: list[str] | None, spec: Spec, flag: str) -> list[str]:
@@ -82,25 +90,32 @@ def _parse_selection(names: list[str] | None, spec: Spec, flag: str) -> list[str
     for item in names or []:
         for name in filter(None, (n.strip() for n in item.split(","))):
             if name not in STAGES:
-                raise PipelineError(f"{flag} {shown(name)}: no such stage kind; known: "
-                                    f"{', '.join(STAGES)}")
+                raise PipelineError(
+                    f"{flag} {shown(name)}: no such stage kind; known: {', '.join(STAGES)}"
+                )
             if name not in spec.stages:
-                raise PipelineError(f"{flag} {name}: this pipeline's stages are "
-                                    f"{', '.join(spec.stages)}")
+                raise PipelineError(
+                    f"{flag} {name}: this pipeline's stages are {', '.join(spec.stages)}"
+                )
             out.append(name)
     return out
 
 
 class Runner:
-    def __init__(self, spec: Spec, *, force: list[str] | None = None,
-                 start_from: str | None = None, only: list[str] | None = None,
-                 log=print):
+    def __init__(
+        self,
+        spec: Spec,
+        *,
+        force: list[str] | None = None,
+        start_from: str | None = None,
+        only: list[str] | None = None,
+        log=print,
+    ):
         self.spec = spec
         self.ws = Workspace(spec.workspace_dir)
         self.force = set(_parse_selection(force, spec, "--force"))
         self.only = set(_parse_selection(only, spec, "--only"))
-        self.start_from = (_parse_selection([start_from], spec, "--from")[0]
-                           if start_from else None)
+        self.start_from = _parse_selection([start_from], spec, "--from")[0] if start_from else None
         self.log = log
 
     def plan(self) -> list[Step]:
@@ -111,8 +126,9 @@ class Runner:
         steps: list[Step] = []
         builds: dict[str, str | None] = {}
         rerun: set[str] = set()
-        forced_from = (self.spec.stages[self.spec.stages.index(self.start_from):]
-                       if self.start_from else [])
+        forced_from = (
+            self.spec.stages[self.spec.stages.index(self.start_from) :] if self.start_from else []
+        )
         for name in self.spec.stages:
             stage = STAGES[name]
             inputs = resolve_inputs(stage, self.spec.stages)
@@ -122,10 +138,12 @@ class Runner:
             config = stage.fingerprinted(self.spec)
             input_builds = {i: builds.get(i) for i in inputs}
             fp = None if changed_inputs else fingerprint(config, input_builds)
-            up_to_date = record is not None and not changed_inputs and \
-                record.get("fingerprint") == fp
-            damage = (self.ws.output_damage(name, record)
-                      if up_to_date and record is not None else None)
+            up_to_date = (
+                record is not None and not changed_inputs and record.get("fingerprint") == fp
+            )
+            damage = (
+                self.ws.output_damage(name, record) if up_to_date and record is not None else None
+            )
             repair = False
             if self.only and name not in self.only:
                 if record is None:
@@ -146,8 +164,10 @@ class Runner:
                 action, reason = "run", f"input {', '.join(changed_inputs)} will be re-run"
             elif record.get("fingerprint") != fp:
                 changes = _differences(record, config, input_builds)
-                action, reason = "run", (f"changed: {'; '.join(changes)}" if changes
-                                         else "config or inputs changed")
+                action, reason = (
+                    "run",
+                    (f"changed: {'; '.join(changes)}" if changes else "config or inputs changed"),
+                )
             elif damage:
                 self._check_repairable(name, damage)
                 action, repair = "run", True
@@ -156,18 +176,26 @@ class Runner:
                 action, reason = "skip", f"up to date (finished {record.get('finished_at')})"
             checkpoint = None
             if action == "run":
-                checkpoint = self._check_partial(name, fp, config, input_builds,
-                                                 changed_inputs, forced)
+                checkpoint = self._check_partial(
+                    name, fp, config, input_builds, changed_inputs, forced
+                )
             if action == "run" and not repair:
                 rerun.add(name)
-            elif record is not None:    # a repair is planned to keep its build (`_do`)
+            elif record is not None:  # a repair is planned to keep its build (`_do`)
                 builds[name] = record.get("build")
             steps.append(Step(name, action, reason, forced, checkpoint, repair))
         self._check_held_inputs(steps)
         return steps
 
-    def _check_partial(self, name: str, fp: str | None, config: dict, input_builds: dict,
-                       changed_inputs: list[str], forced: bool) -> int | None:
+    def _check_partial(
+        self,
+        name: str,
+        fp: str | None,
+        config: dict,
+        input_builds: dict,
+        changed_inputs: list[str],
+        forced: bool,
+    ) -> int | None:
         """The step of the newest checkpoint in `name`'s partial directory (None if it has
         none), which the run will resume or, forced, discard. Refuses to run when those
         checkpoints belong to other result-changing settings and nothing forces it."""
@@ -175,12 +203,14 @@ class Runner:
         if step is None or forced:
             return step
         kept = self.ws.partial_marker(name)
-        assert kept is not None         # a partial checkpoint: the partial directory is there
+        assert kept is not None  # a partial checkpoint: the partial directory is there
         if fp is not None and kept.get("fingerprint") == fp:
             return step
         partial = self.ws.partial_dir(name)
-        discard = (f"re-run with --force {name} to discard its checkpoints and start over "
-                   f"(nothing was deleted)")
+        discard = (
+            f"re-run with --force {name} to discard its checkpoints and start over "
+            f"(nothing was deleted)"
+        )
         if changed_inputs:
             changes = [f"input {i} will be re-run" for i in changed_inputs]
         elif "config" not in kept:
@@ -188,13 +218,15 @@ class Runner:
                 f"{name}: {partial} holds an interrupted run with checkpoints up to step "
                 f"{step}, started with other settings that its {PARTIAL_RECORD} does not "
                 f"record (missing, or written by an older allattn-pipe); run it with the "
-                f"config that started it to resume, or {discard}")
+                f"config that started it to resume, or {discard}"
+            )
         else:
             changes = _differences(kept, config, input_builds)
         raise PipelineError(
             f"{name}: {partial} holds an interrupted run with checkpoints up to step {step}, "
             f"started with other settings that change its result: {'; '.join(changes)}. "
-            f"Set them back to resume it, or {discard}")
+            f"Set them back to resume it, or {discard}"
+        )
 
     def _check_repairable(self, name: str, damage: str) -> None:
         """Refuse to rebuild a damaged stage that holds checkpoints: rebuilding would train it
@@ -203,7 +235,8 @@ class Runner:
             raise PipelineError(
                 f"{name}: {damage} in {self.ws.committed_dir(name)} (damaged since it was "
                 f"published); rebuilding it would train it again and replace its checkpoints, "
-                f"so nothing was changed: restore the file, or re-run with --force {name}")
+                f"so nothing was changed: restore the file, or re-run with --force {name}"
+            )
 
     def _check_held_inputs(self, steps: list[Step]) -> None:
         action = {s.stage: s.action for s in steps}
@@ -215,14 +248,18 @@ class Runner:
                     continue
                 record = self.ws.record(i)
                 if record is None:
-                    raise PipelineError(f"stage '{s.stage}' needs the output of '{i}', which "
-                                        f"has not run in {self.ws.path}; add it to --only or "
-                                        f"drop --only")
+                    raise PipelineError(
+                        f"stage '{s.stage}' needs the output of '{i}', which "
+                        f"has not run in {self.ws.path}; add it to --only or "
+                        f"drop --only"
+                    )
                 if damage := self.ws.output_damage(i, record):
-                    raise PipelineError(f"stage '{s.stage}' needs the output of '{i}', which "
-                                        f"is damaged ({damage} in "
-                                        f"{self.ws.committed_dir(i)}); "
-                                        f"add it to --only to rebuild it, or drop --only")
+                    raise PipelineError(
+                        f"stage '{s.stage}' needs the output of '{i}', which "
+                        f"is damaged ({damage} in "
+                        f"{self.ws.committed_dir(i)}); "
+                        f"add it to --only to rebuild it, or drop --only"
+                    )
 
     def needs_launcher(self) -> bool:
         """True when a stage that trains will run and the spec asks for more processes than
@@ -241,16 +278,16 @@ class Runner:
         if distributed.rank() != 0:
             self._follow()
             return {}
-        records: dict[str, dict | None] = {}    # None: a held stage not done yet
+        records: dict[str, dict | None] = {}  # None: a held stage not done yet
         with WorkspaceLock(self.ws.path), RaiseOnSignal():
             for name in self.spec.stages:
-                self.ws.finish_publish(name)      # one a crash interrupted
+                self.ws.finish_publish(name)  # one a crash interrupted
             steps = self.plan()
             together = [s for s in steps if s.action == "run" and STAGES[s.stage].distributed]
             try:
                 tracker.start(self.spec, plan=steps)
                 if not together:
-                    distributed.broadcast_object(None)      # nothing for the other ranks
+                    distributed.broadcast_object(None)  # nothing for the other ranks
                 for step in steps:
                     records[step.stage] = self._do(step, records, tracker, steps)
                     if together and step is together[-1]:
@@ -269,36 +306,42 @@ class Runner:
             self.log(f"[{name}] {'skipped' if step.action == 'skip' else 'held'}: {step.reason}")
             return self.ws.record(name)
         # every input ran or was skipped/held with a record before this stage (plan() checks)
-        input_records = {i: cast(dict, records[i])
-                         for i in resolve_inputs(stage, self.spec.stages)}
+        input_records = {i: cast(dict, records[i]) for i in resolve_inputs(stage, self.spec.stages)}
         config = stage.fingerprinted(self.spec)
         builds = {i: r["build"] for i, r in input_records.items()}
         fp = fingerprint(config, builds)
         if step.forced:
             self.ws.invalidate(name)
             if step.checkpoint is not None:
-                self.log(f"[{name}] discarding the interrupted run's checkpoints up to step "
-                         f"{step.checkpoint}")
-        out_dir = self.ws.begin(name, {"fingerprint": fp, "config": config, "inputs": builds},
-                                fresh=step.forced)
+                self.log(
+                    f"[{name}] discarding the interrupted run's checkpoints up to step "
+                    f"{step.checkpoint}"
+                )
+        out_dir = self.ws.begin(
+            name, {"fingerprint": fp, "config": config, "inputs": builds}, fresh=step.forced
+        )
         self.log(f"[{name}] running: {step.reason}")
         started = time.time()
         partial = self.ws.partial_marker(name)
-        assert partial is not None      # begin() made it
-        with tracker.stage(name, stage.config(self.spec), partial["series"],
-                           resumed=partial["attempt"] > 1) as stage_tracker:
+        assert partial is not None  # begin() made it
+        with tracker.stage(
+            name, stage.config(self.spec), partial["series"], resumed=partial["attempt"] > 1
+        ) as stage_tracker:
             inputs = {i: self.ws.done_dir(i) for i in input_records}
             if stage.distributed:
-                distributed.broadcast_object({"stage": name, "out_dir": out_dir,
-                                              "inputs": inputs})
-            ctx = StageContext(spec=self.spec, out_dir=out_dir, inputs=inputs,
-                               tracker=stage_tracker, log=lambda m: self.log(f"[{name}] {m}"))
+                distributed.broadcast_object({"stage": name, "out_dir": out_dir, "inputs": inputs})
+            ctx = StageContext(
+                spec=self.spec,
+                out_dir=out_dir,
+                inputs=inputs,
+                tracker=stage_tracker,
+                log=lambda m: self.log(f"[{name}] {m}"),
+            )
             summary = stage.run(ctx) or {}
             if stage.distributed:
                 distributed.barrier()
         outputs = output_checksums(out_dir)
-        build = (self._repaired_build(step, outputs, steps) if step.repair
-                 else uuid.uuid4().hex[:12])
+        build = self._repaired_build(step, outputs, steps) if step.repair else uuid.uuid4().hex[:12]
         record = {
             "stage": name,
             "fingerprint": fp,
@@ -323,28 +366,39 @@ class Runner:
         directory) and the run stops, rather than leave them built from another output."""
         name = step.stage
         damaged = self.ws.record(name)
-        assert damaged is not None      # a repair rebuilds a published stage
-        kept = [s.stage for s in steps if s.action != "run"
-                and name in resolve_inputs(STAGES[s.stage], self.spec.stages)]
+        assert damaged is not None  # a repair rebuilds a published stage
+        kept = [
+            s.stage
+            for s in steps
+            if s.action != "run" and name in resolve_inputs(STAGES[s.stage], self.spec.stages)
+        ]
         differs = _first_difference(damaged["outputs"], outputs)
         if differs is None:
             if kept:
-                self.log(f"[{name}] rebuilt as it was published: {', '.join(kept)}, built "
-                         f"from it, {'stays' if len(kept) == 1 else 'stay'} up to date")
+                self.log(
+                    f"[{name}] rebuilt as it was published: {', '.join(kept)}, built "
+                    f"from it, {'stays' if len(kept) == 1 else 'stay'} up to date"
+                )
             return damaged["build"]
         if kept:
             raise PipelineError(
                 f"{name}: rebuilt in {self.ws.partial_dir(name)}, but its {differs} differs "
                 f"from the one {', '.join(kept)} {'was' if len(kept) == 1 else 'were'} built "
                 f"from, so the damaged output was left as it was; restore the damaged file, "
-                f"or re-run with --force {name} to rebuild it and what reads it")
+                f"or re-run with --force {name} to rebuild it and what reads it"
+            )
         return uuid.uuid4().hex[:12]
 
     def _follow(self) -> None:
         """A rank other than 0: run each distributed stage rank 0 announces, until it says
         there are no more. Rank 0 alone logs, tracks and publishes."""
         while (job := distributed.broadcast_object()) is not None:
-            ctx = StageContext(spec=self.spec, out_dir=job["out_dir"], inputs=job["inputs"],
-                               tracker=NullStageTracker(), log=lambda m: None)
+            ctx = StageContext(
+                spec=self.spec,
+                out_dir=job["out_dir"],
+                inputs=job["inputs"],
+                tracker=NullStageTracker(),
+                log=lambda m: None,
+            )
             STAGES[job["stage"]].run(ctx)
             distributed.barrier()

@@ -30,14 +30,20 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers.slurm_cluster import INTERFACE, NODES, SlurmCluster, install_hint, missing_commands
 from tests.cluster.test_distributed import metric_history
+from tests.helpers.slurm_cluster import (
+    INTERFACE,
+    NODES,
+    SlurmCluster,
+    install_hint,
+    missing_commands,
+)
 from tests.workspace.test_resume_edits import final_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRE_CLUSTER = "ALLATTN_REQUIRE_CLUSTER"
-STEPS = 600            # long enough that a signal after the step-8 checkpoint lands mid-training,
-                       # even on a free machine (~50 steps/s here: 120 steps were done in 3 s)
+STEPS = 600  # long enough that a signal after the step-8 checkpoint lands mid-training,
+# even on a free machine (~50 steps/s here: 120 steps were done in 3 s)
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 pytestmark = pytest.mark.slow
@@ -77,7 +83,7 @@ def no_job_outlives_its_test(request):
 def write_config(tmp: Path) -> Path:
     path = tmp / "tiny.yaml"
     path.write_text(f"""\
-extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
+extends: [{ROOT / "configs" / "quickstart.yaml"}]
 name: cluster
 model: {{d_model: 32, n_layers: 2, n_heads: 2, n_persistent: 8, max_span: 64}}
 train:
@@ -103,8 +109,16 @@ def config(tmp_path_factory):
 def prepared(config, tmp_path_factory):
     """download + preprocess once; each run below starts from hard links of them."""
     root = tmp_path_factory.mktemp("prepared")
-    cli("run", config, "--set", f"workspace.root={root}", "--only", "download",
-        "--only", "preprocess")
+    cli(
+        "run",
+        config,
+        "--set",
+        f"workspace.root={root}",
+        "--only",
+        "download",
+        "--only",
+        "preprocess",
+    )
     return root / "cluster"
 
 
@@ -116,17 +130,35 @@ def workspace_root(tmp: Path, prepared: Path, name: str = "cluster") -> Path:
 
 
 def cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "pipeline.commands.cli", *map(str, args)], cwd=ROOT,
-                          env=env or {**os.environ, "DS_ACCELERATOR": "cpu"},
-                          capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.commands.cli", *map(str, args)],
+        cwd=ROOT,
+        env=env or {**os.environ, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
 
 
 def submit(cluster: SlurmCluster, config: Path, root: Path, *options: str) -> tuple[str, Path]:
     """`launch slurm` on 2 nodes x 1 CPU process, then sbatch; (job id, its log)."""
-    cli("launch", "slurm", config, "--nodes", "2", "--gpus-per-node", "0",
-        "--procs-per-node", "1", "--set", f"workspace.root={root}", *options, env=cluster.env)
+    cli(
+        "launch",
+        "slurm",
+        config,
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "0",
+        "--procs-per-node",
+        "1",
+        "--set",
+        f"workspace.root={root}",
+        *options,
+        env=cluster.env,
+    )
     script = root / "cluster" / "slurm" / "cluster.sbatch"
     job = cluster.run("sbatch", "--parsable", str(script)).stdout.strip()
     return job, root / "cluster" / "slurm" / "logs" / f"cluster-{job}.out"
@@ -146,15 +178,19 @@ def checkpoint(root: Path, step: int, name: str = "cluster"):
     """A test for wait_for: the run has a checkpoint at `step` or later. Not `step` itself:
     a fast run may save and rotate it away (keep_checkpoints) between two polls."""
     checkpoints = root / name / "train.partial" / "checkpoints"
-    return lambda: any(int(d.name.removeprefix("step-")) >= step
-                       for d in checkpoints.glob("step-*") if d.name[5:].isdigit())
+    return lambda: any(
+        int(d.name.removeprefix("step-")) >= step
+        for d in checkpoints.glob("step-*")
+        if d.name[5:].isdigit()
+    )
 
 
 def restart_when_requeued(cluster: SlurmCluster, job: str, log: Path) -> None:
     """Wait for the requeued job to be pending again, then let it start now: Slurm holds a
     requeued job a few seconds (and refuses an immediate start: "credential revoked")."""
-    cluster.wait_job(job, lambda f: int(f.get("Restarts", 0)) >= 1
-                     and f["JobState"] == "PENDING", 60, "requeued")
+    cluster.wait_job(
+        job, lambda f: int(f.get("Restarts", 0)) >= 1 and f["JobState"] == "PENDING", 60, "requeued"
+    )
     time.sleep(2)
     cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
 
@@ -182,8 +218,9 @@ def assert_same_results(ours: dict, theirs: dict) -> None:
 def one_node_two_procs(config, prepared, tmp_path_factory):
     """`allattn-pipe run` with 2 processes on this host: the deepspeed launcher."""
     root = workspace_root(tmp_path_factory.mktemp("local"), prepared)
-    cli("run", config, "--set", f"workspace.root={root}",
-        "--set", "train.launcher.procs_per_node=2")
+    cli(
+        "run", config, "--set", f"workspace.root={root}", "--set", "train.launcher.procs_per_node=2"
+    )
     return root
 
 
@@ -197,7 +234,8 @@ def two_nodes(cluster, config, prepared, tmp_path_factory):
 
 
 def test_two_slurm_nodes_give_the_losses_and_results_of_one_node_with_two_processes(
-        two_nodes, one_node_two_procs):
+    two_nodes, one_node_two_procs
+):
     root, log = two_nodes
     text = log.read_text()
     assert "(world size 2)" in text and "attempt 1" in text
@@ -205,16 +243,17 @@ def test_two_slurm_nodes_give_the_losses_and_results_of_one_node_with_two_proces
     theirs = metric_history(one_node_two_procs, "cluster", "train", "loss")
     assert sorted(ours) == list(range(1, STEPS + 1))
     assert ours == pytest.approx(theirs, rel=1e-6)
-    assert theirs[STEPS] < theirs[1] - 0.5                 # it trains
+    assert theirs[STEPS] < theirs[1] - 0.5  # it trains
     assert_same_results(results(root), results(one_node_two_procs))
 
 
-def test_a_requeued_job_checkpoints_and_resumes_to_the_same_weights(cluster, config, prepared,
-                                                                   two_nodes, tmp_path):
+def test_a_requeued_job_checkpoints_and_resumes_to_the_same_weights(
+    cluster, config, prepared, two_nodes, tmp_path
+):
     root = workspace_root(tmp_path, prepared)
     job, log = submit(cluster, config, root)
     wait_for(checkpoint(root, 8), 120, "checkpoint at step 8 or later", log)
-    cluster.run("scontrol", "requeue", job)                 # what a preemption does
+    cluster.run("scontrol", "requeue", job)  # what a preemption does
     restart_when_requeued(cluster, job, log)
     fields = wait_done(cluster, job, log)
     assert fields["Restarts"] == "1"
@@ -224,7 +263,10 @@ def test_a_requeued_job_checkpoints_and_resumes_to_the_same_weights(cluster, con
     assert 8 <= resumed < STEPS
     straight = two_nodes[0]
     for stage in ("train", "finetune"):
-        ours, theirs = final_weights(root / "cluster" / stage), final_weights(straight / "cluster" / stage)
+        ours, theirs = (
+            final_weights(root / "cluster" / stage),
+            final_weights(straight / "cluster" / stage),
+        )
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), stage
     assert results(root) == results(straight)
@@ -236,8 +278,9 @@ def test_the_time_limit_checkpoints_and_requeues(cluster, config, prepared, tmp_
     (Slurm checks limits about twice a minute: the warning then comes within seconds, long
     before the limit itself, and never before training started)."""
     root = workspace_root(tmp_path, prepared)
-    job, log = submit(cluster, config, root, "--time", "10", "--signal-lead", "100",
-                      "--set", "train.steps=100000")
+    job, log = submit(
+        cluster, config, root, "--time", "10", "--signal-lead", "100", "--set", "train.steps=100000"
+    )
     wait_for(checkpoint(root, 8), 120, "checkpoint at step 8 or later", log)
     cluster.run("scontrol", "update", f"jobid={job}", "TimeLimit=2")
     restart_when_requeued(cluster, job, log)
@@ -253,14 +296,13 @@ def test_the_time_limit_checkpoints_and_requeues(cluster, config, prepared, tmp_
     assert f"resuming from step {saved_step}" in second
 
 
-def test_a_lost_node_requeues_the_job_which_resumes_to_the_same_weights(cluster, config,
-                                                                      prepared, two_nodes,
-                                                                      tmp_path):
+def test_a_lost_node_requeues_the_job_which_resumes_to_the_same_weights(
+    cluster, config, prepared, two_nodes, tmp_path
+):
     root = workspace_root(tmp_path, prepared)
     job, log = submit(cluster, config, root)
     wait_for(checkpoint(root, 8), 120, "checkpoint at step 8 or later", log)
-    cluster.run("scontrol", "update", f"nodename={NODES[1]}", "state=down",
-                "reason=lost in a test")
+    cluster.run("scontrol", "update", f"nodename={NODES[1]}", "state=down", "reason=lost in a test")
     try:
         cluster.wait_job(job, lambda f: int(f.get("Restarts", 0)) >= 1, 60, "requeued")
     finally:
@@ -276,28 +318,51 @@ def test_a_lost_node_requeues_the_job_which_resumes_to_the_same_weights(cluster,
 
 # -- the deepspeed launcher, no ssh: one launcher per host, each told its node rank -----------
 
-def deepspeed_on_both_hosts(cluster: SlurmCluster, config: Path, root: Path
-                            ) -> list[subprocess.Popen]:
+
+def deepspeed_on_both_hosts(
+    cluster: SlurmCluster, config: Path, root: Path
+) -> list[subprocess.Popen]:
     hostfile = root / "hostfile"
     hostfile.parent.mkdir(parents=True, exist_ok=True)
     hostfile.write_text("".join(f"{node} slots=1\n" for node in NODES))
     port = 20000 + os.getpid() % 10000
     procs = []
     for rank, node in enumerate(NODES):
-        cmd = cluster.exec_in(node, sys.executable, "-m", "deepspeed.launcher.runner",
-                              "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
-                              "--master_addr", cluster.addresses[NODES[0]],
-                              "--master_port", str(port), "launch/train.py",
-                              "--config", str(config), "--set", f"workspace.root={root}",
-                              "--set", "train.launcher.nodes=2",
-                              "--set", "train.launcher.procs_per_node=1",
-                              "--set", f"train.launcher.hostfile={hostfile}")
+        cmd = cluster.exec_in(
+            node,
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--hostfile",
+            str(hostfile),
+            "--no_ssh",
+            "--node_rank",
+            str(rank),
+            "--master_addr",
+            cluster.addresses[NODES[0]],
+            "--master_port",
+            str(port),
+            "launch/train.py",
+            "--config",
+            str(config),
+            "--set",
+            f"workspace.root={root}",
+            "--set",
+            "train.launcher.nodes=2",
+            "--set",
+            "train.launcher.procs_per_node=1",
+            "--set",
+            f"train.launcher.hostfile={hostfile}",
+        )
         out = open(root / f"{node}.log", "w")
         # one thread per rank, as srun and `allattn-pipe run` give them on these 1-CPU hosts:
         # another thread count sums in another order, and the losses drift apart (~1e-4)
         env = {**cluster.env, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
         out.close()
     return procs
 
@@ -316,22 +381,27 @@ def host_logs(root: Path) -> str:
     return "\n".join((root / f"{n}.log").read_text()[-3000:] for n in NODES)
 
 
-def test_deepspeed_launcher_across_two_hosts(cluster, config, prepared, one_node_two_procs,
-                                             two_nodes, tmp_path):
+def test_deepspeed_launcher_across_two_hosts(
+    cluster, config, prepared, one_node_two_procs, two_nodes, tmp_path
+):
     root = workspace_root(tmp_path / "straight", prepared)
     codes = wait_all(deepspeed_on_both_hosts(cluster, config, root), root)
     assert codes == [0, 0], host_logs(root)
     ours = metric_history(root, "cluster", "train", "loss")
-    assert ours == pytest.approx(metric_history(one_node_two_procs, "cluster", "train", "loss"),
-                                 rel=1e-6)
+    assert ours == pytest.approx(
+        metric_history(one_node_two_procs, "cluster", "train", "loss"), rel=1e-6
+    )
     assert_same_results(results(root), results(one_node_two_procs))
 
     # one host's rank killed with -9 mid-run; both hosts run the same command again
     root = workspace_root(tmp_path / "killed", prepared)
     procs = deepspeed_on_both_hosts(cluster, config, root)
     wait_for(checkpoint(root, 8), 120, "checkpoint at step 8 or later", root / f"{NODES[0]}.log")
-    ranks = [p for p in psutil.Process(procs[1].pid).children(recursive=True)
-             if "launch/train.py" in p.cmdline() and "-m" not in p.cmdline()]
+    ranks = [
+        p
+        for p in psutil.Process(procs[1].pid).children(recursive=True)
+        if "launch/train.py" in p.cmdline() and "-m" not in p.cmdline()
+    ]
     assert len(ranks) == 1, [p.cmdline() for p in ranks]
     ranks[0].kill()
     codes = wait_all(procs, root)
@@ -346,12 +416,27 @@ def test_deepspeed_launcher_across_two_hosts(cluster, config, prepared, one_node
 
 # -- sweeps as job arrays -----------------------------------------------------------------------
 
+
 def test_sweep_as_a_job_array_with_one_task_requeued(cluster, config, prepared, tmp_path):
-    root = workspace_root(tmp_path, prepared)      # the points link the prepared data from here
-    args = [config, "--grid", "train.optimizer.lr=0.05,0.07", "--seeds", "1,2",
-            "--set", "train.steps=60",
-            "--set", f"workspace.root={root}", "--slurm", "--gpus-per-node", "0",
-            "--procs-per-node", "1", "--max-parallel", "2"]
+    root = workspace_root(tmp_path, prepared)  # the points link the prepared data from here
+    args = [
+        config,
+        "--grid",
+        "train.optimizer.lr=0.05,0.07",
+        "--seeds",
+        "1,2",
+        "--set",
+        "train.steps=60",
+        "--set",
+        f"workspace.root={root}",
+        "--slurm",
+        "--gpus-per-node",
+        "0",
+        "--procs-per-node",
+        "1",
+        "--max-parallel",
+        "2",
+    ]
     dry = cli("sweep", *args, "--dry-run", env=cluster.env).stdout
     assert "#SBATCH --array=0-3%2\n" in dry
     out = cli("sweep", *args, env=cluster.env).stdout
@@ -374,4 +459,5 @@ def test_sweep_as_a_job_array_with_one_task_requeued(cluster, config, prepared, 
     result = cli("compare", config, "--set", f"workspace.root={root}", "--format", "json")
     groups = json.loads(result.stdout)
     assert sorted((g["name"], g["n"], g["status"]) for g in groups) == [
-        (f"cluster-lr{lr}", 2, "finished") for lr in ("0.05", "0.07")]
+        (f"cluster-lr{lr}", 2, "finished") for lr in ("0.05", "0.07")
+    ]

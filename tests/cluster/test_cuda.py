@@ -22,8 +22,7 @@ cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def ramp_expected(span: float, ramp: int, span_len: int) -> list[float]:
     """The span mask of one head, written out independently of the op: column j has distance
     d = L' - j, the mask is evaluated at x = d - 1, m = clamp((R + z - x) / R, 0, 1); float64."""
-    return [min(1.0, max(0.0, (ramp + span - (span_len - j - 1)) / ramp))
-            for j in range(span_len)]
+    return [min(1.0, max(0.0, (ramp + span - (span_len - j - 1)) / ramp)) for j in range(span_len)]
 
 
 def test_ramp_expected_has_r_minus_1_values_strictly_inside_at_an_integer_span():
@@ -51,14 +50,22 @@ def test_bf16_span_mask_on_cuda_equals_float32():
     expected = torch.tensor([ramp_expected(z, 32, 3072) for z in spans], dtype=torch.float64)
     assert (m16.double().cpu() - expected).abs().max().item() < 1e-6
     inside = [int(((row > 0) & (row < 1)).sum()) for row in m16]
-    assert inside == [sum(0 < v < 1 for v in row) for row in expected.tolist()]   # R - 1 each
+    assert inside == [sum(0 < v < 1 for v in row) for row in expected.tolist()]  # R - 1 each
 
 
 @pytest.mark.cuda
 @cuda
 def test_bf16_training_step_on_cuda_follows_float32():
-    cfg = AllAttnConfig(d_model=64, n_layers=2, n_heads=4, n_persistent=16, max_span=256,
-                        span_ramp=16, span_init=0.5, attn_dropout=0.0)
+    cfg = AllAttnConfig(
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_persistent=16,
+        max_span=256,
+        span_ramp=16,
+        span_init=0.5,
+        attn_dropout=0.0,
+    )
     torch.manual_seed(0)
     model = AllAttnLM(cfg, 50).cuda()
     tokens = torch.randint(0, 50, (4, 64), device="cuda")
@@ -85,14 +92,16 @@ def paper_shape_losses(device: str, updates: int = 3) -> dict:
     2 layers, micro-batch 2 x 512, spans at a quarter of the maximum, attention dropout off
     (each precision would draw other masks): the loss after each update and the first
     gradients, float32 against the whole model in bfloat16."""
-    pytest.importorskip("pydantic")                     # the config's schema
+    pytest.importorskip("pydantic")  # the config's schema
     from pipeline.models import build_model
     from pipeline.spec import load_spec
     from pipeline.training.optim import build_optimizer
 
     root = Path(__file__).resolve().parents[2]
-    spec = load_spec(str(root / "configs" / "enwik8_large.yaml"),
-                     ["model.n_layers=2", "model.attn_dropout=0.0", "train.optimizer.lr=0.001"])
+    spec = load_spec(
+        str(root / "configs" / "enwik8_large.yaml"),
+        ["model.n_layers=2", "model.attn_dropout=0.0", "train.optimizer.lr=0.001"],
+    )
     torch.manual_seed(0)
     start = build_model(spec.model_kind, spec.model_params, 205)
     with torch.no_grad():
@@ -113,8 +122,11 @@ def paper_shape_losses(device: str, updates: int = 3) -> dict:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if grads is None:
-                grads = {n: p.grad.detach().float().flatten() for n, p in model.named_parameters()
-                         if p.grad is not None}
+                grads = {
+                    n: p.grad.detach().float().flatten()
+                    for n, p in model.named_parameters()
+                    if p.grad is not None
+                }
             assert all(torch.isfinite(g).all() for g in grads.values())
             optimizer.step()
             state = [s.detach() for s in out.state]
@@ -130,7 +142,7 @@ def test_bf16_follows_fp32_at_the_paper_config_shape():
     (l32, g32), (l16, g16) = result[torch.float32], result[torch.bfloat16]
     assert l16 == pytest.approx(l32, rel=2e-2)
     assert g16.keys() == g32.keys()
-    for name in g32:                # each parameter's first gradient points the same way
+    for name in g32:  # each parameter's first gradient points the same way
         cos = torch.nn.functional.cosine_similarity(g16[name], g32[name], dim=0).item()
         assert cos > 0.95, (name, cos)
 

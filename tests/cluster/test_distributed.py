@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
-LONG = 80      # long enough that a signal sent at step 4 lands mid-training
+LONG = 80  # long enough that a signal sent at step 4 lands mid-training
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +35,20 @@ ADAGRAD = "{type: adagrad, lr: 0.07, clip: per_param, clip_norm: 0.03, warmup_st
 ADAM = "{type: adam, lr: 0.01, clip: global, clip_norm: 1.0, warmup_steps: 4}"
 
 
-def tiny_config(tmp: Path, *, procs: int, zero: int, adaptive_span: bool = True,
-                root: str = "runs", optimizer: str = ADAGRAD, steps: int = STEPS,
-                evaluate: bool = False) -> Path:
+def tiny_config(
+    tmp: Path,
+    *,
+    procs: int,
+    zero: int,
+    adaptive_span: bool = True,
+    root: str = "runs",
+    optimizer: str = ADAGRAD,
+    steps: int = STEPS,
+    evaluate: bool = False,
+) -> Path:
     path = tmp / f"tiny-{procs}-{zero}-{int(adaptive_span)}.yaml"
     path.write_text(f"""\
-extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
+extends: [{ROOT / "configs" / "quickstart.yaml"}]
 name: dist
 model: {{d_model: 32, n_layers: 2, n_heads: 2, n_persistent: 8, max_span: 64,
         adaptive_span: {str(adaptive_span).lower()}}}
@@ -56,7 +64,7 @@ train:
 tracking: {{experiment: procs{procs}-zero{zero}-span{int(adaptive_span)}}}
 workspace: {{root: {tmp / root}}}
 evaluate: {{splits: [valid]}}
-stages: [download, preprocess, train{', evaluate' if evaluate else ''}]
+stages: [download, preprocess, train{", evaluate" if evaluate else ""}]
 """)
     return path
 
@@ -65,10 +73,16 @@ def cli(*args, env=None, timeout=600, **popen):
     env = dict(os.environ, DS_ACCELERATOR="cpu", **(env or {}))
     cmd = [sys.executable, "-m", "pipeline.commands.cli", *map(str, args)]
     if popen:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, **popen)
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env=env)
+        return subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            **popen,
+        )
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
@@ -80,8 +94,9 @@ def metric_history(root: Path, experiment: str, stage: str, key: str) -> dict[in
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     exp = client.get_experiment_by_name(experiment)
-    runs = client.search_runs([exp.experiment_id], f"tags.stage = '{stage}'",
-                              order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [exp.experiment_id], f"tags.stage = '{stage}'", order_by=["attributes.start_time ASC"]
+    )
     out: dict[int, float] = {}
     for run in runs:
         out |= {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
@@ -112,15 +127,16 @@ def test_two_processes_zero_1_2_give_the_single_process_losses(shared, reference
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    assert reference[STEPS] < reference[1] - 0.3       # it trains
+    assert reference[STEPS] < reference[1] - 0.3  # it trains
 
 
 def test_two_processes_zero_3_gives_the_single_process_losses(shared):
     # ZeRO 3 runs without adaptive span (the spec refuses the two together); evaluate then
     # reassembles the weights from the ranks' shards and must score what ZeRO 0 scores.
     def valid_bpc():
-        return json.loads((shared / "runs" / "dist" / "evaluate" / "results.json")
-                          .read_text())["valid"]["bpc"]
+        return json.loads((shared / "runs" / "dist" / "evaluate" / "results.json").read_text())[
+            "valid"
+        ]["bpc"]
 
     shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     reference = run_losses(shared, procs=1, zero=0, adaptive_span=False, evaluate=True)
@@ -136,13 +152,11 @@ def test_two_processes_zero_3_gives_the_single_process_losses(shared):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    return run_losses(tmp_path_factory.mktemp("whole"), procs=2, zero=2, optimizer=ADAM,
-                      steps=LONG)
+    return run_losses(tmp_path_factory.mktemp("whole"), procs=2, zero=2, optimizer=ADAM, steps=LONG)
 
 
 @pytest.mark.parametrize("how", ["kill -9 every process", "SIGTERM to allattn-pipe"])
-def test_interrupted_two_process_training_resumes_to_the_same_losses(tmp_path, uninterrupted,
-                                                                     how):
+def test_interrupted_two_process_training_resumes_to_the_same_losses(tmp_path, uninterrupted, how):
     cfg = tiny_config(tmp_path, procs=2, zero=2, optimizer=ADAM, steps=LONG)
     ckpts = tmp_path / "runs" / "dist" / "train.partial" / "checkpoints"
     proc = cli("run", cfg, start_new_session=True)
@@ -158,7 +172,7 @@ def test_interrupted_two_process_training_resumes_to_the_same_losses(tmp_path, u
             p.kill()
         psutil.wait_procs(everything)
     else:
-        proc.send_signal(signal.SIGTERM)        # passed on: the ranks save together, exit 143
+        proc.send_signal(signal.SIGTERM)  # passed on: the ranks save together, exit 143
         out = proc.communicate(timeout=120)[0]
         assert proc.returncode == 143, out
         assert "run the pipeline again to resume" in out
@@ -177,7 +191,7 @@ def test_stalled_validation_starts_the_lr_drop(tmp_path):
     # Adam at lr 0.05 on this tiny model: validation improves for a few evaluations, then
     # stops; with patience 2 training ends there, well before train.steps.
     cfg.write_text(f"""\
-extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
+extends: [{ROOT / "configs" / "quickstart.yaml"}]
 name: patience
 model: {{d_model: 32, n_layers: 2, n_heads: 2, n_persistent: 8, max_span: 64}}
 train:
@@ -189,7 +203,7 @@ train:
   eval_batches: 2
   optimizer: {{lr: 0.05, warmup_steps: 0}}
 finetune: {{steps: 5, lr_divisor: 10, patience: 2}}
-workspace: {{root: {tmp_path / 'runs'}}}
+workspace: {{root: {tmp_path / "runs"}}}
 stages: [download, preprocess, train, finetune]
 """)
     out = cli("run", cfg).stdout
@@ -198,6 +212,7 @@ stages: [download, preprocess, train, finetune]
     valid = metric_history(tmp_path / "runs", "patience", "train", "valid_bpc")
     stop = max(lr)
     assert stop < 400 and "has not improved for 2 evaluations" in out
+
     def best_before(step):
         return min((v for s, v in valid.items() if s < step), default=float("inf"))
 
@@ -205,6 +220,6 @@ stages: [download, preprocess, train, finetune]
     assert sorted(valid)[-3:] == [stop - 4, stop - 2, stop]
     assert valid[stop - 4] < best_before(stop - 4)
     assert valid[stop - 2] >= best_before(stop - 2) and valid[stop] >= best_before(stop)
-    assert sorted(lr) + sorted(ft_lr) == list(range(1, stop + 6))      # continuous steps
+    assert sorted(lr) + sorted(ft_lr) == list(range(1, stop + 6))  # continuous steps
     assert set(lr.values()) == {0.05}
     assert all(v == pytest.approx(0.005, rel=1e-12) for v in ft_lr.values())

@@ -19,8 +19,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-AUTHORS_FILES = ("models.py", "trainer.py", "adagrad_with_grad_clip.py", "adaptive_span.py",
-                 "persistent_memory.py")
+AUTHORS_FILES = (
+    "models.py",
+    "trainer.py",
+    "adagrad_with_grad_clip.py",
+    "adaptive_span.py",
+    "persistent_memory.py",
+)
 
 
 def fake_reference_checkout(folder: Path) -> Path:
@@ -35,10 +40,14 @@ def fake_reference_checkout(folder: Path) -> Path:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the no-GPU mode")
 def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
     reference = fake_reference_checkout(tmp_path / "adaptive-span")
-    done = subprocess.run(["make", "-s", "gpu-check", f"PYTHON={sys.executable}",
-                           f"REFERENCE={reference}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "MAKEFLAGS": ""})
+    done = subprocess.run(
+        ["make", "-s", "gpu-check", f"PYTHON={sys.executable}", f"REFERENCE={reference}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MAKEFLAGS": ""},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("gpu-check: no CUDA GPU here (torch ")
@@ -46,18 +55,25 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
     report = (ROOT / "gpu-check.md").read_text()
     assert "## CUDA tests (collected): ok" in report
     collected = report.split("## CUDA tests (collected): ok\n\n")[1].split()[0]
-    assert int(collected.split("/")[0]) >= 6          # the cuda-marked tests exist
-    step = report.split("## training step, configs/enwik8_large.yaml bf16 vs the authors' "
-                        "code (fp32) (--dry-run): ok\n\n")[1]
-    assert step.startswith("dry run: enwik8_large: micro-batch 4, max x 512, spans "
-                           "0.0625,1, bf16")
+    assert int(collected.split("/")[0]) >= 6  # the cuda-marked tests exist
+    step = report.split(
+        "## training step, configs/enwik8_large.yaml bf16 vs the authors' "
+        "code (fp32) (--dry-run): ok\n\n"
+    )[1]
+    assert step.startswith("dry run: enwik8_large: micro-batch 4, max x 512, spans 0.0625,1, bf16")
     assert f"the authors' code from {reference} (fp32)" in step.splitlines()[0]
-    pipeline = report.split("## pipeline: allattn-pipe run, 50 steps, enwik8_large's model "
-                            "bf16 (--dry-run): ok\n\n")[1]
+    pipeline = report.split(
+        "## pipeline: allattn-pipe run, 50 steps, enwik8_large's model bf16 (--dry-run): ok\n\n"
+    )[1]
     assert [line.split()[0] for line in pipeline.splitlines()[1:4]] == [
-        "download", "preprocess", "train"]
-    compiled = report.split("## training step, configs/enwik8_large.yaml bf16, layers compiled "
-                            "(train.compile) (--dry-run): ok\n\n")[1]
+        "download",
+        "preprocess",
+        "train",
+    ]
+    compiled = report.split(
+        "## training step, configs/enwik8_large.yaml bf16, layers compiled "
+        "(train.compile) (--dry-run): ok\n\n"
+    )[1]
     assert compiled.startswith("dry run: enwik8_large: micro-batch 4 x 512, spans 0.0625, bf16")
     assert "## bench/attention.py (--help): ok" in report
     assert report.rstrip().endswith("all parts passed")
@@ -65,19 +81,33 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
 
 def test_a_reference_code_folder_without_the_authors_files_stops_the_dry_run(tmp_path):
     (tmp_path / "models.py").write_text("")
-    done = subprocess.run([sys.executable, "bench/train_step.py", "configs/enwik8_large.yaml",
-                           "--reference-code", str(tmp_path), "--dry-run"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/train_step.py",
+            "configs/enwik8_large.yaml",
+            "--reference-code",
+            str(tmp_path),
+            "--dry-run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0
-    assert (f"{tmp_path} is not a checkout of the authors' adaptive-span code: no "
-            "trainer.py, adagrad_with_grad_clip.py") in done.stderr
+    assert (
+        f"{tmp_path} is not a checkout of the authors' adaptive-span code: no "
+        "trainer.py, adagrad_with_grad_clip.py"
+    ) in done.stderr
 
 
 def test_the_report_keeps_a_failure_and_drops_a_log_flood():
     from gpu_check import pytest_digest
 
-    flood = "\n".join(f"V1126 12:00:00 inductor.py:1] [__graph_code] line {i}"
-                       for i in range(20000))
+    flood = "\n".join(
+        f"V1126 12:00:00 inductor.py:1] [__graph_code] line {i}" for i in range(20000)
+    )
     out = f"""\
 .F.                                                                      [100%]
 =================================== FAILURES ===================================
@@ -92,9 +122,11 @@ FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - 
 """  # noqa: E501  (pytest's summary line is one line)
     digest = pytest_digest(out)
     assert digest.startswith("1 failed, 2 passed in 12.00s")
-    assert ("FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - "
-            "assert [31, 31, 31] == [32, 32, 32]") in digest
-    assert "E   assert [31, 31, 31] == [32, 32, 32]" in digest     # the traceback's end
+    assert (
+        "FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - "
+        "assert [31, 31, 31] == [32, 32, 32]"
+    ) in digest
+    assert "E   assert [31, 31, 31] == [32, 32, 32]" in digest  # the traceback's end
     assert "test_bf16_span_mask_on_cuda_equals_float32 ___" in digest  # and which test
     assert len(digest) < 9000
     assert pytest_digest("5 passed in 3.00s\n") == "5 passed in 3.00s"
@@ -103,49 +135,62 @@ FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - 
 def test_only_the_wheels_of_missing_packages_are_installed(tmp_path):
     from gpu_check import missing_wheels
 
-    for name in ("torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl",
-                 "PyYAML-6.0.2-cp312-cp312-manylinux_2_17_x86_64.whl",
-                 "no_such_package_here-1.0-py3-none-any.whl"):
+    for name in (
+        "torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+        "PyYAML-6.0.2-cp312-cp312-manylinux_2_17_x86_64.whl",
+        "no_such_package_here-1.0-py3-none-any.whl",
+    ):
         (tmp_path / name).write_bytes(b"")
     assert [w.name for w in missing_wheels(tmp_path)] == [
-        "no_such_package_here-1.0-py3-none-any.whl"]
+        "no_such_package_here-1.0-py3-none-any.whl"
+    ]
 
 
 def test_make_gpu_wheels_dry_run_resolves_what_the_image_lacks(tmp_path):
     from gpu_wheels import MUST_CARRY, in_image
 
     dest = tmp_path / "wheels"
-    done = subprocess.run(["make", "-s", "gpu-wheels", "DRY_RUN=1", f"GPU_WHEELS={dest}"],
-                          cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "MAKEFLAGS": ""})
+    done = subprocess.run(
+        ["make", "-s", "gpu-wheels", "DRY_RUN=1", f"GPU_WHEELS={dest}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MAKEFLAGS": ""},
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    rows = [line.split("|")[1:4] for line in done.stdout.splitlines()
-            if line.startswith("| ") and not line.startswith("| wheel ")]
+    rows = [
+        line.split("|")[1:4]
+        for line in done.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| wheel ")
+    ]
     names = {name.strip() for name, _, _ in rows}
     assert set(MUST_CARRY) <= names
     assert "mlflow" not in names and "pytest" in names
-    assert not [n for n in names if in_image(n)]           # nothing the image has
+    assert not [n for n in names if in_image(n)]  # nothing the image has
     built = [r for r in rows if r[0].strip() == "deepspeed"]
     assert built and built[0][2].strip() == "built here"
-    for name, _version, source in rows:                      # every other one a wheel for 3.12
+    for name, _version, source in rows:  # every other one a wheel for 3.12
         if name.strip() != "deepspeed":
             assert source.strip().endswith(".whl")
-            assert ("-py3-" in source or "-py2.py3-" in source or "cp312" in source
-                    or "abi3" in source), source
-    assert f"into {dest}" in done.stdout and not dest.exists()   # nothing fetched or built
+            assert (
+                "-py3-" in source or "-py2.py3-" in source or "cp312" in source or "abi3" in source
+            ), source
+    assert f"into {dest}" in done.stdout and not dest.exists()  # nothing fetched or built
 
 
 def test_models_ops_and_benches_import_without_deepspeed_mlflow_webdataset():
-    blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in
-                        ("deepspeed", "mlflow", "webdataset"))
-    code = (f"import sys; {blocked}; sys.path.insert(0, 'bench'); "
-            "import pipeline.models, pipeline.ops, pipeline.training.optim, pipeline.spec, "
-            "pipeline.commands.report, pipeline.cluster.device, pipeline.cluster.distributed; "
-            "import runpy; sys.argv = ['train_step.py', 'configs/quickstart.yaml', "
-            "'--steps', '1', '--warmup', '0', '--batch', '2']; "
-            "runpy.run_path('bench/train_step.py', run_name='__main__')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in ("deepspeed", "mlflow", "webdataset"))
+    code = (
+        f"import sys; {blocked}; sys.path.insert(0, 'bench'); "
+        "import pipeline.models, pipeline.ops, pipeline.training.optim, pipeline.spec, "
+        "pipeline.commands.report, pipeline.cluster.device, pipeline.cluster.distributed; "
+        "import runpy; sys.argv = ['train_step.py', 'configs/quickstart.yaml', "
+        "'--steps', '1', '--warmup', '0', '--batch', '2']; "
+        "runpy.run_path('bench/train_step.py', run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| span frac |" in done.stdout

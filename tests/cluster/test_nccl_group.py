@@ -26,8 +26,9 @@ def calls(monkeypatch):
         seen["init_process_group"] = (backend, kwargs)
 
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
-    monkeypatch.setattr(deepspeed, "init_distributed",
-                        lambda **kw: seen.setdefault("deepspeed", kw["dist_backend"]))
+    monkeypatch.setattr(
+        deepspeed, "init_distributed", lambda **kw: seen.setdefault("deepspeed", kw["dist_backend"])
+    )
     monkeypatch.setattr(distributed, "_load_comm_op", lambda: None)
     monkeypatch.setattr(distributed, "_unlink_shm_buffer", lambda rank: None)
     monkeypatch.setattr(distributed.atexit, "register", lambda f: None)
@@ -49,7 +50,7 @@ def test_nccl_group_is_bound_to_the_local_rank_gpu(calls, monkeypatch, world, lo
     assert kwargs["timeout"] == distributed.TIMEOUT
     if bound:
         assert kwargs["device_id"] == torch.device("cuda", local_rank)
-    else:       # a group of one stays unbound (deepspeedai/DeepSpeed#8248)
+    else:  # a group of one stays unbound (deepspeedai/DeepSpeed#8248)
         assert "device_id" not in kwargs
 
 
@@ -80,5 +81,5 @@ def test_under_nccl_the_loop_s_shared_values_are_added_on_the_cpu(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     assert distributed.any_rank(True) is True
     assert distributed.mean_over_ranks(1.5) == 1.5
-    assert made == ["gloo"]                       # made once, reused
+    assert made == ["gloo"]  # made once, reused
     assert reduced == [("cpu", "gloo-group")] * 2

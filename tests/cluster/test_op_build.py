@@ -24,17 +24,30 @@ OP = "deepspeed_shm_comm"
 TORCH_LOCK = Path(OP, "lock")
 START = "from pipeline.cluster import distributed; print(distributed.init_process_group())"
 
-pytestmark = pytest.mark.slow      # each start imports deepspeed in a new process
+pytestmark = pytest.mark.slow  # each start imports deepspeed in a new process
 
 
 def start_env(extensions: Path, **extra) -> dict[str, str]:
-    return distributed.environment_for_new_group() | {"TORCH_EXTENSIONS_DIR": str(extensions), "DS_ACCELERATOR": "cpu",
-                  "PYTHONPATH": str(ROOT)} | extra
+    return (
+        distributed.environment_for_new_group()
+        | {
+            "TORCH_EXTENSIONS_DIR": str(extensions),
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": str(ROOT),
+        }
+        | extra
+    )
 
 
 def start(extensions: Path, timeout: float = 300, **extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", START], env=start_env(extensions, **extra),
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", START],
+        env=start_env(extensions, **extra),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +73,14 @@ def extensions(built, tmp_path) -> Path:
 def test_a_lock_left_by_a_killed_build_is_removed_and_the_run_goes_on(extensions):
     (extensions / TORCH_LOCK).touch()
     t0 = time.monotonic()
-    r = start(extensions, timeout=120)     # the original code waits on the lock forever
+    r = start(extensions, timeout=120)  # the original code waits on the lock forever
     print(f"start with a stale lock: {time.monotonic() - t0:.1f} s")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines()[-1] == "(0, 1)"
-    assert (f"removing {extensions / TORCH_LOCK}: an interrupted build of DeepSpeed's {OP} op "
-            f"left it (no process is building it now)") in r.stderr.splitlines()
+    assert (
+        f"removing {extensions / TORCH_LOCK}: an interrupted build of DeepSpeed's {OP} op "
+        f"left it (no process is building it now)"
+    ) in r.stderr.splitlines()
     assert not (extensions / TORCH_LOCK).exists()
 
 
@@ -83,28 +98,36 @@ sys.stdin.read()                            # until the test closes our stdin
 
 
 def test_a_build_in_progress_is_waited_for(extensions):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(extensions), OP_BUILD_LOCK,
-                               str(TORCH_LOCK)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(extensions), OP_BUILD_LOCK, str(TORCH_LOCK)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     runner = None
     try:
         assert holder.stdout.readline() == "holding\n"
-        runner = subprocess.Popen([sys.executable, "-c", START], env=start_env(extensions),
-                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+        runner = subprocess.Popen(
+            [sys.executable, "-c", START],
+            env=start_env(extensions),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         waiting = f"waiting for another process building DeepSpeed's C++ ops in {extensions}\n"
         seen = []
         while (line := runner.stderr.readline()) and line != waiting:
             seen.append(line)
         assert line == waiting, "".join(seen)[-3000:]
         time.sleep(1.0)
-        assert runner.poll() is None          # still waiting while the holder lives
+        assert runner.poll() is None  # still waiting while the holder lives
         holder.stdin.close()
         assert holder.wait(timeout=30) == 0
         out, err = runner.communicate(timeout=120)
         assert runner.returncode == 0, err[-3000:]
         assert out.splitlines()[-1] == "(0, 1)"
-        assert "removing" not in err          # the finished build's lock was not stale
+        assert "removing" not in err  # the finished build's lock was not stale
     finally:
         for p in (holder, runner):
             if p is not None and p.poll() is None:

@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from pipeline.errors import Interrupted
 from pipeline.cluster.signals import DUPLICATE_WINDOW_S, RaiseOnSignal, StopSignal
+from pipeline.errors import Interrupted
 
 
 def later(handler) -> None:
@@ -19,20 +19,23 @@ def later(handler) -> None:
 def test_training_a_repeated_sigterm_within_the_window_is_the_same_request():
     with StopSignal() as stop:
         signal.raise_signal(signal.SIGTERM)
-        signal.raise_signal(signal.SIGTERM)        # the job script's trap, right after Slurm
+        signal.raise_signal(signal.SIGTERM)  # the job script's trap, right after Slurm
         assert stop.received == "SIGTERM"
 
 
-@pytest.mark.parametrize("first, second, code", [
-    (signal.SIGTERM, signal.SIGTERM, 143),
-    (signal.SIGINT, signal.SIGINT, 130),
-    (signal.SIGTERM, signal.SIGINT, 130),
-    (signal.SIGINT, signal.SIGTERM, 143),
-])
+@pytest.mark.parametrize(
+    "first, second, code",
+    [
+        (signal.SIGTERM, signal.SIGTERM, 143),
+        (signal.SIGINT, signal.SIGINT, 130),
+        (signal.SIGTERM, signal.SIGINT, 130),
+        (signal.SIGINT, signal.SIGTERM, 143),
+    ],
+)
 def test_training_a_second_signal_stops_at_once(first, second, code):
     with StopSignal() as stop:
         signal.raise_signal(first)
-        assert stop.received == first.name          # the first only asks for a checkpoint
+        assert stop.received == first.name  # the first only asks for a checkpoint
         later(stop)
         with pytest.raises(Interrupted, match="stopped at once by a second signal") as e:
             signal.raise_signal(second)
@@ -43,7 +46,7 @@ def test_a_quick_ctrl_c_after_sigterm_stops_at_once():
     with StopSignal():
         signal.raise_signal(signal.SIGTERM)
         with pytest.raises(Interrupted, match="second signal"):
-            signal.raise_signal(signal.SIGINT)      # impatience needs no waiting
+            signal.raise_signal(signal.SIGINT)  # impatience needs no waiting
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -54,11 +57,11 @@ def test_outside_training_a_second_signal_cuts_the_cleanup_short(sig, code):
             signal.raise_signal(sig)
         assert "stopped by" in str(first.value)
         if sig == signal.SIGTERM:
-            signal.raise_signal(sig)                # a duplicate: the cleanup goes on
+            signal.raise_signal(sig)  # a duplicate: the cleanup goes on
             cleaned.append("duplicate ignored")
         later(handler)
         with pytest.raises(Interrupted, match="stopped at once") as second:
-            signal.raise_signal(sig)                # while the first one unwinds
+            signal.raise_signal(sig)  # while the first one unwinds
             cleaned.append("never")
     assert second.value.exit_code == code
     assert cleaned == (["duplicate ignored"] if sig == signal.SIGTERM else [])
@@ -79,8 +82,8 @@ def test_sighup_is_taken_as_sigterm():
     try:
         with StopSignal() as stop:
             signal.raise_signal(signal.SIGHUP)
-            assert stop.received == "SIGHUP"            # a checkpoint, then stop
-            signal.raise_signal(signal.SIGHUP)          # delivered twice: the same request
+            assert stop.received == "SIGHUP"  # a checkpoint, then stop
+            signal.raise_signal(signal.SIGHUP)  # delivered twice: the same request
         with RaiseOnSignal():
             with pytest.raises(Interrupted, match="stopped by SIGHUP") as e:
                 signal.raise_signal(signal.SIGHUP)

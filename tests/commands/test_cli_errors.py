@@ -12,23 +12,26 @@ from pipeline.commands.cli import main
 QUICKSTART = "configs/quickstart.yaml"
 
 
-@pytest.mark.parametrize("args, names", [
-    (["run"], "'CONFIG'"),
-    (["run", QUICKSTART, "--bogus"], "'--bogus'"),
-    (["--bogus"], "'--bogus'"),
-    (["nope"], "'nope'"),
-    (["launch", "slurm", QUICKSTART], "'--nodes'"),
-    (["launch", "slurm", QUICKSTART, "--nodes", "x\ny", "--gpus-per-node", "1"], "'--nodes'"),
-    (["sample", QUICKSTART, "--prompt", "x", "--tokens", "-1"], "'--tokens'"),
-    (["compare", "--format", "xml"], "'--format'"),
-    (["sweep", QUICKSTART, "--parallel"], "'--parallel'"),
-    ([], "missing command"),
-    (["--"], "Missing command"),
-    (["validate", ""], "'CONFIG'"),
-    (["validate", "-"], "'CONFIG'"),
-    (["export", QUICKSTART, "--out", "-"], "'--out'"),
-    (["launch"], "missing command, one of: slurm"),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["run"], "'CONFIG'"),
+        (["run", QUICKSTART, "--bogus"], "'--bogus'"),
+        (["--bogus"], "'--bogus'"),
+        (["nope"], "'nope'"),
+        (["launch", "slurm", QUICKSTART], "'--nodes'"),
+        (["launch", "slurm", QUICKSTART, "--nodes", "x\ny", "--gpus-per-node", "1"], "'--nodes'"),
+        (["sample", QUICKSTART, "--prompt", "x", "--tokens", "-1"], "'--tokens'"),
+        (["compare", "--format", "xml"], "'--format'"),
+        (["sweep", QUICKSTART, "--parallel"], "'--parallel'"),
+        ([], "missing command"),
+        (["--"], "Missing command"),
+        (["validate", ""], "'CONFIG'"),
+        (["validate", "-"], "'CONFIG'"),
+        (["export", QUICKSTART, "--out", "-"], "'--out'"),
+        (["launch"], "missing command, one of: slurm"),
+    ],
+)
 def test_a_command_line_mistake_is_one_error_line_naming_it(args, names):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
@@ -39,8 +42,9 @@ def test_a_command_line_mistake_is_one_error_line_naming_it(args, names):
     assert "Usage:" not in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["launch", "-h"],
-                                  ["launch", "slurm", "--help"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["run", "--help"], ["launch", "-h"], ["launch", "slurm", "--help"]]
+)
 def test_help_is_still_clicks_usage_and_options(args):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0
@@ -48,17 +52,31 @@ def test_help_is_still_clicks_usage_and_options(args):
 
 
 def test_debug_still_raises_a_pipeline_error_from_a_subgroups_command(tmp_path):
-    result = CliRunner().invoke(main, ["--debug", "launch", "slurm", str(tmp_path / "no.yaml"),
-                                       "--nodes", "1", "--gpus-per-node", "1"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "--debug",
+            "launch",
+            "slurm",
+            str(tmp_path / "no.yaml"),
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+        ],
+    )
     assert result.exit_code == 1 and "no such file" in str(result.exception)
 
 
-@pytest.mark.parametrize("args, shown", [
-    (["validate", "a\nb.yaml"], "a\\nb.yaml: no such file"),
-    (["run", QUICKSTART, "--dry-run", "--only", "a\nb"], "--only a\\nb: no such stage kind"),
-    (["sweep", QUICKSTART, "--dry-run", "--grid", "a\nb"], "--grid a\\nb: expected KEY="),
-    (["sweep", QUICKSTART, "--dry-run", "--seeds", "1\n2"], "--seeds 1\\n2: expected"),
-])
+@pytest.mark.parametrize(
+    "args, shown",
+    [
+        (["validate", "a\nb.yaml"], "a\\nb.yaml: no such file"),
+        (["run", QUICKSTART, "--dry-run", "--only", "a\nb"], "--only a\\nb: no such stage kind"),
+        (["sweep", QUICKSTART, "--dry-run", "--grid", "a\nb"], "--grid a\\nb: expected KEY="),
+        (["sweep", QUICKSTART, "--dry-run", "--seeds", "1\n2"], "--seeds 1\\n2: expected"),
+    ],
+)
 def test_a_value_holding_a_newline_is_shown_escaped_in_its_one_error_line(args, shown):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
@@ -67,18 +85,44 @@ def test_a_value_holding_a_newline_is_shown_escaped_in_its_one_error_line(args, 
     assert shown in lines[0]
 
 
-
-@pytest.mark.parametrize("args, names", [
-    (["validate", "a\x00b"], "'CONFIG'"),
-    (["validate", "x" * 5000], "'CONFIG'"),
-    (["export", QUICKSTART, "--out", "a\x00b"], "'--out'"),
-    (["launch", "slurm", QUICKSTART, "--nodes", "1", "--gpus-per-node", "1",
-      "--output", "x" * 5000], "'--output'"),
-    (["launch", "slurm", QUICKSTART, "--nodes", "1", "--gpus-per-node", "1",
-      "--output", "/proc/x/job.sbatch"], "--output /proc/x/job.sbatch: cannot write"),
-    (["compare", "x" * 5000], "no tracking store"),   # not a file: an experiment's name
-    (["validate", "/dev/zero"], "/dev/zero: not a file"),   # read forever, until OOM
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["validate", "a\x00b"], "'CONFIG'"),
+        (["validate", "x" * 5000], "'CONFIG'"),
+        (["export", QUICKSTART, "--out", "a\x00b"], "'--out'"),
+        (
+            [
+                "launch",
+                "slurm",
+                QUICKSTART,
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "1",
+                "--output",
+                "x" * 5000,
+            ],
+            "'--output'",
+        ),
+        (
+            [
+                "launch",
+                "slurm",
+                QUICKSTART,
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "1",
+                "--output",
+                "/proc/x/job.sbatch",
+            ],
+            "--output /proc/x/job.sbatch: cannot write",
+        ),
+        (["compare", "x" * 5000], "no tracking store"),  # not a file: an experiment's name
+        (["validate", "/dev/zero"], "/dev/zero: not a file"),  # read forever, until OOM
+    ],
+)
 def test_a_name_no_file_can_have_or_a_device_is_one_error_line(args, names):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, (result.exception, result.output)

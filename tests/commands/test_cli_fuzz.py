@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.cli_fuzz import Case, build_world, fuzz, run_case
 from tests.helpers.path_fuzz import fuzz_paths
 
@@ -32,8 +33,20 @@ def test_every_command_refuses_bad_input_in_one_line_and_leaves_files_alone(worl
     assert len(outcomes) >= CASES
     # every command was exercised, and some of each command's cases got through
     commands = {o.command for o in outcomes}
-    assert commands >= {"validate", "show", "run", "run --dry-run", "sweep", "compare",
-                        "sample", "export", "sync", "launch slurm", "stages", "junk"}
+    assert commands >= {
+        "validate",
+        "show",
+        "run",
+        "run --dry-run",
+        "sweep",
+        "compare",
+        "sample",
+        "export",
+        "sync",
+        "launch slurm",
+        "stages",
+        "junk",
+    }
     # Hypothesis's derandomized draw is not the same from one machine to the next (its engine
     # paces generation by time), so a command may miss a case that gets through in one run:
     # one ordinary invocation each, checked like the drawn cases, says the command still
@@ -42,21 +55,26 @@ def test_every_command_refuses_bad_input_in_one_line_and_leaves_files_alone(worl
     for command, args in ORDINARY_CASES.items():
         if command not in got_through:
             out = Path(tempfile.mkdtemp()) / "exported"
-            outcome = run_case(Case(command, [a.format(tiny=world.tiny, out=out) for a in args],
-                                    [world.root]), world.root)
+            outcome = run_case(
+                Case(command, [a.format(tiny=world.tiny, out=out) for a in args], [world.root]),
+                world.root,
+            )
             assert outcome.problem is None and outcome.exit_code == 0, outcome
 
 
 ORDINARY_CASES = {
-    "validate": ["validate", "{tiny}"], "show": ["show", "{tiny}"],
-    "run": ["run", "{tiny}"], "run --dry-run": ["run", "{tiny}", "--dry-run"],
-    "sweep": ["sweep", "{tiny}", "--seeds", "1,2", "--dry-run"], "compare": ["compare", "tiny"],
+    "validate": ["validate", "{tiny}"],
+    "show": ["show", "{tiny}"],
+    "run": ["run", "{tiny}"],
+    "run --dry-run": ["run", "{tiny}", "--dry-run"],
+    "sweep": ["sweep", "{tiny}", "--seeds", "1,2", "--dry-run"],
+    "compare": ["compare", "tiny"],
     "sample": ["sample", "{tiny}", "--prompt", "def ", "--tokens", "3"],
     "export": ["export", "{tiny}", "--out", "{out}"],
 }
 """One invocation of each command that must get through (exit 0) on the tiny world."""
 
-PATH_CASES = 30      # bench/fuzz.py --paths 1000 runs the full figure
+PATH_CASES = 30  # bench/fuzz.py --paths 1000 runs the full figure
 
 
 @pytest.mark.slow

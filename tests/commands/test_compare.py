@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 import stages
 from pipeline.commands.cli import main
-from pipeline.workspace.runner import Runner
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import MlflowTracker, tracking_uri
+from pipeline.workspace.runner import Runner
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
 
@@ -28,7 +28,7 @@ def test_bpc(seed: int, lr: float) -> float:
     return round(1.0 + lr * 100 + seed / 100, 6)
 
 
-test_bpc.__test__ = False    # a helper, not a test
+test_bpc.__test__ = False  # a helper, not a test
 
 
 @pytest.fixture
@@ -57,11 +57,13 @@ def stand_ins(monkeypatch):
                 bpc = test_bpc(spec.train.seed, spec.train.optimizer.lr)
                 ctx.tracker.log_metrics({"valid_bpc": bpc - 0.1, "test_bpc": bpc}, step=0)
             return {}
+
         return run
 
     for name in ORDER:
-        monkeypatch.setitem(stages.STAGES, name,
-                            dataclasses.replace(stages.STAGES[name], run=make(name)))
+        monkeypatch.setitem(
+            stages.STAGES, name, dataclasses.replace(stages.STAGES[name], run=make(name))
+        )
     return fail
 
 
@@ -77,8 +79,8 @@ model: {{kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 4, m
 train: {{steps: 6, batch_size: 2, seq_len: 8, seed: 1,
         optimizer: {{type: adam, lr: 1.0e-3, clip: global, clip_norm: 1.0}}}}
 finetune: {{steps: 2}}
-tracking: {{uri: "{(tmp_path / 'store').as_uri()}", experiment: pipe}}
-workspace: {{root: {tmp_path / 'runs'}}}
+tracking: {{uri: "{(tmp_path / "store").as_uri()}", experiment: pipe}}
+workspace: {{root: {tmp_path / "runs"}}}
 paper: {{table: "a paper, table 9", parameters: 12000, results: {{test_bpc: 1.05}}}}
 stages: [download, preprocess, train, finetune, evaluate]
 """)
@@ -98,8 +100,9 @@ def _seed(overrides) -> str:
 
 
 def _lr(overrides) -> str:
-    return next((o.split("=")[1] for o in overrides
-                 if o.startswith("train.optimizer.lr=")), "0.001")
+    return next(
+        (o.split("=")[1] for o in overrides if o.startswith("train.optimizer.lr=")), "0.001"
+    )
 
 
 def compare(cfg_or_args, *args, code=0):
@@ -120,32 +123,42 @@ def test_json_rows_values_and_groups(three_seeds_two_lrs, tmp_path, monkeypatch)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
     groups = json.loads(compare(["compare", "--format", "json"]))
     assert [(g["params"]["train.optimizer.lr"], g["n"], g["status"]) for g in groups] == [
-        ("0.001", 3, "finished"), ("0.002", 3, "finished")]
+        ("0.001", 3, "finished"),
+        ("0.002", 3, "finished"),
+    ]
     for g in groups:
         lr = float(g["params"]["train.optimizer.lr"])
         values = [test_bpc(s, lr) for s in (1, 2, 3)]
-        assert g["metrics"]["test_bpc"] == {"mean": pytest.approx(statistics.fmean(values)),
-                                            "std": pytest.approx(statistics.stdev(values)),
-                                            "n": 3}
+        assert g["metrics"]["test_bpc"] == {
+            "mean": pytest.approx(statistics.fmean(values)),
+            "std": pytest.approx(statistics.stdev(values)),
+            "n": 3,
+        }
         assert sorted(r["seed"] for r in g["runs"]) == ["1", "2", "3"]
-        assert {r["steps"] for r in g["runs"]} == {8}            # 6 train + 2 finetune
+        assert {r["steps"] for r in g["runs"]} == {8}  # 6 train + 2 finetune
         assert {r["tokens"] for r in g["runs"]} == {8 * 2 * 8}
         assert {r["parameters"] for r in g["runs"]} == {12345}
         assert g["paper"]["results"] == {"test_bpc": 1.05}
         assert g["paper"]["difference"]["test_bpc"] == pytest.approx(
-            statistics.fmean(values) - 1.05)
+            statistics.fmean(values) - 1.05
+        )
 
 
-def test_table_folds_equal_columns_and_prints_the_paper_row(three_seeds_two_lrs, tmp_path,
-                                                             monkeypatch):
+def test_table_folds_equal_columns_and_prints_the_paper_row(
+    three_seeds_two_lrs, tmp_path, monkeypatch
+):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
     out = compare(["compare", "--metric", "test_bpc"])
     print(out)
     # the wall time of these sub-second runs may or may not be equal: leave it out
-    lines = [line.replace("; wall: 0s", "").replace("wall", "").replace(" 0s ", " ")
-             for line in out.splitlines()]
-    assert lines[0].startswith("equal in every row: status: finished; n: 3; seeds: 1,2,3; "
-                               "model: allattn; parameters: 12,345; steps: 8; tokens: 128")
+    lines = [
+        line.replace("; wall: 0s", "").replace("wall", "").replace(" 0s ", " ")
+        for line in out.splitlines()
+    ]
+    assert lines[0].startswith(
+        "equal in every row: status: finished; n: 3; seeds: 1,2,3; "
+        "model: allattn; parameters: 12,345; steps: 8; tokens: 128"
+    )
     header = lines[1].split()
     assert header == ["name", "train.optimizer.lr", "test_bpc"]
     mean = statistics.fmean(test_bpc(s, 0.002) for s in (1, 2, 3))
@@ -153,13 +166,21 @@ def test_table_folds_equal_columns_and_prints_the_paper_row(three_seeds_two_lrs,
     row = lines[4].split()
     assert row[:2] == ["pipe-lr0.002", "0.002"]
     assert row[2:] == [f"{mean:.4g}", "±", f"{std:.2g}"]
-    assert lines[5].split()[:7] == ["published:", "a", "paper,", "table", "9,", "12,000",
-                                    "parameters"]
+    assert lines[5].split()[:7] == [
+        "published:",
+        "a",
+        "paper,",
+        "table",
+        "9,",
+        "12,000",
+        "parameters",
+    ]
     assert lines[5].split()[-2:] == ["1.05", f"({mean - 1.05:+.3g})"]
 
 
-def test_plot_draws_each_runs_curves_by_step_tokens_and_time(three_seeds_two_lrs, tmp_path,
-                                                            monkeypatch):
+def test_plot_draws_each_runs_curves_by_step_tokens_and_time(
+    three_seeds_two_lrs, tmp_path, monkeypatch
+):
     from pipeline.commands.compare import collect, open_store
     from pipeline.commands.plots import curves
 
@@ -171,49 +192,56 @@ def test_plot_draws_each_runs_curves_by_step_tokens_and_time(three_seeds_two_lrs
     row = collect(client, filter_string="params.`train.seed` = '1'")[0]
     data = curves(client, row)
     assert [(p["step"], p["tokens"], p["value"]) for p in data["loss"]] == (
-        [(s, s * 16, 2.0 / s) for s in range(1, 7)] + [(7, 112, 0.5), (8, 128, 0.5)])
+        [(s, s * 16, 2.0 / s) for s in range(1, 7)] + [(7, 112, 0.5), (8, 128, 0.5)]
+    )
     assert [(p["step"], p["value"]) for p in data["valid_bpc"]] == [(3, 1.0), (6, 0.5)]
     minutes = [p["minutes"] for p in data["loss"]]
     assert minutes[0] == 0 and minutes == sorted(minutes)
 
 
-def test_plot_to_a_place_it_cannot_write_is_one_line_and_leaves_nothing(cfg, stand_ins,
-                                                                       tmp_path, monkeypatch):
+def test_plot_to_a_place_it_cannot_write_is_one_line_and_leaves_nothing(
+    cfg, stand_ins, tmp_path, monkeypatch
+):
     pipeline(cfg, "train.seed=1")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
     (tmp_path / "a_file").write_text("mine")
     unwritable = tmp_path / "a_file" / "curves.png"
     result = CliRunner().invoke(main, ["compare", "--plot", str(unwritable)])
     assert result.exit_code == 2, result.output
-    assert result.stderr == (f"error: --plot {unwritable}: cannot write the picture: File "
-                             f"exists ({tmp_path / 'a_file'})\n")
+    assert result.stderr == (
+        f"error: --plot {unwritable}: cannot write the picture: File "
+        f"exists ({tmp_path / 'a_file'})\n"
+    )
     assert (tmp_path / "a_file").read_text() == "mine"
     no_format = tmp_path / "curves.xyz"
     result = CliRunner().invoke(main, ["compare", "--plot", str(no_format)])
     assert result.exit_code == 2, result.output
-    assert result.output.startswith(f"error: --plot {no_format}: no image format is called "
-                                    f".xyz; name a .png, .svg or .pdf file (or .avif, ")
+    assert result.output.startswith(
+        f"error: --plot {no_format}: no image format is called "
+        f".xyz; name a .png, .svg or .pdf file (or .avif, "
+    )
     assert len(result.output.splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "pipe.yaml", "runs", "store"]
 
 
-def test_plot_without_an_extension_is_a_png_at_that_name(cfg, stand_ins, tmp_path,
-                                                         monkeypatch):
+def test_plot_without_an_extension_is_a_png_at_that_name(cfg, stand_ins, tmp_path, monkeypatch):
     pipeline(cfg, "train.seed=1")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
     compare(["compare", "--plot", str(tmp_path / "curves")])
     assert (tmp_path / "curves").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_csv_keeps_every_column_and_filter_uses_mlflow_syntax(three_seeds_two_lrs, tmp_path,
-                                                              monkeypatch):
+def test_csv_keeps_every_column_and_filter_uses_mlflow_syntax(
+    three_seeds_two_lrs, tmp_path, monkeypatch
+):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
     out = compare(["compare", "--format", "csv", "--filter", "params.`train.seed` = '2'"])
     rows = list(csv.DictReader(io.StringIO(out)))
     runs = [r for r in rows if r["status"] != "published"]
     assert [(r["train.optimizer.lr"], r["seeds"], r["n"], r["test_bpc"]) for r in runs] == [
         ("0.001", "2", "1", f"{test_bpc(2, 0.001):.4g}"),
-        ("0.002", "2", "1", f"{test_bpc(2, 0.002):.4g}")]
+        ("0.002", "2", "1", f"{test_bpc(2, 0.002):.4g}"),
+    ]
 
 
 def test_failed_and_killed_runs_show_as_such(cfg, stand_ins, tmp_path, monkeypatch):
@@ -226,41 +254,50 @@ def test_failed_and_killed_runs_show_as_such(cfg, stand_ins, tmp_path, monkeypat
         pipeline(cfg, "train.seed=3")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
     groups = json.loads(compare(["compare", "--format", "json"]))
-    assert [(g["name"], g["status"], g["metrics"].get("test_bpc", {}).get("mean"))
-            for g in groups] == [("pipe-seed1-lr0.001", "finished", test_bpc(1, 0.001)),
-                                 ("pipe-seed2-lr0.001", "failed", None),
-                                 ("pipe-seed3-lr0.001", "killed", None)]
+    assert [
+        (g["name"], g["status"], g["metrics"].get("test_bpc", {}).get("mean")) for g in groups
+    ] == [
+        ("pipe-seed1-lr0.001", "finished", test_bpc(1, 0.001)),
+        ("pipe-seed2-lr0.001", "failed", None),
+        ("pipe-seed3-lr0.001", "killed", None),
+    ]
     # the killed one resumed: one row for its workspace, both pipeline runs behind it
     stand_ins.clear()
     pipeline(cfg, "train.seed=3")
-    groups = json.loads(compare(["compare", "--format", "json", "--filter",
-                                 "params.`train.seed` = '3'"]))
-    assert [(g["status"], len(g["runs"][0]["run_ids"]), g["metrics"]["test_bpc"]["mean"])
-            for g in groups] == [("finished", 2, test_bpc(3, 0.001))]
+    groups = json.loads(
+        compare(["compare", "--format", "json", "--filter", "params.`train.seed` = '3'"])
+    )
+    assert [
+        (g["status"], len(g["runs"][0]["run_ids"]), g["metrics"]["test_bpc"]["mean"])
+        for g in groups
+    ] == [("finished", 2, test_bpc(3, 0.001))]
 
 
 def test_a_config_names_its_runs_and_a_missing_store_is_one_line(cfg, stand_ins, tmp_path):
     spec = load_spec(cfg, [])
     Runner(spec, log=lambda m: None).run(MlflowTracker(spec.tracking.uri, warn=print))
     Runner(load_spec(cfg, ["train.seed=5"]), log=lambda m: None).run(
-        MlflowTracker(spec.tracking.uri, warn=print))
-    out = json.loads(compare(["compare", str(cfg), "--set", "train.seed=5", "--format",
-                              "json"]))
+        MlflowTracker(spec.tracking.uri, warn=print)
+    )
+    out = json.loads(compare(["compare", str(cfg), "--set", "train.seed=5", "--format", "json"]))
     assert [(g["name"], g["runs"][0]["seed"]) for g in out] == [("pipe", "5")]
     missing = tmp_path / "none" / "mlflow.db"
     err = compare(["compare", str(cfg), "--set", f"tracking.uri=sqlite:///{missing}"], code=2)
-    assert err == (f"error: no tracking store at {missing}: no pipeline has run with it "
-                   f"(name a CONFIG, or set MLFLOW_TRACKING_URI)\n")
+    assert err == (
+        f"error: no tracking store at {missing}: no pipeline has run with it "
+        f"(name a CONFIG, or set MLFLOW_TRACKING_URI)\n"
+    )
     assert not missing.parent.exists()
 
 
 def test_show_prints_the_paper_row(cfg):
     out = compare(["show", str(cfg)])
-    assert out.splitlines()[-1] == ("published: test_bpc 1.05 with 0.012M parameters "
-                                    "(a paper, table 9)")
+    assert out.splitlines()[-1] == (
+        "published: test_bpc 1.05 with 0.012M parameters (a paper, table 9)"
+    )
 
 
-PUBLISHED = {   # PAPERS.md: the all-attention paper's tables 1-3
+PUBLISHED = {  # PAPERS.md: the all-attention paper's tables 1-3
     "enwik8_small.yaml": {"test_bpc": 1.01},
     "enwik8_large.yaml": {"test_bpc": 0.98},
     "text8_small.yaml": {"valid_bpc": 1.05, "test_bpc": 1.11},
@@ -270,11 +307,18 @@ PUBLISHED = {   # PAPERS.md: the all-attention paper's tables 1-3
     "baselines/enwik8_transformer_large.yaml": {"test_bpc": 0.98},
     "baselines/text8_transformer_small.yaml": {"valid_bpc": 1.05, "test_bpc": 1.11},
     "baselines/text8_transformer_large.yaml": {"valid_bpc": 1.01, "test_bpc": 1.07},
-} | {   # the active-memory paper's table 1: test loss per token (its padded mean)
-    f"active_memory/wt103_{mixer}.yaml": {"test_paper_loss": loss} for mixer, loss in (
-        ("cgru", 1.6834), ("conv", 1.5358), ("persistent_conv", 1.5341),
-        ("highway_conv", 1.5327), ("self_attention", 1.5189), ("sa_conv", 1.4912),
-        ("sa_persistent_conv", 1.4905), ("sa_highway_conv", 1.4869))
+} | {  # the active-memory paper's table 1: test loss per token (its padded mean)
+    f"active_memory/wt103_{mixer}.yaml": {"test_paper_loss": loss}
+    for mixer, loss in (
+        ("cgru", 1.6834),
+        ("conv", 1.5358),
+        ("persistent_conv", 1.5341),
+        ("highway_conv", 1.5327),
+        ("self_attention", 1.5189),
+        ("sa_conv", 1.4912),
+        ("sa_persistent_conv", 1.4905),
+        ("sa_highway_conv", 1.4869),
+    )
 }
 
 
@@ -291,22 +335,25 @@ def test_every_paper_config_carries_its_published_row_and_the_ablations_none():
 
 
 def test_a_run_killed_without_a_word_shows_killed_and_its_resumption_marks_it(
-        cfg, stand_ins, tmp_path, monkeypatch):
+    cfg, stand_ins, tmp_path, monkeypatch
+):
     """kill -9 leaves MLflow's runs RUNNING: compare, finding the workspace's lock free,
     shows the attempt killed with the wall time it had; the next run marks it KILLED."""
     from mlflow.tracking import MlflowClient
 
     from pipeline.tracking.tracker import StageTracker
 
-    with monkeypatch.context() as m:           # no run hears of its end, as under kill -9
+    with monkeypatch.context() as m:  # no run hears of its end, as under kill -9
         m.setattr(StageTracker, "end", lambda self, status: None)
         stand_ins["finetune"] = KeyboardInterrupt()
         with pytest.raises(KeyboardInterrupt):
             pipeline(cfg)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
     client = MlflowClient((tmp_path / "store").as_uri())
-    assert {r.info.status for r in client.search_runs(
-        [client.get_experiment_by_name("pipe").experiment_id])} == {"RUNNING"}
+    assert {
+        r.info.status
+        for r in client.search_runs([client.get_experiment_by_name("pipe").experiment_id])
+    } == {"RUNNING"}
     first = json.loads(compare(["compare", "--format", "json"]))
     time.sleep(1.5)
     again = json.loads(compare(["compare", "--format", "json"]))
@@ -314,8 +361,10 @@ def test_a_run_killed_without_a_word_shows_killed_and_its_resumption_marks_it(
     assert again[0]["runs"][0]["wall_s"] == first[0]["runs"][0]["wall_s"] < 60
     stand_ins.clear()
     pipeline(cfg)
-    runs = client.search_runs([client.get_experiment_by_name("pipe").experiment_id],
-                              order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [client.get_experiment_by_name("pipe").experiment_id],
+        order_by=["attributes.start_time ASC"],
+    )
     # the dead attempt: its parent and 4 stage runs; the resumption: parent, finetune, evaluate
     assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3 + ["KILLED"] * 5
 
@@ -326,8 +375,11 @@ def test_a_damaged_store_is_one_line_and_left_as_it_was(cfg, stand_ins, tmp_path
     Runner(spec, log=lambda m: None).run(MlflowTracker(tracking_uri(spec), warn=print))
     db = tmp_path / "runs" / "mlflow.db"
     data = db.read_bytes()
-    db.write_bytes({"truncated": data[:len(data) // 3], "not a database": b"hello " * 100,
-                    "empty": b""}[damage])
+    db.write_bytes(
+        {"truncated": data[: len(data) // 3], "not a database": b"hello " * 100, "empty": b""}[
+            damage
+        ]
+    )
     before = db.read_bytes()
     err = compare(["compare", str(cfg), "--set", "tracking.uri=null"], code=2)
     assert err.startswith(f"error: {db}: ") and err.count("\n") == 1, err

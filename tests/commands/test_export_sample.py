@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from pipeline.workspace.runner import Runner
     from pipeline.tracking.tracker import NullTracker
+    from pipeline.workspace.runner import Runner
 
     tmp = tmp_path_factory.mktemp("export")
     cfg = tmp / "tiny.yaml"
@@ -32,7 +32,7 @@ model: {{kind: allattn, d_model: 32, n_layers: 2, n_heads: 2, n_persistent: 8, m
 train: {{steps: 30, batch_size: 8, seq_len: 32, log_every: 10, checkpoint_every: 30,
         optimizer: {{type: adam, lr: 0.01, warmup_steps: 4, clip: global, clip_norm: 1.0}}}}
 tracking: {{enabled: false}}
-workspace: {{root: {tmp / 'runs'}}}
+workspace: {{root: {tmp / "runs"}}}
 stages: [download, preprocess, train]
 """)
     Runner(load_spec(cfg, []), log=lambda m: None).run(NullTracker())
@@ -46,14 +46,18 @@ def cli(*args) -> str:
 
 
 def test_an_export_loads_with_one_call_and_gives_the_checkpoints_logits(trained, tmp_path):
-    from pipeline.training.checkpoints import load_model_weights
-    from pipeline.data.manifest import load_manifest, load_split
     from pipeline.commands.export import load_exported
+    from pipeline.data.manifest import load_manifest, load_split
+    from pipeline.training.checkpoints import load_model_weights
 
     out = tmp_path / "export"
     cli("export", trained, "--out", out)
-    assert sorted(p.name for p in out.iterdir()) == [".allattn-export", "config.json",
-                                                      "model.safetensors", "vocab.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".allattn-export",
+        "config.json",
+        "model.safetensors",
+        "vocab.json",
+    ]
     spec = load_spec(trained, [])
     preprocess = spec.workspace_dir / "preprocess"
     manifest = load_manifest(preprocess)
@@ -78,9 +82,11 @@ def test_export_refuses_a_directory_holding_other_files(trained, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     result = CliRunner().invoke(main, ["export", str(trained), "--out", str(tmp_path)])
     assert result.exit_code == 2
-    assert result.output == (f"error: --out {tmp_path}: exists and holds other files, and is "
-                             f"not an earlier export (no .allattn-export file in it); name a "
-                             f"new directory or an earlier export's\n")
+    assert result.output == (
+        f"error: --out {tmp_path}: exists and holds other files, and is "
+        f"not an earlier export (no .allattn-export file in it); name a "
+        f"new directory or an earlier export's\n"
+    )
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -95,7 +101,7 @@ def test_sample_continues_the_prompt_the_same_for_the_same_seed(trained):
     text = first.removesuffix("\n")
     assert text.startswith("def ") and len(text) == 4 + 40
     symbols = load_tokenizer(load_spec(trained, []).workspace_dir / "preprocess").symbols
-    assert set(text.encode()) <= set(symbols)      # a byte vocabulary: its bytes
+    assert set(text.encode()) <= set(symbols)  # a byte vocabulary: its bytes
 
 
 def test_sample_without_a_trained_model_is_one_line(tmp_path):
@@ -105,13 +111,14 @@ name: untrained
 dataset: python_docs
 model: {{kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 32}}
 train: {{steps: 2, batch_size: 2, seq_len: 8}}
-workspace: {{root: {tmp_path / 'runs'}}}
+workspace: {{root: {tmp_path / "runs"}}}
 stages: [download, preprocess, train]
 """)
     result = CliRunner().invoke(main, ["sample", str(cfg), "--prompt", "x"])
     assert result.exit_code == 2
-    assert result.output.startswith(f"error: {tmp_path / 'runs' / 'untrained' / 'preprocess'}"
-                                    f"/manifest.json: missing")
+    assert result.output.startswith(
+        f"error: {tmp_path / 'runs' / 'untrained' / 'preprocess'}/manifest.json: missing"
+    )
 
 
 class Planted:
@@ -133,14 +140,18 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused(trained, tmp_path, 
     ckpt.mkdir(parents=True)
     torch.save({"module": Planted(planted)}, ckpt / "mp_rank_00_model_states.pt")
     torch.save({"step": 30}, ckpt / "trainer-rank0.pt")
-    write_checksums(ckpt)                     # intact as far as its checksums can tell
+    write_checksums(ckpt)  # intact as far as its checksums can tell
     args = {"sample": ["--prompt", "def "], "export": ["--out", tmp_path / "out"]}[command]
-    result = CliRunner().invoke(main, [command, str(trained), "--checkpoint", str(ckpt),
-                                       *map(str, args)])
+    result = CliRunner().invoke(
+        main, [command, str(trained), "--checkpoint", str(ckpt), *map(str, args)]
+    )
     assert result.exit_code == 2, result.output
-    assert re.fullmatch(rf"error: {re.escape(str(ckpt / 'mp_rank_00_model_states.pt'))}: "
-                        rf"refused, not a checkpoint this pipeline writes \(it would build "
-                        rf"\S*open\); .*\n", result.output), result.output
+    assert re.fullmatch(
+        rf"error: {re.escape(str(ckpt / 'mp_rank_00_model_states.pt'))}: "
+        rf"refused, not a checkpoint this pipeline writes \(it would build "
+        rf"\S*open\); .*\n",
+        result.output,
+    ), result.output
     assert not planted.exists()
     assert not (tmp_path / "out").exists()
 
@@ -178,32 +189,35 @@ def test_tokens_come_out_as_they_are_generated():
     assert model.blocks == [1, 1, 1]
 
 
-@pytest.mark.parametrize("option, value, error", [
-    ("--temperature", "nan", "--temperature nan: expected a finite number >= 0"),
-    ("--temperature", "inf", "--temperature inf: expected a finite number >= 0"),
-    ("--tokens", "1000000000", "--tokens 1,000,000,000: at most 100,000, each a forward pass "
-                               "of the model"),
-])
-def test_sample_refuses_what_it_cannot_do_in_one_line(trained, option, value, error,
-                                                      monkeypatch):
+@pytest.mark.parametrize(
+    "option, value, error",
+    [
+        ("--temperature", "nan", "--temperature nan: expected a finite number >= 0"),
+        ("--temperature", "inf", "--temperature inf: expected a finite number >= 0"),
+        (
+            "--tokens",
+            "1000000000",
+            "--tokens 1,000,000,000: at most 100,000, each a forward pass of the model",
+        ),
+    ],
+)
+def test_sample_refuses_what_it_cannot_do_in_one_line(trained, option, value, error, monkeypatch):
     import pipeline.commands.export
 
     def loaded_too_soon(*args):
         raise AssertionError("the model was loaded for a sample that cannot be made")
+
     if option == "--tokens":
         monkeypatch.setattr(pipeline.commands.export, "trained_model", loaded_too_soon)
-    result = CliRunner().invoke(main, ["sample", str(trained), "--prompt", "def ", option,
-                                       value])
+    result = CliRunner().invoke(main, ["sample", str(trained), "--prompt", "def ", option, value])
     assert result.exit_code == 2, result.output
     assert result.output == f"error: {error}\n"
-
 
 
 def test_export_to_a_place_it_cannot_write_is_one_line(trained, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("mine")
-    result = CliRunner().invoke(main, ["export", str(trained), "--out",
-                                       str(blocker / "export")])
+    result = CliRunner().invoke(main, ["export", str(trained), "--out", str(blocker / "export")])
     assert result.exit_code == 2, result.output
     assert result.output == f"error: --out {blocker}: cannot write there: Not a directory\n"
     assert blocker.read_text() == "mine"
@@ -211,16 +225,27 @@ def test_export_to_a_place_it_cannot_write_is_one_line(trained, tmp_path):
 
 def test_a_checkpoint_that_does_not_fit_the_config_names_the_difference(trained):
     ws = load_spec(trained, []).workspace_dir
-    result = CliRunner().invoke(main, ["export", str(trained), "--set", "model.d_model=48",
-                                       "--out", str(trained.parent / "never")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "export",
+            str(trained),
+            "--set",
+            "model.d_model=48",
+            "--out",
+            str(trained.parent / "never"),
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert len(result.output.splitlines()) == 1
     assert result.output.startswith(f"error: checkpoint {ws / 'train' / 'checkpoints'}/step-")
     assert " does not fit the config's model: " in result.output
     assert "has shape [" in result.output and "32] there, [" in result.output
-    assert result.output.endswith(f"; it was written with the model section recorded in "
-                                  f"{ws / 'train' / 'stage.json'} (model.d_model: 32 there, "
-                                  f"48 here)\n")
+    assert result.output.endswith(
+        f"; it was written with the model section recorded in "
+        f"{ws / 'train' / 'stage.json'} (model.d_model: 32 there, "
+        f"48 here)\n"
+    )
     assert not (trained.parent / "never").exists()
 
 
@@ -229,13 +254,16 @@ def test_another_stage_kinds_checkpoint_is_one_line(trained, tmp_path):
 
     ckpt = tmp_path / "checkpoints" / "step-00000001"
     ckpt.mkdir(parents=True)
-    torch.save({"model": {}, "epoch": 1}, ckpt / "state.pt")     # a curriculum checkpoint
+    torch.save({"model": {}, "epoch": 1}, ckpt / "state.pt")  # a curriculum checkpoint
     write_checksums(ckpt)
-    result = CliRunner().invoke(main, ["sample", str(trained), "--prompt", "x",
-                                       "--checkpoint", str(ckpt)])
+    result = CliRunner().invoke(
+        main, ["sample", str(trained), "--prompt", "x", "--checkpoint", str(ckpt)]
+    )
     assert result.exit_code == 2, result.output
-    assert result.output == (f"error: checkpoint {ckpt}: not a train or finetune checkpoint "
-                             f"(no model states file; it holds checksums.json, state.pt)\n")
+    assert result.output == (
+        f"error: checkpoint {ckpt}: not a train or finetune checkpoint "
+        f"(no model states file; it holds checksums.json, state.pt)\n"
+    )
 
 
 def test_sample_on_a_task_config_says_what_it_needs():
@@ -244,9 +272,11 @@ def test_sample_on_a_task_config_says_what_it_needs():
     cfg = PROJECT_ROOT / "configs" / "active_memory" / "sort.yaml"
     result = CliRunner().invoke(main, ["sample", str(cfg), "--prompt", "x"])
     assert result.exit_code == 2, result.output
-    assert result.output == (f"error: {cfg}: sample and export need a language model that "
-                             f"preprocess and train made; this config's stages are "
-                             f"curriculum, evaluate\n")
+    assert result.output == (
+        f"error: {cfg}: sample and export need a language model that "
+        f"preprocess and train made; this config's stages are "
+        f"curriculum, evaluate\n"
+    )
 
 
 @pytest.mark.parametrize("command", ["export", "sample"])
@@ -255,8 +285,9 @@ def test_an_empty_checkpoint_is_one_line_not_the_current_directory(trained, tmp_
     extra = ["--out", str(tmp_path / "out")] if command == "export" else ["--prompt", "x"]
     result = CliRunner().invoke(main, [command, str(trained), "--checkpoint", "", *extra])
     assert result.exit_code == 2, result.output
-    assert result.output == ("error: --checkpoint is empty: give latest, best, or a checkpoint "
-                             "directory\n")
+    assert result.output == (
+        "error: --checkpoint is empty: give latest, best, or a checkpoint directory\n"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -265,8 +296,10 @@ def _tree(root) -> dict:
     from pathlib import Path
 
     root = Path(root)
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def _refused(args, *names) -> str:
@@ -281,7 +314,8 @@ def _refused(args, *names) -> str:
 
 
 def test_export_through_a_missing_directory_and_dotdot_never_replaces_the_target(
-        trained, tmp_path, monkeypatch):
+    trained, tmp_path, monkeypatch
+):
     # `typo` does not exist: before, the check looked at `typo/../victim` (absent), then
     # export made `typo` and replaced victim's files, exit 0
     monkeypatch.chdir(tmp_path)
@@ -292,8 +326,9 @@ def test_export_through_a_missing_directory_and_dotdot_never_replaces_the_target
     assert _tree(tmp_path) == before
 
 
-def test_export_to_the_parent_of_a_missing_directory_deletes_nothing(trained, tmp_path,
-                                                                     monkeypatch):
+def test_export_to_the_parent_of_a_missing_directory_deletes_nothing(
+    trained, tmp_path, monkeypatch
+):
     # `g/..` is the current directory: before, every entry of it was deleted, then a traceback
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("mine")
@@ -317,11 +352,11 @@ def test_export_leaves_a_sibling_named_like_its_old_temporary_alone(trained, tmp
 @pytest.mark.parametrize("shape", ["names-only", "config-dir", "no-marker-export", "extra"])
 def test_export_replaces_only_an_earlier_export_its_marker_proves(trained, tmp_path, shape):
     out = tmp_path / "out"
-    if shape == "names-only":      # files merely named as an export's
+    if shape == "names-only":  # files merely named as an export's
         out.mkdir()
         for name in ("model.safetensors", "config.json", "vocab.json"):
             (out / name).write_text("not an export")
-    elif shape == "config-dir":    # before: deleted recursively, files and all
+    elif shape == "config-dir":  # before: deleted recursively, files and all
         (out / "config.json").mkdir(parents=True)
         (out / "config.json" / "precious.txt").write_text("mine")
     else:
@@ -343,6 +378,6 @@ def test_export_replaces_an_earlier_export_also_through_a_symlink(trained, tmp_p
     first = _tree(out)
     (tmp_path / "link").symlink_to(out)
     cli("export", trained, "--out", f"{tmp_path / 'link'}/.")
-    assert _tree(out) == first       # the same checkpoint: the same files, marker included
+    assert _tree(out) == first  # the same checkpoint: the same files, marker included
     assert (tmp_path / "link").is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out"]

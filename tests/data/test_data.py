@@ -10,7 +10,6 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from tests.conftest import find_shared_data
 
 from pipeline.data import (
     ShardError,
@@ -24,6 +23,7 @@ from pipeline.data import (
     write_shards,
 )
 from pipeline.fsutil import sha256_file
+from tests.conftest import find_shared_data
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,7 @@ def text() -> str:
         with open(shakespeare, encoding="utf-8") as f:
             return f.read(60_000)
     from pydoc_data.topics import topics
+
     return "\n".join(topics[k] for k in sorted(topics))[:60_000]
 
 
@@ -42,7 +43,7 @@ def text() -> str:
 
 
 def test_byte_vocab_round_trip(text):
-    data = text.encode("utf-8") + "naïve — ok".encode("utf-8")
+    data = text.encode("utf-8") + "naïve — ok".encode()
     v = Vocab.build("byte", data)
     assert v.symbols == sorted(set(data))
     ids = v.encode(data)
@@ -174,10 +175,19 @@ def test_shards_deterministic(byte_tokens, tmp_path):
     assert a == b == again
     for e in a:
         assert sha256_file(tmp_path / "a" / e["name"]) == sha256_file(tmp_path / "b" / e["name"])
-        assert (tmp_path / "a" / e["name"]).read_bytes() == (tmp_path / "b" / e["name"]).read_bytes()
+        assert (tmp_path / "a" / e["name"]).read_bytes() == (
+            tmp_path / "b" / e["name"]
+        ).read_bytes()
         with tarfile.open(tmp_path / "a" / e["name"]) as tf:
             for ti in tf.getmembers():
-                assert (ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname, ti.mode) == (0, 0, 0, "", "", 0o644)
+                assert (ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname, ti.mode) == (
+                    0,
+                    0,
+                    0,
+                    "",
+                    "",
+                    0o644,
+                )
     # a different input gives a different fingerprint
     c = _write(toks[::-1].copy(), tmp_path / "c")
     assert [e["sha256"] for e in c] != [e["sha256"] for e in a]
@@ -194,6 +204,7 @@ def test_shards_rewrite_removes_stale(byte_tokens, tmp_path):
 
 def test_shards_readable_by_webdataset(byte_tokens, tmp_path):
     import webdataset as wds
+
     toks = byte_tokens[:12_345]
     entries = _write(toks, tmp_path)
     urls = [str(tmp_path / e["name"]) for e in entries]
@@ -334,14 +345,15 @@ def test_stream_wraps_at_a_seeded_random_offset():
     in [0, seq_len), the same on every rank; the epoch then has the full segments left."""
     toks = np.arange(1_000, dtype=np.int32)
     T = 30
-    ranks = [StreamBatches(toks, batch_size=2, seq_len=T, world_size=2, rank=r, seed=7)
-             for r in range(2)]
+    ranks = [
+        StreamBatches(toks, batch_size=2, seq_len=T, world_size=2, rank=r, seed=7) for r in range(2)
+    ]
     sb = ranks[0]
     L = sb.stream_len
     assert L == 250 and sb.epoch_steps(0) == (L - 1) // T == 8
     offsets = [sb.epoch_offset(e) for e in range(40)]
     assert offsets[0] == 0 and all(0 <= o < T for o in offsets)
-    assert len(set(offsets[1:])) > 10                  # drawn, not a constant
+    assert len(set(offsets[1:])) > 10  # drawn, not a constant
     step = 0
     for e, off in enumerate(offsets):
         steps = (L - 1 - off) // T
@@ -349,9 +361,9 @@ def test_stream_wraps_at_a_seeded_random_offset():
         for k in range(steps):
             for r, rb in enumerate(ranks):
                 x, y = rb.batch(step + k)
-                first = (r * 2 + np.arange(2)) * L + off + k * T   # rows r*B .. r*B+B-1
+                first = (r * 2 + np.arange(2)) * L + off + k * T  # rows r*B .. r*B+B-1
                 assert x[:, 0].tolist() == first.tolist() and torch.equal(y, x + 1)
-                assert int(y[:, -1].max()) < (r * 2 + 2) * L        # never past the stream
+                assert int(y[:, -1].max()) < (r * 2 + 2) * L  # never past the stream
                 assert rb.epoch(step + k) == e and rb.starts_epoch(step + k) == (k == 0)
                 assert rb.offset(step + k) == off + k * T
         step += steps

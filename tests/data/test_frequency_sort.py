@@ -7,7 +7,13 @@ from collections import Counter
 import numpy as np
 
 from pipeline.data.frequency_sort import (
-    document, drifting_tokens, generate_split, mixture_ends, padding, separator, sort_by_count,
+    document,
+    drifting_tokens,
+    generate_split,
+    mixture_ends,
+    padding,
+    separator,
+    sort_by_count,
 )
 
 
@@ -24,9 +30,9 @@ def test_sort_by_count_orders_by_count_then_first_appearance_then_absent_by_inde
 
 def test_the_mixture_drifts_from_the_first_distribution_to_the_second():
     rng = np.random.default_rng(1)
-    start, end = np.eye(2)                   # symbol 0 only, then symbol 1 only
+    start, end = np.eye(2)  # symbol 0 only, then symbol 1 only
     tokens = drifting_tokens(rng, start, end, 20_000)
-    assert tokens[-1] == 1                   # r = 1 at the last position
+    assert tokens[-1] == 1  # r = 1 at the last position
     # P(symbol 1) at position j is (j + 1)/length: 0.05 on average over the first tenth
     assert abs(tokens[:2000].mean() - 0.05) < 0.015
     assert abs(tokens[-2000:].mean() - 0.95) < 0.015
@@ -36,7 +42,7 @@ def test_mixture_ends_are_normalised_integer_weights():
     p_start, p_end = mixture_ends(np.random.default_rng(2), 20, (1, 9))
     for p in (p_start, p_end):
         assert p.shape == (20,) and abs(p.sum() - 1) < 1e-12
-        ratios = p / p.min()                 # the weights over the smallest one, in [1, 9]
+        ratios = p / p.min()  # the weights over the smallest one, in [1, 9]
         assert ratios.max() <= 9 + 1e-9
 
 

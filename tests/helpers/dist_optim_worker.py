@@ -16,13 +16,13 @@ import torch
 
 from pipeline.cluster import distributed
 
-SHAPES = {           # offsets in a 2-rank flat buffer: "emb" straddles the partitions
+SHAPES = {  # offsets in a 2-rank flat buffer: "emb" straddles the partitions
     "weight": (7, 5),
     "bias": (5,),
     "emb": (11, 3),
     "vec": (13,),
     "cube": (2, 3, 4),
-    "frac": (3,),     # bounded to [0, 1] like the span fractions
+    "frac": (3,),  # bounded to [0, 1] like the span fractions
 }
 # loss = Σ_k c_k/2 · ‖p_k - x_k‖²: big c_k gives ‖g_k‖ above the clip, small c_k below it
 COEF = {"weight": 1.0, "bias": 1e-3, "emb": 0.5, "vec": 2e-4, "cube": 2e-3, "frac": 1.0}
@@ -34,8 +34,11 @@ CONFIGS = {
     "zero2": {"zero_optimization": {"stage": 2}},
     "zero3": {"zero_optimization": {"stage": 3}},
     "zero0_bf16": {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}},
-    "zero1_bf16_fp32acc": {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
-                           "data_types": {"grad_accum_dtype": "fp32"}},
+    "zero1_bf16_fp32acc": {
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+    },
     "zero2_bf16": {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}},
     "zero2_foreach": {"zero_optimization": {"stage": 2}},
 }
@@ -48,7 +51,8 @@ class Toy(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.p = torch.nn.ParameterDict(
-            {k: torch.nn.Parameter(torch.randn(s) * 0.5) for k, s in SHAPES.items()})
+            {k: torch.nn.Parameter(torch.randn(s) * 0.5) for k, s in SHAPES.items()}
+        )
         with torch.no_grad():
             self.p["frac"].fill_(0.5)
 
@@ -62,7 +66,7 @@ def data(step: int, rank: int, bf16: bool) -> dict[str, torch.Tensor]:
     lr·g/|g|, would then flip sign where the float64 reference does not."""
     gen = torch.Generator().manual_seed(1000 * step + (0 if bf16 else rank))
     xs = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
-    xs["frac"] -= 2.0          # pulls the bounded parameter below 0: the clamp must act
+    xs["frac"] -= 2.0  # pulls the bounded parameter below 0: the clamp must act
     return xs
 
 
@@ -76,7 +80,10 @@ def reference(init: dict, world: int, bf16: bool) -> tuple[list[dict], list[int]
     for step in range(STEPS):
         seen = {k: v.to(torch.bfloat16).double() if bf16 else v for k, v in p.items()}
         for k in SHAPES:
-            g = sum(COEF[k] * (seen[k] - data(step, r, bf16)[k].double()) for r in range(world)) / world
+            g = (
+                sum(COEF[k] * (seen[k] - data(step, r, bf16)[k].double()) for r in range(world))
+                / world
+            )
             acc[k] += g * g
             norm = g.norm().item()
             factor = min(1.0, CLIP / (norm + 1e-10))
@@ -93,10 +100,12 @@ def fp32_master(engine, name: str, param: torch.Tensor) -> torch.Tensor:
     full = safe_get_full_fp32_param(param)
     if full is not None:
         return full.detach().double().view(SHAPES[name])
-    if engine.optimizer is engine.basic_optimizer:       # ZeRO 0, fp32: the parameter itself
+    if engine.optimizer is engine.basic_optimizer:  # ZeRO 0, fp32: the parameter itself
         return param.detach().double()
     # ZeRO 0, bf16: DeepSpeed's unfused wrapper keeps one fp32 copy per parameter
-    for masters, params in zip(engine.optimizer.fp32_groups, engine.optimizer.fp16_groups, strict=False):
+    for masters, params in zip(
+        engine.optimizer.fp32_groups, engine.optimizer.fp16_groups, strict=False
+    ):
         for m, p in zip(masters, params, strict=False):
             if p is param:
                 return m.detach().double()
@@ -113,8 +122,10 @@ def straddling(engine, names: dict[int, str]) -> list[str]:
             if run.owner < len(layout.params):
                 key = id(layout.params[run.owner])
                 held[key] = held.get(key, 0) + run.length
-    sizes = {id(p): p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-             for p in engine.module.parameters()}
+    sizes = {
+        id(p): p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        for p in engine.module.parameters()
+    }
     return sorted(names[k] for k, n in held.items() if 0 < n < sizes[k])
 
 
@@ -131,6 +142,7 @@ def count_host_syncs(optimizer) -> dict:
         seen["steps"] += 1
         seen["syncs"] += counted.syncs
         return out
+
     optimizer.step = counted_step
     return seen
 
@@ -143,11 +155,16 @@ def run(name: str, extra: dict, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = Toy()
     init = {k: v.detach().clone() for k, v in model.p.items()}
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 1 << 30} | extra
-    optimizer = ClippedAdagrad(model.parameters(), lr=LR, clip_norm=CLIP, eps=EPS,
-                               fused=False if name in FOREACH else None)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    } | extra
+    optimizer = ClippedAdagrad(
+        model.parameters(), lr=LR, clip_norm=CLIP, eps=EPS, fused=False if name in FOREACH else None
+    )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     bind_to_engine(engine)
     stepped = count_host_syncs(engine.basic_optimizer)
@@ -163,11 +180,18 @@ def run(name: str, extra: dict, rank: int, world: int) -> dict:
         err = 0.0
         for k, p in params.items():
             got, want = fp32_master(engine, k, p), expected[step][k]
-            err = max(err, ((got - want).abs() / (ATOL[bf16] + RTOL[bf16] * want.abs())).max().item())
+            err = max(
+                err, ((got - want).abs() / (ATOL[bf16] + RTOL[bf16] * want.abs())).max().item()
+            )
         errors.append(err)
-    return {"wrapper": type(engine.optimizer).__name__, "errors": errors,
-            "clipped": counts[0], "unclipped": counts[1], "optimizer": stepped,
-            "straddling": straddling(engine, {id(p): k for k, p in params.items()})}
+    return {
+        "wrapper": type(engine.optimizer).__name__,
+        "errors": errors,
+        "clipped": counts[0],
+        "unclipped": counts[1],
+        "optimizer": stepped,
+        "straddling": straddling(engine, {id(p): k for k, p in params.items()}),
+    }
 
 
 # fp32: the DeepSpeed run rounds each op to fp32 (2^-24 relative) over a few steps on values

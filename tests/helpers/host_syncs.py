@@ -75,17 +75,39 @@ _READS = {
 """Python-level calls that read a tensor's values on the host."""
 
 _VALUE_DEPENDENT = {
-    _aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default,
-    _aten.nonzero.default, _aten.argwhere.default, _aten.masked_select.default,
-    _aten._unique.default, _aten._unique2.default, _aten.unique_dim.default,
-    _aten.unique_consecutive.default, _aten.unique_dim_consecutive.default,
-    _aten.bincount.default, _aten.allclose.default,
+    _aten._local_scalar_dense.default,
+    _aten.is_nonzero.default,
+    _aten.equal.default,
+    _aten.nonzero.default,
+    _aten.argwhere.default,
+    _aten.masked_select.default,
+    _aten._unique.default,
+    _aten._unique2.default,
+    _aten.unique_dim.default,
+    _aten.unique_consecutive.default,
+    _aten.unique_dim_consecutive.default,
+    _aten.bincount.default,
+    _aten.allclose.default,
 }
 """aten ops that always need device values on the host (output shape or a Python value)."""
 
-_FACTORIES = {torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.zeros, torch.ones,
-              torch.empty, torch.full, torch.arange, torch.linspace, torch.logspace,
-              torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye}
+_FACTORIES = {
+    torch.tensor,
+    torch.as_tensor,
+    torch.scalar_tensor,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.linspace,
+    torch.logspace,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.eye,
+}
 """Functions that make a tensor from nothing: without device= it is on the host, on a GPU
 run too."""
 
@@ -93,8 +115,11 @@ _OPTIM_STEP_VALUE = _get_value.__code__
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PIPELINE = os.path.join(_ROOT, "pipeline") + os.sep
-_SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(__file__),
-         os.path.dirname(os.__file__) + os.sep + "contextlib.py")
+_SKIP = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.abspath(__file__),
+    os.path.dirname(os.__file__) + os.sep + "contextlib.py",
+)
 
 
 def _where() -> str:
@@ -153,7 +178,7 @@ class _Functions(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         counter = self.counter
-        if counter._inside:             # under a counted call: its own ops, one sync
+        if counter._inside:  # under a counted call: its own ops, one sync
             return func(*args, **kwargs)
         name = None
         target = _to_target(func, args, kwargs)
@@ -161,7 +186,7 @@ class _Functions(TorchFunctionMode):
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if func in _READS and src is not None:
             if sys._getframe(1).f_code is _OPTIM_STEP_VALUE:
-                name = ""               # torch.optim's step counter: on the host, no sync
+                name = ""  # torch.optim's step counter: on the host, no sync
             elif not counter.is_host(src):
                 name = _READS[func]
         elif func is torch.Tensor.to and src is not None and target is not None and blocking:
@@ -173,14 +198,18 @@ class _Functions(TorchFunctionMode):
                 name = "Tensor.to (host to device, blocking)"
         elif func is torch.Tensor.cuda and src is not None and blocking and counter.is_host(src):
             name = "Tensor.cuda (host to device, blocking)"
-        elif func is torch.Tensor.copy_ and len(args) > 1 and blocking \
-                and isinstance(args[1], torch.Tensor):
+        elif (
+            func is torch.Tensor.copy_
+            and len(args) > 1
+            and blocking
+            and isinstance(args[1], torch.Tensor)
+        ):
             if counter.is_host(args[1]) and not counter.is_host(args[0]):
                 name = "Tensor.copy_ (host to device, blocking)"
         if name is not None:
             if name:
                 counter._add(name)
-            counter._inside += 1        # what it dispatches is this one sync (or none)
+            counter._inside += 1  # what it dispatches is this one sync (or none)
             try:
                 out = func(*args, **kwargs)
             finally:
@@ -189,8 +218,12 @@ class _Functions(TorchFunctionMode):
             out = func(*args, **kwargs)
         # what a GPU run would hold on the host
         if func in (torch.Tensor.cpu, torch.Tensor.numpy) or (
-                func is torch.Tensor.to and src is not None and src.device.type != "cpu"
-                and target is not None and _is_cpu(target)):
+            func is torch.Tensor.to
+            and src is not None
+            and src.device.type != "cpu"
+            and target is not None
+            and _is_cpu(target)
+        ):
             counter._mark(out)
         elif func in _FACTORIES and kwargs.get("device") is None:
             counter._mark(out)
@@ -213,8 +246,9 @@ class _Dispatch(TorchDispatchMode):
             name, times = _sync_name(func, args, kwargs)
             if name is not None:
                 inputs = list(_tensors(list(args) + list(kwargs.values())))
-                if not (inputs and all(counter.is_host(t) for t in inputs)) \
-                        or name.endswith("copy"):
+                if not (inputs and all(counter.is_host(t) for t in inputs)) or name.endswith(
+                    "copy"
+                ):
                     for _ in range(times):
                         counter._add(name)
         return func(*args, **kwargs)
@@ -228,12 +262,17 @@ def _sync_name(func, args, kwargs) -> tuple[str | None, int]:
             return "repeat_interleave without output_size", 1
         return None, 1
     if func is _aten.segment_reduce.default:
-        if kwargs.get("unsafe") or (kwargs.get("lengths") is None
-                                    and kwargs.get("offsets") is None):
+        if kwargs.get("unsafe") or (
+            kwargs.get("lengths") is None and kwargs.get("offsets") is None
+        ):
             return None, 1
         return "segment_reduce with lengths (two .item() checks)", 2
-    if func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
-                _aten._index_put_impl_.default):
+    if func in (
+        _aten.index.Tensor,
+        _aten.index_put.default,
+        _aten.index_put_.default,
+        _aten._index_put_impl_.default,
+    ):
         if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
             return f"{func.overloadpacket.__name__} with a boolean mask", 1
     return _syncing_copy(func, args, kwargs), 1
@@ -265,7 +304,7 @@ class HostSyncCounter:
     def __init__(self, host=()) -> None:
         self.syncs: list[str] = []
         self._inside = 0
-        self._host: dict[int, weakref.ref] = {}     # by id: a tensor's == is elementwise
+        self._host: dict[int, weakref.ref] = {}  # by id: a tensor's == is elementwise
         self._gpu_run = torch.cuda.is_available() and torch.cuda.is_initialized()
         self._mark(list(host))
         self._modes = (_Functions(self), _Dispatch(self))

@@ -36,9 +36,17 @@ HANG_SECONDS = 60
 ROOT = Path(__file__).resolve().parents[2]
 
 # the sandbox's foreign things, relative to it
-FOREIGN = ["victim/thesis.tex", "victim/data/a.bin", "file.txt", ".out.tmp/theirs.txt",
-           "export_like/config.json", "export_like/model.safetensors", "export_like/vocab.json",
-           "cwd/notes.txt", "home/.bashrc"]
+FOREIGN = [
+    "victim/thesis.tex",
+    "victim/data/a.bin",
+    "file.txt",
+    ".out.tmp/theirs.txt",
+    "export_like/config.json",
+    "export_like/model.safetensors",
+    "export_like/vocab.json",
+    "cwd/notes.txt",
+    "home/.bashrc",
+]
 
 
 def make_sandbox(root: Path, world: World) -> None:
@@ -51,14 +59,37 @@ def make_sandbox(root: Path, world: World) -> None:
     # the trained tiny pipeline, as this case's own: its workspace is the command's
     shutil.copytree(world.root, root / "world", symlinks=True)
     (root / "world" / "tiny.yaml").write_text(
-        (world.root / "tiny.yaml").read_text().replace(str(world.root), str(root / "world")))
+        (world.root / "tiny.yaml").read_text().replace(str(world.root), str(root / "world"))
+    )
 
 
 # a path, relative to the sandbox's cwd/ (where every command runs) unless absolute
 segments = st.sampled_from(
-    ["..", ".", "typo", "victim", "link_to_victim", "dangling", "file.txt", ".out.tmp",
-     "export_like", "out", "new", "sub", "é☃", "日本", "x" * 255, "x" * 300, "~", "$HOME",
-     "a b", "-", "--x", "\n"])
+    [
+        "..",
+        ".",
+        "typo",
+        "victim",
+        "link_to_victim",
+        "dangling",
+        "file.txt",
+        ".out.tmp",
+        "export_like",
+        "out",
+        "new",
+        "sub",
+        "é☃",
+        "日本",
+        "x" * 255,
+        "x" * 300,
+        "~",
+        "$HOME",
+        "a b",
+        "-",
+        "--x",
+        "\n",
+    ]
+)
 
 
 @st.composite
@@ -77,7 +108,7 @@ def paths(draw, sandbox: Path) -> str:
 class Case:
     command: str
     args: list[str]
-    owned: list[str] = field(default_factory=list)   # as the user gave them
+    owned: list[str] = field(default_factory=list)  # as the user gave them
     concurrent: bool = False
 
 
@@ -85,10 +116,18 @@ def draw_case(draw, sandbox: Path) -> Case:
     tiny = str(sandbox / "world" / "tiny.yaml")
     path = draw(paths(sandbox))
     # commands run at once are two processes (seconds each): one case in about 25
-    command = draw(st.sampled_from(
-        ["export"] * 8 + ["sync root"] * 4 + ["sync cache"] * 2 + ["validate experiment"] * 3
-        + ["validate root"] * 2 + ["compare --plot"] * 2 + ["launch slurm --output"] * 2
-        + ["export at once", "sync at once"]))
+    command = draw(
+        st.sampled_from(
+            ["export"] * 8
+            + ["sync root"] * 4
+            + ["sync cache"] * 2
+            + ["validate experiment"] * 3
+            + ["validate root"] * 2
+            + ["compare --plot"] * 2
+            + ["launch slurm --output"] * 2
+            + ["export at once", "sync at once"]
+        )
+    )
     if command == "export":
         return Case(command, ["export", tiny, "--out", path], [path])
     if command == "sync root":
@@ -96,24 +135,50 @@ def draw_case(draw, sandbox: Path) -> Case:
     if command == "sync cache":
         return Case(command, ["sync", tiny, "--set", f"workspace.cache={path}"], [])
     if command == "validate experiment":
-        name = draw(st.sampled_from(["", "..", "/", "a/b", "../../x", "ok-name", "é"]) |
-                    paths(sandbox))
+        name = draw(
+            st.sampled_from(["", "..", "/", "a/b", "../../x", "ok-name", "é"]) | paths(sandbox)
+        )
         return Case(command, ["validate", tiny, "--set", f"tracking.experiment={name}"])
     if command == "validate root":
-        return Case(command, ["validate", tiny, "--set", f"workspace.root={path}",
-                              "--set", f"workspace.cache={draw(paths(sandbox))}"])
+        return Case(
+            command,
+            [
+                "validate",
+                tiny,
+                "--set",
+                f"workspace.root={path}",
+                "--set",
+                f"workspace.cache={draw(paths(sandbox))}",
+            ],
+        )
     if command == "compare --plot":
         plot = path + draw(st.sampled_from(["", ".png", ".pdf", ".svg"]))
         return Case(command, ["compare", tiny, "--plot", plot], [plot])
     if command == "launch slurm --output":
-        return Case(command, ["launch", "slurm", tiny, "--nodes", "1", "--gpus-per-node", "0",
-                              "--procs-per-node", "1", "--output", path], [path])
+        return Case(
+            command,
+            [
+                "launch",
+                "slurm",
+                tiny,
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "0",
+                "--procs-per-node",
+                "1",
+                "--output",
+                path,
+            ],
+            [path],
+        )
     if command == "export at once":
         return Case(command, ["export", tiny, "--out", path], [path], concurrent=True)
     return Case(command, ["sync", tiny], [], concurrent=True)
 
 
 # ---------------------------------------------------------------- checking one
+
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every entry under `root` (symlinks not followed): a hash of a file's bytes, a symlink's
@@ -196,8 +261,11 @@ def _run_in_process(args: list[str], cwd: Path) -> tuple[int | None, str | None]
         signal.signal(signal.SIGALRM, previous)
     if isinstance(result.exception, TimeoutError):
         return None, f"hang: {result.exception}"
-    if result.exception is not None and not isinstance(result.exception, SystemExit) \
-            or result.exit_code not in (0, 2):
+    if (
+        result.exception is not None
+        and not isinstance(result.exception, SystemExit)
+        or result.exit_code not in (0, 2)
+    ):
         return result.exit_code, f"traceback: exit {result.exit_code}: {result.exception!r}"
     if result.exit_code == 2:
         lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -208,8 +276,12 @@ def _run_in_process(args: list[str], cwd: Path) -> tuple[int | None, str | None]
 
 def _run_at_once(args: list[str], cwd: Path, env: dict) -> tuple[list, str | None]:
     cmd = [sys.executable, "-m", "pipeline.commands.cli", *args]
-    procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     codes, problem = [], None
     for proc in procs:
         try:
@@ -223,8 +295,10 @@ def _run_at_once(args: list[str], cwd: Path, env: dict) -> tuple[list, str | Non
         codes.append(proc.returncode)
         if "Traceback" in err or proc.returncode not in (0, 2):
             problem = problem or f"traceback: exit {proc.returncode}: {err[-400:]!r}"
-        elif proc.returncode == 2 and len([line for line in err.splitlines()
-                                           if line.startswith("error: ")]) != 1:
+        elif (
+            proc.returncode == 2
+            and len([line for line in err.splitlines() if line.startswith("error: ")]) != 1
+        ):
             problem = problem or f"not one 'error: ...' line: {err[-400:]!r}"
     return codes, problem
 
@@ -234,8 +308,11 @@ def run_case(case: Case, sandbox: Path) -> Outcome:
     before = snapshot(sandbox)
     start = time.monotonic()
     if case.concurrent:
-        env = {**os.environ, "HOME": str(sandbox / "home"),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "HOME": str(sandbox / "home"),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
         codes, problem = _run_at_once(case.args, cwd, env)
     else:
         code, problem = _run_in_process(case.args, cwd)
@@ -244,8 +321,11 @@ def run_case(case: Case, sandbox: Path) -> Outcome:
     if problem is None:
         owned = owned_paths(case, sandbox, cwd)
         after = snapshot(sandbox)
-        changed = sorted(k for k in before.keys() | after.keys()
-                         if before.get(k) != after.get(k) and not inside(k, owned))
+        changed = sorted(
+            k
+            for k in before.keys() | after.keys()
+            if before.get(k) != after.get(k) and not inside(k, owned)
+        )
         if changed:
             problem = f"changed what it does not own: {changed[:4]}"
     return Outcome(case.command, case.args, codes, seconds, problem)
@@ -257,8 +337,13 @@ def fuzz_paths(world: World, cases: int, on_outcome) -> None:
 
     from hypothesis import HealthCheck, given, settings
 
-    @settings(max_examples=cases, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=cases,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(data=st.data())
     def one_case(data):
         with tempfile.TemporaryDirectory() as tmp:

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import torch
+from dist_optim_worker import CLIP, CONFIGS, EPS, LR, SHAPES, Toy, data, fp32_master
 
-from dist_optim_worker import CONFIGS, CLIP, EPS, LR, SHAPES, Toy, data, fp32_master
 from pipeline.cluster import distributed
 
 NAMES = ["zero0", "zero1", "zero2", "zero3", "zero0_bf16", "zero2_bf16"]
@@ -41,9 +41,13 @@ def engine_for(name: str):
 
     torch.manual_seed(0)
     model = Toy()
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 1 << 30} | CONFIGS[name]
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    } | CONFIGS[name]
     optimizer = ClippedAdagrad(model.parameters(), lr=LR, clip_norm=CLIP, eps=EPS)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     bind_to_engine(engine)
@@ -72,13 +76,14 @@ def main() -> None:
 
     rank, world = distributed.init_process_group()
     out, root, phases = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
-    other = ROWS // world             # the world size that wrote the checkpoint to resume
+    other = ROWS // world  # the world size that wrote the checkpoint to resume
     results = {}
     for name in NAMES:
         results[name] = {}
         if "fresh" in phases:
-            results[name]["fresh"] = train(engine_for(name), name, range(STEPS), rank, world,
-                                           save=root / name / str(world))
+            results[name]["fresh"] = train(
+                engine_for(name), name, range(STEPS), rank, world, save=root / name / str(world)
+            )
         if "resume" in phases:
             engine = engine_for(name)
             try:
@@ -86,8 +91,9 @@ def main() -> None:
             except PipelineError as e:
                 results[name]["refused"] = str(e)
                 continue
-            results[name]["resume"] = train(engine, name, range(SAVE, STEPS), rank, world,
-                                            save=None)
+            results[name]["resume"] = train(
+                engine, name, range(SAVE, STEPS), rank, world, save=None
+            )
     if rank == 0:
         out.write_text(json.dumps(results))
 

@@ -33,14 +33,24 @@ import time
 from pathlib import Path
 
 NODES = ("node1", "node2")
-INTERFACE = "eth0"            # the node side of each veth, in its namespace
-REQUIRED = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol", "sinfo",
-            "squeue", "scancel", "nsenter", "ip")
+INTERFACE = "eth0"  # the node side of each veth, in its namespace
+REQUIRED = (
+    "slurmctld",
+    "slurmd",
+    "munged",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "sinfo",
+    "squeue",
+    "scancel",
+    "nsenter",
+    "ip",
+)
 
 
 def missing_commands() -> list[str]:
-    return [c for c in REQUIRED if shutil.which(c) is None
-            and not Path("/usr/sbin", c).exists()]
+    return [c for c in REQUIRED if shutil.which(c) is None and not Path("/usr/sbin", c).exists()]
 
 
 def install_hint() -> str:
@@ -86,15 +96,26 @@ class SlurmCluster:
 
     # -- set-up ----------------------------------------------------------------------------
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         try:
             self._network()
             self._munge()
             self._write_conf()
             self._start("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
             for node, ns in self.namespaces.items():
-                self._start(f"slurmd-{node}", ["nsenter", f"--net=/run/netns/{ns}", "slurmd",
-                                               "-D", "-N", node, "-f", str(self.conf)])
+                self._start(
+                    f"slurmd-{node}",
+                    [
+                        "nsenter",
+                        f"--net=/run/netns/{ns}",
+                        "slurmd",
+                        "-D",
+                        "-N",
+                        node,
+                        "-f",
+                        str(self.conf),
+                    ],
+                )
             self.wait_idle(NODES, timeout=60)
         except BaseException:
             self.__exit__(None, None, None)
@@ -121,16 +142,25 @@ class SlurmCluster:
     def _munge(self) -> None:
         munge = self.root / "munge"
         munge.mkdir(parents=True)
-        munge.chmod(0o711)          # clients reach the socket through it
+        munge.chmod(0o711)  # clients reach the socket through it
         # munged refuses a key readable by others, and a world-writable directory above it
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         self.munge_socket = munge / "munge.socket.2"
-        self._start("munged", ["munged", "-F", "-f", f"--socket={self.munge_socket}",
-                               f"--key-file={key}", f"--log-file={munge / 'munged.log'}",
-                               f"--pid-file={munge / 'munged.pid'}",
-                               f"--seed-file={munge / 'munged.seed'}"])
+        self._start(
+            "munged",
+            [
+                "munged",
+                "-F",
+                "-f",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+        )
         deadline = time.monotonic() + 20
         while not self.munge_socket.exists():
             self._check_alive()
@@ -145,7 +175,8 @@ class SlurmCluster:
         hostname = socket.gethostname()
         nodes = "\n".join(
             f"NodeName={node} NodeHostname={hostname} NodeAddr={addr} CPUs=1 State=UNKNOWN"
-            for node, addr in self.addresses.items())
+            for node, addr in self.addresses.items()
+        )
         self.conf.write_text(f"""\
 ClusterName=allattn
 SlurmctldHost={hostname}({self.controller_addr})
@@ -156,12 +187,12 @@ SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={self.munge_socket},cred_expire=5
 CredType=cred/munge
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}/%n
-SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'spool'}/slurmd-%n.pid
-SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
-SlurmdLogFile={r / 'log'}/slurmd-%n.log
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}/%n
+SlurmctldPidFile={r / "slurmctld.pid"}
+SlurmdPidFile={r / "spool"}/slurmd-%n.pid
+SlurmctldLogFile={r / "log" / "slurmctld.log"}
+SlurmdLogFile={r / "log"}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -176,16 +207,20 @@ SlurmdTimeout={self.slurmd_timeout}
 KillWait={self.kill_wait}
 MinJobAge=600
 {nodes}
-PartitionName=cpu Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=cpu Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """)
         path = os.environ.get("PATH", "")
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf),
-                    "PATH": path if "/usr/sbin" in path else f"{path}:/usr/sbin"}
+        self.env = {
+            **os.environ,
+            "SLURM_CONF": str(self.conf),
+            "PATH": path if "/usr/sbin" in path else f"{path}:/usr/sbin",
+        }
 
     def _start(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / f"{name}.out", "wb")
-        self._daemons[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                               env=self.env or None)
+        self._daemons[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env or None
+        )
         log.close()
 
     def _check_alive(self) -> None:
@@ -197,11 +232,18 @@ PartitionName=cpu Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
     # -- use -------------------------------------------------------------------------------
 
     def run(self, *cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        result = subprocess.run(cmd, env=kw.pop("env", self.env), capture_output=True,
-                                text=True, timeout=kw.pop("timeout", 60), **kw)
+        result = subprocess.run(
+            cmd,
+            env=kw.pop("env", self.env),
+            capture_output=True,
+            text=True,
+            timeout=kw.pop("timeout", 60),
+            **kw,
+        )
         if check and result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)}: exit {result.returncode}\n"
-                               f"{result.stdout}{result.stderr}")
+            raise RuntimeError(
+                f"{' '.join(cmd)}: exit {result.returncode}\n{result.stdout}{result.stderr}"
+            )
         return result
 
     def node_states(self) -> dict[str, str]:
@@ -241,8 +283,10 @@ PartitionName=cpu Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
             if until(fields):
                 return fields
             time.sleep(0.25)
-        raise AssertionError(f"job {job_id}: not {what} after {timeout} s: "
-                             f"{fields.get('JobState')} {fields.get('Reason')}\n{self.logs()}")
+        raise AssertionError(
+            f"job {job_id}: not {what} after {timeout} s: "
+            f"{fields.get('JobState')} {fields.get('Reason')}\n{self.logs()}"
+        )
 
     def exec_in(self, node: str, *cmd: str) -> list[str]:
         """`cmd` run inside `node`'s network namespace (as slurmd runs there)."""
@@ -251,8 +295,10 @@ PartitionName=cpu Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
     def logs(self) -> str:
         parts = []
         for path in sorted((self.root / "log").glob("*.log")):
-            parts.append(f"--- {path.name} (tail)\n"
-                         + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+            parts.append(
+                f"--- {path.name} (tail)\n"
+                + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+            )
         return "\n".join(parts)
 
     # -- tear-down -------------------------------------------------------------------------
@@ -268,8 +314,8 @@ PartitionName=cpu Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
 
     def __exit__(self, *exc) -> None:
         if "slurmctld" in self._daemons and self._daemons["slurmctld"].poll() is None:
-            self.cancel_all()      # every job, so that slurmd does not wait for running steps
-        for name in reversed(list(self._daemons)):     # slurmd, slurmctld, then munged
+            self.cancel_all()  # every job, so that slurmd does not wait for running steps
+        for name in reversed(list(self._daemons)):  # slurmd, slurmctld, then munged
             proc = self._daemons[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -280,8 +326,9 @@ PartitionName=cpu Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
                     proc.wait()
         for node, ns in self.namespaces.items():
             # whatever still runs in a node (a job step) goes with it
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                  text=True).stdout.split()
+            pids = subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True
+            ).stdout.split()
             for pid in pids:
                 try:
                     os.kill(int(pid), signal.SIGKILL)

@@ -33,7 +33,7 @@ class OpCounter(TorchDispatchMode):
         return sum(self.ops.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = func.overloadpacket     # aten ops by bare name, others qualified
+        packet = func.overloadpacket  # aten ops by bare name, others qualified
         self.ops[packet.__name__ if func.namespace == "aten" else str(packet)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -57,12 +57,15 @@ class SavedBytes:
         return t.untyped_storage()._cdata
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided \
-                and not isinstance(t, torch.nn.Parameter):     # held whether saved or not
+        if (
+            isinstance(t, torch.Tensor)
+            and t.layout == torch.strided
+            and not isinstance(t, torch.nn.Parameter)
+        ):  # held whether saved or not
             key = self._key(t)
             if key not in self._exclude and key not in self._seen:
                 self._seen[key] = t.untyped_storage().nbytes()
-                self._keep.append(t)    # so no storage id is reused while counting
+                self._keep.append(t)  # so no storage id is reused while counting
                 self._what[key] = f"{str(t.dtype).split('.')[-1]}{list(t.shape)}"
         return t
 

@@ -27,8 +27,7 @@ def stand_in(name):
     def run(ctx):
         resumed = (ctx.out_dir / MARKER).exists()
         with open(os.environ["SWEEP_CALLS"], "a") as f:
-            f.write(json.dumps({"stage": name, "point": ctx.spec.name, "resumed": resumed})
-                    + "\n")
+            f.write(json.dumps({"stage": name, "point": ctx.spec.name, "resumed": resumed}) + "\n")
         if os.environ.get("SWEEP_HANG_AT") in (f"{ctx.spec.name}:{name}", f"*:{name}"):
             (ctx.out_dir / MARKER).write_text("")
             while True:
@@ -41,13 +40,19 @@ def stand_in(name):
             bpc = 1 + train.optimizer.lr * 100 + ctx.spec.model["n_layers"] / 10 + train.seed / 100
             ctx.tracker.log_metrics({"valid_bpc": bpc - 0.1, "test_bpc": bpc}, step=0)
         return {}
+
     return run
 
 
 def point_command(config, point):
     """`sweep --parallel`'s point processes: this worker too, so they get the stand-ins."""
-    return [sys.executable, os.path.abspath(__file__), "run", config,
-            *(x for o in point.overrides for x in ("--set", o))]
+    return [
+        sys.executable,
+        os.path.abspath(__file__),
+        "run",
+        config,
+        *(x for o in point.overrides for x in ("--set", o)),
+    ]
 
 
 if __name__ == "__main__":

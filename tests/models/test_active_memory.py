@@ -5,7 +5,6 @@ paper's sizes as `show` prints them."""
 from __future__ import annotations
 
 import math
-import textwrap
 
 import pytest
 import torch
@@ -21,12 +20,12 @@ VOCAB = 11
 
 def tiny_model(mixer: str, causal: bool, **options):
     torch.manual_seed(0)
-    model = build_model("active_memory", dict(TINY, mixer=mixer, causal=causal, **options),
-                        VOCAB)
+    model = build_model("active_memory", dict(TINY, mixer=mixer, causal=causal, **options), VOCAB)
     return model.double().eval()
 
 
 # ---- the definitions, one position at a time -------------------------------------------
+
 
 def layer_norm(v, norm):
     mean = sum(v.tolist()) / len(v)
@@ -35,7 +34,7 @@ def layer_norm(v, norm):
 
 
 def gelu_tanh(v):
-    return 0.5 * v * (1 + torch.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
+    return 0.5 * v * (1 + torch.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
 
 
 def hard_sigmoid(v):
@@ -45,16 +44,20 @@ def hard_sigmoid(v):
 def timing(position: int, d: int):
     n = d // 2
     inv = [math.exp(-i * math.log(1.0e4) / (n - 1)) for i in range(n)]
-    return torch.tensor([math.sin(position * r) for r in inv]
-                        + [math.cos(position * r) for r in inv], dtype=torch.float64)
+    return torch.tensor(
+        [math.sin(position * r) for r in inv] + [math.cos(position * r) for r in inv],
+        dtype=torch.float64,
+    )
 
 
 def conv(module, xs, left, right):
     """y_t = b + sum_j W[:, :, j] [left, x, right]_{t+j}."""
     padded = left + xs + right
     k = module.weight.shape[2]
-    return [module.bias + sum(module.weight[:, :, j] @ padded[t + j] for j in range(k))
-            for t in range(len(xs))]
+    return [
+        module.bias + sum(module.weight[:, :, j] @ padded[t + j] for j in range(k))
+        for t in range(len(xs))
+    ]
 
 
 def attention(module, ys, causal, scale):
@@ -70,8 +73,12 @@ def attention(module, ys, causal, scale):
             top = max(scores)
             weights = [math.exp(s - top) for s in scores]
             total = sum(weights)
-            heads.append(sum(w / total * (module.value.weight[rows] @ ys[j])
-                             for w, j in zip(weights, seen, strict=False)))
+            heads.append(
+                sum(
+                    w / total * (module.value.weight[rows] @ ys[j])
+                    for w, j in zip(weights, seen, strict=False)
+                )
+            )
         out.append(module.out.weight @ torch.cat(heads))
     return out
 
@@ -92,44 +99,69 @@ def operator(layer, mixer, ys, left, right, cfg):
     return [u_t * y + (1 - u_t) * torch.tanh(c_t) for u_t, y, c_t in zip(u, ys, c, strict=False)]
 
 
-def reference(model, mixer, causal, tokens, targets, conv_activation="gelu",
-              cgru_gate="hard_sigmoid", attn_double_scale=False):
+def reference(
+    model,
+    mixer,
+    causal,
+    tokens,
+    targets,
+    conv_activation="gelu",
+    cgru_gate="hard_sigmoid",
+    attn_double_scale=False,
+):
     """logits [B, M, V] and nll [B, M] from the paper's and the code's definitions."""
     cfg = dict(conv_activation=conv_activation, cgru_gate=cgru_gate)
     d, k, dh = TINY["d_model"], TINY["kernel_size"], TINY["head_dim"]
     n_left = k - 1 if causal else (k - 1) // 2
-    if mixer.endswith("persistent_conv"):   # one block for every layer
+    if mixer.endswith("persistent_conv"):  # one block for every layer
         left = list(model.persistent_padding.left)
         right = list(model.persistent_padding.right)
     else:
         left = [torch.zeros(d, dtype=torch.float64)] * n_left
         right = [torch.zeros(d, dtype=torch.float64)] * (k - 1 - n_left)
-    scale = dh ** -1.5 if attn_double_scale else dh ** -0.5
+    scale = dh**-1.5 if attn_double_scale else dh**-0.5
     all_logits, all_nll = [], []
     for row, target_row in zip(tokens.tolist(), targets.tolist(), strict=False):
-        xs = [model.embedding.weight[tok] * math.sqrt(d) + timing(t, d)
-              for t, tok in enumerate(row)]
+        xs = [
+            model.embedding.weight[tok] * math.sqrt(d) + timing(t, d) for t, tok in enumerate(row)
+        ]
         for layer in model.layers:
             xs = [x + timing(t, d) for t, x in enumerate(xs)]
             ys = [layer_norm(x, layer.mixer_norm) for x in xs]
             mixed = [torch.zeros(d, dtype=torch.float64) for _ in xs]
             if mixer != "self_attention":
-                mixed = [m + o for m, o in zip(mixed, operator(layer, mixer, ys, left, right,
-                                                                  cfg), strict=False)]
+                mixed = [
+                    m + o
+                    for m, o in zip(
+                        mixed, operator(layer, mixer, ys, left, right, cfg), strict=False
+                    )
+                ]
             if mixer == "self_attention" or mixer.startswith("sa+"):
-                mixed = [m + a for m, a in zip(mixed, attention(layer.attention, ys, causal,
-                                                                   scale), strict=False)]
+                mixed = [
+                    m + a
+                    for m, a in zip(
+                        mixed, attention(layer.attention, ys, causal, scale), strict=False
+                    )
+                ]
             xs = [x + m for x, m in zip(xs, mixed, strict=False)]
             for t, x in enumerate(xs):
-                hidden = torch.relu(layer.ff_in.weight @ layer_norm(x, layer.ff_norm)
-                                    + layer.ff_in.bias)
+                hidden = torch.relu(
+                    layer.ff_in.weight @ layer_norm(x, layer.ff_norm) + layer.ff_in.bias
+                )
                 xs[t] = x + layer.ff_out.weight @ hidden + layer.ff_out.bias
-        logits = [model.output.weight @ layer_norm(x, model.final_norm) + model.output.bias
-                  for x in xs]
+        logits = [
+            model.output.weight @ layer_norm(x, model.final_norm) + model.output.bias for x in xs
+        ]
         all_logits.append(torch.stack(logits))
-        all_nll.append(torch.tensor([
-            math.log(sum(math.exp(v) for v in z.tolist())) - float(z[y])
-            for z, y in zip(logits, target_row, strict=False)], dtype=torch.float64))
+        all_nll.append(
+            torch.tensor(
+                [
+                    math.log(sum(math.exp(v) for v in z.tolist())) - float(z[y])
+                    for z, y in zip(logits, target_row, strict=False)
+                ],
+                dtype=torch.float64,
+            )
+        )
     return torch.stack(all_logits), torch.stack(all_nll)
 
 
@@ -146,9 +178,11 @@ CASES = [(mixer, causal, {}) for mixer in MIXERS for causal in (True, False)] + 
 ]
 
 
-@pytest.mark.parametrize("mixer,causal,options", CASES,
-                         ids=[f"{m}-{'causal' if c else 'bidir'}-{'-'.join(o) or 'code'}"
-                              for m, c, o in CASES])
+@pytest.mark.parametrize(
+    "mixer,causal,options",
+    CASES,
+    ids=[f"{m}-{'causal' if c else 'bidir'}-{'-'.join(o) or 'code'}" for m, c, o in CASES],
+)
 def test_model_matches_its_definition_in_float64(mixer, causal, options):
     model = tiny_model(mixer, causal, **options)
     tokens = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
@@ -167,8 +201,11 @@ def test_hard_sigmoid_gates_clip_at_0_and_1_as_defined(mixer):
     # reach: biases of +-6 on alternate channels put every gate in one of the two clips.
     model = tiny_model(mixer, causal=False)
     ops = [layer.operator for layer in model.layers]
-    gates = [op.gate for op in ops] if "highway" in mixer else \
-        [conv for op in ops for conv in (op.update, op.reset)]
+    gates = (
+        [op.gate for op in ops]
+        if "highway" in mixer
+        else [conv for op in ops for conv in (op.update, op.reset)]
+    )
     pre = []
     for conv in gates:
         conv.register_forward_hook(lambda mod, args, out: pre.append(out))
@@ -180,7 +217,7 @@ def test_hard_sigmoid_gates_clip_at_0_and_1_as_defined(mixer):
         out = model(tokens, targets)
         logits, _ = reference(model, mixer, False, tokens, targets)
     pre = torch.cat([p.flatten() for p in pre])
-    assert (pre < -2.4).any() and (pre > 2.4).any()   # both clips are exercised
+    assert (pre < -2.4).any() and (pre > 2.4).any()  # both clips are exercised
     torch.testing.assert_close(out.logits, logits, rtol=1e-10, atol=1e-10)
 
 
@@ -212,7 +249,7 @@ def test_bidirectional_mode_reads_both_sides(mixer):
     changed[0, 2] = 7
     with torch.no_grad():
         before, after = model(tokens).logits, model(changed).logits
-    for position in (0, 4):   # within two layers' reach on either side (k = 4: 1 left, 2 right)
+    for position in (0, 4):  # within two layers' reach on either side (k = 4: 1 left, 2 right)
         assert not torch.allclose(before[:, position], after[:, position]), position
 
 
@@ -220,38 +257,49 @@ def test_bidirectional_mode_reads_both_sides(mixer):
 @pytest.mark.parametrize("causal,rows", [(True, (3, 0)), (False, (1, 2))])
 def test_one_persistent_padding_serves_every_layer(mixer, causal, rows):
     model = tiny_model(mixer, causal)
-    blocks = {name: tuple(p.shape) for name, p in model.named_parameters()
-              if "persistent" in name}
-    assert blocks == {"persistent_padding.left": (rows[0], 6),
-                      "persistent_padding.right": (rows[1], 6)}
+    blocks = {name: tuple(p.shape) for name, p in model.named_parameters() if "persistent" in name}
+    assert blocks == {
+        "persistent_padding.left": (rows[0], 6),
+        "persistent_padding.right": (rows[1], 6),
+    }
     seen = []
     for layer in model.layers:
-        layer.operator.register_forward_hook(
-            lambda mod, args, out: seen.append((args[1], args[2])))
+        layer.operator.register_forward_hook(lambda mod, args, out: seen.append((args[1], args[2])))
     with torch.no_grad():
         model(torch.tensor([[3, 1, 4, 1, 5]]))
     assert len(seen) == 2
-    assert all(left is model.persistent_padding.left and right is model.persistent_padding.right
-               for left, right in seen)
+    assert all(
+        left is model.persistent_padding.left and right is model.persistent_padding.right
+        for left, right in seen
+    )
 
 
 # ---- parameter counts at the paper's sizes ---------------------------------------------
 
-TASK = dict(n_layers=4, d_model=128, ff_dim=512, kernel_size=20, vocab=100)   # reverse
+TASK = dict(n_layers=4, d_model=128, ff_dim=512, kernel_size=20, vocab=100)  # reverse
 LM = dict(n_layers=8, d_model=256, ff_dim=1024, kernel_size=20, vocab=32000)
 
 
 def expected_groups(mixer: str, n_layers, d_model, ff_dim, kernel_size, vocab) -> dict:
     d, f, k, heads, dh = d_model, ff_dim, kernel_size, 8, 64
     conv = k * d * d + d
-    operator = {"self_attention": 0, "conv": conv, "persistent_conv": conv,
-                "highway_conv": 2 * conv, "cgru": 3 * conv}[mixer.removeprefix("sa+")]
+    operator = {
+        "self_attention": 0,
+        "conv": conv,
+        "persistent_conv": conv,
+        "highway_conv": 2 * conv,
+        "cgru": 3 * conv,
+    }[mixer.removeprefix("sa+")]
     attention = 4 * d * heads * dh if mixer == "self_attention" or "sa+" in mixer else 0
-    groups = {"embeddings": vocab * d, "operator": n_layers * operator,
-              "self-attention": n_layers * attention,
-              "feed-forward": n_layers * (d * f + f + f * d + d),
-              "layer norms": (2 * n_layers + 1) * 2 * d, "output": d * vocab + vocab,
-              "persistent padding": (k - 1) * d if "persistent" in mixer else 0}
+    groups = {
+        "embeddings": vocab * d,
+        "operator": n_layers * operator,
+        "self-attention": n_layers * attention,
+        "feed-forward": n_layers * (d * f + f + f * d + d),
+        "layer norms": (2 * n_layers + 1) * 2 * d,
+        "output": d * vocab + vocab,
+        "persistent padding": (k - 1) * d if "persistent" in mixer else 0,
+    }
     return {role: n for role, n in groups.items() if n}
 
 
@@ -288,13 +336,20 @@ def write_spec(tmp_path, mixer="conv", causal="false", **sizes):
 def test_parameter_counts_at_the_papers_sizes(tmp_path, mixer, setting, sizes):
     expected = expected_groups(mixer, **sizes)
     with torch.device("meta"):
-        model = build_model("active_memory", dict(
-            mixer=mixer, causal=setting == "lm",
-            **{k: v for k, v in sizes.items() if k != "vocab"}), sizes["vocab"])
+        model = build_model(
+            "active_memory",
+            dict(
+                mixer=mixer,
+                causal=setting == "lm",
+                **{k: v for k, v in sizes.items() if k != "vocab"},
+            ),
+            sizes["vocab"],
+        )
     assert model.parameter_groups() == expected
     cfg = write_spec(tmp_path, mixer, "true" if setting == "lm" else "false", **sizes)
-    result = CliRunner().invoke(main, ["show", str(cfg), "--set",
-                                       f"dataset.vocab_size={sizes['vocab']}"])
+    result = CliRunner().invoke(
+        main, ["show", str(cfg), "--set", f"dataset.vocab_size={sizes['vocab']}"]
+    )
     assert result.exit_code == 0, result.output
     line = next(ln for ln in result.output.splitlines() if ln.startswith("parameters:"))
     assert line.startswith(f"parameters: {sum(expected.values()):,} ")
@@ -307,15 +362,23 @@ def test_validate_accepts_an_active_memory_spec(tmp_path):
     assert result.output == f"{cfg}: valid (am: download, preprocess, train)\n"
 
 
-@pytest.mark.parametrize("override,message", [
-    ("model.mixer=convv", "model: mixer must be one of self_attention, conv, persistent_conv, "
-                          "highway_conv, cgru, sa+conv, sa+persistent_conv, sa+highway_conv; "
-                          "got 'convv'"),
-    ("model.cgru_gate=relu", "model: cgru_gate must be one of hard_sigmoid, sigmoid; "
-                             "got 'relu'"),
-    ("model.dropout=1.0", "model: dropout must be in [0, 1), got 1.0"),
-    ("model.kernel_size=0", "model: kernel_size must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "model.mixer=convv",
+            "model: mixer must be one of self_attention, conv, persistent_conv, "
+            "highway_conv, cgru, sa+conv, sa+persistent_conv, sa+highway_conv; "
+            "got 'convv'",
+        ),
+        (
+            "model.cgru_gate=relu",
+            "model: cgru_gate must be one of hard_sigmoid, sigmoid; got 'relu'",
+        ),
+        ("model.dropout=1.0", "model: dropout must be in [0, 1), got 1.0"),
+        ("model.kernel_size=0", "model: kernel_size must be >= 1, got 0"),
+    ],
+)
 def test_bad_values_are_one_line_naming_the_field(tmp_path, override, message):
     cfg = write_spec(tmp_path)
     result = CliRunner().invoke(main, ["validate", str(cfg), "--set", override])
@@ -324,16 +387,23 @@ def test_bad_values_are_one_line_naming_the_field(tmp_path, override, message):
     assert len(lines) == 1 and lines[0].endswith(message), result.output
 
 
-@pytest.mark.parametrize("mixer,override,why", [
-    ("conv", "model.n_heads=4", "mixer conv has no self-attention"),
-    ("self_attention", "model.conv_activation=relu", "mixer self_attention has no convolution"),
-    ("highway_conv", "model.conv_activation=relu", "only conv and persistent_conv have an "
-                                                   "activation (mixer highway_conv)"),
-    ("sa+conv", "model.cgru_gate=sigmoid", "mixer sa+conv has no CGRU"),
-])
+@pytest.mark.parametrize(
+    "mixer,override,why",
+    [
+        ("conv", "model.n_heads=4", "mixer conv has no self-attention"),
+        ("self_attention", "model.conv_activation=relu", "mixer self_attention has no convolution"),
+        (
+            "highway_conv",
+            "model.conv_activation=relu",
+            "only conv and persistent_conv have an activation (mixer highway_conv)",
+        ),
+        ("sa+conv", "model.cgru_gate=sigmoid", "mixer sa+conv has no CGRU"),
+    ],
+)
 def test_a_setting_the_mixer_does_not_use_is_refused(tmp_path, mixer, override, why):
-    result = CliRunner().invoke(main, ["validate", str(write_spec(tmp_path, mixer)),
-                                       "--set", override])
+    result = CliRunner().invoke(
+        main, ["validate", str(write_spec(tmp_path, mixer)), "--set", override]
+    )
     assert result.exit_code == 2
     key = override.split("=")[0]
     assert f"{key}: does nothing here ({why}); remove it" in result.output, result.output

@@ -20,8 +20,17 @@ V, B, M = 13, 2, 8
 
 
 def model(seed: int = 0, **kw) -> AllAttnLM:
-    base = dict(d_model=16, n_layers=3, n_heads=2, n_persistent=3, max_span=512, span_ramp=8,
-                span_init=0.02, span_loss_coef=0.0, attn_dropout=0.1)
+    base = dict(
+        d_model=16,
+        n_layers=3,
+        n_heads=2,
+        n_persistent=3,
+        max_span=512,
+        span_ramp=8,
+        span_init=0.02,
+        span_loss_coef=0.0,
+        attn_dropout=0.1,
+    )
     torch.manual_seed(seed)
     return AllAttnLM(AllAttnConfig(**(base | kw)), V).train()
 
@@ -40,7 +49,7 @@ def train(m, data, grow: float = 0.03, seen=None) -> list[float]:
     opt = torch.optim.Adam(m.parameters(), lr=1e-3)
     state, losses = m.init_state(B), []
     for t in data:
-        torch.manual_seed(len(losses))      # the same dropout draws in every run
+        torch.manual_seed(len(losses))  # the same dropout draws in every run
         with planned(m):
             if seen is not None:
                 seen.append(tuple(m.span_lens()))
@@ -62,7 +71,7 @@ def train(m, data, grow: float = 0.03, seen=None) -> list[float]:
 def test_a_planned_forward_of_the_whole_model_has_no_graph_break():
     m = model()
     data = blocks(3)
-    train(m, data[:2])                       # a plan in force, as in steady state
+    train(m, data[:2])  # a plan in force, as in steady state
     state = m.init_state(B)
     with planned(m):
         explained = torch._dynamo.explain(m)(data[2][:, :-1], data[2][:, 1:], state)
@@ -85,7 +94,7 @@ def test_layers_compile_once_per_span_bucket_without_graph_break():
     buckets = {s for plan in seen for s in plan}
     assert len(buckets) >= 3 and all(flex_bucket(s) == s for s in buckets)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert len(graphs) <= len(buckets)       # one graph per bucket, shared by the layers
+    assert len(graphs) <= len(buckets)  # one graph per bucket, shared by the layers
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -121,4 +130,4 @@ def test_train_compile_is_a_runtime_setting_with_an_auto_default(tmp_path):
     assert load_spec(quickstart).train.compile == "auto"
     assert load_spec(quickstart, ["train.compile=true"]).train.compile is True
     assert load_spec(quickstart, ["train.compile=false"]).train.compile is False
-    assert "train.compile" in stages.train.RUNTIME_ONLY      # not in the fingerprint
+    assert "train.compile" in stages.train.RUNTIME_ONLY  # not in the fingerprint

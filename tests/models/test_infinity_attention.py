@@ -37,11 +37,21 @@ import torch
 from pipeline.models import build_model
 
 VOCAB = 11
-CFG = dict(d_model=6, n_heads=2, n_layers=2, ff_dim=8, dropout=0.0, attn_dropout=0.0,
-           n_basis=4, basis_widths=[0.1, 0.3], n_samples=3)
+CFG = dict(
+    d_model=6,
+    n_heads=2,
+    n_layers=2,
+    ff_dim=8,
+    dropout=0.0,
+    attn_dropout=0.0,
+    n_basis=4,
+    basis_widths=[0.1, 0.3],
+    n_samples=3,
+)
 
 
 # --- the formula, written out -----------------------------------------------------------------
+
 
 def matvec(matrix, vector):
     return [sum(a * b for a, b in zip(row, vector, strict=False)) for row in matrix]
@@ -50,8 +60,7 @@ def matvec(matrix, vector):
 def relative_embedding(distance, d_model):
     """Transformer-XL's sinusoid R(δ): sines then cosines of δ·10000^(−2k/d), k < d/2."""
     freqs = [10000 ** (-2 * k / d_model) for k in range(d_model // 2)]
-    return ([math.sin(distance * w) for w in freqs]
-            + [math.cos(distance * w) for w in freqs])
+    return [math.sin(distance * w) for w in freqs] + [math.cos(distance * w) for w in freqs]
 
 
 def short_term_attention(history, start, block_len, mem_len, p, n_heads):
@@ -61,12 +70,12 @@ def short_term_attention(history, start, block_len, mem_len, p, n_heads):
     d = len(history[0])
     dh = d // n_heads
     w = p["qkv.weight"]
-    w_q, w_k, w_v = w[:d], w[d:2 * d], w[2 * d:]
-    first_key = max(0, start - mem_len)           # what the STM still holds of the stream
+    w_q, w_k, w_v = w[:d], w[d : 2 * d], w[2 * d :]
+    first_key = max(0, start - mem_len)  # what the STM still holds of the stream
     outputs = []
     for t in range(start, start + block_len):
         q = matvec(w_q, history[t])
-        keys = range(first_key, t + 1)                  # causal: nothing after t
+        keys = range(first_key, t + 1)  # causal: nothing after t
         k = {pos: matvec(w_k, history[pos]) for pos in keys}
         v = {pos: matvec(w_v, history[pos]) for pos in keys}
         rel = {pos: matvec(p["pos.weight"], relative_embedding(t - pos, d)) for pos in keys}
@@ -82,13 +91,16 @@ def short_term_attention(history, start, block_len, mem_len, p, n_heads):
             top = max(scores)
             weights = [math.exp(s - top) for s in scores]
             total = sum(weights)
-            heads += [sum(wt / total * v[pos][c] for wt, pos in zip(weights, keys, strict=False))
-                      for c in cols]
+            heads += [
+                sum(wt / total * v[pos][c] for wt, pos in zip(weights, keys, strict=False))
+                for c in cols
+            ]
         outputs.append(matvec(p["attn_out.weight"], heads))
     return outputs
 
 
 # --- the module, observed -----------------------------------------------------------------------
+
 
 def random_model(**over):
     """A float64 model with every parameter random (the attention's biases start at zero)."""
@@ -106,12 +118,18 @@ def run_blocks(model, tokens, block_len, state=None):
     record = []
     hooks = []
     for layer in model.layers:
-        hooks.append(layer.register_forward_pre_hook(
-            lambda mod, args: record.append([args[0].detach().clone()])))
+        hooks.append(
+            layer.register_forward_pre_hook(
+                lambda mod, args: record.append([args[0].detach().clone()])
+            )
+        )
         # attn_out is the attention's output projection: its output is the attention's
         # output before the LTM's read is added to it
-        hooks.append(layer.attn_out.register_forward_hook(
-            lambda mod, args, out: record[-1].append(out.detach().clone())))
+        hooks.append(
+            layer.attn_out.register_forward_hook(
+                lambda mod, args, out: record[-1].append(out.detach().clone())
+            )
+        )
     if state is None:
         state = model.init_state(tokens.shape[0])
     blocks = []
@@ -146,8 +164,11 @@ def expected_outputs(model, blocks, mem_len, start=0, history=None):
             rows = []
             for b in range(bsz):
                 history[i][b] += x[b].tolist()
-                rows.append(short_term_attention(history[i][b], start, block_len, mem_len,
-                                                 params[i], model.cfg.n_heads))
+                rows.append(
+                    short_term_attention(
+                        history[i][b], start, block_len, mem_len, params[i], model.cfg.n_heads
+                    )
+                )
             per_layer.append(torch.tensor(rows, dtype=torch.float64))
         expected.append(per_layer)
         start += block[0][0].shape[1]
@@ -157,29 +178,38 @@ def expected_outputs(model, blocks, mem_len, start=0, history=None):
 def assert_outputs_match(blocks, expected):
     for k, (block, reference) in enumerate(zip(blocks, expected, strict=True)):
         for i, ((_, got), want) in enumerate(zip(block, reference, strict=True)):
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7,
-                                       msg=lambda m, k=k, i=i: f"block {k}, layer {i}: {m}")
+            torch.testing.assert_close(
+                got,
+                want,
+                rtol=1e-6,
+                atol=1e-7,
+                msg=lambda m, k=k, i=i: f"block {k}, layer {i}: {m}",
+            )
 
 
 # --- the tests ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ltm, mem_len, block_len, n_blocks, memory_sizes", [
-    # the memory empty, partial (2 of 3 rows), full, full
-    (False, 3, 2, 4, [0, 2, 3, 3]),
-    # the same through the LTM's cache (2·mem_len rows, the attention reads the last mem_len);
-    # the LTM is read from the third block on, which must not touch the attention's output
-    (True, 3, 2, 4, [0, 2, 3, 3]),
-    # a block longer than the memory: the first queries read less of the block than the last
-    (False, 2, 3, 3, [0, 2, 2]),
-])
-def test_short_term_attention_against_its_formula(ltm, mem_len, block_len, n_blocks,
-                                                  memory_sizes):
+
+@pytest.mark.parametrize(
+    "ltm, mem_len, block_len, n_blocks, memory_sizes",
+    [
+        # the memory empty, partial (2 of 3 rows), full, full
+        (False, 3, 2, 4, [0, 2, 3, 3]),
+        # the same through the LTM's cache (2·mem_len rows, the attention reads the last mem_len);
+        # the LTM is read from the third block on, which must not touch the attention's output
+        (True, 3, 2, 4, [0, 2, 3, 3]),
+        # a block longer than the memory: the first queries read less of the block than the last
+        (False, 2, 3, 3, [0, 2, 2]),
+    ],
+)
+def test_short_term_attention_against_its_formula(ltm, mem_len, block_len, n_blocks, memory_sizes):
     """Every layer's attention output, block after block, equals the formula of the module
     doc: content and position terms with their biases, the 1/sqrt(d_head) scale, the causal
     mask and the mask of the cache rows that hold no state yet."""
     model = random_model(ltm=ltm, mem_len=mem_len)
-    tokens = torch.randint(0, VOCAB, (2, n_blocks * block_len),
-                           generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, VOCAB, (2, n_blocks * block_len), generator=torch.Generator().manual_seed(1)
+    )
     blocks, _ = run_blocks(model, tokens, block_len)
     # the cases the parameters claim: how many earlier states each block's memory holds
     assert [min(k * block_len, mem_len) for k in range(n_blocks)] == memory_sizes
@@ -193,8 +223,7 @@ def test_rows_without_states_are_masked_whatever_they_hold():
     off by one row, or missing, reads the garbage."""
     mem_len, block_len = 3, 2
     model = random_model(mem_len=mem_len, ltm=False)
-    tokens = torch.randint(0, VOCAB, (2, 3 * block_len),
-                           generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, VOCAB, (2, 3 * block_len), generator=torch.Generator().manual_seed(2))
     clean, _ = run_blocks(model, tokens, block_len)
     garbage = torch.Generator().manual_seed(3)
 
@@ -202,9 +231,9 @@ def test_rows_without_states_are_masked_whatever_they_hold():
         """``state`` with the cache rows before the last n_valid ones overwritten."""
         state = [s.clone() for s in state]
         for cache in state[:-1]:
-            cache[:, :cache.shape[1] - n_valid] = 20 * torch.randn(
-                cache[:, :cache.shape[1] - n_valid].shape, dtype=cache.dtype,
-                generator=garbage)
+            cache[:, : cache.shape[1] - n_valid] = 20 * torch.randn(
+                cache[:, : cache.shape[1] - n_valid].shape, dtype=cache.dtype, generator=garbage
+            )
         return state
 
     # a fresh stream whose cache holds garbage: the first block reads only itself

@@ -12,14 +12,31 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipeline.models import MODELS, build_model
 from pipeline.models.infinity_former import (
-    ContinuousMemory, InfinityFormerConfig, InfinityFormerLM, basis_values, bin_masses,
-    expected_basis, fit_positions, gaussian_basis, kl_variance, ridge_fit_matrix,
+    ContinuousMemory,
+    InfinityFormerConfig,
+    InfinityFormerLM,
+    basis_values,
+    bin_masses,
+    expected_basis,
+    fit_positions,
+    gaussian_basis,
+    kl_variance,
+    ridge_fit_matrix,
     sticky_positions,
 )
 from pipeline.spec import SpecError, load_spec
 
-TINY = dict(d_model=8, n_layers=1, n_heads=2, ff_dim=16, dropout=0.0, mem_len=4,
-            n_basis=16, n_samples=6, sticky_bins=8)
+TINY = dict(
+    d_model=8,
+    n_layers=1,
+    n_heads=2,
+    ff_dim=16,
+    dropout=0.0,
+    mem_len=4,
+    n_basis=16,
+    n_samples=6,
+    sticky_bins=8,
+)
 
 
 def tiny_model(**over) -> InfinityFormerLM:
@@ -37,7 +54,7 @@ def test_closed_form_equals_numerical_integration():
     mu = torch.tensor([0.0, 0.3, 0.71, 1.0], dtype=torch.float64)
     sigma_sq = torch.tensor([1e-4, 0.002, 0.05, 0.3], dtype=torch.float64)
     t = torch.linspace(-3, 4, 200_001, dtype=torch.float64)
-    psi = basis_values(t, centres, widths)                                 # [T, N]
+    psi = basis_values(t, centres, widths)  # [T, N]
     for m, s in zip(mu, sigma_sq, strict=False):
         density = torch.exp(-0.5 * (t - m) ** 2 / s) / torch.sqrt(2 * math.pi * s)
         numeric = torch.trapezoid(density.unsqueeze(-1) * psi, t, dim=0)
@@ -56,13 +73,14 @@ def test_ridge_fit_is_the_ridge_solution_and_reconstructs_a_smooth_signal():
     n_new = 101
     positions, pad = fit_positions(0, n_new, 0.75)
     assert pad == 50 and len(positions) == 2 * n_new - 1
-    inner = positions[pad:pad + n_new]
+    inner = positions[pad : pad + n_new]
     torch.testing.assert_close(inner, (torch.arange(n_new, dtype=torch.float64) + 0.5) / n_new)
-    torch.testing.assert_close(positions.diff(), torch.full((len(positions) - 1,), 1 / n_new,
-                                                            dtype=torch.float64))
+    torch.testing.assert_close(
+        positions.diff(), torch.full((len(positions) - 1,), 1 / n_new, dtype=torch.float64)
+    )
     g = ridge_fit_matrix(positions, pad, centres, widths, 1.0)
-    x = smooth(inner)                                                      # [L, 2]
-    coeff = g.T @ x                                                        # [N, 2]
+    x = smooth(inner)  # [L, 2]
+    coeff = g.T @ x  # [N, 2]
     # the ridge regression of the zero-padded signal, solved another way
     basis_t = basis_values(positions, centres, widths)
     padded = torch.cat([torch.zeros(pad, 2), x, torch.zeros(pad, 2)]).double()
@@ -75,11 +93,12 @@ def test_ridge_fit_is_the_ridge_solution_and_reconstructs_a_smooth_signal():
 
 def test_contraction_keeps_the_old_signal_at_the_contracted_positions():
     torch.manual_seed(0)
-    cfg = InfinityFormerConfig(d_model=2, n_heads=1, n_basis=64, n_samples=60, gate=False,
-                               mem_len=40)
+    cfg = InfinityFormerConfig(
+        d_model=2, n_heads=1, n_basis=64, n_samples=60, gate=False, mem_len=40
+    )
     memory = ContinuousMemory(cfg).double()
     t_old = (torch.arange(80, dtype=torch.float64) + 0.5) / 80
-    old = memory.update(None, None, smooth(t_old).unsqueeze(0))            # [1, N, 2]
+    old = memory.update(None, None, smooth(t_old).unsqueeze(0))  # [1, N, 2]
     new = memory.update(old, None, torch.zeros(1, 40, 2, dtype=torch.float64))
     u = torch.linspace(0.1, 0.9, 33, dtype=torch.float64)
     before = basis_values(u, memory.centres, memory.widths) @ old[0]
@@ -100,13 +119,20 @@ def test_sticky_histogram_equals_a_direct_computation():
         direct = []
         for k in range(8):
             lo, hi = k / 8, (k + 1) / 8
-            direct.append(sum(
-                0.5 * (math.erf((hi - m) / math.sqrt(2 * s))
-                       - math.erf((lo - m) / math.sqrt(2 * s)))
-                for m, s in zip(mu[b].tolist(), sigma_sq[b].tolist(), strict=False)))
+            direct.append(
+                sum(
+                    0.5
+                    * (
+                        math.erf((hi - m) / math.sqrt(2 * s))
+                        - math.erf((lo - m) / math.sqrt(2 * s))
+                    )
+                    for m, s in zip(mu[b].tolist(), sigma_sq[b].tolist(), strict=False)
+                )
+            )
         total = sum(direct)
-        torch.testing.assert_close(hist[b], torch.tensor([v / total for v in direct],
-                                                         dtype=torch.float64))
+        torch.testing.assert_close(
+            hist[b], torch.tensor([v / total for v in direct], dtype=torch.float64)
+        )
 
 
 def test_sticky_positions_are_the_histograms_quantiles():
@@ -120,15 +146,16 @@ def test_sticky_positions_are_the_histograms_quantiles():
             k = min(int(x * 4), 3)
             cdf.append(sum(hist[b, :k].tolist()) + hist[b, k].item() * (x * 4 - k))
         torch.testing.assert_close(torch.tensor(cdf, dtype=torch.float64), q)
-    torch.testing.assert_close(u[1], q)        # a flat histogram samples evenly
-    assert not ((u[0] > 0.25) & (u[0] < 0.5)).any()   # an empty bin gets no sample
+    torch.testing.assert_close(u[1], q)  # a flat histogram samples evenly
+    assert not ((u[0] > 0.25) & (u[0] < 0.5)).any()  # an empty bin gets no sample
 
 
 def test_kl_term_equals_its_formula_and_is_the_aux_loss(monkeypatch):
     sigma_sq = torch.tensor([1e-6, 0.0025, 0.1, 2.0], dtype=torch.float64)
     mu = torch.full_like(sigma_sq, 0.4)
     expected = torch.distributions.kl_divergence(
-        torch.distributions.Normal(mu, sigma_sq.sqrt()), torch.distributions.Normal(mu, 0.05))
+        torch.distributions.Normal(mu, sigma_sq.sqrt()), torch.distributions.Normal(mu, 0.05)
+    )
     torch.testing.assert_close(kl_variance(sigma_sq, 0.05), expected)
 
     model = tiny_model(n_layers=2, kl_weight=0.3)
@@ -140,6 +167,7 @@ def test_kl_term_equals_its_formula_and_is_the_aux_loss(monkeypatch):
             out = read(q, coeff)
             reads.append(out[2])
             return out
+
         monkeypatch.setattr(layer.ltm, "read", recording)
     tokens = torch.randint(0, 13, (2, 12))
     state = model.init_state(2)
@@ -158,8 +186,9 @@ def test_gradcheck_through_the_whole_ltm_read(sticky):
     closed-form read and the output map: every input and parameter gets the gradient that
     finite differences give."""
     torch.manual_seed(2)
-    cfg = InfinityFormerConfig(d_model=2, n_heads=2, n_basis=6, n_samples=3, mem_len=2,
-                               sticky=sticky, sticky_bins=4)
+    cfg = InfinityFormerConfig(
+        d_model=2, n_heads=2, n_basis=6, n_samples=3, mem_len=2, sticky=sticky, sticky_bins=4
+    )
     memory = ContinuousMemory(cfg).double()
     names = [n for n, _ in memory.named_parameters()]
     params = tuple(p.detach().clone().requires_grad_() for p in memory.parameters())
@@ -201,9 +230,9 @@ def test_state_carries_and_a_reset_gives_the_first_block_again():
     first, state = run_blocks(model, tokens, 4)
     flat = torch.full((2, 8), 1 / 8, dtype=torch.float64)
     assert state[1].abs().sum() > 0 and not torch.equal(state[2], flat)
-    again, _ = run_blocks(model, tokens[:, :4], 4)                 # from init_state
+    again, _ = run_blocks(model, tokens[:, :4], 4)  # from init_state
     torch.testing.assert_close(again, first[:, :4], rtol=0, atol=0)
-    carried = model(tokens[:, :4], None, state).logits             # same block after a stream
+    carried = model(tokens[:, :4], None, state).logits  # same block after a stream
     assert (carried - again).abs().max() > 1e-3
 
 
@@ -218,14 +247,17 @@ def test_the_ltm_carries_what_the_cache_dropped(ltm):
     base, _ = run_blocks(model, tokens, 4)
     other, _ = run_blocks(model, changed, 4)
     torch.testing.assert_close(other[:, :1], base[:, :1], rtol=0, atol=0)
-    assert (other[:, 12:] - base[:, 12:]).abs().max() > 1e-6 if ltm else \
-        torch.equal(other[:, 12:], base[:, 12:])
+    assert (
+        (other[:, 12:] - base[:, 12:]).abs().max() > 1e-6
+        if ltm
+        else torch.equal(other[:, 12:], base[:, 12:])
+    )
 
 
 def test_ltm_cost_does_not_grow_with_the_segments_stored():
     model = tiny_model(n_layers=2)
     tokens = torch.randint(0, 13, (2, 24))
-    run_blocks(model, tokens, 4)          # the fit matrices are computed once, on first use
+    run_blocks(model, tokens, 4)  # the fit matrices are computed once, on first use
     state = model.init_state(2)
     flops, sizes = [], []
     for chunk in tokens.split(4, 1):
@@ -257,9 +289,12 @@ def test_registry_config_errors_and_description():
         model(torch.zeros(1, 5, dtype=torch.long))
     assert model.describe() == (
         "∞-former: Transformer-XL 1x8, 2 heads, mem_len 4; LTM 16 Gaussian RBFs "
-        "(widths 0.01/0.05), tau 0.75, 6 samples, even")
-    assert tiny_model(ltm=False).describe() == \
-        "Transformer-XL 1x8, 2 heads, mem_len 4; no long-term memory"
+        "(widths 0.01/0.05), tau 0.75, 6 samples, even"
+    )
+    assert (
+        tiny_model(ltm=False).describe()
+        == "Transformer-XL 1x8, 2 heads, mem_len 4; no long-term memory"
+    )
     groups = model.parameter_groups()
     assert sum(groups.values()) == sum(p.numel() for p in model.parameters())
     assert groups["long_term_memory"] == sum(p.numel() for p in model.layers[0].ltm.parameters())
@@ -279,14 +314,15 @@ def test_a_spec_builds_it_and_refuses_keys_that_do_nothing(tmp_path):
     path = tmp_path / "inf.yaml"
     path.write_text(SPEC.format(model="n_basis: 8, n_samples: 4, sticky: true, sticky_bins: 4"))
     spec = load_spec(path)
-    assert spec.model_params == InfinityFormerConfig(d_model=16, n_heads=2, mem_len=8,
-                                                     n_basis=8, n_samples=4, sticky=True,
-                                                     sticky_bins=4)
+    assert spec.model_params == InfinityFormerConfig(
+        d_model=16, n_heads=2, mem_len=8, n_basis=8, n_samples=4, sticky=True, sticky_bins=4
+    )
     path.write_text(SPEC.format(model="ltm: false, tau: 0.5"))
     with pytest.raises(SpecError) as err:
         load_spec(path)
-    assert str(err.value) == \
-        f"{path}:3: model.tau: does nothing here (model.ltm is false); remove it"
+    assert (
+        str(err.value) == f"{path}:3: model.tau: does nothing here (model.ltm is false); remove it"
+    )
 
 
 def trace_memories(model, tokens, blocks):
@@ -294,9 +330,9 @@ def trace_memories(model, tokens, blocks):
     given lengths; per block: (the token ids of the STM rows the attention reads, those of
     the vectors the LTM takes in, whether it had old coefficients, whether it was read)."""
     layer = model.layers[0]
-    table = model.embed.weight * math.sqrt(model.cfg.d_model)     # layer 0's input rows
+    table = model.embed.weight * math.sqrt(model.cfg.d_model)  # layer 0's input rows
 
-    def ids(rows):                                  # [R, d] -> token ids; zero rows: none
+    def ids(rows):  # [R, d] -> token ids; zero rows: none
         out = []
         for row in rows:
             if row.abs().max() == 0:
@@ -308,7 +344,8 @@ def trace_memories(model, tokens, blocks):
 
     record = {}
     layer.qkv.register_forward_pre_hook(
-        lambda mod, args: record.__setitem__("stm", ids(args[0][0, :-record["m"]])))
+        lambda mod, args: record.__setitem__("stm", ids(args[0][0, : -record["m"]]))
+    )
     update, read = layer.ltm.update, layer.ltm.read
 
     def recording_update(coeff, hist, new):
@@ -318,12 +355,13 @@ def trace_memories(model, tokens, blocks):
     def recording_read(q, coeff):
         record["read"] = True
         return read(q, coeff)
+
     layer.ltm.update, layer.ltm.read = recording_update, recording_read
     trace, state, start = [], model.init_state(1), 0
     for m in blocks:
         record.clear()
         record["m"] = m
-        state = model(tokens[:, start:start + m], None, state).state
+        state = model(tokens[:, start : start + m], None, state).state
         start += m
         intake, had_old = record.get("ltm", ([], False))
         trace.append((record["stm"], intake, had_old, record.get("read", False)))
@@ -334,27 +372,48 @@ def span(a, b):
     return list(range(a, b))
 
 
-@pytest.mark.parametrize("mem_len, blocks, expected", [
-    # STM rows read, LTM intake, intake refit with old samples, LTM read
-    (4, [4] * 5, [([], [], False, False),
-                  (span(0, 4), [], False, False),
-                  (span(4, 8), span(0, 4), False, True),      # block 1 left the STM in 2
-                  (span(8, 12), span(4, 8), True, True),
-                  (span(12, 16), span(8, 12), True, True)]),
-    (6, [4] * 6, [([], [], False, False),
-                  (span(0, 4), [], False, False),
-                  (span(2, 8), span(0, 2), False, True),
-                  (span(6, 12), span(2, 6), True, True),
-                  (span(10, 16), span(6, 10), True, True),
-                  (span(14, 20), span(10, 14), True, True)]),
-    # a shorter block: the next one still takes in all that left the STM during it
-    (4, [4, 4, 4, 2, 4, 4], [([], [], False, False),
-                             (span(0, 4), [], False, False),
-                             (span(4, 8), span(0, 4), False, True),
-                             (span(8, 12), span(4, 8), True, True),
-                             (span(10, 14), span(8, 10), True, True),
-                             (span(14, 18), span(10, 14), True, True)]),
-])
+@pytest.mark.parametrize(
+    "mem_len, blocks, expected",
+    [
+        # STM rows read, LTM intake, intake refit with old samples, LTM read
+        (
+            4,
+            [4] * 5,
+            [
+                ([], [], False, False),
+                (span(0, 4), [], False, False),
+                (span(4, 8), span(0, 4), False, True),  # block 1 left the STM in 2
+                (span(8, 12), span(4, 8), True, True),
+                (span(12, 16), span(8, 12), True, True),
+            ],
+        ),
+        (
+            6,
+            [4] * 6,
+            [
+                ([], [], False, False),
+                (span(0, 4), [], False, False),
+                (span(2, 8), span(0, 2), False, True),
+                (span(6, 12), span(2, 6), True, True),
+                (span(10, 16), span(6, 10), True, True),
+                (span(14, 20), span(10, 14), True, True),
+            ],
+        ),
+        # a shorter block: the next one still takes in all that left the STM during it
+        (
+            4,
+            [4, 4, 4, 2, 4, 4],
+            [
+                ([], [], False, False),
+                (span(0, 4), [], False, False),
+                (span(4, 8), span(0, 4), False, True),
+                (span(8, 12), span(4, 8), True, True),
+                (span(10, 14), span(8, 10), True, True),
+                (span(14, 18), span(10, 14), True, True),
+            ],
+        ),
+    ],
+)
 def test_a_state_enters_the_ltm_one_block_after_it_left_the_stm(mem_len, blocks, expected):
     """The authors' order (sorting/mem_transformer.py): the layer memory keeps mem_len +
     augment_len states, the attention reads the last mem_len, the LTM takes in the rest: no
@@ -364,10 +423,10 @@ def test_a_state_enters_the_ltm_one_block_after_it_left_the_stm(mem_len, blocks,
     trace = trace_memories(model, tokens, blocks)
     assert trace == expected
     held = []
-    for (stm, intake, _, _) in trace:
+    for stm, intake, _, _ in trace:
         held += intake
-        assert not set(held) & set(stm)                 # the LTM never repeats the STM
-    assert held == span(0, len(held))                   # every state enters once, in order
+        assert not set(held) & set(stm)  # the LTM never repeats the STM
+    assert held == span(0, len(held))  # every state enters once, in order
 
 
 @pytest.mark.parametrize("midpoints", [False, True])
@@ -381,7 +440,7 @@ def test_contraction_grid_positions(midpoints):
     shift = 0.5 if midpoints else 0.0
     old_at = [(k - shift) / n_old for k in range(1, n_old + 1)]
     new_at = [tau + (1 - tau) * (j - shift) / n_new for j in range(1, n_new + 1)]
-    inner = positions[pad:pad + n_old + n_new].tolist()
+    inner = positions[pad : pad + n_old + n_new].tolist()
     assert inner == pytest.approx([tau * u for u in old_at] + new_at, abs=1e-15)
     assert pad == 3 and len(positions) == 2 * pad + n_old + n_new
     # the old signal is evaluated at old_at: give it one coefficient per basis function
@@ -389,9 +448,13 @@ def test_contraction_grid_positions(midpoints):
     memory = ContinuousMemory(cfg).double()
     coeff = torch.arange(1.0, 7.0, dtype=torch.float64).view(1, 6, 1)
     centres, widths = [0, 0, 0.5, 0.5, 1, 1], [0.01, 0.05] * 3
-    expected = [sum(c * math.exp(-0.5 * ((u - mu) / s) ** 2) / (s * math.sqrt(2 * math.pi))
-                    for c, mu, s in zip(coeff.flatten().tolist(), centres, widths, strict=False))
-                for u in old_at]
+    expected = [
+        sum(
+            c * math.exp(-0.5 * ((u - mu) / s) ** 2) / (s * math.sqrt(2 * math.pi))
+            for c, mu, s in zip(coeff.flatten().tolist(), centres, widths, strict=False)
+        )
+        for u in old_at
+    ]
     got = memory.old_samples(coeff, None).flatten().tolist()
     assert got == pytest.approx(expected, rel=1e-12)
 
@@ -401,20 +464,25 @@ def record_dropout_sites(model, tokens, block):
     that norm1 adds, the attention's + the LTM's outputs, the input of the position map)."""
     seen = {}
     for i, layer in enumerate(model.layers):
-        layer.register_forward_pre_hook(
-            lambda mod, args, i=i: seen.__setitem__(("x", i), args[0]))
+        layer.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(("x", i), args[0]))
         layer.norm1.register_forward_pre_hook(
-            lambda mod, args, i=i: seen.__setitem__(("norm1", i), args[0]))
+            lambda mod, args, i=i: seen.__setitem__(("norm1", i), args[0])
+        )
         layer.attn_out.register_forward_hook(
-            lambda mod, args, out, i=i: seen.__setitem__(("attn", i), out))
+            lambda mod, args, out, i=i: seen.__setitem__(("attn", i), out)
+        )
         layer.ltm.out.register_forward_hook(
-            lambda mod, args, out, i=i: seen.__setitem__(("ltm", i), out))
+            lambda mod, args, out, i=i: seen.__setitem__(("ltm", i), out)
+        )
         layer.pos.register_forward_pre_hook(
-            lambda mod, args, i=i: seen.__setitem__(("pos", i), args[0]))
+            lambda mod, args, i=i: seen.__setitem__(("pos", i), args[0])
+        )
     model.train()
     run_blocks(model, tokens, block)
-    return [(seen["norm1", i] - seen["x", i], seen["attn", i] + seen["ltm", i], seen["pos", i])
-            for i in range(len(model.layers))]
+    return [
+        (seen["norm1", i] - seen["x", i], seen["attn", i] + seen["ltm", i], seen["pos", i])
+        for i in range(len(model.layers))
+    ]
 
 
 @pytest.mark.parametrize("on_output", [False, True])
@@ -426,11 +494,12 @@ def test_dropout_acts_on_the_position_embeddings_not_the_attention_output(on_out
     option = {"attention_output_dropout": True} if on_output else {}
     model = tiny_model(n_layers=2, dropout=p, **option)
     tokens = torch.randint(0, 13, (2, 12))
-    sites = record_dropout_sites(model, tokens, 4)      # the last block reads the LTM
-    distances = torch.arange(8, dtype=torch.float64)    # STM 4 + block 4
+    sites = record_dropout_sites(model, tokens, 4)  # the last block reads the LTM
+    distances = torch.arange(8, dtype=torch.float64)  # STM 4 + block 4
     freq = 10000 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
-    sinusoid_table = torch.cat([torch.sin(distances[:, None] * freq),
-                                torch.cos(distances[:, None] * freq)], -1)
+    sinusoid_table = torch.cat(
+        [torch.sin(distances[:, None] * freq), torch.cos(distances[:, None] * freq)], -1
+    )
     for residual, attention, pos_in in sites:
         if on_output:
             assert (residual == 0).any() and not torch.equal(residual, attention)
@@ -439,7 +508,8 @@ def test_dropout_acts_on_the_position_embeddings_not_the_attention_output(on_out
         else:
             torch.testing.assert_close(residual, attention, rtol=1e-12, atol=1e-12)
         kept = pos_in != 0
-        assert 0 < kept.sum() < kept.numel() - 2          # sin(0) = 0 are 4 of the zeros
-        torch.testing.assert_close(pos_in[kept], sinusoid_table[kept] / (1 - p),
-                                   rtol=1e-6, atol=1e-6)
-    assert torch.equal(sites[0][2], sites[1][2])      # one draw shared by the layers
+        assert 0 < kept.sum() < kept.numel() - 2  # sin(0) = 0 are 4 of the zeros
+        torch.testing.assert_close(
+            pos_in[kept], sinusoid_table[kept] / (1 - p), rtol=1e-6, atol=1e-6
+        )
+    assert torch.equal(sites[0][2], sites[1][2])  # one draw shared by the layers

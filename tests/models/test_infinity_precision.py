@@ -23,8 +23,7 @@ def exact_basis():
     n_centres = CFG.n_basis // 2
     centres = [k / (n_centres - 1) for k in range(n_centres) for _ in range(2)]
     widths = [0.01, 0.05] * n_centres
-    return (torch.tensor(centres, dtype=torch.float64),
-            torch.tensor(widths, dtype=torch.float64))
+    return (torch.tensor(centres, dtype=torch.float64), torch.tensor(widths, dtype=torch.float64))
 
 
 def gaussian(x, mean, var):
@@ -36,7 +35,7 @@ def test_a_low_precision_memory_keeps_its_basis_in_float32(dtype):
     torch.manual_seed(0)
     f32 = ContinuousMemory(CFG)
     low = copy.deepcopy(f32).to(dtype)
-    assert low.key.weight.dtype == dtype                 # the rest of it is cast
+    assert low.key.weight.dtype == dtype  # the rest of it is cast
     assert low.centres.dtype == low.widths.dtype == torch.float32
     assert torch.equal(low.centres, f32.centres) and torch.equal(low.widths, f32.widths)
     assert len(set(low.centres.tolist())) == CFG.n_basis // 2
@@ -56,7 +55,7 @@ def test_low_precision_read_weights_equal_float32s(dtype):
     assert rel.max() < 1e-3
     # and both are the closed form of the exact basis
     centres, widths = exact_basis()
-    direct = gaussian(mu.double()[:, None], centres, sigma_sq.double()[:, None] + widths ** 2)
+    direct = gaussian(mu.double()[:, None], centres, sigma_sq.double()[:, None] + widths**2)
     assert ((r_low.double() - direct).abs().amax(-1) / direct.abs().amax(-1)).max() < 1e-5
 
 
@@ -71,14 +70,14 @@ def test_a_low_precision_read_and_old_samples_use_the_exact_basis(dtype):
     out, mu, sigma_sq = low.read(q, coeff)
     assert out.dtype == dtype and mu.dtype == sigma_sq.dtype == torch.float32
     centres, widths = exact_basis()
-    r = gaussian(mu.double()[..., None], centres, sigma_sq.double()[..., None] + widths ** 2)
+    r = gaussian(mu.double()[..., None], centres, sigma_sq.double()[..., None] + widths**2)
     values = (coeff.double() @ low.value.weight.double().T).view(1, -1, 2, 4).transpose(1, 2)
     z = (r @ values).transpose(1, 2).reshape(1, 5, 8)
     expected = z @ low.out.weight.double().T
     assert ((out.double() - expected).abs().max() / expected.abs().max()) < 2e-2
     # the old signal at the authors' grid k/M
     u = torch.arange(1, CFG.n_samples + 1, dtype=torch.float64) / CFG.n_samples
-    psi = gaussian(u[:, None], centres, widths ** 2)
+    psi = gaussian(u[:, None], centres, widths**2)
     samples = low.old_samples(coeff, None)
     expected = psi @ coeff[0].double()
     assert ((samples[0].double() - expected).abs().max() / expected.abs().max()) < 1e-2

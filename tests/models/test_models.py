@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models import (MODELS, AllAttnConfig, AllAttnLM, ModelOutput, SequenceModel, build_model,
-                             count_parameters)
+from pipeline.models import (
+    MODELS,
+    AllAttnConfig,
+    AllAttnLM,
+    ModelOutput,
+    SequenceModel,
+    build_model,
+    count_parameters,
+)
 from pipeline.models.layers import attn_span_len, cache_len
 
 DT = torch.float64
@@ -22,8 +29,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def tiny_cfg(**kw) -> AllAttnConfig:
     base = dict(
-        d_model=16, n_layers=2, n_heads=2, n_persistent=5, max_span=128, span_ramp=8,
-        span_init=0.0, attn_dropout=0.0,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        n_persistent=5,
+        max_span=128,
+        span_ramp=8,
+        span_init=0.0,
+        attn_dropout=0.0,
     )
     base.update(kw)
     return AllAttnConfig(**base)
@@ -57,22 +70,50 @@ def ramp(z: float, r: float, x: float) -> float:
 
 def test_config_defaults_are_the_papers_small_model():
     cfg = AllAttnConfig()
-    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_persistent, cfg.ff_dim) == (512, 18, 8, 1024, 0)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_persistent, cfg.ff_dim) == (
+        512,
+        18,
+        8,
+        1024,
+        0,
+    )
     assert (cfg.max_span, cfg.adaptive_span, cfg.span_ramp, cfg.span_init) == (8192, True, 32, 0.0)
-    assert (cfg.span_loss_coef, cfg.attn_dropout, cfg.emb_dropout, cfg.out_dropout) == (1e-7, 0.3, 0.0, 0.0)
+    assert (cfg.span_loss_coef, cfg.attn_dropout, cfg.emb_dropout, cfg.out_dropout) == (
+        1e-7,
+        0.3,
+        0.0,
+        0.0,
+    )
     # the paper's model (joint softmax) and the paper's word-level adaptive I/O settings
     assert (cfg.persistent_mode, cfg.ff_kind) == ("all_attn", "relu")
     assert (cfg.adaptive_io, cfg.adaptive_cutoffs, cfg.adaptive_div, cfg.adaptive_tied) == (
-        False, [20000, 40000, 200000], 4, True)
+        False,
+        [20000, 40000, 200000],
+        4,
+        True,
+    )
 
 
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("d_model", 0), ("d_model", 510), ("n_layers", 0), ("n_heads", 0), ("n_persistent", -1),
-        ("ff_dim", -2), ("max_span", 0), ("span_ramp", 0), ("span_init", 1.5), ("span_init", -0.1),
-        ("span_loss_coef", -1.0), ("attn_dropout", 1.0), ("emb_dropout", -0.1),
-        ("out_dropout", 1.2), ("d_model", 512.0), ("adaptive_span", 1), ("n_layers", True),
+        ("d_model", 0),
+        ("d_model", 510),
+        ("n_layers", 0),
+        ("n_heads", 0),
+        ("n_persistent", -1),
+        ("ff_dim", -2),
+        ("max_span", 0),
+        ("span_ramp", 0),
+        ("span_init", 1.5),
+        ("span_init", -0.1),
+        ("span_loss_coef", -1.0),
+        ("attn_dropout", 1.0),
+        ("emb_dropout", -0.1),
+        ("out_dropout", 1.2),
+        ("d_model", 512.0),
+        ("adaptive_span", 1),
+        ("n_layers", True),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(field, value):
@@ -84,14 +125,18 @@ def test_registry():
     assert MODELS["allattn"] == (AllAttnConfig, AllAttnLM)
     m = build_model("allattn", tiny_cfg(), 7)
     assert isinstance(m, AllAttnLM) and m.out.out_features == 7
-    assert count_parameters(build_model("allattn", dataclasses.asdict(tiny_cfg()), 7)) == count_parameters(m)
+    assert count_parameters(
+        build_model("allattn", dataclasses.asdict(tiny_cfg()), 7)
+    ) == count_parameters(m)
     with pytest.raises(ValueError, match="allattn"):
         build_model("transformer-xl", tiny_cfg(), 7)
 
 
 def test_models_and_ops_import_only_plain_torch():
     banned = {"deepspeed", "mlflow", "yaml", "click", "pydantic"}
-    files = list((ROOT / "pipeline" / "models").glob("*.py")) + list((ROOT / "pipeline" / "ops").glob("*.py"))
+    files = list((ROOT / "pipeline" / "models").glob("*.py")) + list(
+        (ROOT / "pipeline" / "ops").glob("*.py")
+    )
     assert files
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -202,8 +247,10 @@ def test_layer_attention_is_equations_10_to_13(n_persistent):
     cache = torch.randn(2, model.cache_lens()[0], 16, generator=g, dtype=DT)
     blk = torch.randn(2, 9, 16, generator=g, dtype=DT)
     got = layer.attn(blk, cache, model.pos_table)
-    ctx = cache[:, -span_lens[0]:]
-    want = direct_attention(layer.attn, model.pos_table, 192, ctx, blk, span_lens[0], [12.25, 61.5], 8)
+    ctx = cache[:, -span_lens[0] :]
+    want = direct_attention(
+        layer.attn, model.pos_table, 192, ctx, blk, span_lens[0], [12.25, 61.5], 8
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     # the mask really is mid-ramp for some of the context
     mk = layer.attn.adaptive_span.mask(span_lens[0])
@@ -212,7 +259,9 @@ def test_layer_attention_is_equations_10_to_13(n_persistent):
     short = cache[:, -50:]
     got = layer.attn(blk, short, model.pos_table)
     ctx = torch.cat([torch.zeros(2, span_lens[0] - 50, 16, dtype=DT), short], 1)
-    want = direct_attention(layer.attn, model.pos_table, 192, ctx, blk, span_lens[0], [12.25, 61.5], 8)
+    want = direct_attention(
+        layer.attn, model.pos_table, 192, ctx, blk, span_lens[0], [12.25, 61.5], 8
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     if n_persistent == 0:
         assert layer.attn.persistent_k is None and layer.attn.persistent_v is None
@@ -332,7 +381,10 @@ def test_cache_shapes_zero_start_and_detach():
     assert out.logits.shape == (3, 10, 11)
     assert out.nll.shape == (3, 10)
     torch.testing.assert_close(
-        out.nll, -torch.log_softmax(out.logits, -1).gather(-1, tgt[..., None])[..., 0], rtol=0, atol=1e-12
+        out.nll,
+        -torch.log_softmax(out.logits, -1).gather(-1, tgt[..., None])[..., 0],
+        rtol=0,
+        atol=1e-12,
     )
     model.train()
     out = model(tok, tgt)
@@ -429,8 +481,15 @@ def test_tiny_model_overfits_a_repeated_sequence():
     torch.manual_seed(0)
     vocab = 12
     cfg = AllAttnConfig(
-        d_model=32, n_layers=2, n_heads=4, n_persistent=16, max_span=64, span_ramp=8,
-        span_init=0.25, attn_dropout=0.0, span_loss_coef=1e-4,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_persistent=16,
+        max_span=64,
+        span_ramp=8,
+        span_init=0.25,
+        attn_dropout=0.0,
+        span_loss_coef=1e-4,
     )
     model = AllAttnLM(cfg, vocab)
     pattern = torch.randint(0, vocab, (13,))
@@ -493,7 +552,10 @@ def direct_variant(attn, pos_table, max_span, ctx, blk, span_len, spans, r, mode
                 out = torch.zeros(dh, dtype=DT)
                 if h < hc:  # context part
                     cs = range(t - span_len, t)
-                    s = [q @ (wk[rows] @ X[b, c] + pos_table[:, max_span - (t - c)]) / math.sqrt(dh) for c in cs]
+                    s = [
+                        q @ (wk[rows] @ X[b, c] + pos_table[:, max_span - (t - c)]) / math.sqrt(dh)
+                        for c in cs
+                    ]
                     a = _softmax(s)
                     if spans is not None:
                         a = a * torch.tensor([ramp(spans[h], r, (t - c) - 1) for c in cs], dtype=DT)
@@ -527,7 +589,9 @@ def test_ablation_attention_equals_its_definition(mode):
     cache = torch.randn(2, model.cache_lens()[0], 16, generator=g, dtype=DT)
     blk = torch.randn(2, 5, 16, generator=g, dtype=DT)
     got = layer.attn(blk, cache, model.pos_table)
-    want = direct_variant(layer.attn, model.pos_table, 64, cache[:, -span_len:], blk, span_len, spans, 8, mode)
+    want = direct_variant(
+        layer.attn, model.pos_table, 64, cache[:, -span_len:], blk, span_len, spans, 8, mode
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     # and it is not the joint softmax: the same weights under all_attn give another output
     joint = tiny_model(n_heads=4, n_persistent=6, max_span=64, span_ramp=8).layers[0].attn
@@ -548,14 +612,21 @@ def test_ablation_shapes_spans_and_fixed_span():
     torch.manual_seed(0)
     big = AllAttnLM(AllAttnConfig(n_layers=1, persistent_mode="single_head"), 27).layers[0].attn
     pk, pv = big.persistent_vectors()
-    assert pk.std().item() == pytest.approx(1.0, abs=0.01) and pv.std().item() == pytest.approx(1.0, abs=0.01)
+    assert pk.std().item() == pytest.approx(1.0, abs=0.01) and pv.std().item() == pytest.approx(
+        1.0, abs=0.01
+    )
     # fixed span: every query sees exactly max_span tokens, no renormalisation
     fixed = tiny_model(persistent_mode="attn_split", n_heads=4, adaptive_span=False, max_span=12)
     assert fixed.spans() == [[12.0] * 4] * 2
     g = torch.Generator().manual_seed(6)
-    cache, blk = torch.randn(1, 12, 16, generator=g, dtype=DT), torch.randn(1, 4, 16, generator=g, dtype=DT)
+    cache, blk = (
+        torch.randn(1, 12, 16, generator=g, dtype=DT),
+        torch.randn(1, 4, 16, generator=g, dtype=DT),
+    )
     got = fixed.layers[1].attn(blk, cache, fixed.pos_table)
-    want = direct_variant(fixed.layers[1].attn, fixed.pos_table, 12, cache, blk, 12, None, 1, "attn_split")
+    want = direct_variant(
+        fixed.layers[1].attn, fixed.pos_table, 12, cache, blk, 12, None, 1, "attn_split"
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     hsf = tiny_model(persistent_mode="head_split", n_heads=4, adaptive_span=False)
     assert hsf.spans() == [[128.0] * 2] * 2
@@ -574,14 +645,20 @@ def test_ff_attn_and_softmax_ff_sublayers_equal_their_definitions():
     for b in range(2):
         for t in range(5):
             q = ff.q_proj.weight @ x[b, t]
-            a = _softmax([q @ (ff.persistent_k[0, j] * 4.0) / 4.0 for j in range(7)])  # sqrt(16) = 4
-            want[b, t] = ff.o_proj.weight @ sum(a[j] * ff.persistent_v[0, j] * math.sqrt(7) for j in range(7))
+            a = _softmax(
+                [q @ (ff.persistent_k[0, j] * 4.0) / 4.0 for j in range(7)]
+            )  # sqrt(16) = 4
+            want[b, t] = ff.o_proj.weight @ sum(
+                a[j] * ff.persistent_v[0, j] * math.sqrt(7) for j in range(7)
+            )
     torch.testing.assert_close(ff(x), want, rtol=0, atol=1e-12)
     # the layer is post-norm attention then FF-attn, each with its AddNorm
     layer = model.layers[0]
     cache = torch.randn(2, model.cache_lens()[0], 16, generator=g, dtype=DT)
     h = layer.norm1(x + layer.attn(x, cache, model.pos_table))
-    torch.testing.assert_close(layer(x, cache, model.pos_table), layer.norm2(h + ff(h)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        layer(x, cache, model.pos_table), layer.norm2(h + ff(h)), rtol=0, atol=1e-12
+    )
     # eq. 9 literally: U softmax(V x), no biases
     sm = tiny_model(n_persistent=0, ff_dim=7, ff_kind="softmax").layers[0].ff
     assert sm.fc1.bias is None and sm.fc2.bias is None
@@ -621,10 +698,17 @@ def test_variants_stream_with_the_cache_like_one_pass(kw):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("persistent_mode", "joint"), ("persistent_mode", 3), ("ff_kind", "gelu"),
-        ("adaptive_cutoffs", [5, 3]), ("adaptive_cutoffs", []), ("adaptive_cutoffs", [0, 4]),
-        ("adaptive_cutoffs", "20000"), ("adaptive_cutoffs", [2.5]), ("adaptive_div", 0),
-        ("adaptive_io", "yes"), ("adaptive_tied", 1),
+        ("persistent_mode", "joint"),
+        ("persistent_mode", 3),
+        ("ff_kind", "gelu"),
+        ("adaptive_cutoffs", [5, 3]),
+        ("adaptive_cutoffs", []),
+        ("adaptive_cutoffs", [0, 4]),
+        ("adaptive_cutoffs", "20000"),
+        ("adaptive_cutoffs", [2.5]),
+        ("adaptive_div", 0),
+        ("adaptive_io", "yes"),
+        ("adaptive_tied", 1),
     ],
 )
 def test_new_fields_reject_bad_values_naming_the_field(field, value):
@@ -654,8 +738,13 @@ def test_bad_combinations_are_refused_naming_the_field(kw, needle):
 def _adaptive_model(tied=True, seed=0):
     torch.manual_seed(seed)
     cfg = tiny_cfg(
-        d_model=64, n_heads=4, max_span=32, adaptive_io=True, adaptive_cutoffs=[5, 12, 30],
-        adaptive_div=4, adaptive_tied=tied,
+        d_model=64,
+        n_heads=4,
+        max_span=32,
+        adaptive_io=True,
+        adaptive_cutoffs=[5, 12, 30],
+        adaptive_div=4,
+        adaptive_tied=tied,
     )
     return AllAttnLM(cfg, 50).to(DT).eval()
 
@@ -664,7 +753,12 @@ def test_adaptive_input_has_four_bands_at_the_right_dims_and_equals_its_definiti
     model = _adaptive_model()
     emb = model.embed
     assert emb.bounds == [0, 5, 12, 30, 50]
-    assert [b.weight.shape for b in emb.bands] == [(5, 64), (7, 16), (18, 4), (20, 1)]  # d, d/4, d/16, d/64
+    assert [b.weight.shape for b in emb.bands] == [
+        (5, 64),
+        (7, 16),
+        (18, 4),
+        (20, 1),
+    ]  # d, d/4, d/16, d/64
     assert [tuple(p.shape) for p in emb.projs] == [(64, 64), (64, 16), (64, 4), (64, 1)]
     tokens = torch.tensor([[0, 4, 5, 11, 12, 29, 30, 49], [49, 7, 3, 20, 31, 0, 6, 13]])
     got = emb(tokens)
@@ -683,7 +777,9 @@ def direct_adaptive_nll(out, h, w):
     bounds = out.bounds
     i = sum(w >= c for c in bounds[1:-1])
     p0 = h @ out.projs[0]
-    head = torch.cat([out.weights[0] @ p0 + out.biases[0], out.cluster.weight @ h + out.cluster.bias])
+    head = torch.cat(
+        [out.weights[0] @ p0 + out.biases[0], out.cluster.weight @ h + out.cluster.bias]
+    )
     head_lp = head - torch.logsumexp(head, 0)
     if i == 0:
         return -head_lp[w]
@@ -705,10 +801,14 @@ def test_adaptive_softmax_nll_is_the_four_band_factorisation(tied):
     assert nll.shape == (3, 7) and nll.dtype == DT
     for b in range(3):
         for t in range(7):
-            torch.testing.assert_close(nll[b, t], direct_adaptive_nll(out, h[b, t], int(w[b, t])), rtol=0, atol=1e-12)
+            torch.testing.assert_close(
+                nll[b, t], direct_adaptive_nll(out, h[b, t], int(w[b, t])), rtol=0, atol=1e-12
+            )
     lp = out.log_prob(h)
     assert lp.shape == (3, 7, 50)
-    torch.testing.assert_close(torch.logsumexp(lp, -1), torch.zeros(3, 7, dtype=DT), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        torch.logsumexp(lp, -1), torch.zeros(3, 7, dtype=DT), rtol=0, atol=1e-12
+    )
     torch.testing.assert_close(-lp.gather(-1, w[..., None])[..., 0], nll, rtol=0, atol=1e-12)
 
 
@@ -720,10 +820,18 @@ def test_adaptive_io_weights_are_really_tied():
     names = [n for n, _ in model.named_parameters()]
     assert not any(n.startswith("out.weight") or n.startswith("out.proj") for n in names)
     # counted once: bands + projections + output biases + cluster
-    io = sum(n * d for n, d in [(5, 64), (7, 16), (18, 4), (20, 1)]) + 64 * (64 + 16 + 4 + 1) + 50 + (3 * 64 + 3)
+    io = (
+        sum(n * d for n, d in [(5, 64), (7, 16), (18, 4), (20, 1)])
+        + 64 * (64 + 16 + 4 + 1)
+        + 50
+        + (3 * 64 + 3)
+    )
     body = count_parameters(model) - io
     untied = _adaptive_model(tied=False)
-    assert count_parameters(untied) - body == io + sum(n * d for n, d in [(5, 64), (7, 16), (18, 4), (20, 1)]) + 64 * 85
+    assert (
+        count_parameters(untied) - body
+        == io + sum(n * d for n, d in [(5, 64), (7, 16), (18, 4), (20, 1)]) + 64 * 85
+    )
     # one tensor: the output loss alone gives the input embedding a gradient, and a change
     # to the embedding changes the output distribution
     h = torch.randn(4, 64, dtype=DT)
@@ -778,7 +886,8 @@ def test_the_model_protocol_spans_bounds_metrics_and_groups():
     set_spans(model, [[0.0, 10.0], [60.0, 3.5], [200.0, 256.0]])
     bounded = model.bounded_parameters()
     assert [(p, low, high) for p, low, high in bounded] == [
-        (layer.attn.adaptive_span.frac, 0.0, 1.0) for layer in model.layers]
+        (layer.attn.adaptive_span.frac, 0.0, 1.0) for layer in model.layers
+    ]
     assert model.metrics() == {"span_mean": (10.0 + 63.5 + 456.0) / 6, "span_max": 256.0}
     state = model.init_state(2)
     out = model(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), state)
@@ -800,6 +909,7 @@ def test_attention_impl_config_and_description():
     model = AllAttnLM(tiny_cfg(attention={"impl": "auto"}, attn_dropout=0.3), 11)
     assert model.describe() == (
         "attention impl auto on cpu float32 (attention dropout 0.3): "
-        "reference for training, flex for evaluation")
+        "reference for training, flex for evaluation"
+    )
     model.set_attention_impl("sdpa")
     assert model.describe() == "attention impl sdpa"

@@ -19,8 +19,17 @@ V, B, M, MAX_SPAN, RAMP = 13, 2, 8, 256, 8
 
 
 def cfg(**kw) -> AllAttnConfig:
-    base = dict(d_model=16, n_layers=2, n_heads=2, n_persistent=3, max_span=MAX_SPAN,
-                span_ramp=RAMP, span_init=0.05, span_loss_coef=0.0, attn_dropout=0.0)
+    base = dict(
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        n_persistent=3,
+        max_span=MAX_SPAN,
+        span_ramp=RAMP,
+        span_init=0.05,
+        span_loss_coef=0.0,
+        attn_dropout=0.0,
+    )
     return AllAttnConfig(**(base | kw))
 
 
@@ -38,7 +47,7 @@ class Run:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         self.planned, self.grow = planned, grow
         self.state = self.model.init_state(B)
-        self.seen: list[tuple[list[int], list[int]]] = []   # (L' used, synchronous L')
+        self.seen: list[tuple[list[int], list[int]]] = []  # (L' used, synchronous L')
 
     def step(self, tokens: torch.Tensor) -> float:
         m = self.model
@@ -50,7 +59,7 @@ class Run:
             self.opt.zero_grad()
             loss.backward()
             self.opt.step()
-        with torch.no_grad():       # spans that grow by grow * max_span tokens per update
+        with torch.no_grad():  # spans that grow by grow * max_span tokens per update
             for layer in m.layers if self.grow else []:
                 layer.attn.adaptive_span.frac.add_(self.grow)
         m.after_step()
@@ -67,7 +76,7 @@ def test_planned_span_len_covers_the_synchronous_one_with_slack():
         assert planned == 8192 or planned >= sync + 64
         assert planned <= 8192
     buckets = {planned_span_len(f / 1000, 8192, 32) for f in range(1001)}
-    assert len(buckets) <= 15          # ~2 per doubling: what compiled code sees
+    assert len(buckets) <= 15  # ~2 per doubling: what compiled code sees
 
 
 def test_planned_training_equals_synchronous_while_spans_grow_slowly():
@@ -81,7 +90,7 @@ def test_planned_training_equals_synchronous_while_spans_grow_slowly():
     # the plans were not the synchronous L' (slack, buckets), and never too short
     assert any(used != now for used, now in planned.seen)
     assert all(u >= n for used, now in planned.seen for u, n in zip(used, now, strict=False))
-    assert len({tuple(used) for used, _ in planned.seen}) >= 2      # the plan followed
+    assert len({tuple(used) for used, _ in planned.seen}) >= 2  # the plan followed
     assert planned.model.metric_tensors()["span_plan_overflows"].item() == 0
     assert planned.model.metric_warnings({"span_plan_overflows": 0.0}) == []
 
@@ -92,9 +101,9 @@ def test_a_span_that_jumps_past_its_plan_is_counted_and_warned_about():
     for t in blocks[:4]:
         run.step(t)
     assert run.model.metric_tensors()["span_plan_overflows"].item() == 0
-    with torch.no_grad():               # layer 1 jumps to the whole span
+    with torch.no_grad():  # layer 1 jumps to the whole span
         run.model.layers[1].attn.adaptive_span.frac.fill_(0.9)
-    run.model.request_plan()            # (as after an optimizer step)
+    run.model.request_plan()  # (as after an optimizer step)
     for t in blocks[4:]:
         run.step(t)
     # the update after the jump plans from values two updates old: one forward cut short;
@@ -103,7 +112,7 @@ def test_a_span_that_jumps_past_its_plan_is_counted_and_warned_about():
     assert values["span_plan_overflows"] == 1
     [line] = run.model.metric_warnings(values)
     assert "outgrew its planned length" in line and "1 forward(s)" in line
-    assert run.model.metric_warnings(values) == []      # said once
+    assert run.model.metric_warnings(values) == []  # said once
     # a forward outside planned_update() reads the spans now, and is never cut
     run.model.eval()
     with torch.no_grad():
@@ -119,20 +128,24 @@ def test_the_plan_resumes_exactly_from_plan_state():
     first = Run(planned=True)
     for t in blocks[:7]:
         first.step(t)
-    saved = {"model": first.model.state_dict(), "opt": first.opt.state_dict(),
-             "state": [s.clone() for s in first.state], "plan": first.model.plan_state()}
+    saved = {
+        "model": first.model.state_dict(),
+        "opt": first.opt.state_dict(),
+        "state": [s.clone() for s in first.state],
+        "plan": first.model.plan_state(),
+    }
     assert saved["plan"]["planned"] is not None and len(saved["plan"]["pending"]) == 2
 
     def resumed(plan) -> tuple[Run, list[float]]:
         run = Run(planned=True)
         run.model.load_state_dict(saved["model"])
-        run.opt.load_state_dict(copy.deepcopy(saved["opt"]))   # Adam steps its tensors in place
+        run.opt.load_state_dict(copy.deepcopy(saved["opt"]))  # Adam steps its tensors in place
         run.state = [s.clone() for s in saved["state"]]
         run.model.load_plan_state(plan)
         return run, [run.step(t) for t in blocks[7:]]
 
     run, after = resumed(saved["plan"])
-    assert after == losses[7:]                          # bit for bit
+    assert after == losses[7:]  # bit for bit
     assert [u for u, _ in run.seen] == [u for u, _ in straight.seen[7:]]
     # a checkpoint from before plans: planned from the current spans at the first update
     run, after = resumed(None)

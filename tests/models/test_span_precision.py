@@ -21,8 +21,8 @@ from pipeline.ops import adaptive_span_mask
 from stages.base import NullStageTracker
 
 MAX_SPAN, RAMP = 8192, 32
-SPANS = [2990.37, 3001.5, 3013.25, 2999.875]   # tokens, near 3000
-SPAN_LEN = 3072                                 # L' covering the spans and their ramps
+SPANS = [2990.37, 3001.5, 3013.25, 2999.875]  # tokens, near 3000
+SPAN_LEN = 3072  # L' covering the spans and their ramps
 
 
 def _span_module() -> AdaptiveSpan:
@@ -82,8 +82,16 @@ def test_mask_of_a_bf16_span_is_computed_in_float32():
 def test_bf16_model_trains_with_float32_spans():
     """A whole model cast to bf16: the spans stay float32, a forward and backward run on the
     reference backend, and the span fractions get a float32 gradient."""
-    cfg = AllAttnConfig(d_model=16, n_layers=2, n_heads=2, n_persistent=4, max_span=128,
-                        span_ramp=8, span_init=0.3, attn_dropout=0.0)
+    cfg = AllAttnConfig(
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        n_persistent=4,
+        max_span=128,
+        span_ramp=8,
+        span_init=0.3,
+        attn_dropout=0.0,
+    )
     torch.manual_seed(0)
     model = AllAttnLM(cfg, 11).to(torch.bfloat16)
     model.set_attention_impl("reference")
@@ -94,8 +102,10 @@ def test_bf16_model_trains_with_float32_spans():
     out = model(tokens, tokens)
     assert out.nll.dtype == torch.float32 and model.aux_loss().dtype == torch.float32
     (out.nll.mean() + model.aux_loss()).backward()
-    assert all(f.grad is not None and f.grad.dtype == torch.float32 and f.grad.abs().sum() > 0
-               for f in fracs)
+    assert all(
+        f.grad is not None and f.grad.dtype == torch.float32 and f.grad.abs().sum() > 0
+        for f in fracs
+    )
 
 
 # ------------------------------------------------------------------ DeepSpeed's bf16 engine
@@ -110,8 +120,15 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
     from pipeline.training.trainer import Trainer
 
     def trainer(stage: int) -> Trainer:
-        spec = load_spec(cfg, ["train.deepspeed.bf16=true", f"train.deepspeed.zero_stage={stage}",
-                               f"model.span_init={SPAN_INIT}", "model.span_loss_coef=0.01"])
+        spec = load_spec(
+            cfg,
+            [
+                "train.deepspeed.bf16=true",
+                f"train.deepspeed.zero_stage={stage}",
+                f"model.span_init={SPAN_INIT}",
+                "model.span_loss_coef=0.01",
+            ],
+        )
         return Trainer(spec, preprocess_dir, tracker=NullStageTracker(), log=print)
 
     def fracs(t: Trainer) -> list[list[float]]:
@@ -119,8 +136,13 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
 
     def seen_by_forward(module, args) -> None:
         spans = [layer.attn.adaptive_span.frac for layer in module.layers]
-        seen.append({"dtypes": sorted({str(f.dtype) for f in spans}),
-                     "pos": str(module.pos_table.dtype), "fracs": [f.tolist() for f in spans]})
+        seen.append(
+            {
+                "dtypes": sorted({str(f.dtype) for f in spans}),
+                "pos": str(module.pos_table.dtype),
+                "fracs": [f.tolist() for f in spans],
+            }
+        )
 
     result = {}
     for stage in (0, 1, 2):
@@ -137,8 +159,10 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
         if stage == 1:
             resumed = trainer(1)
             resumed.load(ckpt)
-            result["resumed"] = {"losses": [float(resumed.train_step()) for _ in range(2)],
-                                 "fracs": fracs(resumed)}
+            result["resumed"] = {
+                "losses": [float(resumed.train_step()) for _ in range(2)],
+                "fracs": fracs(resumed),
+            }
     out.write_text(json.dumps(result))
 
 
@@ -156,9 +180,10 @@ def test_deepspeed_bf16_trains_with_float32_spans(tmp_path):
     assert torch.tensor(SPAN_INIT).bfloat16().item() != init
     for stage in ("0", "1", "2"):
         run = got[stage]
-        assert len(run["seen"]) == DS_STEPS * 2                 # 2 micro-batches per step
-        assert all(s["dtypes"] == ["torch.float32"] and s["pos"] == "torch.bfloat16"
-                   for s in run["seen"]), stage
+        assert len(run["seen"]) == DS_STEPS * 2  # 2 micro-batches per step
+        assert all(
+            s["dtypes"] == ["torch.float32"] and s["pos"] == "torch.bfloat16" for s in run["seen"]
+        ), stage
         assert run["seen"][0]["fracs"] == [[init] * 2] * 2, stage
         # the spans moved, to values bf16 cannot represent, and the model learned
         last = torch.tensor(run["fracs"][-1])

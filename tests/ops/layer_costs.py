@@ -42,8 +42,7 @@ def aten_ops(step) -> Counter:
     (tests/helpers/step_audit.py's OpCounter)."""
     with OpCounter() as counter:
         step()
-    return Counter({name if "." in name else f"aten.{name}": n
-                    for name, n in counter.ops.items()})
+    return Counter({name if "." in name else f"aten.{name}": n for name, n in counter.ops.items()})
 
 
 # --------------------------------------------------------------------------------------
@@ -53,9 +52,14 @@ def aten_ops(step) -> Counter:
 
 def our_layer(shape: dict, device="cpu", impl="reference"):
     cfg = AllAttnConfig(
-        d_model=shape["d"], n_heads=shape["h"], n_persistent=shape["n"],
-        max_span=shape["span"], span_ramp=shape["ramp"], span_init=1.0,
-        attn_dropout=shape["p"], ff_dim=0,
+        d_model=shape["d"],
+        n_heads=shape["h"],
+        n_persistent=shape["n"],
+        max_span=shape["span"],
+        span_ramp=shape["ramp"],
+        span_init=1.0,
+        attn_dropout=shape["p"],
+        ff_dim=0,
     )
     with torch.device(device):
         layer = AllAttnLayer(cfg)
@@ -90,11 +94,18 @@ def authors_layer(code_dir: str, shape: dict, device="cpu"):
     b, d, h, m, span = shape["b"], shape["d"], shape["h"], shape["m"], shape["span"]
     with torch.device(device):
         layer = models.TransformerSeqLayer(
-            hidden_size=d, nb_heads=h, attn_span=span, dropout=shape["p"],
+            hidden_size=d,
+            nb_heads=h,
+            attn_span=span,
+            dropout=shape["p"],
             inner_hidden_size=4 * d,
-            adapt_span_params=dict(adapt_span_enabled=True, adapt_span_loss=0.0,
-                                   adapt_span_ramp=shape["ramp"], adapt_span_init=1.0,
-                                   adapt_span_cache=True),
+            adapt_span_params=dict(
+                adapt_span_enabled=True,
+                adapt_span_loss=0.0,
+                adapt_span_ramp=shape["ramp"],
+                adapt_span_init=1.0,
+                adapt_span_cache=True,
+            ),
             pers_mem_params=dict(pers_mem_size=shape["n"]),
         )
         x = torch.randn(b, m, d, requires_grad=True)
@@ -129,9 +140,11 @@ def main(argv=None) -> None:
         torch.manual_seed(0)
         _, fwd = make(TINY, "cpu")
         ops = step_ops(fwd)
-        print(f"{name:8s} saved for backward per layer (enwik8_large, full span, fp32, meta): "
-              f"{kept / GIB:.3f} GiB; aten ops per layer forward+backward (tiny shape, CPU): "
-              f"{sum(ops.values())}")
+        print(
+            f"{name:8s} saved for backward per layer (enwik8_large, full span, fp32, meta): "
+            f"{kept / GIB:.3f} GiB; aten ops per layer forward+backward (tiny shape, CPU): "
+            f"{sum(ops.values())}"
+        )
         print("   ", ", ".join(f"{k.replace('aten.', '')} {v}" for k, v in ops.most_common()))
 
 

@@ -33,7 +33,14 @@ NO_CUDA = "needs CUDA (FlexAttention backward and its compiled dropout are CUDA-
 
 def _inputs(dtype=DT, device="cpu", b=2, h=3, m=5, span=7, d=4, n=6, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(b, h, m, d), (b, h, span + m, d), (b, h, span + m, d), (d, span), (h, n, d), (h, n, d)]
+    shapes = [
+        (b, h, m, d),
+        (b, h, span + m, d),
+        (b, h, span + m, d),
+        (d, span),
+        (h, n, d),
+        (h, n, d),
+    ]
     xs = [torch.randn(*s, generator=g, dtype=DT).to(device, dtype) for s in shapes]
     # spans mid-ramp: some context kept, some on the ramp, some cut (mask exactly 0)
     spans = torch.tensor([1.5, 0.0, 3.25], dtype=DT).to(device, dtype)
@@ -70,6 +77,7 @@ def _keep_np(seed: int, b, h, q, c, p: float) -> np.ndarray:
     """The flex mask's definition in unsigned 64-bit numpy arithmetic: murmur3's finaliser
     of seed ^ b*0x9E3779B1 ^ h*0x85EBCA77 ^ q*0xC2B2AE3D ^ c*0x27D4EB2F (mod 2^32, c's
     two's complement for negative c); keep where bits 8..31 >= round(p * 2^24)."""
+
     def u32(x):
         return np.asarray(x, dtype=np.int64).astype(np.uint64) & _U32
 
@@ -95,7 +103,8 @@ def _flex_mask(seed: int, b: int, h: int, m: int, span: int, n: int, p: float) -
 def _reference_with_mask(keep, p, q, k, v, pos, *, persistent_k, persistent_v, span_mask):
     """The reference op's maths with dropout by an explicit keep mask [B, H, M, L' + N]."""
     a_ctx, a_pers = attention_mod.attention_weights(
-        q, k, pos, persistent_k=persistent_k, span_mask=span_mask)
+        q, k, pos, persistent_k=persistent_k, span_mask=span_mask
+    )
     a = torch.cat([a_ctx, a_pers], -1) * keep.to(q.device) / (1 - p)
     span = a_ctx.shape[-1]
     return attention_mod.skew(a[..., :span]) @ v + a[..., span:] @ persistent_v
@@ -105,6 +114,7 @@ def _reference_fn(keep, p):
     def fn(q, k, v, pos, **kw):
         kw.pop("dropout_p"), kw.pop("training"), kw.pop("dropout_seed")
         return _reference_with_mask(keep, p, q, k, v, pos, **kw)
+
     return fn
 
 
@@ -117,6 +127,7 @@ def _eager_flex(monkeypatch):
 
     def fn(*args, **kw):
         return fused_mod._attend_flex(*args, flex=fa.flex_attention, **kw)
+
     return fn
 
 
@@ -161,8 +172,17 @@ def test_reference_dropout_is_reproducible_from_the_seed_and_acts_on_the_renorma
     torch.manual_seed(3)
     keep_ctx = torch.rand(2, 3, 5, 7) >= 0.3
     keep_pers = torch.rand(2, 3, 5, 6) >= 0.3
-    want = _reference_with_mask(torch.cat([keep_ctx, keep_pers], -1), 0.3, q, k, v, pos,
-                                persistent_k=pk, persistent_v=pv, span_mask=mask)
+    want = _reference_with_mask(
+        torch.cat([keep_ctx, keep_pers], -1),
+        0.3,
+        q,
+        k,
+        v,
+        pos,
+        persistent_k=pk,
+        persistent_v=pv,
+        span_mask=mask,
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
     with pytest.raises(ValueError, match="dropout_seed"):
         attend_reference(q, k, v, pos, dropout_seed=torch.tensor(1, dtype=torch.int32), **kw)
@@ -175,6 +195,7 @@ def test_attention_dropout_statistics():
     p, n = 0.4, 200_000
     torch.manual_seed(0)
     a = torch.rand(n, dtype=DT)
+
     def dropout(a):
         dropped, owed = attention_dropout(a, p)
         return dropped * owed
@@ -239,8 +260,16 @@ def test_auto_picks_by_device_dtype_and_dropout():
 
 
 def _tiny_lm(**kw) -> AllAttnLM:
-    cfg = dict(d_model=16, n_layers=2, n_heads=2, n_persistent=5, max_span=128, span_ramp=8,
-               span_init=0.2, attn_dropout=0.0)
+    cfg = dict(
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        n_persistent=5,
+        max_span=128,
+        span_ramp=8,
+        span_init=0.2,
+        attn_dropout=0.0,
+    )
     cfg.update(kw)
     torch.manual_seed(0)
     return AllAttnLM(AllAttnConfig(**cfg), 11)
@@ -282,6 +311,7 @@ def test_flex_model_forward_equals_reference_and_training_compiles_a_bounded_num
 def test_model_backends_equal_reference_loss_and_gradients():
     """sdpa inside the model (float64, fixed seed, dropout off as sdpa has no dropout):
     loss and every gradient, including the spans, position table and persistent vectors."""
+
     def run(impl):
         model = _tiny_lm(attn_dropout=0.0).to(DT)
         model.set_attention_impl(impl)
@@ -295,8 +325,13 @@ def test_model_backends_equal_reference_loss_and_gradients():
     loss, grads = run("sdpa")
     want_loss, want = run("reference")
     torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-7)
-    for name in ("pos_table", "layers.0.attn.adaptive_span.frac", "layers.1.attn.persistent_k",
-                 "layers.1.attn.persistent_v", "layers.0.attn.q_proj.weight"):
+    for name in (
+        "pos_table",
+        "layers.0.attn.adaptive_span.frac",
+        "layers.1.attn.persistent_k",
+        "layers.1.attn.persistent_v",
+        "layers.0.attn.q_proj.weight",
+    ):
         assert want[name].abs().max() > 0, name
         torch.testing.assert_close(grads[name], want[name], rtol=1e-6, atol=1e-8, msg=name)
 
@@ -310,18 +345,27 @@ def test_flex_dropout_equals_the_reference_with_flex_s_mask_on_cpu():
     xs, spans = _inputs(dtype=torch.float32, m=m, span=span, d=8, n=n)
     seed = torch.tensor(11, dtype=torch.int32)
     with torch.no_grad():
-        out = _run(get_attention_impl("flex"), xs, spans, dropout_p=p, training=True,
-                   dropout_seed=seed)
-        again = _run(get_attention_impl("flex"), xs, spans, dropout_p=p, training=True,
-                     dropout_seed=seed)
-        other = _run(get_attention_impl("flex"), xs, spans, dropout_p=p, training=True,
-                     dropout_seed=seed + 1)
+        out = _run(
+            get_attention_impl("flex"), xs, spans, dropout_p=p, training=True, dropout_seed=seed
+        )
+        again = _run(
+            get_attention_impl("flex"), xs, spans, dropout_p=p, training=True, dropout_seed=seed
+        )
+        other = _run(
+            get_attention_impl("flex"), xs, spans, dropout_p=p, training=True, dropout_seed=seed + 1
+        )
         keep = _flex_mask(11, b, h, m, span, n, p)
-        want = _run(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
-                    dropout_p=p, training=True, dropout_seed=None)
+        want = _run(
+            _reference_fn(keep, p),
+            [x.double() for x in xs],
+            spans.double(),
+            dropout_p=p,
+            training=True,
+            dropout_seed=None,
+        )
     assert torch.equal(out, again)  # same seed, same mask
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
-    assert (other - out).abs().max() > 1e-2   # the mask really depends on the seed
+    assert (other - out).abs().max() > 1e-2  # the mask really depends on the seed
 
 
 def test_flex_dropout_draws_its_seed_on_the_device_reproducibly():
@@ -337,8 +381,9 @@ def test_flex_dropout_draws_its_seed_on_the_device_reproducibly():
         assert (_run(flex, xs, spans, **kw) - first).abs().max() > 1e-2
         torch.manual_seed(5)
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int32)  # what flex drew
-        torch.testing.assert_close(_run(flex, xs, spans, dropout_seed=seed, **kw), first,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            _run(flex, xs, spans, dropout_seed=seed, **kw), first, rtol=0, atol=0
+        )
 
 
 def test_flex_dropout_rows_with_every_weight_dropped_give_zero():
@@ -348,10 +393,22 @@ def test_flex_dropout_rows_with_every_weight_dropped_give_zero():
     empty = ~keep.any(-1)
     assert empty.any() and not empty.all()
     with torch.no_grad():
-        out = _run(get_attention_impl("flex"), xs, spans, dropout_p=p, training=True,
-                   dropout_seed=torch.tensor(3, dtype=torch.int32))
-        want = _run(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
-                    dropout_p=p, training=True, dropout_seed=None)
+        out = _run(
+            get_attention_impl("flex"),
+            xs,
+            spans,
+            dropout_p=p,
+            training=True,
+            dropout_seed=torch.tensor(3, dtype=torch.int32),
+        )
+        want = _run(
+            _reference_fn(keep, p),
+            [x.double() for x in xs],
+            spans.double(),
+            dropout_p=p,
+            training=True,
+            dropout_seed=None,
+        )
     assert torch.isfinite(out).all() and (out[empty] == 0).all()
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -362,7 +419,8 @@ CUDA_CASE = dict(b=2, h=3, m=128, span=192, d=16, n=64)
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_flex_dropout_forward_and_backward_on_cpu_through_torch_s_math_backward(
-        dtype, tol, monkeypatch):
+    dtype, tol, monkeypatch
+):
     """The CUDA test's case without a GPU: flex's construction through eager FlexAttention,
     whose backward is torch's math implementation of the kernel's. It found the two faults
     behind the CUDA failures: the test drew its output weights w in the run's dtype, so the
@@ -373,13 +431,17 @@ def test_flex_dropout_forward_and_backward_on_cpu_through_torch_s_math_backward(
     kw = dict(dropout_p=p, training=True, dropout_seed=torch.tensor(seed, dtype=torch.int32))
     out, grads = _grads(_eager_flex(monkeypatch), xs, spans, **kw)
     keep = _flex_mask(seed, 2, 3, 128, 192, 64, p)
-    want, want_grads = _grads(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
-                              **kw)
+    want, want_grads = _grads(
+        _reference_fn(keep, p), [x.double() for x in xs], spans.double(), **kw
+    )
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
-    for name, g, w in zip(["q", "k", "v", "pos", "pk", "pv", "spans"], grads, want_grads, strict=False):
+    for name, g, w in zip(
+        ["q", "k", "v", "pos", "pk", "pv", "spans"], grads, want_grads, strict=False
+    ):
         assert torch.isfinite(g).all(), name
-        torch.testing.assert_close(g.double(), w, rtol=tol,
-                                   atol=tol * max(1.0, w.abs().max().item()), msg=name)
+        torch.testing.assert_close(
+            g.double(), w, rtol=tol, atol=tol * max(1.0, w.abs().max().item()), msg=name
+        )
 
 
 @pytest.mark.cuda
@@ -388,20 +450,25 @@ def test_flex_dropout_forward_and_backward_on_cpu_through_torch_s_math_backward(
 def test_flex_on_cuda_equals_reference_with_dropout_forward_and_backward(dtype, tol):
     xs, spans = _inputs(dtype=dtype, device="cuda", **CUDA_CASE)
     p, seed = 0.3, 11
-    kw = dict(dropout_p=p, training=True, dropout_seed=torch.tensor(seed, dtype=torch.int32,
-                                                                    device="cuda"))
+    kw = dict(
+        dropout_p=p,
+        training=True,
+        dropout_seed=torch.tensor(seed, dtype=torch.int32, device="cuda"),
+    )
     out, grads = _grads(get_attention_impl("flex"), xs, spans, **kw)
     keep = _flex_mask(seed, 2, 3, 128, 192, 64, p)
-    want, want_grads = _grads(_reference_fn(keep, p), [x.double() for x in xs], spans.double(),
-                              **kw)
+    want, want_grads = _grads(
+        _reference_fn(keep, p), [x.double() for x in xs], spans.double(), **kw
+    )
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
     for g, w in zip(grads, want_grads, strict=False):
         assert torch.isfinite(g).all()
-        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * max(1.0, w.abs().max().item()))
+        torch.testing.assert_close(
+            g.double(), w, rtol=tol, atol=tol * max(1.0, w.abs().max().item())
+        )
 
 
-def test_flex_falls_back_to_smaller_tiles_when_the_kernel_runs_out_of_shared_memory(
-        monkeypatch):
+def test_flex_falls_back_to_smaller_tiles_when_the_kernel_runs_out_of_shared_memory(monkeypatch):
     """An H200 in bf16 at d_h 64: torch's default tile asked for more shared memory than the
     chip has and the compile failed ("out of resource"). The op retries with the next tile
     of FLEX_TILES, keeps the one that compiled for later calls, and passes any other error
@@ -416,37 +483,55 @@ def test_flex_falls_back_to_smaller_tiles_when_the_kernel_runs_out_of_shared_mem
     def small_chip_flex(*args, kernel_options=None, **kw):
         tried.append(kernel_options or {})
         if (kernel_options or {}) != fits:
-            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource: "
-                               "Required: 247808 Hardware limit: 232448")
+            raise RuntimeError(
+                "No valid triton configs. OutOfMemoryError: out of resource: "
+                "Required: 247808 Hardware limit: 232448"
+            )
         return fa.flex_attention(*args, **kw)
 
     xs, spans = _inputs(dtype=torch.float32, b=1, h=2, m=16, span=24, d=8, n=4)
     kw = dict(dropout_p=0.3, training=True, dropout_seed=torch.tensor(5, dtype=torch.int32))
     with torch.no_grad():
-        got = _run(lambda *a, **k: fused_mod._attend_flex(*a, flex=small_chip_flex, **k),
-                   xs, spans, **kw)
+        got = _run(
+            lambda *a, **k: fused_mod._attend_flex(*a, flex=small_chip_flex, **k), xs, spans, **kw
+        )
         assert tried == [fused_mod.FLEX_TILES[0], fused_mod.FLEX_TILES[1], fits, fits]
-        want = _run(lambda *a, **k: fused_mod._attend_flex(*a, flex=fa.flex_attention, **k),
-                    xs, spans, **kw)
+        want = _run(
+            lambda *a, **k: fused_mod._attend_flex(*a, flex=fa.flex_attention, **k), xs, spans, **kw
+        )
         assert torch.equal(got, want)
         tried.clear()  # the tile that fitted is where the next call starts
         plain = dict(dropout_p=0.0, training=False, dropout_seed=None)
-        _run(lambda *a, **k: fused_mod._attend_flex(*a, flex=small_chip_flex, **k), xs, spans,
-             **plain)
+        _run(
+            lambda *a, **k: fused_mod._attend_flex(*a, flex=small_chip_flex, **k),
+            xs,
+            spans,
+            **plain,
+        )
         assert tried == [fits]
 
         def broken_flex(*args, **kw):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
         monkeypatch.setattr(fused_mod, "_flex_tile", {})
         with pytest.raises(RuntimeError, match="illegal memory access"):
-            _run(lambda *a, **k: fused_mod._attend_flex(*a, flex=broken_flex, **k), xs, spans,
-                 **plain)
+            _run(
+                lambda *a, **k: fused_mod._attend_flex(*a, flex=broken_flex, **k),
+                xs,
+                spans,
+                **plain,
+            )
 
         def no_tile_fits(*args, **kw):
             raise RuntimeError("out of resource: shared memory")
+
         with pytest.raises(RuntimeError, match="out of resource"):
-            _run(lambda *a, **k: fused_mod._attend_flex(*a, flex=no_tile_fits, **k), xs, spans,
-                 **plain)
+            _run(
+                lambda *a, **k: fused_mod._attend_flex(*a, flex=no_tile_fits, **k),
+                xs,
+                spans,
+                **plain,
+            )
 
 
 PAPER_HEAD = dict(b=1, h=3, m=512, span=512, d=64, n=128)  # h: _inputs has 3 heads' spans
@@ -463,10 +548,13 @@ def test_flex_on_cuda_compiles_and_trains_at_the_paper_s_head_size_in_bf16(dropo
     kw = dict(dropout_p=dropout_p, training=True, dropout_seed=seed)
     out, grads = _grads(get_attention_impl("flex"), xs, spans, **kw)
     keep = _flex_mask(3, 1, 3, 512, 512, 128, dropout_p)
-    want, want_grads = _grads(_reference_fn(keep, dropout_p), [x.double() for x in xs],
-                              spans.double(), **kw)
+    want, want_grads = _grads(
+        _reference_fn(keep, dropout_p), [x.double() for x in xs], spans.double(), **kw
+    )
     tol = 3e-2
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
     for g, w in zip(grads, want_grads, strict=False):
         assert torch.isfinite(g).all()
-        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol * max(1.0, w.abs().max().item()))
+        torch.testing.assert_close(
+            g.double(), w, rtol=tol, atol=tol * max(1.0, w.abs().max().item())
+        )

@@ -166,9 +166,13 @@ def test_persistent_weights_are_not_masked():
     # persistent weights keep their softmax value up to the joint renormalisation
     denom = (a_ctx0 * mask[:, None, :]).sum(-1) + a_pers0.sum(-1) + RENORM_EPS
     torch.testing.assert_close(a_pers, a_pers0 / denom[..., None], rtol=0, atol=1e-14)
-    torch.testing.assert_close(a_ctx, a_ctx0 * mask[:, None, :] / denom[..., None], rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        a_ctx, a_ctx0 * mask[:, None, :] / denom[..., None], rtol=0, atol=1e-14
+    )
     # a mask that cuts all context leaves the persistent vectors carrying all the weight
-    a_ctx, a_pers = attention_weights(q, k, pos, persistent_k=pk, span_mask=torch.zeros(3, span_len, dtype=DT))
+    a_ctx, a_pers = attention_weights(
+        q, k, pos, persistent_k=pk, span_mask=torch.zeros(3, span_len, dtype=DT)
+    )
     assert torch.all(a_ctx == 0)
     pers_mass = a_pers0.sum(-1, keepdim=True)
     torch.testing.assert_close(a_pers, a_pers0 / (pers_mass + RENORM_EPS), rtol=0, atol=1e-14)
@@ -199,7 +203,13 @@ def test_gradients_reach_every_input_including_the_span():
 
     def f(q, k, v, pos, pk, pv, spans):
         return attend_reference(
-            q, k, v, pos, persistent_k=pk, persistent_v=pv, span_mask=adaptive_span_mask(spans, 2, 4)
+            q,
+            k,
+            v,
+            pos,
+            persistent_k=pk,
+            persistent_v=pv,
+            span_mask=adaptive_span_mask(spans, 2, 4),
         )
 
     assert torch.autograd.gradcheck(f, (*inputs, spans))

@@ -33,8 +33,9 @@ def test_aten_ops_per_layer_no_more_than_the_authors(monkeypatch):
     CPU our dropout is a cheaper draw of more, smaller ops: the next test)."""
     from pipeline.ops import attention
 
-    monkeypatch.setattr(attention, "attention_dropout",
-                        lambda a, p: (torch.native_dropout(a, p, True)[0], 1.0))
+    monkeypatch.setattr(
+        attention, "attention_dropout", lambda a, p: (torch.native_dropout(a, p, True)[0], 1.0)
+    )
     torch.manual_seed(0)
     _, forward = our_layer(TINY, "cpu")
     ops = step_ops(forward)
@@ -53,5 +54,5 @@ def test_on_the_cpu_the_dropout_is_an_integer_draw_and_a_masked_fill():
     _, forward = our_layer(TINY, "cpu")
     ops = step_ops(forward)
     assert sum(ops.values()) <= 273
-    assert ops["aten.rand"] == 2 and ops["aten.masked_fill"] == 4    # forward, backward
+    assert ops["aten.rand"] == 2 and ops["aten.masked_fill"] == 4  # forward, backward
     assert "aten.bernoulli_" not in ops and "aten.native_dropout" not in ops

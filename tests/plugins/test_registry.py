@@ -5,11 +5,11 @@ refusals of a plugin that clashes, fails to import or is not what its group expe
 from __future__ import annotations
 
 import importlib.metadata as md
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 
 from pipeline import plugins
 from pipeline.plugins import MODEL_GROUP, STAGE_GROUP, PluginError, load
@@ -22,8 +22,10 @@ def fake(name: str, dist: str, obj=None, value: str = "fake_module:THING", error
         if error is not None:
             raise error
         return obj
-    return SimpleNamespace(name=name, value=value, group=MODEL_GROUP,
-                           dist=SimpleNamespace(name=dist), load=load_it)
+
+    return SimpleNamespace(
+        name=name, value=value, group=MODEL_GROUP, dist=SimpleNamespace(name=dist), load=load_it
+    )
 
 
 @pytest.fixture
@@ -33,8 +35,10 @@ def entry_points(monkeypatch):
     installed = list(md.entry_points(group=MODEL_GROUP))
 
     def use(*extra, ours=True):
-        monkeypatch.setattr(md, "entry_points", lambda group: (installed if ours else [])
-                            + list(extra))
+        monkeypatch.setattr(
+            md, "entry_points", lambda group: (installed if ours else []) + list(extra)
+        )
+
     return use
 
 
@@ -49,12 +53,15 @@ def test_builtins_register_through_entry_points(entry_points):
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     entry_points()
-    assert list(load(MODEL_GROUP, "model kind", accept)) == list(MODELS) == \
-        sorted(declared[MODEL_GROUP]) == ["active_memory", "allattn", "infinity_former"]
+    assert (
+        list(load(MODEL_GROUP, "model kind", accept))
+        == list(MODELS)
+        == sorted(declared[MODEL_GROUP])
+        == ["active_memory", "allattn", "infinity_former"]
+    )
     assert set(plugins.providers[MODEL_GROUP].values()) == {"allattn-pipe"}
     # each stage after those it may read
-    assert list(STAGES) == ["curriculum", "download", "preprocess", "train", "finetune",
-                            "evaluate"]
+    assert list(STAGES) == ["curriculum", "download", "preprocess", "train", "finetune", "evaluate"]
     assert set(STAGES) == set(declared[STAGE_GROUP])
 
 
@@ -72,14 +79,18 @@ def test_a_plugin_taking_a_builtin_name_is_one_line(entry_points):
     assert str(e.value) == (
         "model kind 'allattn' of the distribution 'clash-plugin' (fake_module:THING): the "
         "name is taken by the distribution 'allattn-pipe'; rename one of them in its "
-        "[project.entry-points.\"allattn_pipe.models\"] table")
+        '[project.entry-points."allattn_pipe.models"] table'
+    )
 
 
 def test_two_plugins_with_one_name_are_one_line(entry_points):
     entry_points(fake("gru", "b-plugin"), fake("gru", "a-plugin"))
-    with pytest.raises(PluginError, match=r"^model kind 'gru' of the distribution 'b-plugin' "
-                                          r"\(fake_module:THING\): the name is taken by the "
-                                          r"distribution 'a-plugin'; rename one"):
+    with pytest.raises(
+        PluginError,
+        match=r"^model kind 'gru' of the distribution 'b-plugin' "
+        r"\(fake_module:THING\): the name is taken by the "
+        r"distribution 'a-plugin'; rename one",
+    ):
         load(MODEL_GROUP, "model kind", accept)
 
 
@@ -87,9 +98,11 @@ def test_a_plugin_that_fails_to_import_is_one_line(entry_points):
     entry_points(fake("gru", "gru-plugin", error=ImportError("cannot import name 'x'\nfrom y")))
     with pytest.raises(PluginError) as e:
         load(MODEL_GROUP, "model kind", accept)
-    assert str(e.value) == ("model kind 'gru' of the distribution 'gru-plugin' "
-                            "(fake_module:THING) failed to load: ImportError: cannot import "
-                            "name 'x'\\nfrom y")
+    assert str(e.value) == (
+        "model kind 'gru' of the distribution 'gru-plugin' "
+        "(fake_module:THING) failed to load: ImportError: cannot import "
+        "name 'x'\\nfrom y"
+    )
 
 
 def test_a_plugin_that_is_not_a_family_or_stage_is_one_line(entry_points):
@@ -97,9 +110,13 @@ def test_a_plugin_that_is_not_a_family_or_stage_is_one_line(entry_points):
     from stages import STAGES, _not_a_stage
 
     entry_points(fake("gru", "gru-plugin", obj=object()))
-    with pytest.raises(PluginError, match=r"^model kind 'gru' of the distribution "
-                                          r"'gru-plugin' \(fake_module:THING\): expected a "
-                                          r"pipeline\.models\.protocol\.ModelFamily"):
+    with pytest.raises(
+        PluginError,
+        match=r"^model kind 'gru' of the distribution "
+        r"'gru-plugin' \(fake_module:THING\): expected a "
+        r"pipeline\.models\.protocol\.ModelFamily",
+    ):
         load(MODEL_GROUP, "model kind", _not_a_family)
     assert _not_a_stage("training", STAGES["train"]) == (
-        "its Stage.name is 'train': it must be the entry point's name")
+        "its Stage.name is 'train': it must be the entry point's name"
+    )

@@ -11,8 +11,8 @@ import pytest
 
 import stages.base
 from pipeline.errors import Preempted
-from pipeline.workspace.layout import fingerprint
 from pipeline.spec import load_spec
+from pipeline.workspace.layout import fingerprint
 from stages import without
 from tests.workspace.test_runner import ORDER, SEEN, calls, run  # noqa: F401  (calls: a fixture)
 
@@ -23,8 +23,11 @@ def fingerprinted_before(stage, spec) -> dict:
     """Stage.fingerprinted as it was before inert keys were pinned: what today's workspaces
     hold in their stage.json and partial.json."""
     config = stage.config(spec)
-    at_old_value = [path for path, value in stage.added_keys.items()
-                    if stages.base._lookup(config, path) == value]
+    at_old_value = [
+        path
+        for path, value in stage.added_keys.items()
+        if stages.base._lookup(config, path) == value
+    ]
     return without(config, [*stage.runtime_only, *at_old_value])
 
 
@@ -38,8 +41,9 @@ def test_every_shipped_config_hashes_as_it_did(path):
     spec = load_spec(path)
     for name in spec.stages:
         stage = stages.STAGES[name]
-        assert fingerprint(stage.fingerprinted(spec), {}) == \
-            fingerprint(fingerprinted_before(stage, spec), {}), name
+        assert fingerprint(stage.fingerprinted(spec), {}) == fingerprint(
+            fingerprinted_before(stage, spec), {}
+        ), name
 
 
 def write_pair(tmp_path: Path, clip_norm: float) -> Path:
@@ -56,13 +60,13 @@ name: pipe
 dataset: python_docs
 model: {{kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 64}}
 finetune: {{steps: 1}}
-workspace: {{root: {tmp_path / 'runs'}}}
-stages: [{', '.join(ORDER)}]
+workspace: {{root: {tmp_path / "runs"}}}
+stages: [{", ".join(ORDER)}]
 """)
     return path
 
 
-def test_an_inherited_inert_key_edited_re_runs_nothing(tmp_path, calls):  # noqa: F811
+def test_an_inherited_inert_key_edited_re_runs_nothing(tmp_path, calls):
     run(write_pair(tmp_path, 0.5))
     assert calls == ORDER
     calls.clear()
@@ -74,7 +78,8 @@ def test_an_inherited_inert_key_edited_re_runs_nothing(tmp_path, calls):  # noqa
 
 
 def test_an_interrupted_run_resumes_after_an_inherited_inert_key_is_edited(
-        tmp_path, calls, monkeypatch):  # noqa: F811
+    tmp_path, calls, monkeypatch
+):
     monkeypatch.setenv("PREEMPT_STAGE", "train")
     with pytest.raises(Preempted):
         run(write_pair(tmp_path, 0.5))
@@ -82,15 +87,16 @@ def test_an_interrupted_run_resumes_after_an_inherited_inert_key_is_edited(
     calls.clear()
     run(write_pair(tmp_path, 0.7))
     assert calls == ["train", "finetune", "evaluate"]
-    assert "checkpoints" in SEEN["train"]           # resumed, not started over
+    assert "checkpoints" in SEEN["train"]  # resumed, not started over
 
 
 @pytest.mark.parametrize("interrupted", [False, True], ids=["finished", "interrupted"])
-def test_a_workspace_written_by_the_old_rule_is_still_valid(tmp_path, calls, monkeypatch,  # noqa: F811
-                                                            interrupted):
+def test_a_workspace_written_by_the_old_rule_is_still_valid(
+    tmp_path, calls, monkeypatch, interrupted
+):
     """Written with the fingerprints of before this change (clip: none, clip_norm unset):
     a finished one is up to date, an interrupted one resumes."""
-    cfg = write_pair(tmp_path, 0.03)        # clip_norm's default: as if unset
+    cfg = write_pair(tmp_path, 0.03)  # clip_norm's default: as if unset
     with monkeypatch.context() as m:
         m.setattr(stages.Stage, "fingerprinted", fingerprinted_before)
         if interrupted:

@@ -66,15 +66,20 @@ def formula(cfg, vocab: int) -> dict[str, int]:
         "attention matrices W_qkvo": L * 4 * d * d,
         "persistent vectors": L * (N * d if cfg.persistent_mode == "head_split" else 2 * N * d),
         "layer norms": L * 2 * d * (2 if f else 1),
-        "adaptive spans": L * (H // 2 if cfg.persistent_mode == "head_split" else H) * cfg.adaptive_span,
+        "adaptive spans": L
+        * (H // 2 if cfg.persistent_mode == "head_split" else H)
+        * cfg.adaptive_span,
         "position table d_h x L": dh * cfg.max_span,
     }
     if f:
-        parts["feed-forward"] = L * {
-            "relu": 2 * d * f + f + d,  # fc1, fc2 and their biases
-            "ff_attn": 2 * d * d + 2 * f * d,  # W_q', W_o' and f persistent vectors of dim d
-            "softmax": 2 * d * f,  # U, V
-        }[cfg.ff_kind]
+        parts["feed-forward"] = (
+            L
+            * {
+                "relu": 2 * d * f + f + d,  # fc1, fc2 and their biases
+                "ff_attn": 2 * d * d + 2 * f * d,  # W_q', W_o' and f persistent vectors of dim d
+                "softmax": 2 * d * f,  # U, V
+            }[cfg.ff_kind]
+        )
     if cfg.adaptive_io:
         bounds = [0, *cfg.adaptive_cutoffs, vocab]
         dims = [d // cfg.adaptive_div**i for i in range(len(bounds) - 1)]
@@ -127,7 +132,10 @@ def test_parameter_count_matches_the_authors_code_and_the_formula(rel, published
 def test_wt103_uses_four_tied_bands_at_d_d4_d16_d64():
     spec, model, vocab = built("wt103.yaml")
     assert [b.weight.shape for b in model.embed.bands] == [
-        (20_000, 512), (20_000, 128), (160_000, 32), (vocab - 200_000, 8)
+        (20_000, 512),
+        (20_000, 128),
+        (160_000, 32),
+        (vocab - 200_000, 8),
     ]
     assert all(model.out.weights[i] is model.embed.bands[i].weight for i in range(4))
     assert all(model.out.projs[i] is model.embed.projs[i] for i in range(4))
@@ -149,20 +157,42 @@ def test_paper_hyperparameters():
         m, t = spec.model_params, spec.train
         assert (m.d_model, m.n_heads, m.ff_dim, m.persistent_mode) == (512, 8, 0, "all_attn")
         assert (m.n_layers, m.n_persistent, m.attn_dropout) == (layers, n, drop)
-        assert (m.max_span, m.adaptive_span, m.span_ramp, m.span_loss_coef) == (8192, True, 32, 1e-7)
+        assert (m.max_span, m.adaptive_span, m.span_ramp, m.span_loss_coef) == (
+            8192,
+            True,
+            32,
+            1e-7,
+        )
         assert (m.emb_dropout, m.out_dropout, m.adaptive_io) == (0.0, 0.0, False)
         assert (t.steps, t.batch_size, t.seq_len) == (steps, 64, 512)
         o = t.optimizer
-        assert (o.type, o.lr, o.warmup_steps, o.clip, o.clip_norm) == ("adagrad", 0.07, 32_000, "per_param", 0.03)
+        assert (o.type, o.lr, o.warmup_steps, o.clip, o.clip_norm) == (
+            "adagrad",
+            0.07,
+            32_000,
+            "per_param",
+            0.03,
+        )
         assert (spec.finetune.steps, spec.finetune.lr_divisor) == (drop_steps, 10)
         assert spec.evaluate.batch_size == 8 and "finetune" in spec.stages
     wt = load("wt103.yaml")
     m, t, o = wt.model_params, wt.train, wt.train.optimizer
     assert (m.n_layers, m.n_persistent, m.max_span, m.span_loss_coef) == (36, 2048, 2048, 5e-7)
     assert (m.attn_dropout, m.emb_dropout, m.out_dropout) == (0.3, 0.1, 0.1)
-    assert (m.adaptive_io, m.adaptive_tied, m.adaptive_cutoffs, m.adaptive_div) == (True, True, [20000, 40000, 200000], 4)
+    assert (m.adaptive_io, m.adaptive_tied, m.adaptive_cutoffs, m.adaptive_div) == (
+        True,
+        True,
+        [20000, 40000, 200000],
+        4,
+    )
     assert (t.steps, t.batch_size, t.seq_len) == (800_000, 64, 256)
-    assert (o.type, o.lr, o.warmup_steps, o.clip, o.clip_norm) == ("adam", 2.5e-4, 8000, "global", 1.0)
+    assert (o.type, o.lr, o.warmup_steps, o.clip, o.clip_norm) == (
+        "adam",
+        2.5e-4,
+        8000,
+        "global",
+        1.0,
+    )
     assert (wt.finetune.steps, wt.finetune.lr_divisor, wt.evaluate.batch_size) == (50_000, 10, 8)
 
 
@@ -182,7 +212,13 @@ BASELINES = [
 def test_transformer_baselines(rel, published, layers, d, ff):
     spec, model, vocab = built(rel)
     m = spec.model_params
-    assert (m.n_layers, m.d_model, m.ff_dim, m.ff_kind, m.n_persistent) == (layers, d, ff, "relu", 0)
+    assert (m.n_layers, m.d_model, m.ff_dim, m.ff_kind, m.n_persistent) == (
+        layers,
+        d,
+        ff,
+        "relu",
+        0,
+    )
     assert m.adaptive_span and m.max_span == 8192
     n = count_parameters(model)
     parts = formula(m, vocab)
@@ -209,7 +245,12 @@ ABLATIONS = {
     "ablations/text8_attn_split.yaml": {"persistent_mode": "attn_split"},
     "ablations/text8_head_split.yaml": {"persistent_mode": "head_split"},
     "ablations/text8_single_head.yaml": {"persistent_mode": "single_head"},
-    "ablations/text8_ff_attn.yaml": {"n_layers": 24, "n_persistent": 0, "ff_dim": 3072, "ff_kind": "ff_attn"},
+    "ablations/text8_ff_attn.yaml": {
+        "n_layers": 24,
+        "n_persistent": 0,
+        "ff_dim": 3072,
+        "ff_kind": "ff_attn",
+    },
     "ablations/text8_n0.yaml": {"n_persistent": 0},
 }
 
@@ -268,6 +309,8 @@ def test_model_section_of_a_yaml_is_checked_strictly(tmp_path):
         ("{ff_kind: gelu, ff_dim: 8}", "ff_kind"),
         ("{persistent_mode: head_split, n_heads: 1}", "n_heads"),
     ):
-        good.write_text(f"extends: [{CONFIGS / 'wt103.yaml'}]\nname: t\ndataset: python_docs\nmodel: {bad}\n")
+        good.write_text(
+            f"extends: [{CONFIGS / 'wt103.yaml'}]\nname: t\ndataset: python_docs\nmodel: {bad}\n"
+        )
         with pytest.raises(SpecError, match=needle):
             load_spec(good)

@@ -14,10 +14,10 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from pipeline.spec import reference as ref
 from pipeline.models import MODELS
-from pipeline.spec.schema import Spec
 from pipeline.spec import load_spec
+from pipeline.spec import reference as ref
+from pipeline.spec.schema import Spec
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / ref.PAGE
@@ -36,8 +36,13 @@ def facts(page: str) -> dict[str, dict[str, str]]:
     for line in page.splitlines():
         if m := re.match(r'#{2,3} <a id="([^"]+)"></a>', line):
             current = out.setdefault(m.group(1), {})
-        elif current is not None and (m := re.match(r"- (Type|Default|Allowed|Defined by): "
-                                                    r"(.*)", line)):
+        elif current is not None and (
+            m := re.match(
+                r"- (Type|Default|Allowed|Defined by): "
+                r"(.*)",
+                line,
+            )
+        ):
             current[m.group(1)] = m.group(2)
     return out
 
@@ -50,35 +55,46 @@ def code_value(text: str):
 
 # ---------------------------------------------------------------- (a) the page is current
 
+
 def test_page_is_current(page):
     assert PAGE.is_file(), f"{ref.PAGE} is missing: generate it with `{ref.REGENERATE}`"
     current = PAGE.read_text(encoding="utf-8")
     if current != page:
-        diff = "".join(list(difflib.unified_diff(
-            current.splitlines(True), page.splitlines(True), str(ref.PAGE), "render()",
-            n=1))[:40])
-        pytest.fail(f"{ref.PAGE} is stale (the schema or its descriptions changed): "
-                    f"regenerate it with `{ref.REGENERATE}`\n{diff}")
+        diff = "".join(
+            list(
+                difflib.unified_diff(
+                    current.splitlines(True), page.splitlines(True), str(ref.PAGE), "render()", n=1
+                )
+            )[:40]
+        )
+        pytest.fail(
+            f"{ref.PAGE} is stale (the schema or its descriptions changed): "
+            f"regenerate it with `{ref.REGENERATE}`\n{diff}"
+        )
 
 
 # ---------------------------------------------------------------- (b) every key described
+
 
 def test_every_key_has_a_description():
     missing = [e.anchor for e in ref.keys() if not e.description.strip()]
     assert not missing, (
         f"keys without a description: {', '.join(missing)}. Give each a "
         f"Field(description=...) in the spec's schema (a section: its class docstring), or, "
-        f"for model keys, a docstring under the field in the model's config dataclass")
+        f"for model keys, a docstring under the field in the model's config dataclass"
+    )
 
 
 # ---------------------------------------------------------------- (c) every key present
+
 
 def _inner(annotation) -> list[tuple[type, bool]]:
     """The sections (pydantic models, dataclasses) an annotation holds, each with whether
     it is the value of a mapping of names (dict[str, Section])."""
     found = []
-    if isinstance(annotation, type) and (issubclass(annotation, BaseModel)
-                                         or dataclasses.is_dataclass(annotation)):
+    if isinstance(annotation, type) and (
+        issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation)
+    ):
         return [(annotation, False)]
     if typing.get_origin(annotation) is dict:
         return [(cls, True) for cls, _ in _inner(typing.get_args(annotation)[1])]
@@ -116,7 +132,7 @@ def test_every_key_is_on_the_page(page):
     anchors = set(re.findall(r'<a id="([^"]+)"></a>', page))
     missing = sorted(schema_keys() - anchors)
     assert not missing, f"keys the schema accepts but {ref.PAGE} lacks: {', '.join(missing)}"
-    assert len(schema_keys()) > 150          # the walk found the schema, not a fragment of it
+    assert len(schema_keys()) > 150  # the walk found the schema, not a fragment of it
 
 
 def test_links_lead_somewhere(page):
@@ -131,6 +147,7 @@ def test_keys_are_anchored_once(page):
 
 
 # ---------------------------------------------------------------- (d) the facts
+
 
 def _flatten(data, prefix=""):
     """Every dotted key path a YAML mapping writes, intermediate ones included."""
@@ -161,40 +178,57 @@ def test_defaults_are_what_load_spec_gives(page):
         node = resolved
         for part in key.split("."):
             if not isinstance(node, dict) or part not in node:
-                break                  # a key this spec's other settings make inert
+                break  # a key this spec's other settings make inert
             node = node[part]
         else:
             assert code_value(shown["Default"]) == node, (
-                f"{anchor}: the page's default {shown['Default']} is not load_spec's {node!r}")
+                f"{anchor}: the page's default {shown['Default']} is not load_spec's {node!r}"
+            )
             checked.append(key)
     assert len(checked) >= 30, checked
-    assert {"train.optimizer.schedule", "train.keep_checkpoints", "evaluate.checkpoint",
-            "tracking.enabled", "model.span_init", "model.attention.impl"} <= set(checked)
+    assert {
+        "train.optimizer.schedule",
+        "train.keep_checkpoints",
+        "evaluate.checkpoint",
+        "tracking.enabled",
+        "model.span_init",
+        "model.attention.impl",
+    } <= set(checked)
 
 
-@pytest.mark.parametrize("anchor, fact, shown", [
-    ("train.optimizer.lr", "Default", "`0.07`"),
-    ("train.optimizer.lr", "Allowed", "value > 0"),
-    ("train.optimizer.type", "Allowed", "one of `adagrad`, `adam`"),
-    ("train.batch_size", "Default", "required"),
-    ("train.eval_batches", "Type", 'int or `"all"`'),
-    ("train.eval_batches", "Allowed", "0 < value ≤ 10^12 or `all`"),
-    ("train.launcher.master_port", "Allowed", "0 < value < 2^16"),
-    ("train.launcher.nodes", "Defined by", "`LauncherSpec.nodes` in `pipeline/spec/schema.py`"),
-    ("tracking.uri", "Type", "string or null"),
-    ("evaluate.splits", "Default", '`["valid", "test"]`'),
-    ("dataset.generator.frequency_sort.vocab", "Allowed", "1 < value ≤ 16,777,214"),
-    ("dataset.generator.frequency_sort.sequences.train", "Default",
-     "`8000` when `dataset.generator.frequency_sort.sequences` is left out; required in it"),
-    ("paper.results", "Allowed", "keys: `valid_bpc`, `test_bpc`, `valid_ppl`, `test_ppl`, "
-                                 "`test_paper_loss`; at least 1 item"),
-    ("model.kind", "Allowed", "one of `active_memory`, `allattn`, `infinity_former`"),
-    ("model.attn_double_scale@active_memory", "Default", "`false`"),
-    ("model.attn_dropout@allattn", "Allowed", "0 ≤ value < 1"),
-    ("model.tau@infinity_former", "Allowed", "0 < value < 1"),
-    ("model.attention.impl@allattn", "Allowed", "one of `reference`, `sdpa`, `flex`, `auto`"),
-    ("model.adaptive_cutoffs@allattn", "Default", "`[20000, 40000, 200000]`"),
-])
+@pytest.mark.parametrize(
+    "anchor, fact, shown",
+    [
+        ("train.optimizer.lr", "Default", "`0.07`"),
+        ("train.optimizer.lr", "Allowed", "value > 0"),
+        ("train.optimizer.type", "Allowed", "one of `adagrad`, `adam`"),
+        ("train.batch_size", "Default", "required"),
+        ("train.eval_batches", "Type", 'int or `"all"`'),
+        ("train.eval_batches", "Allowed", "0 < value ≤ 10^12 or `all`"),
+        ("train.launcher.master_port", "Allowed", "0 < value < 2^16"),
+        ("train.launcher.nodes", "Defined by", "`LauncherSpec.nodes` in `pipeline/spec/schema.py`"),
+        ("tracking.uri", "Type", "string or null"),
+        ("evaluate.splits", "Default", '`["valid", "test"]`'),
+        ("dataset.generator.frequency_sort.vocab", "Allowed", "1 < value ≤ 16,777,214"),
+        (
+            "dataset.generator.frequency_sort.sequences.train",
+            "Default",
+            "`8000` when `dataset.generator.frequency_sort.sequences` is left out; required in it",
+        ),
+        (
+            "paper.results",
+            "Allowed",
+            "keys: `valid_bpc`, `test_bpc`, `valid_ppl`, `test_ppl`, "
+            "`test_paper_loss`; at least 1 item",
+        ),
+        ("model.kind", "Allowed", "one of `active_memory`, `allattn`, `infinity_former`"),
+        ("model.attn_double_scale@active_memory", "Default", "`false`"),
+        ("model.attn_dropout@allattn", "Allowed", "0 ≤ value < 1"),
+        ("model.tau@infinity_former", "Allowed", "0 < value < 1"),
+        ("model.attention.impl@allattn", "Allowed", "one of `reference`, `sdpa`, `flex`, `auto`"),
+        ("model.adaptive_cutoffs@allattn", "Default", "`[20000, 40000, 200000]`"),
+    ],
+)
 def test_known_facts(page, anchor, fact, shown):
     assert facts(page)[anchor][fact] == shown
 
@@ -208,6 +242,7 @@ def test_model_limits_are_shown(page):
 
 
 # ---------------------------------------------------------------- MODEL_CHECKS vs __post_init__
+
 
 def _model_fields():
     for _kind, (cfg_cls, _) in MODELS.items():
@@ -225,8 +260,11 @@ def _model_fields():
 def test_every_model_field_states_its_values():
     """A model field that is not a bool says in MODEL_CHECKS which values its config's
     __post_init__ takes (an empty Check() if it takes any)."""
-    missing = sorted(f"{cls.__name__}.{name}" for cls, name, hint in _model_fields()
-                     if hint is not bool and name not in ref.MODEL_CHECKS.get(cls, {}))
+    missing = sorted(
+        f"{cls.__name__}.{name}"
+        for cls, name, hint in _model_fields()
+        if hint is not bool and name not in ref.MODEL_CHECKS.get(cls, {})
+    )
     assert not missing, f"no MODEL_CHECKS entry in pipeline/spec/reference.py for: {missing}"
 
 
@@ -240,12 +278,14 @@ def _outside(check: ref.Check, is_int: bool) -> list:
     return values
 
 
-CHECKED = [(cls, name, check) for cls, checks in ref.MODEL_CHECKS.items()
-           for name, check in checks.items()]
+CHECKED = [
+    (cls, name, check) for cls, checks in ref.MODEL_CHECKS.items() for name, check in checks.items()
+]
 
 
-@pytest.mark.parametrize("cls, name, check", CHECKED,
-                         ids=[f"{c.__name__}.{n}" for c, n, _ in CHECKED])
+@pytest.mark.parametrize(
+    "cls, name, check", CHECKED, ids=[f"{c.__name__}.{n}" for c, n, _ in CHECKED]
+)
 def test_model_checks_are_what_the_config_refuses(cls, name, check):
     """Each MODEL_CHECKS bound and choice is one the config dataclass enforces: a value just
     outside is refused naming the field, and the default is inside."""
@@ -264,7 +304,7 @@ def test_model_checks_are_what_the_config_refuses(cls, name, check):
     for bad in tried:
         with pytest.raises(ValueError, match=name):
             cls(**{name: bad})
-    for v in (value if is_list else [value]):
+    for v in value if is_list else [value]:
         if check.low is not None:
             assert v > check.low if check.low_open else v >= check.low
         if check.high is not None:
@@ -280,10 +320,12 @@ def test_choices_are_all_the_config_takes():
             cls(**{name: "no-such-choice"})
         listed = re.search(r"one of (.*?);", str(err.value))
         assert listed and tuple(listed.group(1).split(", ")) == tuple(check.choices), (
-            f"{cls.__name__}.{name}: {err.value}")
+            f"{cls.__name__}.{name}: {err.value}"
+        )
 
 
 # ---------------------------------------------------------------- the command
+
 
 def test_check_command(tmp_path, monkeypatch, capsys):
     """--check passes on a current page and fails, naming the command, on a stale one."""

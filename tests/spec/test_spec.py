@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
-from pipeline.workspace.layout import fingerprint
 from pipeline.spec import SpecError, load_spec
+from pipeline.workspace.layout import fingerprint
 from stages import STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,8 +113,13 @@ def test_unknown_dataset_card_suggests(tmp_path):
 
 
 def test_stage_order_is_checked(tmp_path):
-    cfg = write(tmp_path, "bad.yaml", BASE.replace(
-        "[download, preprocess, train, finetune, evaluate]", "[download, train, preprocess]"))
+    cfg = write(
+        tmp_path,
+        "bad.yaml",
+        BASE.replace(
+            "[download, preprocess, train, finetune, evaluate]", "[download, train, preprocess]"
+        ),
+    )
     assert "'train' reads the output of 'preprocess', which must come before it" in error_of(cfg)
 
 
@@ -124,8 +129,11 @@ def test_per_param_clipping_is_refused_with_adam(tmp_path):
 
 
 def test_per_param_clipping_is_accepted_with_adagrad_in_every_zero_stage(tmp_path):
-    cfg = write(tmp_path, "ok.yaml", BASE.replace("type: adam", "type: adagrad")
-                .replace("clip: global", "clip: per_param"))
+    cfg = write(
+        tmp_path,
+        "ok.yaml",
+        BASE.replace("type: adam", "type: adagrad").replace("clip: global", "clip: per_param"),
+    )
     for stage in (0, 1, 2, 3):
         # (ZeRO 3 is refused with adaptive spans for a reason of its own)
         spec = load_spec(cfg, [f"train.deepspeed.zero_stage={stage}", "model.adaptive_span=false"])
@@ -134,9 +142,16 @@ def test_per_param_clipping_is_accepted_with_adagrad_in_every_zero_stage(tmp_pat
 
 def test_set_overrides_are_typed(tmp_path):
     cfg = write(tmp_path, "ok.yaml", BASE)
-    spec = load_spec(cfg, ["train.optimizer.lr=0.05", "model.n_layers=12",
-                           "train.optimizer.warmup_steps=10", "tracking.enabled=false",
-                           "model.span_loss_coef=2e-7"])
+    spec = load_spec(
+        cfg,
+        [
+            "train.optimizer.lr=0.05",
+            "model.n_layers=12",
+            "train.optimizer.warmup_steps=10",
+            "tracking.enabled=false",
+            "model.span_loss_coef=2e-7",
+        ],
+    )
     assert spec.train.optimizer.lr == 0.05 and isinstance(spec.train.optimizer.lr, float)
     assert spec.model_params.n_layers == 12
     assert spec.tracking.enabled is False
@@ -148,7 +163,7 @@ def test_set_reaches_into_a_dataset_card(tmp_path):
     spec = load_spec(cfg, ["dataset.url=file:///data/enwik8.zip", "dataset.split.valid=1000"])
     assert spec.dataset.url == "file:///data/enwik8.zip"
     assert spec.dataset.split.valid == 1000
-    assert spec.dataset.name == "python_docs"   # the rest of the card is kept
+    assert spec.dataset.name == "python_docs"  # the rest of the card is kept
 
 
 def test_bad_set_names_the_override(tmp_path):
@@ -161,29 +176,41 @@ def test_bad_set_names_the_override(tmp_path):
 
 def test_extends_merges_in_order_and_keeps_locations(tmp_path):
     write(tmp_path, "base.yaml", BASE)
-    write(tmp_path, "mid.yaml", """\
+    write(
+        tmp_path,
+        "mid.yaml",
+        """\
         model:
           n_layers: 3
         train:
           steps: 10
-        """)
-    child = write(tmp_path, "child.yaml", """\
+        """,
+    )
+    child = write(
+        tmp_path,
+        "child.yaml",
+        """\
         extends: [base.yaml, mid.yaml]
         name: child
         train:
           steps: 20
-        """)
+        """,
+    )
     spec = load_spec(child)
     assert spec.name == "child"
-    assert spec.model_params.n_layers == 3       # from mid
-    assert spec.model_params.d_model == 32       # from base
-    assert spec.train.steps == 20                # the file itself wins
-    assert spec.train.batch_size == 2            # merged, not replaced
-    bad = write(tmp_path, "bad.yaml", """\
+    assert spec.model_params.n_layers == 3  # from mid
+    assert spec.model_params.d_model == 32  # from base
+    assert spec.train.steps == 20  # the file itself wins
+    assert spec.train.batch_size == 2  # merged, not replaced
+    bad = write(
+        tmp_path,
+        "bad.yaml",
+        """\
         extends: [base.yaml]
         model:
           n_persistant: 4
-        """)
+        """,
+    )
     assert f"{bad}:3: model.n_persistant: unknown key" in error_of(bad)
     # an error in a parent is reported at the parent's line
     write(tmp_path, "badbase.yaml", BASE.replace("n_heads: 2", "n_heads: x"))
@@ -211,8 +238,13 @@ def test_duplicate_key_is_an_error(tmp_path):
 
 
 def cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "pipeline.commands.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.commands.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_validate_reports_without_traceback(tmp_path):
@@ -252,10 +284,15 @@ def stage_fingerprints(spec) -> dict[str, str]:
     "config, overrides",
     [(p, ()) for p in PIPELINE_CONFIGS]
     # a generated dataset (no url, tokenizer or split) and a sentencepiece tokenizer
-    + [(ROOT / "configs" / "quickstart.yaml", ("--set", "dataset=sort_synthetic")),
-       (ROOT / "configs" / "quickstart.yaml",
-        ("--set", "dataset.tokenizer={kind: sentencepiece, vocab_size: 111}"))],
-    ids=lambda v: v.stem if isinstance(v, Path) else " ".join(v))
+    + [
+        (ROOT / "configs" / "quickstart.yaml", ("--set", "dataset=sort_synthetic")),
+        (
+            ROOT / "configs" / "quickstart.yaml",
+            ("--set", "dataset.tokenizer={kind: sentencepiece, vocab_size: 111}"),
+        ),
+    ],
+    ids=lambda v: v.stem if isinstance(v, Path) else " ".join(v),
+)
 def test_show_prints_a_valid_spec_with_the_same_fingerprints(config, overrides, tmp_path):
     result = CliRunner().invoke(main, ["show", str(config), *overrides])
     assert result.exit_code == 0, result.output
@@ -271,61 +308,123 @@ def test_show_prints_a_valid_spec_with_the_same_fingerprints(config, overrides, 
 LAUGHS = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10))
 
 
-@pytest.mark.parametrize("replace, by, error", [
-    ("n_layers: 2", "n_layers: !!int abc", ":6: model.n_layers: 'abc' is not a valid !!int"),
-    ("n_layers: 2", "n_layers: " + "9" * 5000,
-     ":6: model.n_layers: '" + "9" * 56 + "... is not a valid !!int"),
-    ("n_layers: 2", "n_layers: !!bool maybe",
-     ":6: model.n_layers: 'maybe' is not a valid !!bool"),
-    ("name: tiny", "name: !!timestamp 2020-99-99",
-     ":1: name: '2020-99-99' is not a valid !!timestamp"),
-    # text that the tag's pattern does not match fails inside PyYAML's constructor
-    ("name: tiny", "name: !!timestamp notadate",
-     ":1: name: 'notadate' is not a valid !!timestamp"),
-    ("n_layers: 2", "n_layers: !!int ''", ":6: model.n_layers: '' is not a valid !!int"),
-    ("n_layers: 2", "n_layers: !!float ''", ":6: model.n_layers: '' is not a valid !!float"),
-    ("name: tiny", "name: !!merge x", ":1: name: could not determine a constructor for the "
-                                      "tag 'tag:yaml.org,2002:merge'"),
-    # a tag on a mapping or a list is refused, never dropped for the plain collection
-    ("n_layers: 2", "n_layers: !!str [2]",
-     ":6: model.n_layers: the tag !!str on a list is not supported; a spec's "
-     "mappings and lists are plain ones"),
-    ("model:", "model: !!python/object:os.system",
-     ":3: model: the tag !!python/object:os.system on a mapping is not supported; a spec's "
-     "mappings and lists are plain ones"),
-    ("name: tiny", "name: !!set {a, b}", ":1: name: the tag !!set on a mapping is not supported; a spec's "
-     "mappings and lists are plain ones"),
-    ("name: tiny", "name: tiny\n{[1]: 2}: 3", ":2: (top level): a key must be a name, found "
-                                              "a mapping"),
-    ("  n_layers: 2", "  n_layers: 2\n  <<: {n_heads: 4}",
-     ":7: model: merge keys (<<) are not supported; share settings between files with "
-     "`extends`"),
-    ("name: tiny", "name: " + "[" * 5000 + "]" * 5000,
-     ":1: not valid YAML: nested more than 64 levels deep"),
-    ("name: tiny", "name: &a [*a]",
-     ":1: nested more than 64 levels deep (an alias inside its own anchor?)"),
-    ("name: tiny", "name: tiny\nl0: &l0 [lol, lol]\n" + LAUGHS,
-     ":2: more than 10,000 values once YAML aliases are expanded; a spec has hundreds"),
-    ("kind: allattn", "kind: [allattn]", ":4: model.kind: expected the name of a model kind, "
-                                         "found ['allattn'] (a list); known: active_memory, "
-                                         "allattn, infinity_former"),
-    ("name: tiny", "name: " + "n" * 300, ":1: name: string should have at most 100 "
-                                         "characters; found '" + "n" * 56 + "... (a string)"),
-    ("dataset: python_docs", "dataset: " + "d" * 300,
-     ":2: dataset: '" + "d" * 56 + "... is not a dataset card's name (letters, digits, _ . -, "
-     "at most 100 characters) nor a mapping"),
-    ("  max_span: 64", "  max_span: 1000000000000000",
-     ":9: model.max_span: at most 1,048,576 (the paper's models use up to 8,192); found "
-     "1000000000000000 (an integer)"),
-    ("  d_model: 32", "  d_model: 8000000000",
-     ":5: model.d_model: at most 65,536 (the paper's models use 512 and 768); found "
-     "8000000000 (an integer)"),
-    # aliases within the bounds still work
-    ("  n_heads: 2\n  n_persistent: 8", "  n_heads: &h 2\n  n_persistent: *h", None),
-])
+@pytest.mark.parametrize(
+    "replace, by, error",
+    [
+        ("n_layers: 2", "n_layers: !!int abc", ":6: model.n_layers: 'abc' is not a valid !!int"),
+        (
+            "n_layers: 2",
+            "n_layers: " + "9" * 5000,
+            ":6: model.n_layers: '" + "9" * 56 + "... is not a valid !!int",
+        ),
+        (
+            "n_layers: 2",
+            "n_layers: !!bool maybe",
+            ":6: model.n_layers: 'maybe' is not a valid !!bool",
+        ),
+        (
+            "name: tiny",
+            "name: !!timestamp 2020-99-99",
+            ":1: name: '2020-99-99' is not a valid !!timestamp",
+        ),
+        # text that the tag's pattern does not match fails inside PyYAML's constructor
+        (
+            "name: tiny",
+            "name: !!timestamp notadate",
+            ":1: name: 'notadate' is not a valid !!timestamp",
+        ),
+        ("n_layers: 2", "n_layers: !!int ''", ":6: model.n_layers: '' is not a valid !!int"),
+        ("n_layers: 2", "n_layers: !!float ''", ":6: model.n_layers: '' is not a valid !!float"),
+        (
+            "name: tiny",
+            "name: !!merge x",
+            ":1: name: could not determine a constructor for the tag 'tag:yaml.org,2002:merge'",
+        ),
+        # a tag on a mapping or a list is refused, never dropped for the plain collection
+        (
+            "n_layers: 2",
+            "n_layers: !!str [2]",
+            ":6: model.n_layers: the tag !!str on a list is not supported; a spec's "
+            "mappings and lists are plain ones",
+        ),
+        (
+            "model:",
+            "model: !!python/object:os.system",
+            ":3: model: the tag !!python/object:os.system on a mapping is not supported; a spec's "
+            "mappings and lists are plain ones",
+        ),
+        (
+            "name: tiny",
+            "name: !!set {a, b}",
+            ":1: name: the tag !!set on a mapping is not supported; a spec's "
+            "mappings and lists are plain ones",
+        ),
+        (
+            "name: tiny",
+            "name: tiny\n{[1]: 2}: 3",
+            ":2: (top level): a key must be a name, found a mapping",
+        ),
+        (
+            "  n_layers: 2",
+            "  n_layers: 2\n  <<: {n_heads: 4}",
+            ":7: model: merge keys (<<) are not supported; share settings between files with "
+            "`extends`",
+        ),
+        (
+            "name: tiny",
+            "name: " + "[" * 5000 + "]" * 5000,
+            ":1: not valid YAML: nested more than 64 levels deep",
+        ),
+        (
+            "name: tiny",
+            "name: &a [*a]",
+            ":1: nested more than 64 levels deep (an alias inside its own anchor?)",
+        ),
+        (
+            "name: tiny",
+            "name: tiny\nl0: &l0 [lol, lol]\n" + LAUGHS,
+            ":2: more than 10,000 values once YAML aliases are expanded; a spec has hundreds",
+        ),
+        (
+            "kind: allattn",
+            "kind: [allattn]",
+            ":4: model.kind: expected the name of a model kind, "
+            "found ['allattn'] (a list); known: active_memory, "
+            "allattn, infinity_former",
+        ),
+        (
+            "name: tiny",
+            "name: " + "n" * 300,
+            ":1: name: string should have at most 100 "
+            "characters; found '" + "n" * 56 + "... (a string)",
+        ),
+        (
+            "dataset: python_docs",
+            "dataset: " + "d" * 300,
+            ":2: dataset: '"
+            + "d" * 56
+            + "... is not a dataset card's name (letters, digits, _ . -, "
+            "at most 100 characters) nor a mapping",
+        ),
+        (
+            "  max_span: 64",
+            "  max_span: 1000000000000000",
+            ":9: model.max_span: at most 1,048,576 (the paper's models use up to 8,192); found "
+            "1000000000000000 (an integer)",
+        ),
+        (
+            "  d_model: 32",
+            "  d_model: 8000000000",
+            ":5: model.d_model: at most 65,536 (the paper's models use 512 and 768); found "
+            "8000000000 (an integer)",
+        ),
+        # aliases within the bounds still work
+        ("  n_heads: 2\n  n_persistent: 8", "  n_heads: &h 2\n  n_persistent: *h", None),
+    ],
+)
 def test_broken_yaml_is_one_located_error(tmp_path, replace, by, error):
     path = write(tmp_path, "spec.yaml", BASE.replace(replace, by, 1))
-    with time_limit(seconds=10):   # the alias cases used to hang
+    with time_limit(seconds=10):  # the alias cases used to hang
         if error is None:
             load_spec(path)
         else:
@@ -336,6 +435,7 @@ def test_broken_yaml_is_one_located_error(tmp_path, replace, by, error):
 def time_limit(seconds: int):
     def stop(signum, frame):
         raise TimeoutError(f"still running after {seconds} s")
+
     previous = signal.signal(signal.SIGALRM, stop)
     signal.alarm(seconds)
     try:
@@ -347,27 +447,40 @@ def time_limit(seconds: int):
 
 def test_unreadable_files_are_one_located_error(tmp_path):
     (tmp_path / "latin1.yaml").write_bytes(b"name: caf\xe9\n")
-    assert error_of(tmp_path / "latin1.yaml") == \
-        f"{tmp_path / 'latin1.yaml'}: not UTF-8 text: byte 0xe9 at offset 9"
+    assert (
+        error_of(tmp_path / "latin1.yaml")
+        == f"{tmp_path / 'latin1.yaml'}: not UTF-8 text: byte 0xe9 at offset 9"
+    )
     child = write(tmp_path, "child.yaml", "extends: latin1.yaml\n" + BASE)
-    assert error_of(child) == f"{tmp_path / 'latin1.yaml'}: not UTF-8 text: byte 0xe9 at " \
-                              f"offset 9"
+    assert error_of(child) == f"{tmp_path / 'latin1.yaml'}: not UTF-8 text: byte 0xe9 at offset 9"
     long_parent = write(tmp_path, "long.yaml", "extends: " + "p" * 300 + "\n" + BASE)
-    assert error_of(long_parent) == (f"{long_parent}:1: cannot read "
-                                     f"{repr(str(tmp_path / ('p' * 300)))[:57]}...: File name "
-                                     f"too long")
+    assert error_of(long_parent) == (
+        f"{long_parent}:1: cannot read "
+        f"{repr(str(tmp_path / ('p' * 300)))[:57]}...: File name "
+        f"too long"
+    )
 
 
-@pytest.mark.parametrize("override, error", [
-    ("dataset.split.valid=.inf", "dataset.split.valid: expected a finite number; found inf "
-                                 "(a number)"),
-    ("dataset.vocab_size=1000000000000", "dataset.vocab_size: expected less than or equal to "
-                                         "16777216; found 1000000000000 (an integer)"),
-    ("model.span_loss_coef=.nan", "model.span_loss_coef: expected a finite number; found nan "
-                                  "(a number)"),
-    ("model.n_layers=!!int abc", "model.n_layers: 'abc' is not a valid !!int"),
-    ("name=!!timestamp notadate", "name: 'notadate' is not a valid !!timestamp"),
-])
+@pytest.mark.parametrize(
+    "override, error",
+    [
+        (
+            "dataset.split.valid=.inf",
+            "dataset.split.valid: expected a finite number; found inf (a number)",
+        ),
+        (
+            "dataset.vocab_size=1000000000000",
+            "dataset.vocab_size: expected less than or equal to "
+            "16777216; found 1000000000000 (an integer)",
+        ),
+        (
+            "model.span_loss_coef=.nan",
+            "model.span_loss_coef: expected a finite number; found nan (a number)",
+        ),
+        ("model.n_layers=!!int abc", "model.n_layers: 'abc' is not a valid !!int"),
+        ("name=!!timestamp notadate", "name: 'notadate' is not a valid !!timestamp"),
+    ],
+)
 def test_bad_numbers_and_tags_in_set_are_one_error(tmp_path, override, error):
     path = write(tmp_path, "spec.yaml", BASE)
     assert error_of(path, [override]) == f"--set {override}: {error}"
@@ -375,13 +488,15 @@ def test_bad_numbers_and_tags_in_set_are_one_error(tmp_path, override, error):
 
 def test_show_refuses_a_model_the_vocabulary_cannot_hold_in_one_line(tmp_path):
     path = write(tmp_path, "spec.yaml", BASE)
-    result = CliRunner().invoke(main, ["show", str(path), "--set", "model.adaptive_io=true",
-                                       "--set", "model.d_model=128"])
+    result = CliRunner().invoke(
+        main, ["show", str(path), "--set", "model.adaptive_io=true", "--set", "model.d_model=128"]
+    )
     assert result.exit_code == 2
     assert result.stderr == (
         f"error: {path}: model: adaptive_cutoffs [20000, 40000, 200000] need a vocabulary "
         f"larger than the last cutoff; vocab_size is 111 (vocabulary 111 from dataset card "
-        f"'python_docs' (expected))\n")
+        f"'python_docs' (expected))\n"
+    )
 
 
 def test_show_with_a_workspace_root_too_long_for_the_filesystem_is_one_line(tmp_path):
@@ -390,8 +505,9 @@ def test_show_with_a_workspace_root_too_long_for_the_filesystem_is_one_line(tmp_
     for command in ("validate", "show"):
         result = CliRunner().invoke(main, [command, str(path), "--set", f"workspace.root={root}"])
         assert result.exit_code == 2
-        assert result.stderr.startswith(f"error: --set workspace.root={root}: workspace.root: "
-                                        f"File name too long; found 'www")
+        assert result.stderr.startswith(
+            f"error: --set workspace.root={root}: workspace.root: File name too long; found 'www"
+        )
         assert result.stderr.count("\n") == 1
 
 
@@ -402,15 +518,20 @@ def test_an_extends_path_with_a_line_break_stays_one_line(tmp_path):
     assert message == f"{cfg}:2: extends: no such file {tmp_path}/a\\nb.yaml"
 
 
-@pytest.mark.parametrize("config, key", [
-    ("active_memory/sort.yaml", "dataset.generator.algorithmic.vocab"),
-    ("infinity_former/sort_16k.yaml", "dataset.generator.frequency_sort.vocab")])
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ("active_memory/sort.yaml", "dataset.generator.algorithmic.vocab"),
+        ("infinity_former/sort_16k.yaml", "dataset.generator.frequency_sort.vocab"),
+    ],
+)
 def test_a_task_vocabulary_no_machine_can_hold_is_refused_with_the_reason(config, key):
     override = f"{key}=1000000000"
     assert error_of(ROOT / "configs" / config, [override]) == (
         f"--set {override}: {key}: at most 16,777,214 symbols: with the separator and padding "
         f"they are the vocabulary, which the output layer scores at every position (the "
-        f"papers' tasks use 20 to 100); found 1000000000 (an integer)")
+        f"papers' tasks use 20 to 100); found 1000000000 (an integer)"
+    )
 
 
 # ----------------------------------------------- checks the model would make at its first step
@@ -421,19 +542,24 @@ SORT_CPU = ROOT / "configs" / "infinity_former" / "sort_4k_cpu.yaml"
 
 def test_sdpa_with_attention_dropout_is_refused_before_training():
     msg = error_of(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.1"])
-    assert msg == ("--set model.attention.impl=sdpa: model.attention.impl: sdpa has no attention "
-                   "dropout (SDPA's own drops weights before the span mask), and this model trains "
-                   "with attn_dropout 0.1: "
-                   "use flex, reference or auto (or attn_dropout 0)")
+    assert msg == (
+        "--set model.attention.impl=sdpa: model.attention.impl: sdpa has no attention "
+        "dropout (SDPA's own drops weights before the span mask), and this model trains "
+        "with attn_dropout 0.1: "
+        "use flex, reference or auto (or attn_dropout 0)"
+    )
     load_spec(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.0"])
-    load_spec(QUICKSTART, ["model.attention.impl=sdpa", "model.attn_dropout=0.1",
-                           "stages=[download,preprocess]"])        # nothing trains
+    load_spec(
+        QUICKSTART,
+        ["model.attention.impl=sdpa", "model.attn_dropout=0.1", "stages=[download,preprocess]"],
+    )  # nothing trains
 
 
 def test_flex_training_on_an_explicit_cpu_is_refused():
     msg = error_of(QUICKSTART, ["model.attention.impl=flex", "train.device=cpu"])
-    assert msg.startswith("--set model.attention.impl=flex: model.attention.impl: flex runs "
-                          "forward only on CPU")
+    assert msg.startswith(
+        "--set model.attention.impl=flex: model.attention.impl: flex runs forward only on CPU"
+    )
     assert msg.endswith("and train.device is cpu: use reference, sdpa or auto to train on CPU")
     load_spec(QUICKSTART, ["model.attention.impl=flex", "train.device=cuda"])
 
@@ -443,8 +569,10 @@ def test_infinity_former_short_term_memory_shorter_than_a_segment_is_refused():
     assert spec.model_params.ltm and spec.model_params.mem_len == spec.train.seq_len
     longer = spec.train.seq_len + 1
     msg = error_of(SORT_CPU, [f"train.seq_len={longer}"])
-    assert f"model.mem_len {spec.model_params.mem_len} is shorter than train.seq_len {longer}" in msg
+    assert (
+        f"model.mem_len {spec.model_params.mem_len} is shorter than train.seq_len {longer}" in msg
+    )
     assert msg.endswith(f"make mem_len at least {longer}")
     msg = error_of(SORT_CPU, [f"evaluate.seq_len={longer}"])
     assert f"is shorter than evaluate.seq_len {longer}" in msg
-    load_spec(SORT_CPU, [f"train.seq_len={longer}", "model.ltm=false"])   # no LTM: any length
+    load_spec(SORT_CPU, [f"train.seq_len={longer}", "model.ltm=false"])  # no LTM: any length

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from click.testing import CliRunner
-from tests.helpers.spec_damage import ROOT, damaged_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.commands.cli import main
+from tests.helpers.spec_damage import ROOT, damaged_config
 
 # A hang detector, not a speed target: a refusal or a `show` takes well under a second alone
 # (the deepest --set the fuzzer made: 0.3 s over a plain validate), but a shared 2-core CI
@@ -48,21 +48,33 @@ def run_command(args: list[str]):
 def assert_clean(args: list[str], workdir: Path) -> None:
     result, seconds = run_command(args)
     assert result.exit_code in (0, 2), (
-        f"{args}: exit {result.exit_code}: {result.exception!r}\n{result.output}")
+        f"{args}: exit {result.exit_code}: {result.exception!r}\n{result.output}"
+    )
     assert seconds < SECONDS_PER_COMMAND, f"{args}: took {seconds:.1f} s"
     if result.exit_code == 2:
         lines = result.stderr.splitlines()
         assert lines and lines[0].startswith("error: "), result.stderr
-        lines[0] = lines[0][len("error: "):]
+        lines[0] = lines[0][len("error: ") :]
         # one error a line (every mistake is reported at once), each "PLACE: what", the place
         # a file (the damaged copy, or a config or card it reads) or the --set override
-        assert all(re.match(rf"({re.escape(str(workdir))}|{re.escape(str(ROOT))}|--set )"
-                            rf"[^\n]*?: \S", line) for line in lines), result.stderr
+        assert all(
+            re.match(
+                rf"({re.escape(str(workdir))}|{re.escape(str(ROOT))}|--set )"
+                rf"[^\n]*?: \S",
+                line,
+            )
+            for line in lines
+        ), result.stderr
         assert "Traceback" not in result.output
 
 
-@settings(max_examples=400, derandomize=True, database=None, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=400,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data())
 def test_validate_and_show_refuse_any_damaged_config_in_one_line(data):
     with tempfile.TemporaryDirectory() as tmp:

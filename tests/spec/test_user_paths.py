@@ -17,9 +17,17 @@ QUICKSTART = str(PROJECT_ROOT / "configs" / "quickstart.yaml")
 @pytest.mark.parametrize("experiment", ["/any/dir", "../../x", "a/b", "..", ".", "x\ny", ""])
 def test_an_experiment_name_that_is_a_path_is_one_line(tmp_path, experiment):
     # before: accepted, and `run` made <root>/mlartifacts/<experiment> outside the root
-    result = CliRunner().invoke(main, ["validate", QUICKSTART, "--set",
-                                       f"workspace.root={tmp_path}", "--set",
-                                       f"tracking.experiment={experiment}"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "validate",
+            QUICKSTART,
+            "--set",
+            f"workspace.root={tmp_path}",
+            "--set",
+            f"tracking.experiment={experiment}",
+        ],
+    )
     assert result.exit_code == 2, result.output
     line = result.output.strip()
     assert "\n" not in line and line.startswith("error: ") and "tracking.experiment" in line
@@ -27,13 +35,13 @@ def test_an_experiment_name_that_is_a_path_is_one_line(tmp_path, experiment):
 
 
 def test_a_plain_experiment_name_is_kept(tmp_path):
-    spec = load_spec(QUICKSTART, [f"workspace.root={tmp_path}",
-                                  "tracking.experiment=ablations-2.b_x"])
+    spec = load_spec(
+        QUICKSTART, [f"workspace.root={tmp_path}", "tracking.experiment=ablations-2.b_x"]
+    )
     assert spec.tracking.experiment == "ablations-2.b_x"
 
 
-def test_workspace_paths_are_read_with_tilde_expanded_and_dotdot_resolved(tmp_path,
-                                                                         monkeypatch):
+def test_workspace_paths_are_read_with_tilde_expanded_and_dotdot_resolved(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     spec = load_spec(QUICKSTART, ["workspace.root=~/runs", "workspace.cache=typo/../cache"])
@@ -45,24 +53,40 @@ def test_workspace_paths_are_read_with_tilde_expanded_and_dotdot_resolved(tmp_pa
 
 def test_a_workspace_root_through_a_missing_directory_creates_nothing_beside_it(tmp_path):
     # before: `run` made the stray `typo` on its way to `typo/../ws`
-    result = CliRunner().invoke(main, ["sync", QUICKSTART, "--set",
-                                       f"workspace.root={tmp_path}/typo/../ws"])
+    result = CliRunner().invoke(
+        main, ["sync", QUICKSTART, "--set", f"workspace.root={tmp_path}/typo/../ws"]
+    )
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ws"]
 
 
-def test_a_path_argument_is_read_with_tilde_expanded_and_dotdot_resolved(tmp_path,
-                                                                        monkeypatch):
+def test_a_path_argument_is_read_with_tilde_expanded_and_dotdot_resolved(tmp_path, monkeypatch):
     # before: `--output typo/../job.sbatch` made a stray `typo`, and `~` was taken literally
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
     monkeypatch.chdir(tmp_path)
-    for output, written in [("typo/../job.sbatch", tmp_path / "job.sbatch"),
-                            ("~/job.sbatch", tmp_path / "home" / "job.sbatch")]:
-        result = CliRunner().invoke(main, [
-            "launch", "slurm", QUICKSTART, "--nodes", "1", "--gpus-per-node", "0",
-            "--procs-per-node", "1", "--set", f"workspace.root={tmp_path}/runs",
-            "--output", output])
+    for output, written in [
+        ("typo/../job.sbatch", tmp_path / "job.sbatch"),
+        ("~/job.sbatch", tmp_path / "home" / "job.sbatch"),
+    ]:
+        result = CliRunner().invoke(
+            main,
+            [
+                "launch",
+                "slurm",
+                QUICKSTART,
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "0",
+                "--procs-per-node",
+                "1",
+                "--set",
+                f"workspace.root={tmp_path}/runs",
+                "--output",
+                output,
+            ],
+        )
         assert result.exit_code == 0, result.output
         assert written.is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "job.sbatch", "runs"]

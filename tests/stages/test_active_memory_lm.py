@@ -16,9 +16,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from tests.conftest import shared_data
 
 from pipeline.models.active_memory import MIXERS
+from tests.conftest import shared_data
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,8 +38,10 @@ def wikitext2_head(tmp_path_factory) -> tuple[Path, list[str]]:
             head = b"".join(data.splitlines(keepends=True)[:n])
             z.writestr(f"wikitext-2/wiki.{split}.tokens", head)
             sets.append(f"dataset.files.{split}.sha256={hashlib.sha256(head).hexdigest()}")
-    sets += [f"dataset.url={path.as_uri()}",
-             f"dataset.sha256={hashlib.sha256(path.read_bytes()).hexdigest()}"]
+    sets += [
+        f"dataset.url={path.as_uri()}",
+        f"dataset.sha256={hashlib.sha256(path.read_bytes()).hexdigest()}",
+    ]
     return path, sets
 
 
@@ -48,12 +50,12 @@ def toy_config(tmp: Path, mixer: str) -> Path:
     base of its own, as configs/base does: a mixer without attention ignores n_heads)."""
     name = "wt103_" + mixer.replace("+", "_")
     (tmp / "toy_sizes.yaml").write_text(
-        "model: {d_model: 16, n_layers: 2, ff_dim: 32, kernel_size: 4, n_heads: 2, "
-        "head_dim: 8}\n")
+        "model: {d_model: 16, n_layers: 2, ff_dim: 32, kernel_size: 4, n_heads: 2, head_dim: 8}\n"
+    )
     path = tmp / f"{name}.yaml"
     path.write_text(f"""\
 name: lm
-extends: [{ROOT / 'configs' / 'active_memory' / name}.yaml, toy_sizes.yaml]
+extends: [{ROOT / "configs" / "active_memory" / name}.yaml, toy_sizes.yaml]
 dataset: wikitext2
 train:
   steps: 3
@@ -64,7 +66,7 @@ train:
   eval_every: 0
   checkpoint_every: 0
 evaluate: {{splits: [test], batch_size: 16, line_losses: true}}
-workspace: {{root: {tmp / 'runs'}}}
+workspace: {{root: {tmp / "runs"}}}
 """)
     return path
 
@@ -73,23 +75,33 @@ def run(cfg: Path, *sets: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "pipeline.commands.cli", "run", str(cfg)]
     for s in sets:
         args += ["--set", s]
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                            env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    result = subprocess.run(
+        args,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, DS_ACCELERATOR="cpu"),
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
 @pytest.mark.slow
 def test_every_mixer_runs_the_language_model_pipeline(tmp_path, wikitext2_head):
-    data = wikitext2_head[1] + ["dataset.tokenizer.kind=sentencepiece",
-                                "dataset.tokenizer.vocab_size=500", "dataset.vocab_size=500"]
+    data = wikitext2_head[1] + [
+        "dataset.tokenizer.kind=sentencepiece",
+        "dataset.tokenizer.vocab_size=500",
+        "dataset.vocab_size=500",
+    ]
     results = {}
     for mixer in MIXERS:
         out = run(toy_config(tmp_path, mixer), *data)
-        if mixer != MIXERS[0]:           # one preprocess serves every mixer
+        if mixer != MIXERS[0]:  # one preprocess serves every mixer
             assert "[preprocess] skipped: up to date" in out.stdout, out.stdout
         results[mixer] = json.loads(
-            (tmp_path / "runs" / "lm" / "evaluate" / "results.json").read_text())["test"]
+            (tmp_path / "runs" / "lm" / "evaluate" / "results.json").read_text()
+        )["test"]
     for mixer, test in results.items():
         # a few updates from random weights: near log(500) = 6.2 nats, and every number sane
         assert 4.0 < test["loss"] < 8.0, (mixer, test)

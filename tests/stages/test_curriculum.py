@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.training.checkpoints import read_checkpoint_file
 from pipeline.data.algorithmic import binary_case, check_length, generate, vocab_size
 from pipeline.spec import SpecError, load_spec
-from stages.base import NullStageTracker
+from pipeline.training.checkpoints import read_checkpoint_file
 from stages import StageContext, curriculum
+from stages.base import NullStageTracker
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,12 +33,14 @@ def gen(seed: int = 0) -> torch.Generator:
 
 # ---------------------------------------------------------------- generators
 
+
 def test_add_and_mult_cases_are_msb_first_around_separator_2():
     # 5 = 0101, 3 = 0011 in (9 - 1) / 2 = 4 bits; the result in 9 bits
-    assert binary_case("add", 9, 5, 3) == ([0, 1, 0, 1, 2, 0, 0, 1, 1],
-                                           [0, 0, 0, 0, 0, 1, 0, 0, 0])
-    assert binary_case("mult", 9, 5, 3) == ([0, 1, 0, 1, 2, 0, 0, 1, 1],
-                                            [0, 0, 0, 0, 0, 1, 1, 1, 1])
+    assert binary_case("add", 9, 5, 3) == ([0, 1, 0, 1, 2, 0, 0, 1, 1], [0, 0, 0, 0, 0, 1, 0, 0, 0])
+    assert binary_case("mult", 9, 5, 3) == (
+        [0, 1, 0, 1, 2, 0, 0, 1, 1],
+        [0, 0, 0, 0, 0, 1, 1, 1, 1],
+    )
     assert binary_case("mult", 5, 2, 2) == ([1, 0, 2, 1, 0], [0, 0, 1, 0, 0])
 
 
@@ -70,18 +72,27 @@ def test_reverse_sort_not_remember_layouts():
     assert torch.equal(x[:, 3:], torch.zeros(2, 3, dtype=torch.int64))
     assert torch.equal(y[:, :3], torch.zeros(2, 3, dtype=torch.int64))
     assert torch.equal(y[:, 3:], x[:, :3])
-    assert [vocab_size(p) for p in ("reverse", "sort", "add", "mult", "not", "remember")] == \
-        [100, 20, 3, 3, 3, 20]
+    assert [vocab_size(p) for p in ("reverse", "sort", "add", "mult", "not", "remember")] == [
+        100,
+        20,
+        3,
+        3,
+        3,
+        20,
+    ]
 
 
 def test_binary_problems_take_the_authors_vocabulary_of_20_as_an_option():
     # the authors' script gives every task 20 classes; the tokens drawn do not change
     assert vocab_size("add", 20) == vocab_size("not", 20) == 20
     for problem in ("add", "mult", "not"):
-        assert torch.equal(torch.stack(generate(problem, 7, 50, gen(6), vocab=20)),
-                           torch.stack(generate(problem, 7, 50, gen(6))))
-    spec = load_spec(ROOT / "configs" / "active_memory" / "add.yaml",
-                     ["dataset.generator.algorithmic.vocab=20"])
+        assert torch.equal(
+            torch.stack(generate(problem, 7, 50, gen(6), vocab=20)),
+            torch.stack(generate(problem, 7, 50, gen(6))),
+        )
+    spec = load_spec(
+        ROOT / "configs" / "active_memory" / "add.yaml", ["dataset.generator.algorithmic.vocab=20"]
+    )
     task = spec.dataset.generator.algorithmic
     model = spec.build_model(vocab_size(task.problem, task.vocab), "add")
     assert model.output.out_features == 20 and model.embedding.num_embeddings == 20
@@ -110,16 +121,22 @@ train: {{batch_size: 8}}
 workspace: {{root: {root}}}
 """
 # in a base of its own, as configs/base does: a mixer without attention ignores n_heads
-TOY_MODEL = "model: {d_model: 16, n_layers: 1, ff_dim: 32, kernel_size: 3, n_heads: 2, head_dim: 8}\n"
+TOY_MODEL = (
+    "model: {d_model: 16, n_layers: 1, ff_dim: 32, kernel_size: 3, n_heads: 2, head_dim: 8}\n"
+)
 
 
 def task_spec(tmp_path: Path, *sets: str, name: str = "t.yaml"):
     path = tmp_path / name
     (tmp_path / "toy_model.yaml").write_text(TOY_MODEL)
-    path.write_text(TASK.format(base=ROOT / "configs" / "base" / "active_memory_task.yaml",
-                                root=tmp_path / "runs"))
-    tiny = ["dataset.generator.algorithmic.curriculum={epochs: 4, steps_per_epoch: 10, "
-            "check_cases: 8}"]
+    path.write_text(
+        TASK.format(
+            base=ROOT / "configs" / "base" / "active_memory_task.yaml", root=tmp_path / "runs"
+        )
+    )
+    tiny = [
+        "dataset.generator.algorithmic.curriculum={epochs: 4, steps_per_epoch: 10, check_cases: 8}"
+    ]
     return path, load_spec(path, tiny + list(sets))
 
 
@@ -138,8 +155,9 @@ class StopAt(NullStageTracker):
 
 def run_stage(spec, out_dir: Path, tracker=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = StageContext(spec=spec, out_dir=out_dir, inputs={}, tracker=tracker or StopAt(),
-                       log=lambda m: None)
+    ctx = StageContext(
+        spec=spec, out_dir=out_dir, inputs={}, tracker=tracker or StopAt(), log=lambda m: None
+    )
     return curriculum.run(ctx)
 
 
@@ -155,9 +173,10 @@ def test_solved_lengths_grow_by_the_step_and_the_score_is_the_longest(tmp_path):
     assert [h["length"] for h in runs] == [5, 8, 11, 14]
     assert all(h["solved"] and h["accuracy"] == 1.0 for h in runs)
     assert summary["score"] == 14 and summary["final_length"] == 14
-    assert summary["next_length"] == 17   # the authors' script's reading: solved 14, next 17
+    assert summary["next_length"] == 17  # the authors' script's reading: solved 14, next 17
     assert [(s, sorted(m)) for s, m in tracker.metrics[:4]] == [
-        (e, ["accuracy", "length", "loss"]) for e in (1, 2, 3, 4)]
+        (e, ["accuracy", "length", "loss"]) for e in (1, 2, 3, 4)
+    ]
 
 
 def test_unsolved_length_stays_and_scores_zero(tmp_path):
@@ -166,9 +185,10 @@ def test_unsolved_length_stays_and_scores_zero(tmp_path):
     runs = history(tmp_path / "a")
     assert [h["length"] for h in runs] == [5] * 4 and not any(h["solved"] for h in runs)
     assert all(h["accuracy"] < 1 for h in runs) and summary["score"] == 0
-    assert summary["next_length"] == 5    # the authors' script prints 5 for such a run
-    assert curriculum.best_length([{"length": 5, "solved": True},
-                                   {"length": 6, "solved": False}]) == 5
+    assert summary["next_length"] == 5  # the authors' script prints 5 for such a run
+    assert (
+        curriculum.best_length([{"length": 5, "solved": True}, {"length": 6, "solved": False}]) == 5
+    )
 
 
 def test_resumed_curriculum_equals_the_uninterrupted_one(tmp_path):
@@ -180,28 +200,42 @@ def test_resumed_curriculum_equals_the_uninterrupted_one(tmp_path):
     assert kept == ["step-00000001", "step-00000002"]
     run_stage(spec, tmp_path / "cut")
     assert history(tmp_path / "cut") == history(tmp_path / "whole")
-    weights = [read_checkpoint_file(tmp_path / d / "checkpoints" / "step-00000004" / "state.pt")
-               ["model"] for d in ("whole", "cut")]
+    weights = [
+        read_checkpoint_file(tmp_path / d / "checkpoints" / "step-00000004" / "state.pt")["model"]
+        for d in ("whole", "cut")
+    ]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 # ---------------------------------------------------------------- the attention scale
 
+
 def layer1_attention_after_training(tmp_path: Path, *sets: str) -> torch.Tensor:
     """Layer 1's attention weights [9, H, 5, 5] on the nine length-5 add cases, after the
     curriculum stage trained configs/active_memory/add.yaml's self-attention model (its
     own seed, lr and batch) for 10 steps at length 5."""
-    spec = load_spec(ROOT / "configs" / "active_memory" / "add.yaml", [
-        "model.mixer=self_attention", "train.device=cpu", f"workspace.root={tmp_path}",
-        "dataset.generator.algorithmic.curriculum={epochs: 1, steps_per_epoch: 10, "
-        "check_cases: 8}", *sets])
+    spec = load_spec(
+        ROOT / "configs" / "active_memory" / "add.yaml",
+        [
+            "model.mixer=self_attention",
+            "train.device=cpu",
+            f"workspace.root={tmp_path}",
+            "dataset.generator.algorithmic.curriculum={epochs: 1, steps_per_epoch: 10, "
+            "check_cases: 8}",
+            *sets,
+        ],
+    )
     run_stage(spec, tmp_path / "out")
     model = spec.build_model(3, "add")
-    model.load_state_dict(read_checkpoint_file(
-        tmp_path / "out" / "checkpoints" / "step-00000001" / "state.pt")["model"])
-    seen = []   # the attention weights are what layer 1's attention dropout receives
+    model.load_state_dict(
+        read_checkpoint_file(tmp_path / "out" / "checkpoints" / "step-00000001" / "state.pt")[
+            "model"
+        ]
+    )
+    seen = []  # the attention weights are what layer 1's attention dropout receives
     model.layers[0].attention.dropout.register_forward_hook(
-        lambda mod, args, out: seen.append(args[0]))
+        lambda mod, args, out: seen.append(args[0])
+    )
     cases = [binary_case("add", 5, a, b)[0] for a in range(3) for b in range(3)]
     with torch.no_grad():
         model.eval()(torch.tensor(cases))
@@ -221,6 +255,7 @@ def test_self_attention_on_add_keeps_its_attention_rows_soft_with_the_task_confi
 
 # ---------------------------------------------------------------- the spec
 
+
 def spec_error(tmp_path: Path, *sets: str) -> str:
     path, _ = task_spec(tmp_path)
     with pytest.raises(SpecError) as info:
@@ -232,18 +267,23 @@ def test_task_pipeline_needs_no_steps_and_refuses_what_it_ignores(tmp_path):
     path, spec = task_spec(tmp_path)
     assert spec.train.steps is None and spec.train.seq_len is None
     msg = spec_error(tmp_path, "train.steps=100")
-    assert msg.startswith("--set train.steps=100: train.steps: does nothing here (the "
-                          "curriculum stage's epochs")
-    assert "train.deepspeed: does nothing here (the curriculum stage trains in one process" \
+    assert msg.startswith(
+        "--set train.steps=100: train.steps: does nothing here (the curriculum stage's epochs"
+    )
+    assert (
+        "train.deepspeed: does nothing here (the curriculum stage trains in one process"
         in spec_error(tmp_path, "train.deepspeed={zero_stage: 1}")
-    assert "evaluate.batch_size: does nothing here" in spec_error(tmp_path,
-                                                                 "evaluate.batch_size=4")
+    )
+    assert "evaluate.batch_size: does nothing here" in spec_error(tmp_path, "evaluate.batch_size=4")
     assert "train.optimizer.type: the curriculum trains with adam" in spec_error(
-        tmp_path, "train.optimizer={type: adagrad, clip: none}")
+        tmp_path, "train.optimizer={type: adagrad, clip: none}"
+    )
     assert "dataset: the curriculum stage trains on an algorithmic task" in spec_error(
-        tmp_path, "dataset=python_docs")
+        tmp_path, "dataset=python_docs"
+    )
     assert "problem 'add' needs odd lengths" in spec_error(
-        tmp_path, "dataset.generator.algorithmic={problem: add, curriculum: {length_step: 1}}")
+        tmp_path, "dataset.generator.algorithmic={problem: add, curriculum: {length_step: 1}}"
+    )
     # the train stage still needs them
     msg = spec_error(tmp_path, "dataset=python_docs", "stages=[download, preprocess, train]")
     assert f"{path}:4: train.steps: required key is missing" in msg
@@ -252,81 +292,119 @@ def test_task_pipeline_needs_no_steps_and_refuses_what_it_ignores(tmp_path):
 
 # ---------------------------------------------------------------- the CLI
 
+
 def cli_command(cfg: Path, *sets: str) -> list[str]:
     return [sys.executable, "-m", "pipeline.commands.cli", "run", str(cfg), *sets]
 
 
-CLI_SETS = ("--set", "dataset.generator.algorithmic.curriculum={epochs: 6, "
-            "steps_per_epoch: 30, check_cases: 8}")
+CLI_SETS = (
+    "--set",
+    "dataset.generator.algorithmic.curriculum={epochs: 6, steps_per_epoch: 30, check_cases: 8}",
+)
 
 
 @pytest.mark.slow
 def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cfg, _ = task_spec(tmp_path)
-    whole = subprocess.run(cli_command(cfg, *CLI_SETS), cwd=ROOT, env=env, text=True,
-                           capture_output=True, timeout=600)
+    whole = subprocess.run(
+        cli_command(cfg, *CLI_SETS), cwd=ROOT, env=env, text=True, capture_output=True, timeout=600
+    )
     assert whole.returncode == 0, whole.stderr
-    done = json.loads((tmp_path / "runs" / "tiny_task" / "curriculum" / "curriculum.json")
-                      .read_text())
-    assert f"[curriculum] score {done['score']} (the longest length solved in 6 epochs)" \
+    done = json.loads(
+        (tmp_path / "runs" / "tiny_task" / "curriculum" / "curriculum.json").read_text()
+    )
+    assert (
+        f"[curriculum] score {done['score']} (the longest length solved in 6 epochs)"
         in whole.stdout
-    assert f"[evaluate] score {done['score']} (not, checkpoint curriculum/step-00000006)" \
+    )
+    assert (
+        f"[evaluate] score {done['score']} (not, checkpoint curriculum/step-00000006)"
         in whole.stdout
-    results = json.loads((tmp_path / "runs" / "tiny_task" / "evaluate" / "results.json")
-                         .read_text())
+    )
+    results = json.loads(
+        (tmp_path / "runs" / "tiny_task" / "evaluate" / "results.json").read_text()
+    )
     assert results["score"] == done["score"] and results["final_length"] == done["final_length"]
     final = done["final_length"]
-    assert sorted(map(int, results["lengths"])) == [final, final + 2, final + 5, final + 10,
-                                                   2 * final][:len(results["lengths"])]
+    assert (
+        sorted(map(int, results["lengths"]))
+        == [final, final + 2, final + 5, final + 10, 2 * final][: len(results["lengths"])]
+    )
 
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("tiny_task")
-    stage_run = next(r for r in client.search_runs([exp.experiment_id])
-                     if r.data.tags.get("stage") == "curriculum")
+    stage_run = next(
+        r
+        for r in client.search_runs([exp.experiment_id])
+        if r.data.tags.get("stage") == "curriculum"
+    )
     lengths = client.get_metric_history(stage_run.info.run_id, "length")
-    assert [(m.step, m.value) for m in lengths] == [(h["epoch"], h["length"])
-                                                    for h in done["history"]]
+    assert [(m.step, m.value) for m in lengths] == [
+        (h["epoch"], h["length"]) for h in done["history"]
+    ]
 
     # the same curriculum under another name, killed after its second epoch's checkpoint
     cut = tmp_path / "cut.yaml"
     cut.write_text(cfg.read_text().replace("name: tiny_task", "name: cut"))
     partial = tmp_path / "runs" / "cut" / "curriculum.partial" / "checkpoints"
-    proc = subprocess.Popen(cli_command(cut, *CLI_SETS), cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cli_command(cut, *CLI_SETS),
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.time() + 300
     while not (partial / "step-00000002").exists() and proc.poll() is None:
         assert time.time() < deadline, "no second checkpoint within 300 s"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (tmp_path / "runs" / "cut" / "curriculum").exists()   # killed mid-curriculum
-    again = subprocess.run(cli_command(cut, *CLI_SETS), cwd=ROOT, env=env, text=True,
-                           capture_output=True, timeout=600)
+    assert not (tmp_path / "runs" / "cut" / "curriculum").exists()  # killed mid-curriculum
+    again = subprocess.run(
+        cli_command(cut, *CLI_SETS), cwd=ROOT, env=env, text=True, capture_output=True, timeout=600
+    )
     assert again.returncode == 0, again.stderr
     assert "[curriculum] resuming after epoch" in again.stdout
-    resumed = json.loads((tmp_path / "runs" / "cut" / "curriculum" / "curriculum.json")
-                         .read_text())
+    resumed = json.loads((tmp_path / "runs" / "cut" / "curriculum" / "curriculum.json").read_text())
     assert resumed["score"] == done["score"]
     assert [h["length"] for h in resumed["history"]] == [h["length"] for h in done["history"]]
     assert resumed["history"] == done["history"]
 
 
-@pytest.mark.parametrize("problem,vocab,step", [
-    ("reverse", 100, 1), ("sort", 20, 1), ("add", 3, 2), ("mult", 3, 2), ("not", 3, 1),
-    ("remember", 20, 1)])
+@pytest.mark.parametrize(
+    "problem,vocab,step",
+    [
+        ("reverse", 100, 1),
+        ("sort", 20, 1),
+        ("add", 3, 2),
+        ("mult", 3, 2),
+        ("not", 3, 1),
+        ("remember", 20, 1),
+    ],
+)
 def test_task_configs_are_the_papers(problem, vocab, step):
-    spec = load_spec(ROOT / "configs" / "active_memory" / f"{problem}.yaml",
-                     ["model.mixer=sa+conv"])
+    spec = load_spec(
+        ROOT / "configs" / "active_memory" / f"{problem}.yaml", ["model.mixer=sa+conv"]
+    )
     m, task = spec.model_params, spec.dataset.generator.algorithmic
     assert (spec.model_kind, m.mixer, m.causal) == ("active_memory", "sa+conv", False)
     assert (m.n_layers, m.d_model, m.ff_dim, m.kernel_size) == (4, 128, 512, 20)
-    assert m.attn_double_scale   # the authors' d_h^-1.5 (see the attention-scale test)
+    assert m.attn_double_scale  # the authors' d_h^-1.5 (see the attention-scale test)
     assert task.problem == problem and vocab_size(problem, task.vocab) == vocab
     cur = task.curriculum
-    assert (cur.start_length, cur.epochs, cur.steps_per_epoch, cur.check_cases,
-            cur.promote_accuracy, cur.length_step) == (5, 100, 100, 32, 1.0, step)
+    assert (
+        cur.start_length,
+        cur.epochs,
+        cur.steps_per_epoch,
+        cur.check_cases,
+        cur.promote_accuracy,
+        cur.length_step,
+    ) == (5, 100, 100, 32, 1.0, step)
     opt = spec.train.optimizer
     assert (spec.train.batch_size, opt.type, opt.lr, opt.clip) == (32, "adam", 0.01, "none")
     assert spec.stages == ["curriculum", "evaluate"]

@@ -18,12 +18,18 @@ ROOT = Path(__file__).resolve().parents[2]
 TEXT = b"".join(b"line %d of a small local corpus, read as bytes.\n" % i for i in range(3000))
 
 
-def config(tmp: Path, source: Path, *extra: str, name: str = "damaged",
-           stages: str = "[download, preprocess]") -> Path:
+def config(
+    tmp: Path,
+    source: Path,
+    *extra: str,
+    name: str = "damaged",
+    stages: str = "[download, preprocess]",
+) -> Path:
     """A quickstart pipeline on the local corpus file `source`; `extra` lines are appended."""
     path = tmp / f"{name}.yaml"
-    path.write_text(f"""\
-extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
+    path.write_text(
+        f"""\
+extends: [{ROOT / "configs" / "quickstart.yaml"}]
 name: {name}
 dataset:
   name: local
@@ -32,16 +38,24 @@ dataset:
   split: {{kind: tail, valid: 0.1, test: 0.1}}
   shards: {{block_tokens: 4096, blocks_per_shard: 4}}
 tracking: {{enabled: false}}
-workspace: {{root: {tmp / 'runs'}}}
+workspace: {{root: {tmp / "runs"}}}
 stages: {stages}
-""" + "".join(f"{line}\n" for line in extra))
+"""
+        + "".join(f"{line}\n" for line in extra)
+    )
     return path
 
 
 def cli(*args):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    return subprocess.run([sys.executable, "-m", "pipeline.commands.cli", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.commands.cli", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 @pytest.fixture()
@@ -95,8 +109,9 @@ def test_an_edited_manifest_is_refused(workspace, edit):
     cfg, _, pre = workspace
     manifest = json.loads((pre / "manifest.json").read_text())
     (pre / "manifest.json").write_text(json.dumps(manifest | edit))
-    one_line_error(cli("show", cfg), "manifest.json", "does not match its sha256",
-                   "--force preprocess")
+    one_line_error(
+        cli("show", cfg), "manifest.json", "does not match its sha256", "--force preprocess"
+    )
     with pytest.raises(PipelineError, match="does not match its sha256"):
         load_manifest(pre)
 
@@ -104,7 +119,7 @@ def test_an_edited_manifest_is_refused(workspace, edit):
 def test_a_local_source_replaced_in_place_is_downloaded_again(workspace):
     cfg, source, pre = workspace
     before = load_manifest(pre)["source_sha256"]
-    os.utime(source)                                   # touched, same bytes: still up to date
+    os.utime(source)  # touched, same bytes: still up to date
     again = cli("run", cfg)
     assert again.returncode == 0 and "running" not in again.stdout, again.stdout
     source.write_bytes(TEXT.replace(b"small", b"SMALL"))  # same size, new content
@@ -115,8 +130,7 @@ def test_a_local_source_replaced_in_place_is_downloaded_again(workspace):
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
-def test_run_rebuilds_a_damaged_shard_and_keeps_the_build_what_reads_it_used(workspace,
-                                                                             damage):
+def test_run_rebuilds_a_damaged_shard_and_keeps_the_build_what_reads_it_used(workspace, damage):
     cfg, _, pre = workspace
     shard = pre / "shards" / load_manifest(pre)["splits"]["valid"]["shards"][0]["name"]
     whole = shard.read_bytes()
@@ -129,8 +143,11 @@ def test_run_rebuilds_a_damaged_shard_and_keeps_the_build_what_reads_it_used(wor
         why = f"shards/{shard.name} has 100 bytes, {len(whole):,} were written"
     result = cli("run", cfg)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"[preprocess] running: {why} (damaged since it was published); rebuilding it" \
-        in result.stdout and "[download] skipped" in result.stdout, result.stdout
+    assert (
+        f"[preprocess] running: {why} (damaged since it was published); rebuilding it"
+        in result.stdout
+        and "[download] skipped" in result.stdout
+    ), result.stdout
     assert shard.read_bytes() == whole
     # byte-identical, so a train stage built from the damaged output would stay up to date
     assert json.loads((pre / "stage.json").read_text())["build"] == build

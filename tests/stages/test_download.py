@@ -51,10 +51,11 @@ def payload(n: int, seed: int = 0) -> bytes:
 
 # ---------------------------------------------------------------- the loopback server
 
-class _Handler(BaseHTTPRequestHandler):
-    timeout = 10                       # a stuck client cannot hold a handler thread forever
 
-    def log_message(self, *args):     # quiet
+class _Handler(BaseHTTPRequestHandler):
+    timeout = 10  # a stuck client cannot hold a handler thread forever
+
+    def log_message(self, *args):  # quiet
         pass
 
     def do_GET(self):
@@ -63,8 +64,12 @@ class _Handler(BaseHTTPRequestHandler):
             if len(srv.requests) >= MAX_REQUESTS:
                 self.send_error(503, "test server: too many requests")
                 return
-            record = {"path": self.path.lstrip("/"), "range": self.headers.get("Range"),
-                      "status": None, "sent": 0}
+            record = {
+                "path": self.path.lstrip("/"),
+                "range": self.headers.get("Range"),
+                "status": None,
+                "sent": 0,
+            }
             srv.requests.append(record)
             cut = srv.cut_after if srv.cuts > 0 else None
             if cut is not None:
@@ -94,7 +99,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.end_headers()
         if cut is not None:
-            body = body[:cut]          # then the connection closes: a dropped download
+            body = body[:cut]  # then the connection closes: a dropped download
         self.wfile.write(body)
         record["sent"] = len(body)
 
@@ -103,14 +108,13 @@ class Server:
     def __init__(self):
         self.files: dict[str, bytes] = {}
         self.requests: list[dict] = []
-        self.ranges = True             # False: answer a Range request with the whole file
+        self.ranges = True  # False: answer a Range request with the whole file
         self.cut_after: int | None = None
-        self.cuts = 0                  # how many of the next responses to cut
+        self.cuts = 0  # how many of the next responses to cut
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self.httpd.owner = self
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def url(self, name: str) -> str:
@@ -130,8 +134,7 @@ def server():
 
 @pytest.fixture(autouse=True)
 def _offline_and_fast(monkeypatch):
-    for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
-                "ALL_PROXY"):
+    for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
     monkeypatch.setattr(fetch, "RETRY_WAIT_S", 0.0)
@@ -142,8 +145,15 @@ def _offline_and_fast(monkeypatch):
 
 # ---------------------------------------------------------------- specs and the stage
 
-def config(dir: Path, dataset: dict, *, name: str = "dl", root: Path | None = None,
-           cache: Path | None = None) -> Path:
+
+def config(
+    dir: Path,
+    dataset: dict,
+    *,
+    name: str = "dl",
+    root: Path | None = None,
+    cache: Path | None = None,
+) -> Path:
     """A small pipeline YAML shaped like configs/quickstart.yaml, the dataset inline."""
     dir.mkdir(parents=True, exist_ok=True)
     workspace = {"root": str(root or dir / "runs")}
@@ -155,8 +165,14 @@ def config(dir: Path, dataset: dict, *, name: str = "dl", root: Path | None = No
     spec = {
         "name": name,
         "dataset": dataset,
-        "model": {"kind": "allattn", "d_model": 32, "n_layers": 1, "n_heads": 2,
-                  "n_persistent": 4, "max_span": 64},
+        "model": {
+            "kind": "allattn",
+            "d_model": 32,
+            "n_layers": 1,
+            "n_heads": 2,
+            "n_persistent": 4,
+            "max_span": 64,
+        },
         "tracking": {"enabled": False},
         "workspace": workspace,
         "stages": ["download", "preprocess"],
@@ -172,8 +188,9 @@ def run_download(cfg: Path, *overrides: str):
     out = spec.workspace_dir / "download.partial"
     out.mkdir(parents=True, exist_ok=True)
     logs: list[str] = []
-    ctx = stages.StageContext(spec=spec, out_dir=out, inputs={}, tracker=NullStageTracker(),
-                              log=logs.append)
+    ctx = stages.StageContext(
+        spec=spec, out_dir=out, inputs={}, tracker=NullStageTracker(), log=logs.append
+    )
     summary = stages.download.run(ctx)
     return out, summary, logs
 
@@ -195,23 +212,32 @@ def make_zip(members: dict[str, bytes], compression=zipfile.ZIP_DEFLATED) -> byt
 
 
 TRAIN, VALID, TEST = payload(90_000, 1), payload(5_000, 2), payload(5_000, 3)
-MEMBERS = {"wt/wiki.train.tokens": TRAIN, "wt/wiki.valid.tokens": VALID,
-           "wt/wiki.test.tokens": TEST}
-FILES = {"train": {"path": "wt/wiki.train.tokens", "sha256": sha(TRAIN)},
-         "valid": {"path": "wt/wiki.valid.tokens", "md5": md5(VALID)},
-         "test": {"path": "wt/wiki.test.tokens", "sha256": sha(TEST), "md5": md5(TEST)}}
+MEMBERS = {
+    "wt/wiki.train.tokens": TRAIN,
+    "wt/wiki.valid.tokens": VALID,
+    "wt/wiki.test.tokens": TEST,
+}
+FILES = {
+    "train": {"path": "wt/wiki.train.tokens", "sha256": sha(TRAIN)},
+    "valid": {"path": "wt/wiki.valid.tokens", "md5": md5(VALID)},
+    "test": {"path": "wt/wiki.test.tokens", "sha256": sha(TEST), "md5": md5(TEST)},
+}
 
 
 # ---------------------------------------------------------------- plain http
 
+
 def test_http_download_is_verified_cached_and_recorded(server, tmp_path):
     data = payload(300_000)
     server.files["enwik8"] = data
-    out, summary, _ = run_download(config(tmp_path, {"url": server.url("enwik8"),
-                                                     "sha256": sha(data)}))
-    assert record(out) == {"url": server.url("enwik8"), "sha256": sha(data),
-                           "files": {"all": {"path": "files/enwik8", "sha256": sha(data),
-                                             "bytes": 300_000}}}
+    out, summary, _ = run_download(
+        config(tmp_path, {"url": server.url("enwik8"), "sha256": sha(data)})
+    )
+    assert record(out) == {
+        "url": server.url("enwik8"),
+        "sha256": sha(data),
+        "files": {"all": {"path": "files/enwik8", "sha256": sha(data), "bytes": 300_000}},
+    }
     assert listing(out / "files") == ["enwik8"]
     assert (out / "files" / "enwik8").read_bytes() == data
     downloads = tmp_path / "runs" / "cache" / "downloads"
@@ -246,17 +272,19 @@ def test_checksum_mismatch_names_expected_and_found(server, tmp_path):
 
 
 def test_http_404_is_one_clear_line(server, tmp_path):
-    cfg = config(tmp_path, {"url": server.url("gone.zip"), "sha256": sha(b""),
-                            "archive": "zip"})
-    with pytest.raises(PipelineError, match=r"^dataset\.url http://127\.0\.0\.1:\d+/gone\.zip: "
-                                            r"HTTP 404 Not Found") as e:
+    cfg = config(tmp_path, {"url": server.url("gone.zip"), "sha256": sha(b""), "archive": "zip"})
+    with pytest.raises(
+        PipelineError,
+        match=r"^dataset\.url http://127\.0\.0\.1:\d+/gone\.zip: "
+        r"HTTP 404 Not Found",
+    ) as e:
         run_download(cfg)
     assert "\n" not in str(e.value)
     assert not list((tmp_path / "runs" / "cache" / "downloads").glob("*.part"))
 
 
 def test_unreachable_host_suggests_a_local_mirror(tmp_path):
-    with socket.socket() as s:              # a loopback port nobody listens on
+    with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/enwik8.zip"
@@ -269,21 +297,24 @@ def test_unreachable_host_suggests_a_local_mirror(tmp_path):
 
 # ---------------------------------------------------------------- resume
 
+
 def test_interrupted_download_resumes_with_range_on_the_next_run(server, tmp_path):
     data = payload(300_000)
     server.files["enwik8"] = data
     server.cut_after, server.cuts = 120_000, 1
     cache, key, logs = tmp_path / "cache", sha(data), []
     part, final = cache / "downloads" / f"{key}.part", cache / "downloads" / key
-    with pytest.raises(PipelineError, match=r"interrupted.*120,000 bytes received are kept "
-                                            r".*run again to resume"):
+    with pytest.raises(
+        PipelineError,
+        match=r"interrupted.*120,000 bytes received are kept "
+        r".*run again to resume",
+    ):
         fetch.fetch(server.url("enwik8"), cache, sha256=key, log=logs.append, retries=0)
     assert part.stat().st_size == 120_000 and not final.exists()
 
     got = fetch.fetch(server.url("enwik8"), cache, sha256=key, log=logs.append, retries=0)
     second = server.requests[1]
-    assert (second["range"], second["status"], second["sent"]) == \
-        ("bytes=120000-", 206, 180_000)
+    assert (second["range"], second["status"], second["sent"]) == ("bytes=120000-", 206, 180_000)
     assert got.path == final and final.read_bytes() == data and not part.exists()
 
 
@@ -291,10 +322,14 @@ def test_stage_resumes_a_dropped_connection_in_process(server, tmp_path):
     data = payload(300_000)
     server.files["enwik8"] = data
     server.cut_after, server.cuts = 100_000, 2
-    out, _, logs = run_download(config(tmp_path, {"url": server.url("enwik8"),
-                                                  "sha256": sha(data)}))
-    assert [(r["range"], r["sent"]) for r in server.requests] == \
-        [(None, 100_000), ("bytes=100000-", 100_000), ("bytes=200000-", 100_000)]
+    out, _, logs = run_download(
+        config(tmp_path, {"url": server.url("enwik8"), "sha256": sha(data)})
+    )
+    assert [(r["range"], r["sent"]) for r in server.requests] == [
+        (None, 100_000),
+        ("bytes=100000-", 100_000),
+        ("bytes=200000-", 100_000),
+    ]
     assert (out / "files" / "enwik8").read_bytes() == data
     assert sum("resuming" in line for line in logs) >= 2
 
@@ -307,8 +342,7 @@ def test_server_without_range_support_restarts_cleanly(server, tmp_path):
     with pytest.raises(PipelineError, match="interrupted"):
         fetch.fetch(server.url("enwik8"), cache, sha256=sha(data), log=print, retries=0)
     logs: list[str] = []
-    got = fetch.fetch(server.url("enwik8"), cache, sha256=sha(data), log=logs.append,
-                      retries=0)
+    got = fetch.fetch(server.url("enwik8"), cache, sha256=sha(data), log=logs.append, retries=0)
     assert server.requests[1]["range"] == "bytes=70000-" and server.requests[1]["status"] == 200
     assert got.path.read_bytes() == data
     assert any("starting over" in line for line in logs)
@@ -317,7 +351,7 @@ def test_server_without_range_support_restarts_cleanly(server, tmp_path):
 
 def test_progress_lines_are_few_and_carry_a_rate(server, tmp_path, monkeypatch):
     monkeypatch.setattr(fetch, "PROGRESS_MIN_BYTES", 0)
-    monkeypatch.setattr(fetch, "CHUNK", 4096)            # ~100 chunks
+    monkeypatch.setattr(fetch, "CHUNK", 4096)  # ~100 chunks
     data = payload(400_000)
     server.files["big"] = data
     logs: list[str] = []
@@ -328,6 +362,7 @@ def test_progress_lines_are_few_and_carry_a_rate(server, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- the cache
+
 
 def test_cache_hit_across_workspaces_makes_no_request(server, tmp_path):
     data = payload(100_000)
@@ -342,7 +377,7 @@ def test_cache_hit_across_workspaces_makes_no_request(server, tmp_path):
     assert record(out_a) == record(out_b)
     assert (out_b / "files" / "text8").read_bytes() == data
 
-    cached = shared / "downloads" / sha(data)      # a hit re-verifies: corruption is caught
+    cached = shared / "downloads" / sha(data)  # a hit re-verifies: corruption is caught
     cached.write_bytes(b"X" + data[1:])
     out_b, summary, logs = run_download(cfg_b)
     assert len(server.requests) == 2 and not summary["cached"]
@@ -352,12 +387,17 @@ def test_cache_hit_across_workspaces_makes_no_request(server, tmp_path):
 
 # ---------------------------------------------------------------- zip
 
+
 @pytest.fixture
 def wikizip(server):
     blob = make_zip(MEMBERS)
     server.files["wikitext.zip"] = blob
-    return {"url": server.url("wikitext.zip"), "sha256": sha(blob), "archive": "zip",
-            "files": FILES}
+    return {
+        "url": server.url("wikitext.zip"),
+        "sha256": sha(blob),
+        "archive": "zip",
+        "files": FILES,
+    }
 
 
 def test_zip_files_are_extracted_and_checked(wikizip, tmp_path):
@@ -365,9 +405,9 @@ def test_zip_files_are_extracted_and_checked(wikizip, tmp_path):
     assert record(out)["files"] == {
         "train": {"path": "files/wiki.train.tokens", "sha256": sha(TRAIN), "bytes": 90_000},
         "valid": {"path": "files/wiki.valid.tokens", "sha256": sha(VALID), "bytes": 5_000},
-        "test": {"path": "files/wiki.test.tokens", "sha256": sha(TEST), "bytes": 5_000}}
-    assert listing(out / "files") == ["wiki.test.tokens", "wiki.train.tokens",
-                                      "wiki.valid.tokens"]
+        "test": {"path": "files/wiki.test.tokens", "sha256": sha(TEST), "bytes": 5_000},
+    }
+    assert listing(out / "files") == ["wiki.test.tokens", "wiki.train.tokens", "wiki.valid.tokens"]
     assert (out / "files" / "wiki.train.tokens").read_bytes() == TRAIN
     assert sum("checksum verified" in line for line in logs) == 3
 
@@ -376,15 +416,18 @@ def test_zip_member_missing_lists_what_the_archive_holds(server, tmp_path, wikiz
     blob = make_zip({k: v for k, v in MEMBERS.items() if "test" not in k})
     server.files["partial.zip"] = blob
     with pytest.raises(PipelineError) as e:
-        run_download(config(tmp_path, {**wikizip, "url": server.url("partial.zip"),
-                                       "sha256": sha(blob)}))
+        run_download(
+            config(tmp_path, {**wikizip, "url": server.url("partial.zip"), "sha256": sha(blob)})
+        )
     msg = str(e.value)
     assert "dataset.files.test.path 'wt/wiki.test.tokens' is not in the zip archive" in msg
     assert "wt/wiki.train.tokens" in msg and "wt/wiki.valid.tokens" in msg
 
 
-@pytest.mark.parametrize("role,member,algo", [("train", "wt/wiki.train.tokens", "sha256"),
-                                              ("valid", "wt/wiki.valid.tokens", "md5")])
+@pytest.mark.parametrize(
+    "role,member,algo",
+    [("train", "wt/wiki.train.tokens", "sha256"), ("valid", "wt/wiki.valid.tokens", "md5")],
+)
 def test_zip_modified_member_is_refused(server, tmp_path, wikizip, role, member, algo):
     changed = bytearray(MEMBERS[member])
     changed[100] ^= 1
@@ -404,84 +447,112 @@ def test_zip_modified_member_is_refused(server, tmp_path, wikizip, role, member,
 
 
 def test_repacked_mirror_is_accepted_with_its_archive_sha256(server, tmp_path, wikizip):
-    repacked = make_zip({"README": b"mirror\n", **dict(reversed(list(MEMBERS.items())))},
-                        compression=zipfile.ZIP_STORED)
+    repacked = make_zip(
+        {"README": b"mirror\n", **dict(reversed(list(MEMBERS.items())))},
+        compression=zipfile.ZIP_STORED,
+    )
     server.files["mirror/wikitext.zip"] = repacked
     cfg = config(tmp_path, wikizip)
     mirror = f"dataset.url={server.url('mirror/wikitext.zip')}"
-    with pytest.raises(PipelineError, match=rf"expected {wikizip['sha256']}, found "
-                                            rf"{sha(repacked)}.*--set dataset\.sha256="
-                                            rf"{sha(repacked)} accepts it"):
+    with pytest.raises(
+        PipelineError,
+        match=rf"expected {wikizip['sha256']}, found "
+        rf"{sha(repacked)}.*--set dataset\.sha256="
+        rf"{sha(repacked)} accepts it",
+    ):
         run_download(cfg, mirror)
     out, _, _ = run_download(cfg, mirror, f"dataset.sha256={sha(repacked)}")
     info = record(out)
     assert info["sha256"] == sha(repacked) and info["url"] == server.url("mirror/wikitext.zip")
-    assert {r: f["sha256"] for r, f in info["files"].items()} == \
-        {"train": sha(TRAIN), "valid": sha(VALID), "test": sha(TEST)}
-    assert len(server.requests) == 1         # the mismatching download was kept, not refetched
+    assert {r: f["sha256"] for r, f in info["files"].items()} == {
+        "train": sha(TRAIN),
+        "valid": sha(VALID),
+        "test": sha(TEST),
+    }
+    assert len(server.requests) == 1  # the mismatching download was kept, not refetched
 
 
 def test_zip_without_files_gives_one_role_per_member(server, tmp_path):
-    blob = make_zip({"text8/text8": b"anarchism originated", "__MACOSX/text8/._text8": b"x",
-                     "text8/README": b"readme"})
+    blob = make_zip(
+        {
+            "text8/text8": b"anarchism originated",
+            "__MACOSX/text8/._text8": b"x",
+            "text8/README": b"readme",
+        }
+    )
     server.files["text8.zip"] = blob
-    out, _, _ = run_download(config(tmp_path, {"url": server.url("text8.zip"),
-                                               "sha256": sha(blob), "archive": "zip"}))
+    out, _, _ = run_download(
+        config(tmp_path, {"url": server.url("text8.zip"), "sha256": sha(blob), "archive": "zip"})
+    )
     files = record(out)["files"]
-    assert files == {"text8": {"path": "files/text8", "sha256": sha(b"anarchism originated"),
-                               "bytes": 20},
-                     "README": {"path": "files/README", "sha256": sha(b"readme"), "bytes": 6}}
+    assert files == {
+        "text8": {"path": "files/text8", "sha256": sha(b"anarchism originated"), "bytes": 20},
+        "README": {"path": "files/README", "sha256": sha(b"readme"), "bytes": 6},
+    }
     assert listing(out / "files") == ["README", "text8"]
 
 
 # ---------------------------------------------------------------- gz, not an archive
+
 
 def test_gz_is_decompressed_and_checked(server, tmp_path):
     data = payload(120_000)
     blob = gzip.compress(data)
     server.files["enwik8.gz"] = blob
     dataset = {"url": server.url("enwik8.gz"), "sha256": sha(blob), "archive": "gz"}
-    out, _, _ = run_download(config(tmp_path / "a", dataset))      # name from the URL
-    assert record(out)["files"] == {"all": {"path": "files/enwik8", "sha256": sha(data),
-                                            "bytes": 120_000}}
+    out, _, _ = run_download(config(tmp_path / "a", dataset))  # name from the URL
+    assert record(out)["files"] == {
+        "all": {"path": "files/enwik8", "sha256": sha(data), "bytes": 120_000}
+    }
     assert record(out)["sha256"] == sha(blob)
     assert (out / "files" / "enwik8").read_bytes() == data
     named = {**dataset, "files": {"all": {"path": "corpus.bin", "sha256": sha(data)}}}
     out, _, _ = run_download(config(tmp_path / "b", named))
     assert listing(out / "files") == ["corpus.bin"]
     bad = {**dataset, "files": {"all": {"path": "corpus.bin", "sha256": sha(b"")}}}
-    with pytest.raises(PipelineError, match=rf"corpus\.bin \(dataset\.files\.all\): sha256 "
-                                            rf"mismatch: expected {sha(b'')}, found {sha(data)}"):
+    with pytest.raises(
+        PipelineError,
+        match=rf"corpus\.bin \(dataset\.files\.all\): sha256 "
+        rf"mismatch: expected {sha(b'')}, found {sha(data)}",
+    ):
         run_download(config(tmp_path / "c", bad))
 
 
-@pytest.mark.parametrize("archive,message", [("zip", "not a valid zip archive"),
-                                             ("gz", "not a valid gzip file")])
+@pytest.mark.parametrize(
+    "archive,message", [("zip", "not a valid zip archive"), ("gz", "not a valid gzip file")]
+)
 def test_not_an_archive_is_refused(server, tmp_path, archive, message):
     data = b"just some text, not an archive\n" * 100
     server.files["data.bin"] = data
     with pytest.raises(PipelineError, match=message) as e:
-        run_download(config(tmp_path, {"url": server.url("data.bin"), "sha256": sha(data),
-                                       "archive": archive}))
+        run_download(
+            config(
+                tmp_path, {"url": server.url("data.bin"), "sha256": sha(data), "archive": archive}
+            )
+        )
     assert server.url("data.bin") in str(e.value)
     assert listing(tmp_path / "runs" / "dl" / "download.partial" / "files") == []
 
 
 # ---------------------------------------------------------------- file://, builtin://
 
+
 def test_file_source_is_read_in_place(tmp_path):
     blob = make_zip(MEMBERS)
     src = tmp_path / "mirror dir" / "wikitext.zip"
     src.parent.mkdir()
     src.write_bytes(blob)
-    url = src.as_uri()                          # file:///.../mirror%20dir/wikitext.zip
+    url = src.as_uri()  # file:///.../mirror%20dir/wikitext.zip
     dataset = {"url": url, "sha256": sha(blob), "archive": "zip", "files": FILES}
     out, _, _ = run_download(config(tmp_path / "a", dataset))
     assert record(out)["url"] == url and record(out)["sha256"] == sha(blob)
     assert (out / "files" / "wiki.valid.tokens").read_bytes() == VALID
-    assert not (tmp_path / "a" / "runs" / "cache" / "downloads").exists()   # not copied
-    with pytest.raises(PipelineError, match=rf"{re.escape(url)}: sha256 mismatch: expected "
-                                            rf"{sha(b'')}, found {sha(blob)}"):
+    assert not (tmp_path / "a" / "runs" / "cache" / "downloads").exists()  # not copied
+    with pytest.raises(
+        PipelineError,
+        match=rf"{re.escape(url)}: sha256 mismatch: expected "
+        rf"{sha(b'')}, found {sha(blob)}",
+    ):
         run_download(config(tmp_path / "b", {**dataset, "sha256": sha(b"")}))
     with pytest.raises(PipelineError, match="no such file"):
         run_download(config(tmp_path / "c", {**dataset, "url": url + ".missing"}))
@@ -491,9 +562,11 @@ def test_builtin_source_still_works(tmp_path, monkeypatch):
     text = b"A small corpus built on the machine.\n" * 50
     monkeypatch.setitem(corpus.BUILTIN, "tiny", lambda: text)
     out, _, _ = run_download(config(tmp_path, {"url": "builtin://tiny"}))
-    assert record(out) == {"url": "builtin://tiny", "sha256": sha(text),
-                           "files": {"all": {"path": "files/tiny.txt", "sha256": sha(text),
-                                             "bytes": len(text)}}}
+    assert record(out) == {
+        "url": "builtin://tiny",
+        "sha256": sha(text),
+        "files": {"all": {"path": "files/tiny.txt", "sha256": sha(text), "bytes": len(text)}},
+    }
     assert (out / "files" / "tiny.txt").read_bytes() == text
     with pytest.raises(PipelineError, match="no built-in corpus 'nope'"):
         run_download(config(tmp_path / "b", {"url": "builtin://nope"}))
@@ -501,11 +574,13 @@ def test_builtin_source_still_works(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- a full disk
 
+
 def full_disk_after(limit: int):
     """A stand-in for fetch.open_for_write (which extract shares) whose file raises ENOSPC past
     `limit` bytes."""
+
     def opener(path, mode):
-        f = open(path, mode)  # noqa: SIM115 (closed by Full.__exit__)
+        f = open(path, mode)
 
         class Full:
             written = 0
@@ -527,7 +602,9 @@ def full_disk_after(limit: int):
 
             def __exit__(self, *exc):
                 f.close()
+
         return Full()
+
     return opener
 
 
@@ -541,11 +618,11 @@ def test_disk_full_while_downloading(server, tmp_path, monkeypatch):
         with pytest.raises(PipelineError) as e:
             run_download(cfg)
     msg = str(e.value)
-    kept = 3 * (16 << 10)                        # whole chunks written before the disk filled
+    kept = 3 * (16 << 10)  # whole chunks written before the disk filled
     assert f"disk full writing {downloads / sha(data)}.part (No space left on device)" in msg
     assert f"{200_000 - kept:,} more bytes were needed" in msg and "run again to resume" in msg
-    assert not (downloads / sha(data)).exists()                  # nothing in the final place
-    out, _, _ = run_download(cfg)                # space freed: the next run resumes
+    assert not (downloads / sha(data)).exists()  # nothing in the final place
+    out, _, _ = run_download(cfg)  # space freed: the next run resumes
     assert server.requests[-1]["range"] == f"bytes={kept}-"
     assert (out / "files" / "enwik8").read_bytes() == data
 
@@ -560,33 +637,49 @@ def test_disk_full_while_extracting(tmp_path, monkeypatch):
     msg = str(e.value)
     assert f"disk full writing {files / 'wiki.train.tokens'}" in msg
     assert f"{90_000 - 32768:,} more bytes were needed (90,000 in all)" in msg
-    assert listing(files) == []                              # no partial file, no temporary
+    assert listing(files) == []  # no partial file, no temporary
 
 
 # ---------------------------------------------------------------- the real CLI
+
 
 def test_cli_run_only_download(server, tmp_path):
     data = payload(60_000)
     blob = gzip.compress(data)
     server.files["enwik8.gz"] = blob
-    cfg = config(tmp_path, {"url": server.url("missing.gz"), "sha256": sha(blob),
-                            "archive": "gz", "files": {"all": {"path": "enwik8",
-                                                               "sha256": sha(data)}}})
+    cfg = config(
+        tmp_path,
+        {
+            "url": server.url("missing.gz"),
+            "sha256": sha(blob),
+            "archive": "gz",
+            "files": {"all": {"path": "enwik8", "sha256": sha(data)}},
+        },
+    )
     cli = [str(ROOT / ".venv" / "bin" / "allattn-pipe"), "run", str(cfg), "--only", "download"]
     env = dict(os.environ, no_proxy="127.0.0.1,localhost")
     for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         env.pop(var, None)
-    failed = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=120,
-                            env=env)
+    failed = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert failed.returncode == 2
-    assert re.fullmatch(r"error: dataset\.url http://127\.0\.0\.1:\d+/missing\.gz: HTTP 404 "
-                        r"Not Found[^\n]*\n", failed.stderr), failed.stderr
+    assert re.fullmatch(
+        r"error: dataset\.url http://127\.0\.0\.1:\d+/missing\.gz: HTTP 404 "
+        r"Not Found[^\n]*\n",
+        failed.stderr,
+    ), failed.stderr
 
-    done = subprocess.run(cli + ["--set", f"dataset.url={server.url('enwik8.gz')}"],
-                          check=False, capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        cli + ["--set", f"dataset.url={server.url('enwik8.gz')}"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     out = tmp_path / "runs" / "dl" / "download"
-    assert record(out)["files"] == {"all": {"path": "files/enwik8", "sha256": sha(data),
-                                            "bytes": 60_000}}
+    assert record(out)["files"] == {
+        "all": {"path": "files/enwik8", "sha256": sha(data), "bytes": 60_000}
+    }
     assert (out / "files" / "enwik8").read_bytes() == data
     assert "[download] done" in done.stdout

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 def tiny_config(tmp: Path, name: str = "tiny", attn_dropout: float = 0.0) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(f"""\
-extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
+extends: [{ROOT / "configs" / "quickstart.yaml"}]
 name: {name}
 model: {{d_model: 32, n_layers: 2, n_heads: 2, n_persistent: 8, max_span: 64,
         attn_dropout: {attn_dropout}}}
@@ -45,15 +45,21 @@ train:
   optimizer: {{lr: {LR}, warmup_steps: 4}}
 finetune: {{steps: {FT_STEPS}}}
 evaluate: {{batch_size: 16, seq_len: 64}}
-workspace: {{root: {tmp / 'runs'}}}
+workspace: {{root: {tmp / "runs"}}}
 """)
     return path
 
 
 def cli(*args, check=True, timeout=600):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    result = subprocess.run([sys.executable, "-m", "pipeline.commands.cli", *map(str, args)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=timeout, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.commands.cli", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
@@ -71,8 +77,14 @@ def pipeline_runs(tmp_path_factory):
     again = cli("run", cfg)
     forced = cli("run", cfg, "--force", "train")
     new_lr = cli("run", cfg, "--set", "train.optimizer.lr=0.005")
-    return {"tmp": tmp, "cfg": cfg, "first": first, "again": again, "forced": forced,
-            "new_lr": new_lr}
+    return {
+        "tmp": tmp,
+        "cfg": cfg,
+        "first": first,
+        "again": again,
+        "forced": forced,
+        "new_lr": new_lr,
+    }
 
 
 def test_first_run_runs_every_stage_and_learns(pipeline_runs):
@@ -81,11 +93,11 @@ def test_first_run_runs_every_stage_and_learns(pipeline_runs):
     ws = pipeline_runs["tmp"] / "runs" / "tiny"
     results = json.loads((ws / "evaluate" / "results.json").read_text())
     entropy = results["unigram_entropy_bits"]
-    assert 4.0 < entropy < 5.5                  # English text, bytes
+    assert 4.0 < entropy < 5.5  # English text, bytes
     # results.json is the latest run's (--set lr); the first run printed its own numbers
     latest_out = pipeline_runs["new_lr"].stdout
     for split in ("valid", "test"):
-        assert results[split]["bpc"] < entropy   # 46 small steps already beat unigram
+        assert results[split]["bpc"] < entropy  # 46 small steps already beat unigram
         assert f"{split:<5} bpc {results[split]['bpc']:.3f}" in latest_out
         printed = re.search(rf"\] {split}\s+bpc (\d+\.\d+)", out)
         assert printed and float(printed.group(1)) < entropy
@@ -93,8 +105,11 @@ def test_first_run_runs_every_stage_and_learns(pipeline_runs):
     assert results["checkpoint"] == f"finetune/step-{STEPS + FT_STEPS:08d}"
     manifest = json.loads((ws / "preprocess" / "manifest.json").read_text())
     assert results["valid"]["tokens"] == manifest["splits"]["valid"]["tokens"] - 1
-    assert all(name.endswith(".tar") for s in manifest["splits"].values()
-               for name in (x["name"] for x in s["shards"]))
+    assert all(
+        name.endswith(".tar")
+        for s in manifest["splits"].values()
+        for name in (x["name"] for x in s["shards"])
+    )
 
 
 EXCERPT_PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md"]
@@ -115,29 +130,41 @@ def test_the_pages_quickstart_excerpt_is_a_real_run(pipeline_runs, page):
     split."""
     import yaml
 
-    shown = [line.strip() for line in page.read_text(encoding="utf-8").splitlines()
-             if line.strip().startswith("[evaluate] ")]
+    shown = [
+        line.strip()
+        for line in page.read_text(encoding="utf-8").splitlines()
+        if line.strip().startswith("[evaluate] ")
+    ]
     assert len(shown) == 3, f"{page.name}: expected the three evaluate lines, found {shown}"
-    real = [line.strip() for line in pipeline_runs["first"].stdout.splitlines()
-            if line.startswith("[evaluate] ") and re.match(r"\[evaluate\] (checkpoint|valid|test)",
-                                                           line)]
+    real = [
+        line.strip()
+        for line in pipeline_runs["first"].stdout.splitlines()
+        if line.startswith("[evaluate] ")
+        and re.match(r"\[evaluate\] (checkpoint|valid|test)", line)
+    ]
     assert [_shape(line) for line in shown] == [_shape(line) for line in real]
 
-    head = re.fullmatch(r"\[evaluate\] checkpoint finetune/step-(\d{8}); unigram entropy of "
-                        r"the train split (\d\.\d{3}) bits", shown[0])
+    head = re.fullmatch(
+        r"\[evaluate\] checkpoint finetune/step-(\d{8}); unigram entropy of "
+        r"the train split (\d\.\d{3}) bits",
+        shown[0],
+    )
     quickstart = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
     assert int(head.group(1)) == quickstart["train"]["steps"] + quickstart["finetune"]["steps"]
     entropy = float(head.group(2))
     ws = pipeline_runs["tmp"] / "runs" / "tiny"
     results = json.loads((ws / "evaluate" / "results.json").read_text())
     for split, line in zip(("valid", "test"), shown[1:], strict=False):
-        m = re.fullmatch(rf"\[evaluate\] {split}\s+bpc (\d\.\d{{3}})   ppl (\d+\.\d\d)   "
-                         rf"\(([\d,]+) tokens\)", line)
+        m = re.fullmatch(
+            rf"\[evaluate\] {split}\s+bpc (\d\.\d{{3}})   ppl (\d+\.\d\d)   "
+            rf"\(([\d,]+) tokens\)",
+            line,
+        )
         assert m, line
         bpc, ppl, tokens = float(m.group(1)), float(m.group(2)), int(m.group(3).replace(",", ""))
         assert bpc < entropy
-        assert abs(ppl - 2 ** bpc) < 0.01          # byte tokens: perplexity = 2^bpc
-        if sys.version_info[:2] == (3, 11):       # "CPython 3.11": the excerpt's corpus
+        assert abs(ppl - 2**bpc) < 0.01  # byte tokens: perplexity = 2^bpc
+        if sys.version_info[:2] == (3, 11):  # "CPython 3.11": the excerpt's corpus
             assert tokens == results[split]["tokens"]
     if sys.version_info[:2] == (3, 11):
         assert f"{results['unigram_entropy_bits']:.3f}" == f"{entropy:.3f}"
@@ -177,15 +204,17 @@ def test_mlflow_records_parent_and_nested_runs(pipeline_runs):
     tmp = pipeline_runs["tmp"]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("tiny")
-    runs = client.search_runs([exp.experiment_id], max_results=100,
-                              order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [exp.experiment_id], max_results=100, order_by=["attributes.start_time ASC"]
+    )
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    assert len(parents) == 4                                  # one per `run`
+    assert len(parents) == 4  # one per `run`
     first = parents[0]
     assert first.info.status == "FINISHED"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == first.info.run_id]
     assert sorted(r.data.tags["stage"] for r in children) == sorted(
-        ["download", "preprocess", "train", "finetune", "evaluate"])
+        ["download", "preprocess", "train", "finetune", "evaluate"]
+    )
     skipped = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[1].info.run_id]
     assert skipped == [] and parents[1].data.tags["stages.skipped"].count(",") == 4
 
@@ -203,7 +232,7 @@ def test_mlflow_records_parent_and_nested_runs(pipeline_runs):
     valid = client.get_metric_history(train.info.run_id, "valid_bpc")
     assert [m.step for m in valid] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
     lr = {m.step: m.value for m in client.get_metric_history(train.info.run_id, "lr")}
-    assert lr[LOG_EVERY] == pytest.approx(LR)      # warmup over 4 steps: done at step 4
+    assert lr[LOG_EVERY] == pytest.approx(LR)  # warmup over 4 steps: done at step 4
     assert lr[STEPS] == pytest.approx(LR)
 
     finetune = next(r for r in children if r.data.tags["stage"] == "finetune")
@@ -232,9 +261,14 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, sig):
     killed = tiny_config(tmp_path, "killed", attn_dropout=0.2)
     cli("run", killed, "--only", "download,preprocess")
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.commands.cli", "run", str(killed),
-                             "--only", "train"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.commands.cli", "run", str(killed), "--only", "train"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     latest = tmp_path / "runs" / "killed" / "train.partial" / "checkpoints" / "latest"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -256,8 +290,10 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, sig):
     if sig == signal.SIGTERM:
         assert step == int(stopped.group(1))
     assert 16 <= step < STEPS
-    a, b = _final_weights(tmp_path / "runs" / "straight"), _final_weights(
-        tmp_path / "runs" / "killed")
+    a, b = (
+        _final_weights(tmp_path / "runs" / "straight"),
+        _final_weights(tmp_path / "runs" / "killed"),
+    )
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
@@ -273,4 +309,5 @@ def test_flex_on_a_machine_without_cuda_stops_before_the_first_step_in_one_line(
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "error: model.attention.impl: flex runs forward only on CPU (torch has no CPU backward "
-        "for FlexAttention) and this run trains on the CPU: use reference, sdpa or auto")
+        "for FlexAttention) and this run trains on the CPU: use reference, sdpa or auto"
+    )

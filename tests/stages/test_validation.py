@@ -24,8 +24,9 @@ def test_train_validation_does_not_read_the_evaluate_section(tmp_path):
     assert train_fingerprint(cfg) != train_fingerprint(cfg, "train.eval_batch_size=4")
     assert train_fingerprint(cfg) != train_fingerprint(cfg, "train.eval_batches=all")
     # ...and evaluate's, which only the final score reads, do not
-    assert train_fingerprint(cfg) == train_fingerprint(cfg, "evaluate.batch_size=1",
-                                                       "evaluate.seq_len=7")
+    assert train_fingerprint(cfg) == train_fingerprint(
+        cfg, "evaluate.batch_size=1", "evaluate.seq_len=7"
+    )
 
 
 def test_best_needs_validations(tmp_path):
@@ -37,8 +38,18 @@ def test_best_needs_validations(tmp_path):
 def test_whole_split_validation_and_the_best_checkpoint_scored(tmp_path):
     cfg = tiny_config(tmp_path)
     # train validates exactly as evaluate scores (batch 16 x 64), over the whole valid split
-    out = cli("run", cfg, "--set", "train.eval_batches=all", "--set", "train.eval_batch_size=16",
-              "--set", "train.eval_seq_len=64", "--set", "evaluate.checkpoint=best").stdout
+    out = cli(
+        "run",
+        cfg,
+        "--set",
+        "train.eval_batches=all",
+        "--set",
+        "train.eval_batch_size=16",
+        "--set",
+        "train.eval_seq_len=64",
+        "--set",
+        "evaluate.checkpoint=best",
+    ).stdout
     ws = tmp_path / "runs" / "tiny"
     manifest = json.loads((ws / "preprocess" / "manifest.json").read_text())
     every_target = manifest["splits"]["valid"]["tokens"] - 1
@@ -51,6 +62,6 @@ def test_whole_split_validation_and_the_best_checkpoint_scored(tmp_path):
     best = (ws / "train" / "checkpoints" / "best").read_text().strip()
     assert best == f"step-{best_step:08d}"
     results = json.loads((ws / "evaluate" / "results.json").read_text())
-    assert results["checkpoint"] == f"train/{best}"     # finetune did not validate
+    assert results["checkpoint"] == f"train/{best}"  # finetune did not validate
     assert results["valid"]["tokens"] == every_target
     assert results["valid"]["bpc"] == pytest.approx(valid[best_step], rel=1e-6)

@@ -23,7 +23,7 @@ EXPERIMENT = "procs1-zero0-span1"
 
 def config(tmp: Path) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
-    return tiny_config(tmp, procs=1, zero=0, optimizer=ADAM, steps=STEPS)   # a checkpoint every 4
+    return tiny_config(tmp, procs=1, zero=0, optimizer=ADAM, steps=STEPS)  # a checkpoint every 4
 
 
 def loss_records(root: Path) -> tuple[list[tuple[int, float]], list[str]]:
@@ -33,11 +33,17 @@ def loss_records(root: Path) -> tuple[list[tuple[int, float]], list[str]]:
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     exp = client.get_experiment_by_name(EXPERIMENT)
-    runs = client.search_runs([exp.experiment_id], "tags.stage = 'train'",
-                              order_by=["attributes.start_time ASC"])
-    return ([(m.step, m.value) for run in runs
-             for m in client.get_metric_history(run.info.run_id, "loss")],
-            [run.info.status for run in runs])
+    runs = client.search_runs(
+        [exp.experiment_id], "tags.stage = 'train'", order_by=["attributes.start_time ASC"]
+    )
+    return (
+        [
+            (m.step, m.value)
+            for run in runs
+            for m in client.get_metric_history(run.info.run_id, "loss")
+        ],
+        [run.info.status for run in runs],
+    )
 
 
 def kill_and_resume(tmp: Path, kills: int, seed: int) -> dict:
@@ -58,7 +64,7 @@ def kill_and_resume(tmp: Path, kills: int, seed: int) -> dict:
             time.sleep(0.002)
         time.sleep(rng.uniform(0, 0.15))
         if proc.poll() is not None:
-            break                               # finished before the kill: enough steps?
+            break  # finished before the kill: enough steps?
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
@@ -66,16 +72,28 @@ def kill_and_resume(tmp: Path, kills: int, seed: int) -> dict:
     cli("run", cfg)
     records, statuses = loss_records(tmp / "killed" / "runs")
     counts = Counter(step for step, _ in records)
-    return {"kills": done, "steps": STEPS,
-            "lost": sum(1 for s in range(1, STEPS + 1) if s not in counts),
-            "doubled": sum(1 for c in counts.values() if c > 1),
-            "wrong": sum(1 for s, v in records if v != reference.get(s)),
-            "killed_runs": statuses[:-1].count("KILLED"), "runs": len(statuses),
-            "last": statuses[-1]}
+    return {
+        "kills": done,
+        "steps": STEPS,
+        "lost": sum(1 for s in range(1, STEPS + 1) if s not in counts),
+        "doubled": sum(1 for c in counts.values() if c > 1),
+        "wrong": sum(1 for s, v in records if v != reference.get(s)),
+        "killed_runs": statuses[:-1].count("KILLED"),
+        "runs": len(statuses),
+        "last": statuses[-1],
+    }
 
 
 @pytest.mark.slow
 def test_kill_9_after_checkpoints_loses_and_doubles_no_logged_step(tmp_path):
     figure = kill_and_resume(tmp_path, kills=4, seed=20)
-    assert figure == {"kills": 4, "steps": STEPS, "lost": 0, "doubled": 0, "wrong": 0,
-                      "killed_runs": 4, "runs": 5, "last": "FINISHED"}
+    assert figure == {
+        "kills": 4,
+        "steps": STEPS,
+        "lost": 0,
+        "doubled": 0,
+        "wrong": 0,
+        "killed_runs": 4,
+        "runs": 5,
+        "last": "FINISHED",
+    }

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from pipeline.commands.cli import main
 from pipeline.spec import load_spec
-from pipeline.tracking.tracker import tracking_uri
 from pipeline.tracking.sender import EXPERIMENT_KIND, Delivery
+from pipeline.tracking.tracker import tracking_uri
 
 KIND, TRAINING = EXPERIMENT_KIND
 
@@ -26,11 +26,11 @@ def test_the_kind_is_the_tag_and_value_mlflows_ui_reads():
 
 def client_of(cfg):
     from mlflow.tracking import MlflowClient
+
     return MlflowClient(tracking_uri(load_spec(cfg, [])))
 
 
-def write_config(tmp, name="tiny", stages="[download, preprocess, train, evaluate]",
-                 tracking="{}"):
+def write_config(tmp, name="tiny", stages="[download, preprocess, train, evaluate]", tracking="{}"):
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(f"""\
 name: {name}
@@ -41,7 +41,7 @@ train: {{steps: 20, batch_size: 4, seq_len: 32, log_every: 10, checkpoint_every:
         optimizer: {{type: adam, lr: 0.01, warmup_steps: 4, clip: global, clip_norm: 1.0}}}}
 evaluate: {{splits: [valid], batch_size: 8}}
 tracking: {tracking}
-workspace: {{root: {tmp / 'runs'}}}
+workspace: {{root: {tmp / "runs"}}}
 stages: {stages}
 """)
     return cfg
@@ -61,12 +61,19 @@ def test_a_pipeline_runs_experiment_is_marked_model_training(tracked):
     client = client_of(tracked)
     experiment = client.get_experiment_by_name("tiny")
     assert experiment.tags[KIND] == TRAINING
-    assert client.search_runs([experiment.experiment_id])      # the runs are in it
+    assert client.search_runs([experiment.experiment_id])  # the runs are in it
 
 
 def create_record(experiment):
-    return {"op": "create", "key": "k", "experiment": experiment, "artifact_location": None,
-            "tags": {"mlflow.runName": "r"}, "parent": None, "time": 1}
+    return {
+        "op": "create",
+        "key": "k",
+        "experiment": experiment,
+        "artifact_location": None,
+        "tags": {"mlflow.runName": "r"},
+        "parent": None,
+        "time": 1,
+    }
 
 
 def test_an_existing_experiment_gets_the_kind_and_a_users_own_kind_stays(tmp_path):
@@ -94,8 +101,9 @@ def test_a_sweeps_experiment_is_marked_too(tmp_path):
 
 
 def register(cfg, out, name, *args):
-    return CliRunner().invoke(main, ["export", str(cfg), "--out", str(out),
-                                     "--register", name, *map(str, args)])
+    return CliRunner().invoke(
+        main, ["export", str(cfg), "--out", str(out), "--register", name, *map(str, args)]
+    )
 
 
 @pytest.mark.slow
@@ -114,8 +122,7 @@ def test_register_makes_a_version_from_the_run_with_config_and_metrics(tracked, 
     # the headline numbers, as tags of the version
     assert float(version.tags["valid_bpc"]) == pytest.approx(results["valid"]["bpc"], rel=1e-5)
     assert float(version.tags["valid_ppl"]) == pytest.approx(results["valid"]["ppl"], rel=1e-5)
-    assert version.tags["checkpoint"].endswith(results["checkpoint"].replace(
-        "/", "/checkpoints/"))
+    assert version.tags["checkpoint"].endswith(results["checkpoint"].replace("/", "/checkpoints/"))
     assert version.tags["model.kind"] == "allattn"
     # the run it comes from: under the pipeline run, with the config and every number
     run = client.get_run(version.run_id)
@@ -130,10 +137,13 @@ def test_register_makes_a_version_from_the_run_with_config_and_metrics(tracked, 
     mlflow.set_tracking_uri(tracking_uri(spec))
     try:
         fetched = mlflow.artifacts.download_artifacts(
-            "models:/tiny-allattn/1", dst_path=str(tmp_path / "fetched"))
+            "models:/tiny-allattn/1", dst_path=str(tmp_path / "fetched")
+        )
         resolved = mlflow.artifacts.download_artifacts(
-            run_id=run.info.run_id, artifact_path="spec.resolved.yaml",
-            dst_path=str(tmp_path / "spec"))
+            run_id=run.info.run_id,
+            artifact_path="spec.resolved.yaml",
+            dst_path=str(tmp_path / "spec"),
+        )
     finally:
         mlflow.set_tracking_uri(None)
     assert "d_model: 32" in open(resolved).read()
@@ -163,19 +173,33 @@ def test_numbers_of_another_checkpoint_are_not_attached(tracked, tmp_path):
     assert version.tags["checkpoint"] == str(earlier)
 
 
-@pytest.mark.parametrize("name, error", [
-    ("", "--register '': not a registered model's name, it is empty"),
-    ("a/b", "--register 'a/b': not a registered model's name, it holds '/', ':', '?' or "
-            "'#', which a models:/NAME/VERSION URI cannot carry"),
-    ("a?b", "--register 'a?b': not a registered model's name, it holds '/', ':', '?' or "
-            "'#', which a models:/NAME/VERSION URI cannot carry"),
-    ("x\ny", "--register 'x\\ny': not a registered model's name, it holds a control "
-             "character"),
-    ("..", "--register '..': not a registered model's name, it reads as another path "
-           "(MLflow may store a name as a file name)"),
-    ("m" * 257, f"--register '{'m' * 257}': not a registered model's name, it is longer "
-                f"than MLflow's 256 characters"),
-])
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("", "--register '': not a registered model's name, it is empty"),
+        (
+            "a/b",
+            "--register 'a/b': not a registered model's name, it holds '/', ':', '?' or "
+            "'#', which a models:/NAME/VERSION URI cannot carry",
+        ),
+        (
+            "a?b",
+            "--register 'a?b': not a registered model's name, it holds '/', ':', '?' or "
+            "'#', which a models:/NAME/VERSION URI cannot carry",
+        ),
+        ("x\ny", "--register 'x\\ny': not a registered model's name, it holds a control character"),
+        (
+            "..",
+            "--register '..': not a registered model's name, it reads as another path "
+            "(MLflow may store a name as a file name)",
+        ),
+        (
+            "m" * 257,
+            f"--register '{'m' * 257}': not a registered model's name, it is longer "
+            f"than MLflow's 256 characters",
+        ),
+    ],
+)
 def test_a_bad_name_is_one_line_before_anything_is_written(tmp_path, name, error):
     cfg = write_config(tmp_path)
     result = register(cfg, tmp_path / "out", name)
@@ -188,9 +212,11 @@ def test_register_with_tracking_off_is_one_line_saying_why(tmp_path):
     cfg = write_config(tmp_path, tracking="{enabled: false}")
     result = register(cfg, tmp_path / "out", "m")
     assert result.exit_code == 2, result.output
-    assert result.output == (f"error: --register: tracking is off in {cfg} (tracking.enabled "
-                             f"is false), and the model registry is MLflow's; turn it on "
-                             f"(--set tracking.enabled=true) to register in its store\n")
+    assert result.output == (
+        f"error: --register: tracking is off in {cfg} (tracking.enabled "
+        f"is false), and the model registry is MLflow's; turn it on "
+        f"(--set tracking.enabled=true) to register in its store\n"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -202,4 +228,5 @@ def test_a_store_that_cannot_hold_a_registry_is_one_line(tmp_path, monkeypatch):
     assert result.output == (
         f"error: --register: {(tmp_path / 'registry').as_uri()} is a file store, which MLflow "
         f"refuses as a model registry unless MLFLOW_ALLOW_FILE_STORE=true; use a database "
-        f"store (the default, sqlite:///<workspace root>/mlflow.db) or a tracking server\n")
+        f"store (the default, sqlite:///<workspace root>/mlflow.db) or a tracking server\n"
+    )

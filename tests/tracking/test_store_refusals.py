@@ -32,7 +32,7 @@ def _open_at_once(root, barrier, results) -> None:
     try:
         MlflowTracker(default_tracking_uri(root), warn=lambda m: None)
         results.put("ok")
-    except BaseException as e:      # noqa: BLE001 - what the test reports
+    except BaseException as e:
         results.put(f"{type(e).__name__}: {str(e)[:300]}")
 
 
@@ -44,8 +44,7 @@ def test_two_processes_creating_a_new_store_at_once_both_open_it(tmp_path):
         root = tmp_path / f"ws{attempt}"
         root.mkdir()
         barrier, results = ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=_open_at_once, args=(root, barrier, results))
-                 for _ in range(2)]
+        procs = [ctx.Process(target=_open_at_once, args=(root, barrier, results)) for _ in range(2)]
         for p in procs:
             p.start()
         for p in procs:
@@ -69,8 +68,7 @@ def _one_line_error(result) -> str:
     return last
 
 
-def test_a_store_another_process_holds_locked_is_waited_for_then_one_line(tmp_path,
-                                                                         monkeypatch):
+def test_a_store_another_process_holds_locked_is_waited_for_then_one_line(tmp_path, monkeypatch):
     # before: a traceback from SQLAlchemy
     root = tmp_path / "runs"
     root.mkdir()
@@ -95,11 +93,11 @@ def test_a_read_only_store_is_refused_before_anything_runs(tmp_path):
     root = tmp_path / "runs"
     root.mkdir()
     MlflowTracker(default_tracking_uri(root), warn=lambda m: None)
-    result = _run(tmp_path,
-                  f"tracking.uri=sqlite:///file:{root / 'mlflow.db'}?mode=ro&uri=true")
+    result = _run(tmp_path, f"tracking.uri=sqlite:///file:{root / 'mlflow.db'}?mode=ro&uri=true")
     line = _one_line_error(result)
-    assert line.startswith(f"error: tracking store {root / 'mlflow.db'}: attempt to write a "
-                           f"readonly database; make it"), line
+    assert line.startswith(
+        f"error: tracking store {root / 'mlflow.db'}: attempt to write a readonly database; make it"
+    ), line
     assert "not answering" not in result.output
     assert not (root / "tiny" / "download").exists()
 
@@ -121,7 +119,8 @@ def test_a_backlog_on_a_full_disk_is_one_line_and_keeps_the_records(tmp_path, mo
     backlog = tmp_path / "tracking-backlog.jsonl"
     with pytest.raises(PipelineError) as e:
         s.spill(backlog, join_s=1)
-    assert str(e.value).startswith(f"tracking backlog {backlog}: cannot write it (No space "
-                                   f"left on device)")
-    s.submit({"op": "end", "key": "k", "status": "FAILED", "time": 0})   # the cleanup's
+    assert str(e.value).startswith(
+        f"tracking backlog {backlog}: cannot write it (No space left on device)"
+    )
+    s.submit({"op": "end", "key": "k", "status": "FAILED", "time": 0})  # the cleanup's
     assert [r["op"] for r in s.unwritten] == ["batch", "end"]

@@ -21,9 +21,9 @@ from click.testing import CliRunner
 
 import stages
 from pipeline.commands.cli import main
-from pipeline.workspace.runner import Runner
 from pipeline.spec import PROJECT_ROOT, load_spec
 from pipeline.tracking.tracker import BACKLOG, MlflowTracker
+from pipeline.workspace.runner import Runner
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
 STEPS = 12
@@ -46,8 +46,7 @@ class MlflowServer:
         class Quiet(WSGIRequestHandler):
             def log(self, *args) -> None: ...
 
-        self.httpd = make_server("127.0.0.1", self.port, app, threaded=True,
-                                 request_handler=Quiet)
+        self.httpd = make_server("127.0.0.1", self.port, app, threaded=True, request_handler=Quiet)
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
@@ -56,6 +55,7 @@ class MlflowServer:
 
     def client(self):
         from mlflow.tracking import MlflowClient
+
         return MlflowClient(self.store_uri)
 
 
@@ -96,11 +96,13 @@ def stand_ins(monkeypatch):
             ctx.tracker.log_artifact(ctx.out_dir / "result.json")
             ctx.tracker.set_tags({"done": "yes"})
             return {"ok": name}
+
         return run
 
     for name in ORDER:
-        monkeypatch.setitem(stages.STAGES, name,
-                            dataclasses.replace(stages.STAGES[name], run=make(name)))
+        monkeypatch.setitem(
+            stages.STAGES, name, dataclasses.replace(stages.STAGES[name], run=make(name))
+        )
     return actions
 
 
@@ -114,7 +116,7 @@ train: {{steps: 2, batch_size: 2, seq_len: 8,
         optimizer: {{type: adam, lr: 1.0e-3, clip: global, clip_norm: 1.0}}}}
 finetune: {{steps: 1}}
 tracking: {{uri: "{uri}"}}
-workspace: {{root: {tmp_path / 'runs'}}}
+workspace: {{root: {tmp_path / "runs"}}}
 stages: [download, preprocess, train, finetune, evaluate]
 """)
     return path
@@ -128,8 +130,9 @@ def runs_of(server, experiment: str) -> dict[str, object]:
 
 
 def run_pipeline(cfg, warnings: list[str], retry_s: float = 0.2, flush_s: float = 1.0):
-    tracker = MlflowTracker(load_spec(cfg, []).tracking.uri, retry_s=retry_s,
-                            flush_s=flush_s, warn=warnings.append)
+    tracker = MlflowTracker(
+        load_spec(cfg, []).tracking.uri, retry_s=retry_s, flush_s=flush_s, warn=warnings.append
+    )
     return Runner(load_spec(cfg, []), log=lambda m: None).run(tracker)
 
 
@@ -138,7 +141,7 @@ def loss_steps(server, run) -> list[int]:
 
 
 def test_a_server_down_from_the_start_is_one_line_and_exit_2_in_seconds(tmp_path, stand_ins):
-    import mlflow.tracking   # noqa: F401  (the time measured is the check's, not the import's)
+    import mlflow.tracking  # noqa: F401  (the time measured is the check's, not the import's)
 
     uri = f"http://127.0.0.1:{_free_port()}"
     started = time.monotonic()
@@ -149,13 +152,13 @@ def test_a_server_down_from_the_start_is_one_line_and_exit_2_in_seconds(tmp_path
         f"error: tracking server {uri} is not answering (Connection refused); start it, or "
         f"unset tracking.uri and "
         f"MLFLOW_TRACKING_URI to record runs in the local store "
-        f"sqlite:///{(tmp_path / 'runs' / 'mlflow.db').resolve()}\n")
+        f"sqlite:///{(tmp_path / 'runs' / 'mlflow.db').resolve()}\n"
+    )
     assert seconds < 5
     assert not (tmp_path / "runs" / "pipe" / "download").exists()
 
 
-def test_healthy_server_gets_every_record_once_and_the_stage_run_ids(tmp_path, server,
-                                                                      stand_ins):
+def test_healthy_server_gets_every_record_once_and_the_stage_run_ids(tmp_path, server, stand_ins):
     warnings: list[str] = []
     records = run_pipeline(config(tmp_path, server.url, "healthy"), warnings)
     assert warnings == []
@@ -168,29 +171,30 @@ def test_healthy_server_gets_every_record_once_and_the_stage_run_ids(tmp_path, s
         assert run.info.run_id == records[name]["mlflow_run_id"]
         assert loss_steps(server, run) == list(range(1, STEPS + 1))
         assert (run.data.params["stand_in"], run.data.tags["done"]) == (name, "yes")
-        assert [a.path for a in server.client().list_artifacts(run.info.run_id)] == \
-            ["result.json"]
+        assert [a.path for a in server.client().list_artifacts(run.info.run_id)] == ["result.json"]
     assert runs["pipeline"].info.status == "FINISHED"
     assert not (tmp_path / "runs" / "healthy" / BACKLOG).exists()
 
 
-def test_server_down_mid_train_and_back_later_gets_the_kept_records(tmp_path, server,
-                                                                    stand_ins):
+def test_server_down_mid_train_and_back_later_gets_the_kept_records(tmp_path, server, stand_ins):
     """Down at step 4 of train, back at step 10: nothing waits, nothing lost, nothing twice."""
+
     def outage(ctx, step):
         if step == 4:
             server.stop()
         if step == 10:
-            time.sleep(0.5)          # long enough for a failed retry in between
+            time.sleep(0.5)  # long enough for a failed retry in between
             server.start()
             time.sleep(0.5)
+
     stand_ins["train"] = outage
     warnings: list[str] = []
     run_pipeline(config(tmp_path, server.url, "outage"), warnings)
     url = server.url
     assert [w.split(" (")[0] for w in warnings] == [
         f"MLflow {url}: tracking server not answering",
-        f"MLflow {url}: tracking server answers again; sending the records kept meanwhile"]
+        f"MLflow {url}: tracking server answers again; sending the records kept meanwhile",
+    ]
     runs = runs_of(server, "outage")
     assert {n: r.info.status for n, r in runs.items()} == {n: "FINISHED" for n in runs}
     assert len(runs) == 6
@@ -198,8 +202,7 @@ def test_server_down_mid_train_and_back_later_gets_the_kept_records(tmp_path, se
     assert not (tmp_path / "runs" / "outage" / BACKLOG).exists()
 
 
-def test_server_down_until_the_end_leaves_a_backlog_that_sync_sends(tmp_path, server,
-                                                                   stand_ins):
+def test_server_down_until_the_end_leaves_a_backlog_that_sync_sends(tmp_path, server, stand_ins):
     """Down from step 5 of train on: the run finishes, the records wait in the backlog file,
     `sync` sends them once the server is back, and a second `sync` has nothing to send."""
     stand_ins["train"] = lambda ctx, step: step == 5 and server.stop()
@@ -211,16 +214,19 @@ def test_server_down_until_the_end_leaves_a_backlog_that_sync_sends(tmp_path, se
         sync_refused = CliRunner().invoke(main, ["sync", str(cfg)])
     finally:
         server.start()
-    assert sorted(records) == sorted(ORDER)        # every stage ran and was published
-    assert records["finetune"]["mlflow_run_id"] is None      # not created yet
+    assert sorted(records) == sorted(ORDER)  # every stage ran and was published
+    assert records["finetune"]["mlflow_run_id"] is None  # not created yet
     assert len(warnings) == 2, warnings
     assert warnings[0].startswith(f"MLflow {server.url}: tracking server not answering")
-    assert warnings[1].endswith(f"they are in {backlog}, and so will be the rest of this "
-                                f"run's: `allattn-pipe sync {cfg}` sends them when the "
-                                f"server is back")
+    assert warnings[1].endswith(
+        f"they are in {backlog}, and so will be the rest of this "
+        f"run's: `allattn-pipe sync {cfg}` sends them when the "
+        f"server is back"
+    )
     assert sync_refused.exit_code == 2
-    assert sync_refused.stderr.startswith(f"error: tracking server {server.url} is not "
-                                          f"answering (Connection refused)")
+    assert sync_refused.stderr.startswith(
+        f"error: tracking server {server.url} is not answering (Connection refused)"
+    )
 
     waiting = [json.loads(line)["op"] for line in backlog.read_text().splitlines()]
     result = CliRunner().invoke(main, ["sync", str(cfg)])
@@ -232,8 +238,9 @@ def test_server_down_until_the_end_leaves_a_backlog_that_sync_sends(tmp_path, se
     for name in ORDER:
         assert loss_steps(server, runs[name]) == list(range(1, STEPS + 1))
         assert runs[name].data.tags["mlflow.parentRunId"] == runs["pipeline"].info.run_id
-    assert [a.path for a in server.client().list_artifacts(runs["evaluate"].info.run_id)] \
-        == ["result.json"]
+    assert [a.path for a in server.client().list_artifacts(runs["evaluate"].info.run_id)] == [
+        "result.json"
+    ]
     sent = len(waiting) - waiting.count("bind")
     assert result.output.splitlines()[-1] == f"{sent} tracking records sent to {server.url}"
     again = CliRunner().invoke(main, ["sync", str(cfg)])
@@ -244,20 +251,25 @@ def test_a_failing_stage_is_marked_failed(tmp_path, server, stand_ins):
     def fail(ctx, step):
         if step == 3:
             raise RuntimeError("preprocess broke")
+
     stand_ins["preprocess"] = fail
     with pytest.raises(RuntimeError, match="preprocess broke"):
         run_pipeline(config(tmp_path, server.url, "failing"), [])
     runs = runs_of(server, "failing")
     assert {n: r.info.status for n, r in runs.items()} == {
-        "pipeline": "FAILED", "download": "FINISHED", "preprocess": "FAILED"}
+        "pipeline": "FAILED",
+        "download": "FINISHED",
+        "preprocess": "FAILED",
+    }
     assert loss_steps(server, runs["preprocess"]) == [1, 2]
 
 
-@pytest.mark.parametrize("stage, sig, code", [("download", signal.SIGTERM, 143),
-                                              ("preprocess", signal.SIGINT, 130)])
-def test_a_signal_outside_training_ends_the_runs_killed_with_one_line(tmp_path, server,
-                                                                      stand_ins, stage,
-                                                                      sig, code):
+@pytest.mark.parametrize(
+    "stage, sig, code", [("download", signal.SIGTERM, 143), ("preprocess", signal.SIGINT, 130)]
+)
+def test_a_signal_outside_training_ends_the_runs_killed_with_one_line(
+    tmp_path, server, stand_ins, stage, sig, code
+):
     stand_ins[stage] = lambda ctx, step: step == 3 and signal.raise_signal(sig)
     name = f"signal-{stage}"
     # the original code had no handler: a SIGTERM would end pytest itself
@@ -270,29 +282,31 @@ def test_a_signal_outside_training_ends_the_runs_killed_with_one_line(tmp_path, 
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert result.exit_code == code, result.output
-    assert result.stderr == (f"error: stopped by {sig.name}: the stage that was running is "
-                             f"left unfinished; run the pipeline again to redo it\n")
+    assert result.stderr == (
+        f"error: stopped by {sig.name}: the stage that was running is "
+        f"left unfinished; run the pipeline again to redo it\n"
+    )
     runs = runs_of(server, name)
     expected = {"pipeline": "KILLED", stage: "KILLED"}
     if stage == "preprocess":
         expected["download"] = "FINISHED"
     assert {n: r.info.status for n, r in runs.items()} == expected
     assert loss_steps(server, runs[stage]) == [1, 2]
-    assert signal.getsignal(signal.SIGINT) is sigint_before    # the run's handler is gone
+    assert signal.getsignal(signal.SIGINT) is sigint_before  # the run's handler is gone
 
 
-def test_a_record_mlflow_refuses_is_reported_and_dropped_and_the_rest_goes_on(tmp_path,
-                                                                              server,
-                                                                              stand_ins):
+def test_a_record_mlflow_refuses_is_reported_and_dropped_and_the_rest_goes_on(
+    tmp_path, server, stand_ins
+):
     """A param logged again with another value: MLflow answers with an error (a 500 from
     its server) that no retry fixes."""
-    stand_ins["evaluate"] = lambda ctx, step: step == 1 and ctx.tracker.log_params(
-        {"stand_in": "another value"})
+    stand_ins["evaluate"] = lambda ctx, step: (
+        step == 1 and ctx.tracker.log_params({"stand_in": "another value"})
+    )
     warnings: list[str] = []
     run_pipeline(config(tmp_path, server.url, "refused"), warnings)
     assert len(warnings) == 1, warnings
-    assert warnings[0].startswith(f"MLflow {server.url}: MLflow refused a batch record for "
-                                  f"run ")
+    assert warnings[0].startswith(f"MLflow {server.url}: MLflow refused a batch record for run ")
     assert warnings[0].endswith(" (HTTP 500); dropped it")
     runs = runs_of(server, "refused")
     assert runs["evaluate"].info.status == "FINISHED"
@@ -333,24 +347,41 @@ def test_sync_cut_short_keeps_exactly_what_was_not_sent(tmp_path):
     from pipeline.tracking.sender import Delivery, append_records, replay
 
     def create(key, name, parent=None):
-        return {"op": "create", "key": key, "experiment": "e", "artifact_location": None,
-                "tags": {"mlflow.runName": name}, "parent": parent, "time": 1}
+        return {
+            "op": "create",
+            "key": key,
+            "experiment": "e",
+            "artifact_location": None,
+            "tags": {"mlflow.runName": name},
+            "parent": parent,
+            "time": 1,
+        }
+
     backlog = tmp_path / BACKLOG
-    append_records(backlog, [
-        create("p", "pipe"), create("t", "train", parent="p"),
-        *({"op": "batch", "key": "t", "metrics": [["loss", 1 / s, 5, s]]} for s in (1, 2, 3)),
-        {"op": "end", "key": "t", "status": "FINISHED", "time": 9},
-        {"op": "end", "key": "p", "status": "FINISHED", "time": 9}])
+    append_records(
+        backlog,
+        [
+            create("p", "pipe"),
+            create("t", "train", parent="p"),
+            *({"op": "batch", "key": "t", "metrics": [["loss", 1 / s, 5, s]]} for s in (1, 2, 3)),
+            {"op": "end", "key": "t", "status": "FINISHED", "time": 9},
+            {"op": "end", "key": "p", "status": "FINISHED", "time": 9},
+        ],
+    )
     first = FlakyClient(fail_at=4)
     assert replay(backlog, Delivery(first), warn=pytest.fail) == (3, 4)
     second = FlakyClient()
     assert replay(backlog, Delivery(second), warn=pytest.fail) == (4, 0)
     assert not backlog.exists()
     assert first.calls + second.calls == [
-        ("create", "pipe", None), ("create", "train", "id-pipe"),
-        ("metrics", "id-train", [("loss", 1.0, 1)]), ("metrics", "id-train", [("loss", 0.5, 2)]),
-        ("metrics", "id-train", [("loss", 1 / 3, 3)]), ("end", "id-train", "FINISHED"),
-        ("end", "id-pipe", "FINISHED")]
+        ("create", "pipe", None),
+        ("create", "train", "id-pipe"),
+        ("metrics", "id-train", [("loss", 1.0, 1)]),
+        ("metrics", "id-train", [("loss", 0.5, 2)]),
+        ("metrics", "id-train", [("loss", 1 / 3, 3)]),
+        ("end", "id-train", "FINISHED"),
+        ("end", "id-pipe", "FINISHED"),
+    ]
 
 
 def test_a_torn_last_line_is_set_aside_and_every_whole_record_sent(tmp_path):
@@ -359,34 +390,58 @@ def test_a_torn_last_line_is_set_aside_and_every_whole_record_sent(tmp_path):
     from pipeline.tracking.sender import Delivery, append_records, replay, torn_path
 
     backlog = tmp_path / BACKLOG
-    create = {"op": "create", "key": "t", "experiment": "e", "artifact_location": None,
-              "tags": {"mlflow.runName": "train"}, "parent": None, "time": 1}
-    append_records(backlog, [create, {"op": "batch", "key": "t",
-                                      "metrics": [["loss", 1.0, 5, 1]]}])
+    create = {
+        "op": "create",
+        "key": "t",
+        "experiment": "e",
+        "artifact_location": None,
+        "tags": {"mlflow.runName": "train"},
+        "parent": None,
+        "time": 1,
+    }
+    append_records(backlog, [create, {"op": "batch", "key": "t", "metrics": [["loss", 1.0, 5, 1]]}])
     torn = '{"op": "batch", "key": "t", "metrics": [["loss", 0.5, 6, '
     with open(backlog, "a") as f:
-        f.write(torn)                                   # killed mid-line
+        f.write(torn)  # killed mid-line
     append_records(backlog, [{"op": "batch", "key": "t", "metrics": [["loss", 0.25, 7, 3]]}])
     warnings: list[str] = []
     client = FlakyClient()
     assert replay(backlog, Delivery(client), warn=warnings.append) == (3, 0)
-    assert client.calls == [("create", "train", None), ("metrics", "id-train", [("loss", 1.0, 1)]),
-                            ("metrics", "id-train", [("loss", 0.25, 3)])]
+    assert client.calls == [
+        ("create", "train", None),
+        ("metrics", "id-train", [("loss", 1.0, 1)]),
+        ("metrics", "id-train", [("loss", 0.25, 3)]),
+    ]
     assert torn_path(backlog).read_text() == torn + "\n"
     assert len(warnings) == 1 and str(torn_path(backlog)) in warnings[0]
 
 
-@pytest.mark.parametrize("foreign", ['{"key": "t", "metrics": []}', '{"op": "batch"}',
-                                     '[1, 2]', '"text"', '{"op": "bind", "key": "t"}',
-                                     '{"op": "drop_table", "key": "t"}'])
+@pytest.mark.parametrize(
+    "foreign",
+    [
+        '{"key": "t", "metrics": []}',
+        '{"op": "batch"}',
+        "[1, 2]",
+        '"text"',
+        '{"op": "bind", "key": "t"}',
+        '{"op": "drop_table", "key": "t"}',
+    ],
+)
 def test_json_lines_no_tracker_wrote_are_set_aside_like_torn_ones(tmp_path, foreign):
     """A backlog line that is JSON but no record (no op, no run key, an op the tracker
     never writes: an edited file) is set aside, named, and the records around it sent."""
     from pipeline.tracking.sender import Delivery, append_records, replay, torn_path
 
     backlog = tmp_path / BACKLOG
-    create = {"op": "create", "key": "t", "experiment": "e", "artifact_location": None,
-              "tags": {"mlflow.runName": "train"}, "parent": None, "time": 1}
+    create = {
+        "op": "create",
+        "key": "t",
+        "experiment": "e",
+        "artifact_location": None,
+        "tags": {"mlflow.runName": "train"},
+        "parent": None,
+        "time": 1,
+    }
     append_records(backlog, [create])
     with open(backlog, "a") as f:
         f.write(foreign + "\n")
@@ -400,14 +455,13 @@ def test_json_lines_no_tracker_wrote_are_set_aside_like_torn_ones(tmp_path, fore
 
 
 def test_the_training_loops_handler_takes_over_inside_and_hands_back_after():
+    from pipeline.cluster.signals import RaiseOnSignal, StopSignal
     from pipeline.errors import Interrupted
-    from pipeline.cluster.signals import RaiseOnSignal
-    from pipeline.cluster.signals import StopSignal
 
     before = signal.getsignal(signal.SIGTERM)
     with RaiseOnSignal():
         with StopSignal() as stop:
-            signal.raise_signal(signal.SIGTERM)      # the loop's: a flag, checkpoint next
+            signal.raise_signal(signal.SIGTERM)  # the loop's: a flag, checkpoint next
         assert stop.received == "SIGTERM"
         with pytest.raises(Interrupted) as raised:
             signal.raise_signal(signal.SIGTERM)
@@ -421,12 +475,14 @@ def test_a_store_mlflow_refuses_is_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     cfg = tmp_path / "fs.yaml"
     store = (tmp_path / "store").as_uri()
-    cfg.write_text(f"extends: [{PROJECT_ROOT / 'configs' / 'quickstart.yaml'}]\n"
-                   f"tracking: {{uri: '{store}'}}\nworkspace: {{root: {tmp_path / 'runs'}}}\n"
-                   f"stages: [download]\n")
+    cfg.write_text(
+        f"extends: [{PROJECT_ROOT / 'configs' / 'quickstart.yaml'}]\n"
+        f"tracking: {{uri: '{store}'}}\nworkspace: {{root: {tmp_path / 'runs'}}}\n"
+        f"stages: [download]\n"
+    )
     result = CliRunner().invoke(main, ["run", str(cfg)])
     assert result.exit_code == 2, result.output
     assert result.output.startswith(f"error: tracking store {store}: MLflow refuses it: ")
     assert result.output.rstrip().endswith("(its opt-out: MLFLOW_ALLOW_FILE_STORE=true)")
     assert len(result.output.strip().splitlines()) == 1
-    assert not list((tmp_path / "runs").glob("*/download*"))          # no stage started
+    assert not list((tmp_path / "runs").glob("*/download*"))  # no stage started

@@ -18,14 +18,19 @@ import pytest
 import torch
 
 import stages
-from pipeline.training.checkpoints import (CHECKSUMS, damage, read_checkpoint_file, step_dirs,
-                                  write_checksums)
 from pipeline.errors import PipelineError
-from pipeline.workspace.runner import Runner
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import NullTracker, make_tracker
-from stages.base import NullStageTracker
+from pipeline.training.checkpoints import (
+    CHECKSUMS,
+    damage,
+    read_checkpoint_file,
+    step_dirs,
+    write_checksums,
+)
+from pipeline.workspace.runner import Runner
 from stages import StageContext
+from stages.base import NullStageTracker
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 12, 4
@@ -44,7 +49,7 @@ def tiny_spec(tmp: Path, name: str):
     corpus.write_bytes((ROOT / "README.md").read_bytes() * 3)
     path = tmp / f"{name}.yaml"
     path.write_text(f"""\
-extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
+extends: [{ROOT / "configs" / "quickstart.yaml"}]
 name: {name}
 model: {{d_model: 16, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 32}}
 train:
@@ -58,10 +63,10 @@ train:
   optimizer: {{lr: 0.01, warmup_steps: 2}}
   deepspeed: {{zero_stage: 1}}     # the optimizer state in a file of its own
 evaluate: {{batch_size: 4, seq_len: 32, splits: [valid]}}
-workspace: {{root: {tmp / 'runs'}}}
+workspace: {{root: {tmp / "runs"}}}
 stages: [download, preprocess, train, evaluate]
 """)
-    return load_spec(path, [f"dataset.url=file://{corpus}"])    # a small corpus
+    return load_spec(path, [f"dataset.url=file://{corpus}"])  # a small corpus
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +76,7 @@ def reference(tmp_path_factory):
     spec = tiny_spec(tmp, "ref")
     Runner(spec, only=["download,preprocess,train"], log=lambda m: None).run(NullTracker())
     ws = Path(spec.workspace_dir)
-    assert [p.name for p in step_dirs(ws / "train" / "checkpoints")] == [
-        tag(12), tag(8), tag(4)]
+    assert [p.name for p in step_dirs(ws / "train" / "checkpoints")] == [tag(12), tag(8), tag(4)]
     return spec, ws
 
 
@@ -93,8 +97,13 @@ def interrupted(reference, tmp: Path) -> Path:
 def run_train(reference, out: Path) -> list[str]:
     spec, ws = reference
     lines: list[str] = []
-    ctx = StageContext(spec=spec, out_dir=out, inputs={"preprocess": ws / "preprocess"},
-                       tracker=NullStageTracker(), log=lines.append)
+    ctx = StageContext(
+        spec=spec,
+        out_dir=out,
+        inputs={"preprocess": ws / "preprocess"},
+        tracker=NullStageTracker(),
+        log=lines.append,
+    )
     stages.train.run(ctx)
     return lines
 
@@ -127,13 +136,21 @@ def latest_names_a_missing_step(ckpts: Path) -> str:
 # the run resumes from)
 FAULTS = {
     "model flipped mid-file": (
-        lambda c: f"damaged checkpoint {tag(8)} ({flip_byte(c / tag(8) / MODEL, 0.5)})", 4),
+        lambda c: f"damaged checkpoint {tag(8)} ({flip_byte(c / tag(8) / MODEL, 0.5)})",
+        4,
+    ),
     "model flipped late": (
-        lambda c: f"damaged checkpoint {tag(8)} ({flip_byte(c / tag(8) / MODEL, 0.97)})", 4),
+        lambda c: f"damaged checkpoint {tag(8)} ({flip_byte(c / tag(8) / MODEL, 0.97)})",
+        4,
+    ),
     "model truncated": (
-        lambda c: f"damaged checkpoint {tag(8)} ({truncate(c / tag(8) / MODEL)})", 4),
+        lambda c: f"damaged checkpoint {tag(8)} ({truncate(c / tag(8) / MODEL)})",
+        4,
+    ),
     "optimizer truncated": (
-        lambda c: f"damaged checkpoint {tag(8)} ({truncate(c / tag(8) / OPTIMIZER)})", 4),
+        lambda c: f"damaged checkpoint {tag(8)} ({truncate(c / tag(8) / OPTIMIZER)})",
+        4,
+    ),
     "empty step dir": (empty_newest, 8),
     "latest names a missing step": (latest_names_a_missing_step, 8),
 }
@@ -147,7 +164,8 @@ def test_a_damaged_newest_checkpoint_is_passed_over_in_one_line(reference, tmp_p
     note = inject(ckpts)
     lines = run_train(reference, out)
     assert [line for line in lines if str(ckpts) in line] == [
-        f"{ckpts}: {note}; using {tag(resumed_from)}, the newest intact checkpoint"]
+        f"{ckpts}: {note}; using {tag(resumed_from)}, the newest intact checkpoint"
+    ]
     assert f"resuming from step {resumed_from}" in lines
     # the damaged one was rewritten, not kept beside (or in place of) an intact one
     assert [damage(p) for p in step_dirs(ckpts)] == [None] * len(step_dirs(ckpts))
@@ -167,8 +185,9 @@ def test_no_intact_checkpoint_is_refused_naming_the_directory(reference, tmp_pat
     assert str(info.value) == (
         f"no intact checkpoint under {ckpts}: damaged checkpoint {tag(8)} ({flipped}); "
         f"damaged checkpoint {tag(4)} ({truncated}); run the stage that wrote them again "
-        f"with --force")
-    assert damage(ckpts / tag(8)) and damage(ckpts / tag(4))     # nothing deleted
+        f"with --force"
+    )
+    assert damage(ckpts / tag(8)) and damage(ckpts / tag(4))  # nothing deleted
 
 
 def test_a_checkpoint_from_before_checksums_loads_with_a_warning(reference, tmp_path):
@@ -177,8 +196,10 @@ def test_a_checkpoint_from_before_checksums_loads_with_a_warning(reference, tmp_
     for path in step_dirs(ckpts):
         (path / CHECKSUMS).unlink()
     lines = run_train(reference, out)
-    assert f"checkpoint {ckpts / tag(8)} has no {CHECKSUMS} (it was written before " \
-           f"checkpoints carried checksums): it cannot be verified" in lines
+    assert (
+        f"checkpoint {ckpts / tag(8)} has no {CHECKSUMS} (it was written before "
+        f"checkpoints carried checksums): it cannot be verified" in lines
+    )
     assert "resuming from step 8" in lines
 
 
@@ -191,7 +212,7 @@ def test_a_checkpoint_from_before_model_states_resumes_exactly(reference, tmp_pa
     saved = read_checkpoint_file(ckpt / "trainer-rank0.pt")
     saved["caches"] = saved.pop("states")
     torch.save(saved, ckpt / "trainer-rank0.pt")
-    (ckpt / CHECKSUMS).unlink()             # recorded again, for the file as rewritten
+    (ckpt / CHECKSUMS).unlink()  # recorded again, for the file as rewritten
     write_checksums(ckpt)
     lines = run_train(reference, out)
     assert "resuming from step 8" in lines
@@ -206,31 +227,41 @@ def run_evaluate(reference, train_dir: Path) -> tuple[dict, list[str]]:
     lines: list[str] = []
     out = train_dir.parent / "evaluate.partial"
     out.mkdir()
-    ctx = StageContext(spec=spec, out_dir=out,
-                       inputs={"preprocess": ws / "preprocess", "train": train_dir},
-                       tracker=NullStageTracker(), log=lines.append)
+    ctx = StageContext(
+        spec=spec,
+        out_dir=out,
+        inputs={"preprocess": ws / "preprocess", "train": train_dir},
+        tracker=NullStageTracker(),
+        log=lines.append,
+    )
     return stages.evaluate.run(ctx), lines
 
 
 def test_evaluate_passes_over_a_damaged_checkpoint_and_refuses_when_none_is_intact(
-        reference, tmp_path):
+    reference, tmp_path
+):
     train_dir = tmp_path / "train"
     shutil.copytree(reference[1] / "train", train_dir)
     ckpts = train_dir / "checkpoints"
     flip_byte(ckpts / tag(12) / MODEL, 0.5)
     results, lines = run_evaluate(reference, train_dir)
     assert results["checkpoint"] == f"train/{tag(8)}"
-    assert f"{ckpts}: damaged checkpoint {tag(12)} ({MODEL} does not match its checksum); " \
-           f"using {tag(8)}, the newest intact checkpoint" in lines
+    assert (
+        f"{ckpts}: damaged checkpoint {tag(12)} ({MODEL} does not match its checksum); "
+        f"using {tag(8)}, the newest intact checkpoint" in lines
+    )
     for step in (4, 8):
         truncate(ckpts / tag(step) / MODEL)
     shutil.rmtree(tmp_path / "evaluate.partial")
-    with pytest.raises(PipelineError, match=f"^no intact checkpoint under {re.escape(str(ckpts))}: "
-                                            f"damaged checkpoint {tag(12)} "):
+    with pytest.raises(
+        PipelineError,
+        match=f"^no intact checkpoint under {re.escape(str(ckpts))}: damaged checkpoint {tag(12)} ",
+    ):
         run_evaluate(reference, train_dir)
 
 
 # ----------------------------------------------------------------- a full disk
+
 
 @pytest.fixture(scope="module")
 def full_disk_spec(tmp_path_factory):
@@ -252,25 +283,31 @@ def assert_failed_in_mlflow(spec) -> None:
 
     client = MlflowClient(tracking_uri=f"sqlite:///{Path(spec.workspace.root) / 'mlflow.db'}")
     exp = client.get_experiment_by_name(spec.name)
-    latest = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"],
-                                max_results=2)
+    latest = client.search_runs(
+        [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=2
+    )
     assert {r.data.tags.get("stage", "parent"): r.info.status for r in latest} == {
-        "train": "FAILED", "parent": "FAILED"}
+        "train": "FAILED",
+        "parent": "FAILED",
+    }
 
 
 def disk_full_line(ckpts: Path, step: int) -> str:
     size = r"[\d.,]+ [KMG]iB"
-    return (rf"^disk full: checkpoint {re.escape(str(ckpts / tag(step)))} needs about {size} "
-            rf"but {re.escape(str(ckpts))} has {size} free; free {size} or more and run again "
-            rf"to resume$")
+    return (
+        rf"^disk full: checkpoint {re.escape(str(ckpts / tag(step)))} needs about {size} "
+        rf"but {re.escape(str(ckpts))} has {size} free; free {size} or more and run again "
+        rf"to resume$"
+    )
 
 
 def test_a_disk_without_room_for_the_next_checkpoint_is_refused_before_writing(
-        full_disk_spec, monkeypatch):
+    full_disk_spec, monkeypatch
+):
     real = shutil.disk_usage
     ckpts = Path(full_disk_spec.workspace_dir) / "train.partial" / "checkpoints"
 
-    def disk_usage(path):          # full once the first checkpoint is written
+    def disk_usage(path):  # full once the first checkpoint is written
         usage = real(path)
         return usage._replace(free=1 << 10) if (ckpts / tag(4)).exists() else usage
 
@@ -283,9 +320,14 @@ def test_a_disk_without_room_for_the_next_checkpoint_is_refused_before_writing(
     assert_failed_in_mlflow(full_disk_spec)
 
 
-@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   RuntimeError("basic_ios::clear: iostream error")],
-                         ids=["ENOSPC", "torch-writer"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("basic_ios::clear: iostream error"),
+    ],
+    ids=["ENOSPC", "torch-writer"],
+)
 def test_a_disk_that_fills_while_writing_says_disk_full(full_disk_spec, monkeypatch, error):
     """The write itself fails (the free-space check passed): the half-written checkpoint is
     removed, the previous one is intact, MLflow records the failure."""
@@ -302,7 +344,7 @@ def test_a_disk_that_fills_while_writing_says_disk_full(full_disk_spec, monkeypa
         writing.append(kw["tag"])
         raise error
 
-    def disk_usage(path):          # torch's writer error is a full disk only if it is full
+    def disk_usage(path):  # torch's writer error is a full disk only if it is full
         usage = real_usage(path)
         return usage._replace(free=0) if writing else usage
 

@@ -33,15 +33,22 @@ def tiny_corpus(tmp: Path) -> tuple[Path, Path]:
     from pipeline.spec import load_spec
     from stages.preprocess import preprocess
 
-    text = b"".join(b"Line %d: the quick brown fox jumps over the lazy dog.\n" % i
-                    for i in range(20))[:420]
+    text = b"".join(
+        b"Line %d: the quick brown fox jumps over the lazy dog.\n" % i for i in range(20)
+    )[:420]
     download = tmp / "download"
     (download / "files").mkdir(parents=True)
     (download / "files" / "all.data").write_bytes(text)
     digest = hashlib.sha256(text).hexdigest()
-    (download / "download.json").write_text(json.dumps({
-        "url": "file:///test", "sha256": digest,
-        "files": {"all": {"path": "files/all.data", "sha256": digest, "bytes": len(text)}}}))
+    (download / "download.json").write_text(
+        json.dumps(
+            {
+                "url": "file:///test",
+                "sha256": digest,
+                "files": {"all": {"path": "files/all.data", "sha256": digest, "bytes": len(text)}},
+            }
+        )
+    )
     cfg = _config(tmp)
     preprocess(load_spec(cfg).dataset, download, tmp / "preprocess", log=lambda _: None)
     return cfg, tmp / "preprocess"
@@ -50,10 +57,18 @@ def tiny_corpus(tmp: Path) -> tuple[Path, Path]:
 def run_worker(script: str, *args) -> dict:
     """Run `script` (a test file's worker) in a fresh process as one DeepSpeed rank; the
     JSON it wrote to its last argument."""
-    env = distributed.environment_for_new_group() | {"DS_ACCELERATOR": "cpu",
-                                                     "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
+    env = distributed.environment_for_new_group() | {
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
+    result = subprocess.run(
+        [sys.executable, script, *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(Path(args[-1]).read_text())
 
@@ -61,7 +76,7 @@ def run_worker(script: str, *args) -> dict:
 def _config(tmp: Path) -> Path:
     path = tmp / "wrap.yaml"
     path.write_text(f"""\
-extends: [{ROOT / 'configs' / 'quickstart.yaml'}]
+extends: [{ROOT / "configs" / "quickstart.yaml"}]
 name: wrap
 model: {{d_model: 16, n_layers: 2, n_heads: 2, n_persistent: 4, max_span: 64,
         attn_dropout: 0.1}}
@@ -73,7 +88,7 @@ train:
   optimizer: {{lr: 0.01, warmup_steps: 0}}
   deepspeed: {{zero_stage: 0, gradient_accumulation_steps: 2}}
 tracking: {{enabled: false}}
-workspace: {{root: {tmp / 'runs'}}}
+workspace: {{root: {tmp / "runs"}}}
 """)
     return path
 
@@ -102,14 +117,25 @@ def _worker(cfg: Path, preprocess_dir: Path, ckpt: Path, resume: bool, out: Path
         seen.clear()
         step = trainer.step
         loss = float(trainer.train_step())
-        steps[step] = {"loss": loss, "cache_zero": [z for z, _ in seen],
-                       "first_tokens": [t for _, first in seen for t in first]}
+        steps[step] = {
+            "loss": loss,
+            "cache_zero": [z for z, _ in seen],
+            "first_tokens": [t for _, first in seen for t in first],
+        }
         if trainer.step == SAVE_AT and not resume:
             trainer.save(ckpt, keep=1)
     offsets = [trainer.batches.epoch_offset(e) for e in range(4)]
     starts = [s for s in range(STEPS) if trainer.batches.starts_epoch(s)]
-    out.write_text(json.dumps({"steps": steps, "offsets": offsets, "epoch_starts": starts,
-                               "stream_len": trainer.batches.stream_len}))
+    out.write_text(
+        json.dumps(
+            {
+                "steps": steps,
+                "offsets": offsets,
+                "epoch_starts": starts,
+                "stream_len": trainer.batches.stream_len,
+            }
+        )
+    )
     torch.distributed.destroy_process_group()
 
 
@@ -126,7 +152,7 @@ def test_the_wrap_resets_the_cache_at_a_seeded_offset_and_resumes_exactly(tmp_pa
     assert L == len(train) // ROWS
     first_wrap = (L - 1) // SEQ_LEN
     offsets = straight["offsets"]
-    assert offsets[0] == 0 and 0 < offsets[1] < SEQ_LEN   # this seed draws a nonzero offset
+    assert offsets[0] == 0 and 0 < offsets[1] < SEQ_LEN  # this seed draws a nonzero offset
     wraps = [0, first_wrap, first_wrap + (L - 1 - offsets[1]) // SEQ_LEN]
     assert straight["epoch_starts"] == wraps and wraps[-1] < STEPS
     for step in range(STEPS):

@@ -49,7 +49,7 @@ def test_a_report_reads_the_device_once(trainer, tmp_path, monkeypatch):
     assert start % LOG_EVERY == 0
     with HostSyncCounter() as counter:
         trainer.fit(start + 2 * LOG_EVERY, lambda k: 0.01, tmp_path)
-    assert len(counter.syncs) == 2, "\n".join(counter.syncs)         # one per report
+    assert len(counter.syncs) == 2, "\n".join(counter.syncs)  # one per report
     assert all("pipeline/training/trainer.py" in s for s in counter.syncs)
     reports = [line for line in lines if "loss" in line]
     assert len(reports) == 2 and "bpc" in reports[0]
@@ -62,11 +62,15 @@ def test_a_compiled_step_makes_no_host_sync(tmp_path, monkeypatch):
     from pipeline.training.trainer import Trainer
 
     compile_for_training = AllAttnLM.compile_for_training
-    monkeypatch.setattr(AllAttnLM, "compile_for_training",
-                        lambda self: compile_for_training(self, backend="aot_eager"))
+    monkeypatch.setattr(
+        AllAttnLM,
+        "compile_for_training",
+        lambda self: compile_for_training(self, backend="aot_eager"),
+    )
     cfg, pre = tiny_corpus(tmp_path)
-    t = Trainer(load_spec(cfg, ["train.compile=true"]), pre, tracker=NullStageTracker(),
-                log=lambda _: None)
+    t = Trainer(
+        load_spec(cfg, ["train.compile=true"]), pre, tracker=NullStageTracker(), log=lambda _: None
+    )
     assert t.compiled and "compiled" in t.model.describe()
     for _ in range(WARMUP):
         t.train_step()

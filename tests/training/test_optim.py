@@ -44,10 +44,20 @@ def reference_step(params, sums, grads, lr, clip, eps):
 # place in the formula visible (with the default 1e-10 it is not); the gradient scales give
 # norms above the clip for some tensors and below it for others
 GROUPS = [
-    {"lr": 0.2, "clip_norm": 0.03, "eps": 1e-10,
-     "shapes": [(4, 3), (7,), (2, 2, 2), (1,)], "scales": [1.0, 1e-3, 0.3, 2e-2]},
-    {"lr": 0.05, "clip_norm": 0.5, "eps": 1e-3,
-     "shapes": [(5, 5), (3,), (6, 1)], "scales": [0.4, 1e-3, 2e-3]},
+    {
+        "lr": 0.2,
+        "clip_norm": 0.03,
+        "eps": 1e-10,
+        "shapes": [(4, 3), (7,), (2, 2, 2), (1,)],
+        "scales": [1.0, 1e-3, 0.3, 2e-2],
+    },
+    {
+        "lr": 0.05,
+        "clip_norm": 0.5,
+        "eps": 1e-3,
+        "shapes": [(5, 5), (3,), (6, 1)],
+        "scales": [0.4, 1e-3, 2e-3],
+    },
 ]
 
 
@@ -60,8 +70,14 @@ BOTH = pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 def test_clipped_adagrad_equals_its_update_rule_in_float64(fused):
     torch.manual_seed(0)
     groups = [[torch.nn.Parameter(torch.randn(s)) for s in g["shapes"]] for g in GROUPS]
-    opt = ClippedAdagrad([{"params": ps, **{k: g[k] for k in ("lr", "clip_norm", "eps")}}
-                          for ps, g in zip(groups, GROUPS, strict=False)], lr=1.0, fused=fused)
+    opt = ClippedAdagrad(
+        [
+            {"params": ps, **{k: g[k] for k in ("lr", "clip_norm", "eps")}}
+            for ps, g in zip(groups, GROUPS, strict=False)
+        ],
+        lr=1.0,
+        fused=fused,
+    )
     ref = [[p.detach().double().clone() for p in ps] for ps in groups]
     acc = [[torch.zeros_like(r) for r in rs] for rs in ref]
     clipped = total = 0
@@ -69,7 +85,7 @@ def test_clipped_adagrad_equals_its_update_rule_in_float64(fused):
         for gi, (ps, g) in enumerate(zip(groups, GROUPS, strict=False)):
             grads = [torch.randn(s) * c for s, c in zip(g["shapes"], g["scales"], strict=False)]
             if step == 2:
-                grads[1] = None          # a tensor without a gradient is left alone
+                grads[1] = None  # a tensor without a gradient is left alone
             for p, grad in zip(ps, grads, strict=False):
                 p.grad = None if grad is None else grad.clone()
             clipped += reference_step(ref[gi], acc[gi], grads, g["lr"], g["clip_norm"], g["eps"])
@@ -91,21 +107,24 @@ def flat_setup(fused: bool, seed: int = 0):
     model = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     # (stepped tensor, param index, offset, length); the rest of each flat is padding
     pieces_a, pieces_b = [(0, 2, 12), (1, 17, 7)], [(0, 0, 10), (1, 13, 6)]
-    flat_a, flat_b = torch.randn(25), torch.randn(20)      # the model's low-precision copies
+    flat_a, flat_b = torch.randn(25), torch.randn(20)  # the model's low-precision copies
     master_a, master_b = (torch.nn.Parameter(f.clone()) for f in (flat_a, flat_b))
     whole = torch.nn.Parameter(torch.randn(4, 4))
-    layouts = {master_a: _flat_layout(master_a, flat_a, model[:2], pieces_a, None),
-               whole: _whole(whole, whole),
-               master_b: _flat_layout(master_b, flat_b, model[2:], pieces_b, None)}
-    opt = ClippedAdagrad([master_a, whole, master_b], lr=0.1, clip_norm=0.5, eps=1e-10,
-                         fused=fused)
+    layouts = {
+        master_a: _flat_layout(master_a, flat_a, model[:2], pieces_a, None),
+        whole: _whole(whole, whole),
+        master_b: _flat_layout(master_b, flat_b, model[2:], pieces_b, None),
+    }
+    opt = ClippedAdagrad([master_a, whole, master_b], lr=0.1, clip_norm=0.5, eps=1e-10, fused=fused)
     opt.bind_layouts(layouts)
     # where each parameter's elements are: (stepped tensor, slice)
     where = [(master_a, slice(o, o + n)) for _, o, n in pieces_a]
     where += [(whole, slice(0, 16))]
     where += [(master_b, slice(o, o + n)) for _, o, n in pieces_b]
-    padding = {master_a: [slice(0, 2), slice(14, 17), slice(24, 25)],
-               master_b: [slice(10, 13), slice(19, 20)]}
+    padding = {
+        master_a: [slice(0, 2), slice(14, 17), slice(24, 25)],
+        master_b: [slice(10, 13), slice(19, 20)],
+    }
     return opt, [master_a, whole, master_b], where, padding
 
 
@@ -119,7 +138,7 @@ def test_flat_partitions_step_each_parameter_by_its_own_norm_and_padding_never_m
     clipped = 0
     for _ in range(4):
         for t in stepped:
-            t.grad = torch.randn_like(t)     # padding gets gradients too: it must not move
+            t.grad = torch.randn_like(t)  # padding gets gradients too: it must not move
         for (t, s), c in zip(where, scales, strict=False):
             t.grad.view(-1)[s] *= c
         grads = [t.grad.reshape(-1)[s].clone() for t, s in where]
@@ -137,7 +156,7 @@ def test_flat_partitions_step_each_parameter_by_its_own_norm_and_padding_never_m
 def test_a_step_never_waits_for_the_device(fused):
     """No op of a step reads a device value on the host (the loop before read one per tensor)."""
     opt, stepped, _, _ = flat_setup(fused)
-    for step in range(3):           # the first step builds the plan and the state: also none
+    for step in range(3):  # the first step builds the plan and the state: also none
         for t in stepped:
             t.grad = torch.randn_like(t)
         with HostSyncCounter() as counted:
@@ -148,10 +167,15 @@ def test_a_step_never_waits_for_the_device(fused):
 def ops_per_step(fused: bool, tensors_per_group: int, groups: int = 2) -> int:
     torch.manual_seed(0)
     shapes = [(3, 5), (17,), (2, 3, 4), (8, 8)]
-    params = [[torch.nn.Parameter(torch.randn(shapes[i % len(shapes)]))
-               for i in range(tensors_per_group)] for _ in range(groups)]
-    opt = ClippedAdagrad([{"params": ps, "clip_norm": 0.1 * (g + 1)}
-                          for g, ps in enumerate(params)], lr=0.1, fused=fused)
+    params = [
+        [torch.nn.Parameter(torch.randn(shapes[i % len(shapes)])) for i in range(tensors_per_group)]
+        for _ in range(groups)
+    ]
+    opt = ClippedAdagrad(
+        [{"params": ps, "clip_norm": 0.1 * (g + 1)} for g, ps in enumerate(params)],
+        lr=0.1,
+        fused=fused,
+    )
     counts = []
     for _ in range(2):
         for p in (p for ps in params for p in ps):
@@ -174,6 +198,7 @@ def test_the_ops_per_step_do_not_grow_with_the_number_of_tensors(fused):
 def test_the_state_loaded_from_a_checkpoint_is_the_one_stepped():
     """Plans are cached per list of tensors; the accumulators they use are not: after
     load_state_dict the next steps continue the saved run exactly."""
+
     def run(steps, opt, params, seed):
         gen = torch.Generator().manual_seed(seed)
         for _ in range(steps):
@@ -186,9 +211,9 @@ def test_the_state_loaded_from_a_checkpoint_is_the_one_stepped():
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     opt_a, opt_b = ClippedAdagrad(a, lr=0.1), ClippedAdagrad(b, lr=0.1)
     run(3, opt_a, a, 1)
-    run(3, opt_b, b, 1)              # b's plan is built and cached here
-    saved = copy.deepcopy(opt_a.state_dict())    # not the live accumulators
-    run(2, opt_b, b, 2)              # b drifts, then gets a's state and weights back
+    run(3, opt_b, b, 1)  # b's plan is built and cached here
+    saved = copy.deepcopy(opt_a.state_dict())  # not the live accumulators
+    run(2, opt_b, b, 2)  # b drifts, then gets a's state and weights back
     opt_b.load_state_dict(saved)
     with torch.no_grad():
         for p, q in zip(a, b, strict=False):
@@ -207,7 +232,7 @@ def test_eps_must_be_positive():
 
 def test_a_flattened_parameter_it_was_not_told_about_is_refused():
     opt = ClippedAdagrad([torch.nn.Parameter(torch.ones(3))], lr=0.1)
-    flat = torch.nn.Parameter(torch.ones(8))     # what a DeepSpeed wrapper substitutes
+    flat = torch.nn.Parameter(torch.ones(8))  # what a DeepSpeed wrapper substitutes
     flat.grad = torch.ones(8)
     opt.param_groups[0]["params"] = [flat]
     with pytest.raises(PipelineError, match="bind_to_engine"):
@@ -232,13 +257,24 @@ def two_rank_results(tmp_path_factory) -> dict:
     """tests/helpers/dist_optim_worker.py on 2 CPU processes (gloo), every configuration in one
     run."""
     out = tmp_path_factory.mktemp("dist_optim") / "results.json"
-    env = os.environ | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu",
-                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "dist_optim_worker.py"), str(out)],
-                              env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+    env = os.environ | {
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "helpers" / "dist_optim_worker.py"), str(out)],
+            env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     # a first run on a machine builds DeepSpeed's shared-memory comm op (~70 s)
     logs = [p.communicate(timeout=600)[0] for p in procs]
     for p, log in zip(procs, logs, strict=False):
@@ -247,20 +283,21 @@ def two_rank_results(tmp_path_factory) -> dict:
 
 
 WRAPPERS = {
-    "zero0": "ClippedAdagrad",                       # no wrapper: steps the parameters
+    "zero0": "ClippedAdagrad",  # no wrapper: steps the parameters
     "zero1": "DeepSpeedZeroOptimizer",
     "zero2": "DeepSpeedZeroOptimizer",
     "zero3": "DeepSpeedZeroOptimizer_Stage3",
-    "zero0_bf16": "FP16_UnfusedOptimizer",           # one fp32 copy per parameter
-    "zero1_bf16_fp32acc": "BF16_Optimizer",          # flat partitions, like ZeRO 1
+    "zero0_bf16": "FP16_UnfusedOptimizer",  # one fp32 copy per parameter
+    "zero1_bf16_fp32acc": "BF16_Optimizer",  # flat partitions, like ZeRO 1
     "zero2_bf16": "DeepSpeedZeroOptimizer",
-    "zero2_foreach": "DeepSpeedZeroOptimizer",       # the update GPUs run, not the CPU's
+    "zero2_foreach": "DeepSpeedZeroOptimizer",  # the update GPUs run, not the CPU's
 }
 
 
 @pytest.mark.parametrize("config", list(WRAPPERS))
 def test_clipped_adagrad_equals_its_update_rule_under_deepspeed_with_2_processes(
-        two_rank_results, config):
+    two_rank_results, config
+):
     """The Adagrad-with-step-clipping optimizer equals a direct implementation of its update
     rule over several steps, under ZeRO 0, 1 and 2 with 2 processes (also ZeRO 3 and bf16),
     and its step never waits for the device there either.
@@ -270,7 +307,7 @@ def test_clipped_adagrad_equals_its_update_rule_under_deepspeed_with_2_processes
     assert result["wrapper"] == WRAPPERS[config]
     assert result["clipped"] > 0 and result["unclipped"] > 0
     if result["wrapper"] in ("DeepSpeedZeroOptimizer", "BF16_Optimizer"):
-        assert "emb" in result["straddling"]     # a tensor split between the two ranks
+        assert "emb" in result["straddling"]  # a tensor split between the two ranks
     assert max(result["errors"]) <= 1.0, result["errors"]
     # rank 0's ClippedAdagrad.step, all_reduce of the partial norms included
     assert result["optimizer"]["steps"] >= 4

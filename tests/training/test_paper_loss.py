@@ -35,7 +35,7 @@ def test_lines_split_at_the_end_of_line_id():
 
 def test_rows_are_padded_lines_cut_as_the_authors_cut_them():
     lines = [np.array([1, 2, 3]), np.array([4]), np.array([5, 6])]
-    (x, y, mask), = line_batches(lines, EOS, batch_size=4)
+    ((x, y, mask),) = line_batches(lines, EOS, batch_size=4)
     # authors: rows [1 2 3], [4 _ _], [5 6 _]; inputs = rows[:, :-1], targets = rows[:, 1:]
     assert x.tolist() == [[1, 2], [4, EOS], [5, 6]]
     assert y.tolist() == [[2, 3], [EOS, EOS], [6, EOS]]

@@ -13,9 +13,15 @@ import pytest
 import torch
 
 
-def losses(bf16: bool, steps: int = 4, skip_allreduce: bool = False,
-           engine_out: list | None = None, around=None, zero_stage: int = 0,
-           ds_extra: dict | None = None) -> list[float]:
+def losses(
+    bf16: bool,
+    steps: int = 4,
+    skip_allreduce: bool = False,
+    engine_out: list | None = None,
+    around=None,
+    zero_stage: int = 0,
+    ds_extra: dict | None = None,
+) -> list[float]:
     import deepspeed
 
     from pipeline.cluster import distributed
@@ -25,16 +31,31 @@ def losses(bf16: bool, steps: int = 4, skip_allreduce: bool = False,
 
     distributed.init_process_group()
     torch.manual_seed(0)
-    model = build_model("allattn", {"d_model": 32, "n_layers": 2, "n_heads": 2,
-                                    "n_persistent": 8, "max_span": 32, "span_init": 0.5,
-                                    "attn_dropout": 0.0}, vocab_size=23)
+    model = build_model(
+        "allattn",
+        {
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 2,
+            "n_persistent": 8,
+            "max_span": 32,
+            "span_init": 0.5,
+            "attn_dropout": 0.0,
+        },
+        vocab_size=23,
+    )
     opt_cfg = NS(type="adagrad", lr=0.07, clip="per_param", clip_norm=0.03)
-    train = NS(batch_size=4, micro_batch_size=None, optimizer=opt_cfg,
-               deepspeed=NS(zero_stage=zero_stage, bf16=bf16, fp16=False,
-                            gradient_accumulation_steps=1))
+    train = NS(
+        batch_size=4,
+        micro_batch_size=None,
+        optimizer=opt_cfg,
+        deepspeed=NS(zero_stage=zero_stage, bf16=bf16, fp16=False, gradient_accumulation_steps=1),
+    )
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=build_optimizer(model.parameters(), opt_cfg),
-        config=deepspeed_config(train, 1) | (ds_extra or {}))
+        model=model,
+        optimizer=build_optimizer(model.parameters(), opt_cfg),
+        config=deepspeed_config(train, 1) | (ds_extra or {}),
+    )
     bind_to_engine(engine)
     if skip_allreduce:
         assert skip_single_process_allreduce(engine, 1)
@@ -58,8 +79,8 @@ def losses(bf16: bool, steps: int = 4, skip_allreduce: bool = False,
 @pytest.mark.slow
 def test_bf16_training_on_the_cpu_follows_float32():
     f32, bf16 = losses(False), losses(True)
-    assert f32[-1] < f32[0]                      # it learns, so following it means something
-    assert bf16 == pytest.approx(f32, rel=1e-2)   # measured: within 1.2e-3
+    assert f32[-1] < f32[0]  # it learns, so following it means something
+    assert bf16 == pytest.approx(f32, rel=1e-2)  # measured: within 1.2e-3
 
 
 @pytest.mark.slow
@@ -76,7 +97,7 @@ def test_one_process_without_the_engines_allreduce_steps_the_same_weights(bf16):
             self.names: list[int] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "allreduce" in func.__name__:     # (its tensors, ...): their sizes
+            if "allreduce" in func.__name__:  # (its tensors, ...): their sizes
                 self.names.append(sum(t.numel() for t in args[0]))
             return func(*args, **(kwargs or {}))
 
@@ -89,7 +110,7 @@ def test_one_process_without_the_engines_allreduce_steps_the_same_weights(bf16):
     losses(bf16, 1, True, around=(ops := Ops()))
     assert ops.names == ([1] if bf16 else [])
     losses(bf16, 1, False, around=(ops := Ops()))
-    assert max(ops.names) > 10_000                 # what it saves: every gradient
+    assert max(ops.names) > 10_000  # what it saves: every gradient
 
 
 @pytest.mark.slow
@@ -113,4 +134,4 @@ def test_bf16_under_zero_checks_no_gradient_for_overflow():
     a = losses(True, 2, zero_stage=2, around=ours)
     b = losses(True, 2, zero_stage=2, around=default, ds_extra=checked)
     assert a == b
-    assert default.count - ours.count == 2 * 2         # two a step, over two steps
+    assert default.count - ours.count == 2 * 2  # two a step, over two steps

@@ -27,13 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.training.checkpoint_io import read_trainer_file
 from pipeline.cluster.distributed import free_port
+from pipeline.training.checkpoint_io import read_trainer_file
 from pipeline.training.reshard import trainer_state
 from tests.cluster.test_distributed import ROOT, cli, metric_history, tiny_config
 
-STEPS = 8                       # checkpoints at steps 4 and 8 (tiny_config)
-STEPS_TOY, SAVE = 4, 2          # tests/helpers/reshard_worker.py's
+STEPS = 8  # checkpoints at steps 4 and 8 (tiny_config)
+STEPS_TOY, SAVE = 4, 2  # tests/helpers/reshard_worker.py's
 
 
 def write_trainer_states(ckpt: Path, writers: int, accum: int, batch: int, key: str) -> None:
@@ -44,16 +44,20 @@ def write_trainer_states(ckpt: Path, writers: int, accum: int, batch: int, key: 
         states = []
         for i in range(accum):
             rows = r * accum * micro + i * micro + torch.arange(micro, dtype=torch.float32)
-            states.append([rows.view(micro, 1, 1).expand(micro, length, 3).clone()
-                           for length in (2, 5)])
-        torch.save({"step": 7, "valid": {"best": 1.5, "since_best": 1}, "rng": f"rank {r}",
-                    key: states}, ckpt / f"trainer-rank{r}.pt")
+            states.append(
+                [rows.view(micro, 1, 1).expand(micro, length, 3).clone() for length in (2, 5)]
+            )
+        torch.save(
+            {"step": 7, "valid": {"best": 1.5, "since_best": 1}, "rng": f"rank {r}", key: states},
+            ckpt / f"trainer-rank{r}.pt",
+        )
 
 
 @pytest.mark.parametrize("key", ["states", "caches"])
 @pytest.mark.parametrize("writers, world_size", [(2, 1), (1, 2), (4, 2)])
-def test_cache_rows_go_to_the_rank_and_micro_batch_that_own_them(tmp_path, writers,
-                                                                  world_size, key):
+def test_cache_rows_go_to_the_rank_and_micro_batch_that_own_them(
+    tmp_path, writers, world_size, key
+):
     accum, batch = 2, 8
     write_trainer_states(tmp_path, writers, accum, batch, key)
     old = [read_trainer_file(tmp_path / f"trainer-rank{r}.pt") for r in range(writers)]
@@ -73,14 +77,30 @@ def test_cache_rows_go_to_the_rank_and_micro_batch_that_own_them(tmp_path, write
 
 def launch(world: int, out: Path, ckpts: Path, *phases: str) -> dict:
     """tests/helpers/reshard_worker.py in `world` CPU processes; rank 0's results."""
-    env = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu",
-                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "reshard_worker.py"),
-                               str(out), str(ckpts), *phases],
-                              env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
+    env = os.environ | {
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "helpers" / "reshard_worker.py"),
+                str(out),
+                str(ckpts),
+                *phases,
+            ],
+            env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     for p, log in zip(procs, logs, strict=False):
         assert p.returncode == 0, log[-5000:]
@@ -119,9 +139,11 @@ def test_a_checkpoint_of_another_world_size_continues_its_run(resumed, world, co
 def test_zero_3_is_refused_on_another_world_size(resumed, world):
     refusal = resumed[world]["zero3"]
     assert "resume" not in refusal
-    assert refusal["refused"].endswith(": resuming a ZeRO 3 checkpoint on another number of "
-                                       "processes is not supported; resume with the "
-                                       "train.launcher it was written with")
+    assert refusal["refused"].endswith(
+        ": resuming a ZeRO 3 checkpoint on another number of "
+        "processes is not supported; resume with the "
+        "train.launcher it was written with"
+    )
 
 
 def preempt_at(workspace: Path, step: int) -> None:
@@ -156,11 +178,12 @@ def test_two_processes_resume_in_one_with_the_uninterrupted_losses(tmp_path):
     preempt_at(workspace, 4)
     out = cli("run", one).stdout
     assert "resuming from step 4" in out
-    assert ("resuming a 2-process checkpoint on 1 process: optimizer partitions and caches "
-            "redistributed; random streams are per process, so dropout differs from a run "
-            "that stayed on 2 processes\n") in out
+    assert (
+        "resuming a 2-process checkpoint on 1 process: optimizer partitions and caches "
+        "redistributed; random streams are per process, so dropout differs from a run "
+        "that stayed on 2 processes\n"
+    ) in out
     in_one = losses(runs, f"procs1-zero{zero}-span1")
     assert sorted(in_one) == list(range(5, STEPS + 1))
     for step in in_one:
         assert in_one[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
-

@@ -68,22 +68,30 @@ def test_sigterm_during_the_last_checkpoint_write_lets_it_complete(tmp_path, mon
     assert (spec.workspace_dir / "train" / "stage.json").is_file()
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                    reason="needs root and unshare for a read-only bind mount")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare for a read-only bind mount",
+)
 def test_a_checkpoint_directory_turned_read_only_is_one_line(tmp_path):
     # before: a traceback ending in torch's "Parent directory ... does not exist"
     cfg = _config(tmp_path)
     worker = PROJECT_ROOT / "tests" / "helpers" / "readonly_checkpoints_worker.py"
-    done = subprocess.run(["unshare", "-m", sys.executable, str(worker), str(cfg), "8"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    done = subprocess.run(
+        ["unshare", "-m", sys.executable, str(worker), str(cfg), "8"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)},
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     checkpoints = tmp_path / "runs" / "tiny" / "train.partial" / "checkpoints"
     assert done.stderr.splitlines()[-1] == (
         f"error: checkpoint {checkpoints / 'step-00000008'}: cannot write it: Read-only file "
         f"system (in {checkpoints}); the checkpoints already there are as they were: make "
-        f"{checkpoints} writable and run again to resume from the newest one")
+        f"{checkpoints} writable and run again to resume from the newest one"
+    )
     assert "Failed saving" not in done.stderr and "does not exist" not in done.stderr
     assert (checkpoints / "latest").read_text().strip() == "step-00000004"
     assert (checkpoints / "step-00000004" / "checksums.json").is_file()

@@ -19,9 +19,15 @@ from pipeline.commands.cli import main
 from tests.stages.test_quickstart import tiny_config
 from tests.workspace.test_resume_edits import preempted_at_first_checkpoint
 
-SETS = ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=0",
-        "tracking.enabled=false", "train.micro_batch_size=auto", "train.deepspeed.bf16=auto",
-        "finetune.steps=2"]
+SETS = [
+    "train.steps=8",
+    "train.checkpoint_every=4",
+    "train.eval_every=0",
+    "tracking.enabled=false",
+    "train.micro_batch_size=auto",
+    "train.deepspeed.bf16=auto",
+    "finetune.steps=2",
+]
 
 
 def run(cfg, only: str):
@@ -44,6 +50,7 @@ def test_auto_micro_batch_is_searched_once_and_recorded(tmp_path, monkeypatch):
             tried.append(size)
             if size > 4:
                 raise torch.cuda.OutOfMemoryError(f"CUDA out of memory ({size} rows)")
+
         return try_step, lambda: None
 
     cfg = tiny_config(tmp_path)
@@ -53,15 +60,20 @@ def test_auto_micro_batch_is_searched_once_and_recorded(tmp_path, monkeypatch):
         m.setattr(micro_batch, "probe", small_gpu)
         first = run(cfg, "download,preprocess,train")
     assert first.exit_code == 143, first.output
-    assert tried == [8, 4]                           # batch 8, one process: 8, then 4
+    assert tried == [8, 4]  # batch 8, one process: 8, then 4
     assert "[train] micro-batch 8: out of memory, trying a smaller one\n" in first.output
-    assert ("[train] train.micro_batch_size auto: 4 of 8 rows per process fit (2 "
-            "accumulation step(s) per update)\n") in first.output
+    assert (
+        "[train] train.micro_batch_size auto: 4 of 8 rows per process fit (2 "
+        "accumulation step(s) per update)\n"
+    ) in first.output
     assert json.loads((partial / "resolved.json").read_text()) == {
-        "micro_batch_size": 4, "bf16": False, "device": "cpu"}
+        "micro_batch_size": 4,
+        "bf16": False,
+        "device": "cpu",
+    }
     ds = json.loads((partial / "deepspeed_config.json").read_text())
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (4, 2)
-    assert ds["bf16"] == {"enabled": False}          # auto on a CPU: float32
+    assert ds["bf16"] == {"enabled": False}  # auto on a CPU: float32
 
     # resumed where `auto` would give 8 (the CPU's whole batch): the record's 4, no search
     resumed = run(cfg, "download,preprocess,train")
@@ -70,9 +82,10 @@ def test_auto_micro_batch_is_searched_once_and_recorded(tmp_path, monkeypatch):
     assert "micro_batch_size auto" not in resumed.output and tried == [8, 4]
     record = json.loads((partial.parent / "train" / "stage.json").read_text())
     assert record["summary"]["step"] == 8
-    assert {k: record["summary"][k] for k in ("micro_batch_size",
-                                              "gradient_accumulation_steps", "precision")} == {
-        "micro_batch_size": 4, "gradient_accumulation_steps": 2, "precision": "float32"}
+    assert {
+        k: record["summary"][k]
+        for k in ("micro_batch_size", "gradient_accumulation_steps", "precision")
+    } == {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "precision": "float32"}
     # the fingerprinted config says what the spec says; what ran is in the summary
     assert record["config"]["train"]["micro_batch_size"] == "auto"
 
@@ -84,8 +97,23 @@ def test_auto_micro_batch_is_searched_once_and_recorded(tmp_path, monkeypatch):
 
     # an explicit micro-batch other than the record changes the fingerprint: a finished
     # train is re-run (here it is done, so the plan says so rather than resuming)
-    plan = CliRunner().invoke(main, ["run", str(cfg), "--only", "download,preprocess,train",
-                                     "--dry-run", *sum((["--set", s] for s in SETS[:-3]), []),
-                                     "--set", "train.micro_batch_size=4",
-                                     "--set", "train.deepspeed.bf16=auto"]).output
+    plan = (
+        CliRunner()
+        .invoke(
+            main,
+            [
+                "run",
+                str(cfg),
+                "--only",
+                "download,preprocess,train",
+                "--dry-run",
+                *sum((["--set", s] for s in SETS[:-3]), []),
+                "--set",
+                "train.micro_batch_size=4",
+                "--set",
+                "train.deepspeed.bf16=auto",
+            ],
+        )
+        .output
+    )
     assert "  train       run" in plan, plan

@@ -18,16 +18,26 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.training.checkpoints import read_checkpoint_file
 from pipeline.commands.cli import main
 from pipeline.errors import Preempted
+from pipeline.training.checkpoints import read_checkpoint_file
 from tests.stages.test_quickstart import tiny_config
 
 # lr 0.01 (tiny_config's); embedding dropout so that the run draws random numbers every step
-BASE = ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=4",
-        "model.emb_dropout=0.1", "tracking.enabled=false"]
-RUNTIME_EDITS = ["train.log_every=1", "train.eval_every=2", "train.checkpoint_every=3",
-                 "train.keep_checkpoints=1", "model.attention.impl=sdpa"]
+BASE = [
+    "train.steps=8",
+    "train.checkpoint_every=4",
+    "train.eval_every=4",
+    "model.emb_dropout=0.1",
+    "tracking.enabled=false",
+]
+RUNTIME_EDITS = [
+    "train.log_every=1",
+    "train.eval_every=2",
+    "train.checkpoint_every=3",
+    "train.keep_checkpoints=1",
+    "model.attention.impl=sdpa",
+]
 
 
 def test_validation_draws_no_random_numbers_and_restores_train_mode():
@@ -36,13 +46,23 @@ def test_validation_draws_no_random_numbers_and_restores_train_mode():
     from pipeline.training.evaluation import evaluate_nll
 
     torch.manual_seed(0)
-    model = build_model("allattn", {"d_model": 16, "n_layers": 2, "n_heads": 2,
-                                    "n_persistent": 4, "max_span": 32, "attn_dropout": 0.3,
-                                    "emb_dropout": 0.1, "out_dropout": 0.1}, vocab_size=11)
+    model = build_model(
+        "allattn",
+        {
+            "d_model": 16,
+            "n_layers": 2,
+            "n_heads": 2,
+            "n_persistent": 4,
+            "max_span": 32,
+            "attn_dropout": 0.3,
+            "emb_dropout": 0.1,
+            "out_dropout": 0.1,
+        },
+        vocab_size=11,
+    )
     tokens = np.arange(300, dtype=np.int64) % 11
     states = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
-    evaluate_nll(model, tokens, batch_size=2, seq_len=8, device=torch.device("cpu"),
-                 max_batches=4)
+    evaluate_nll(model, tokens, batch_size=2, seq_len=8, device=torch.device("cpu"), max_batches=4)
     assert torch.equal(torch.get_rng_state(), states[0])
     assert np.array_equal(np.random.get_state()[1], states[1])
     assert random.getstate() == states[2]
@@ -107,17 +127,16 @@ def test_config_edits_after_a_preemption(tmp_path, cli, monkeypatch):
         f"error: train: {partial} holds an interrupted run with checkpoints up to step 4, "
         f"started with other settings that change its result: train.optimizer.lr 0.01 -> "
         f"0.005. Set them back to resume it, or re-run with --force train to discard its "
-        f"checkpoints and start over (nothing was deleted)\n")
+        f"checkpoints and start over (nothing was deleted)\n"
+    )
     assert sorted(p.name for p in (partial / "checkpoints").iterdir()) == saved
 
     plan = cli(cfg, *RUNTIME_EDITS, args=("--dry-run",)).output
     assert "  train       run   not done yet; resume from step 4\n" in plan
     plan = cli(cfg, "train.optimizer.lr=0.005", args=("--dry-run", "--force", "train")).output
-    assert ("  train       run   forced (--force); would discard checkpoints up to step 4\n"
-            in plan)
+    assert "  train       run   forced (--force); would discard checkpoints up to step 4\n" in plan
 
-    forced = preempted(cli, monkeypatch, cfg, "train.optimizer.lr=0.005",
-                       args=("--force", "train"))
+    forced = preempted(cli, monkeypatch, cfg, "train.optimizer.lr=0.005", args=("--force", "train"))
     assert "[train] discarding the interrupted run's checkpoints up to step 4\n" in forced.output
     assert "resuming" not in forced.output
     # started over: its first checkpoint is step 4 again (resumed, it would have been step 8)

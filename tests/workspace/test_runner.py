@@ -19,14 +19,14 @@ import pytest
 
 import stages
 from pipeline.errors import PipelineError, Preempted
-from pipeline.workspace.layout import Workspace
-from pipeline.workspace.runner import Runner
-from pipeline.workspace.lock import WorkspaceLock
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import NullTracker
+from pipeline.workspace.layout import Workspace
+from pipeline.workspace.lock import WorkspaceLock
+from pipeline.workspace.runner import Runner
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
-SEEN: dict[str, list[str]] = {}   # stage -> files already in its out_dir when it started
+SEEN: dict[str, list[str]] = {}  # stage -> files already in its out_dir when it started
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def calls(monkeypatch):
     def make(name):
         def run(ctx):
             SEEN[name] = sorted(p.name for p in ctx.out_dir.iterdir())
-            if os.environ.get("PREEMPT_STAGE") == name:     # a checkpoint, then a signal
+            if os.environ.get("PREEMPT_STAGE") == name:  # a checkpoint, then a signal
                 (ctx.out_dir / "checkpoints" / "step-00000004").mkdir(parents=True)
                 (ctx.out_dir / "checkpoints" / "latest").write_text("step-00000004\n")
                 raise Preempted(f"{name} preempted")
@@ -50,11 +50,13 @@ def calls(monkeypatch):
             (ctx.out_dir / "output.txt").write_text(name)
             ran.append(name)
             return {"ok": name}
+
         return run
 
     for name in ORDER:
-        monkeypatch.setitem(stages.STAGES, name,
-                            dataclasses.replace(stages.STAGES[name], run=make(name)))
+        monkeypatch.setitem(
+            stages.STAGES, name, dataclasses.replace(stages.STAGES[name], run=make(name))
+        )
     return ran
 
 
@@ -68,7 +70,7 @@ model: {{kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 4, m
 train: {{steps: 2, batch_size: 2, seq_len: 8,
         optimizer: {{type: adam, lr: 1.0e-3, clip: global, clip_norm: 1.0}}}}
 finetune: {{steps: 1}}
-workspace: {{root: {tmp_path / 'runs'}}}
+workspace: {{root: {tmp_path / "runs"}}}
 stages: [download, preprocess, train, finetune, evaluate]
 """)
     return path
@@ -103,7 +105,7 @@ def test_changing_train_config_reruns_from_train(cfg, calls):
     calls.clear()
     run(cfg, "train.optimizer.lr=0.05")
     assert calls == []
-    run(cfg)                       # back to the original lr: a change again
+    run(cfg)  # back to the original lr: a change again
     assert calls == ["train", "finetune", "evaluate"]
 
 
@@ -131,7 +133,7 @@ def test_from_and_only(cfg, calls):
     assert calls == ["finetune", "evaluate"]
     calls.clear()
     run(cfg, only=["evaluate"])
-    assert calls == []                       # up to date: --only does not force
+    assert calls == []  # up to date: --only does not force
     run(cfg, only=["evaluate"], force=["evaluate"])
     assert calls == ["evaluate"]
 
@@ -165,7 +167,7 @@ def test_failed_stage_publishes_nothing_and_keeps_earlier_outputs(cfg, calls, mo
     with pytest.raises(RuntimeError, match="finetune failed"):
         run(cfg, force=["train"])
     assert calls == ["train"]
-    assert (ws / "train" / "stage.json").exists()            # train completed: published
+    assert (ws / "train" / "stage.json").exists()  # train completed: published
     # finetune's previous output stays until a new one is complete (its record names the
     # old train build, so the next run re-runs it)
     assert json.loads((ws / "finetune" / "stage.json").read_text()) == finetune_before
@@ -187,9 +189,13 @@ def test_dry_run_plan_says_why(cfg, calls):
     run(cfg)
     plan = Runner(load_spec(cfg, ["train.steps=3"])).plan()
     assert {s.stage: s.action for s in plan} == {
-        "download": "skip", "preprocess": "skip", "train": "run", "finetune": "run",
-        "evaluate": "run"}
-    assert calls == ORDER            # planning ran nothing
+        "download": "skip",
+        "preprocess": "skip",
+        "train": "run",
+        "finetune": "run",
+        "evaluate": "run",
+    }
+    assert calls == ORDER  # planning ran nothing
 
 
 def test_second_concurrent_run_is_refused_naming_the_holder(cfg, calls):
@@ -201,19 +207,18 @@ def test_second_concurrent_run_is_refused_naming_the_holder(cfg, calls):
     assert "in use by another run" in msg
     assert f"pid {os.getpid()}" in msg and socket.gethostname() in msg
     assert calls == []
-    run(cfg)                                     # released: runs
+    run(cfg)  # released: runs
     assert calls == ORDER
 
 
-def test_rerun_after_failure_resumes_in_the_partial_but_force_starts_clean(cfg, calls,
-                                                                           monkeypatch):
+def test_rerun_after_failure_resumes_in_the_partial_but_force_starts_clean(cfg, calls, monkeypatch):
     run(cfg, only=["download"])
     monkeypatch.setenv("FAIL_STAGE", "preprocess")
     for _ in range(2):
         with pytest.raises(RuntimeError):
             run(cfg)
     monkeypatch.delenv("FAIL_STAGE")
-    run(cfg, only=["preprocess"])                   # same config: the partial is kept
+    run(cfg, only=["preprocess"])  # same config: the partial is kept
     assert "half-written" in SEEN["preprocess"]
     run(cfg, only=["preprocess"], force=["preprocess"])
     assert "half-written" not in SEEN["preprocess"] and "output.txt" not in SEEN["preprocess"]
@@ -221,11 +226,12 @@ def test_rerun_after_failure_resumes_in_the_partial_but_force_starts_clean(cfg, 
     with pytest.raises(RuntimeError):
         run(cfg, force=["preprocess"])
     monkeypatch.delenv("FAIL_STAGE")
-    run(cfg, "dataset.split.test=0.1", only=["preprocess"])   # other config: emptied
+    run(cfg, "dataset.split.test=0.1", only=["preprocess"])  # other config: emptied
     assert "half-written" not in SEEN["preprocess"]
 
 
 # ------------------------------------------------ edits after an interruption, crash-safe publish
+
 
 def interrupt(cfg, monkeypatch, stage, *overrides):
     """Run until `stage` has saved a checkpoint (step 4) and been preempted."""
@@ -239,21 +245,30 @@ def train_step(plan) -> str:
     return next(s.describe() for s in plan if s.stage == "train")
 
 
-RUNTIME_EDITS = ["train.log_every=3", "train.eval_every=5", "train.eval_batches=3",
-                 "train.checkpoint_every=2", "train.keep_checkpoints=5",
-                 "model.attention.impl=flex", "train.launcher.procs_per_node=2"]
+RUNTIME_EDITS = [
+    "train.log_every=3",
+    "train.eval_every=5",
+    "train.eval_batches=3",
+    "train.checkpoint_every=2",
+    "train.keep_checkpoints=5",
+    "model.attention.impl=flex",
+    "train.launcher.procs_per_node=2",
+]
 
 
-def test_runtime_only_edits_resume_an_interrupted_train_and_keep_a_finished_one(cfg, calls,
-                                                                                monkeypatch):
+def test_runtime_only_edits_resume_an_interrupted_train_and_keep_a_finished_one(
+    cfg, calls, monkeypatch
+):
     interrupt(cfg, monkeypatch, "train")
-    assert train_step(Runner(load_spec(cfg, RUNTIME_EDITS)).plan()) == \
-        "not done yet; resume from step 4"
+    assert (
+        train_step(Runner(load_spec(cfg, RUNTIME_EDITS)).plan())
+        == "not done yet; resume from step 4"
+    )
     calls.clear()
     run(cfg, *RUNTIME_EDITS)
     assert calls == ["train", "finetune", "evaluate"]
-    assert SEEN["train"] == ["checkpoints", "partial.json"]       # resumed in its partial
-    run(cfg)                                      # finished: the edits undone change nothing
+    assert SEEN["train"] == ["checkpoints", "partial.json"]  # resumed in its partial
+    run(cfg)  # finished: the edits undone change nothing
     run(cfg, "train.log_every=7", "train.eval_every=3", "model.attention.impl=auto")
     assert calls == ["train", "finetune", "evaluate"]
 
@@ -269,10 +284,14 @@ def test_a_result_edit_is_refused_naming_the_keys_and_deletes_nothing(cfg, calls
         f"train: {partial} holds an interrupted run with checkpoints up to step 4, started "
         f"with other settings that change its result: train.optimizer.lr 0.001 -> 0.05. Set "
         f"them back to resume it, or re-run with --force train to discard its checkpoints "
-        f"and start over (nothing was deleted)")
-    with pytest.raises(PipelineError, match=r"step 4, started with other settings that "
-                                            r"change its result: input preprocess will be "
-                                            r"re-run\. Set them back"):
+        f"and start over (nothing was deleted)"
+    )
+    with pytest.raises(
+        PipelineError,
+        match=r"step 4, started with other settings that "
+        r"change its result: input preprocess will be "
+        r"re-run\. Set them back",
+    ):
         run(cfg, "dataset.split.valid=0.1")
     assert calls == []
     assert sorted(p.relative_to(partial) for p in partial.rglob("*")) == files
@@ -280,7 +299,7 @@ def test_a_result_edit_is_refused_naming_the_keys_and_deletes_nothing(cfg, calls
     assert train_step(forced) == "forced (--force); would discard checkpoints up to step 4"
     run(cfg, "train.optimizer.lr=0.05", force=["train"])
     assert calls == ["train", "finetune", "evaluate"]
-    assert SEEN["train"] == ["partial.json"]                      # started over
+    assert SEEN["train"] == ["partial.json"]  # started over
 
 
 def test_a_partial_from_an_older_version_is_refused_without_keys(cfg, calls, monkeypatch):
@@ -293,12 +312,14 @@ def test_a_partial_from_an_older_version_is_refused_without_keys(cfg, calls, mon
         f"train: {partial} holds an interrupted run with checkpoints up to step 4, started "
         f"with other settings that its partial.json does not record (missing, or written by "
         f"an older allattn-pipe); run it with the config that started it to resume, or re-run "
-        f"with --force train to discard its checkpoints and start over (nothing was deleted)")
+        f"with --force train to discard its checkpoints and start over (nothing was deleted)"
+    )
     assert (partial / "checkpoints" / "step-00000004").is_dir()
 
 
 def test_a_changed_config_keeps_the_finished_output_until_the_new_one_is_complete(
-        cfg, calls, monkeypatch):
+    cfg, calls, monkeypatch
+):
     run(cfg)
     ws = Path(load_spec(cfg).workspace_dir)
     record = (ws / "train" / "stage.json").read_text()
@@ -310,7 +331,7 @@ def test_a_changed_config_keeps_the_finished_output_until_the_new_one_is_complet
     monkeypatch.delenv("FAIL_STAGE")
     assert (ws / "train" / "stage.json").read_text() == record
     calls.clear()
-    run(cfg)                           # the edit undone: the finished output is still good
+    run(cfg)  # the edit undone: the finished output is still good
     assert calls == []
 
 
@@ -323,21 +344,26 @@ def test_publish_interrupted_at_any_operation_loses_nothing(cfg, calls, monkeypa
     ws = Path(load_spec(cfg).workspace_dir)
     overrides = ["train.optimizer.lr=0.05"] if earlier else []
     real_publish = Workspace.publish
-    ops = [(pipeline.workspace.layout, "atomic_write_json"), (os, "rename"), (shutil, "rmtree"),
-           (Path, "unlink")]
+    ops = [
+        (pipeline.workspace.layout, "atomic_write_json"),
+        (os, "rename"),
+        (shutil, "rmtree"),
+        (Path, "unlink"),
+    ]
     for k in itertools.count(1):
         shutil.rmtree(ws, ignore_errors=True)
         if earlier:
             run(cfg)
         done = 0
 
-        def failing(real, k=k):       # this attempt's k, bound where op is made
+        def failing(real, k=k):  # this attempt's k, bound where op is made
             def op(*args, **kwargs):
                 nonlocal done
                 done += 1
                 if done == k:
                     raise OSError(f"injected failure at operation {k}")
                 return real(*args, **kwargs)
+
             return op
 
         def publish(self, stage, record):
@@ -354,7 +380,7 @@ def test_publish_interrupted_at_any_operation_loses_nothing(cfg, calls, monkeypa
             except OSError:
                 pass
             else:
-                break                              # k is past publish's last operation
+                break  # k is past publish's last operation
         calls.clear()
         run(cfg, *overrides)
         # the record is the commit: written (k > 1), train is published by the next run;
@@ -379,7 +405,6 @@ def test_a_broken_latest_pointer_does_not_make_checkpoints_deletable(cfg, calls,
     assert (partial / "checkpoints" / "step-00000004").is_dir()
 
 
-
 UNWRITABLE = Path("/sys/allattn-test")
 """A directory no process may create, root included (sysfs refuses new entries)."""
 
@@ -391,6 +416,9 @@ def test_a_workspace_that_cannot_be_written_is_one_line_before_anything_runs(cfg
 
     result = CliRunner().invoke(main, ["run", str(cfg), "--set", f"workspace.root={UNWRITABLE}"])
     assert result.exit_code == 2, result.output
-    assert re.fullmatch(rf"error: workspace {UNWRITABLE / 'pipe'}: cannot write there: "
-                        rf"(Operation not permitted|Permission denied)\n", result.output)
+    assert re.fullmatch(
+        rf"error: workspace {UNWRITABLE / 'pipe'}: cannot write there: "
+        rf"(Operation not permitted|Permission denied)\n",
+        result.output,
+    )
     assert not UNWRITABLE.exists()

@@ -11,9 +11,10 @@ from stages.base import Stage, StageContext
 
 def run(ctx: StageContext) -> dict:
     manifest = load_manifest(ctx.inputs["preprocess"])
-    stats = {"vocab_size": manifest["vocab_size"],
-             **{f"{name}_tokens": split["tokens"]
-                for name, split in manifest["splits"].items()}}
+    stats = {
+        "vocab_size": manifest["vocab_size"],
+        **{f"{name}_tokens": split["tokens"] for name, split in manifest["splits"].items()},
+    }
     # the runner publishes out_dir as a whole once run returns
     (ctx.out_dir / "stats.json").write_text(json.dumps(stats, indent=2))
     ctx.tracker.log_metrics(stats, step=0)

@@ -14,6 +14,7 @@ from pipeline.models.protocol import ModelFamily, ModelOutput, SequenceModel
 @dataclass
 class TinyGRUConfig:
     """A token embedding, a stack of GRU layers, and a linear output over the vocabulary."""
+
     d_model: int = 64
     """Width of the embedding and of the GRU's hidden state."""
     n_layers: int = 1
@@ -40,17 +41,23 @@ class TinyGRU(SequenceModel):
 
     def init_state(self, batch_size: int, device=None):
         # the protocol's state is batch first: [B, layers, d_model]
-        return [self.embed.weight.new_zeros(batch_size, self.cfg.n_layers, self.cfg.d_model,
-                                            device=device)]
+        return [
+            self.embed.weight.new_zeros(
+                batch_size, self.cfg.n_layers, self.cfg.d_model, device=device
+            )
+        ]
 
     def forward(self, tokens, targets=None, state=None):
         if state is None:
             state = self.init_state(tokens.shape[0], tokens.device)
-        hidden = state[0].transpose(0, 1).contiguous()      # the GRU's [layers, B, d_model]
+        hidden = state[0].transpose(0, 1).contiguous()  # the GRU's [layers, B, d_model]
         x, hidden = self.gru(self.drop(self.embed(tokens)), hidden)
         logits = self.out(self.drop(x))
-        nll = None if targets is None else F.cross_entropy(
-            logits.transpose(1, 2), targets, reduction="none")
+        nll = (
+            None
+            if targets is None
+            else F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        )
         return ModelOutput(logits, nll, [hidden.transpose(0, 1).detach()])
 
 
