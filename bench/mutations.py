@@ -66,14 +66,14 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 INFINITY,
-                "inner = torch.cat([tau * contraction_grid(n_old, midpoints),",
-                "inner = torch.cat([contraction_grid(n_old, midpoints),",
+                "tau * contraction_grid(n_old, midpoints),",
+                "contraction_grid(n_old, midpoints),",
                 "old samples not contracted into [0, τ]",
             ),
             (
                 INFINITY,
-                "tau + (1 - tau) * contraction_grid(n_new, midpoints)])",
-                "tau + tau * contraction_grid(n_new, midpoints)])",
+                "tau + (1 - tau) * contraction_grid(n_new, midpoints),",
+                "tau + tau * contraction_grid(n_new, midpoints),",
                 "new vectors spread over τ instead of 1 − τ",
             ),
             (
@@ -91,8 +91,8 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 INFINITY,
-                "return g[pad:len(positions) - pad]",
-                "return g[:len(positions) - 2 * pad]",
+                "return g[pad : len(positions) - pad]",
+                "return g[: len(positions) - 2 * pad]",
                 "fit matrix rows of the padding instead of the vectors",
             ),
             (
@@ -121,8 +121,10 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 INFINITY,
-                "q = (torch.arange(n_samples, dtype=hist.dtype, device=hist.device) + 0.5) / n_samples",
-                "q = (torch.arange(n_samples, dtype=hist.dtype, device=hist.device) + 1.0) / n_samples",
+                "q = (torch.arange(n_samples, dtype=hist.dtype, device=hist.device) + 0.5) / "
+                "n_samples",
+                "q = (torch.arange(n_samples, dtype=hist.dtype, device=hist.device) + 1.0) / "
+                "n_samples",
                 "sticky quantile levels shifted",
             ),
             (
@@ -157,7 +159,8 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 INFINITY,
-                "samples = basis_values(u, self.centres, self.widths) @ coeff.to(self.centres.dtype)",
+                "samples = basis_values(u, self.centres, self.widths) @ "
+                "coeff.to(self.centres.dtype)",
                 "samples = basis_values(self.cfg.tau * u, self.centres, self.widths) "
                 "@ coeff.to(self.centres.dtype)",
                 "old signal sampled at the contracted positions",
@@ -182,7 +185,7 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 INFINITY,
-                "scores = q @ keys.transpose(-1, -2) / math.sqrt(d_head)           # [B, H, M, N]",
+                "scores = q @ keys.transpose(-1, -2) / math.sqrt(d_head)  # [B, H, M, N]",
                 "scores = q @ keys.transpose(-1, -2)",
                 "no 1/sqrt(d_head) on the scores",
             ),
@@ -299,9 +302,8 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 INFINITY,
-                "pos_emb = self.drop(sinusoid(torch.arange(cfg.mem_len + m, device=tokens.device),",
-                "pos_emb = self.drop(sinusoid(torch.arange(1, cfg.mem_len + m + 1, "
-                "device=tokens.device),",
+                "sinusoid(torch.arange(cfg.mem_len + m, device=tokens.device), cfg.d_model)",
+                "sinusoid(torch.arange(1, cfg.mem_len + m + 1, device=tokens.device), cfg.d_model)",
                 "position embeddings of distances 1.. instead of 0..",
             ),
             (
@@ -330,7 +332,7 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 INFINITY,
-                "n_valid = min(seen, cfg.mem_len)      # the STM: the cache's last n_valid rows",
+                "n_valid = min(seen, cfg.mem_len)  # the STM: the cache's last n_valid rows",
                 "n_valid = cfg.mem_len",
                 "the STM counted full from a document's start (its empty rows read)",
             ),
@@ -380,7 +382,8 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             (
                 ACTIVE_MEMORY,
                 "return F.conv1d(padded.transpose(1, 2), self.weight, self.bias).transpose(1, 2)",
-                "return F.conv1d(padded.transpose(1, 2), self.weight.flip(-1), self.bias).transpose(1, 2)",
+                "return F.conv1d(padded.transpose(1, 2), self.weight.flip(-1), "
+                "self.bias).transpose(1, 2)",
                 "conv: taps reversed (correlation -> convolution)",
             ),
             (
@@ -505,7 +508,8 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             (
                 ACTIVE_MEMORY,
                 "return self.out((weights @ v).transpose(1, 2).reshape(b, m, -1))",
-                "return self.out((weights.transpose(-1, -2) @ v).transpose(1, 2).reshape(b, m, -1))",
+                "return self.out((weights.transpose(-1, -2) @ v).transpose(1, 2).reshape(b, m, "
+                "-1))",
                 "attention: weights transposed",
             ),
             # the sa+X sums

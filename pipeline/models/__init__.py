@@ -1,5 +1,6 @@
-"""Model registry. Models are plain torch modules built from a config dataclass; every family,
-built-in or installed, is an entry point in the group `allattn_pipe.models` (pipeline/plugins.py)."""
+"""Model registry. Models are plain torch modules built from a config dataclass; every
+family, built-in or installed, is an entry point in the group `allattn_pipe.models`
+(pipeline/plugins.py)."""
 
 from __future__ import annotations
 
