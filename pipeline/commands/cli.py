@@ -433,7 +433,13 @@ CHECKPOINT = click.option(
     help="Softmax temperature; 0 picks the most likely token.",
 )
 @click.option("--top-k", type=click.IntRange(min=1), help="Draw from the K most likely only.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--seed",
+    # what torch's generator takes (a 64-bit seed, signed or not)
+    type=click.IntRange(min=-(2**63), max=2**64 - 1),
+    default=0,
+    show_default=True,
+)
 def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, seed):
     """Continue PROMPT with CONFIG's trained language model (through its cache)."""
     from pipeline.commands.sample import sample as generate_text

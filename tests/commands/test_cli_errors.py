@@ -22,6 +22,9 @@ QUICKSTART = "configs/quickstart.yaml"
         (["launch", "slurm", QUICKSTART], "'--nodes'"),
         (["launch", "slurm", QUICKSTART, "--nodes", "x\ny", "--gpus-per-node", "1"], "'--nodes'"),
         (["sample", QUICKSTART, "--prompt", "x", "--tokens", "-1"], "'--tokens'"),
+        # beyond a 64-bit seed: torch's generator raised an OverflowError (the CLI fuzzer)
+        (["sample", QUICKSTART, "--prompt", "x", "--seed", str(-(2**63) - 1)], "'--seed'"),
+        (["sample", QUICKSTART, "--prompt", "x", "--seed", str(2**64)], "'--seed'"),
         (["compare", "--format", "xml"], "'--format'"),
         (["sweep", QUICKSTART, "--parallel"], "'--parallel'"),
         ([], "missing command"),
