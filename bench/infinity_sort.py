@@ -167,14 +167,19 @@ def load_results(path: Path | None) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def runs_of(results: list[dict], key: str, length: int, shortest: int) -> list[dict]:
+    """The runs that stand for model `key` at `length`: at the shortest length every model
+    is the base (see the module doc)."""
+    if length == shortest:
+        return [r for r in results if r["base"] and r["length"] == length]
+    return [r for r in results if r["model"] == key and r["length"] == length]
+
+
 def table(results: list[dict], lengths: list[int], models: list[str]) -> str:
-    shortest = min(lengths)
+    lo, hi = min(lengths), max(lengths)
 
     def runs(key, length):
-        # at the shortest length every model is the base (see the module doc)
-        if length == shortest:
-            return [r for r in results if r["base"] and r["length"] == length]
-        return [r for r in results if r["model"] == key and r["length"] == length]
+        return runs_of(results, key, length, lo)
 
     lines = [
         "| length | model | token accuracy (mean ± sd) | exact match (mean ± sd) | seeds "
@@ -192,7 +197,6 @@ def table(results: list[dict], lengths: list[int], models: list[str]) -> str:
                 f"| {length} | {MODELS[key][0]} | {acc.mean():.3f} ± {acc.std():.3f} | "
                 f"{exact.mean():.3f} ± {exact.std():.3f} | {len(rs)} | {minutes:.1f} |"
             )
-    lo, hi = min(lengths), max(lengths)
     lines += [
         "",
         f"| model | accuracy lost from length {lo} to {hi} (mean ± sd over seeds) |",
@@ -218,12 +222,7 @@ def plot(results: list[dict], lengths: list[int], models: list[str], path: Path)
     for key in models:
         xs, mean, sd = [], [], []
         for length in lengths:
-            acc = [
-                r["accuracy"]
-                for r in results
-                if r["length"] == length
-                and (r["base"] if length == min(lengths) else r["model"] == key)
-            ]
+            acc = [r["accuracy"] for r in runs_of(results, key, length, min(lengths))]
             if acc:
                 xs.append(length)
                 mean.append(np.mean(acc))
