@@ -172,6 +172,15 @@ def test_the_reference_documents_a_plugin_where_it_is_installed(plugin_env):
     )
 
 
+def _validate_with(plugin_env, package_dir, dist):
+    """`validate SPEC` with the package at `package_dir` installed, uninstalled after."""
+    plugin_env.install(package_dir)
+    try:
+        return plugin_env.run("validate", SPEC)
+    finally:
+        plugin_env.pip("uninstall", "--yes", dist)
+
+
 def test_a_broken_or_clashing_installed_plugin_is_one_line(plugin_env, tmp_path):
     broken = package(
         tmp_path,
@@ -179,11 +188,7 @@ def test_a_broken_or_clashing_installed_plugin_is_one_line(plugin_env, tmp_path)
         {"allattn_pipe.models": {"broken": "broken_mod:FAMILY"}},
         {"broken_mod": "import no_such_module_here\n"},
     )
-    plugin_env.install(broken)
-    try:
-        result = plugin_env.run("validate", SPEC)
-    finally:
-        plugin_env.pip("uninstall", "--yes", "broken-plugin")
+    result = _validate_with(plugin_env, broken, "broken-plugin")
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: model kind 'broken' of the distribution 'broken-plugin' (broken_mod:FAMILY) "
@@ -196,11 +201,7 @@ def test_a_broken_or_clashing_installed_plugin_is_one_line(plugin_env, tmp_path)
         {"allattn_pipe.stages": {"train": "clash_mod:STAGE"}},
         {"clash_mod": "STAGE = None\n"},
     )
-    plugin_env.install(clash)
-    try:
-        result = plugin_env.run("validate", SPEC)
-    finally:
-        plugin_env.pip("uninstall", "--yes", "clash-plugin")
+    result = _validate_with(plugin_env, clash, "clash-plugin")
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: stage kind 'train' of the distribution 'clash-plugin' (clash_mod:STAGE): the "
