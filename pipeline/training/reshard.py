@@ -176,8 +176,8 @@ def trainer_state(old: list[dict], rank: int, world_size: int, accum: int, ckpt:
     """This rank's trainer state at `world_size` processes of `accum` micro-batches, from the
     old ranks' ones (`old[r]`: rank r's `trainer-rank<r>.pt`, read by
     pipeline.training.checkpoint_io.read_trainer_file) of checkpoint `ckpt`: the same step and
-    validation record, the model states cut for the new rows, and old rank `rank`'s random
-    state (None for a rank that did not exist)."""
+    validation record and span plan, the model states cut for the new rows, and old rank
+    `rank`'s random state (None for a rank that did not exist)."""
     # per state tensor: the global batch's rows in order
     rows = [
         torch.cat([state[i] for saved in old for state in saved["states"]])
@@ -197,4 +197,6 @@ def trainer_state(old: list[dict], rank: int, world_size: int, accum: int, ckpt:
         "valid": old[0]["valid"],
         "states": states,
         "rng": old[rank]["rng"] if rank < len(old) else None,
+        # the span plan follows the model's parameters, the same on every rank
+        "plan": old[0].get("plan"),
     }

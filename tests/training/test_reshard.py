@@ -7,7 +7,7 @@ them would have; ZeRO 3 is refused with a message.
 
 Model states: each old rank's rows of the model's state (the Transformer-XL cache) land on the
 new rank and micro-batch that own those global batch rows, from files written before models had
-a state of their own too.
+a state of their own too; the span plan (and its overflow count) goes to every new rank.
 
 Through the pipeline: a 2-process ZeRO-2 run with the paper's optimizer (Adagrad, step clipped
 per tensor) and adaptive span, preempted after step 4, resumes in 1 process with the losses of
@@ -36,6 +36,11 @@ STEPS = 8  # checkpoints at steps 4 and 8 (tiny_config)
 STEPS_TOY, SAVE = 4, 2  # tests/helpers/reshard_worker.py's
 
 
+# an adaptive-span model's plan_state(): the L' in force, requested values not yet read, and
+# the overflows counted so far (a metric of the run)
+PLAN = {"planned": [40, 64], "pending": [[0.3, 0.5]], "overflows": 3}
+
+
 def write_trainer_states(ckpt: Path, writers: int, accum: int, batch: int, key: str) -> None:
     """trainer-rank<r>.pt files whose model states (two tensors) hold their global row index,
     under `key`: "states", or "caches" as written before models had a state of their own."""
@@ -48,7 +53,13 @@ def write_trainer_states(ckpt: Path, writers: int, accum: int, batch: int, key: 
                 [rows.view(micro, 1, 1).expand(micro, length, 3).clone() for length in (2, 5)]
             )
         torch.save(
-            {"step": 7, "valid": {"best": 1.5, "since_best": 1}, "rng": f"rank {r}", key: states},
+            {
+                "step": 7,
+                "valid": {"best": 1.5, "since_best": 1},
+                "rng": f"rank {r}",
+                "plan": PLAN,
+                key: states,
+            },
             ckpt / f"trainer-rank{r}.pt",
         )
 
@@ -66,6 +77,7 @@ def test_cache_rows_go_to_the_rank_and_micro_batch_that_own_them(
         state = trainer_state(old, rank, world_size, accum, tmp_path)
         assert state["step"] == 7 and state["valid"] == {"best": 1.5, "since_best": 1}
         assert state["rng"] == (f"rank {rank}" if rank < writers else None)
+        assert state["plan"] == PLAN
         assert len(state["states"]) == accum
         for i, cache in enumerate(state["states"]):
             first = rank * accum * micro + i * micro
