@@ -63,6 +63,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -136,7 +137,13 @@ def train_and_score(
     )
     test = torch.from_numpy(generate_split(seed, "test", args["test"], VOCAB, length, WEIGHTS))
     model.train()
+    parent = multiprocessing.parent_process()
     for step in range(steps):
+        if step % 50 == 0 and parent is not None and not parent.is_alive():
+            # the invocation was killed: a run of many minutes would go on for no one (and
+            # an exception would only be sent back to it, the worker then idling forever)
+            print(f"infinity_sort: the parent of run {model_key}/{length} is gone", flush=True)
+            os._exit(1)
         out = run_documents(model, train[step * batch : (step + 1) * batch], segment, length, True)
         opt.zero_grad()
         (out.nll.mean() + out.aux).backward()
