@@ -119,8 +119,8 @@ def main() -> None:
         from pipeline.ops import fused
 
         tiles = {
-            f"{d} {t} d_h {h}": fused.FLEX_TILES[i] or "torch's default"
-            for (d, t, h), i in fused._flex_tile.items()
+            f"{d} {t} d_h {h}": tile or "torch's default"
+            for (d, t, h), tile in fused.flex_tiles_in_use().items()
         }
         print(f"\nflex forward tile (the first of FLEX_TILES that compiled): {tiles}")
 

@@ -190,6 +190,12 @@ FLEX_TILES: tuple[dict, ...] = (
 _flex_tile: dict = {}
 
 
+def flex_tiles_in_use() -> dict[tuple, dict]:
+    """{(device, dtype, d_h): the kernel options of the FLEX_TILES entry that compiled there}
+    ({} for torch's default tile), for the benchmarks to report."""
+    return {where: FLEX_TILES[i] for where, i in _flex_tile.items()}
+
+
 def _run_flex(flex, q, keys, values, score_mod, block_mask, lse: bool = False):
     """``flex`` on these inputs in the first tile of ``FLEX_TILES`` that fits the device;
     with ``lse`` the output and its log-sum-exp (``return_aux`` where torch has it, the

@@ -496,6 +496,7 @@ def test_flex_falls_back_to_smaller_tiles_when_the_kernel_runs_out_of_shared_mem
             lambda *a, **k: fused_mod._attend_flex(*a, flex=small_chip_flex, **k), xs, spans, **kw
         )
         assert tried == [fused_mod.FLEX_TILES[0], fused_mod.FLEX_TILES[1], fits, fits]
+        assert fused_mod.flex_tiles_in_use() == {("cpu", torch.float32, 8): fits}
         want = _run(
             lambda *a, **k: fused_mod._attend_flex(*a, flex=fa.flex_attention, **k), xs, spans, **kw
         )
