@@ -299,6 +299,12 @@ def main() -> None:
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         ap.error(f"--models: unknown {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    if lengths[0] > args.segment:
+        # else the base, trained reading documents whole, is not the model scored in segments
+        ap.error(
+            f"--lengths: the shortest, {lengths[0]}, must fit the short-term memory "
+            f"(--segment {args.segment}): the base learns from whole documents"
+        )
     if args.table_only and args.results is None:
         ap.error("--table-only reads --results FILE")
     if args.plot and args.plot.suffix.lower() != ".png":
