@@ -272,17 +272,29 @@ def test_a_requeued_job_checkpoints_and_resumes_to_the_same_weights(
     assert results(root) == results(straight)
 
 
+def run_seconds(run_time: str) -> int:
+    """scontrol's RunTime ([D-]HH:MM:SS) in seconds."""
+    days, _, clock = run_time.rpartition("-")
+    h, m, s = (int(x) for x in clock.split(":"))
+    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + s
+
+
 def test_the_time_limit_checkpoints_and_requeues(cluster, config, prepared, tmp_path):
     """Warned 100 s before its time limit, the job's ranks checkpoint, the script requeues
-    the job, and the next attempt resumes. The limit is cut to 2 minutes once training runs
-    (Slurm checks limits about twice a minute: the warning then comes within seconds, long
-    before the limit itself, and never before training started)."""
+    the job, and the next attempt resumes. Once training runs, the limit is cut to the
+    whole minute at least 2 minutes after the job's run time so far: the warning is then
+    due within 20-80 s and the limit itself 100 s later. (A fixed 2 minutes fell within
+    the run time already spent when a loaded machine was slow to start the job: Slurm sent
+    the warning and ended the job at the same check, with no time to checkpoint.)"""
     root = workspace_root(tmp_path, prepared)
     job, log = submit(
         cluster, config, root, "--time", "10", "--signal-lead", "100", "--set", "train.steps=100000"
     )
     wait_for(checkpoint(root, 8), 120, "checkpoint at step 8 or later", log)
-    cluster.run("scontrol", "update", f"jobid={job}", "TimeLimit=2")
+    limit = -(-(run_seconds(cluster.job(job)["RunTime"]) + 120) // 60)
+    cluster.run("scontrol", "update", f"jobid={job}", f"TimeLimit={limit}")
+    # Slurm checks limits about twice a minute
+    wait_for(lambda: "time limit near" in log.read_text(), 150, "the time-limit warning", log)
     restart_when_requeued(cluster, job, log)
     wait_for(lambda: "resuming from step" in log.read_text(), 120, "resume", log)
     cluster.run("scancel", job)
