@@ -30,6 +30,7 @@ import psutil
 import pytest
 import torch
 
+from pipeline.cluster.slurm import time_limit_seconds
 from tests.cluster.test_distributed import metric_history
 from tests.helpers.slurm_cluster import (
     INTERFACE,
@@ -272,13 +273,6 @@ def test_a_requeued_job_checkpoints_and_resumes_to_the_same_weights(
     assert results(root) == results(straight)
 
 
-def run_seconds(run_time: str) -> int:
-    """scontrol's RunTime ([D-]HH:MM:SS) in seconds."""
-    days, _, clock = run_time.rpartition("-")
-    h, m, s = (int(x) for x in clock.split(":"))
-    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + s
-
-
 def test_the_time_limit_checkpoints_and_requeues(cluster, config, prepared, tmp_path):
     """Warned 100 s before its time limit, the job's ranks checkpoint, the script requeues
     the job, and the next attempt resumes. Once training runs, the limit is cut to the
@@ -291,7 +285,8 @@ def test_the_time_limit_checkpoints_and_requeues(cluster, config, prepared, tmp_
         cluster, config, root, "--time", "10", "--signal-lead", "100", "--set", "train.steps=100000"
     )
     wait_for(checkpoint(root, 8), 120, "checkpoint at step 8 or later", log)
-    limit = -(-(run_seconds(cluster.job(job)["RunTime"]) + 120) // 60)
+    # RunTime is written as a time limit is ([D-]HH:MM:SS)
+    limit = -(-(time_limit_seconds(cluster.job(job)["RunTime"]) + 120) // 60)
     cluster.run("scontrol", "update", f"jobid={job}", f"TimeLimit={limit}")
     # Slurm checks limits about twice a minute
     wait_for(lambda: "time limit near" in log.read_text(), 150, "the time-limit warning", log)
