@@ -19,7 +19,7 @@ FF_KINDS = ("relu", "ff_attn", "softmax")
 """The feed-forward sublayer when ff_dim > 0: the Transformer's ReLU FF (the baseline), the
 ablation's FF-attn, or eq. 9 literally."""
 
-ATTENTION_IMPL_NAMES = ("reference", "sdpa", "flex", "auto")
+ATTENTION_IMPL_NAMES = ("reference", "sdpa", "flex", "triton", "auto")
 """Backends of the attention op (pipeline.ops): same numbers, different speed and memory."""
 
 
@@ -30,7 +30,9 @@ class AttentionConfig:
     impl: str = "reference"
     """reference = plain PyTorch (pipeline/ops/attention.py); sdpa = scaled_dot_product_attention
     with a float bias (trains; no attention dropout); flex = FlexAttention (CUDA: trains, with
-    dropout from a hashed mask; CPU: forward only); auto = per call, the backend the measured
+    dropout from a hashed mask; CPU: forward only); triton = the Triton kernels of
+    pipeline/ops/triton_kernels.py (CUDA; on a machine without CUDA, Triton's interpreter:
+    exact, for tests only); auto = per call, the backend the measured
     table says is fastest for the device, dtype and attention dropout (docs/benchmarks.md;
     ``AllAttnLM.describe()``)."""
 

@@ -1,6 +1,17 @@
 """Attention ops. ``attend_reference`` is the plain-PyTorch op; the fused backends
 (``pipeline.ops.fused``: sdpa, flex, and auto, which picks one per call) implement the same
-``AttendFn`` signature and register in ``ATTENTION_IMPLS``."""
+``AttendFn`` signature and register in ``ATTENTION_IMPLS``, ``triton`` among them
+(``pipeline.ops.triton_attention``)."""
+
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    # Without CUDA the Triton kernels can only run in Triton's interpreter, and Triton reads
+    # this when it is first imported (torch._dynamo imports it): set it while that is ahead.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pipeline.ops.attention import (  # noqa: F401  (the package's public names)
     ATTENTION_IMPLS,

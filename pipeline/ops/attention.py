@@ -63,6 +63,7 @@ __all__ = [
     "attend_persistent",
     "attend_reference",
     "attention_weights",
+    "check_shapes",
     "get_attention_impl",
     "log_span_mask",
     "skew",
@@ -162,6 +163,19 @@ def log_span_mask(span_mask: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------
 # the op
 # --------------------------------------------------------------------------------------
+
+
+def check_shapes(q: Tensor, k: Tensor, pos: Tensor, pk: Tensor | None, pv: Tensor | None) -> int:
+    """L' of a backend's inputs, or a ValueError naming what does not fit."""
+    if (pk is None) != (pv is None):
+        raise ValueError("persistent_k and persistent_v go together")
+    span_len = k.shape[-2] - q.shape[-2]
+    if span_len < 1 or pos.shape != (q.shape[-1], span_len):
+        raise ValueError(
+            f"keys {tuple(k.shape)}, queries {tuple(q.shape)}, pos {tuple(pos.shape)}: "
+            "need L' >= 1 context rows and pos [d_h, L']"
+        )
+    return span_len
 
 
 def _weights(

@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.ops.attention import ATTENTION_IMPLS, log_span_mask, skew
+from pipeline.ops.attention import ATTENTION_IMPLS, check_shapes, log_span_mask, skew
 from pipeline.ops.dropout import draw_dropout_seed, flex_keep, keep_threshold
+from pipeline.ops.triton_attention import attend_triton
 
 __all__ = [
     "attend_auto",
@@ -65,18 +66,6 @@ def _with_persistent(k: Tensor, pk: Tensor | None) -> Tensor:
     return torch.cat([k, pk.to(k.dtype).expand(k.shape[0], -1, -1, -1)], dim=2)
 
 
-def _check(q: Tensor, k: Tensor, pos: Tensor, pk, pv) -> int:
-    if (pk is None) != (pv is None):
-        raise ValueError("persistent_k and persistent_v go together")
-    span_len = k.shape[-2] - q.shape[-2]
-    if span_len < 1 or pos.shape != (q.shape[-1], span_len):
-        raise ValueError(
-            f"keys {tuple(k.shape)}, queries {tuple(q.shape)}, pos {tuple(pos.shape)}: "
-            "need L' >= 1 context rows and pos [d_h, L']"
-        )
-    return span_len
-
-
 # --------------------------------------------------------------------------------------
 # sdpa
 # --------------------------------------------------------------------------------------
@@ -96,7 +85,7 @@ def attend_sdpa(
     dropout_seed: Tensor | None = None,
 ) -> Tensor:
     """The all-attention op through ``scaled_dot_product_attention`` with a float bias."""
-    _check(q, k, pos, persistent_k, persistent_v)
+    check_shapes(q, k, pos, persistent_k, persistent_v)
     if dropout_p > 0.0 and training:
         raise ValueError(
             "attention impl sdpa has no attention dropout; use flex, reference or auto"
@@ -286,7 +275,7 @@ def _attend_flex(
     """``attend_flex`` without its CPU guard; ``flex``: the flex_attention to call (None:
     compiled, or eager on CPU with dropout). The CPU tests pass torch's eager flex_attention,
     whose backward is torch's own math (dense) implementation."""
-    span_len = _check(q, k, pos, persistent_k, persistent_v)
+    span_len = check_shapes(q, k, pos, persistent_k, persistent_v)
     drop = dropout_p > 0.0 and training
     b, _, m, _ = q.shape
     bucket = flex_bucket(span_len)
@@ -407,4 +396,4 @@ def attend_auto(
     )
 
 
-ATTENTION_IMPLS.update(sdpa=attend_sdpa, flex=attend_flex, auto=attend_auto)
+ATTENTION_IMPLS.update(sdpa=attend_sdpa, flex=attend_flex, triton=attend_triton, auto=attend_auto)

@@ -1,0 +1,373 @@
+"""``triton``: the all-attention op as Triton kernels (``pipeline.ops.triton_kernels``), forward
+and backward, with the signature and numbers of ``attend_reference``.
+
+What it computes is the softmax over [window ; persistent vectors] of
+
+    s_tc = (q_t . k_c + q_t . u_(t-c)) / sqrt(d_h) + log m(t - c)
+    s_tn = q_t . M_k[n] / sqrt(d_h)
+
+(``pipeline.ops.fused``'s formulation: the span mask as log m in float32, which is the
+reference's masked and renormalised weights without its +1e-8 guard), with attention dropout
+from a hash of a device seed (``pipeline.ops.dropout.flex_keep``: flex draws the same mask).
+Nothing of size [B, H, M, L'] is ever in memory: the forward keeps the output and one float32
+log-sum-exp per query, and the backward recomputes the weights tile by tile.
+
+Three kernels run the backward: per query block, dq and the partial sums of u's and log m's
+gradients over its rows (reduced here, once); per key tile, dk and dv; per tile of
+persistent vectors, their gradients over the whole batch. No atomics, so a gradient is the
+same bits run to run.
+
+Where it runs: CUDA tensors, compiled by Triton; on a machine without CUDA, CPU tensors
+through Triton's interpreter (``TRITON_INTERPRET=1``, set here before the kernels are
+built): the same kernels, exact, and far too slow to train with. That is what the tests run
+in CI. The interpreter has no bfloat16.
+
+The tile: one T for the query block and the key tile alike (the position gather needs it),
+chosen per kernel, device, dtype and head size the first time it runs, as the fastest of
+``TILES`` that fits the chip; a tile that runs out of shared memory or registers is skipped,
+as flex's tiles are (``pipeline.ops.fused.FLEX_TILES``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.ops.attention import check_shapes, log_span_mask
+from pipeline.ops.dropout import draw_dropout_seed, keep_threshold
+
+__all__ = ["TILES", "attend_triton", "tiles_in_use"]
+
+TILES: tuple[dict, ...] = (
+    {"T": 64, "num_warps": 4, "num_stages": 2},
+    {"T": 64, "num_warps": 4, "num_stages": 3},
+    {"T": 128, "num_warps": 8, "num_stages": 2},
+    {"T": 32, "num_warps": 4, "num_stages": 2},
+)
+"""The tiles tried on CUDA, per kernel; the first that compiles wins where timing is not
+possible (inside a CUDA graph capture)."""
+
+INTERPRETER_TILE = {"T": 16}
+"""The tile under Triton's interpreter: the smallest tl.dot takes, so the tests' small shapes
+still span several tiles."""
+
+_tiles: dict[tuple, dict] = {}
+_kernels: Any = None
+
+
+def tiles_in_use() -> dict[tuple, dict]:
+    """{(kernel, device, dtype, d_h): the tile it runs with} for the benchmarks' reports."""
+    return dict(_tiles)
+
+
+def _load_kernels(device: torch.device):
+    """The kernel module, built for CUDA or, on a machine without CUDA, for the interpreter."""
+    global _kernels
+    if device.type == "cpu" and not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "attention impl triton on the CPU runs Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before triton is imported (pipeline.ops sets it when it "
+                "is imported first)"
+            )
+    elif device.type != "cuda":
+        raise ValueError(
+            f"attention impl triton runs on CUDA tensors (on a machine without CUDA, on the "
+            f"CPU through Triton's interpreter), not on {device.type}"
+        )
+    if _kernels is None:
+        try:
+            from pipeline.ops import triton_kernels
+        except ImportError as error:
+            raise RuntimeError(
+                f"attention impl triton needs the triton package ({error}); CUDA builds of "
+                "torch bring it, elsewhere: pip install triton"
+            ) from None
+        _kernels = triton_kernels
+    return _kernels
+
+
+def _launch(name: str, q: Tensor, launch_one) -> dict:
+    """Run ``launch_one(tile)`` in the tile kept for (name, device, dtype, d_h); the first
+    time, time every tile of TILES that compiles and keep the fastest. Returns the tile."""
+    if q.device.type != "cuda":
+        launch_one(INTERPRETER_TILE)
+        return INTERPRETER_TILE
+    where = (name, str(q.device), q.dtype, q.shape[-1])
+    if where in _tiles:
+        launch_one(_tiles[where])
+        return _tiles[where]
+    from triton.runtime.errors import OutOfResources
+
+    capturing = torch.cuda.is_current_stream_capturing()
+    best, best_ms = None, math.inf
+    for tile in TILES:
+        try:
+            launch_one(tile)
+        except OutOfResources:
+            continue
+        if capturing:  # no timing inside a graph capture: the first tile that fits
+            best = tile
+            break
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            launch_one(tile)
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) < best_ms:
+            best, best_ms = tile, start.elapsed_time(end)
+    if best is None:
+        raise RuntimeError(f"attention impl triton: no tile of TILES fits {where}")
+    _tiles[where] = best
+    launch_one(best)  # the kept tile's outputs (each tile writes every output in full)
+    return best
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _operands(q, k, v, pos, pk, pv, logm, seed, dropout_p: float) -> tuple:
+    """The leading arguments every kernel takes: the inputs, their strides, the sizes
+    (B, H, M, L', N, d_h) and the scalars. Without persistent vectors or a mask, q and pos
+    stand in for the pointers the kernels then never read."""
+    b, h, m, d = q.shape
+    pk_, pv_, lm = (
+        (q if pk is None else pk),
+        (q if pv is None else pv),
+        (pos if logm is None else logm),
+    )
+    n = 0 if pk is None else pk.shape[1]
+    return (
+        q, k, v, pos, pk_, pv_, lm, seed,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *pos.stride(),
+        pk_.stride(-3), pk_.stride(-2), pv_.stride(-3), pv_.stride(-2), lm.stride(0),
+        b, h, m, pos.shape[1], n, d,
+        1.4426950408889634 / math.sqrt(d), 1.0 / (1.0 - dropout_p), keep_threshold(dropout_p),
+    )  # fmt: skip
+
+
+def _constants(q: Tensor, logm: Tensor | None, dropout_p: float) -> dict:
+    d = q.shape[-1]
+    return dict(
+        HAS_MASK=logm is not None,
+        DROPOUT=dropout_p > 0.0,
+        DP=max(16, 1 << (d - 1).bit_length()),  # the head size padded to a power of 2
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 matmuls in full fp32
+    )
+
+
+@torch.library.custom_op("allattn::triton_attention", mutates_args=())
+def _forward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    pk: Tensor | None,
+    pv: Tensor | None,
+    logm: Tensor | None,
+    seed: Tensor,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    """(out [B, H, M, d_h], lse [B, H, M] float32 in log2 units)."""
+    kernels = _load_kernels(q.device)
+    b, h, m, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(b, h, m, dtype=torch.float32)
+    args = (
+        *_operands(q, k, v, pos, pk, pv, logm, seed, dropout_p),
+        out, lse, *out.stride()[:3],
+    )  # fmt: skip
+    constants = _constants(q, logm, dropout_p)
+    _launch(
+        "forward",
+        q,
+        lambda t: kernels.attention_fwd[(_cdiv(m, t["T"]), b * h)](*args, **constants, **t),
+    )
+    return out, lse
+
+
+@_forward_op.register_fake
+def _(q, k, v, pos, pk, pv, logm, seed, dropout_p):
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        q.new_empty(q.shape[:-1], dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("allattn::triton_attention_backward", mutates_args=())
+def _backward_op(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    pk: Tensor | None,
+    pv: Tensor | None,
+    logm: Tensor | None,
+    seed: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dpos, dpk, dpv, dlogm); dpk, dpv and dlogm are empty where there is no
+    such input (a custom op returns tensors only)."""
+    kernels = _load_kernels(q.device)
+    b, h, m, d = q.shape
+    span_len, n = pos.shape[1], 0 if pk is None else pk.shape[1]
+    grad = _rows_contiguous(grad)
+    delta = (grad.float() * out.float()).sum(-1)  # sum_c P dP per row = dO . O
+    ops = _operands(q, k, v, pos, pk, pv, logm, seed, dropout_p)
+    rows = (grad, lse, delta, *grad.stride()[:3])
+    constants = _constants(q, logm, dropout_p)
+    scale = 1.0 / math.sqrt(d)
+
+    # per query block: dq, and partial sums per distance of u's and log m's gradients
+    # ([B * H, blocks, W]: each block's chunks end before W), summed here once
+    dq = torch.empty(b, h, m, d, device=q.device, dtype=torch.float32)
+    partials: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def dq_pass(tile: dict) -> None:
+        t = tile["T"]
+        blocks, width = _cdiv(m, t), ((span_len + t - 2) // t + 1) * t
+        if t not in partials:
+            partials[t] = (
+                q.new_empty(b * h, blocks, width, d, dtype=torch.float32),
+                q.new_empty(b * h, blocks, width, dtype=torch.float32),
+            )
+        du, dlogm = partials[t]
+        kernels.attention_bwd_dq[(blocks, b * h)](
+            *ops, *rows, dq, du, dlogm, width, **constants, **tile
+        )
+
+    tile = _launch("backward dq", q, dq_pass)
+    du, dlogm_parts = partials[tile["T"]]
+    dpos = (du.sum((0, 1))[:span_len] * scale).t().to(pos.dtype)
+    dlogm = (
+        dlogm_parts.view(b, h, -1, dlogm_parts.shape[-1]).sum((0, 2))[:, :span_len]
+        if logm is not None
+        else lse.new_empty(0)
+    )
+
+    # per key tile: dk, dv
+    dk = torch.empty(b, h, span_len + m, d, device=q.device, dtype=torch.float32)
+    dv = torch.empty_like(dk)
+    _launch(
+        "backward dk dv",
+        q,
+        lambda t: kernels.attention_bwd_dkdv[(_cdiv(span_len + m, t["T"]), b * h)](
+            *ops, *rows, dk, dv, **constants, **t
+        ),
+    )
+
+    # per tile of persistent vectors: their gradients over the whole batch
+    if pk is None:
+        dpk, dpv = q.new_empty(0), q.new_empty(0)
+    else:
+        dpk = torch.empty(h, n, d, device=q.device, dtype=torch.float32)
+        dpv = torch.empty_like(dpk)
+        _launch(
+            "backward persistent",
+            q,
+            lambda t: kernels.attention_bwd_persistent[(_cdiv(n, t["T"]), h)](
+                *ops, *rows, dpk, dpv, **constants, **t
+            ),
+        )
+        dpk, dpv = (dpk * scale).to(pk.dtype), dpv.to(pk.dtype)
+    return (
+        (dq * scale).to(q.dtype),
+        (dk * scale).to(k.dtype),
+        dv.to(v.dtype),
+        dpos,
+        dpk,
+        dpv,
+        dlogm,
+    )
+
+
+@_backward_op.register_fake
+def _(grad, q, k, v, pos, pk, pv, logm, seed, out, lse, dropout_p):
+    def like(x):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    return (
+        like(q),
+        like(k),
+        like(v),
+        like(pos),
+        q.new_empty(0) if pk is None else like(pk),
+        q.new_empty(0) if pv is None else like(pv),
+        lse.new_empty(0) if logm is None else like(logm),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, pos, pk, pv, logm, seed, dropout_p = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, pos, pk, pv, logm, seed, out, lse)
+    ctx.dropout_p = dropout_p
+
+
+def _backward(ctx, grad, _grad_lse):
+    q, k, v, pos, pk, pv, logm, seed, out, lse = ctx.saved_tensors
+    dq, dk, dv, dpos, dpk, dpv, dlogm = _backward_op(
+        grad, q, k, v, pos, pk, pv, logm, seed, out, lse, ctx.dropout_p
+    )
+    absent = (pk is None, pv is None, logm is None)
+    extra = [None if gone else g for gone, g in zip(absent, (dpk, dpv, dlogm), strict=True)]
+    return dq, dk, dv, dpos, *extra, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attend_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    *,
+    persistent_k: Tensor | None = None,
+    persistent_v: Tensor | None = None,
+    span_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    dropout_seed: Tensor | None = None,
+) -> Tensor:
+    """The all-attention op through the Triton kernels (see the module docstring).
+
+    dropout_seed: int32 scalar tensor on q's device seeding the dropout mask (the flex
+    backend's hash, so both drop the same weights for a seed); None draws one there."""
+    check_shapes(q, k, pos, persistent_k, persistent_v)
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"attention impl triton takes float32, float16 or bfloat16, not {q.dtype}")
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        raise ValueError(
+            "attention impl triton on the CPU runs Triton's interpreter, which has no bfloat16"
+        )
+    drop = dropout_p > 0.0 and training
+    if drop and dropout_seed is None:
+        dropout_seed = draw_dropout_seed(q.device)
+    seed = dropout_seed if drop else torch.zeros((), dtype=torch.int32, device=q.device)
+    dt = q.dtype
+    out, _ = _forward_op(
+        _rows_contiguous(q),
+        _rows_contiguous(k),
+        _rows_contiguous(v),
+        pos.to(dt),
+        None if persistent_k is None else _rows_contiguous(persistent_k.to(dt)),
+        None if persistent_v is None else _rows_contiguous(persistent_v.to(dt)),
+        None if span_mask is None else log_span_mask(span_mask).float(),
+        seed,
+        dropout_p if drop else 0.0,
+    )
+    return out

@@ -1,0 +1,399 @@
+"""The Triton kernels of the all-attention op (``pipeline.ops.triton_attention`` launches them).
+
+One query block of T rows (queries i0 .. i0 + T - 1) meets its window of keys in tiles of T
+keys: tile k holds key indices c = i0 + kT + t, so a score's context column is
+
+    j = c - i = kT + t - r        (r, t: row and column inside the tile)
+
+and a block of T queries touches T + L' - 1 keys, never the whole sequence. The score, in
+log2 units (s2 = s * log2 e, so the softmax runs on exp2):
+
+    s2[r, t] = (q_i . k_c + q_i . u_j) / sqrt(d_h) * log2 e + log2 m_h(j)      0 <= j < L'
+
+q . u is a matmul in distance space, not in key space: R_k = q @ pos[:, kT : kT + T] holds
+q_i . u_(kT + jj) at [r, jj]. Tile k needs the distances kT - T + 1 .. kT + T - 1, i.e.
+chunks k - 1 and k, at column (t - r) mod T of R_(k-1) (t < r) or R_k (t >= r): one register
+gather per chunk, and each chunk is computed once per block (carried to the next tile).
+The backward runs the same map the other way: dS of tile k, gathered at column (jj + r) mod
+T, is distance chunk k's part (jj + r < T) and chunk k - 1's (jj + r >= T); a chunk is
+complete after two tiles, and then gives q's position gradient, u's (q^T D) and log m's
+(column sums) in one go: per-block partial sums that the caller reduces once, with no
+atomics.
+
+The N persistent keys follow the window as dense key tiles in the same online softmax, with
+no position term and no mask. Dropout keeps weight (b, h, i, key) when a 32-bit hash of (seed,
+b, h, i, key coordinate) passes ``threshold`` (``pipeline.ops.dropout.flex_keep``: the same
+bits as the flex backend; key coordinate: distance L' - j, or -1 - n for persistent vector n),
+so the backward regenerates the mask and nothing is stored.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _keep(seed, b, h, qi, c, threshold):
+    """flex_keep's hash in uint32 arithmetic (wrap-around products, logical shifts)."""
+    x = tl.cast(seed, tl.uint32, bitcast=True)
+    x = x ^ (tl.cast(b, tl.uint32, bitcast=True) * 0x9E3779B1)
+    x = x ^ (tl.cast(h, tl.uint32, bitcast=True) * 0x85EBCA77)
+    x = x ^ (tl.cast(qi, tl.uint32, bitcast=True) * 0xC2B2AE3D)
+    x = x ^ (tl.cast(c, tl.uint32, bitcast=True) * 0x27D4EB2F)
+    x = (x ^ (x >> 16)) * 0x85EBCA6B
+    x = (x ^ (x >> 13)) * 0xC2B2AE35
+    x = x ^ (x >> 16)
+    return (x >> 8).to(tl.int32) >= threshold
+
+
+@triton.jit
+def _pos_chunk(pos_ptr, stride_pd, stride_pj, chunk, L, D, T: tl.constexpr, DP: tl.constexpr):
+    """u for distances chunk*T .. chunk*T + T - 1 as [T, DP] (zero outside 0 .. L' - 1)."""
+    jj = chunk * T + tl.arange(0, T)
+    dd = tl.arange(0, DP)
+    ok = (jj[:, None] >= 0) & (jj[:, None] < L) & (dd[None, :] < D)
+    return tl.load(pos_ptr + jj[:, None] * stride_pj + dd[None, :] * stride_pd, mask=ok, other=0.0)
+
+
+@triton.jit
+def _chunk_bias(
+    q, u, logm_row, chunk, L, qk_scale2, HAS_MASK: tl.constexpr, T: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """Distance chunk ``chunk`` of one query block, in log2 units: [r, jj] = q_r . u_j / sqrt(d_h)
+    + log m(j) for j = chunk*T + jj, and -inf where j is outside the window 0 <= j < L' (so
+    the window's edges come with the gather, not as a mask of every tile)."""
+    jj = chunk * T + tl.arange(0, T)
+    inside = (jj >= 0) & (jj < L)
+    row = tl.where(inside, 0.0, float("-inf"))
+    if HAS_MASK:
+        row += tl.load(logm_row + jj, mask=inside, other=0.0) * 1.4426950408889634
+    return tl.dot(q, tl.trans(u), input_precision=PREC) * qk_scale2 + row[None, :]
+
+
+@triton.jit
+def _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T: tl.constexpr, PREC: tl.constexpr):
+    """s2 of window tile k ([T, T], log2 units; -inf outside the window) from the biases of
+    distance chunks k - 1 and k: column j = kT + t - r sits at (t - r) mod T of one of them."""
+    rr = tl.arange(0, T)[:, None]
+    tt = tl.arange(0, T)[None, :]
+    at = (tt - rr + T) % T
+    bias = tl.where(tt >= rr, tl.gather(bias_cur, at, 1), tl.gather(bias_prev, at, 1))
+    return tl.dot(q, tl.trans(k_tile), input_precision=PREC) * qk_scale2 + bias
+
+
+@triton.jit
+def attention_fwd(
+    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
+    sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
+    B, H, M, L, N, D, qk_scale2, keep_scale, threshold,
+    out_ptr, lse_ptr, sob, soh, som,
+    HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """One block of T queries: out [T, d_h] and the row log-sum-exp (log2 units)."""
+    i0 = tl.program_id(0) * T
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = i0 + tl.arange(0, T)
+    cols = tl.arange(0, T)
+    dd = tl.arange(0, DP)
+    row_ok = rows < M
+    dmask = dd[None, :] < D
+    q = tl.load(
+        q_ptr + b * sqb + h * sqh + rows[:, None] * sqm + dd[None, :],
+        mask=row_ok[:, None] & dmask,
+        other=0.0,
+    )
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
+    m_i = tl.full([T], float("-inf"), tl.float32)
+    l_i = tl.zeros([T], tl.float32)
+    acc = tl.zeros([T, DP], tl.float32)
+    bias_prev = tl.full([T, T], float("-inf"), tl.float32)  # chunk -1: before the window
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    for k in range(0, (L + T - 2) // T + 1):
+        keys = i0 + k * T + cols
+        key_ok = (keys[:, None] < L + M) & dmask
+        k_tile = tl.load(k_base + keys[:, None] * skm + dd[None, :], mask=key_ok, other=0.0)
+        v_tile = tl.load(v_base + keys[:, None] * svm + dd[None, :], mask=key_ok, other=0.0)
+        u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
+        bias_cur = _chunk_bias(q, u, logm_ptr + h * slh, k, L, qk_scale2, HAS_MASK, T, PREC)
+        s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s2 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            distance = L - k * T - cols[None, :] + tl.arange(0, T)[:, None]  # L' - j
+            p = tl.where(_keep(seed, b, h, rows[:, None], distance, threshold), p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PREC)
+        m_i = m_new
+        bias_prev = bias_cur
+    for n0 in range(0, N, T):
+        pers = n0 + cols
+        p_ok = (pers[:, None] < N) & dmask
+        pk = tl.load(pk_ptr + h * spkh + pers[:, None] * spkn + dd[None, :], mask=p_ok, other=0.0)
+        pv = tl.load(pv_ptr + h * spvh + pers[:, None] * spvn + dd[None, :], mask=p_ok, other=0.0)
+        s2 = tl.dot(q, tl.trans(pk), input_precision=PREC) * qk_scale2
+        s2 = tl.where(pers[None, :] < N, s2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s2 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(_keep(seed, b, h, rows[:, None], -1 - pers[None, :], threshold), p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(pv.dtype), pv, input_precision=PREC)
+        m_i = m_new
+    out = acc * (keep_scale / l_i)[:, None]
+    tl.store(
+        out_ptr + b * sob + h * soh + rows[:, None] * som + dd[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dmask,
+    )
+    tl.store(lse_ptr + bh * M + rows, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _bwd_rows(
+    q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, rows, sqb, sqh, sqm, sdob, sdoh, sdom, M, D,
+    DP: tl.constexpr,
+):  # fmt: skip
+    """A query block's q, dO, log-sum-exp and delta; rows past M read as zeros, so every
+    gradient they would touch gets exactly 0 (their dS is P * (0 - 0))."""
+    dd = tl.arange(0, DP)
+    ok = (rows[:, None] < M) & (dd[None, :] < D)
+    q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqm + dd[None, :], mask=ok, other=0.0)
+    do = tl.load(
+        do_ptr + b * sdob + h * sdoh + rows[:, None] * sdom + dd[None, :], mask=ok, other=0.0
+    )
+    lse = tl.load(lse_ptr + bh * M + rows, mask=rows < M, other=0.0)
+    delta = tl.load(delta_ptr + bh * M + rows, mask=rows < M, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _scores_grad(
+    s2, lse, delta, do, v_tile, seed, b, h, rows, key, threshold, keep_scale,
+    DROPOUT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """One tile's weights after dropout (what multiplied the values) and dS = dL/ds, from its
+    logits s2; ``key``: the dropout's key coordinate of each column."""
+    p = tl.math.exp2(s2 - lse[:, None])
+    dp = tl.dot(do, tl.trans(v_tile), input_precision=PREC)
+    if DROPOUT:
+        keep = _keep(seed, b, h, rows[:, None], key, threshold)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+        p_dropped = tl.where(keep, p * keep_scale, 0.0)
+    else:
+        p_dropped = p
+    return p_dropped, p * (dp - delta[:, None])
+
+
+@triton.jit
+def attention_bwd_dq(
+    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
+    sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
+    B, H, M, L, N, D, qk_scale2, keep_scale, threshold,
+    do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dq_ptr, du_ptr, dlogm_ptr, W,
+    HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """One block of T queries: dq (times sqrt(d_h)), and this block's partial sums of
+    q^T dS and of dS per distance (u's and log m's gradients, reduced by the caller):
+    du [B * H, blocks, W, d_h] and dlogm [B * H, blocks, W], W >= L' + T - 1."""
+    blk = tl.program_id(0)
+    i0 = blk * T
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = i0 + tl.arange(0, T)
+    cols = tl.arange(0, T)
+    rr = tl.arange(0, T)[:, None]
+    dd = tl.arange(0, DP)
+    dmask = dd[None, :] < D
+    q, do, lse, delta = _bwd_rows(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, rows, sqb, sqh, sqm, sdob, sdoh, sdom, M, D, DP
+    )
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
+    dq = tl.zeros([T, DP], tl.float32)
+    u_prev = tl.zeros([T, DP], q.dtype)
+    # distance chunk k - 1's part from tile k - 1 (the input dtype: it only meets matmuls; its
+    # column sums, log m's gradient, are carried in float32 beside it)
+    d_carry = tl.zeros([T, T], q.dtype)
+    sum_carry = tl.zeros([T], tl.float32)
+    at = (cols[None, :] + rr) % T  # distance column jj of row r is tile column (jj + r) mod T
+    later = cols[None, :] + rr < T  # ... of this tile's chunk k (else of chunk k - 1)
+    part = (bh * tl.num_programs(0) + blk).to(tl.int64)
+    du_base = du_ptr + part * W * D
+    dlogm_base = dlogm_ptr + part * W
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    logm_row = logm_ptr + h * slh
+    for k in range(0, (L + T - 2) // T + 1):
+        keys = i0 + k * T + cols
+        key_ok = (keys[:, None] < L + M) & dmask
+        k_tile = tl.load(k_base + keys[:, None] * skm + dd[None, :], mask=key_ok, other=0.0)
+        v_tile = tl.load(v_base + keys[:, None] * svm + dd[None, :], mask=key_ok, other=0.0)
+        u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
+        # chunk k - 1 recomputed from the u kept for dq, rather than a [T, T] float32 carry
+        bias_prev = _chunk_bias(q, u_prev, logm_row, k - 1, L, qk_scale2, HAS_MASK, T, PREC)
+        bias_cur = _chunk_bias(q, u, logm_row, k, L, qk_scale2, HAS_MASK, T, PREC)
+        s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
+        distance = L - k * T - cols[None, :] + rr  # L' - j, the dropout's key coordinate
+        _, ds = _scores_grad(
+            s2, lse, delta, do, v_tile, seed, b, h, rows, distance, threshold, keep_scale,
+            DROPOUT, PREC,
+        )  # fmt: skip
+        dq += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PREC)
+        by_distance = tl.gather(ds, at, 1)
+        earlier = tl.where(later, 0.0, by_distance)
+        d_done = d_carry + earlier.to(q.dtype)  # chunk k - 1, now complete (disjoint parts)
+        dq += tl.dot(d_done, u_prev, input_precision=PREC)
+        done_sums = sum_carry + tl.sum(earlier, 0)
+        _store_chunk(du_base, dlogm_base, k - 1, d_done, done_sums, q, D, T, DP, PREC)
+        current = tl.where(later, by_distance, 0.0)
+        d_carry = current.to(q.dtype)
+        sum_carry = tl.sum(current, 0)
+        u_prev = u
+    dq += tl.dot(d_carry, u_prev, input_precision=PREC)
+    _store_chunk(du_base, dlogm_base, (L + T - 2) // T, d_carry, sum_carry, q, D, T, DP, PREC)
+    for n0 in range(0, N, T):
+        pers = n0 + cols
+        p_ok = (pers[:, None] < N) & dmask
+        pk = tl.load(pk_ptr + h * spkh + pers[:, None] * spkn + dd[None, :], mask=p_ok, other=0.0)
+        pv = tl.load(pv_ptr + h * spvh + pers[:, None] * spvn + dd[None, :], mask=p_ok, other=0.0)
+        s2 = tl.dot(q, tl.trans(pk), input_precision=PREC) * qk_scale2
+        s2 = tl.where(pers[None, :] < N, s2, float("-inf"))
+        _, ds = _scores_grad(
+            s2, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
+            keep_scale, DROPOUT, PREC,
+        )  # fmt: skip
+        dq += tl.dot(ds.to(pk.dtype), pk, input_precision=PREC)
+    tl.store(
+        dq_ptr + bh * M * D + rows[:, None] * D + dd[None, :],
+        dq,
+        mask=(rows[:, None] < M) & dmask,
+    )
+
+
+@triton.jit
+def _store_chunk(
+    du_base, dlogm_base, chunk, d, d_sums, q, D, T: tl.constexpr, DP: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """Distance chunk ``chunk``'s partial sums of one query block: D^T q and D's column sums
+    ``d_sums`` (nothing for chunk -1, the tile before the first)."""
+    if chunk >= 0:
+        jj = chunk * T + tl.arange(0, T)
+        dd = tl.arange(0, DP)
+        du = tl.dot(tl.trans(d), q, input_precision=PREC)
+        tl.store(du_base + jj[:, None] * D + dd[None, :], du, mask=dd[None, :] < D)
+        tl.store(dlogm_base + jj, d_sums)
+
+
+@triton.jit
+def attention_bwd_dkdv(
+    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
+    sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
+    B, H, M, L, N, D, qk_scale2, keep_scale, threshold,
+    do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dk_ptr, dv_ptr,
+    HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """One tile of T window keys (key indices c0 .. c0 + T - 1): dk (times sqrt(d_h)) and dv,
+    over the query blocks whose windows reach it (i from c - L' + 1 to c)."""
+    c0 = tl.program_id(0) * T
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    cols = tl.arange(0, T)
+    rr = tl.arange(0, T)[:, None]
+    dd = tl.arange(0, DP)
+    dmask = dd[None, :] < D
+    keys = c0 + cols
+    key_ok = (keys[:, None] < L + M) & dmask
+    k_tile = tl.load(k_ptr + b * skb + h * skh + keys[:, None] * skm + dd[None, :], key_ok, 0.0)
+    v_tile = tl.load(v_ptr + b * svb + h * svh + keys[:, None] * svm + dd[None, :], key_ok, 0.0)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
+    dk = tl.zeros([T, DP], tl.float32)
+    dv = tl.zeros([T, DP], tl.float32)
+    logm_row = logm_ptr + h * slh
+    # query blocks from the one holding i = c0 - L' + 1 (at least 0) to the one holding c0 + T - 1
+    first = tl.maximum(c0 - L + 1, 0) // T * T
+    last = tl.minimum(c0 + T - 1, M - 1)
+    for i0 in range(first, last + 1, T):
+        rows = i0 + cols
+        q, do, lse, delta = _bwd_rows(
+            q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, rows, sqb, sqh, sqm, sdob, sdoh, sdom,
+            M, D, DP,
+        )  # fmt: skip
+        k = (c0 - i0) // T
+        u_prev = _pos_chunk(pos_ptr, stride_pd, stride_pj, k - 1, L, D, T, DP)
+        u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
+        bias_prev = _chunk_bias(q, u_prev, logm_row, k - 1, L, qk_scale2, HAS_MASK, T, PREC)
+        bias_cur = _chunk_bias(q, u, logm_row, k, L, qk_scale2, HAS_MASK, T, PREC)
+        s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
+        distance = L - k * T - cols[None, :] + rr  # L' - j, the dropout's key coordinate
+        p, ds = _scores_grad(
+            s2, lse, delta, do, v_tile, seed, b, h, rows, distance, threshold, keep_scale,
+            DROPOUT, PREC,
+        )  # fmt: skip
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
+    ok = (keys[:, None] < L + M) & dmask
+    tl.store(dk_ptr + bh * (L + M) * D + keys[:, None] * D + dd[None, :], dk, mask=ok)
+    tl.store(dv_ptr + bh * (L + M) * D + keys[:, None] * D + dd[None, :], dv, mask=ok)
+
+
+@triton.jit
+def attention_bwd_persistent(
+    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
+    sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
+    B, H, M, L, N, D, qk_scale2, keep_scale, threshold,
+    do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dpk_ptr, dpv_ptr,
+    HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """One tile of T persistent vectors of head h: dpk (times sqrt(d_h)) and dpv, summed over
+    the whole batch and every query (the vectors are shared by the batch)."""
+    n0 = tl.program_id(0) * T
+    h = tl.program_id(1)
+    cols = tl.arange(0, T)
+    dd = tl.arange(0, DP)
+    dmask = dd[None, :] < D
+    pers = n0 + cols
+    p_ok = (pers[:, None] < N) & dmask
+    pk = tl.load(pk_ptr + h * spkh + pers[:, None] * spkn + dd[None, :], mask=p_ok, other=0.0)
+    pv = tl.load(pv_ptr + h * spvh + pers[:, None] * spvn + dd[None, :], mask=p_ok, other=0.0)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
+    dpk = tl.zeros([T, DP], tl.float32)
+    dpv = tl.zeros([T, DP], tl.float32)
+    for b in range(0, B):
+        bh = b * H + h
+        for i0 in range(0, M, T):
+            rows = i0 + cols
+            q, do, lse, delta = _bwd_rows(
+                q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, rows, sqb, sqh, sqm, sdob, sdoh,
+                sdom, M, D, DP,
+            )  # fmt: skip
+            s2 = tl.dot(q, tl.trans(pk), input_precision=PREC) * qk_scale2
+            s2 = tl.where(pers[None, :] < N, s2, float("-inf"))
+            p, ds = _scores_grad(
+                s2, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
+                keep_scale, DROPOUT, PREC,
+            )  # fmt: skip
+            dpv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
+            dpk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
+    tl.store(dpk_ptr + h * N * D + pers[:, None] * D + dd[None, :], dpk, mask=p_ok)
+    tl.store(dpv_ptr + h * N * D + pers[:, None] * D + dd[None, :], dpv, mask=p_ok)
