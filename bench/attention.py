@@ -1,13 +1,16 @@
 """Time and peak memory of one all-attention op, reference versus the fused backends.
 
     python bench/attention.py [--spans 512,2048,8192] [--persistent 0,1024,2048]
-                              [--batch 1] [--impls sdpa,flex] [--repeat 3]
+                              [--batch 1] [--impls sdpa,flex,triton] [--dropout 0.4]
+                              [--repeat 3]
 
 Block of T = 512 queries, H = 8 heads of 64 (the paper's d = 512), spans L' and N persistent
-vectors per head, adaptive-span mask on. Forward + backward where the backend trains on this
-device (flex is forward-only on CPU: it is timed forward-only there, and the reference with
-it). Peak memory: CUDA max allocated above the inputs; CPU: not measured (prints -).
-Prints a markdown table; asserts nothing.
+vectors per head, adaptive-span mask on, attention dropout --dropout (0: off). Forward +
+backward where the backend trains on this device (flex is forward-only on CPU: it is timed
+forward-only there, and the reference with it). A backend that cannot run a case is left
+out with the reason (sdpa has no attention dropout; triton on a CPU machine runs Triton's
+interpreter, minutes per call at these shapes). Peak memory: CUDA max allocated above the
+inputs; CPU: not measured (prints -). Prints a markdown table; asserts nothing.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ def inputs(batch, span, n, device, dtype, grad):
     return (q, k, v, pos), dict(persistent_k=pk, persistent_v=pv), spans
 
 
-def measure(impl, batch, span, n, device, dtype, backward, repeat):
+def measure(impl, batch, span, n, device, dtype, backward, repeat, dropout):
+    """(ms per call, peak MiB above the inputs; NaN on CPU)."""
     fn = get_attention_impl(impl)
     args, kw, spans = inputs(batch, span, n, device, dtype, backward)
+    kw |= dict(dropout_p=dropout, training=dropout > 0)
 
     def step():
         mask = adaptive_span_mask(spans, 32, span)
@@ -56,7 +61,7 @@ def measure(impl, batch, span, n, device, dtype, backward, repeat):
             with torch.no_grad():
                 fn(*args, span_mask=mask, **kw)
 
-    step()  # warm-up (and compilation)
+    step()  # warm-up (and compilation, and the Triton tile's choice)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -72,12 +77,67 @@ def measure(impl, batch, span, n, device, dtype, backward, repeat):
     return (time.perf_counter() - start) / repeat * 1000, peak
 
 
+def cannot_run(impl: str, device: torch.device, dropout: float) -> str | None:
+    if impl == "sdpa" and dropout > 0:
+        return "no attention dropout"
+    if impl == "triton" and device.type == "cpu":
+        return "Triton's interpreter on a CPU machine (minutes a call at these shapes)"
+    return None
+
+
+def rows(args, device, dtype):
+    """The table's rows: each (L', N) timed once with the reference, then each backend."""
+    for span in (int(s) for s in args.spans.split(",")):
+        for n in (int(s) for s in args.persistent.split(",")):
+            reference: dict[bool, tuple[float, float]] = {}
+            for impl in args.impls.split(","):
+                why = cannot_run(impl, device, args.dropout)
+                if why:
+                    yield f"| {impl} | {span} | {n} | - | - | - | - | - | - | - ({why}) |"
+                    continue
+                backward = not (impl == "flex" and device.type == "cpu")
+                case = (args.batch, span, n, device, dtype, backward, args.repeat, args.dropout)
+                if backward not in reference:
+                    reference[backward] = measure("reference", *case)
+                (ref_ms, ref_mb), (ms, mb) = reference[backward], measure(impl, *case)
+                mem = (
+                    "- | - | -"
+                    if device.type == "cpu"
+                    else f"{ref_mb:.0f} | {mb:.0f} | {mb / ref_mb:.2f}"
+                )
+                yield (
+                    f"| {impl} | {span} | {n} | {'fwd+bwd' if backward else 'fwd'} | "
+                    f"{ref_ms:.0f} | {ms:.0f} | {ref_ms / ms:.2f}x | {mem} |"
+                )
+
+
+def tiles(impls: list[str]) -> str:
+    """The tiles the fused backends kept (the first that compiled, or the fastest)."""
+    from pipeline.ops import fused, triton_attention
+
+    lines = []
+    if "flex" in impls:
+        kept = {
+            f"{d} {t} d_h {h}": tile or "torch's default"
+            for (d, t, h), tile in fused.flex_tiles_in_use().items()
+        }
+        lines.append(f"flex forward tile (the first of FLEX_TILES that compiled): {kept}")
+    if "triton" in impls:
+        kept = {
+            f"{k} {d} {t} d_h {h}": tile
+            for (k, d, t, h), tile in triton_attention.tiles_in_use().items()
+        }
+        lines.append(f"triton tiles (the fastest of TILES that fits, per kernel): {kept}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--spans", default="512,2048,8192")
     parser.add_argument("--persistent", default="0,1024,2048")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--impls", default="sdpa,flex")
+    parser.add_argument("--impls", default="sdpa,flex,triton")
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout p")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     args = parser.parse_args()
@@ -90,39 +150,16 @@ def main() -> None:
         else f"CPU, {torch.get_num_threads()} threads"
     )
     print(
-        f"all-attention op, T=512, H=8, d_h=64, batch {args.batch}, {dtype}, {where}, "
-        f"torch {torch.__version__}\n"
+        f"all-attention op, T=512, H=8, d_h=64, batch {args.batch}, {dtype}, attention "
+        f"dropout {args.dropout}, {where}, torch {torch.__version__}\n"
     )
     print(
         "| impl | L' | N | pass | ref ms | fused ms | speed-up | ref MiB | fused MiB | mem ratio |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for span in (int(s) for s in args.spans.split(",")):
-        for n in (int(s) for s in args.persistent.split(",")):
-            for impl in args.impls.split(","):
-                backward = not (impl == "flex" and device.type == "cpu")
-                ref_ms, ref_mb = measure(
-                    "reference", args.batch, span, n, device, dtype, backward, args.repeat
-                )
-                ms, mb = measure(impl, args.batch, span, n, device, dtype, backward, args.repeat)
-                mem = (
-                    "- | - | -"
-                    if device.type == "cpu"
-                    else f"{ref_mb:.0f} | {mb:.0f} | {mb / ref_mb:.2f}"
-                )
-                print(
-                    f"| {impl} | {span} | {n} | {'fwd+bwd' if backward else 'fwd'} | "
-                    f"{ref_ms:.0f} | {ms:.0f} | {ref_ms / ms:.2f}x | {mem} |",
-                    flush=True,
-                )
-    if "flex" in args.impls.split(","):
-        from pipeline.ops import fused
-
-        tiles = {
-            f"{d} {t} d_h {h}": tile or "torch's default"
-            for (d, t, h), tile in fused.flex_tiles_in_use().items()
-        }
-        print(f"\nflex forward tile (the first of FLEX_TILES that compiled): {tiles}")
+    for row in rows(args, device, dtype):
+        print(row, flush=True)
+    print("\n" + tiles(args.impls.split(",")))
 
 
 if __name__ == "__main__":

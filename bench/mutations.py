@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 INFINITY = "pipeline/models/infinity_former.py"
 ACTIVE_MEMORY = "pipeline/models/active_memory.py"
+KERNELS = "pipeline/ops/triton_kernels.py"
+LAUNCH = "pipeline/ops/triton_attention.py"
 
 FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
     "infinity_former": (
@@ -561,6 +563,248 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
                 "y = self.ff_out(self.dropout(F.relu(self.ff_in(self.ff_norm(x)))))",
                 "y = self.ff_out(self.dropout(F.relu(self.ff_in(x))))",
                 "feed-forward on the un-normalised input",
+            ),
+        ],
+    ),
+    "triton_attention": (
+        ["tests/ops/test_attention_triton.py"],
+        [
+            # scale
+            (
+                LAUNCH,
+                "1.4426950408889634 / math.sqrt(d), 1.0 / (1.0 - dropout_p), "
+                "keep_threshold(dropout_p),",
+                "1.4426950408889634 / d, 1.0 / (1.0 - dropout_p), keep_threshold(dropout_p),",
+                "scores scaled by 1/d_h instead of 1/sqrt(d_h)",
+            ),
+            (
+                KERNELS,
+                "return tl.dot(q, tl.trans(k_tile), input_precision=PREC) * qk_scale2 + bias",
+                "return tl.dot(q, tl.trans(k_tile), input_precision=PREC) + bias",
+                "content score q.k not scaled",
+            ),
+            (
+                KERNELS,
+                "return tl.dot(q, tl.trans(u), input_precision=PREC) * qk_scale2 + row[None, :]",
+                "return tl.dot(q, tl.trans(u), input_precision=PREC) + row[None, :]",
+                "position term q.u not scaled",
+            ),
+            # position index
+            (
+                KERNELS,
+                "at = (tt - rr + T) % T",
+                "at = (tt - rr + T + 1) % T",
+                "position term gathered one distance off",
+            ),
+            (
+                KERNELS,
+                "bias = tl.where(tt >= rr, tl.gather(bias_cur, at, 1), "
+                "tl.gather(bias_prev, at, 1))",
+                "bias = tl.where(tt > rr, tl.gather(bias_cur, at, 1), tl.gather(bias_prev, at, 1))",
+                "a tile's diagonal read from the previous distance chunk",
+            ),
+            (
+                KERNELS,
+                "return tl.load(pos_ptr + col[:, None] * stride_pj + dd[None, :] * stride_pd, "
+                "mask=ok, other=0.0)",
+                "return tl.load(pos_ptr + (col[:, None] + 1) * stride_pj "
+                "+ dd[None, :] * stride_pd, mask=ok, other=0.0)",
+                "u read one column off",
+            ),
+            # window edge
+            (
+                KERNELS,
+                "inside = (jj >= 0) & (jj < L)",
+                "inside = (jj >= 0) & (jj <= L)",
+                "window one key too long (the query's own position)",
+            ),
+            (
+                KERNELS,
+                "inside = (jj >= 0) & (jj < L)",
+                "inside = (jj >= 1) & (jj < L)",
+                "window one key too short (the oldest key left out)",
+            ),
+            (
+                KERNELS,
+                "for k in range(0, (L + T - 2) // T + 1):  # the window's tiles",
+                "for k in range(0, (L + T - 2) // T):  # the window's tiles",
+                "forward: the window's last tile left out",
+            ),
+            # span mask
+            (
+                KERNELS,
+                "row += tl.load(logm_row + jj, mask=inside, other=0.0) * 1.4426950408889634",
+                "row += tl.load(logm_row + jj, mask=inside, other=0.0)",
+                "log m added in natural units to log2 logits",
+            ),
+            (
+                LAUNCH,
+                "None if span_mask is None else log_span_mask(span_mask).float(),",
+                "None if span_mask is None else span_mask.float(),",
+                "the mask m added to the logits instead of log m",
+            ),
+            # online softmax
+            (
+                KERNELS,
+                "alpha = tl.math.exp2(m_i - m_new)",
+                "alpha = tl.math.exp2(m_new - m_i)",
+                "online softmax rescales the wrong way",
+            ),
+            (
+                KERNELS,
+                "l_i = l_i * alpha + tl.sum(p, 1)",
+                "l_i = l_i + tl.sum(p, 1)",
+                "running sum not rescaled by the new maximum",
+            ),
+            (
+                KERNELS,
+                "tl.store(lse_ptr + bh * M + rows, m_i + tl.math.log2(l_i), mask=row_ok)",
+                "tl.store(lse_ptr + bh * M + rows, m_i, mask=row_ok)",
+                "log-sum-exp without log l: the backward's weights unnormalised",
+            ),
+            # dropout
+            (
+                LAUNCH,
+                "1.4426950408889634 / math.sqrt(d), 1.0 / (1.0 - dropout_p), "
+                "keep_threshold(dropout_p),",
+                "1.4426950408889634 / math.sqrt(d), 1.0, keep_threshold(dropout_p),",
+                "kept weights not scaled by 1 / (1 - p) anywhere",
+            ),
+            (
+                KERNELS,
+                "out = acc * (keep_scale / l_i)[:, None]",
+                "out = acc * (1.0 / l_i)[:, None]",
+                "forward: kept weights not scaled by 1 / (1 - p)",
+            ),
+            (
+                KERNELS,
+                "dp = tl.where(keep, dp * keep_scale, 0.0)",
+                "dp = tl.where(keep, dp, 0.0)",
+                "backward: dP of the kept weights not scaled",
+            ),
+            (
+                KERNELS,
+                "p_dropped = tl.where(keep, p * keep_scale, 0.0)",
+                "p_dropped = tl.where(keep, p, 0.0)",
+                "dv and dpv from unscaled kept weights",
+            ),
+            (
+                KERNELS,
+                "p = tl.where(_keep(seed, b, h, rows[:, None], key, threshold), p, 0.0)",
+                "p = tl.where(_keep(seed, b, h, rows[:, None], key + 1, threshold), p, 0.0)",
+                "forward: dropout drawn at the wrong key coordinate",
+            ),
+            (
+                KERNELS,
+                "return L - k * T - tl.arange(0, T)[None, :] + tl.arange(0, T)[:, None]",
+                "return L - k * T - tl.arange(0, T)[None, :] + tl.arange(0, T)[:, None] + 1",
+                "dropout's distance coordinate one off",
+            ),
+            (
+                KERNELS,
+                "x = (x ^ (x >> 13)) * 0xC2B2AE35",
+                "x = (x ^ (x >> 12)) * 0xC2B2AE35",
+                "dropout hash: a finaliser shift changed",
+            ),
+            # gradients
+            (
+                KERNELS,
+                "return p_dropped, p * (dp - delta[:, None])",
+                "return p_dropped, p * dp",
+                "dS without the row term delta",
+            ),
+            (
+                LAUNCH,
+                "delta = (grad.float() * out.float()).sum(-1)  # sum_c P dP per row = dO . O",
+                "delta = grad.float().sum(-1)  # sum_c P dP per row = dO . O",
+                "delta is not dO . O",
+            ),
+            (
+                KERNELS,
+                "dq += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PREC)",
+                "dq += tl.dot(ds.to(k_tile.dtype), v_tile, input_precision=PREC)",
+                "dq: content part from the values",
+            ),
+            (
+                KERNELS,
+                "dq += tl.dot(d_done, u_prev, input_precision=PREC)",
+                "dq += tl.dot(d_done, u, input_precision=PREC)",
+                "dq: position part from the wrong distance chunk",
+            ),
+            (
+                KERNELS,
+                "later = cols[None, :] + rr < T  # ... of this tile's chunk k "
+                "(else of chunk k - 1)",
+                "later = cols[None, :] + rr <= T  # ... of this tile's chunk k "
+                "(else of chunk k - 1)",
+                "backward: a distance column put in the wrong chunk",
+            ),
+            (
+                KERNELS,
+                "done_sums = sum_carry + tl.sum(earlier, 0)",
+                "done_sums = sum_carry",
+                "log m's gradient loses a chunk's part from the next tile",
+            ),
+            (
+                LAUNCH,
+                "dpos = (du.sum((0, 1))[:span_len] * scale).t().to(pos.dtype)",
+                "dpos = du.sum((0, 1))[:span_len].t().to(pos.dtype)",
+                "u's gradient not scaled by 1/sqrt(d_h)",
+            ),
+            (
+                LAUNCH,
+                "dlogm_parts.view(b, h, -1, dlogm_parts.shape[-1]).sum((0, 2))[:, :span_len]",
+                "dlogm_parts.view(b, h, -1, dlogm_parts.shape[-1])"
+                ".sum((0, 2))[:, 1 : span_len + 1]",
+                "log m's gradient one distance off",
+            ),
+            (
+                KERNELS,
+                "first = tl.maximum(c0 - L + 1, 0) // T * T",
+                "first = tl.maximum(c0 - L + 1, 0) // T * T + T",
+                "dk, dv miss the first query block that reaches their tile",
+            ),
+            (
+                KERNELS,
+                "dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)",
+                "dk += tl.dot(tl.trans(p).to(q.dtype), q, input_precision=PREC)",
+                "dk from the weights instead of dS",
+            ),
+            (
+                KERNELS,
+                "dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)",
+                "dv += tl.dot(tl.trans(ds).to(do.dtype), do, input_precision=PREC)",
+                "dv from dS instead of the weights",
+            ),
+            (
+                KERNELS,
+                "dpk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)",
+                "dpk += tl.dot(tl.trans(ds).to(q.dtype), do, input_precision=PREC)",
+                "persistent keys' gradient from dO instead of q",
+            ),
+            (
+                KERNELS,
+                "dpv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)",
+                "dpv += tl.dot(tl.trans(p).to(do.dtype), q, input_precision=PREC)",
+                "persistent values' gradient from q instead of dO",
+            ),
+            (
+                KERNELS,
+                "for b in range(0, B):",
+                "for b in range(0, 1):",
+                "persistent gradients summed over the first batch element only",
+            ),
+            (
+                LAUNCH,
+                "dpk, dpv = (dpk * scale).to(pk.dtype), dpv.to(pk.dtype)",
+                "dpk, dpv = dpk.to(pk.dtype), dpv.to(pk.dtype)",
+                "persistent keys' gradient not scaled by 1/sqrt(d_h)",
+            ),
+            (
+                KERNELS,
+                "ok = (rows[:, None] < M) & (dd[None, :] < D)",
+                "ok = dd[None, :] < D",
+                "backward: query rows past M not zeroed",
             ),
         ],
     ),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from torch import Tensor
 from pipeline.ops.attention import check_shapes, log_span_mask
 from pipeline.ops.dropout import draw_dropout_seed, keep_threshold
 
-__all__ = ["TILES", "attend_triton", "tiles_in_use"]
+__all__ = ["KERNELS", "TILES", "attend_triton", "compile_ahead", "tiles_in_use"]
 
 TILES: tuple[dict, ...] = (
     {"T": 64, "num_warps": 4, "num_stages": 2},
@@ -126,6 +127,78 @@ def _launch(name: str, q: Tensor, launch_one) -> dict:
     _tiles[where] = best
     launch_one(best)  # the kept tile's outputs (each tile writes every output in full)
     return best
+
+
+KERNELS = {
+    "forward": "attention_fwd",
+    "backward dq": "attention_bwd_dq",
+    "backward dk dv": "attention_bwd_dkdv",
+    "backward persistent": "attention_bwd_persistent",
+}
+"""The kernels by the names the tile cache and the reports use."""
+
+_FLOAT32_POINTERS = {"lse", "delta", "dq", "du", "dlogm", "dk", "dv", "dpk", "dpv", "logm"}
+
+
+def compile_ahead(cc: int, dtype: torch.dtype, head_dim: int = 64, tile: dict | None = None):
+    """Compile every kernel for an NVIDIA GPU of compute capability ``cc`` (90: H100/H200,
+    80: A100) without one, with dropout and the span mask on: {kernel name: {"shared": bytes
+    of shared memory, "registers" and "spilled" bytes per thread (from cuobjdump; None where
+    it is missing)}}. Needs a process whose Triton is not in interpreter mode."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pipeline.ops import triton_kernels
+
+    tile = dict(TILES[0] if tile is None else tile)
+    constants = dict(
+        HAS_MASK=True,
+        DROPOUT=True,
+        DP=max(16, 1 << (head_dim - 1).bit_length()),
+        PREC="ieee" if dtype == torch.float32 else "tf32",
+        T=tile.pop("T"),
+    )
+    element = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    dump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    found = {}
+    for name, attr in KERNELS.items():
+        fn = getattr(triton_kernels, attr)
+        signature = {}
+        for arg, param in zip(fn.arg_names, fn.params, strict=True):
+            if param.is_constexpr:
+                signature[arg] = "constexpr"
+            elif arg.endswith("_ptr"):
+                kind = arg.removesuffix("_ptr")
+                signature[arg] = (
+                    "*i32"
+                    if kind == "seed"
+                    else "*fp32"
+                    if kind in _FLOAT32_POINTERS
+                    else f"*{element}"
+                )
+            else:
+                signature[arg] = "fp32" if arg in ("qk_scale2", "keep_scale") else "i32"
+        wanted = {k: v for k, v in constants.items() if k in fn.arg_names}
+        kernel = triton.compile(
+            ASTSource(fn, signature, wanted), target=GPUTarget("cuda", cc, 32), options=tile
+        )
+        registers = spilled = None
+        if dump.exists():
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+                cubin.write(kernel.asm["cubin"])
+                cubin.flush()
+                usage = subprocess.run(
+                    [str(dump), "--dump-resource-usage", cubin.name], capture_output=True, text=True
+                ).stdout
+            if m := re.search(r"REG:(\d+) STACK:(\d+)", usage):
+                registers, spilled = int(m.group(1)), int(m.group(2))
+        found[name] = {"shared": kernel.metadata.shared, "registers": registers, "spilled": spilled}
+    return found
 
 
 def _cdiv(a: int, b: int) -> int:

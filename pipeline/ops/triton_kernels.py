@@ -49,11 +49,35 @@ def _keep(seed, b, h, qi, c, threshold):
 
 @triton.jit
 def _pos_chunk(pos_ptr, stride_pd, stride_pj, chunk, L, D, T: tl.constexpr, DP: tl.constexpr):
-    """u for distances chunk*T .. chunk*T + T - 1 as [T, DP] (zero outside 0 .. L' - 1)."""
-    jj = chunk * T + tl.arange(0, T)
+    """u for context columns chunk*T .. chunk*T + T - 1 as [T, DP] (zero outside 0 .. L' - 1)."""
+    col = chunk * T + tl.arange(0, T)
     dd = tl.arange(0, DP)
-    ok = (jj[:, None] >= 0) & (jj[:, None] < L) & (dd[None, :] < D)
-    return tl.load(pos_ptr + jj[:, None] * stride_pj + dd[None, :] * stride_pd, mask=ok, other=0.0)
+    ok = (col[:, None] >= 0) & (col[:, None] < L) & (dd[None, :] < D)
+    return tl.load(pos_ptr + col[:, None] * stride_pj + dd[None, :] * stride_pd, mask=ok, other=0.0)
+
+
+@triton.jit
+def _distance(L, k, T: tl.constexpr):
+    """The dropout's key coordinate of window tile k's scores: the distance L' - j."""
+    return L - k * T - tl.arange(0, T)[None, :] + tl.arange(0, T)[:, None]
+
+
+@triton.jit
+def _accumulate(
+    s2, values, m_i, l_i, acc, seed, b, h, rows, key, threshold, DROPOUT: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """One step of the online softmax over a tile of logits s2 (log2 units): the running
+    row max and sum of exp2 (every weight, dropped or not: the softmax's denominator) and the
+    output accumulated from the kept weights. Returns (m, l, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(_keep(seed, b, h, rows[:, None], key, threshold), p, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -116,7 +140,7 @@ def attention_fwd(
     bias_prev = tl.full([T, T], float("-inf"), tl.float32)  # chunk -1: before the window
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
-    for k in range(0, (L + T - 2) // T + 1):
+    for k in range(0, (L + T - 2) // T + 1):  # the window's tiles
         keys = i0 + k * T + cols
         key_ok = (keys[:, None] < L + M) & dmask
         k_tile = tl.load(k_base + keys[:, None] * skm + dd[None, :], mask=key_ok, other=0.0)
@@ -124,15 +148,10 @@ def attention_fwd(
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
         bias_cur = _chunk_bias(q, u, logm_ptr + h * slh, k, L, qk_scale2, HAS_MASK, T, PREC)
         s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            distance = L - k * T - cols[None, :] + tl.arange(0, T)[:, None]  # L' - j
-            p = tl.where(_keep(seed, b, h, rows[:, None], distance, threshold), p, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _accumulate(
+            s2, v_tile, m_i, l_i, acc, seed, b, h, rows, _distance(L, k, T), threshold,
+            DROPOUT, PREC,
+        )  # fmt: skip
         bias_prev = bias_cur
     for n0 in range(0, N, T):
         pers = n0 + cols
@@ -141,14 +160,9 @@ def attention_fwd(
         pv = tl.load(pv_ptr + h * spvh + pers[:, None] * spvn + dd[None, :], mask=p_ok, other=0.0)
         s2 = tl.dot(q, tl.trans(pk), input_precision=PREC) * qk_scale2
         s2 = tl.where(pers[None, :] < N, s2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(_keep(seed, b, h, rows[:, None], -1 - pers[None, :], threshold), p, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(pv.dtype), pv, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _accumulate(
+            s2, pv, m_i, l_i, acc, seed, b, h, rows, -1 - pers[None, :], threshold, DROPOUT, PREC
+        )
     out = acc * (keep_scale / l_i)[:, None]
     tl.store(
         out_ptr + b * sob + h * soh + rows[:, None] * som + dd[None, :],
@@ -246,10 +260,9 @@ def attention_bwd_dq(
         bias_prev = _chunk_bias(q, u_prev, logm_row, k - 1, L, qk_scale2, HAS_MASK, T, PREC)
         bias_cur = _chunk_bias(q, u, logm_row, k, L, qk_scale2, HAS_MASK, T, PREC)
         s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
-        distance = L - k * T - cols[None, :] + rr  # L' - j, the dropout's key coordinate
         _, ds = _scores_grad(
-            s2, lse, delta, do, v_tile, seed, b, h, rows, distance, threshold, keep_scale,
-            DROPOUT, PREC,
+            s2, lse, delta, do, v_tile, seed, b, h, rows, _distance(L, k, T), threshold,
+            keep_scale, DROPOUT, PREC,
         )  # fmt: skip
         dq += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PREC)
         by_distance = tl.gather(ds, at, 1)
@@ -314,7 +327,6 @@ def attention_bwd_dkdv(
     b = bh // H
     h = bh % H
     cols = tl.arange(0, T)
-    rr = tl.arange(0, T)[:, None]
     dd = tl.arange(0, DP)
     dmask = dd[None, :] < D
     keys = c0 + cols
@@ -342,10 +354,9 @@ def attention_bwd_dkdv(
         bias_prev = _chunk_bias(q, u_prev, logm_row, k - 1, L, qk_scale2, HAS_MASK, T, PREC)
         bias_cur = _chunk_bias(q, u, logm_row, k, L, qk_scale2, HAS_MASK, T, PREC)
         s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
-        distance = L - k * T - cols[None, :] + rr  # L' - j, the dropout's key coordinate
         p, ds = _scores_grad(
-            s2, lse, delta, do, v_tile, seed, b, h, rows, distance, threshold, keep_scale,
-            DROPOUT, PREC,
+            s2, lse, delta, do, v_tile, seed, b, h, rows, _distance(L, k, T), threshold,
+            keep_scale, DROPOUT, PREC,
         )  # fmt: skip
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)

@@ -1,0 +1,370 @@
+"""The Triton kernels of the all-attention op (``attention.impl: triton``) against the reference.
+
+On a machine without CUDA they run in Triton's interpreter (float32: the interpreter has no
+bfloat16), which is what CI runs; on CUDA the same cases run compiled in bf16, marked ``cuda``
+(bench/gpu_check.py), in the first tile of TILES only (each tile is a compilation per case;
+the tile choice has a test of its own here and runs in the GPU check's timed parts).
+
+Every case compares the output and every gradient (q, k, v, the position table u, the
+persistent keys and values, the spans through log m) with the reference op in float64, the
+expected values computed by the reference's own maths (pipeline/ops/attention.py) and, for
+dropout, by an explicit keep mask from an independent computation of the hash
+(tests/ops/test_attention_fused.py's ``_flex_mask``).
+
+Tolerances: float32 against float64, atol 2e-5 relative to each gradient's largest entry with
+the reference's +1e-8 renormalisation guard at 0 (the fused backends leave it out), what the
+kernel's float32 reassociation gives (measured: <= 8e-6); bf16 3e-2 as for flex.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipeline.ops.attention as attention_mod
+import pipeline.ops.triton_attention as triton_attention
+from pipeline.models import AllAttnConfig, AllAttnLM
+from pipeline.ops import get_attention_impl
+from tests.ops.test_attention_fused import _flex_mask, _grads, _inputs, _reference_fn
+
+CUDA = torch.cuda.is_available()
+NAMES = ["q", "k", "v", "pos", "persistent_k", "persistent_v", "spans"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _devices():
+    """(device, dtype, tolerance) cases: the interpreter on a CUDA-less machine, compiled
+    kernels on CUDA."""
+    cpu = pytest.param(
+        "cpu",
+        torch.float32,
+        2e-5,
+        marks=pytest.mark.skipif(
+            CUDA, reason="a CUDA machine runs the kernels compiled: the cuda cases"
+        ),
+        id="interpreter-fp32",
+    )
+    cuda = pytest.param(
+        "cuda",
+        torch.bfloat16,
+        3e-2,
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")],
+        id="cuda-bf16",
+    )
+    return [cpu, cuda]
+
+
+@pytest.fixture(autouse=True)
+def one_tile(monkeypatch):
+    """On CUDA, the first tile only: every tile tried is a compilation per case."""
+    monkeypatch.setattr(triton_attention, "TILES", triton_attention.TILES[:1])
+    monkeypatch.setattr(triton_attention, "_tiles", {})
+
+
+def _close(got, want, tol, what):
+    assert torch.isfinite(got).all(), what
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale, msg=what)
+
+
+def _check_against_reference(xs, spans, device, dtype, tol, **kw):
+    """Output and every gradient of the kernels (inputs cast to dtype on device) against
+    the reference in float64."""
+    triton = get_attention_impl("triton")
+    out, grads = _grads(triton, [None if x is None else x.to(device, dtype) for x in xs],
+                        spans.to(device), **kw)  # fmt: skip
+    want, want_grads = _grads(get_attention_impl("reference"), xs, spans, **kw)
+    _close(out, want, tol, "out")
+    for name, g, w in zip(NAMES, grads, want_grads, strict=True):
+        if w is None:
+            assert g is None, name
+            continue
+        assert w.abs().max() > 0, name  # every gradient is really exercised
+        _close(g, w, tol, name)
+
+
+# shapes: odd M, L' and N (not multiples of the interpreter's tile of 16), L' < M, L' = 1,
+# a head size that is not a power of 2, N = 0
+SHAPES = {
+    "odd": dict(b=2, h=3, m=21, span=37, d=8, n=6),
+    "span<block": dict(b=1, h=3, m=19, span=5, d=8, n=3),
+    "span=1": dict(b=1, h=3, m=7, span=1, d=8, n=2),
+    "head24-N17": dict(b=1, h=3, m=16, span=40, d=24, n=17),
+    "no-persistent": dict(b=2, h=3, m=18, span=33, d=8, n=0),
+}
+
+
+@pytest.mark.parametrize("device,dtype,tol", _devices())
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_triton_equals_reference_forward_and_every_gradient(shape, device, dtype, tol, monkeypatch):
+    monkeypatch.setattr(attention_mod, "RENORM_EPS", 0.0)
+    xs, spans = _inputs(**SHAPES[shape])
+    if SHAPES[shape]["n"] == 0:
+        xs = [*xs[:4], None, None]
+    _check_against_reference(xs, spans, device, dtype, tol)
+
+
+@pytest.mark.parametrize("device,dtype,tol", _devices())
+def test_triton_without_a_span_mask_is_the_plain_joint_softmax(device, dtype, tol):
+    """Fixed span (no mask, no renormalisation), the reference's +1e-8 guard untouched: it
+    only acts with a mask."""
+    xs, _ = _inputs(b=2, h=2, m=20, span=35, d=8, n=5)
+    q, k, v, pos, pk, pv = xs
+    triton = get_attention_impl("triton")
+    leaves = [x.to(device, dtype).requires_grad_() for x in xs]
+    out = triton(*leaves[:4], persistent_k=leaves[4], persistent_v=leaves[5])
+    out.double().sum().backward()
+    ref_leaves = [x.clone().requires_grad_() for x in xs]
+    want = attention_mod.attend_reference(
+        *ref_leaves[:4], persistent_k=ref_leaves[4], persistent_v=ref_leaves[5]
+    )
+    want.sum().backward()
+    _close(out, want, tol, "out")
+    for name, a, b in zip(NAMES, leaves, ref_leaves, strict=False):
+        _close(a.grad, b.grad, tol, name)
+
+
+@pytest.mark.parametrize("device,dtype,tol", _devices())
+def test_triton_keeps_the_reference_renormalisation_guard_to_float32(device, dtype, tol):
+    """With the reference's +1e-8 left in, the two still agree: it is below float32's
+    resolution wherever the previous token keeps its weight (always: m = 1 there)."""
+    xs, spans = _inputs(**SHAPES["odd"])
+    _check_against_reference(xs, spans, device, dtype, max(tol, 5e-5))
+
+
+@pytest.mark.parametrize("device,dtype,tol", _devices())
+def test_triton_dropout_is_flex_s_mask_forward_and_backward_and_the_same_run_to_run(
+    device, dtype, tol
+):
+    b, h, m, span, n, p, seed = 2, 3, 21, 37, 6, 0.3, 11
+    xs, spans = _inputs(b=b, h=h, m=m, span=span, d=8, n=n)
+    kw = dict(
+        dropout_p=p, training=True, dropout_seed=torch.tensor(seed, dtype=torch.int32).to(device)
+    )
+    triton = get_attention_impl("triton")
+    cast = [x.to(device, dtype) for x in xs]
+    out, grads = _grads(triton, cast, spans.to(device), **kw)
+    again, grads_again = _grads(triton, cast, spans.to(device), **kw)
+    assert torch.equal(out, again)  # same seed: the same mask, the same bits
+    assert all(torch.equal(g, a) for g, a in zip(grads, grads_again, strict=True))
+    keep = _flex_mask(seed, b, h, m, span, n, p)
+    want, want_grads = _grads(_reference_fn(keep, p), xs, spans, **kw)
+    _close(out, want, tol, "out")
+    for name, g, w in zip(NAMES, grads, want_grads, strict=True):
+        _close(g, w, tol, name)
+    other = dict(kw, dropout_seed=kw["dropout_seed"] + 1)
+    assert (_grads(triton, cast, spans.to(device), **other)[0] - out).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("device,dtype,tol", _devices())
+def test_triton_dropout_keep_rate_and_unbiased_weights(device, dtype, tol):
+    """Values are one-hot rows, so each output row is the row's attention weights after
+    dropout: every weight is either dropped (0) or its undropped value / (1 - p) (to float
+    precision), kept at a rate of 1 - p (within 5 binomial standard deviations), and their
+    mean over the draws is the undropped weights (E[dropout(a)] = a)."""
+    b, h, m, span, n, d, p = 24, 4, 4, 8, 4, 16, 0.3
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(b, h, m, d, generator=g), torch.randn(b, h, span + m, d, generator=g)
+    pos, pk = torch.randn(d, span, generator=g), torch.randn(h, n, d, generator=g)
+    eye = torch.eye(d)  # key c's value is e_c; persistent vector n's is e_(L' + M + n)
+    v, pv = eye[: span + m].expand(b, h, -1, -1), eye[span + m :].expand(h, -1, -1)
+    args = [x.to(device, dtype) for x in (q, k, v, pos)]
+    pers = dict(persistent_k=pk.to(device, dtype), persistent_v=pv.to(device, dtype))
+    triton = get_attention_impl("triton")
+    with torch.no_grad():
+        full = triton(*args, **pers).double().cpu()
+        draws = torch.stack(
+            [
+                triton(
+                    *args,
+                    **pers,
+                    dropout_p=p,
+                    training=True,
+                    dropout_seed=torch.tensor(s, dtype=torch.int32, device=device),
+                )
+                .double()
+                .cpu()
+                for s in range(2)
+            ]
+        )
+    weights = full.expand_as(draws)
+    live = weights > 0  # the window's and persistent weights (the rest is outside the window)
+    kept = draws[live] != 0
+    n_live = live.sum().item()
+    assert n_live > 9_000
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n_live) ** 0.5
+    scaled = draws[live][kept] * (1 - p)
+    torch.testing.assert_close(scaled, weights[live][kept], rtol=max(tol, 1e-5), atol=0)
+    # E[dropout(a)] = a: the sum of the draws against the sum of the weights, within 5
+    # standard deviations (each draw of a has variance a^2 p / (1 - p))
+    ratio = draws[live].sum() / weights[live].sum()
+    sd = (p / (1 - p) * weights[live].square().sum()).sqrt() / weights[live].sum()
+    assert abs(ratio.item() - 1) < 5 * sd.item()
+
+
+@pytest.mark.parametrize("device,dtype,tol", _devices())
+def test_triton_draws_its_dropout_seed_on_the_device_reproducibly(device, dtype, tol):
+    xs, spans = _inputs(b=1, h=3, m=16, span=20, d=8, n=4)
+    triton = get_attention_impl("triton")
+    cast = [x.to(device, dtype) for x in xs]
+    mask = attention_mod.adaptive_span_mask(spans.to(device), 3, 20)
+    kw = dict(persistent_k=cast[4], persistent_v=cast[5], span_mask=mask)
+
+    def run(**extra):
+        with torch.no_grad():
+            return triton(*cast[:4], **kw, dropout_p=0.3, training=True, **extra)
+
+    torch.manual_seed(5)
+    first = run()
+    torch.manual_seed(5)
+    assert torch.equal(run(), first)
+    torch.manual_seed(6)
+    assert (run() - first).abs().max() > 1e-2
+    torch.manual_seed(5)
+    seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int32, device=device)  # what it drew
+    assert torch.equal(run(dropout_seed=seed), first)
+    with torch.no_grad():  # not training: no dropout whatever p says
+        plain = triton(*cast[:4], **kw)
+        assert torch.equal(triton(*cast[:4], **kw, dropout_p=0.3, training=False), plain)
+
+
+@pytest.mark.parametrize("device,dtype,tol", _devices())
+def test_triton_in_the_model_equals_the_reference_loss_and_gradients(device, dtype, tol):
+    """A small all-attention LM, adaptive span and persistent vectors, two blocks of a stream
+    (the second attends to the first's cache): the loss and every parameter's gradient."""
+
+    def run(impl):
+        torch.manual_seed(0)
+        cfg = AllAttnConfig(
+            d_model=16, n_layers=2, n_heads=2, n_persistent=5, max_span=64, span_ramp=8,
+            span_init=0.3, attn_dropout=0.0,
+        )  # fmt: skip
+        model = AllAttnLM(cfg, 11).to(device)
+        if impl == "reference":
+            model = model.double()
+        else:
+            model = model.to(dtype)
+        model.set_attention_impl(impl)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(11, (2, 2, 20), generator=g).to(device)
+        state, loss = None, 0.0
+        for block in range(2):
+            out = model(x[block], x[block].roll(-1, 1), state)
+            state, loss = out.state, loss + out.nll.double().mean()
+        loss = loss + model.aux_loss().double()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    loss, grads = run("triton")
+    want_loss, want = run("reference")
+    _close(loss, want_loss, tol, "loss")
+    for name in want:
+        _close(grads[name], want[name], tol, name)
+    assert want["layers.0.attn.adaptive_span.frac"].abs().max() > 0
+
+
+def test_triton_refuses_what_it_cannot_run_in_one_line():
+    xs, spans = _inputs(b=1, h=2, m=4, span=5, d=8, n=2)
+    q, k, v, pos, pk, pv = xs
+    triton = get_attention_impl("triton")
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16, not torch.float64"):
+        triton(q, k, v, pos)
+    with pytest.raises(ValueError, match="persistent_k and persistent_v go together"):
+        triton(q.float(), k.float(), v.float(), pos.float(), persistent_k=pk.float())
+    with pytest.raises(ValueError, match=r"pos \[d_h, L'\]"):
+        triton(q.float(), k.float(), v.float(), pos[:, :3].float())
+    if not CUDA:
+        with pytest.raises(ValueError, match="interpreter, which has no bfloat16"):
+            triton(*(x.bfloat16() for x in (q, k, v, pos)))
+
+
+class _FakeCudaTensor:
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    shape = (1, 8, 512, 64)
+
+
+def test_the_tile_is_the_fastest_that_fits_kept_per_kernel_and_chosen_untimed_in_a_capture(
+    monkeypatch,
+):
+    """On CUDA the first call of a kernel (per device, dtype and head size) launches every tile
+    of TILES, skips those that run out of resources, times the rest and keeps the fastest;
+    later calls launch the kept tile once; inside a CUDA graph capture nothing is timed and
+    the first tile that fits is kept. Events and launches faked: no GPU needed."""
+    from triton.runtime.errors import OutOfResources
+
+    tiles = ({"T": 128}, {"T": 64}, {"T": 32}, {"T": 16})
+    ms = {128: None, 64: 3.0, 32: 2.0, 16: 5.0}  # None: out of shared memory
+    monkeypatch.setattr(triton_attention, "TILES", tiles)
+    launched: list[int] = []
+    clock = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            clock.append(launched[-1])
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return ms[clock[-1]] * 3
+
+    def launch(tile):
+        if ms[tile["T"]] is None:
+            raise OutOfResources(232448, 227 * 1024, "shared memory")
+        launched.append(tile["T"])
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q = _FakeCudaTensor()
+    assert triton_attention._launch("forward", q, launch) == {"T": 32}
+    assert launched == [64, 64, 64, 64, 32, 32, 32, 32, 16, 16, 16, 16, 32]  # kept: once more
+    assert triton_attention.tiles_in_use() == {("forward", "cuda", torch.bfloat16, 64): {"T": 32}}
+    launched.clear()
+    assert triton_attention._launch("forward", q, launch) == {"T": 32}
+    assert launched == [32]
+    # a capture: no timing, the first tile that fits
+    launched.clear()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert triton_attention._launch("backward dq", q, launch) == {"T": 64}
+    assert launched == [64, 64]
+    ms.update({64: None, 32: None, 16: None})
+    with pytest.raises(RuntimeError, match="no tile of TILES fits"):
+        triton_attention._launch("backward dk dv", q, launch)
+
+
+# --------------------------------------------------------------------------------------
+# compiled for real GPUs, on any machine
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_hopper_in_bf16_and_ampere_in_fp16():
+    """The interpreter runs what a GPU compiler could refuse (layouts, types of constants,
+    shared memory): compile every kernel ahead of time with Triton's own ptxas, for an H100
+    (sm_90) in bf16 and an A100 (sm_80) in fp16, dropout and mask on, at the default tile.
+    In a process of its own: the interpreter's process cannot compile."""
+    script = (
+        "import sys, torch\n"
+        "from pipeline.ops.triton_attention import compile_ahead\n"
+        "for cc, dtype in ((90, torch.bfloat16), (80, torch.float16)):\n"
+        "    for name, info in compile_ahead(cc, dtype, head_dim=64).items():\n"
+        "        print(cc, name, info['shared'], info['registers'], flush=True)\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    for cc in ("90", "80"):
+        for kernel in ("forward", "backward dq", "backward dk dv", "backward persistent"):
+            assert any(line.startswith(f"{cc} {kernel} ") for line in lines), (cc, kernel)
