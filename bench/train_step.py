@@ -17,8 +17,10 @@ the authors' training step at the same shape follows each row of ours at a fixed
 (their model, their AdagradWithGradClip, their trainer's update; --reference-dtype, default
 float32, as they train), and "vs authors" is our tokens/s over theirs at the same span.
 
-On CUDA it also prints model FLOPs utilisation against --peak-tflops (dense bf16 for every
-row: 6 x weights per token plus the attention's matmuls at the spans used). --time-budget
+On CUDA it also prints model FLOPs utilisation: the training FLOPs per token the model
+reports (``train_flops_per_token``: 6 x weights plus the attention's matmuls at the planned
+spans) over the GPU's dense peak for each row's dtype (pipeline.cluster.device's table;
+--peak-tflops overrides it, and is needed on a GPU the table lacks). --time-budget
 stops starting rows once that many seconds have passed (the rows left are listed as
 skipped). --dry-run loads the config and the authors' code, prints the plan, times nothing.
 Prints tables; asserts nothing.
@@ -38,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline.cluster.device import peak_memory_mb
+from pipeline.cluster.device import dense_peak_tflops, peak_memory_mb
 from pipeline.commands.report import vocab_size_for
 from pipeline.models import build_model
 from pipeline.spec import load_spec
@@ -74,15 +76,15 @@ class Ours:
 
     name = "ours"
 
-    def __init__(self, spec, vocab: int, device, dtype, compile: bool = False):
+    def __init__(self, spec, vocab: int, device, dtype, compile: bool = False, graphs=False):
         torch.manual_seed(0)
         self.model = build_model(spec.model_kind, spec.model_params, vocab).to(device, dtype)
         self.optimizer = build_optimizer(self.model.parameters(), spec.train.optimizer)
         self.vocab, self.seq, self.device = vocab, spec.train.seq_len, device
         # train.compile's path: the layers compiled for the planned updates (the first
         # update of each span bucket compiles; the warm-up updates absorb it)
-        if compile:
-            self.model.compile_for_training()
+        if compile or graphs:
+            self.model.compile_for_training(graphs=graphs)
 
     def describe(self) -> str:
         return self.model.describe()
@@ -123,7 +125,8 @@ class Ours:
         return max(self.model.span_lens())
 
     def flops_per_token(self) -> float:
-        return flops_per_token(self.model, self.seq)
+        # after timed updates: at the L' planned for them (the package's count)
+        return self.model.train_flops_per_token()
 
     def close(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -243,27 +246,14 @@ def largest_batch(
     return None, failed
 
 
-def flops_per_token(model, seq: int) -> float:
-    """Training FLOPs per token: 6 per weight (forward + backward) and, per layer, the
-    attention's q.k, q.u and a.v products over L' context + N persistent keys (3 x 2 x 2
-    FLOPs per key and model dimension, forward + backward)."""
-    cfg = model.cfg
-    weights = sum(
-        p.numel()
-        for name, p in model.named_parameters()
-        if "persistent" not in name and "pos_table" not in name and "embed" not in name
-    )
-    attn = sum(6 * 2 * cfg.d_model * (span + cfg.n_persistent) for span in model.span_lens())
-    return 6 * weights + attn
-
-
-def row_text(code: str, r: dict, gpu: bool, peak_tflops: float, vs: str = "") -> str:
+def row_text(code: str, r: dict, gpu: bool, peak_tflops: float | None, vs: str = "") -> str:
     text = (
         f"| {code} | {r['batch']} | {r['frac']:.4g} | {r['span']} | {r['ms']:,.1f} | "
         f"{r['tokens_s']:,.0f} | {r['peak_mb']:,.0f} |"
     )
-    if gpu:
-        text += f" {r['tokens_s'] * r['flops'] / peak_tflops / 1e12:.1%} |"
+    if gpu:  # MFU; blank where the GPU's peak is unknown
+        mfu = r["tokens_s"] * r["flops"] / peak_tflops / 1e12 if peak_tflops else None
+        text += f" {mfu:.1%} |" if mfu is not None else " |"
     return text + f" {vs} |"
 
 
@@ -294,14 +284,21 @@ def main() -> int:
     parser.add_argument(
         "--peak-tflops",
         type=float,
-        default=989.0,
-        help="GPU dense bf16 peak for MFU (H100/H200 SXM: 989)",
+        default=None,
+        help="the GPU's dense peak in TFLOP/s for MFU, every row (default: the device's, "
+        "for each row's dtype, from pipeline.cluster.device's table)",
     )
     parser.add_argument(
         "--time-budget",
         type=float,
         default=None,
         help="seconds after which no further row is started",
+    )
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="as --compile, with each layer's forward and backward replayed as CUDA graphs "
+        "(train.compile: graphs)",
     )
     parser.add_argument(
         "--compile",
@@ -347,7 +344,11 @@ def main() -> int:
     if "max" in batches and not gpu:
         print("micro-batch 'max' is searched on CUDA only: left out here\n")
 
-    ours = Ours(spec, vocab, device, DTYPES[args.dtype], compile=args.compile)
+    ours = Ours(spec, vocab, device, DTYPES[args.dtype], compile=args.compile, graphs=args.graphs)
+    peak_ours = args.peak_tflops or dense_peak_tflops(device, DTYPES[args.dtype])
+    peak_authors = args.peak_tflops or dense_peak_tflops(device, DTYPES[args.reference_dtype])
+    if gpu and (peak_ours is None or (ref is not None and peak_authors is None)):
+        print(f"no dense peak known for {torch.cuda.get_device_name(device)}: give --peak-tflops")
     fixed_bytes = torch.cuda.memory_allocated(device) if gpu else 0
     params = sum(p.numel() for p in ours.model.parameters())
     print(
@@ -389,7 +390,7 @@ def main() -> int:
                 )
                 continue
             ours_rows[(batch, frac)] = r
-            print(row_text("ours", r, gpu, args.peak_tflops), flush=True)
+            print(row_text("ours", r, gpu, peak_ours), flush=True)
 
     free_memory()
     if ref is not None:
@@ -419,7 +420,7 @@ def main() -> int:
                     continue
                 mine = ours_rows.get((batch, frac))
                 vs = f"{mine['tokens_s'] / r['tokens_s']:.2f}x" if mine else ""
-                print(row_text("authors", r, gpu, args.peak_tflops, vs=vs), flush=True)
+                print(row_text("authors", r, gpu, peak_authors, vs=vs), flush=True)
         authors.close()
         free_memory()
         notes.append(
@@ -450,7 +451,7 @@ def main() -> int:
                     r = ours_rows.get((best, frac)) or time_step(
                         ours, best, frac, min(args.steps, 3), 1
                     )
-                    print(row_text("ours", r, gpu, args.peak_tflops), flush=True)
+                    print(row_text("ours", r, gpu, peak_ours), flush=True)
     ours.close()
     if notes:
         print("\n" + "\n".join(notes))

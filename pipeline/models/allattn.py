@@ -76,7 +76,7 @@ from pipeline.models.layers import (
     cache_len,
     planned_span_len,
 )
-from pipeline.models.protocol import ModelOutput, SequenceModel, State
+from pipeline.models.protocol import ModelOutput, SequenceModel, State, count_elements
 from pipeline.ops import AttendFn, describe_auto, get_attention_impl
 
 __all__ = ["AllAttnConfig", "AllAttnLM", "FF_KINDS", "PERSISTENT_MODES"]
@@ -168,6 +168,7 @@ class AllAttnLM(SequenceModel):
         self._overflows: Tensor | None = None  # forwards whose plan was too short
         self._overflows_seen = 0  # the count at the last report
         self._compiled: list | None = None  # compile_for_training(): per layer
+        self._graphs = False  # ... replayed as CUDA graphs
 
     # ---- spans -------------------------------------------------------------------------
 
@@ -229,6 +230,9 @@ class AllAttnLM(SequenceModel):
             self._free.append((buffer, view))
         elif self._planned is None:  # the first update (or a checkpoint without a plan)
             self._set_plan(self._layer_max_fracs().tolist())
+        if self._graphs:
+            # a new update: the graphs' outputs of the last one may be overwritten now
+            torch.compiler.cudagraph_mark_step_begin()
         self._planning = True
         try:
             yield
@@ -298,10 +302,12 @@ class AllAttnLM(SequenceModel):
 
     # ---- torch.compile -----------------------------------------------------------------
 
-    def compile_for_training(self, backend: str = "inductor") -> bool:
+    def compile_for_training(self, backend: str = "inductor", graphs: bool = False) -> bool:
         """Compile each layer for the planned (training) forwards: regional compilation (the
         layers share one compiled code), L' a static int per span bucket (``dynamic=False``).
-        Without adaptive span L' is max_span: one graph."""
+        Without adaptive span L' is max_span: one graph. ``graphs``: torch.compile's
+        reduce-overhead mode, each layer's forward and backward captured as CUDA graphs
+        (one per bucket and batch shape) and replayed without launches from Python."""
         import torch._dynamo
         import torch._inductor.config
 
@@ -311,9 +317,11 @@ class AllAttnLM(SequenceModel):
         # torch's generator as eager does, not inductor's own: compiled training makes the
         # eager run's dropout draws, so it resumes and compares like it
         torch._inductor.config.fallback_random = True
+        options: dict = {"mode": "reduce-overhead"} if graphs else {}
         self._compiled = [
-            torch.compile(layer, backend=backend, dynamic=False) for layer in self.layers
+            torch.compile(layer, backend=backend, dynamic=False, **options) for layer in self.layers
         ]
+        self._graphs = graphs
         return True
 
     def spans(self) -> list[list[float]]:
@@ -340,10 +348,31 @@ class AllAttnLM(SequenceModel):
             return []
         return [(s.frac, 0.0, 1.0) for s in self._adaptive_spans()]
 
+    def train_flops_per_token(self) -> float:
+        """Training FLOPs per token at the L' in force, from host values only (the planned
+        L', or max_span with fixed spans or before the first plan; never the device's span
+        fractions): 6 per weight outside the embeddings and the position table, and per
+        layer 6 x 3 x d_ctx x L' for the products q.k, q.u and a.v with the L' context
+        columns (d_ctx = d_model, half of it with head_split's context heads). The persistent
+        vectors count as weights: each element is one multiply-add per token in q.M_k or
+        a.M_v, which makes 6 x 2 x d x N per layer for the paper's N vectors per head.
+        Not counted: the K / V projections of the cached rows, recomputed every block (the
+        authors' code does the same; a model that kept them would not)."""
+        skip = {id(p) for p in self.embed.parameters()} | {id(self.pos_table)}
+        weights = count_elements(p for p in self.parameters() if id(p) not in skip)
+        spans = self._planned or [self.cfg.max_span] * len(self.layers)
+        attn = sum(
+            6 * 3 * layer.attn.n_ctx_heads * layer.attn.head_dim * span
+            for layer, span in zip(self.layers, spans, strict=True)
+        )
+        return 6.0 * weights + attn
+
     def describe(self) -> str:
         """The attention backend; for ``auto``, what it picks on the model's current device
         and dtype (call after moving the model)."""
         compiled = ", layers compiled for training (torch.compile)" if self._compiled else ""
+        if self._graphs:
+            compiled = ", layers compiled for training and replayed as CUDA graphs"
         if self.attention_impl != "auto":
             return f"attention impl {self.attention_impl}{compiled}"
         return (
@@ -479,7 +508,9 @@ class AllAttnLM(SequenceModel):
                 nxt = torch.cat([past[:, max(0, past.shape[1] - (keep - m)) :], h], dim=1)
             else:
                 nxt = h[:, m - keep :]
-            new_cache.append(nxt.detach())
+            # a graph's output is overwritten when the graph replays: the state kept for the
+            # next block must not be a view of one
+            new_cache.append(nxt.detach().clone() if self._graphs and keep <= m else nxt.detach())
             # the last L' cached rows (zero rows in front if fewer): [B, L', d]
             c = past.shape[1]
             if c >= span_len:

@@ -31,7 +31,7 @@ the checkpoint. Families without such shapes keep the defaults, which do nothing
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -106,10 +106,22 @@ class SequenceModel(nn.Module):
         """Restore ``plan_state()``'s dict; None (a checkpoint from before plans, or a model
         without one): plan from the current values at the next update."""
 
-    def compile_for_training(self, backend: str = "inductor") -> bool:
-        """torch.compile what the training updates run (train.compile); False when the
-        family has no compiled path (the default: it trains eagerly)."""
+    def compile_for_training(self, backend: str = "inductor", graphs: bool = False) -> bool:
+        """torch.compile what the training updates run (train.compile); with ``graphs``, in
+        CUDA graphs (torch.compile's reduce-overhead mode). False when the family has no
+        compiled path (the default: it trains eagerly)."""
         return False
+
+    def train_flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward), for the model FLOPs utilisation the
+        trainer reports: a host-side estimate that never reads the device. Default: 6 per
+        parameter element (2 in the forward multiply-add, 4 in the backward's two) outside
+        the ``nn.Embedding`` modules, whose lookups are not matmuls. Sequence-length terms
+        (attention over the context) are the family's to add in an override."""
+        embedded = {
+            id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+        }
+        return 6.0 * count_elements(p for p in self.parameters() if id(p) not in embedded)
 
     def describe(self) -> str:
         """One line for the training log: how this model computes (backends and the like)."""
@@ -157,6 +169,13 @@ class SequenceModel(nn.Module):
             role = name.split(".", 1)[0]
             groups[role] = groups.get(role, 0) + p.numel()
         return groups
+
+
+def count_elements(parameters: Iterable[nn.Parameter]) -> int:
+    """Elements of the parameters, whole: under ZeRO stage 3 a parameter's own tensor is
+    this process's partition (often empty) and DeepSpeed keeps the full count in
+    ``ds_numel``."""
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in parameters)
 
 
 class ModelFamily(NamedTuple):

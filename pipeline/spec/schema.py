@@ -719,7 +719,7 @@ class TrainSpec(Section):
         le=10**6,
         description="newest checkpoints kept (the best validation's is kept besides)",
     )
-    compile: bool | Literal["auto"] = Field(
+    compile: bool | Literal["auto", "graphs"] = Field(
         "auto",
         description="torch.compile each layer for the training updates (regional: "
         "one compiled code for all layers, a graph per span bucket, no "
@@ -727,7 +727,10 @@ class TrainSpec(Section):
         "off on CPU, where inductor needs a C++ compiler and ~25 s per "
         "span bucket that pay back after ~400 updates in that bucket "
         "(quickstart's model: 23% faster updates; "
-        "docs/benchmarks.md#torchcompile)",
+        "docs/benchmarks.md#torchcompile). graphs: compiled as with true, and "
+        "each layer's forward and backward replayed as CUDA graphs "
+        "(torch.compile's reduce-overhead mode: no kernel launches from Python; "
+        "CUDA only, elsewhere the same as true)",
     )
 
     @model_validator(mode="after")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pipeline.cluster import distributed
-from pipeline.cluster.device import peak_memory_mb, resolve_device
+from pipeline.cluster.device import dense_peak_tflops, peak_memory_mb, resolve_device
 from pipeline.cluster.signals import StopSignal
 from pipeline.data.documents import DocumentBatches, as_documents
 from pipeline.data.manifest import load_manifest, load_split
@@ -100,6 +100,15 @@ class Trainer:
         self.ds_config = deepspeed_config(
             train, self.world_size, self.resolved["micro_batch_size"], self.resolved["bf16"]
         )
+        # this GPU's dense peak in the dtype the model's matmuls run in (DeepSpeed casts the
+        # model to bf16 / fp16), for the reports' model FLOPs utilisation; None on the CPU
+        # and on a GPU not in the table (no mfu then)
+        matmuls = torch.float32
+        if self.ds_config["bf16"]["enabled"]:
+            matmuls = torch.bfloat16
+        elif self.ds_config["fp16"]["enabled"]:
+            matmuls = torch.float16
+        self.peak_tflops = dense_peak_tflops(self.device, matmuls)
         optimizer = build_optimizer(model.parameters(), train.optimizer)
         # float32, before DeepSpeed's cast to the training precision
         bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
@@ -115,9 +124,14 @@ class Trainer:
         # one process, no ZeRO: no allreduce over a group of one (ds_config.py says why)
         skip_single_process_allreduce(self.engine, self.world_size)
         self.compiled = False
-        if train.compile is True or (train.compile == "auto" and self.device.type == "cuda"):
-            self.compiled = self.model.compile_for_training()
-            if not self.compiled and train.compile is True:
+        if train.compile in (True, "graphs") or (
+            train.compile == "auto" and self.device.type == "cuda"
+        ):
+            graphs = train.compile == "graphs" and self.device.type == "cuda"
+            if train.compile == "graphs" and not graphs:
+                log(f"train.compile: graphs needs CUDA; compiling without them on {self.device}")
+            self.compiled = self.model.compile_for_training(graphs=graphs)
+            if not self.compiled and train.compile in (True, "graphs"):
                 log(
                     f"train.compile: {type(self.model).__name__} has no compiled path; "
                     f"training eagerly"
@@ -433,6 +447,13 @@ class Trainer:
         if not self.documents:
             metrics["bpc"] = mean / LN2
         bpc = f"bpc {metrics['bpc']:.3f}  " if "bpc" in metrics else ""
+        mfu = ""
+        if self.peak_tflops is not None:
+            # per GPU: tokens_per_s counts every rank's tokens (the window's step is
+            # train.batch_size rows, the global batch), the peak is one GPU's
+            flops = tokens_per_s / self.world_size * self.model.train_flops_per_token()
+            metrics["mfu"] = flops / (self.peak_tflops * 1e12)
+            mfu = f"  mfu {metrics['mfu']:.1%}"
         metrics |= values
         self.tracker.log_metrics(metrics, step=self.step)
         eta = (until - self.step) * seconds_per_step
@@ -441,7 +462,7 @@ class Trainer:
             self.log,
             f"step {self.step:>6}/{until}  loss {mean:.4f}  "
             f"{bpc}lr {metrics['lr']:.3g}  "
-            f"{tokens_per_s:,.0f} tok/s  eta {eta:,.0f}s",
+            f"{tokens_per_s:,.0f} tok/s{mfu}  eta {eta:,.0f}s",
         )
         for line in warnings:
             progress.log(self.log, f"step {self.step:>6}/{until}  {line}")

@@ -65,7 +65,7 @@ def test_a_compiled_step_makes_no_host_sync(tmp_path, monkeypatch):
     monkeypatch.setattr(
         AllAttnLM,
         "compile_for_training",
-        lambda self: compile_for_training(self, backend="aot_eager"),
+        lambda self, graphs=False: compile_for_training(self, backend="aot_eager", graphs=graphs),
     )
     cfg, pre = tiny_corpus(tmp_path)
     t = Trainer(

@@ -1,0 +1,221 @@
+"""Model FLOPs utilisation: the training FLOPs per token a model reports through the protocol
+(``SequenceModel.train_flops_per_token``, the all-attention model's own count at the planned
+spans), the GPU's dense peak by name (``pipeline.cluster.device.dense_peak_tflops``) and the
+trainer's report, which logs ``mfu`` to the tracker and the log line where the peak is known
+(on CUDA), and nothing new on the CPU. The expected counts are worked out here from the
+configs, by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.cluster.device import dense_peak_tflops
+from pipeline.models.active_memory import ActiveMemoryConfig, ActiveMemoryModel
+from pipeline.models.allattn import AllAttnConfig, AllAttnLM
+from tests.helpers.host_syncs import HostSyncCounter
+
+D, LAYERS, HEADS, N, VOCAB = 16, 2, 2, 4, 50
+
+
+def tiny_allattn(**kw) -> AllAttnLM:
+    torch.manual_seed(0)
+    cfg = AllAttnConfig(d_model=D, n_layers=LAYERS, n_heads=HEADS, n_persistent=N, **kw)
+    return AllAttnLM(cfg, VOCAB)
+
+
+def allattn_flops(span: int, adaptive: bool) -> float:
+    """6 per weight outside the embedding, the position table and the persistent vectors,
+    plus per layer 6 x 2 x d x N for the products with the persistent vectors (q.M_k, a.M_v)
+    and 6 x 3 x d x L' for those with the context (q.k, q.u, a.v)."""
+    per_layer = 4 * D * D + 2 * D + (HEADS if adaptive else 0)  # W_qkvo, LayerNorm, span
+    out = D * VOCAB + VOCAB  # the output Linear, with bias
+    weights = LAYERS * per_layer + out
+    return 6.0 * weights + LAYERS * 6 * (2 * D * N + 3 * D * span)
+
+
+def test_a_fixed_span_counts_max_span():
+    model = tiny_allattn(max_span=64, adaptive_span=False)
+    assert model.train_flops_per_token() == allattn_flops(64, adaptive=False)
+    with model.planned_update():
+        assert model.train_flops_per_token() == allattn_flops(64, adaptive=False)
+
+
+def test_an_adaptive_span_counts_the_planned_span_without_reading_the_device():
+    model = tiny_allattn(max_span=1024, span_init=0.0)
+    # no plan yet: max_span
+    assert model.train_flops_per_token() == allattn_flops(1024, adaptive=True)
+    with model.planned_update():  # the first plan reads the current spans (0 tokens)
+        # span 0 + ramp 32 -> L' 64, + 64 tokens of room to grow -> the bucket 128
+        assert model.span_lens() == [128, 128]
+        with HostSyncCounter() as counter:
+            inside = model.train_flops_per_token()
+        assert counter.syncs == [], counter.syncs
+    assert inside == allattn_flops(128, adaptive=True)
+    # the spans grow on the device: the count stays the plan's (the L' the updates run at)
+    # until a plan is made from them, and never reads them
+    with torch.no_grad():
+        for p, _, _ in model.bounded_parameters():
+            p.fill_(1.0)
+    with HostSyncCounter() as counter:
+        after = model.train_flops_per_token()
+    assert counter.syncs == [], counter.syncs
+    assert after == inside
+
+
+def test_head_split_counts_the_context_heads_and_their_persistent_vectors():
+    """Half the heads see the context, the other half their N vectors: the persistent
+    vectors are half the all-attn model's and the context products half as wide."""
+    model = tiny_allattn(max_span=64, adaptive_span=False, persistent_mode="head_split")
+    weights = LAYERS * (4 * D * D + 2 * D + 2 * (HEADS // 2) * N * (D // HEADS)) + D * VOCAB
+    attn = LAYERS * 6 * 3 * (D // 2) * 64
+    assert model.train_flops_per_token() == 6.0 * (weights + VOCAB) + attn
+
+
+def test_the_default_is_six_per_weight_outside_the_embeddings():
+    d, layers, ff, heads, head_dim = 8, 2, 16, 2, 4
+    cfg = ActiveMemoryConfig(
+        mixer="self_attention",
+        causal=True,
+        d_model=d,
+        n_layers=layers,
+        ff_dim=ff,
+        n_heads=heads,
+        head_dim=head_dim,
+    )
+    model = ActiveMemoryModel(cfg, VOCAB)
+    inner = heads * head_dim
+    per_layer = (
+        2 * d  # mixer LayerNorm
+        + 4 * d * inner  # query, key, value, out: no biases
+        + 2 * d  # feed-forward LayerNorm
+        + (d * ff + ff)  # ff_in
+        + (ff * d + d)  # ff_out
+    )
+    weights = layers * per_layer + 2 * d + (d * VOCAB + VOCAB)  # + final norm, output
+    assert sum(p.numel() for p in model.parameters()) == weights + VOCAB * d  # + embedding
+    assert model.train_flops_per_token() == 6.0 * weights
+
+
+# ---------------------------------------------------------------- the peak by name
+
+
+@pytest.mark.parametrize(
+    "name, dtype, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0),
+        ("NVIDIA H100 80GB HBM3", torch.float16, 989.0),
+        ("NVIDIA H100 80GB HBM3", torch.float32, 67.0),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.0),
+        ("NVIDIA H100 PCIe", torch.float32, 51.0),
+        ("NVIDIA H200", torch.bfloat16, 989.0),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0),
+        ("NVIDIA A100-PCIE-40GB", torch.float32, 19.5),
+        ("NVIDIA L40S", torch.bfloat16, 362.0),
+        ("NVIDIA A10", torch.bfloat16, 125.0),
+        ("NVIDIA GeForce RTX 4090", torch.bfloat16, 165.2),
+        ("Tesla V100-SXM2-16GB", torch.float16, 125.0),
+        ("Tesla V100-SXM2-16GB", torch.bfloat16, None),  # no bfloat16 tensor cores
+        ("Tesla V100-SXM2-16GB", torch.float32, 15.7),
+        ("NVIDIA A10G", torch.bfloat16, None),  # not an A10, nor an A100
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", torch.bfloat16, None),  # a slice of one
+        ("NVIDIA Some Future GPU", torch.bfloat16, None),
+        ("NVIDIA H100 80GB HBM3", torch.float64, None),
+    ],
+)
+def test_the_dense_peak_by_device_name(monkeypatch, name, dtype, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert dense_peak_tflops(torch.device("cuda", 0), dtype) == peak
+
+
+def test_float32_under_tf32_is_the_tf32_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    matmul = torch.backends.cuda.matmul  # a module object monkeypatch cannot restore
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        assert dense_peak_tflops(torch.device("cuda", 0), torch.float32) == 494.7
+        monkeypatch.setattr(
+            torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB"
+        )
+        assert dense_peak_tflops(torch.device("cuda", 0), torch.float32) == 15.7  # no TF32
+    finally:
+        matmul.allow_tf32 = before
+
+
+def test_the_cpu_has_no_peak(monkeypatch):
+    def no_gpu(device=None):
+        raise AssertionError("asked a GPU's name for the CPU")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_gpu)
+    assert dense_peak_tflops(torch.device("cpu"), torch.float32) is None
+    assert dense_peak_tflops(torch.device("cpu"), torch.bfloat16) is None
+
+
+# ---------------------------------------------------------------- the trainer's report
+
+
+class Recorder:
+    """A tracker that keeps the metrics it is given (NullStageTracker's other methods)."""
+
+    run_id = None
+
+    def __init__(self) -> None:
+        self.metrics: list[dict] = []
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.metrics.append(dict(metrics))
+
+    def log_params(self, params: dict) -> None: ...
+    def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
+    def set_tags(self, tags: dict) -> None: ...
+    def make_durable(self) -> None: ...
+
+
+def short_run(tmp_path, monkeypatch, overrides=()):
+    """A Trainer on the tiny corpus trained 2 updates with a report after each; (trainer,
+    the metrics the tracker got, the log lines)."""
+    from pipeline.spec import load_spec
+    from pipeline.training.trainer import Trainer
+    from tests.training.test_epoch_wrap import tiny_corpus
+
+    cfg, pre = tiny_corpus(tmp_path)
+    spec = load_spec(cfg, ["train.log_every=1", "train.checkpoint_every=0", *overrides])
+    tracker, lines = Recorder(), []
+    trainer = Trainer(spec, pre, tracker=tracker, log=lines.append)
+    monkeypatch.setattr(trainer, "save", lambda *a, **k: tmp_path)
+    trainer.fit(2, lambda k: 0.01, tmp_path)
+    reports = [line for line in lines if "tok/s" in line]
+    assert len(tracker.metrics) == len(reports) == 2
+    return trainer, tracker.metrics, reports
+
+
+@pytest.mark.slow
+def test_the_report_has_mfu_where_the_peak_is_known(tmp_path, monkeypatch):
+    import pipeline.training.trainer as trainer_module
+
+    asked = []
+
+    def peak(device, dtype):
+        asked.append((device, dtype))
+        return 50.0
+
+    monkeypatch.setattr(trainer_module, "dense_peak_tflops", peak)
+    trainer, metrics, reports = short_run(tmp_path, monkeypatch, ["train.deepspeed.bf16=true"])
+    assert asked == [(torch.device("cpu"), torch.bfloat16)]  # once, in the matmuls' dtype
+    flops = trainer.model.train_flops_per_token()  # the plan of the last update, as reported
+    assert trainer.world_size == 1
+    last = metrics[-1]
+    assert last["mfu"] == pytest.approx(last["tokens_per_s"] * flops / 50e12, rel=1e-12)
+    assert 0 < last["mfu"] < 1
+    assert all("mfu" in m for m in metrics)
+    assert all(" tok/s  mfu " in line and "%  eta " in line for line in reports), reports
+
+
+@pytest.mark.slow
+def test_the_report_on_the_cpu_is_as_before(tmp_path, monkeypatch):
+    trainer, metrics, reports = short_run(tmp_path, monkeypatch)
+    assert trainer.peak_tflops is None
+    assert not any("mfu" in m for m in metrics)
+    assert not any("mfu" in line for line in reports)
+    assert all(" tok/s  eta " in line for line in reports), reports
