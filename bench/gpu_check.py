@@ -1,23 +1,32 @@
 """The whole GPU check in one command (`make gpu-check`), sized for a short GPU rental: every
-part has a time budget and the whole keeps to 9 minutes on an H100/H200.
+part has a time budget and the whole keeps to 9 minutes on an H100/H200; the parts run in
+this order, the most wanted first, and what the budget no longer reaches is listed as skipped
+(`--parts` runs a chosen few, e.g. in a second call).
 
 1. install: `--wheels DIR` (from `make gpu-wheels`) installs, with `pip --no-index --no-deps`,
    the wheels whose package this interpreter lacks (pydantic, deepspeed, mlflow-skinny,
    webdataset, ...): the machine has no network;
-2. the CUDA tests (`pytest -m cuda` on the files that have them), their failures readable:
-   no torch.compile log in pytest's report (TORCH_LOGS unset, --log-level=WARNING, captured
-   output not shown), the short tracebacks and the `FAILED` lines in the report;
-3. our training step: enwik8_large's model in bf16 at span fractions 1/16 and 1, at
-   micro-batch 4 and at the largest micro-batch that fits (searched inside the one process:
-   bench/train_step.py --batch 4,max), tokens/s and MFU; with `--reference-code DIR` (the
-   user's checkout of the authors' code) the authors' step at the same shape beside it
-   (float32, their AdagradWithGradClip) and "vs authors" ratios;
-4. the pipeline end to end: `allattn-pipe run` for 50 steps of enwik8_large's model in bf16
-   (batch 8, the config's micro-batch: auto) on the built-in python_docs corpus (no
-   download), tokens/s from its log;
-5. train.compile's step (bench/train_step.py --compile) at span 1/16, micro-batch 4, only if
-   time is left: the measurement train.compile's default on CUDA waits for;
-6. bench/attention.py, only if time is left.
+2. `tests`: the CUDA tests (`pytest -m cuda` on the files that have them: the Triton
+   kernels in bf16 against float64 among them), their failures readable: no torch.compile
+   log in pytest's report (TORCH_LOGS unset, --log-level=WARNING, captured output not
+   shown), the short tracebacks and the `FAILED` lines in the report;
+3. `step`: our training step with the Triton kernels (attention.impl triton), eager:
+   enwik8_large's model in bf16 at span fractions 1/16 and 1, at micro-batch 4 and at the
+   largest that fits (bench/train_step.py --batch 4,max), tokens/s and MFU; with
+   `--reference-code DIR` (the user's checkout of the authors' code) the authors' step at
+   the same shape beside it (float32, their AdagradWithGradClip) and "vs authors" ratios;
+4. `graphs`: the same step with the layers compiled and replayed as CUDA graphs
+   (train.compile: graphs), at micro-batch 4;
+5. `pipeline`: `allattn-pipe run` for 50 steps of enwik8_large's model in bf16 with the
+   Triton kernels and CUDA graphs under the DeepSpeed engine (batch 8, the config's
+   micro-batch: auto) on the built-in python_docs corpus (no download), tokens/s from its
+   log;
+6. `learning`: bench/learning_check.py, enwik8_small's model trained 300 updates with the
+   Triton kernels, bf16 and CUDA graphs against the reference op in float32 from the same
+   weights and batches, and a second float32 seed for the spread;
+7. `attention`: the op alone (bench/attention.py: reference, flex and triton, fwd+bwd with
+   dropout 0.4, N 2048, spans 1024 and 8192): time and peak memory;
+8. `reference`: today's path for comparison, the reference op's eager step at micro-batch 4.
 
 It uses the interpreter it runs under (the machine's CUDA torch). A part that needs a
 missing package is skipped with the reason. The report (markdown) goes to stdout and
@@ -40,19 +49,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NEEDED = ("pydantic", "deepspeed", "mlflow", "webdataset")  # what a bare CUDA image lacks
 
 TOTAL_BUDGET = 530.0  # seconds for everything after start-up (9 minutes minus margin)
-BUDGETS = {
+BUDGETS = {  # each part's own limit, in the order they run
     "install": 60,
     "tests": 120,
-    "step": 240,
-    "pipeline": 120,
-    "compiled": 120,
+    "step": 150,
+    "graphs": 110,
+    "pipeline": 90,
+    "learning": 150,
     "attention": 60,
+    "reference": 50,
 }
 CONFIG = "configs/enwik8_large.yaml"
 SPANS = "0.0625,1"
@@ -233,16 +246,18 @@ def cuda_test_files() -> list[str]:
 
 
 def pipeline_config(folder: Path, batch: int) -> Path:
-    """enwik8_large's model in bf16 on the built-in corpus: download (builtin), preprocess,
-    train for PIPELINE_STEPS steps of ``batch`` sequences, the config's micro-batch (auto:
-    the largest divisor of it that fits, searched at the start); no network, no shared
-    data."""
+    """enwik8_large's model in bf16 with the Triton kernels and CUDA graphs on the built-in
+    corpus: download (builtin), preprocess, train for PIPELINE_STEPS steps of ``batch``
+    sequences, the config's micro-batch (auto: the largest divisor of it that fits, searched
+    at the start); no network, no shared data."""
     path = folder / "gpu_check_pipeline.yaml"
     path.write_text(f"""\
 extends: [{ROOT / CONFIG}]
 name: gpu_check_enwik8_large
 dataset: python_docs
+model: {{attention: {{impl: triton}}}}
 train:
+  compile: graphs
   steps: {PIPELINE_STEPS}
   batch_size: {batch}
   log_every: 10
@@ -272,6 +287,69 @@ def pipeline_digest(out: str, seconds: float) -> str:
     return head + "```\n" + "\n".join(steps[-6:] or out.splitlines()[-25:]) + "\n```"
 
 
+@dataclass
+class Part:
+    """One part of the check: what it runs on a GPU and, without one, what checks it starts."""
+
+    key: str  # its name in BUDGETS and --parts
+    title: str
+    cmd: list[str]
+    dry: list[str]  # the no-GPU run: --dry-run, --help or test collection
+    needs: tuple[str, ...] = ()  # modules it cannot start without
+    digest: Callable[[str, float], str] = lambda out, seconds: table_lines(out)
+    optional: bool = False  # cut at its budget, it is not a failure
+
+
+def plan(args, folder: Path) -> list[Part]:
+    """The parts after the install, in the order they run."""
+    py = sys.executable
+    tests = [
+        py, "-m", "pytest", "-q", "-m", "cuda", *cuda_test_files(), "-p", "no:cacheprovider",
+        "--tb=short", "-rfEs", "--show-capture=no", "--log-level=WARNING",
+    ]  # fmt: skip
+    step = [py, "bench/train_step.py", CONFIG, "--dtype", "bf16", "--steps", "5", "--warmup", "2"]
+    triton = ["--set", "model.attention.impl=triton"]
+    authors = (
+        ["--reference-code", str(args.reference_code.resolve())] if args.reference_code else []
+    )
+    vs = " vs the authors' code (fp32)" if authors else ""
+    eager = [*step, *triton, "--span", SPANS, "--batch", "4,max", *authors]
+    eager += ["--time-budget", str(BUDGETS["step"] - 30)]
+    graphs = [*step, *triton, "--graphs", "--span", SPANS, "--batch", "4"]
+    reference = [*step, "--set", "model.attention.impl=reference", "--span", SPANS, "--batch", "4"]
+    cli = [
+        py,
+        "-m",
+        "pipeline.commands.cli",
+        "run",
+        str(pipeline_config(folder, args.pipeline_batch)),
+    ]
+    learning = [py, "bench/learning_check.py"]
+    attention = [
+        py, "bench/attention.py", "--spans", "1024,8192", "--persistent", "2048",
+        "--dropout", "0.4", "--impls", "triton,flex",
+    ]  # fmt: skip
+    digest_tests = lambda out, seconds: pytest_digest(out)  # noqa: E731
+    return [
+        Part("tests", "CUDA tests", tests, [*tests, "--collect-only"], digest=digest_tests),
+        Part("step", f"training step, {CONFIG} bf16, attention triton, eager{vs}", eager,
+             [*eager, "--dry-run"], needs=("pydantic",)),
+        Part("graphs", f"training step, {CONFIG} bf16, attention triton, layers in CUDA graphs "
+             "(train.compile: graphs)", graphs, [*graphs, "--dry-run"], needs=("pydantic",)),
+        Part("pipeline", f"pipeline: allattn-pipe run, {PIPELINE_STEPS} steps, enwik8_large's "
+             "model bf16, attention triton, CUDA graphs", cli, [*cli, "--dry-run"],
+             needs=NEEDED, digest=pipeline_digest),
+        Part("learning", "learning check: triton + bf16 + CUDA graphs against the reference "
+             "in float32, 300 updates of enwik8_small's model", learning,
+             [*learning, "--dry-run"], needs=NEEDED),
+        Part("attention", "the op alone: bench/attention.py, bf16, dropout 0.4, N 2048",
+             attention, [*attention, "--help"], optional=True),
+        Part("reference", f"training step, {CONFIG} bf16, the reference op, eager (the "
+             "path these replace)", reference, [*reference, "--dry-run"],
+             needs=("pydantic",), optional=True),
+    ]  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wheels", type=Path, help="a folder of wheels for what is missing")
@@ -291,7 +369,15 @@ def main() -> int:
     parser.add_argument(
         "--pipeline-batch", type=int, default=8, help="the pipeline's batch (sequences per step)"
     )
+    parser.add_argument(
+        "--parts",
+        default=",".join(k for k in BUDGETS if k != "install"),
+        help="which parts to run, comma-separated, in their fixed order (default: all)",
+    )
     args = parser.parse_args()
+    unknown = set(args.parts.split(",")) - set(BUDGETS)
+    if unknown:
+        parser.error(f"--parts: no part {', '.join(sorted(unknown))}; parts: {', '.join(BUDGETS)}")
 
     import torch
 
@@ -301,40 +387,8 @@ def main() -> int:
     report = Report()
     if not gpu:
         print(f"gpu-check: no CUDA GPU here (torch {torch.__version__}); dry run only")
-
-    def timeout(part: str) -> float:
-        return min(BUDGETS[part], deadline - time.monotonic())
-
-    def part(
-        title: str, budget: str, cmd: list[str], digest=table_lines, optional: bool = False
-    ) -> None:
-        limit = timeout(budget)
-        if limit < 15:
-            report.skip(title, f"the check's {args.budget:.0f} s were spent")
-            return
-        t0 = time.monotonic()
-        code, out = run(cmd, limit)
-        took = time.monotonic() - t0
-        # a failure shows its output's end (the traceback); a time-out what it measured
-        readable = code in (0, 124) or digest is pytest_digest
-        report.add(title, code, digest(out) if readable else out[-4000:], took, optional)
-
-    # 1. what the image lacks
     if args.wheels:
-        if gpu:
-            t0 = time.monotonic()
-            code, out = install_wheels(args.wheels, timeout("install"))
-            report.add(f"install from {args.wheels}", code, out, time.monotonic() - t0)
-        else:
-            wheels = sorted(args.wheels.glob("*.whl")) if args.wheels.is_dir() else []
-            report.add(
-                f"install from {args.wheels} (not run)",
-                0 if wheels else 1,
-                f"{len(wheels)} wheels, {len(missing_wheels(args.wheels))} of them "
-                f"for packages not installed here"
-                if wheels
-                else f"{args.wheels}: no wheels (make gpu-wheels)",
-            )
+        install(args.wheels, gpu, report, min(BUDGETS["install"], args.budget))
     importlib.invalidate_caches()
     absent = missing(*NEEDED)
     if absent:
@@ -343,134 +397,62 @@ def main() -> int:
             f"{', '.join(absent)} not installed (give --wheels DIR from "
             f"`make gpu-wheels`): the parts that need them are skipped",
         )
-
-    # 2. the CUDA tests
-    files = cuda_test_files()
-    tests = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-m",
-        "cuda",
-        *files,
-        "-p",
-        "no:cacheprovider",
-        "--tb=short",
-        "-rfEs",
-        "--show-capture=no",
-        "--log-level=WARNING",
-    ]
-    if gpu:
-        part("CUDA tests", "tests", tests, digest=pytest_digest)
-    else:
-        code, out = run([*tests, "--collect-only"], 120)
-        report.add(
-            "CUDA tests (collected)", code, out.strip().splitlines()[-1] if out.strip() else ""
-        )
-
-    # 3. the training step, ours and the authors'
-    step = [
-        sys.executable,
-        "bench/train_step.py",
-        CONFIG,
-        "--dtype",
-        "bf16",
-        "--span",
-        SPANS,
-        "--batch",
-        "4,max",
-        "--steps",
-        "5",
-        "--warmup",
-        "2",
-        "--time-budget",
-        str(max(BUDGETS["step"] - 40, 30)),
-    ]
-    if args.reference_code:
-        step += ["--reference-code", str(args.reference_code.resolve())]
-    title = f"training step, {CONFIG} bf16" + (
-        " vs the authors' code (fp32)" if args.reference_code else ""
-    )
-    if missing("pydantic"):
-        report.skip(title, "needs pydantic (the config's schema): give --wheels DIR")
-    elif gpu:
-        part(title, "step", step)
-    else:
-        code, out = run([*step, "--dry-run"], 120)
-        report.add(f"{title} (--dry-run)", code, out.strip()[-2000:])
-
-    # 4. the pipeline end to end
-    title = f"pipeline: allattn-pipe run, {PIPELINE_STEPS} steps, enwik8_large's model bf16"
-    lacking = missing(*NEEDED)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        cfg = pipeline_config(Path(tmp), args.pipeline_batch)
-        cli = [sys.executable, "-m", "pipeline.commands.cli", "run", str(cfg)]
-        if lacking:
-            report.skip(title, f"needs {', '.join(lacking)}: give --wheels DIR")
-        elif gpu:
-            t0 = time.monotonic()
-            part(
-                title,
-                "pipeline",
-                cli,
-                digest=lambda out: pipeline_digest(out, time.monotonic() - t0),
-            )
-        else:
-            code, out = run([*cli, "--dry-run"], 120)
-            report.add(f"{title} (--dry-run)", code, out.strip()[-2000:])
-
-    # 5. train.compile's step beside the eager one of part 3 (same shape, span 1/16,
-    # micro-batch 4), with what is left: the measurement train.compile's default waits for
-    compiled = [
-        sys.executable,
-        "bench/train_step.py",
-        CONFIG,
-        "--dtype",
-        "bf16",
-        "--span",
-        SPANS.split(",")[0],
-        "--batch",
-        "4",
-        "--steps",
-        "5",
-        "--warmup",
-        "2",
-        "--compile",
-    ]
-    title = f"training step, {CONFIG} bf16, layers compiled (train.compile)"
-    if missing("pydantic"):
-        report.skip(title, "needs pydantic (the config's schema): give --wheels DIR")
-    elif gpu:
-        part(title, "compiled", compiled, optional=True)
-    else:
-        code, out = run([*compiled, "--dry-run"], 120)
-        report.add(f"{title} (--dry-run)", code, out.strip()[-2000:])
-
-    # 6. the attention kernels alone, with what is left
-    attention = [
-        sys.executable,
-        "bench/attention.py",
-        "--spans",
-        "512,2048,8192",
-        "--impls",
-        "sdpa,flex",
-    ]
+        for part in plan(args, Path(tmp)):
+            if part.key in args.parts.split(","):
+                run_part(part, gpu, report, min(BUDGETS[part.key], deadline - time.monotonic()))
     if gpu:
-        part("bench/attention.py", "attention", attention, optional=True)
         report.parts.append(
             f"total {time.monotonic() - start:.0f} s of a {args.budget:.0f} s budget\n"
         )
-    else:
-        code, out = run([*attention, "--help"], 60)
-        report.add("bench/attention.py (--help)", code, out.splitlines()[0] if out else "")
-
     device = torch.cuda.get_device_name() if gpu else "no GPU"
     text = report.text(f"torch {torch.__version__}, {device}, python {sys.version.split()[0]}")
     print(text)
     if args.report:
         args.report.write_text(text)
     return 1 if report.failed else 0
+
+
+def install(wheels: Path, gpu: bool, report: Report, limit: float) -> None:
+    """Install what the image lacks (on a GPU), or say what would be installed."""
+    if gpu:
+        t0 = time.monotonic()
+        code, out = install_wheels(wheels, limit)
+        report.add(f"install from {wheels}", code, out, time.monotonic() - t0)
+        return
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    report.add(
+        f"install from {wheels} (not run)",
+        0 if found else 1,
+        f"{len(found)} wheels, {len(missing_wheels(wheels))} of them for packages not "
+        "installed here"
+        if found
+        else f"{wheels}: no wheels (make gpu-wheels)",
+    )
+
+
+def run_part(part: Part, gpu: bool, report: Report, limit: float) -> None:
+    """Run one part within ``limit`` seconds (on a GPU), or check that it starts."""
+    lacking = missing(*part.needs)
+    if lacking:
+        report.skip(part.title, f"needs {', '.join(lacking)}: give --wheels DIR")
+        return
+    if not gpu:
+        code, out = run(part.dry, 120)
+        kind = "collected" if "--collect-only" in part.dry else part.dry[-1]
+        body = out.strip().splitlines()[-1] if kind == "collected" and out.strip() else out
+        report.add(f"{part.title} ({kind})", code, body.strip()[-2000:])
+        return
+    if limit < 15:
+        report.skip(part.title, "the check's time budget was spent before it")
+        return
+    t0 = time.monotonic()
+    code, out = run(part.cmd, limit)
+    took = time.monotonic() - t0
+    # a failure shows its output's end (the traceback); a time-out what it measured
+    readable = code in (0, 124) or part.key == "tests"
+    body = part.digest(out, took) if readable else out[-4000:]
+    report.add(part.title, code, body, took, part.optional)
 
 
 if __name__ == "__main__":

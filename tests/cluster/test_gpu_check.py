@@ -57,26 +57,58 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
     collected = report.split("## CUDA tests (collected): ok\n\n")[1].split()[0]
     assert int(collected.split("/")[0]) >= 6  # the cuda-marked tests exist
     step = report.split(
-        "## training step, configs/enwik8_large.yaml bf16 vs the authors' "
-        "code (fp32) (--dry-run): ok\n\n"
+        "## training step, configs/enwik8_large.yaml bf16, attention triton, eager vs the "
+        "authors' code (fp32) (--dry-run): ok\n\n"
     )[1]
     assert step.startswith("dry run: enwik8_large: micro-batch 4, max x 512, spans 0.0625,1, bf16")
     assert f"the authors' code from {reference} (fp32)" in step.splitlines()[0]
+    graphs = report.split(
+        "## training step, configs/enwik8_large.yaml bf16, attention triton, layers in CUDA "
+        "graphs (train.compile: graphs) (--dry-run): ok\n\n"
+    )[1]
+    assert graphs.startswith("dry run: enwik8_large: micro-batch 4 x 512, spans 0.0625,1, bf16")
     pipeline = report.split(
-        "## pipeline: allattn-pipe run, 50 steps, enwik8_large's model bf16 (--dry-run): ok\n\n"
+        "## pipeline: allattn-pipe run, 50 steps, enwik8_large's model bf16, attention triton, "
+        "CUDA graphs (--dry-run): ok\n\n"
     )[1]
     assert [line.split()[0] for line in pipeline.splitlines()[1:4]] == [
         "download",
         "preprocess",
         "train",
     ]
-    compiled = report.split(
-        "## training step, configs/enwik8_large.yaml bf16, layers compiled "
-        "(train.compile) (--dry-run): ok\n\n"
+    learning = report.split("## learning check: ")[1]
+    assert learning.split("\n")[0].endswith("(--dry-run): ok")
+    assert "model.attention.impl=triton" in learning and "train.compile=graphs" in learning
+    assert "## the op alone: bench/attention.py, bf16, dropout 0.4, N 2048 (--help): ok" in report
+    reference_step = report.split(
+        "## training step, configs/enwik8_large.yaml bf16, the reference op, eager (the path "
+        "these replace) (--dry-run): ok\n\n"
     )[1]
-    assert compiled.startswith("dry run: enwik8_large: micro-batch 4 x 512, spans 0.0625, bf16")
-    assert "## bench/attention.py (--help): ok" in report
+    assert reference_step.startswith("dry run: enwik8_large: micro-batch 4 x 512")
     assert report.rstrip().endswith("all parts passed")
+
+
+def test_gpu_check_runs_the_parts_asked_for_and_refuses_an_unknown_one(tmp_path):
+    report = tmp_path / "report.md"
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--parts", "attention", "--report", str(report)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    titles = [line for line in report.read_text().splitlines() if line.startswith("## ")]
+    assert titles == ["## the op alone: bench/attention.py, bf16, dropout 0.4, N 2048 (--help): ok"]
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--parts", "attention,speed"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "--parts: no part speed; parts: install, tests, step" in done.stderr
 
 
 def test_a_reference_code_folder_without_the_authors_files_stops_the_dry_run(tmp_path):
