@@ -5,6 +5,8 @@
 - The external benchmark corpora (../shared/data beside the checkout) for the tests that read
   them. A user's clone has no such folder: those tests skip with a one-line reason. CI has the
   data and sets REQUIRE_SHARED_DATA (in .ci/run), which turns a missing file into a failure.
+- Triton's interpreter on a machine without CUDA (the attention kernels' tests run there):
+  on before anything imports triton, which is when Triton reads it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 REQUIRE_SHARED_DATA = "ALLATTN_REQUIRE_SHARED_DATA"

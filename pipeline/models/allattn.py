@@ -387,6 +387,12 @@ class AllAttnLM(SequenceModel):
                 "backward for FlexAttention) and this run trains on the CPU: use reference, "
                 "sdpa or auto"
             )
+        if self.attention_impl == "triton" and device.type == "cpu":
+            return (
+                "model.attention.impl: triton runs its kernels on CUDA (on the CPU only in "
+                "Triton's interpreter, for tests: minutes a step) and this run trains on the "
+                "CPU: use reference, sdpa or auto"
+            )
         return None
 
     def metrics(self) -> dict[str, float]:

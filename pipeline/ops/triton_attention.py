@@ -420,7 +420,11 @@ def attend_triton(
 
     dropout_seed: int32 scalar tensor on q's device seeding the dropout mask (the flex
     backend's hash, so both drop the same weights for a seed); None draws one there."""
-    check_shapes(q, k, pos, persistent_k, persistent_v)
+    span_len = check_shapes(q, k, pos, persistent_k, persistent_v)
+    if span_mask is not None and span_mask.shape != (q.shape[1], span_len):
+        raise ValueError(
+            f"span_mask must be [H, L'] = {(q.shape[1], span_len)}, got {tuple(span_mask.shape)}"
+        )
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"attention impl triton takes float32, float16 or bfloat16, not {q.dtype}")
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:

@@ -266,6 +266,12 @@ def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> l
             f"has no CPU backward for FlexAttention) and train.device is cpu: use "
             f"reference, sdpa or auto to train on CPU"
         )
+    if trains and impl == "triton" and train is not None and train.device == "cpu":
+        errors.append(
+            f"{at_impl}: model.attention.impl: triton runs its kernels on CUDA (on the CPU "
+            f"only in Triton's interpreter, for tests: minutes a step) and train.device is "
+            f"cpu: use reference, sdpa or auto to train on CPU"
+        )
     if getattr(params, "ltm", False) and hasattr(params, "mem_len"):
         segments: dict[str, int | None] = {}
         if trains and train is not None:

@@ -268,6 +268,32 @@ def test_triton_in_the_model_equals_the_reference_loss_and_gradients(device, dty
     assert want["layers.0.attn.adaptive_span.frac"].abs().max() > 0
 
 
+def test_triton_traces_into_one_graph_with_its_backward_and_gives_the_eager_bits():
+    """What train.compile and its CUDA graphs need: torch.compile traces the op (its checks,
+    the mask's log, the custom forward and backward ops) with no graph break, and the
+    traced forward and backward (AOT autograd, eager kernels) give the eager op's bits."""
+    xs, spans = _inputs(dtype=torch.float32, b=1, h=3, m=16, span=20, d=8, n=4)
+    triton = get_attention_impl("triton")
+
+    def attend(q, k, v, pos, pk, pv, spans, seed):
+        mask = attention_mod.adaptive_span_mask(spans, 3, pos.shape[1])
+        return triton(
+            q, k, v, pos, persistent_k=pk, persistent_v=pv, span_mask=mask,
+            dropout_p=0.3, training=True, dropout_seed=seed,
+        )  # fmt: skip
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_() for x in (*xs, spans)]
+        out = fn(*leaves, torch.tensor(3, dtype=torch.int32))
+        out.sum().backward()
+        return [out.detach()] + [x.grad for x in leaves]
+
+    eager = run(attend)
+    traced = run(torch.compile(attend, backend="aot_eager", fullgraph=True))
+    for name, a, b in zip(["out", *NAMES], eager, traced, strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_triton_refuses_what_it_cannot_run_in_one_line():
     xs, spans = _inputs(b=1, h=2, m=4, span=5, d=8, n=2)
     q, k, v, pos, pk, pv = xs
@@ -278,6 +304,8 @@ def test_triton_refuses_what_it_cannot_run_in_one_line():
         triton(q.float(), k.float(), v.float(), pos.float(), persistent_k=pk.float())
     with pytest.raises(ValueError, match=r"pos \[d_h, L'\]"):
         triton(q.float(), k.float(), v.float(), pos[:, :3].float())
+    with pytest.raises(ValueError, match=r"span_mask must be \[H, L'\] = \(2, 5\), got \(3, 5\)"):
+        triton(*(x.float() for x in (q, k, v, pos)), span_mask=torch.ones(3, 5))
     if not CUDA:
         with pytest.raises(ValueError, match="interpreter, which has no bfloat16"):
             triton(*(x.bfloat16() for x in (q, k, v, pos)))

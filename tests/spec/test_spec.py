@@ -564,6 +564,16 @@ def test_flex_training_on_an_explicit_cpu_is_refused():
     load_spec(QUICKSTART, ["model.attention.impl=flex", "train.device=cuda"])
 
 
+def test_triton_training_on_an_explicit_cpu_is_refused():
+    msg = error_of(QUICKSTART, ["model.attention.impl=triton", "train.device=cpu"])
+    assert msg == (
+        "--set model.attention.impl=triton: model.attention.impl: triton runs its kernels on "
+        "CUDA (on the CPU only in Triton's interpreter, for tests: minutes a step) and "
+        "train.device is cpu: use reference, sdpa or auto to train on CPU"
+    )
+    load_spec(QUICKSTART, ["model.attention.impl=triton", "train.device=cuda"])
+
+
 def test_infinity_former_short_term_memory_shorter_than_a_segment_is_refused():
     spec = load_spec(SORT_CPU)
     assert spec.model_params.ltm and spec.model_params.mem_len == spec.train.seq_len

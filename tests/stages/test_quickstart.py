@@ -299,15 +299,29 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, sig):
         assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with CUDA, flex trains")
-def test_flex_on_a_machine_without_cuda_stops_before_the_first_step_in_one_line(tmp_path):
-    """train.device auto resolves to the CPU here, where FlexAttention has no backward: the
-    train stage says so in one line (exit 2) instead of a traceback at the first step."""
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="with CUDA, both train")
+@pytest.mark.parametrize(
+    "impl,why",
+    [
+        ("flex", "flex runs forward only on CPU (torch has no CPU backward for FlexAttention)"),
+        (
+            "triton",
+            "triton runs its kernels on CUDA (on the CPU only in Triton's interpreter, for "
+            "tests: minutes a step)",
+        ),
+    ],
+)
+def test_a_backend_that_cannot_train_here_stops_before_the_first_step_in_one_line(
+    tmp_path, impl, why
+):
+    """train.device auto resolves to the CPU here, where FlexAttention has no backward and
+    the Triton kernels only an interpreter: the train stage says so in one line (exit 2)
+    instead of a traceback, or hours, at the first step."""
     cfg = tiny_config(tmp_path)
-    result = cli("run", cfg, "--set", "model.attention.impl=flex", check=False)
+    result = cli("run", cfg, "--set", f"model.attention.impl={impl}", check=False)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: model.attention.impl: flex runs forward only on CPU (torch has no CPU backward "
-        "for FlexAttention) and this run trains on the CPU: use reference, sdpa or auto"
+        f"error: model.attention.impl: {why} and this run trains on the CPU: use reference, "
+        "sdpa or auto"
     )
