@@ -4,12 +4,14 @@ config's model on the built-in corpus, their loss curves side by side and a verd
     .venv/bin/python bench/learning_check.py [--config configs/enwik8_small.yaml]
         [--steps 300] [--batch 8] [--seq-len 256] [--log-every 25] [--warmup 30]
         [--seeds 1234,4321] [--set K=V]... [--fast-set K=V]... [--ref-set K=V]...
-        [--timeout 240] [--budget S] [--tolerance 0.02] [--plot FILE.png] [--workdir DIR]
-        [--dry-run]
+        [--timeout 240] [--budget S] [--jobs 1] [--tolerance 0.02] [--plot FILE.png]
+        [--workdir DIR] [--dry-run]
 
 The runs, each `allattn-pipe run` in a subprocess (download, preprocess and train on the
 python_docs corpus: no network, no shared data), one after the other in one workspace
-(download and preprocess run once; train is forced each time):
+(download and preprocess run once; train is forced each time), or with --jobs 3 all at once,
+each in a workspace of its own (a workspace takes one run at a time): on one GPU the three
+small trainings fit side by side, and the check takes the time of its slowest run:
 
 - **fast**: `model.attention.impl=triton`, `train.deepspeed.bf16=true`,
   `train.compile=graphs`, seed A;
@@ -143,18 +145,19 @@ workspace: {{root: {folder / "runs"}}}
     return path
 
 
-def command(cfg: Path, run: Run, dry_run: bool = False) -> list[str]:
+def command(cfg: Path, run: Run, dry_run: bool = False, own_workspace: bool = False) -> list[str]:
     sets = [item for s in run.sets() for item in ("--set", s)]
+    if own_workspace:
+        sets += ["--set", f"workspace.root={cfg.parent / 'runs' / run.label.replace(' ', '_')}"]
     cli = [sys.executable, "-m", "pipeline.commands.cli", "run", str(cfg), *sets]
     return [*cli, "--force", "train", *(["--dry-run"] if dry_run else [])]
 
 
-def execute(cmd: list[str], log: Path, timeout: float) -> int:
-    """Run ``cmd`` from the project directory, its output to ``log``; on timeout kill its
-    whole process group (compile workers too) and return 124."""
-    timeout = max(timeout, 1)
-    with log.open("w") as out:
-        proc = subprocess.Popen(
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """Start ``cmd`` from the project directory, its output to ``log``, in a process group
+    of its own."""
+    with log.open("w") as out:  # the child keeps its own handle
+        return subprocess.Popen(
             cmd,
             cwd=ROOT,
             stdout=out,
@@ -163,13 +166,23 @@ def execute(cmd: list[str], log: Path, timeout: float) -> int:
             env=quiet_env(),
             start_new_session=True,
         )
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            out.write(f"\n(timed out after {timeout:.0f} s)\n")
-            return 124
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float) -> int:
+    """Wait for ``proc``; on timeout kill its whole process group (compile workers too) and
+    return 124."""
+    try:
+        return proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with log.open("a") as out:
+            out.write(f"\n(timed out after {max(timeout, 1):.0f} s)\n")
+        return 124
+
+
+def execute(cmd: list[str], log: Path, timeout: float) -> int:
+    return finish(start(cmd, log), log, timeout)
 
 
 def parse_losses(text: str) -> dict[int, float]:
@@ -185,23 +198,32 @@ def parse_losses(text: str) -> dict[int, float]:
 
 
 def train(runs: list[Run], cfg: Path, args) -> Run | None:
-    """Run each in turn; the first that crashed, timed out or stopped early, else None."""
+    """Run them, --jobs at a time; the first that crashed, timed out or stopped early, else
+    None (after a failure, the runs not yet started are not)."""
     deadline = time.monotonic() + (math.inf if args.budget is None else args.budget)
-    for run in runs:
-        log = cfg.parent / f"{run.label.replace(' ', '_')}.log"
+    for first in range(0, len(runs), args.jobs):
+        group = runs[first : first + args.jobs]
         t0 = time.monotonic()
-        run.code = execute(command(cfg, run), log, min(args.timeout, deadline - t0))
-        run.seconds = time.monotonic() - t0
-        run.output = log.read_text(errors="replace")
-        run.losses = parse_losses(run.output)
-        last = max(run.losses, default=0)
-        print(
-            f"[{run.label}] exit {run.code} after {run.seconds:.0f} s, "
-            f"{len(run.losses)} losses logged, the last at step {last}",
-            flush=True,
-        )
-        if run.code != 0 or last < args.steps:
-            return run
+        started = []
+        for run in group:
+            log = cfg.parent / f"{run.label.replace(' ', '_')}.log"
+            cmd = command(cfg, run, own_workspace=args.jobs > 1)
+            started.append((run, log, start(cmd, log)))
+        for run, log, proc in started:
+            run.code = finish(proc, log, min(args.timeout - (time.monotonic() - t0),
+                                             deadline - time.monotonic()))  # fmt: skip
+            run.seconds = time.monotonic() - t0
+            run.output = log.read_text(errors="replace")
+            run.losses = parse_losses(run.output)
+            last = max(run.losses, default=0)
+            print(
+                f"[{run.label}] exit {run.code} after {run.seconds:.0f} s, "
+                f"{len(run.losses)} losses logged, the last at step {last}",
+                flush=True,
+            )
+        for run, _, _ in started:
+            if run.code != 0 or max(run.losses, default=0) < args.steps:
+                return run
     return None
 
 
@@ -356,6 +378,13 @@ def parse_args(argv=None):
         "--budget",
         type=float,
         help="seconds for the three runs together: a run gets at most what is left",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        choices=(1, 2, 3),
+        help="runs at a time (more than one: a workspace each)",
     )
     parser.add_argument("--tolerance", type=float, default=TOLERANCE)
     parser.add_argument("--plot", type=Path, help="draw the three curves into FILE.png")

@@ -268,7 +268,10 @@ def test_triton_in_the_model_equals_the_reference_loss_and_gradients(device, dty
     assert want["layers.0.attn.adaptive_span.frac"].abs().max() > 0
 
 
-def test_triton_traces_into_one_graph_with_its_backward_and_gives_the_eager_bits():
+@pytest.mark.parametrize("device,dtype,tol", _devices())
+def test_triton_traces_into_one_graph_with_its_backward_and_gives_the_eager_bits(
+    device, dtype, tol
+):
     """What train.compile and its CUDA graphs need: torch.compile traces the op (its checks,
     the mask's log, the custom forward and backward ops) with no graph break, and the
     traced forward and backward (AOT autograd, eager kernels) give the eager op's bits."""
@@ -283,9 +286,10 @@ def test_triton_traces_into_one_graph_with_its_backward_and_gives_the_eager_bits
         )  # fmt: skip
 
     def run(fn):
-        leaves = [x.clone().requires_grad_() for x in (*xs, spans)]
-        out = fn(*leaves, torch.tensor(3, dtype=torch.int32))
-        out.sum().backward()
+        leaves = [x.to(device, dtype).requires_grad_() for x in xs]
+        leaves.append(spans.to(device).requires_grad_())
+        out = fn(*leaves, torch.tensor(3, dtype=torch.int32, device=device))
+        out.float().sum().backward()
         return [out.detach()] + [x.grad for x in leaves]
 
     eager = run(attend)

@@ -147,11 +147,15 @@ def test_a_run_past_the_budget_exits_2(tmp_path, capsys):
 
 
 def fake_trainer(monkeypatch, curves: dict[str, dict[int, float]], crash: str | None = None):
-    """lc.execute writing the trainer's report lines of ``curves[label]`` instead of
-    training; the run ``crash`` stops after its first line with a traceback (exit 1)."""
+    """lc.start writing the trainer's report lines of ``curves[label]`` instead of training
+    (its "process" is the exit code lc.finish returns); the run ``crash`` stops after its
+    first line with a traceback (exit 1). Returns the commands started, in order, and
+    each one's place among the start and finish calls."""
+    events: list[tuple[str, list[str]]] = []
 
-    def execute(cmd, log, timeout):
+    def start(cmd, log):
         label = log.name.removesuffix(".log").replace("_", " ")
+        events.append(("start", cmd))
         lines = [
             f"[train] step {s:>6}/20  loss {v:.4f}  bpc 1.000  lr 0.001  1,000 tok/s  eta 1s"
             for s, v in curves[label].items()
@@ -162,7 +166,13 @@ def fake_trainer(monkeypatch, curves: dict[str, dict[int, float]], crash: str | 
         log.write_text("\n".join(lines) + "\n")
         return 0
 
-    monkeypatch.setattr(lc, "execute", execute)
+    def finish(code, log, timeout):
+        events.append(("finish", []))
+        return code
+
+    monkeypatch.setattr(lc, "start", start)
+    monkeypatch.setattr(lc, "finish", finish)
+    return events
 
 
 FAKE = {"fast": {5: 4.8, 10: 4.5, 15: 4.2, 20: 3.9}, "ref A": {5: 4.8, 10: 4.5, 15: 4.2, 20: 3.9}}
@@ -181,6 +191,20 @@ def test_main_fails_naming_the_perturbed_step(tmp_path, monkeypatch, capsys):
     fake_trainer(monkeypatch, FAKE)
     assert lc.main(FAKE_ARGS) == 0
     assert "PASS: fast within 2.00% of ref A" in capsys.readouterr().out
+
+
+def test_three_jobs_start_together_each_in_a_workspace_of_its_own(tmp_path, monkeypatch):
+    events = fake_trainer(monkeypatch, FAKE)
+    assert lc.main([*FAKE_ARGS, "--jobs", "3", "--workdir", str(tmp_path)]) == 0
+    assert [kind for kind, _ in events] == ["start"] * 3 + ["finish"] * 3
+    roots = [next(a for a in cmd if a.startswith("workspace.root=")) for kind, cmd in events if cmd]
+    assert roots == [
+        f"workspace.root={tmp_path / 'runs' / label}" for label in ("fast", "ref_A", "ref_B")
+    ]
+    events.clear()
+    assert lc.main(FAKE_ARGS) == 0  # one at a time: one workspace, the config's
+    assert [kind for kind, _ in events] == ["start", "finish"] * 3
+    assert not any(a.startswith("workspace.root=") for _, cmd in events for a in cmd)
 
 
 def test_a_crash_after_complete_runs_shows_their_curves(monkeypatch, capsys):
