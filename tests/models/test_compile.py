@@ -131,3 +131,44 @@ def test_train_compile_is_a_runtime_setting_with_an_auto_default(tmp_path):
     assert load_spec(quickstart, ["train.compile=true"]).train.compile is True
     assert load_spec(quickstart, ["train.compile=false"]).train.compile is False
     assert "train.compile" in stages.train.RUNTIME_ONLY  # not in the fingerprint
+    assert load_spec(quickstart, ["train.compile=graphs"]).train.compile == "graphs"
+    with pytest.raises(Exception, match="train.compile"):
+        load_spec(quickstart, ["train.compile=cudagraphs"])
+
+
+def test_graphs_compile_in_reduce_overhead_mode_and_mark_each_update(monkeypatch):
+    """train.compile: graphs asks torch.compile for its CUDA-graph mode (reduce-overhead) per
+    layer, tells the graphs' memory that a new update begins at each planned update (the
+    last one's outputs may then be overwritten), and never keeps a view of a layer's output
+    as the state for the next block: a replay would overwrite it."""
+    calls: list[dict] = []
+
+    def fake_compile(layer, **kw):
+        calls.append(kw)
+        return layer  # eager stand-in: what matters is what was asked
+
+    marks: list[int] = []
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    m = model(max_span=64)  # a cache of 64 rows: a block of 64 tokens is all of it
+    assert m.compile_for_training(graphs=True)
+    assert calls == [dict(backend="inductor", dynamic=False, mode="reduce-overhead")] * 3
+    outputs: set[int] = set()
+    for layer in m.layers:
+        layer.register_forward_hook(
+            lambda mod, args, out: outputs.add(out.untyped_storage().data_ptr())
+        )
+    t = torch.randint(0, V, (B, 65), generator=torch.Generator().manual_seed(3))
+    with m.planned_update():
+        out = m(t[:, :-1], t[:, 1:], m.init_state(B))
+    assert marks == [1]
+    # the states of layers 1 and 2 are the last 64 rows of layers 0 and 1's outputs
+    kept = {s.untyped_storage().data_ptr() for s in out.state}
+    assert len(outputs) == 3 and not kept & outputs
+    calls.clear()
+    m2 = model()
+    assert m2.compile_for_training()
+    assert calls == [dict(backend="inductor", dynamic=False)] * 3
+    with m2.planned_update():
+        pass
+    assert marks == [1]  # without graphs, nothing to mark
