@@ -172,3 +172,18 @@ def test_graphs_compile_in_reduce_overhead_mode_and_mark_each_update(monkeypatch
     with m2.planned_update():
         pass
     assert marks == [1]  # without graphs, nothing to mark
+
+
+def test_the_layers_with_the_triton_kernels_compile_without_graph_break():
+    """The Triton op inside a planned (training) forward: one graph per layer call, no graph
+    break (the custom ops are opaque to the compiler, their shapes from register_fake)."""
+    torch._dynamo.reset()
+    m = model(n_layers=2, max_span=64)
+    m.set_attention_impl("triton")
+    t = blocks(1)[0]
+    with m.planned_update():
+        explained = torch._dynamo.explain(m.layers[0])(
+            m.embed(t[:, :-1]), torch.zeros(B, 64, 16), m.pos_table, 64
+        )
+    assert explained.graph_break_count == 0, [str(r) for r in explained.break_reasons]
+    assert explained.graph_count == 1
