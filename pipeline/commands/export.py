@@ -67,10 +67,13 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
     if not which.strip():  # Path("") is the current directory
         raise PipelineError("--checkpoint is empty: give latest, best, or a checkpoint directory")
     path = Path(which).expanduser()
-    if (path / "mp_rank_00_model_states.pt").is_file() or path.name.startswith("step-"):
-        return path.parent, path.name, str(path)
-    if path.is_dir():
-        return path, None, str(path)
+    try:  # is_file / is_dir answer False for a missing path, but raise for one too long
+        if (path / "mp_rank_00_model_states.pt").is_file() or path.name.startswith("step-"):
+            return path.parent, path.name, str(path)
+        if path.is_dir():
+            return path, None, str(path)
+    except OSError as error:
+        raise PipelineError(f"--checkpoint {shown(which)}: {error.strerror}") from None
     raise PipelineError(f"--checkpoint {shown(which)}: not latest, best, or a checkpoint directory")
 
 

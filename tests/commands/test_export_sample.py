@@ -291,6 +291,20 @@ def test_an_empty_checkpoint_is_one_line_not_the_current_directory(trained, tmp_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["export", "sample"])
+def test_a_checkpoint_name_too_long_for_the_filesystem_is_one_line(trained, tmp_path, command):
+    """Found by the CLI fuzzer: a 300-character --checkpoint raised OSError (File name too
+    long) from the path checks, a traceback."""
+    extra = ["--out", str(tmp_path / "out")] if command == "export" else ["--prompt", "x"]
+    name = "x" * 300
+    result = CliRunner().invoke(main, [command, str(trained), "--checkpoint", name, *extra])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: --checkpoint xxxx")
+    assert result.output.endswith(": File name too long\n")
+    assert len(result.output.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
 def _tree(root) -> dict:
     """Every path under `root` with its bytes (None for a directory)."""
     from pathlib import Path

@@ -225,7 +225,11 @@ def test_defaults_are_what_load_spec_gives(page):
         ("model.attn_double_scale@active_memory", "Default", "`false`"),
         ("model.attn_dropout@allattn", "Allowed", "0 ≤ value < 1"),
         ("model.tau@infinity_former", "Allowed", "0 < value < 1"),
-        ("model.attention.impl@allattn", "Allowed", "one of `reference`, `sdpa`, `flex`, `auto`"),
+        (
+            "model.attention.impl@allattn",
+            "Allowed",
+            "one of `reference`, `sdpa`, `flex`, `triton`, `auto`",
+        ),
         ("model.adaptive_cutoffs@allattn", "Default", "`[20000, 40000, 200000]`"),
     ],
 )
