@@ -209,6 +209,23 @@ def _scores_grad(
 
 
 @triton.jit
+def _window_tile_grad(
+    q, do, lse, delta, k_tile, v_tile, u_prev, u, logm_row, k, L, qk_scale2, seed, b, h, rows,
+    threshold, keep_scale, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """Window tile k of one query block, recomputed for the backward from u's chunks k - 1
+    and k: (its weights after dropout, dS)."""
+    bias_prev = _chunk_bias(q, u_prev, logm_row, k - 1, L, qk_scale2, HAS_MASK, T, PREC)
+    bias_cur = _chunk_bias(q, u, logm_row, k, L, qk_scale2, HAS_MASK, T, PREC)
+    s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
+    return _scores_grad(
+        s2, lse, delta, do, v_tile, seed, b, h, rows, _distance(L, k, T), threshold, keep_scale,
+        DROPOUT, PREC,
+    )  # fmt: skip
+
+
+@triton.jit
 def attention_bwd_dq(
     q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
@@ -256,13 +273,10 @@ def attention_bwd_dq(
         k_tile = tl.load(k_base + keys[:, None] * skm + dd[None, :], mask=key_ok, other=0.0)
         v_tile = tl.load(v_base + keys[:, None] * svm + dd[None, :], mask=key_ok, other=0.0)
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
-        # chunk k - 1 recomputed from the u kept for dq, rather than a [T, T] float32 carry
-        bias_prev = _chunk_bias(q, u_prev, logm_row, k - 1, L, qk_scale2, HAS_MASK, T, PREC)
-        bias_cur = _chunk_bias(q, u, logm_row, k, L, qk_scale2, HAS_MASK, T, PREC)
-        s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
-        _, ds = _scores_grad(
-            s2, lse, delta, do, v_tile, seed, b, h, rows, _distance(L, k, T), threshold,
-            keep_scale, DROPOUT, PREC,
+        # chunk k - 1's bias recomputed from the u kept for dq, not carried ([T, T] float32)
+        _, ds = _window_tile_grad(
+            q, do, lse, delta, k_tile, v_tile, u_prev, u, logm_row, k, L, qk_scale2, seed, b,
+            h, rows, threshold, keep_scale, HAS_MASK, DROPOUT, T, PREC,
         )  # fmt: skip
         dq += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PREC)
         by_distance = tl.gather(ds, at, 1)
@@ -351,12 +365,9 @@ def attention_bwd_dkdv(
         k = (c0 - i0) // T
         u_prev = _pos_chunk(pos_ptr, stride_pd, stride_pj, k - 1, L, D, T, DP)
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
-        bias_prev = _chunk_bias(q, u_prev, logm_row, k - 1, L, qk_scale2, HAS_MASK, T, PREC)
-        bias_cur = _chunk_bias(q, u, logm_row, k, L, qk_scale2, HAS_MASK, T, PREC)
-        s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
-        p, ds = _scores_grad(
-            s2, lse, delta, do, v_tile, seed, b, h, rows, _distance(L, k, T), threshold,
-            keep_scale, DROPOUT, PREC,
+        p, ds = _window_tile_grad(
+            q, do, lse, delta, k_tile, v_tile, u_prev, u, logm_row, k, L, qk_scale2, seed, b,
+            h, rows, threshold, keep_scale, HAS_MASK, DROPOUT, T, PREC,
         )  # fmt: skip
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
