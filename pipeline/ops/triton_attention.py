@@ -19,8 +19,8 @@ same bits run to run.
 
 Where it runs: CUDA tensors, compiled by Triton; on a machine without CUDA, CPU tensors
 through Triton's interpreter (``TRITON_INTERPRET=1``, which pipeline.ops sets when it is
-imported before triton): the same kernels, exact, and far too slow to train with. That is what the tests run
-in CI. The interpreter has no bfloat16.
+imported before triton): the same kernels, exact, and far too slow to train with. That is
+what the tests run in CI. The interpreter has no bfloat16.
 
 The tile: one T for the query block and the key tile alike (the position gather needs it),
 chosen per kernel, device, dtype and head size the first time it runs, as the fastest of
