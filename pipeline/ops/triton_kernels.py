@@ -57,6 +57,42 @@ def _pos_chunk(pos_ptr, stride_pd, stride_pj, chunk, L, D, T: tl.constexpr, DP: 
 
 
 @triton.jit
+def _seed(seed_ptr, DROPOUT: tl.constexpr):
+    """The dropout seed, read only with dropout on (without it the pointer is a stand-in)."""
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
+    return seed
+
+
+@triton.jit
+def _key_tiles(k_base, v_base, keys, skm, svm, L, M, D, DP: tl.constexpr):
+    """The keys and values of key indices ``keys`` as [T, DP] (zero past L' + M rows and d_h)."""
+    dd = tl.arange(0, DP)
+    ok = (keys[:, None] < L + M) & (dd[None, :] < D)
+    k_tile = tl.load(k_base + keys[:, None] * skm + dd[None, :], mask=ok, other=0.0)
+    v_tile = tl.load(v_base + keys[:, None] * svm + dd[None, :], mask=ok, other=0.0)
+    return k_tile, v_tile
+
+
+@triton.jit
+def _persistent_tiles(pk_ptr, pv_ptr, h, pers, spkh, spkn, spvh, spvn, N, D, DP: tl.constexpr):
+    """Head h's persistent keys and values ``pers`` as [T, DP] (zero past N and d_h)."""
+    dd = tl.arange(0, DP)
+    ok = (pers[:, None] < N) & (dd[None, :] < D)
+    pk = tl.load(pk_ptr + h * spkh + pers[:, None] * spkn + dd[None, :], mask=ok, other=0.0)
+    pv = tl.load(pv_ptr + h * spvh + pers[:, None] * spvn + dd[None, :], mask=ok, other=0.0)
+    return pk, pv
+
+
+@triton.jit
+def _persistent_logits(q, pk, pers, N, qk_scale2, PREC: tl.constexpr):
+    """s2 of a tile of persistent vectors: no position term, no mask; -inf past N."""
+    s2 = tl.dot(q, tl.trans(pk), input_precision=PREC) * qk_scale2
+    return tl.where(pers[None, :] < N, s2, float("-inf"))
+
+
+@triton.jit
 def _distance(L, k, T: tl.constexpr):
     """The dropout's key coordinate of window tile k's scores: the distance L' - j."""
     return L - k * T - tl.arange(0, T)[None, :] + tl.arange(0, T)[:, None]
@@ -131,9 +167,7 @@ def attention_fwd(
         mask=row_ok[:, None] & dmask,
         other=0.0,
     )
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(seed_ptr)
+    seed = _seed(seed_ptr, DROPOUT)
     m_i = tl.full([T], float("-inf"), tl.float32)
     l_i = tl.zeros([T], tl.float32)
     acc = tl.zeros([T, DP], tl.float32)
@@ -141,10 +175,7 @@ def attention_fwd(
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
     for k in range(0, (L + T - 2) // T + 1):  # the window's tiles
-        keys = i0 + k * T + cols
-        key_ok = (keys[:, None] < L + M) & dmask
-        k_tile = tl.load(k_base + keys[:, None] * skm + dd[None, :], mask=key_ok, other=0.0)
-        v_tile = tl.load(v_base + keys[:, None] * svm + dd[None, :], mask=key_ok, other=0.0)
+        k_tile, v_tile = _key_tiles(k_base, v_base, i0 + k * T + cols, skm, svm, L, M, D, DP)
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
         bias_cur = _chunk_bias(q, u, logm_ptr + h * slh, k, L, qk_scale2, HAS_MASK, T, PREC)
         s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
@@ -155,11 +186,8 @@ def attention_fwd(
         bias_prev = bias_cur
     for n0 in range(0, N, T):
         pers = n0 + cols
-        p_ok = (pers[:, None] < N) & dmask
-        pk = tl.load(pk_ptr + h * spkh + pers[:, None] * spkn + dd[None, :], mask=p_ok, other=0.0)
-        pv = tl.load(pv_ptr + h * spvh + pers[:, None] * spvn + dd[None, :], mask=p_ok, other=0.0)
-        s2 = tl.dot(q, tl.trans(pk), input_precision=PREC) * qk_scale2
-        s2 = tl.where(pers[None, :] < N, s2, float("-inf"))
+        pk, pv = _persistent_tiles(pk_ptr, pv_ptr, h, pers, spkh, spkn, spvh, spvn, N, D, DP)
+        s2 = _persistent_logits(q, pk, pers, N, qk_scale2, PREC)
         m_i, l_i, acc = _accumulate(
             s2, pv, m_i, l_i, acc, seed, b, h, rows, -1 - pers[None, :], threshold, DROPOUT, PREC
         )
@@ -250,9 +278,7 @@ def attention_bwd_dq(
     q, do, lse, delta = _bwd_rows(
         q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, rows, sqb, sqh, sqm, sdob, sdoh, sdom, M, D, DP
     )
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(seed_ptr)
+    seed = _seed(seed_ptr, DROPOUT)
     dq = tl.zeros([T, DP], tl.float32)
     u_prev = tl.zeros([T, DP], q.dtype)
     # distance chunk k - 1's part from tile k - 1 (the input dtype: it only meets matmuls; its
@@ -268,10 +294,7 @@ def attention_bwd_dq(
     v_base = v_ptr + b * svb + h * svh
     logm_row = logm_ptr + h * slh
     for k in range(0, (L + T - 2) // T + 1):
-        keys = i0 + k * T + cols
-        key_ok = (keys[:, None] < L + M) & dmask
-        k_tile = tl.load(k_base + keys[:, None] * skm + dd[None, :], mask=key_ok, other=0.0)
-        v_tile = tl.load(v_base + keys[:, None] * svm + dd[None, :], mask=key_ok, other=0.0)
+        k_tile, v_tile = _key_tiles(k_base, v_base, i0 + k * T + cols, skm, svm, L, M, D, DP)
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
         # chunk k - 1's bias recomputed from the u kept for dq, not carried ([T, T] float32)
         _, ds = _window_tile_grad(
@@ -293,11 +316,8 @@ def attention_bwd_dq(
     _store_chunk(du_base, dlogm_base, (L + T - 2) // T, d_carry, sum_carry, q, D, T, DP, PREC)
     for n0 in range(0, N, T):
         pers = n0 + cols
-        p_ok = (pers[:, None] < N) & dmask
-        pk = tl.load(pk_ptr + h * spkh + pers[:, None] * spkn + dd[None, :], mask=p_ok, other=0.0)
-        pv = tl.load(pv_ptr + h * spvh + pers[:, None] * spvn + dd[None, :], mask=p_ok, other=0.0)
-        s2 = tl.dot(q, tl.trans(pk), input_precision=PREC) * qk_scale2
-        s2 = tl.where(pers[None, :] < N, s2, float("-inf"))
+        pk, pv = _persistent_tiles(pk_ptr, pv_ptr, h, pers, spkh, spkn, spvh, spvn, N, D, DP)
+        s2 = _persistent_logits(q, pk, pers, N, qk_scale2, PREC)
         _, ds = _scores_grad(
             s2, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
             keep_scale, DROPOUT, PREC,
@@ -344,12 +364,10 @@ def attention_bwd_dkdv(
     dd = tl.arange(0, DP)
     dmask = dd[None, :] < D
     keys = c0 + cols
-    key_ok = (keys[:, None] < L + M) & dmask
-    k_tile = tl.load(k_ptr + b * skb + h * skh + keys[:, None] * skm + dd[None, :], key_ok, 0.0)
-    v_tile = tl.load(v_ptr + b * svb + h * svh + keys[:, None] * svm + dd[None, :], key_ok, 0.0)
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(seed_ptr)
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    k_tile, v_tile = _key_tiles(k_base, v_base, keys, skm, svm, L, M, D, DP)
+    seed = _seed(seed_ptr, DROPOUT)
     dk = tl.zeros([T, DP], tl.float32)
     dv = tl.zeros([T, DP], tl.float32)
     logm_row = logm_ptr + h * slh
@@ -394,11 +412,8 @@ def attention_bwd_persistent(
     dmask = dd[None, :] < D
     pers = n0 + cols
     p_ok = (pers[:, None] < N) & dmask
-    pk = tl.load(pk_ptr + h * spkh + pers[:, None] * spkn + dd[None, :], mask=p_ok, other=0.0)
-    pv = tl.load(pv_ptr + h * spvh + pers[:, None] * spvn + dd[None, :], mask=p_ok, other=0.0)
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(seed_ptr)
+    pk, pv = _persistent_tiles(pk_ptr, pv_ptr, h, pers, spkh, spkn, spvh, spvn, N, D, DP)
+    seed = _seed(seed_ptr, DROPOUT)
     dpk = tl.zeros([T, DP], tl.float32)
     dpv = tl.zeros([T, DP], tl.float32)
     for b in range(0, B):
@@ -409,8 +424,7 @@ def attention_bwd_persistent(
                 q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, bh, rows, sqb, sqh, sqm, sdob, sdoh,
                 sdom, M, D, DP,
             )  # fmt: skip
-            s2 = tl.dot(q, tl.trans(pk), input_precision=PREC) * qk_scale2
-            s2 = tl.where(pers[None, :] < N, s2, float("-inf"))
+            s2 = _persistent_logits(q, pk, pers, N, qk_scale2, PREC)
             p, ds = _scores_grad(
                 s2, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
                 keep_scale, DROPOUT, PREC,
