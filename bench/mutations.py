@@ -572,10 +572,15 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             # scale
             (
                 LAUNCH,
-                "1.4426950408889634 / math.sqrt(d), 1.0 / (1.0 - dropout_p), "
-                "keep_threshold(dropout_p),",
-                "1.4426950408889634 / d, 1.0 / (1.0 - dropout_p), keep_threshold(dropout_p),",
+                "1.4426950408889634 / math.sqrt(d), 1.0 / math.sqrt(d), 1.0 / (1.0 - dropout_p),",
+                "1.4426950408889634 / d, 1.0 / math.sqrt(d), 1.0 / (1.0 - dropout_p),",
                 "scores scaled by 1/d_h instead of 1/sqrt(d_h)",
+            ),
+            (
+                LAUNCH,
+                "1.4426950408889634 / math.sqrt(d), 1.0 / math.sqrt(d), 1.0 / (1.0 - dropout_p),",
+                "1.4426950408889634 / math.sqrt(d), 1.0 / d, 1.0 / (1.0 - dropout_p),",
+                "dq, dk and the persistent keys' gradient scaled by 1/d_h",
             ),
             (
                 KERNELS,
@@ -665,9 +670,8 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             # dropout
             (
                 LAUNCH,
-                "1.4426950408889634 / math.sqrt(d), 1.0 / (1.0 - dropout_p), "
-                "keep_threshold(dropout_p),",
-                "1.4426950408889634 / math.sqrt(d), 1.0, keep_threshold(dropout_p),",
+                "1.4426950408889634 / math.sqrt(d), 1.0 / math.sqrt(d), 1.0 / (1.0 - dropout_p),",
+                "1.4426950408889634 / math.sqrt(d), 1.0 / math.sqrt(d), 1.0,",
                 "kept weights not scaled by 1 / (1 - p) anywhere",
             ),
             (
@@ -795,9 +799,10 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
                 "persistent gradients summed over the first batch element only",
             ),
             (
-                LAUNCH,
-                "dpk, dpv = (dpk * scale).to(pk.dtype), dpv.to(pk.dtype)",
-                "dpk, dpv = dpk.to(pk.dtype), dpv.to(pk.dtype)",
+                KERNELS,
+                "tl.store(dpk_ptr + h * N * D + pers[:, None] * D + dd[None, :], dpk * sm_scale, "
+                "mask=p_ok)",
+                "tl.store(dpk_ptr + h * N * D + pers[:, None] * D + dd[None, :], dpk, mask=p_ok)",
                 "persistent keys' gradient not scaled by 1/sqrt(d_h)",
             ),
             (

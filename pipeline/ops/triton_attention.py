@@ -137,7 +137,8 @@ KERNELS = {
 }
 """The kernels by the names the tile cache and the reports use."""
 
-_FLOAT32_POINTERS = {"lse", "delta", "dq", "du", "dlogm", "dk", "dv", "dpk", "dpv", "logm"}
+_FLOAT32_POINTERS = {"lse", "delta", "du", "dlogm", "logm"}
+_FLOAT_ARGS = {"qk_scale2", "sm_scale", "keep_scale"}
 
 
 def compile_ahead(cc: int, dtype: torch.dtype, head_dim: int = 64, tile: dict | None = None):
@@ -156,13 +157,7 @@ def compile_ahead(cc: int, dtype: torch.dtype, head_dim: int = 64, tile: dict | 
     from pipeline.ops import triton_kernels
 
     tile = dict(TILES[0] if tile is None else tile)
-    constants = dict(
-        HAS_MASK=True,
-        DROPOUT=True,
-        DP=max(16, 1 << (head_dim - 1).bit_length()),
-        PREC="ieee" if dtype == torch.float32 else "tf32",
-        T=tile.pop("T"),
-    )
+    constants = _constants(dtype, head_dim, has_mask=True, dropout=True) | {"T": tile.pop("T")}
     element = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     dump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     found = {}
@@ -182,7 +177,7 @@ def compile_ahead(cc: int, dtype: torch.dtype, head_dim: int = 64, tile: dict | 
                     else f"*{element}"
                 )
             else:
-                signature[arg] = "fp32" if arg in ("qk_scale2", "keep_scale") else "i32"
+                signature[arg] = "fp32" if arg in _FLOAT_ARGS else "i32"
         wanted = {k: v for k, v in constants.items() if k in fn.arg_names}
         kernel = triton.compile(
             ASTSource(fn, signature, wanted), target=GPUTarget("cuda", cc, 32), options=tile
@@ -211,31 +206,33 @@ def _rows_contiguous(x: Tensor) -> Tensor:
 
 def _operands(q, k, v, pos, pk, pv, logm, seed, dropout_p: float) -> tuple:
     """The leading arguments every kernel takes: the inputs, their strides, the sizes
-    (B, H, M, L', N, d_h) and the scalars. Without persistent vectors or a mask, q and pos
-    stand in for the pointers the kernels then never read."""
+    (B, H, M, L', N, d_h) and the scalars. Without persistent vectors, a mask or dropout, q
+    and pos stand in for the pointers the kernels then never read."""
     b, h, m, d = q.shape
     pk_, pv_, lm = (
         (q if pk is None else pk),
         (q if pv is None else pv),
         (pos if logm is None else logm),
     )
+    seed = q if seed is None else seed
     n = 0 if pk is None else pk.shape[1]
     return (
         q, k, v, pos, pk_, pv_, lm, seed,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *pos.stride(),
         pk_.stride(-3), pk_.stride(-2), pv_.stride(-3), pv_.stride(-2), lm.stride(0),
         b, h, m, pos.shape[1], n, d,
-        1.4426950408889634 / math.sqrt(d), 1.0 / (1.0 - dropout_p), keep_threshold(dropout_p),
+        1.4426950408889634 / math.sqrt(d), 1.0 / math.sqrt(d), 1.0 / (1.0 - dropout_p),
+        keep_threshold(dropout_p),
     )  # fmt: skip
 
 
-def _constants(q: Tensor, logm: Tensor | None, dropout_p: float) -> dict:
-    d = q.shape[-1]
+def _constants(dtype: torch.dtype, head_dim: int, has_mask: bool, dropout: bool) -> dict:
+    """The kernels' compile-time arguments but the tile."""
     return dict(
-        HAS_MASK=logm is not None,
-        DROPOUT=dropout_p > 0.0,
-        DP=max(16, 1 << (d - 1).bit_length()),  # the head size padded to a power of 2
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 matmuls in full fp32
+        HAS_MASK=has_mask,
+        DROPOUT=dropout,
+        DP=max(16, 1 << (head_dim - 1).bit_length()),  # the head size padded to a power of 2
+        PREC="ieee" if dtype == torch.float32 else "tf32",  # fp32 matmuls in full fp32
     )
 
 
@@ -248,7 +245,7 @@ def _forward_op(
     pk: Tensor | None,
     pv: Tensor | None,
     logm: Tensor | None,
-    seed: Tensor,
+    seed: Tensor | None,
     dropout_p: float,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, H, M, d_h], lse [B, H, M] float32 in log2 units)."""
@@ -260,7 +257,7 @@ def _forward_op(
         *_operands(q, k, v, pos, pk, pv, logm, seed, dropout_p),
         out, lse, *out.stride()[:3],
     )  # fmt: skip
-    constants = _constants(q, logm, dropout_p)
+    constants = _constants(q.dtype, q.shape[-1], logm is not None, dropout_p > 0.0)
     _launch(
         "forward",
         q,
@@ -287,7 +284,7 @@ def _backward_op(
     pk: Tensor | None,
     pv: Tensor | None,
     logm: Tensor | None,
-    seed: Tensor,
+    seed: Tensor | None,
     out: Tensor,
     lse: Tensor,
     dropout_p: float,
@@ -301,12 +298,12 @@ def _backward_op(
     delta = (grad.float() * out.float()).sum(-1)  # sum_c P dP per row = dO . O
     ops = _operands(q, k, v, pos, pk, pv, logm, seed, dropout_p)
     rows = (grad, lse, delta, *grad.stride()[:3])
-    constants = _constants(q, logm, dropout_p)
-    scale = 1.0 / math.sqrt(d)
+    constants = _constants(q.dtype, q.shape[-1], logm is not None, dropout_p > 0.0)
 
     # per query block: dq, and partial sums per distance of u's and log m's gradients
-    # ([B * H, blocks, W]: each block's chunks end before W), summed here once
-    dq = torch.empty(b, h, m, d, device=q.device, dtype=torch.float32)
+    # ([B * H, blocks, W]: each block's chunks end before W), summed here once; the kernels
+    # store every gradient but those two scaled, in the input's dtype
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     partials: dict[int, tuple[Tensor, Tensor]] = {}
 
     def dq_pass(tile: dict) -> None:
@@ -324,6 +321,7 @@ def _backward_op(
 
     tile = _launch("backward dq", q, dq_pass)
     du, dlogm_parts = partials[tile["T"]]
+    scale = 1.0 / math.sqrt(d)
     dpos = (du.sum((0, 1))[:span_len] * scale).t().to(pos.dtype)
     dlogm = (
         dlogm_parts.view(b, h, -1, dlogm_parts.shape[-1]).sum((0, 2))[:, :span_len]
@@ -332,8 +330,8 @@ def _backward_op(
     )
 
     # per key tile: dk, dv
-    dk = torch.empty(b, h, span_len + m, d, device=q.device, dtype=torch.float32)
-    dv = torch.empty_like(dk)
+    dk = k.new_empty(b, h, span_len + m, d)
+    dv = v.new_empty(b, h, span_len + m, d)
     _launch(
         "backward dk dv",
         q,
@@ -346,8 +344,7 @@ def _backward_op(
     if pk is None:
         dpk, dpv = q.new_empty(0), q.new_empty(0)
     else:
-        dpk = torch.empty(h, n, d, device=q.device, dtype=torch.float32)
-        dpv = torch.empty_like(dpk)
+        dpk, dpv = pk.new_empty(h, n, d), pk.new_empty(h, n, d)
         _launch(
             "backward persistent",
             q,
@@ -355,16 +352,7 @@ def _backward_op(
                 *ops, *rows, dpk, dpv, **constants, **t
             ),
         )
-        dpk, dpv = (dpk * scale).to(pk.dtype), dpv.to(pk.dtype)
-    return (
-        (dq * scale).to(q.dtype),
-        (dk * scale).to(k.dtype),
-        dv.to(v.dtype),
-        dpos,
-        dpk,
-        dpv,
-        dlogm,
-    )
+    return dq, dk, dv, dpos, dpk, dpv, dlogm
 
 
 @_backward_op.register_fake
@@ -432,9 +420,9 @@ def attend_triton(
             "attention impl triton on the CPU runs Triton's interpreter, which has no bfloat16"
         )
     drop = dropout_p > 0.0 and training
-    if drop and dropout_seed is None:
-        dropout_seed = draw_dropout_seed(q.device)
-    seed = dropout_seed if drop else torch.zeros((), dtype=torch.int32, device=q.device)
+    seed = None
+    if drop:
+        seed = draw_dropout_seed(q.device) if dropout_seed is None else dropout_seed
     dt = q.dtype
     out, _ = _forward_op(
         _rows_contiguous(q),

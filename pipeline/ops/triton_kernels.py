@@ -24,7 +24,8 @@ The N persistent keys follow the window as dense key tiles in the same online so
 no position term and no mask. Dropout keeps weight (b, h, i, key) when a 32-bit hash of (seed,
 b, h, i, key coordinate) passes ``threshold`` (``pipeline.ops.dropout.flex_keep``: the same
 bits as the flex backend; key coordinate: distance L' - j, or -1 - n for persistent vector n),
-so the backward regenerates the mask and nothing is stored.
+so the backward regenerates the mask and nothing is stored. Gradients accumulate in float32
+and are stored scaled, in the dtype of the output tensors (the inputs').
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T: tl.constexpr, P
 def attention_fwd(
     q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
-    B, H, M, L, N, D, qk_scale2, keep_scale, threshold,
+    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold,
     out_ptr, lse_ptr, sob, soh, som,
     HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
     PREC: tl.constexpr,
@@ -257,12 +258,12 @@ def _window_tile_grad(
 def attention_bwd_dq(
     q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
-    B, H, M, L, N, D, qk_scale2, keep_scale, threshold,
+    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold,
     do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dq_ptr, du_ptr, dlogm_ptr, W,
     HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
-    """One block of T queries: dq (times sqrt(d_h)), and this block's partial sums of
+    """One block of T queries: dq, and this block's partial sums of
     q^T dS and of dS per distance (u's and log m's gradients, reduced by the caller):
     du [B * H, blocks, W, d_h] and dlogm [B * H, blocks, W], W >= L' + T - 1."""
     blk = tl.program_id(0)
@@ -325,7 +326,7 @@ def attention_bwd_dq(
         dq += tl.dot(ds.to(pk.dtype), pk, input_precision=PREC)
     tl.store(
         dq_ptr + bh * M * D + rows[:, None] * D + dd[None, :],
-        dq,
+        dq * sm_scale,
         mask=(rows[:, None] < M) & dmask,
     )
 
@@ -349,12 +350,12 @@ def _store_chunk(
 def attention_bwd_dkdv(
     q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
-    B, H, M, L, N, D, qk_scale2, keep_scale, threshold,
+    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold,
     do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dk_ptr, dv_ptr,
     HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
-    """One tile of T window keys (key indices c0 .. c0 + T - 1): dk (times sqrt(d_h)) and dv,
+    """One tile of T window keys (key indices c0 .. c0 + T - 1): dk and dv,
     over the query blocks whose windows reach it (i from c - L' + 1 to c)."""
     c0 = tl.program_id(0) * T
     bh = tl.program_id(1)
@@ -390,7 +391,7 @@ def attention_bwd_dkdv(
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
     ok = (keys[:, None] < L + M) & dmask
-    tl.store(dk_ptr + bh * (L + M) * D + keys[:, None] * D + dd[None, :], dk, mask=ok)
+    tl.store(dk_ptr + bh * (L + M) * D + keys[:, None] * D + dd[None, :], dk * sm_scale, mask=ok)
     tl.store(dv_ptr + bh * (L + M) * D + keys[:, None] * D + dd[None, :], dv, mask=ok)
 
 
@@ -398,12 +399,12 @@ def attention_bwd_dkdv(
 def attention_bwd_persistent(
     q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
-    B, H, M, L, N, D, qk_scale2, keep_scale, threshold,
+    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold,
     do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dpk_ptr, dpv_ptr,
     HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
-    """One tile of T persistent vectors of head h: dpk (times sqrt(d_h)) and dpv, summed over
+    """One tile of T persistent vectors of head h: dpk and dpv, summed over
     the whole batch and every query (the vectors are shared by the batch)."""
     n0 = tl.program_id(0) * T
     h = tl.program_id(1)
@@ -431,5 +432,5 @@ def attention_bwd_persistent(
             )  # fmt: skip
             dpv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
             dpk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
-    tl.store(dpk_ptr + h * N * D + pers[:, None] * D + dd[None, :], dpk, mask=p_ok)
+    tl.store(dpk_ptr + h * N * D + pers[:, None] * D + dd[None, :], dpk * sm_scale, mask=p_ok)
     tl.store(dpv_ptr + h * N * D + pers[:, None] * D + dd[None, :], dpv, mask=p_ok)
