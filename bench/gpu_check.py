@@ -80,25 +80,36 @@ def quiet_env() -> dict:
     return env
 
 
+def start(cmd: list[str], out, cwd: Path = ROOT) -> subprocess.Popen:
+    """Start ``cmd`` in a process group of its own, its output (stdout and stderr) to the
+    open file ``out``, torch.compile's logs off."""
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=quiet_env(),
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> int:
+    """Wait for ``proc``; on timeout kill its whole process group (compile workers too) and
+    return 124."""
+    try:
+        return proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return 124
+
+
 def run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> tuple[int, str]:
-    """Run ``cmd``; on timeout kill its whole process group (compile workers too) and return
-    124 with what it printed so far."""
+    """Run ``cmd`` (``start``, ``finish``): its exit status, 124 on timeout, and what it
+    printed so far."""
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=quiet_env(),
-            start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = 124
+        code = finish(start(cmd, out, cwd), timeout)
         out.seek(0)
         text = out.read()
     if code == 124:

@@ -55,15 +55,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import gpu_check  # bench/, beside this script: its process-group start and finish
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/enwik8_small.yaml"
@@ -81,8 +81,6 @@ TOLERANCE = 0.02
 # the trainer's report: `step     25/300  loss 4.1234  bpc ...` (pipeline/training/trainer.py)
 STEP_LINE = re.compile(r"\bstep\s+(\d+)/(\d+)\s+loss\s+(\S+)")
 TAIL = 3000  # characters of a crashed run's output shown
-# the environment variables that turn torch.compile's logs on (as bench/gpu_check.py)
-LOUD = ("TORCH_LOGS", "TORCHDYNAMO_VERBOSE", "TORCH_COMPILE_DEBUG", "TORCHINDUCTOR_VERBOSE")
 
 
 @dataclass
@@ -97,12 +95,6 @@ class Run:
 
     def sets(self) -> list[str]:
         return [f"{k}={v}" for k, v in {**self.overrides, "train.seed": self.seed}.items()]
-
-
-def quiet_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LOUD}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def key_value(item: str) -> tuple[str, str]:
@@ -154,31 +146,19 @@ def command(cfg: Path, run: Run, dry_run: bool = False, own_workspace: bool = Fa
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """Start ``cmd`` from the project directory, its output to ``log``, in a process group
-    of its own."""
+    """Start ``cmd`` from the project directory, its output to ``log`` (gpu_check.start)."""
     with log.open("w") as out:  # the child keeps its own handle
-        return subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=quiet_env(),
-            start_new_session=True,
-        )
+        return gpu_check.start(cmd, out)
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float) -> int:
-    """Wait for ``proc``; on timeout kill its whole process group (compile workers too) and
-    return 124."""
-    try:
-        return proc.wait(timeout=max(timeout, 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    """gpu_check.finish (124 after a timeout, its process group killed), the time-out noted
+    at the end of ``log``."""
+    code = gpu_check.finish(proc, timeout)
+    if code == 124:
         with log.open("a") as out:
             out.write(f"\n(timed out after {max(timeout, 1):.0f} s)\n")
-        return 124
+    return code
 
 
 def execute(cmd: list[str], log: Path, timeout: float) -> int:
