@@ -5,7 +5,9 @@ spec asks for several processes. What each launched process runs is
 
 from __future__ import annotations
 
+import base64
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,9 +18,55 @@ from pipeline.errors import PipelineError, Preempted
 
 ENTRY = Path(__file__).resolve().parents[2] / "launch" / "train.py"
 
+# With several nodes the deepspeed runner joins its command into one line that a remote shell
+# runs on every node (pdsh over ssh), and its own quoting only wraps an argument holding a
+# space in double quotes, where $( ), backticks and \" still act. So the pipeline's arguments
+# travel as one base64 word, which no shell changes; launch/train.py decodes them.
+ENCODED_ARGS = "--args-base64"
 
-def launcher_command(spec, pipeline_args: list[str]) -> list[str]:
-    """The `deepspeed` command that runs this pipeline on `spec.train.launcher`'s processes."""
+# Environment variables deepspeed's runner copies into that line (its EXPORT_ENVS and the CUDA
+# accelerator's), each as export NAME="VALUE": inside double quotes these still act.
+_EXPORTED_ENV = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
+_ACTIVE_IN_DOUBLE_QUOTES = re.compile(r'[$`"\\\x00-\x1f\x7f]')
+
+
+def encode_args(args: list[str]) -> str:
+    """`args` as one word of [A-Za-z0-9_=-], byte for byte (NUL cannot be in an argument)."""
+    # each argument ends in a NUL: [] and [""] stay apart
+    blob = b"".join(os.fsencode(a) + b"\0" for a in args)
+    return base64.urlsafe_b64encode(blob).decode("ascii")
+
+
+def decode_args(word: str) -> list[str]:
+    try:
+        blob = base64.urlsafe_b64decode(word.encode("ascii"))
+    except (ValueError, UnicodeEncodeError):
+        raise PipelineError(f"{ENCODED_ARGS}: not the launcher's encoding of arguments") from None
+    if blob and not blob.endswith(b"\0"):
+        raise PipelineError(f"{ENCODED_ARGS}: not the launcher's encoding of arguments")
+    return [os.fsdecode(a) for a in blob.split(b"\0")[:-1]]
+
+
+def _remote_safe(env: dict[str, str]) -> None:
+    """Refuse, in one line, what deepspeed would put raw into the remote command line: paths
+    (its `cd` and the interpreter) and the environment variables it exports."""
+    from pipeline.cluster.slurm import plain
+
+    plain("working directory", Path.cwd().resolve())
+    plain("python interpreter", sys.executable)
+    plain("launch script", ENTRY)
+    for name, value in env.items():
+        if name.startswith(_EXPORTED_ENV) and _ACTIVE_IN_DOUBLE_QUOTES.search(value):
+            raise PipelineError(
+                f"environment variable {name}: the deepspeed launcher passes it to every "
+                f'node inside double quotes, where $ ` " \\ and control characters would run '
+                f"or cut it; unset it or set it without them"
+            )
+
+
+def launcher_command(spec, pipeline_args: list[str], env=None) -> list[str]:
+    """The `deepspeed` command that runs this pipeline on `spec.train.launcher`'s processes
+    (`env`: the environment it will run in, default this process's)."""
     launcher = spec.train.launcher
     if not ENTRY.is_file():
         raise PipelineError(
@@ -36,6 +84,9 @@ def launcher_command(spec, pipeline_args: list[str]) -> list[str]:
         if not Path(launcher.hostfile).is_file():
             raise PipelineError(f"train.launcher.hostfile {launcher.hostfile}: no such file")
         cmd += ["--hostfile", launcher.hostfile]
+    if launcher.nodes > 1:
+        _remote_safe(dict(os.environ) if env is None else env)
+        pipeline_args = [ENCODED_ARGS, encode_args(pipeline_args)]
     port = launcher.master_port or distributed.free_port()
     cmd += [
         "--num_nodes",
@@ -55,12 +106,12 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
     as SIGINT, which stops them at once."""
     import psutil
 
-    cmd = launcher_command(spec, pipeline_args)
     env = dict(os.environ)
     if env.get("DS_ACCELERATOR") == "cpu" or not _has_cuda():
         # processes on one CPU host share its cores instead of each taking all of them
         per_proc = max(1, (os.cpu_count() or 1) // spec.train.launcher.procs_per_node)
         env.setdefault("OMP_NUM_THREADS", str(per_proc))
+    cmd = launcher_command(spec, pipeline_args, env)
     log(f"starting {spec.train.launcher.world_size} processes: {' '.join(cmd)}")
     # Its own session (so its own process group): a ctrl-C in the terminal reaches only us,
     # and we decide how the launcher's processes hear of it.

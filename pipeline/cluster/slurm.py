@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, shown
 from pipeline.spec import PROJECT_ROOT, load_spec
 from pipeline.spec.schema import Spec
 
@@ -35,16 +35,52 @@ PORT_FROM_JOB_ID = "$((20000 + SLURM_JOB_ID % 10000))"
 # multinode_runner.add_export also leaves unquoted) rather than quote for two parsers.
 _PLAIN_PATH = re.compile(r"[\w@%+=:,./-]+")
 
-# Slurm's --time formats (sbatch(1)) and the unit of each number in them.
+# Slurm's --time formats (sbatch(1)) and the unit of each number in them. ASCII digits only:
+# `\d` and int() also take other scripts' digits ("١٢"), which sbatch refuses.
+_N = "([0-9]+)"
 _TIME_FORMATS = [
-    (re.compile(r"(\d+)"), ("m",)),
-    (re.compile(r"(\d+):(\d+)"), ("m", "s")),
-    (re.compile(r"(\d+):(\d+):(\d+)"), ("h", "m", "s")),
-    (re.compile(r"(\d+)-(\d+)"), ("d", "h")),
-    (re.compile(r"(\d+)-(\d+):(\d+)"), ("d", "h", "m")),
-    (re.compile(r"(\d+)-(\d+):(\d+):(\d+)"), ("d", "h", "m", "s")),
+    (re.compile(_N), ("m",)),
+    (re.compile(f"{_N}:{_N}"), ("m", "s")),
+    (re.compile(f"{_N}:{_N}:{_N}"), ("h", "m", "s")),
+    (re.compile(f"{_N}-{_N}"), ("d", "h")),
+    (re.compile(f"{_N}-{_N}:{_N}"), ("d", "h", "m")),
+    (re.compile(f"{_N}-{_N}:{_N}:{_N}"), ("d", "h", "m", "s")),
 ]
 _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+# sbatch --signal=[{R|B}:]<sig_num>[@sig_time]: sig_time is at most 65535 seconds (sbatch(1)).
+MAX_SIGNAL_LEAD_S = 65535
+
+# The first line of every script this renders: `launch slurm --output` and `sweep --slurm`
+# replace a file only when it holds this line, so they never overwrite one they did not write
+# (the config, a hand-edited script kept under another name).
+MARKER = "# allattn-pipe rendered this Slurm script: re-rendering it replaces this file"
+
+# A control character (newline, CR, NUL, tab, the other C0 and C1 codes, DEL) in a value would
+# end a comment or a line of the script, or change what sbatch reads: refused, never quoted.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def refuse_control(flag: str, value: str) -> str:
+    """`value`, given as `flag`, if it can go into a script's line; else a one-line error."""
+    if _CONTROL.search(value):
+        raise PipelineError(
+            f"{flag} {shown(value)}: control characters (newline, tab, ...) cannot go into "
+            f"a Slurm script; write the value without them"
+        )
+    return value
+
+
+def script_values(overrides: Sequence[str], grid: Sequence[str] = (), seeds: str | None = None):
+    """Refuse, in one line, a --set, --grid or --seeds value that cannot go into a script."""
+    for flag, values in (("--set", overrides), ("--grid", grid), ("--seeds", [seeds or ""])):
+        for v in values:
+            refuse_control(flag, v)
+
+
+def is_rendered(text: str) -> bool:
+    """Whether a file's text is a script this module rendered (its marker line)."""
+    return MARKER in text.splitlines()[:3]
 
 
 def time_limit_seconds(text: str) -> int:
@@ -65,7 +101,7 @@ def slurm_dir(spec: Spec) -> Path:
     return (Path.cwd() / spec.workspace_dir / "slurm").resolve()
 
 
-def _plain(what: str, path: str | Path) -> str:
+def plain(what: str, path: str | Path) -> str:
     text = str(path)
     if not _PLAIN_PATH.fullmatch(text):
         raise PipelineError(
@@ -76,6 +112,9 @@ def _plain(what: str, path: str | Path) -> str:
 
 
 def _fill(template: str, values: dict[str, str]) -> str:
+    # the command that rendered the script goes into a comment: one line, whatever it holds
+    values = {**values, "marker": MARKER, "rendered_by": _comment(values["rendered_by"])}
+
     def value(match: re.Match) -> str:
         return values[match.group(1)]
 
@@ -83,6 +122,12 @@ def _fill(template: str, values: dict[str, str]) -> str:
     if missing:
         raise PipelineError(f"{TEMPLATE}: no value for {', '.join(sorted(missing))}")
     return re.sub(r"{{ (\w+) }}", value, template)
+
+
+def _comment(text: str) -> str:
+    """`text` as the rest of a comment line: anything that could end the line escaped (its
+    values are refused before they get here; this keeps the comment one line regardless)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def _resources(nodes: int, gpus_per_node: int, procs_per_node: int | None) -> int:
@@ -122,7 +167,7 @@ def _directives(
     if gpus_per_node:
         directives.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     if partition is not None:
-        if not re.fullmatch(r"[\w.,-]+", partition):
+        if not re.fullmatch(r"[A-Za-z0-9_.,-]+", partition):  # ASCII, as Slurm names are
             raise PipelineError(
                 f"--partition {partition!r}: not a partition name (or a "
                 f"comma-separated list of them)"
@@ -130,6 +175,11 @@ def _directives(
         directives.append(f"#SBATCH --partition={partition}")
     if signal_lead < 1:
         raise PipelineError(f"--signal-lead must be at least 1 second, got {signal_lead}")
+    if signal_lead > MAX_SIGNAL_LEAD_S:
+        raise PipelineError(
+            f"--signal-lead {signal_lead}: sbatch's --signal takes at most "
+            f"{MAX_SIGNAL_LEAD_S} seconds"
+        )
     if time is not None:
         if time_limit_seconds(time) <= signal_lead:
             raise PipelineError(
@@ -172,14 +222,14 @@ def _common_values(
 ) -> dict[str, str]:
     """The template's values that a single job and a sweep's array share."""
     return {
-        "config": _plain("config", config_path),
+        "config": plain("config", config_path),
         "nodes": str(nodes),
         "procs_per_node": str(procs),
         "signal_lead": str(signal_lead),
-        "workdir": _plain("working directory", Path.cwd().resolve()),
+        "workdir": plain("working directory", Path.cwd().resolve()),
         "environment": _environment(gpus_per_node),
         "master_port": str(master_port) if master_port else PORT_FROM_JOB_ID,
-        "python": _plain("python interpreter", sys.executable),
+        "python": plain("python interpreter", sys.executable),
     }
 
 
@@ -198,6 +248,7 @@ def render_sbatch(
     `nodes` x processes per node. The job must be submitted from the current directory's
     project: the script `cd`s here, so relative paths mean the same there."""
     procs = _resources(nodes, gpus_per_node, procs_per_node)
+    script_values(overrides)
     if "train" not in spec.stages:
         raise PipelineError(
             f"{config_path}: the pipeline {spec.name} has no train stage, "
@@ -220,7 +271,7 @@ def render_sbatch(
             "name": job_spec.name,
             "rendered_by": command,
             "optional_directives": _directives(gpus_per_node, partition, time, signal_lead),
-            "log_dir": _plain("log directory", slurm_dir(spec) / "logs"),
+            "log_dir": plain("log directory", slurm_dir(spec) / "logs"),
             "log_name": "%x-%j.out",
             "point_setup": "",
             "point_finish": "",
@@ -248,6 +299,7 @@ def render_sweep_array(
     `points` are the sweep's points as `pipeline.commands.sweep.plan_sweep` plans them.
     Returns the script and the sweep's base spec (where the script's files go)."""
     procs = _resources(nodes, gpus_per_node, procs_per_node)
+    script_values(overrides, grid, seeds)
     if max_parallel is not None and max_parallel < 1:
         raise PipelineError(f"--max-parallel must be at least 1, got {max_parallel}")
     launcher_sets = _launcher_sets(nodes, procs)
@@ -259,11 +311,11 @@ def render_sweep_array(
             )
         load_spec(config_path, [*p.overrides, *launcher_sets])  # the batch splits over them
     base = load_spec(config_path, overrides)
-    python = _plain("python interpreter", sys.executable)
+    python = plain("python interpreter", sys.executable)
     sweep_args = " ".join(
         shlex.quote(a)
         for a in [
-            _plain("config", config_path),
+            plain("config", config_path),
             *(x for o in overrides for x in ("--set", o)),
             *(x for g in grid for x in ("--grid", g)),
             *(["--seeds", seeds] if seeds else []),
@@ -302,7 +354,7 @@ def render_sweep_array(
             "name": f"{base.name}-sweep",
             "rendered_by": rendered_by,
             "optional_directives": _directives(gpus_per_node, partition, time, signal_lead, array),
-            "log_dir": _plain("log directory", slurm_dir(base) / "logs"),
+            "log_dir": plain("log directory", slurm_dir(base) / "logs"),
             "log_name": "%x-%A_%a.out",
             "point_setup": setup,
             "point_finish": finish,

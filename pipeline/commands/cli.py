@@ -376,10 +376,11 @@ def _sweep_on_slurm(
     max_parallel,
     dry_run,
 ) -> None:
-    from pipeline.cluster.slurm import render_sweep_array, slurm_dir, submit
+    from pipeline.cluster.slurm import render_sweep_array, script_values, slurm_dir, submit
     from pipeline.commands import sweep as sweeps
 
     config, overrides, grid, seeds = args
+    script_values(overrides, grid, seeds)  # before the points are planned from them
     points, _, _ = sweeps.plan_sweep(str(config), overrides, grid, seeds)
     script, base = render_sweep_array(
         config,
@@ -574,7 +575,7 @@ def _write_script(path, script: str, log_dir, submit_hint: bool = True) -> None:
     from pipeline.fsutil import atomic_write_text
 
     try:
-        previous = path.read_text(encoding="utf-8") if path.is_file() else None
+        previous = _earlier_script(path)
         # Slurm opens the job's --output file before the script runs: its directory must exist.
         log_dir.mkdir(parents=True, exist_ok=True)
         if previous != script:
@@ -589,6 +590,37 @@ def _write_script(path, script: str, log_dir, submit_hint: bool = True) -> None:
         click.echo(f"{path}: {'replaced a different earlier script' if previous else 'written'}")
     if submit_hint:
         click.echo(f"submit with: sbatch {path}")
+
+
+def _earlier_script(path) -> str | None:
+    """The text of the script at `path` if one is there; only a regular file holding the
+    renderer's marker line may be replaced (never the config, a link, a FIFO)."""
+    import os
+    import stat
+
+    from pipeline.cluster.slurm import MARKER, is_rendered
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(mode):
+        raise PipelineError(
+            f"{shown(path)}: not a regular file (a link, a directory, a FIFO); "
+            f"refusing to replace it with the script"
+        )
+    # not through a link swapped in since, and a FIFO is refused rather than waited on
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise PipelineError(f"{shown(path)}: not a regular file")
+        text = f.read().decode("utf-8", errors="replace")
+    if not is_rendered(text):
+        raise PipelineError(
+            f"{shown(path)}: not a script allattn-pipe rendered (no {MARKER!r} line); "
+            f"refusing to replace it: name a new file, or remove this one"
+        )
+    return text
 
 
 def entry() -> None:

@@ -16,6 +16,23 @@ from pipeline.tracking.tracker import make_tracker
 from pipeline.workspace.runner import Runner
 
 
+def arguments(argv: list[str]) -> list[str]:
+    """`argv` with the launcher's encoded arguments (`--args-base64 WORD`, what a multi-node
+    launch sends through the remote shell) decoded in place."""
+    from pipeline.cluster.launcher import ENCODED_ARGS, decode_args
+
+    out: list[str] = []
+    items = iter(argv)
+    for item in items:
+        if item == ENCODED_ARGS:
+            out += decode_args(next(items, ""))
+        elif item.startswith(ENCODED_ARGS + "="):
+            out += decode_args(item.partition("=")[2])
+        else:
+            out.append(item)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """One launched process: the pipeline of --config, this process being one rank."""
     parser = argparse.ArgumentParser(
@@ -34,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a task of an srun step: rank and world size from Slurm",
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments(sys.argv[1:] if argv is None else argv))
     rank = 0
     try:
         if args.ranks_from_slurm:

@@ -81,7 +81,8 @@ def overlapping(a: str, b: str) -> bool:
 
 def parse_seeds(text: str | None) -> list[str]:
     seeds = [s.strip() for s in (text or "").split(",") if s.strip()]
-    if text is not None and (not seeds or not all(s.isdigit() for s in seeds)):
+    # ASCII digits: str.isdigit() takes '²' and '١', which a script or YAML reads otherwise
+    if text is not None and (not seeds or not all(re.fullmatch(r"[0-9]+", s) for s in seeds)):
         raise PipelineError(
             f"--seeds {shown(text)}: expected integers separated by commas, e.g. 1,2,3"
         )
