@@ -468,3 +468,58 @@ def test_sweep_as_a_job_array_with_one_task_requeued(cluster, config, prepared, 
     assert sorted((g["name"], g["n"], g["status"]) for g in groups) == [
         (f"cluster-lr{lr}", 2, "finished") for lr in ("0.05", "0.07")
     ]
+
+
+def test_sbatch_accepts_every_rendered_script_and_refuses_what_rendering_refuses(
+    cluster, config, tmp_path
+):
+    """The real sbatch reads what `launch slurm` and `sweep --slurm` write (--test-only: the
+    script and its #SBATCH lines parsed and checked against the cluster, nothing queued),
+    values holding quotes, spaces and $( ) included, limits at sbatch's own bounds. And what
+    rendering refuses (tests/cluster/test_shell_quoting.py), sbatch refuses too."""
+    root = tmp_path / "runs"
+    value = "dataset.description=$(touch CANARY) `touch CANARY`; 'q' \"d\"  e & f | g \\ h"
+    cpu = ["--gpus-per-node", "0", "--procs-per-node", "1"]
+    common = ["--set", f"workspace.root={root}", "--set", value, *cpu]
+    limits = ["--time", "2-00:00:00", "--signal-lead", "65535", "--partition", "cpu"]
+    scripts = []
+    for i, extra in enumerate([[], limits]):
+        scripts.append(tmp_path / f"job{i}.sbatch")
+        cli("launch", "slurm", config, "--nodes", "2", *common, *extra, "--output", scripts[-1])
+    sweep = cli(
+        "sweep",
+        config,
+        *common,
+        "--grid",
+        "train.seed=1,2",
+        "--grid",
+        "train.optimizer.lr=0.05,0.07",
+        "--slurm",
+        "--nodes",
+        "2",
+        "--max-parallel",
+        "1",
+        "--time",
+        "90",
+        "--dry-run",
+        env=cluster.env,
+    ).stdout
+    scripts.append(tmp_path / "sweep.sbatch")
+    scripts[-1].write_text(sweep)
+    (root / "cluster" / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
+    for script in scripts:
+        done = cluster.run("sbatch", "--test-only", str(script), check=False)
+        assert done.returncode == 0 and " to start at " in done.stderr, (script, done.stderr)
+    assert not (ROOT / "CANARY").exists() and not (tmp_path / "CANARY").exists()
+
+    # the bounds rendering keeps to are sbatch's: one past them, sbatch says no
+    text = scripts[1].read_text()
+    for old, new in [
+        ("#SBATCH --signal=B:USR1@65535", "#SBATCH --signal=B:USR1@65536"),
+        ("#SBATCH --time=2-00:00:00", "#SBATCH --time=\u0661\u0662\u0660"),
+    ]:
+        assert old in text
+        bad = tmp_path / "bad.sbatch"
+        bad.write_text(text.replace(old, new))
+        refused = cluster.run("sbatch", "--test-only", str(bad), check=False)
+        assert refused.returncode != 0, (new, refused.stderr)
