@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.redact import mask
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -42,7 +44,9 @@ class Stage:
         """The config less its runtime-only keys, and less the added keys that hold their
         earlier value, with every key that takes no effect under the others (Spec.inert_keys)
         at its default: what decides whether outputs are reusable."""
-        config = self.config(spec)
+        # credentials masked: the config is recorded in the workspace, and a rotated token
+        # (a new pre-signed URL) fetches the same data, which dataset.sha256 pins
+        config = mask(self.config(spec))
         at_old_value = [
             path for path, value in self.added_keys.items() if _lookup(config, path) == value
         ]

@@ -24,6 +24,7 @@ from pathlib import PurePosixPath
 from pipeline.data import extract, fetch
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
+from pipeline.redact import mask
 from stages.base import Stage, StageContext
 
 
@@ -31,6 +32,11 @@ def _builtin(ds, files_dir, log) -> tuple[str, dict]:
     from pipeline.data.corpus import build
 
     name = ds.url.split("://", 1)[1]
+    if "?" in name or "#" in name:  # nothing reads one, and it could hold a secret
+        raise PipelineError(
+            f"dataset.url {ds.url}: a built-in corpus takes no query or fragment: "
+            f"builtin://{name.split('?')[0].split('#')[0]}"
+        )
     if ds.archive != "none":
         raise PipelineError(
             f"dataset.url {ds.url}: a built-in corpus is plain text; "
@@ -108,7 +114,7 @@ def run(ctx: StageContext) -> dict:
         )
 
     info = {
-        "url": ds.url,
+        "url": mask(ds.url),  # a record: the URL's credentials masked
         "sha256": sha,
         "files": {
             role: {"path": f"files/{e.path.name}", "sha256": e.sha256, "bytes": e.bytes}

@@ -188,6 +188,7 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     import re
 
     from pipeline.commands import compare as cmp
+    from pipeline.redact import mask
     from pipeline.spec import load_spec
 
     if plot:
@@ -210,7 +211,8 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     client = cmp.open_store(cmp.store_uri(specs))
     rows = cmp.collect(client, specs, experiments, run_ids, filter_string, overrides)
     groups = cmp.group(rows)
-    click.echo(cmp.render(groups, cmp.metric_names(groups, metrics), fmt))
+    # runs recorded before URLs were masked still hold their secrets: never printed
+    click.echo(mask(cmp.render(groups, cmp.metric_names(groups, metrics), fmt)))
     if plot and rows:
         from pipeline.commands.plots import curves, learning_curves
 

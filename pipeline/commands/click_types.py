@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, cast
 import click
 
 from pipeline.errors import PipelineError
+from pipeline.redact import mask
 
 
 class FilePath(click.Path):
@@ -47,7 +48,7 @@ class OneLineUsageError(click.UsageError):
         # one line even where the value quoted holds newlines
         message = " ".join(self.format_message().split()).rstrip(".")
         hint = f" (see {self.ctx.command_path} --help)" if self.ctx else ""
-        click.echo(f"error: {message}{hint}", err=True)
+        click.echo(f"error: {mask(message)}{hint}", err=True)
 
 
 if TYPE_CHECKING:  # a mixin of click's Command and Group: what its super() calls reach
@@ -103,7 +104,7 @@ class Main(Group):
         except PipelineError as e:
             if ctx.params.get("debug"):
                 raise
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {mask(str(e))}", err=True)  # a URL's secret never shown
             sys.exit(e.exit_code)
         except KeyboardInterrupt:  # a second ctrl-C, or one outside `run`'s stages
             if ctx.params.get("debug"):

@@ -120,7 +120,18 @@ def open_store(uri: str):
                 f"(name a CONFIG, or set MLFLOW_TRACKING_URI)"
             )
         _check_sqlite_store(path)
-    return MlflowClient(tracking_uri=uri)
+    from pipeline.tracking.tracker import check_server
+
+    client = MlflowClient(tracking_uri=uri)
+    # as `run` does: a server that does not answer is one line in seconds, not minutes of
+    # MLflow's retries and then its traceback
+    check_server(
+        client,
+        uri,
+        "start it, or point MLFLOW_TRACKING_URI (or the config's tracking.uri) at the store "
+        "that holds the runs",
+    )
+    return client
 
 
 def _check_sqlite_store(path) -> None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.cluster import distributed
 from pipeline.cluster.signals import _Handler
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
+from pipeline.redact import mask
 from pipeline.spec import load_spec
 from pipeline.workspace.layout import Workspace, fingerprint
 from pipeline.workspace.runner import Runner
@@ -228,7 +229,7 @@ class SweepRun:
 
     def _give_up(self, e: Exception) -> None:
         self.warn(
-            f"the sweep's MLflow run is not recorded ({type(e).__name__}: {e}); "
+            f"the sweep's MLflow run is not recorded ({type(e).__name__}: {mask(str(e))}); "
             f"the points' own runs are"
         )
         self.client = self.run_id = None
@@ -297,6 +298,9 @@ def run_sweep(
             sets = " ".join(f"--set {o}" for o in p.overrides[len(overrides) : -2])
             log(f"  {p.name:<40} {'done' if not to_run else 'run ' + ','.join(to_run)}  {sets}")
         return []
+    first = pts[0].spec
+    if first.tracking.enabled:  # as `run` does: a server that does not answer is one line now
+        make_tracker(first).check(first)
     sweep = _sweep_run(pts, ident, log)
     workspaces = [p.spec.workspace_dir for p in pts]
     failed: list[str] = []

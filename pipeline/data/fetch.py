@@ -18,6 +18,7 @@ Nothing here reads a whole file into memory.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import hashlib
@@ -34,6 +35,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from pipeline.errors import PipelineError
+from pipeline.redact import PLACEHOLDER
 
 CHUNK = 1 << 20  # bytes per read/write
 TIMEOUT_S = 60.0  # socket timeout: connect, and each read
@@ -213,7 +215,7 @@ def _fetch_file(url: str, sha256: str | None, mismatch_hint: str) -> Fetched:
             f"dataset.url {url}: a file URL needs an absolute path, with three "
             f"slashes: file:///{parsed.netloc}{parsed.path}"
         )
-    src = Path(urllib.request.url2pathname(parsed.path))
+    src = Path(urllib.request.url2pathname(urllib.parse.urlparse(expand_env(url)).path))
     if not src.exists():
         raise PipelineError(f"dataset.url {url}: no such file {src}")
     if not src.is_file():
@@ -263,6 +265,78 @@ def _locked(path: Path, log: Log):
         yield
 
 
+def expand_env(url: str) -> str:
+    """`url` with each `${env:NAME}` replaced by that environment variable's value, as is:
+    how a secret reaches the request without being written in a config. Done only for the
+    request; every record and message keeps the placeholder."""
+
+    def value(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise PipelineError(
+                f"dataset.url {url}: the environment variable {name} that it names is not set"
+            )
+        return os.environ[name]
+
+    return PLACEHOLDER.sub(value, url)
+
+
+def _basic_auth(url: str) -> tuple[str, str | None]:
+    """The URL to request and its Authorization header: a `user:password@` is taken out of
+    the URL (urllib would read it as part of the host name) and sent as HTTP basic auth."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at:
+        return url, None
+    user, _, password = userinfo.partition(":")
+    pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+    token = base64.b64encode(pair.encode("utf-8")).decode("ascii")
+    return urllib.parse.urlunsplit(parts._replace(netloc=host)), f"Basic {token}"
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.hostname, parts.port
+
+
+class _Redirected(Exception):
+    """The server redirected to a scheme the downloader does not fetch."""
+
+    def __init__(self, target: str, scheme: str):
+        super().__init__(target)
+        self.target, self.scheme = target, scheme
+
+
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects, with two rules of ours: a target that is not http(s) is refused
+    naming it (urllib would follow ftp:// and report the first host, or fail on file:// as
+    an HTTP error); the basic-auth header goes only to the origin it was given for. `url`
+    is where the last request went, for messages."""
+
+    def __init__(self, url: str, auth: str | None):
+        self.url, self.auth, self.origin = url, auth, _origin(url)
+
+    def http_error_302(self, req, fp, code, msg, headers):
+        location = headers.get("location") or headers.get("uri")
+        if location:
+            target = urllib.parse.urljoin(req.full_url, location)
+            scheme = urllib.parse.urlsplit(target).scheme.lower()
+            if scheme not in ("http", "https"):
+                fp.close()
+                raise _Redirected(target, scheme)
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None:
+            self.url = newurl
+            if self.auth and _origin(newurl) == self.origin:
+                new.add_unredirected_header("Authorization", self.auth)
+        return new
+
+
 class _Interrupted(Exception):
     """The transfer stopped early; what reached the .part file is kept for a resume."""
 
@@ -278,12 +352,21 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
     """Download into `part`, appending to what is there when the server resumes (206).
     Returns the total size when the server said it; raises _Interrupted when it was cut."""
     have = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+    target, auth = _basic_auth(expand_env(url))
+    request = urllib.request.Request(target, headers={"User-Agent": USER_AGENT})
+    if auth:  # not copied onto a redirect's request: _Redirects decides
+        request.add_unredirected_header("Authorization", auth)
     if have:
         request.add_header("Range", f"bytes={have}-")
-    opener = urllib.request.build_opener()  # reads the *_proxy variables now
+    redirects = _Redirects(target, auth)
+    opener = urllib.request.build_opener(redirects)  # reads the *_proxy variables now
     try:
         response = opener.open(request, timeout=timeout)
+    except _Redirected as e:
+        raise PipelineError(
+            f"dataset.url {url}: the server redirected to {e.target}, a {e.scheme}:// URL, "
+            f"which the downloader does not fetch (only http:// and https://)"
+        ) from None
     except urllib.error.HTTPError as e:
         e.close()
         if e.code == 416 and have:
@@ -303,7 +386,7 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
         raise PipelineError(f"dataset.url {url}: HTTP {e.code} {e.reason}{hint}") from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
         reason = getattr(e, "reason", None) or e
-        host = urllib.parse.urlparse(url).netloc
+        host = urllib.parse.urlsplit(redirects.url).netloc.rpartition("@")[2]  # the last asked
         raise PipelineError(
             f"dataset.url {url}: cannot reach {host} ({reason}); on a machine without "
             f"internet, copy the file to local or shared storage and use --set "

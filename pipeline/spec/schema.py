@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.redact import mask
+
 # The output layer scores every token of the vocabulary at every position; far larger
 # vocabularies than any tokenizer makes would not fit in an accelerator's memory.
 VOCAB_LIMIT = 1 << 24
@@ -1010,7 +1012,8 @@ class Spec(Section):
             ) from None
 
     def resolved(self) -> dict:
-        """The spec as plain data, every default filled in: what `show` prints and MLflow keeps."""
+        """The spec as plain data, every default filled in: what `show` prints and MLflow keeps,
+        so the credentials of its URLs are masked (pipeline.redact)."""
         out = self.model_dump(mode="json")
         out["dataset"] = self.dataset.resolved()
         out["model"] = {"kind": self.model_kind, **asdict(self.model_params)}
@@ -1019,7 +1022,7 @@ class Spec(Section):
             for part in path[:-1]:
                 parent = parent[part]
             parent.pop(path[-1], None)
-        return out
+        return mask(out)
 
     def inert_keys(self) -> list[tuple[tuple[str, ...], str]]:
         """The keys that do nothing under this spec's other settings, each with why. Written

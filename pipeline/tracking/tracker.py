@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from pipeline.errors import PipelineError, Preempted, shown
+from pipeline.redact import mask
 from pipeline.spec import PROJECT_ROOT
 from pipeline.tracking.sender import RETRY_SECONDS, Delivery, Sender, is_transient, reason, replay
 from stages.base import NullStageTracker
@@ -38,6 +39,8 @@ BACKLOG = "tracking-backlog.jsonl"
 FLUSH_SECONDS = 10.0  # a stage's end waits this long for its records to reach the server
 # one try per request, answered or given up within seconds (see MlflowTracker.__init__)
 _HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+# artifacts read as text, so that the URLs in them are masked (pipeline.redact)
+_TEXT_ARTIFACTS = (".json", ".yaml", ".yml", ".txt", ".csv", ".md", ".log")
 
 
 def default_tracking_uri(workspace_root: str | Path) -> str:
@@ -141,7 +144,7 @@ class StageTracker:
         return self.sender.run_id(self.key)
 
     def log_params(self, params: dict) -> None:
-        items = [[k, v] for k, v in flatten(params).items()]
+        items = [[k, mask(v)] for k, v in flatten(params).items()]
         for i in range(0, len(items), _BATCH):
             self.sender.submit({"op": "batch", "key": self.key, "params": items[i : i + _BATCH]})
 
@@ -157,19 +160,25 @@ class StageTracker:
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
         path = Path(path)
+        data = path.read_bytes()
+        if path.suffix.lower() in _TEXT_ARTIFACTS:
+            try:
+                data = mask(data.decode("utf-8")).encode("utf-8")
+            except UnicodeDecodeError:
+                pass  # not text after all: kept as it is
         self.sender.submit(
             {
                 "op": "artifact",
                 "key": self.key,
                 "name": path.name,
                 "artifact_path": artifact_path,
-                "data": base64.b64encode(path.read_bytes()).decode("ascii"),
+                "data": base64.b64encode(data).decode("ascii"),
             }
         )
 
     def set_tags(self, tags: dict) -> None:
         self.sender.submit(
-            {"op": "batch", "key": self.key, "tags": [[k, str(v)] for k, v in tags.items()]}
+            {"op": "batch", "key": self.key, "tags": [[k, mask(str(v))] for k, v in tags.items()]}
         )
 
     def make_durable(self) -> None:
@@ -220,14 +229,16 @@ class MlflowTracker:
         # MLflow's session wrapper logs each with a traceback first
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         self.uri, self.flush_s = uri, flush_s
-        self.warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
+        said = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
+        self.warn = lambda message: said(mask(message))  # a URI's password, MLflow's words
         from mlflow.exceptions import MlflowException
 
         try:
             self.client = open_client(uri, self.warn)
         except MlflowException as e:  # a store MLflow refuses (file: without its opt-in)
             raise PipelineError(
-                f"tracking store {shown(uri)}: MLflow refuses it: {_first_sentence(e.message)}"
+                f"tracking store {shown(mask(uri))}: MLflow refuses it: "
+                f"{_first_sentence(e.message)}"
             ) from None
         self.sender = Sender(Delivery(self.client), self.warn_server, retry_s)
         self.spec: Any = None  # the Spec, from start() on
@@ -247,20 +258,12 @@ class MlflowTracker:
         if sqlite_path(self.uri) is not None:
             _open_store(lambda: _probe_write(self.uri), self.uri, self.warn)
             return
-        if not is_remote(self.uri):
-            return
-        try:
-            self.client.search_experiments(max_results=1)
-        except Exception as e:
-            if not is_transient(e):
-                raise PipelineError(
-                    f"tracking server {self.uri} refused a request ({reason(e)})"
-                ) from None
-            raise PipelineError(
-                f"tracking server {self.uri} is not answering ({reason(e)}); start it, or "
-                f"unset tracking.uri and MLFLOW_TRACKING_URI to record runs in the local "
-                f"store {default_tracking_uri(spec.workspace.root)}"
-            ) from None
+        check_server(
+            self.client,
+            self.uri,
+            f"start it, or unset tracking.uri and MLFLOW_TRACKING_URI to record runs in the "
+            f"local store {default_tracking_uri(spec.workspace.root)}",
+        )
 
     def start(self, spec, plan) -> None:
         self.check(spec)
@@ -360,7 +363,7 @@ class MlflowTracker:
                 "key": key,
                 "experiment": experiment_name(self.spec),
                 "artifact_location": artifact_location(self.spec, self.uri),
-                "tags": tags,
+                "tags": mask(tags),  # argv: the command line may hold a secret URL
                 "parent": parent.key if parent else None,
                 "time": int(time.time() * 1000),
             }
@@ -393,7 +396,7 @@ class MlflowTracker:
         backlog = backlog_path(self.spec)
         count = self.sender.spill(backlog, join_s=self._request_timeout() + 1)
         self.warn(
-            f"{count} tracking records could not be sent to {self.uri}; they are in "
+            f"{count} tracking records could not be sent to {mask(self.uri)}; they are in "
             f"{backlog}, and so will be the rest of this run's: "
             f"`{sync_command(self.spec)}` sends them when the server is back"
         )
@@ -423,6 +426,42 @@ class MlflowTracker:
         self._settle()
 
 
+@contextmanager
+def quick_requests(uri: str):
+    """Requests to a tracking server within get one try, answered or given up in seconds
+    (MLflow's defaults retry for minutes); a user's own settings stand."""
+    if not is_remote(uri):
+        yield
+        return
+    added = [k for k in _HTTP_LIMITS if k not in os.environ]
+    os.environ.update({k: _HTTP_LIMITS[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def check_server(client, uri: str, hint: str) -> None:
+    """What every command that talks to a tracking server does first: one request, answered
+    in seconds, or one line (`hint`: what to do when it does not answer). The URI's
+    password is masked. Nothing to do for a local store."""
+    if not is_remote(uri):
+        return
+    with quick_requests(uri):
+        try:
+            client.search_experiments(max_results=1)
+        except Exception as e:
+            why = mask(reason(e))
+            if not is_transient(e):
+                raise PipelineError(
+                    f"tracking server {mask(uri)} refused a request ({why})"
+                ) from None
+            raise PipelineError(
+                f"tracking server {mask(uri)} is not answering ({why}); {hint}"
+            ) from None
+
+
 def sync(spec, log=print) -> None:
     """Send the records of the workspace's backlog file to the tracking server."""
     from pipeline.workspace.lock import WorkspaceLock
@@ -437,10 +476,10 @@ def sync(spec, log=print) -> None:
         sent, left = replay(path, Delivery(tracker.client), tracker.warn_server)
     if left:
         raise PipelineError(
-            f"tracking server {tracker.uri} stopped answering: {sent} records "
+            f"tracking server {mask(tracker.uri)} stopped answering: {sent} records "
             f"sent, {left} still in {path}; run `{sync_command(spec)}` again"
         )
-    log(f"{sent} tracking records sent to {tracker.uri}")
+    log(f"{sent} tracking records sent to {mask(tracker.uri)}")
 
 
 def last_activity(client, run, children) -> int:

@@ -26,6 +26,7 @@ from typing import cast
 from pipeline.cluster import distributed
 from pipeline.cluster.signals import RaiseOnSignal
 from pipeline.errors import PipelineError, Preempted, shown
+from pipeline.redact import mask
 from pipeline.spec.schema import Spec
 from pipeline.workspace.layout import (
     PARTIAL_RECORD,
@@ -116,7 +117,7 @@ class Runner:
         self.force = set(_parse_selection(force, spec, "--force"))
         self.only = set(_parse_selection(only, spec, "--only"))
         self.start_from = _parse_selection([start_from], spec, "--from")[0] if start_from else None
-        self.log = log
+        self.log = lambda message: log(mask(message))  # every stage's log: no URL's secret
 
     def plan(self) -> list[Step]:
         """Decide run/skip for every stage, assuming each run stage gets a new build id (but
