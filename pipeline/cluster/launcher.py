@@ -31,15 +31,16 @@ _ACTIVE_IN_DOUBLE_QUOTES = re.compile(r'[$`"\\\x00-\x1f\x7f]')
 
 
 def encode_args(args: list[str]) -> str:
-    """`args` as one word of [A-Za-z0-9_=-], byte for byte (NUL cannot be in an argument)."""
+    """`args` as one word of [A-Za-z0-9+/=], characters no shell treats specially, byte for
+    byte (NUL cannot be in an argument)."""
     # each argument ends in a NUL: [] and [""] stay apart
     blob = b"".join(os.fsencode(a) + b"\0" for a in args)
-    return base64.urlsafe_b64encode(blob).decode("ascii")
+    return base64.b64encode(blob).decode("ascii")
 
 
 def decode_args(word: str) -> list[str]:
     try:
-        blob = base64.urlsafe_b64decode(word.encode("ascii"))
+        blob = base64.b64decode(word.encode("ascii"), validate=True)
     except (ValueError, UnicodeEncodeError):
         raise PipelineError(f"{ENCODED_ARGS}: not the launcher's encoding of arguments") from None
     if blob and not blob.endswith(b"\0"):
@@ -52,9 +53,10 @@ def _remote_safe(env: dict[str, str]) -> None:
     (its `cd` and the interpreter) and the environment variables it exports."""
     from pipeline.cluster.slurm import plain
 
-    plain("working directory", Path.cwd().resolve())
-    plain("python interpreter", sys.executable)
-    plain("launch script", ENTRY)
+    used_by = "a multi-node launch's remote command line"
+    plain("working directory", Path.cwd().resolve(), used_by)
+    plain("python interpreter", sys.executable, used_by)
+    plain("launch script", ENTRY, used_by)
     for name, value in env.items():
         if name.startswith(_EXPORTED_ENV) and _ACTIVE_IN_DOUBLE_QUOTES.search(value):
             raise PipelineError(

@@ -101,12 +101,13 @@ def slurm_dir(spec: Spec) -> Path:
     return (Path.cwd() / spec.workspace_dir / "slurm").resolve()
 
 
-def plain(what: str, path: str | Path) -> str:
+def plain(what: str, path: str | Path, used_by: str = "the Slurm script") -> str:
+    """`path` if it needs no quoting in a shell or an #SBATCH line; else a one-line error."""
     text = str(path)
     if not _PLAIN_PATH.fullmatch(text):
         raise PipelineError(
             f"{what} {text!r}: only letters, digits and _@%+=:,./- are "
-            f"supported in paths the Slurm script uses (move or link it)"
+            f"supported in paths {used_by} uses (move or link it)"
         )
     return text
 

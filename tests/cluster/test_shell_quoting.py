@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -336,3 +337,33 @@ def test_an_exported_variable_that_a_remote_shell_would_run_is_refused(monkeypat
     with pytest.raises(PipelineError, match=f"^environment variable {name}: the deepspeed"):
         launcher_command(spec, [], env={name: f"$(touch {tmp_path / 'C'})"})
     assert launcher_command(spec, [], env={name: "a b:c/d=e"})  # plain values pass
+
+
+def test_a_working_directory_a_remote_shell_would_split_is_refused(monkeypatch, tmp_path):
+    from pipeline.cluster.launcher import launcher_command
+    from pipeline.errors import PipelineError
+    from pipeline.spec import load_spec
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("nodeA slots=1\nnodeB slots=1\n")
+    spec = load_spec(
+        ROOT / CONFIG,
+        ["train.launcher.nodes=2", "train.launcher.procs_per_node=1"]
+        + [f"train.launcher.hostfile={hostfile}"],
+    )
+    odd = tmp_path / "a b;$(x)"
+    odd.mkdir()
+    monkeypatch.chdir(odd)
+    with pytest.raises(PipelineError, match="^working directory .*: only letters, digits"):
+        launcher_command(spec, [], env={})
+
+
+@pytest.mark.parametrize(
+    "args", [[], [""], ["a", ""], ["--set", "x=\udcff\xff é", "$(x)`y`'\"\\ \t\n;&|"]]
+)
+def test_the_launchers_encoding_gives_back_every_argument(args):
+    from pipeline.cluster.launcher import decode_args, encode_args
+
+    word = encode_args(args)
+    assert re.fullmatch(r"[A-Za-z0-9+/=]*", word)
+    assert decode_args(word) == args
