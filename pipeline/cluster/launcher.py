@@ -114,7 +114,10 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
         per_proc = max(1, (os.cpu_count() or 1) // spec.train.launcher.procs_per_node)
         env.setdefault("OMP_NUM_THREADS", str(per_proc))
     cmd = launcher_command(spec, pipeline_args, env)
-    log(f"starting {spec.train.launcher.world_size} processes: {' '.join(cmd)}")
+    # the arguments as given, not their encoded word: what the user reads (and what a log's
+    # masking of secrets can find)
+    shown = [*cmd[:-2], *pipeline_args] if cmd[-2:-1] == [ENCODED_ARGS] else cmd
+    log(f"starting {spec.train.launcher.world_size} processes: {' '.join(shown)}")
     # Its own session (so its own process group): a ctrl-C in the terminal reaches only us,
     # and we decide how the launcher's processes hear of it.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)

@@ -367,3 +367,29 @@ def test_the_launchers_encoding_gives_back_every_argument(args):
     word = encode_args(args)
     assert re.fullmatch(r"[A-Za-z0-9+/=]*", word)
     assert decode_args(word) == args
+
+
+def test_the_launch_line_shows_the_arguments_not_their_encoding(monkeypatch, tmp_path):
+    from pipeline.cluster import launcher
+    from pipeline.spec import load_spec
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("nodeA slots=1\nnodeB slots=1\n")
+    spec = load_spec(
+        ROOT / CONFIG,
+        ["train.launcher.nodes=2", "train.launcher.procs_per_node=1"]
+        + [f"train.launcher.hostfile={hostfile}"],
+    )
+    started: list[list[str]] = []
+
+    def popen(cmd, **kw):
+        started.append(cmd)
+        raise KeyboardInterrupt  # stop before anything runs
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    monkeypatch.setattr(os, "environ", {"PATH": os.environ["PATH"], "DS_ACCELERATOR": "cpu"})
+    lines: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        launcher.run_under_launcher(spec, ["--config", CONFIG, "--set", "a=b c"], log=lines.append)
+    assert started[0][-2] == launcher.ENCODED_ARGS
+    assert lines[0].endswith(f" {launcher.ENTRY} --config {CONFIG} --set a=b c")
