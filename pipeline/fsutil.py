@@ -9,8 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
+import threading
 from pathlib import Path
+from typing import IO, Any
 
 
 def writable_dir(path: str | os.PathLike, what: str) -> Path:
@@ -29,18 +32,181 @@ def writable_dir(path: str | os.PathLike, what: str) -> Path:
     return path
 
 
-def _tmp_path(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    return Path(name)
+# ---------------------------------------------------------------- modes and planted links
+#
+# A workspace, a cache or an --out directory may sit in a group-writable place on a shared
+# filesystem, where anyone can plant a symlink or a FIFO at a name we are about to open. So
+# every file we create or truncate there is opened with O_NOFOLLOW (a link is refused, never
+# followed to the file it names), every file we read is opened non-blocking and checked to be
+# a regular file before a byte is read (a FIFO or a device would block or never end), and
+# what we publish gets the modes the user's umask asks for.
+
+_UMASK_LOCK = threading.Lock()
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def current_umask() -> int:
+    """The process's umask, read without a window in which another thread creates files
+    under a wrong one: from /proc where Linux says it, else set-and-restore under a lock,
+    with the most private mask set in between (a file made meanwhile is private, never
+    public)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return mask
+
+
+def public_mode(directory: bool = False) -> int:
+    """The mode `open`/`mkdir` would give a new file (0666) or directory (0777) under the
+    current umask: what everything the pipeline publishes gets, so a shared group can read
+    it exactly as the user's umask says."""
+    return (0o777 if directory else 0o666) & ~current_umask()
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _refusal(path, what: str, mode: int, writing: bool):
+    from pipeline.errors import PipelineError, shown
+
+    where = f"{what} {shown(os.fspath(path))}"
+    if stat.S_ISLNK(mode) and writing:
+        return PipelineError(f"{where} is a symbolic link; refusing to write through it")
+    return PipelineError(f"{where} is {_kind(mode)}, not a regular file")
+
+
+def _open_regular(path, what: str, flags: int, mode: int = 0o666) -> int:
+    """A descriptor of the regular file `path`, opened with `flags` plus O_NONBLOCK (a FIFO
+    opens at once, to be refused) and, when writing, O_NOFOLLOW (a planted link is refused,
+    the file it names untouched). Anything else is a one-line PipelineError; other OSErrors
+    (missing, no permission, disk full) are the caller's to word."""
+    writing = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    flags |= os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (os.O_NOFOLLOW if writing else 0)
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as e:
+        # ELOOP: the link O_NOFOLLOW refused; ENXIO: a FIFO with no reader, opened to
+        # write; EISDIR: a directory. Say what is there.
+        try:
+            st_mode = os.lstat(path).st_mode
+        except OSError:
+            raise e from None
+        if stat.S_ISREG(st_mode):
+            raise
+        raise _refusal(path, what, st_mode, writing) from None
+    st_mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(st_mode):
+        os.close(fd)
+        raise _refusal(path, what, st_mode, writing)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_for_write(
+    path: str | os.PathLike,
+    what: str,
+    *,
+    append: bool = False,
+    private: bool = False,
+    text: bool = False,
+) -> IO[Any]:
+    """`path` opened to write (truncated, or `append`ed to), created if missing with the
+    umask's mode (0600 when `private`), never through a symlink and never anything but a
+    regular file: those are refused in one line naming `what` the file is. The file is
+    truncated only once it is known to be ours to truncate."""
+    fd = _open_regular(
+        path,
+        what,
+        os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else 0),
+        0o600 if private else 0o666,
+    )
+    if not append:
+        os.ftruncate(fd, 0)
+    mode = ("a" if append else "w") + ("" if text else "b")
+    return os.fdopen(fd, mode, encoding="utf-8" if text else None)
+
+
+def open_lock_file(path: str | os.PathLike, what: str) -> int:
+    """A read-write descriptor of the lock file `path` (created if missing, never
+    truncated here), refused in one line if a link or anything but a regular file is there."""
+    return _open_regular(path, what, os.O_RDWR | os.O_CREAT, 0o666)
+
+
+def open_regular_fd(path: str | os.PathLike, what: str) -> int:
+    """A read-only descriptor of `path`, refused in one line (not blocked on) when it is a
+    FIFO, a device, a socket or a directory. A symlink to a regular file is read: reading
+    through it changes nothing."""
+    return _open_regular(path, what, os.O_RDONLY)
+
+
+def open_regular_for_read(path: str | os.PathLike, what: str, text: bool = False) -> IO[Any]:
+    """`open_regular_fd` as a file object, bytes or UTF-8 `text`."""
+    fd = open_regular_fd(path, what)
+    return os.fdopen(fd, "r" if text else "rb", encoding="utf-8" if text else None)
+
+
+def read_bytes(path: str | os.PathLike, what: str = "file") -> bytes:
+    with open_regular_for_read(path, what) as f:
+        return f.read()
+
+
+def read_text(path: str | os.PathLike, what: str = "file") -> str:
+    return read_bytes(path, what).decode("utf-8")
+
+
+def refuse_link(path: str | os.PathLike, what: str, directory: bool = False) -> None:
+    """Refuse in one line a symlink (or, for a file, anything but a regular file; for a
+    `directory`, anything but a directory) at `path`; nothing there is fine. For names we
+    are about to rename into place, make, or write below, which O_NOFOLLOW cannot cover."""
+    try:
+        st_mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    ok = stat.S_ISDIR(st_mode) if directory else stat.S_ISREG(st_mode)
+    if not ok:
+        raise _refusal(path, what, st_mode, writing=True)
+
+
+def refuse_special(path: str | os.PathLike, what: str) -> None:
+    """Refuse in one line a FIFO, device, socket or directory at `path` (links followed), for
+    a file that a library opens by name (torch.load, safetensors), where a FIFO would block."""
+    try:
+        st_mode = os.stat(path).st_mode
+    except OSError:
+        return  # the reader's own error names what is missing
+    if not stat.S_ISREG(st_mode):
+        raise _refusal(path, what, st_mode, writing=False)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = False) -> None:
+    """`data` published at `path`: written to a mkstemp name beside it (never reopened by
+    name, so nothing can be swapped in), given the umask's mode unless `private`, and
+    renamed over `path` (which replaces a symlink there, never writing through it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
+            if not private:
+                os.fchmod(f.fileno(), public_mode())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -50,22 +216,22 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike, text: str, private: bool = False) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), private)
 
 
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def atomic_write_json(path: str | os.PathLike, obj, private: bool = False) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", private)
 
 
-def read_json(path: str | os.PathLike):
-    with open(path, encoding="utf-8") as f:
+def read_json(path: str | os.PathLike, what: str = "record"):
+    with open_regular_for_read(path, what, text=True) as f:
         return json.load(f)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular_for_read(path, "file") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()

@@ -22,7 +22,7 @@ import urllib.parse
 from pathlib import PurePosixPath
 
 from pipeline.data import extract, fetch
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, shown
 from pipeline.fsutil import atomic_write_json
 from pipeline.redact import mask
 from stages.base import Stage, StageContext
@@ -42,6 +42,16 @@ def _builtin(ds, files_dir, log) -> tuple[str, dict]:
             f"dataset.url {ds.url}: a built-in corpus is plain text; "
             f"dataset.archive must be none, not {ds.archive}"
         )
+    role, spec = next(iter(ds.files.items())) if ds.files else ("all", None)
+    text = str(spec.path) if spec and spec.path else ""
+    given = PurePosixPath(text.replace("\\", "/")) if text else None
+    # the name the one file gets in files/, checked before the corpus is built: a name,
+    # never a way out of it (`x/..` would be files/.. itself, the stage's directory)
+    if given is not None and (given.is_absolute() or ".." in given.parts or not given.name):
+        raise PipelineError(
+            f"dataset.url {ds.url}: dataset.files.{role}.path '{shown(text)}' names a "
+            f"parent directory or an absolute path; give a file name, e.g. {name}.txt"
+        )
     log(f"building the built-in corpus '{name}' (no network)")
     try:
         data = build(name)
@@ -59,8 +69,7 @@ def _builtin(ds, files_dir, log) -> tuple[str, dict]:
             f"dataset.url {ds.url}: a built-in corpus is a single file; "
             f"dataset.files names {len(ds.files)} ({', '.join(ds.files)})"
         )
-    role, spec = next(iter(ds.files.items())) if ds.files else ("all", None)
-    target = files_dir / ((PurePosixPath(spec.path).name if spec else "") or f"{name}.txt")
+    target = files_dir / ((given.name if given else "") or f"{name}.txt")
     extracted = extract.write_verified(
         io.BytesIO(data),
         target,

@@ -36,7 +36,7 @@ from typing import Any, cast
 
 from pipeline.data.manifest import write_manifest
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_bytes, read_json, sha256_file
+from pipeline.fsutil import atomic_write_bytes, read_bytes, read_json, sha256_file
 from stages.base import Stage, StageContext
 
 SPLITS = ("train", "valid", "test")
@@ -102,7 +102,7 @@ def _download_roles(download_dir: Path, ds) -> tuple[dict, dict]:
 def _read_checked(download_dir: Path, role: str, entry: dict) -> bytes:
     path = download_dir / entry["path"]
     try:
-        data = path.read_bytes()
+        data = read_bytes(path, "downloaded file")  # a FIFO is refused, not waited on
     except OSError as e:
         raise PipelineError(
             f"{path} (role '{role}'): cannot read ({e.strerror}); re-run download"

@@ -194,7 +194,9 @@ def _op_build_lock(extensions: Path):
     """Exclusive hold of `extensions` for one process. A flock, so the kernel releases it when
     its holder dies, however it dies (torch's own `lock` file stays behind a killed build)."""
     extensions.mkdir(parents=True, exist_ok=True)
-    with open(extensions / OP_BUILD_LOCK, "a") as f:
+    from pipeline.fsutil import open_for_write
+
+    with open_for_write(extensions / OP_BUILD_LOCK, "op build lock file", append=True) as f:
         notice = threading.Timer(
             QUIET_WAIT_S,
             print,

@@ -108,7 +108,7 @@ def export(spec, out: Path, which: str = "latest", log=print) -> str:
     from safetensors.torch import save_model
 
     from pipeline.data.manifest import load_manifest
-    from pipeline.fsutil import private_temp_dir, real_destination, writable_dir
+    from pipeline.fsutil import private_temp_dir, public_mode, real_destination, writable_dir
 
     given = out
     out = real_destination(out)
@@ -145,6 +145,11 @@ def export(spec, out: Path, which: str = "latest", log=print) -> str:
         if vocab["kind"] == "sentencepiece":
             shutil.copy2(preprocess / "shards" / vocab["model"], tmp / SP_MODEL)
         (tmp / MARKER).write_text(MARKER_TEXT)
+        # built private (mkdtemp's 0700; safetensors writes 0600), published with the modes
+        # the umask asks for: the directory is there to be shared
+        for path in tmp.iterdir():
+            os.chmod(path, public_mode(), follow_symlinks=False)
+        os.chmod(tmp, public_mode(directory=True))
         _replace(tmp, out, given)
     except OSError as e:
         raise PipelineError(
@@ -245,13 +250,15 @@ def load_exported(directory, device="cpu"):
 
     from pipeline.data.sentencepiece_tokenizer import SentencePieceTokenizer
     from pipeline.data.vocab import vocab_from_json
+    from pipeline.fsutil import read_text, refuse_special
     from pipeline.models import build_model
 
     directory = Path(directory)
-    config = json.loads((directory / CONFIG).read_text())
+    config = json.loads(read_text(directory / CONFIG, "export file"))
     model = build_model(config["kind"], config["model"], config["vocab_size"])
+    refuse_special(directory / WEIGHTS, "export file")  # a FIFO would block safetensors
     load_model(model, str(directory / WEIGHTS), strict=True, device=str(device))
-    vocab = json.loads((directory / VOCAB).read_text())
+    vocab = json.loads(read_text(directory / VOCAB, "export file"))
     tokenizer = (
         SentencePieceTokenizer.load(directory / SP_MODEL)
         if vocab["kind"] == "sentencepiece"

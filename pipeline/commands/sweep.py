@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import io
 import itertools
 import json
 import re
@@ -30,11 +29,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from pipeline.cluster import distributed
 from pipeline.cluster.signals import _Handler
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
+from pipeline.fsutil import open_for_write
 from pipeline.redact import mask
 from pipeline.spec import load_spec
 from pipeline.workspace.layout import Workspace, fingerprint
@@ -413,7 +413,7 @@ def _run_processes(
     sweep waits for them to save and exit, then stops with `Preempted` (exit 128 + the
     signal's number), its MLflow run marked KILLED."""
     failed: list[str] = []
-    running: list[tuple[Point, subprocess.Popen, io.BufferedWriter]] = []
+    running: list[tuple[Point, subprocess.Popen, IO[Any]]] = []
     stopped: list[str] = []
     queue = list(todo)
     with ForwardSignals(running) as signals:
@@ -422,7 +422,8 @@ def _run_processes(
                 while queue and len(running) < max(parallel, 1) and signals.received is None:
                     p = queue.pop(0)
                     p.spec.workspace_dir.mkdir(parents=True, exist_ok=True)
-                    out = open(p.spec.workspace_dir / "sweep.log", "ab")
+                    log_path = p.spec.workspace_dir / "sweep.log"
+                    out = open_for_write(log_path, "sweep log", append=True)
                     # each point is a run of its own: its own process group, its own port
                     proc = subprocess.Popen(
                         point_command(config, p),
@@ -490,7 +491,7 @@ def prepare_array_task(
     point = _point(pts, index)
     root = point.spec.workspace_dir.parent
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".sweep-{ident}.lock", "a") as lock:
+    with open_for_write(root / f".sweep-{ident}.lock", "sweep lock file", append=True) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # inside the lock: the first task creates the tracking store, and two creating one
         # at once both fail

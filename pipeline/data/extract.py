@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import tempfile
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from pipeline.data.fetch import (
     open_for_write,
 )
 from pipeline.errors import PipelineError
+from pipeline.fsutil import public_mode
 
 ZIP_JUNK = ("__MACOSX/",)  # resource forks in zips made on a Mac
 
@@ -204,7 +206,12 @@ def write_verified(
         check_hex(sha256, SHA256_HEX, f"dataset.files.{role}.sha256", "sha256") if sha256 else None
     )
     expect_md5 = check_hex(md5, MD5_HEX, f"dataset.files.{role}.md5", "md5") if md5 else None
-    tmp = target.with_name(f".{target.name}.part")
+    # an unguessable name (mkstemp), never one a member of the archive can have: a member
+    # named like a fixed temporary would be truncated by, or renamed over, another's
+    fd, name = tempfile.mkstemp(prefix=f".{target.name[:64]}.", suffix=".part", dir=target.parent)
+    os.fchmod(fd, public_mode())  # published as the umask says, not mkstemp's 0600
+    os.close(fd)
+    tmp = Path(name)
     h, m, n = hashlib.sha256(), hashlib.md5() if expect_md5 else None, 0
     what = f"{source} -> {target.name}" if source and source != target.name else target.name
     try:

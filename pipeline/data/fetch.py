@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+from pipeline import fsutil
 from pipeline.errors import PipelineError
 from pipeline.redact import PLACEHOLDER
 
@@ -86,7 +87,7 @@ def file_name(url: str, archive: str = "none") -> str:
 def digests(path: str | os.PathLike, md5: bool = False) -> tuple[str, str | None, int]:
     """(sha256, md5 or None, size) of a file, read in chunks."""
     h, m, n = hashlib.sha256(), hashlib.md5() if md5 else None, 0
-    with open(path, "rb") as f:
+    with fsutil.open_regular_for_read(path, "file") as f:  # a FIFO is refused, not waited on
         while block := f.read(CHUNK):
             h.update(block)
             if m:
@@ -149,6 +150,9 @@ def fetch(
         if hit:
             return hit
         part = downloads / f"{key}.part"
+        # a link planted there would be resumed from, written through and renamed into the
+        # cache: refused, as anything but a regular file is
+        fsutil.refuse_link(part, "partial download")
         attempt = 0
         while True:
             try:
@@ -254,7 +258,8 @@ def _locked(path: Path, log: Log):
     except ImportError:  # not POSIX
         yield
         return
-    with open(path, "a") as handle:
+    # never through a link planted there (it would create or lock the file it names)
+    with fsutil.open_for_write(path, "download lock file", append=True) as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -483,8 +488,10 @@ class _Progress:
 
 
 def open_for_write(path: Path, mode: str) -> IO[Any]:
-    """Every file this module writes is opened here (the tests simulate a full disk)."""
-    return open(path, mode)
+    """Every file this module writes is opened here (the tests simulate a full disk): never
+    through a symlink, never anything but a regular file (fsutil.open_for_write)."""
+    what = "partial download" if path.suffix == ".part" else "file"
+    return fsutil.open_for_write(path, what, append="a" in mode, text="b" not in mode)
 
 
 # ---------------------------------------------------------------- extract

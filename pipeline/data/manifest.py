@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_json, sha256_file
+from pipeline.fsutil import atomic_write_json, read_text, sha256_file
 
 MANIFEST = "manifest.json"
 REBUILD = "run the pipeline with --force preprocess to rebuild it"
@@ -36,7 +36,8 @@ def write_manifest(preprocess_dir: Path, manifest: dict) -> dict:
 def load_manifest(preprocess_dir: Path) -> dict:
     path = Path(preprocess_dir) / MANIFEST
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        # a FIFO or device there is refused in one line, not waited on
+        manifest = json.loads(read_text(path, "manifest"))
     except FileNotFoundError:
         raise PipelineError(f"{path}: missing; {REBUILD}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -125,7 +125,9 @@ class SentencePieceTokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> SentencePieceTokenizer:
-        return cls(Path(path).read_bytes())
+        from pipeline.fsutil import read_bytes
+
+        return cls(read_bytes(path, "sentencepiece model"))
 
     def __len__(self) -> int:
         return int(self._sp.get_piece_size())

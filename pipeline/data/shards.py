@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.fsutil import atomic_write_bytes, sha256_file
+from pipeline.errors import PipelineError
+from pipeline.fsutil import atomic_write_bytes, read_bytes, sha256_file
 
 KEY_DIGITS = 9
 SHARD_DIGITS = 6
@@ -168,11 +169,13 @@ def write_shards(
 def _load_verified(out_dir: Path, entry: dict) -> bytes:
     path = Path(out_dir) / entry["name"]
     try:
-        data = path.read_bytes()
+        data = read_bytes(path, "shard")  # a FIFO is refused, not waited on
     except FileNotFoundError:
         raise ShardError(f"shard {path}: missing (file not found)") from None
     except OSError as e:
         raise ShardError(f"shard {path}: unreadable ({e})") from None
+    except PipelineError as e:  # a FIFO, a device: refused as any unreadable shard
+        raise ShardError(str(e)) from None
     found = hashlib.sha256(data).hexdigest()
     if found != entry["sha256"]:
         raise ShardError(

@@ -276,8 +276,12 @@ class Sender:
 
 def append_records(path: Path, records: list[dict]) -> None:
     """Append `records` a line each. After a line torn by a kill during an earlier append,
-    start on a new line, so that the torn one stays alone and the new ones whole."""
-    with open(path, "a", encoding="utf-8") as f:
+    start on a new line, so that the torn one stays alone and the new ones whole. Private
+    (0600): it holds every record bound for the tracking store, whose readers may not be
+    the workspace's; never written through a link planted at its name."""
+    from pipeline.fsutil import open_for_write
+
+    with open_for_write(path, "tracking backlog", append=True, private=True, text=True) as f:
         f.write(
             ("" if _ends_a_line(path) else "\n") + "".join(json.dumps(r) + "\n" for r in records)
         )
@@ -286,8 +290,10 @@ def append_records(path: Path, records: list[dict]) -> None:
 
 def _ends_a_line(path: Path) -> bool:
     """True for an empty or absent file, or one whose last byte ends a line."""
+    from pipeline.fsutil import open_regular_for_read
+
     try:
-        with open(path, "rb") as f:
+        with open_regular_for_read(path, "tracking backlog") as f:
             if f.seek(0, os.SEEK_END) == 0:
                 return True
             f.seek(-1, os.SEEK_END)
@@ -303,8 +309,11 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
     """The whole records of a backlog file, and its lines that are not one: torn (what a
     kill during an append leaves), or JSON that no tracker wrote (no known `op`, no run
     `key`: an edited or foreign file)."""
+    from pipeline.fsutil import read_bytes
+
     records, torn = [], []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    text = read_bytes(path, "tracking backlog").decode("utf-8", errors="replace")
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:
@@ -344,7 +353,9 @@ def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple
     records, torn = read_records(path)
     if torn:
         aside = torn_path(path)
-        with open(aside, "a", encoding="utf-8") as f:
+        from pipeline.fsutil import open_for_write
+
+        with open_for_write(aside, "tracking backlog", append=True, private=True, text=True) as f:
             f.write("".join(line + "\n" for line in torn))
         _rewrite(path, records)
         warn(

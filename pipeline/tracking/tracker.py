@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from pipeline.errors import PipelineError, Preempted, shown
+from pipeline.fsutil import read_bytes
 from pipeline.redact import mask
 from pipeline.spec import PROJECT_ROOT
 from pipeline.tracking.sender import RETRY_SECONDS, Delivery, Sender, is_transient, reason, replay
@@ -160,7 +161,7 @@ class StageTracker:
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
         path = Path(path)
-        data = path.read_bytes()
+        data = read_bytes(path, "artifact")
         if path.suffix.lower() in _TEXT_ARTIFACTS:
             try:
                 data = mask(data.decode("utf-8")).encode("utf-8")
@@ -527,7 +528,9 @@ def store_lock(uri: str, warn):
         return
     lock = path.parent / f".{path.name}.lock"
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        from pipeline.fsutil import open_lock_file
+
+        fd = open_lock_file(lock, "tracking store lock file")  # never through a planted link
     except OSError as e:
         raise PipelineError(
             f"tracking store {shown(path)}: cannot create its lock file "

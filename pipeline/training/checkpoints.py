@@ -25,7 +25,13 @@ import numpy as np
 import torch
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_json, file_checksum, file_mismatch
+from pipeline.fsutil import (
+    atomic_write_json,
+    file_checksum,
+    file_mismatch,
+    read_text,
+    refuse_special,
+)
 
 CHECKSUMS = "checksums.json"
 HASH_BLOCK = 4 << 20  # bytes read at a time: a 114M-parameter model's checkpoint is ~2 GB
@@ -53,6 +59,7 @@ def read_checkpoint_file(path: Path, **load_args):
     allowed = CHECKPOINT_TYPES + (
         optimizer_file_types() if Path(path).name.endswith("optim_states.pt") else []
     )
+    refuse_special(path, "checkpoint file")  # torch.load would block on a FIFO
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, **load_args)
@@ -92,7 +99,7 @@ def read_pointer(pointer: Path) -> str | None:
     """The checkpoint tag a pointer file (`latest`, `best`) names, if that checkpoint exists."""
     if not pointer.exists():
         return None
-    tag = pointer.read_text().strip()
+    tag = read_text(pointer, "checkpoint pointer").strip()
     return tag if (pointer.parent / tag).is_dir() else None
 
 
@@ -162,8 +169,8 @@ def _made_by(ckpt: Path, model_section: dict | None) -> str:
     of the model section, and where that differs from `model_section`."""
     record = ckpt.parent.parent / "stage.json"
     try:
-        theirs = json.loads(record.read_text())["config"]["model"]
-    except (OSError, ValueError, KeyError, TypeError):
+        theirs = json.loads(read_text(record, "stage record"))["config"]["model"]
+    except (OSError, ValueError, KeyError, TypeError, PipelineError):
         return ""
     # settings only: a stage's record leaves defaults out of nested sections
     differ = [
@@ -191,7 +198,7 @@ def damage(path: Path) -> str | None:
     """Why the checkpoint directory `path` cannot be trusted, or None when it can. One written
     before checksums were recorded is trusted if it holds the files of a complete one."""
     try:
-        files = json.loads((path / CHECKSUMS).read_text())["files"]
+        files = json.loads(read_text(path / CHECKSUMS, "checkpoint checksums"))["files"]
     except FileNotFoundError:
         present = [p for p in path.rglob("*") if p.is_file()]
         if not present:
@@ -239,7 +246,8 @@ def newest_intact(root: Path, log: Callable[[str], None]) -> str | None:
             f"run the stage that wrote them again with --force"
         )
     tag = path.name
-    hint = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    latest = root / "latest"
+    hint = read_text(latest, "checkpoint pointer").strip() if latest.is_file() else None
     if hint and hint != tag and not (root / hint).is_dir():
         passed.insert(0, f"latest names {hint}, which does not exist")
     if passed:

@@ -37,7 +37,13 @@ import uuid
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_json, file_checksum, file_mismatch, read_json
+from pipeline.fsutil import (
+    atomic_write_json,
+    file_checksum,
+    file_mismatch,
+    read_json,
+    read_text,
+)
 from pipeline.training.checkpoints import CHECKSUMS, step_dirs, step_of
 
 RECORD = "stage.json"
@@ -201,9 +207,9 @@ class Workspace:
             if record_path.parent.parent == self.path:
                 continue
             try:
-                if json.loads(record_path.read_text()).get("fingerprint") == fp:
+                if json.loads(read_text(record_path, "stage record")).get("fingerprint") == fp:
                     return record_path.parent
-            except (OSError, ValueError):
+            except (OSError, ValueError, PipelineError):  # a FIFO, an edit: not a build
                 continue
         return None
 

@@ -20,13 +20,14 @@ class WorkspaceLock:
         self._fd: int | None = None
 
     def __enter__(self):
-        from pipeline.fsutil import writable_dir
+        from pipeline.fsutil import open_lock_file, writable_dir
 
         # one line for a workspace that cannot be made (a dangling symlink or a file on the
         # way, a name too long, a read-only place), as `run` gives before it locks
         writable_dir(self.path.parent, "workspace")
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a link planted there: truncating it would empty what it names
+            fd = open_lock_file(self.path, "workspace lock file")
         except OSError as e:
             raise PipelineError(
                 f"workspace {self.path.parent}: cannot create its lock file "
@@ -59,8 +60,11 @@ class WorkspaceLock:
 
 def lock_is_free(workspace: Path) -> bool:
     """True when no run holds `workspace`'s lock (on this host); creates nothing."""
+    from pipeline.fsutil import open_regular_fd
+
     try:
-        fd = os.open(Path(workspace) / ".lock", os.O_RDONLY)
+        # a FIFO planted there is refused, not waited on
+        fd = open_regular_fd(Path(workspace) / ".lock", "workspace lock file")
     except FileNotFoundError:
         return True
     try:
