@@ -19,7 +19,7 @@ import torch
 
 from pipeline.cluster import distributed
 from pipeline.errors import PipelineError
-from pipeline.fsutil import atomic_write_text
+from pipeline.fsutil import atomic_write_text, refuse_link
 from pipeline.models.protocol import State
 from pipeline.training import reshard
 from pipeline.training.checkpoints import (
@@ -162,6 +162,9 @@ class CheckpointIO:
         needed = checkpoint_bytes(previous[0]) if previous else 12 * self.parameters
         if not distributed.broadcast_object(has_room(root, needed) if self.rank == 0 else None):
             raise disk_full(path, needed)
+        # DeepSpeed and torch.save write into `tmp` by name: never into a directory a link
+        # planted there names
+        refuse_link(tmp, "checkpoint directory", directory=True)
         failure = None
         try:
             before_save_checkpoint(self.engine)

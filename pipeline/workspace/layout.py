@@ -43,6 +43,7 @@ from pipeline.fsutil import (
     file_mismatch,
     read_json,
     read_text,
+    refuse_link,
 )
 from pipeline.training.checkpoints import CHECKSUMS, step_dirs, step_of
 
@@ -159,6 +160,9 @@ class Workspace:
         has its fingerprint (an interrupted run to resume) unless `fresh`, emptied otherwise.
         The caller has refused to empty one holding checkpoints (`Runner._check_partial`)."""
         partial = self.partial_dir(stage)
+        # a link planted at the partial directory's name would take the stage's files (and
+        # its emptying) to the directory it names
+        refuse_link(partial, "stage directory", directory=True)
         kept = self.partial_marker(stage)
         if kept is not None and (fresh or kept.get("fingerprint") != marker["fingerprint"]):
             shutil.rmtree(partial)

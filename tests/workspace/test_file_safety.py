@@ -120,6 +120,24 @@ def test_a_dangling_link_at_the_workspace_lock_creates_nothing(cfg, calls, tmp_p
     assert not (tmp_path / "made-by-them").exists()
 
 
+def test_a_link_planted_at_a_stage_directory_is_refused_and_its_target_untouched(
+    cfg,  # noqa: F811
+    calls,  # noqa: F811
+    victim,
+):
+    ws = load_spec(cfg).workspace_dir
+    ws.mkdir(parents=True)
+    (ws / "download.partial").symlink_to(victim.parent)
+    with pytest.raises(PipelineError) as e:
+        run(cfg)
+    assert str(e.value) == (
+        f"stage directory {ws / 'download.partial'} is a symbolic link; refusing to write "
+        f"through it"
+    )
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["thesis.tex"]
+    assert victim.read_text() == VICTIM and calls == []
+
+
 def test_a_fifo_at_the_workspace_lock_is_refused_not_waited_on(tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
