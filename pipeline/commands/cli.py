@@ -92,7 +92,7 @@ def sync(config, overrides):
     from pipeline.spec import load_spec
     from pipeline.tracking.tracker import sync as sync_backlog
 
-    sync_backlog(load_spec(config, list(overrides)), log=click.echo)
+    sync_backlog(load_spec(config, list(overrides)), log=_echo)
 
 
 @contextlib.contextmanager
@@ -112,6 +112,14 @@ def _is_file(name: str) -> bool:
         return Path(name).is_file()
     except (OSError, ValueError):  # too long, or a NUL byte
         return False
+
+
+def _echo(message: str, err: bool = False) -> None:
+    """How the commands' progress lines are printed: a URL's credentials masked (a point's
+    failure, a tracking URI) as in every error line."""
+    from pipeline.redact import mask
+
+    click.echo(mask(message), err=err)
 
 
 def _repeat(flag: str, values) -> list[str]:
@@ -329,10 +337,10 @@ def sweep(
 
     args = (config, list(overrides), list(grid), seeds)
     if array_task_prepare is not None:
-        sweeps.prepare_array_task(*args, array_task_prepare, log=click.echo)
+        sweeps.prepare_array_task(*args, array_task_prepare, log=_echo)
         return
     if array_task_finish is not None:
-        sweeps.finish_array_task(*args, array_task_finish, log=click.echo)
+        sweeps.finish_array_task(*args, array_task_finish, log=_echo)
         return
     if slurm:
         _sweep_on_slurm(
@@ -362,7 +370,7 @@ def sweep(
             f"{', '.join(given)}: only with --slurm (locally, --parallel "
             f"sets how many points run at once)"
         )
-    failed = sweeps.run_sweep(*args, parallel, dry_run, log=click.echo)
+    failed = sweeps.run_sweep(*args, parallel, dry_run, log=_echo)
     if failed:
         raise PipelineError(f"{len(failed)} sweep points failed: {', '.join(failed)}")
 
@@ -457,7 +465,7 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
         temperature,
         top_k,
         seed,
-        log=lambda m: click.echo(m, err=True),
+        log=lambda m: _echo(m, err=True),
     ):
         click.echo(text, nl=False)
     click.echo()
@@ -494,11 +502,11 @@ def export(config, overrides, checkpoint, out, register):
         from pipeline.tracking.registry import check_registrable
 
         client = check_registrable(spec, register)
-    exported = write_export(spec, out, checkpoint, log=click.echo)
+    exported = write_export(spec, out, checkpoint, log=_echo)
     if register is not None:
         from pipeline.tracking.registry import register as register_export
 
-        register_export(spec, out, register, exported, client, log=click.echo)
+        register_export(spec, out, register, exported, client, log=_echo)
 
 
 @main.command()

@@ -113,7 +113,8 @@ def points(
     for values in itertools.product(*(v for _, v in grid), *([seeds] if seeds else [])):
         chosen = list(zip(keys, values, strict=False))
         seed = values[len(keys)] if seeds else None
-        parts = [f"{_label(k, keys)}{v}" for k, v in chosen]
+        # a name is a directory, a run name and a line of output: no URL's secret in it
+        parts = [f"{_label(k, keys)}{mask(v)}" for k, v in chosen]
         if seed is not None:
             parts.append(f"seed{seed}")
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join([base.name, *parts]))
@@ -284,7 +285,7 @@ def run_sweep(
     log=print,
 ) -> list[str]:
     """Run (or, dry, describe) every point; returns the names of the points that failed."""
-    from pipeline.tracking.tracker import make_tracker
+    from pipeline.tracking.tracker import is_remote, make_tracker, tracking_uri
 
     pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text, log)
     if dry_run:
@@ -299,8 +300,8 @@ def run_sweep(
             log(f"  {p.name:<40} {'done' if not to_run else 'run ' + ','.join(to_run)}  {sets}")
         return []
     first = pts[0].spec
-    if first.tracking.enabled:  # as `run` does: a server that does not answer is one line now
-        make_tracker(first).check(first)
+    if first.tracking.enabled and is_remote(tracking_uri(first)):
+        make_tracker(first).check(first)  # as `run` does: one line now, not one per point
     sweep = _sweep_run(pts, ident, log)
     workspaces = [p.spec.workspace_dir for p in pts]
     failed: list[str] = []

@@ -266,6 +266,17 @@ def test_a_builtin_corpus_with_a_query_is_refused_without_echoing_it(tmp_path):
     assert leaks(tmp_path, failed.output) == []
 
 
+def test_a_sweep_over_secret_urls_prints_and_records_no_secret(server, tmp_path):
+    """Each point's failure is a line of the sweep's output, and its name is made from the
+    values of the grid."""
+    urls = ",".join(f"{server.base}/{name}?token={CANARY}" for name in ("a.txt", "b.txt"))
+    cfg = config(tmp_path, f"{server.base}/data.txt", {"enabled": False})
+    failed = cli("sweep", str(cfg), "--grid", f"dataset.url={urls}")
+    assert failed.exit_code == 2, failed.output
+    assert f"failed: dataset.url {server.base}/a.txt?token=***: HTTP 404" in failed.output
+    assert leaks(tmp_path, failed.output) == []
+
+
 # ---------------------------------------------------------------- the tracking server
 
 
