@@ -217,7 +217,7 @@ def _fetch_file(url: str, sha256: str | None, mismatch_hint: str) -> Fetched:
     if parsed.netloc not in ("", "localhost"):
         raise PipelineError(
             f"dataset.url {url}: a file URL needs an absolute path, with three "
-            f"slashes: file:///{parsed.netloc}{parsed.path}"
+            f"slashes: file://{_as_path(parsed.netloc)}{parsed.path}"
         )
     src = Path(urllib.request.url2pathname(urllib.parse.urlparse(expand_env(url)).path))
     if not src.exists():
@@ -235,6 +235,13 @@ def _fetch_file(url: str, sha256: str | None, mismatch_hint: str) -> Fetched:
             f"{found}{mismatch_hint.replace('{found}', found)}"
         )
     return Fetched(url, src, found, size, cached=False)
+
+
+def _as_path(netloc: str) -> str:
+    """A file URL's host part read as the first directory of its path (a `user:pw@` left
+    out: it is no part of a path, and it may be a secret)."""
+    host = netloc.rpartition("@")[2]
+    return f"/{host}" if host else ""
 
 
 def _cache_hit(final: Path, key: str, url: str, log: Log) -> Fetched | None:

@@ -220,6 +220,23 @@ def test_basic_auth_is_not_sent_to_another_host_a_redirect_names(server, other, 
     assert leaks(tmp_path, done.output) == []
 
 
+def test_basic_auth_follows_a_redirect_on_the_same_origin(server, tmp_path):
+    server.routes["/data.txt"] = basic_auth
+    server.routes["/moved"] = lambda h: (301, {"Location": "/data.txt"}, b"")
+    url = f"http://alice:{CANARY}@127.0.0.1:{server.httpd.server_address[1]}/moved"
+    done = cli("run", str(config(tmp_path, url)), "--only", "download")
+    assert done.exit_code == 0, done.output
+    assert [r["path"] for r in server.requests] == ["/moved", "/data.txt"]
+    assert leaks(tmp_path, done.output) == []
+
+
+def test_a_file_url_with_a_user_is_refused_without_its_password(tmp_path):
+    failed = cli("run", str(config(tmp_path, f"file://alice:{CANARY}@/tmp/x.txt")))
+    assert failed.exit_code == 2
+    assert failed.stderr.count("\n") == 1, failed.stderr
+    assert leaks(tmp_path, failed.output) == []
+
+
 def test_a_secret_named_by_an_environment_variable(server, tmp_path, monkeypatch):
     server.routes["/data.txt"] = query_token
     url = f"{server.base}/data.txt?token=${{env:ALLATTN_TEST_TOKEN}}"
