@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import re
 import socket
@@ -85,6 +86,10 @@ class Group:
         values = [r.metrics[name] for r in self.rows if name in r.metrics]
         if not values:
             return None
+        if not all(math.isfinite(v) for v in values):
+            # a NaN or infinite run leaves the statistics undefined (null in JSON);
+            # statistics.stdev would raise on it
+            return math.nan, math.nan if len(values) > 1 else None, len(values)
         std = statistics.stdev(values) if len(values) > 1 else None
         return statistics.fmean(values), std, len(values)
 
@@ -462,7 +467,9 @@ def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
     if not groups:
         return "no pipeline runs found"
     if fmt == "json":
-        return json.dumps([_as_json(g, metrics) for g in groups], indent=2)
+        # JSON has no NaN or infinity: a non-finite value is null, as a missing one is
+        rows = _finite_or_null([_as_json(g, metrics) for g in groups])
+        return json.dumps(rows, indent=2, allow_nan=False)
     header, cells = table_rows(groups, metrics)
     if fmt == "csv":
         out = io.StringIO()
@@ -481,6 +488,17 @@ def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
     for row in [header] + cells:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
     return "\n".join(lines)
+
+
+def _finite_or_null(value):
+    """`value` (plain data) with every NaN and infinity replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def _as_json(g: Group, metrics: list[str]) -> dict:

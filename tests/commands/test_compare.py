@@ -384,3 +384,23 @@ def test_a_damaged_store_is_one_line_and_left_as_it_was(cfg, stand_ins, tmp_path
     err = compare(["compare", str(cfg), "--set", "tracking.uri=null"], code=2)
     assert err.startswith(f"error: {db}: ") and err.count("\n") == 1, err
     assert db.read_bytes() == before
+
+
+def _no_nan(name: str):
+    raise ValueError(f"{name} in compare's JSON")
+
+
+def test_json_is_strict_json_with_null_for_a_nan_metric(cfg, stand_ins, tmp_path, monkeypatch):
+    """A run whose evaluate logged NaN (what evaluate did before issue 35) and one that
+    logged nothing: the JSON parses without NaN or Infinity, the values null."""
+    pipeline(cfg, "train.seed=1")
+    finite = test_bpc(1, 0.001)
+    monkeypatch.setitem(globals(), "test_bpc", lambda seed, lr: float("nan"))
+    pipeline(cfg, "train.seed=2")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    text = compare(["compare", "--format", "json"])
+    (group,) = json.loads(text, parse_constant=_no_nan)  # the seeds of one setting
+    assert group["metrics"]["test_bpc"] == {"mean": None, "std": None, "n": 2}
+    by_seed = {r["seed"]: r["metrics"] for r in group["runs"]}
+    assert by_seed["1"]["test_bpc"] == finite and by_seed["2"]["test_bpc"] is None
+    assert "nan" in compare(["compare"])  # the table shows it as it is
