@@ -77,6 +77,22 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
     raise PipelineError(f"--checkpoint {shown(which)}: not latest, best, or a checkpoint directory")
 
 
+def verify_published(spec, stage: str) -> None:
+    """Refuse (one line) a stage's outputs that are not the files its record lists, as `run`
+    refuses to build on them: an edited vocabulary would encode the prompt, or be exported,
+    with ids the trained model never saw."""
+    from pipeline.workspace.layout import Workspace
+
+    ws = Workspace(spec.workspace_dir)
+    record = ws.record(stage)
+    if record is not None and (damage := ws.output_damage(stage, record)):
+        raise PipelineError(
+            f"{ws.committed_dir(stage)}: {damage} (changed since {stage} published it, so "
+            f"it is not what the model was trained on); nothing was read: run "
+            f"`allattn-pipe run {shown(spec.source)}` to rebuild it"
+        )
+
+
 def trained_model(spec, which: str, log):
     """The spec's model with the weights of checkpoint `which`, in eval mode, and the
     preprocess stage's directory (its vocabulary, its manifest)."""
@@ -91,6 +107,7 @@ def trained_model(spec, which: str, log):
             f"{', '.join(spec.stages)}"
         )
     preprocess = spec.workspace_dir / "preprocess"
+    verify_published(spec, "preprocess")
     manifest = load_manifest(preprocess)
     model = spec.build_model(manifest["vocab_size"], str(preprocess / "manifest.json"))
     root, tag, description = checkpoint_of(spec, which, log)

@@ -395,3 +395,38 @@ def test_export_replaces_an_earlier_export_also_through_a_symlink(trained, tmp_p
     assert _tree(out) == first  # the same checkpoint: the same files, marker included
     assert (tmp_path / "link").is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out"]
+
+
+def _edited_vocabulary(trained, tmp_path):
+    """A copy of the trained workspace whose preprocess vocabulary was edited after it was
+    published (the manifest's own checksum rewritten to match, as the project's writer
+    would): five bytes added to the byte vocabulary. Returns the copy's config."""
+    import shutil
+
+    from pipeline.data.manifest import write_manifest
+
+    root = load_spec(trained, []).workspace.root
+    shutil.copytree(root, tmp_path / "runs", symlinks=True)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(trained.read_text().replace(str(root), str(tmp_path / "runs")))
+    preprocess = load_spec(cfg, []).workspace_dir / "preprocess"
+    manifest = json.loads((preprocess / "manifest.json").read_text())
+    symbols = manifest["vocab"]["symbols"]
+    symbols += [b for b in range(192, 256) if b not in symbols][:5]
+    manifest["vocab"]["size"] = len(symbols)
+    write_manifest(preprocess, manifest)
+    return cfg
+
+
+def test_sample_refuses_an_edited_vocabulary_in_one_line(trained, tmp_path):
+    """Was a traceback (the vocabulary's own check, deep in loading the tokenizer)."""
+    cfg = _edited_vocabulary(trained, tmp_path)
+    _refused(["sample", cfg, "--prompt", "d\u00ff", "--tokens", "3"], "manifest.json", "run")
+
+
+def test_export_refuses_an_edited_vocabulary_in_one_line_and_writes_nothing(trained, tmp_path):
+    """Was an export (exit 0) of a vocabulary the model was not trained on."""
+    cfg = _edited_vocabulary(trained, tmp_path)
+    (tmp_path / "out").mkdir()
+    _refused(["export", cfg, "--out", tmp_path / "out" / "model"], "manifest.json")
+    assert list((tmp_path / "out").iterdir()) == []
