@@ -6,7 +6,8 @@ directory with files (`victim/`), a file, a symlink to the foreign directory, a 
 symlink, a sibling named like an old temporary (`.out.tmp/`), a directory whose files merely
 have an export's names, and $HOME (so `~` stays in the sandbox). The path given is drawn from
 `..` through missing directories, symlinks, a trailing `/.`, `~`, existing files and foreign
-directories, unicode and very long names.
+directories, unicode and very long names. Dataset cases (tests/helpers/archive_fuzz.py): card
+file paths and archive member names, downloaded from a file:// source in the sandbox.
 
 A case fails on a traceback, on a run past HANG_SECONDS, or when any file or directory in the
 sandbox changed outside what the command owns: the resolved destination it was given (and the
@@ -19,18 +20,16 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from click.testing import CliRunner
 from hypothesis import strategies as st
 
-from pipeline.commands.cli import main
-from tests.helpers.cli_fuzz import World, working_directory
+from tests.helpers.cli_fuzz import World
+from tests.helpers.fuzz_kit import invoke
 
 HANG_SECONDS = 60
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,6 +109,7 @@ class Case:
     args: list[str]
     owned: list[str] = field(default_factory=list)  # as the user gave them
     concurrent: bool = False
+    world_owned: bool = True  # the whole copied world is the command's (else: `owned` only)
 
 
 def draw_case(draw, sandbox: Path) -> Case:
@@ -126,8 +126,13 @@ def draw_case(draw, sandbox: Path) -> Case:
             + ["compare --plot"] * 2
             + ["launch slurm --output"] * 2
             + ["export at once", "sync at once"]
+            + ["dataset"] * 5
         )
     )
+    if command == "dataset":
+        from tests.helpers.archive_fuzz import draw_dataset_case
+
+        return draw_dataset_case(draw, sandbox)
     if command == "export":
         return Case(command, ["export", tiny, "--out", path], [path])
     if command == "sync root":
@@ -182,7 +187,7 @@ def draw_case(draw, sandbox: Path) -> Case:
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every entry under `root` (symlinks not followed): a hash of a file's bytes, a symlink's
-    target, or 'dir'."""
+    target, 'dir' or 'special'."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
@@ -191,6 +196,8 @@ def snapshot(root: Path) -> dict[str, str]:
                 out[p] = "-> " + os.readlink(p)
             elif os.path.isdir(p):
                 out[p] = "dir"
+            elif not os.path.isfile(p):  # a FIFO, a socket: never opened (it would block)
+                out[p] = "special"
             else:
                 with open(p, "rb") as f:
                     out[p] = hashlib.sha256(f.read()).hexdigest()
@@ -200,7 +207,7 @@ def snapshot(root: Path) -> dict[str, str]:
 def owned_paths(case: Case, sandbox: Path, cwd: Path) -> list[str]:
     """What the case's command may change: its workspace (the copied world), the store,
     and each destination resolved as the project resolves it (`~` is the sandbox's home)."""
-    out = [str(sandbox / "world")]
+    out = [str(sandbox / "world")] if case.world_owned else []
     for given in case.owned:
         if "--set" in case.args:
             given = _as_set_value(given)
@@ -244,34 +251,9 @@ class Outcome:
     problem: str | None
 
 
-def _hang(signum, frame):
-    raise TimeoutError(f"still running after {HANG_SECONDS} s")
-
-
 def _run_in_process(args: list[str], cwd: Path) -> tuple[int | None, str | None]:
-    previous = signal.signal(signal.SIGALRM, _hang)
-    signal.alarm(HANG_SECONDS)
-    try:
-        with working_directory(cwd):
-            result = CliRunner().invoke(main, args)
-    except TimeoutError as e:
-        return None, f"hang: {e}"
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-    if isinstance(result.exception, TimeoutError):
-        return None, f"hang: {result.exception}"
-    if (
-        result.exception is not None
-        and not isinstance(result.exception, SystemExit)
-        or result.exit_code not in (0, 2)
-    ):
-        return result.exit_code, f"traceback: exit {result.exit_code}: {result.exception!r}"
-    if result.exit_code == 2:
-        lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-        if len(lines) != 1 or "Traceback" in result.output:
-            return 2, f"not one 'error: ...' line: {result.stderr[-400:]!r}"
-    return result.exit_code, None
+    inv = invoke(args, cwd, timeout=HANG_SECONDS)
+    return inv.exit_code, inv.problem
 
 
 def _run_at_once(args: list[str], cwd: Path, env: dict) -> tuple[list, str | None]:

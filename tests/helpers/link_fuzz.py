@@ -1,0 +1,222 @@
+"""The planted-link fuzzer: at a path a command opens in a place that can be shared (the
+workspace, the download cache, an --out / --output / --plot target, a config), something is
+planted first, as anyone with write access to a group-writable runs/ directory could:
+
+- a symlink to a victim file outside (its bytes and mtime must not change),
+- a symlink to a directory outside (nothing may appear in it),
+- a FIFO (the command must not block on it: HANG_SECONDS is a hang),
+- a dangling symlink into the victim directory (the file it names must not be created).
+
+Paths and the commands that open them: the workspace's `.lock` (`run`), each stage's
+records, outputs and checkpoint pointers (`run --only STAGE --force STAGE`; the download
+stage from the local server, so through the download cache: the cached file, its `.part`
+and `.lock`), the tracking backlog (`sync`), the default batch script and its logs
+directory (`launch slurm`), the manifest and checkpoint files readers open (`sample`,
+`export`), `export --out`, `compare --plot`, `launch slurm --output`, and the config read by
+validate / show / run (itself, or a file it `extends`).
+
+A case fails on a change to anything outside the copied world the command owns (the victim
+included), on a traceback, a refusal that is not one line, or a hang. Used by
+tests/commands/test_fuzz_classes.py and bench/fuzz.py --links N.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hypothesis import strategies as st
+
+from tests.helpers.cli_fuzz import World, copy_world
+from tests.helpers.fuzz_kit import CORPUS, Server, derandomized, invoke
+from tests.helpers.path_fuzz import snapshot
+
+SHA = hashlib.sha256(CORPUS).hexdigest()
+KINDS = ["link to a file", "link to a directory", "fifo", "dangling link"]
+DOWNLOAD = ["--only", "download", "--set", "dataset.url=http://{h}/corpus.txt"]
+DOWNLOAD += ["--set", f"dataset.sha256={SHA}"]
+STEP = "step-00000006"
+# (path planted, relative to the case's directory; the command, {t} the copied tiny.yaml,
+# {d} the case's directory, {h} the local server)
+TARGETS = [
+    ("world/runs/tiny/.lock", ["run", "{t}"]),
+    ("world/runs/tiny/.lock", ["run", "{t}", "--only", "evaluate", "--force", "evaluate"]),
+    ("world/runs/tiny/download/download.json", ["run", "{t}", *DOWNLOAD]),
+    ("world/runs/tiny/download/stage.json", ["run", "{t}", *DOWNLOAD]),
+    ("world/runs/cache/downloads/" + SHA, ["run", "{t}", *DOWNLOAD]),
+    ("world/runs/cache/downloads/" + SHA + ".part", ["run", "{t}", *DOWNLOAD]),
+    ("world/runs/cache/downloads/" + SHA + ".lock", ["run", "{t}", *DOWNLOAD]),
+    (
+        "world/runs/tiny/evaluate/results.json",
+        ["run", "{t}", "--only", "evaluate", "--force", "evaluate"],
+    ),
+    (
+        "world/runs/tiny/evaluate/stage.json",
+        ["run", "{t}", "--only", "evaluate", "--force", "evaluate"],
+    ),
+    (
+        "world/runs/tiny/finetune/checkpoints/latest",
+        ["run", "{t}", "--only", "finetune", "--force", "finetune"],
+    ),
+    (
+        "world/runs/tiny/finetune/stage.json",
+        ["run", "{t}", "--only", "finetune", "--force", "finetune"],
+    ),
+    (
+        "world/runs/tiny/train/checkpoints/latest",
+        ["run", "{t}", "--only", "train", "--force", "train"],
+    ),
+    (
+        "world/runs/tiny/train/checkpoints/best",
+        ["run", "{t}", "--only", "train", "--force", "train"],
+    ),
+    ("world/runs/tiny/train/spans.json", ["run", "{t}", "--only", "train", "--force", "train"]),
+    ("world/runs/tiny/tracking-backlog.jsonl", ["sync", "{t}"]),
+    ("world/runs/tiny/tracking-backlog.jsonl", ["run", "{t}"]),
+    (
+        "world/runs/tiny/slurm/tiny.sbatch",
+        ["launch", "slurm", "{t}", "--nodes", "1", "--gpus-per-node", "1"],
+    ),
+    (
+        "world/runs/tiny/slurm/logs",
+        ["launch", "slurm", "{t}", "--nodes", "1", "--gpus-per-node", "1"],
+    ),
+    (
+        "world/runs/tiny/preprocess/manifest.json",
+        ["sample", "{t}", "--prompt", "def ", "--tokens", "2"],
+    ),
+    (
+        f"world/runs/tiny/finetune/checkpoints/{STEP}/checksums.json",
+        ["sample", "{t}", "--prompt", "a", "--tokens", "2"],
+    ),
+    (
+        f"world/runs/tiny/finetune/checkpoints/{STEP}/mp_rank_00_model_states.pt",
+        ["export", "{t}", "--out", "{d}/out"],
+    ),
+    ("world/runs/tiny/train/stage.json", ["run", "{t}", "--dry-run"]),
+    ("out", ["export", "{t}", "--out", "{d}/out"]),
+    ("out/model.safetensors", ["export", "{t}", "--out", "{d}/out"]),
+    ("curves.png", ["compare", "tiny", "--plot", "{d}/curves.png"]),
+    (
+        "job.sbatch",
+        [
+            "launch",
+            "slurm",
+            "{t}",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "--output",
+            "{d}/job.sbatch",
+        ],
+    ),
+    ("config.yaml", ["validate", "{d}/config.yaml"]),
+    ("config.yaml", ["show", "{d}/config.yaml"]),
+    ("config.yaml", ["run", "{d}/config.yaml", "--dry-run"]),
+    ("base.yaml", ["validate", "{d}/child.yaml"]),
+]
+
+
+@dataclass
+class Case:
+    planted: str
+    kind: str
+    args: list[str]
+
+    @property
+    def command(self) -> str:
+        return f"{' '.join(a for a in self.args[:2] if '/' not in a)} @ {self.planted}"
+
+
+@dataclass
+class Outcome:
+    command: str
+    kind: str
+    args: list[str]
+    exit_code: int | None
+    seconds: float
+    problem: str | None
+    said: str = ""
+
+
+def draw_case(draw, tmp: Path, server: Server) -> Case:
+    planted, args = draw(st.sampled_from(TARGETS))
+    kind = draw(st.sampled_from(KINDS))
+    values = {"t": str(tmp / "world" / "tiny.yaml"), "d": str(tmp), "h": f"127.0.0.1:{server.port}"}
+    return Case(planted, kind, [a.format(**values) for a in args])
+
+
+def plant(case: Case, world: World, tmp: Path) -> None:
+    """The case's directory: a copy of the world, a victim outside it, and the planted
+    thing at the case's path (what was there is moved aside)."""
+    copy_world(world, tmp / "world")
+    victim = tmp / "victim"
+    (victim / "dir").mkdir(parents=True)
+    (victim / "thesis.tex").write_text("not yours\n")
+    (victim / "dir" / "notes.txt").write_text("not yours either\n")
+    (tmp / "child.yaml").write_text(f"extends: [{tmp / 'base.yaml'}]\n")
+    where = tmp / case.planted
+    where.parent.mkdir(parents=True, exist_ok=True)
+    if where.is_dir() and not where.is_symlink():
+        os.rename(where, where.with_name(where.name + ".moved"))
+    elif where.exists() or where.is_symlink():
+        where.unlink()
+    if case.kind == "fifo":
+        os.mkfifo(where)
+    else:
+        target = {
+            "link to a file": victim / "thesis.tex",
+            "link to a directory": victim / "dir",
+            "dangling link": victim / "dir" / f"made-through-{where.name}",
+        }[case.kind]
+        where.symlink_to(target)
+
+
+def run_case(case: Case, world: World, tmp: Path) -> Outcome:
+    plant(case, world, tmp)
+    victim = tmp / "victim" / "thesis.tex"
+    mtime = victim.stat().st_mtime_ns
+    before = snapshot(tmp)
+    inv = invoke(case.args, tmp / "world")
+    after = snapshot(tmp)
+    owned = str(tmp / "world") + "/"
+    outputs = [str(tmp / p) for p in ("out", "curves.png", "job.sbatch")]
+    changed = sorted(
+        k
+        for k in before.keys() | after.keys()
+        if before.get(k) != after.get(k)
+        and not k.startswith(owned)
+        and not any(k == o or k.startswith(o + "/") for o in outputs)
+    )
+    if victim.stat().st_mtime_ns != mtime:
+        changed.append(f"{victim} (mtime)")
+    problem = inv.problem
+    if changed:
+        problem = f"changed outside: {changed[:4]}" + (f"; {problem}" if problem else "")
+    said = (inv.stderr.strip().splitlines() or [""])[-1][:300]
+    return Outcome(case.command, case.kind, case.args, inv.exit_code, inv.seconds, problem, said)
+
+
+def fuzz_links(world: World, cases: int, on_outcome) -> None:
+    """`cases` derandomized cases, each in a temporary directory of its own with a copy of
+    `world`, against one local server."""
+    import tempfile
+
+    server = Server()
+    try:
+
+        def one(draw):
+            with tempfile.TemporaryDirectory() as tmp:
+                start = time.monotonic()
+                case = draw_case(draw, Path(tmp).resolve(), server)
+                outcome = run_case(case, world, Path(tmp).resolve())
+                outcome.seconds = time.monotonic() - start
+            on_outcome(outcome)
+
+        derandomized(cases, one)
+    finally:
+        server.close()
