@@ -275,6 +275,11 @@ def _base_name(path: str, label: str, role: str) -> str:
     base = PurePosixPath(str(path).replace("\\", "/")).name
     if base in ("", ".", ".."):
         raise PipelineError(f"{label}: dataset.files.{role}.path '{path}' names no file")
+    if len(os.fsencode(base)) > 255:  # NAME_MAX: renaming into place would fail (ENAMETOOLONG)
+        raise PipelineError(
+            f"{label}: dataset.files.{role}.path '{base[:40]}...': a file name of "
+            f"{len(os.fsencode(base))} bytes, longer than a file system takes (255)"
+        )
     return base
 
 
