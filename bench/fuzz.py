@@ -4,6 +4,8 @@ one); here every case runs and the bad ones are listed.
 
     .venv/bin/python bench/fuzz.py [--cases 2000] [--show-bad 20]
     .venv/bin/python bench/fuzz.py --paths 1000     # the path fuzzer (tests/helpers/path_fuzz.py)
+    .venv/bin/python bench/fuzz.py --secrets 1000 --injection 1000 --links 1000
+        # issue 35's classes: secret_fuzz.py, injection_fuzz.py, link_fuzz.py (tests/helpers/)
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.helpers.cli_fuzz import build_world, fuzz  # noqa: E402
+from tests.helpers.injection_fuzz import fuzz_injection  # noqa: E402
+from tests.helpers.link_fuzz import fuzz_links  # noqa: E402
 from tests.helpers.path_fuzz import fuzz_paths  # noqa: E402
+from tests.helpers.secret_fuzz import fuzz_secrets  # noqa: E402
 
 
 def timed(run_fuzzer, cases: int) -> tuple[list, float, float]:
@@ -42,10 +47,15 @@ def main() -> None:
     parser.add_argument(
         "--paths", type=int, metavar="N", help="run N cases of the path fuzzer instead"
     )
+    for flag in ("secrets", "injection", "links"):
+        parser.add_argument(f"--{flag}", type=int, metavar="N", help=f"run N {flag} cases instead")
     args = parser.parse_args()
     if args.paths:
         paths(args.paths, args.show_bad)
         return
+    chosen = [(f, n) for f in ("secrets", "injection", "links") if (n := getattr(args, f))]
+    if chosen:
+        sys.exit(max(classes(f, n, args.show_bad) for f, n in chosen))
     outcomes, built, seconds = timed(fuzz, args.cases)
     bad = [o for o in outcomes if o.problem]
     kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
@@ -107,6 +117,51 @@ def paths(cases: int, show_bad: int) -> None:
     for o in bad[:show_bad]:
         print(f"\n{o.args!r}\n  {o.problem}")
     sys.exit(1 if bad else 0)
+
+
+CLASS_FUZZERS = {"secrets": fuzz_secrets, "injection": fuzz_injection, "links": fuzz_links}
+# what each figure counts: a case whose problem names it (a case can name more than one)
+FIGURES = [
+    ("leaks", "leak:", "secrets"),
+    ("commands run", "command ran", "injection"),
+    ("values mangled", "mangled", "injection"),
+    ("bad #SBATCH lines", "directives", "injection"),
+    ("scripts failing", "script failed", "injection"),
+    ("files changed outside", "changed outside", "links"),
+    ("tracebacks", "traceback", None),
+    ("hangs (> 30 s)", "hang", None),
+    ("not one error line", "not one 'error", None),
+]
+
+
+def classes(name: str, cases: int, show_bad: int) -> int:
+    """One of issue 35's fuzzers: its figures, cases by command, the bad cases; 1 if any."""
+    outcomes, built, seconds = timed(CLASS_FUZZERS[name], cases)
+    bad = [o for o in outcomes if o.problem]
+    print(
+        f"{name} cases  {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train the tiny "
+        f"pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s"
+    )
+    for label, marker, only in FIGURES:
+        if only in (None, name):
+            n = sum(marker in o.problem for o in bad)
+            extra = f" ({sum(o.ran for o in outcomes)} canaries)" if marker == "command ran" else ""
+            print(f"  {label:<24} {n}{extra}")
+    print(f"  {'bad cases':<24} {len(bad)}")
+    print(f"\n{'command':<58} {'cases':>6} {'exit 0':>7} {'exit 2':>7} {'bad':>4} {'max s':>6}")
+    by_command = collections.defaultdict(list)
+    for o in outcomes:
+        by_command[o.command].append(o)
+    for command, group in sorted(by_command.items()):
+        print(
+            f"{command[:58]:<58} {len(group):>6} {sum(o.exit_code == 0 for o in group):>7} "
+            f"{sum(o.exit_code == 2 for o in group):>7} {sum(bool(o.problem) for o in group):>4} "
+            f"{max(o.seconds for o in group):>6.1f}"
+        )
+    for o in bad[:show_bad]:
+        print(f"\n{o.args!r}\n  {o.problem}\n  said: {o.said}")
+    print()
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
