@@ -52,6 +52,7 @@ def run(ctx: StageContext) -> dict:
     import torch
 
     from pipeline.data.algorithmic import generate, length_step, vocab_size
+    from pipeline.training.nonfinite import NonfiniteGuard
     from pipeline.training.optim import scheduled_lr
 
     spec, train = ctx.spec, ctx.spec.train
@@ -74,12 +75,19 @@ def run(ctx: StageContext) -> dict:
         f"on {device}, from length {cur.start_length} by {step_by}"
     )
     opt = train.optimizer
+    # train.nonfinite, as the train stage has it
+    guard = NonfiniteGuard(
+        train.nonfinite, train.nonfinite_limit, "curriculum", device, ctx.tracker.log_metrics
+    )
+    guard.attach(optimizer)
+    guard.start(state["epoch"] * cur.steps_per_epoch)
     for epoch in range(state["epoch"] + 1, cur.epochs + 1):
         length = state["length"]
         torch.manual_seed(stream_seed(train.seed, "dropout", epoch))
         batches = torch.Generator().manual_seed(stream_seed(data_seed, "train", epoch))
         model.train()
         loss_sum = torch.zeros((), device=device)
+        applied = 0  # updates not skipped (train.nonfinite: skip)
         for i in range(cur.steps_per_epoch):
             update = (epoch - 1) * cur.steps_per_epoch + i + 1
             for group in optimizer.param_groups:
@@ -93,14 +101,20 @@ def run(ctx: StageContext) -> dict:
             loss.backward()
             if opt.clip == "global":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_norm)
+            guard.loss(loss)
             optimizer.step()
             model.after_step()
-            loss_sum += loss.detach()
+            if not guard.skipped_last:
+                loss_sum += loss.detach()
+                applied += 1
+        # before anything reads the epoch's result or saves it
+        guard.read_and_check(model.parameters(), epoch * cur.steps_per_epoch)
         check = torch.Generator().manual_seed(stream_seed(data_seed, "check", epoch))
         correct, total, _ = score(
             model, task.problem, length, cur.check_cases, check, task.vocab, device
         )
-        accuracy, loss = correct / total, loss_sum.item() / cur.steps_per_epoch
+        # none when train.nonfinite: skip skipped every update of the epoch
+        accuracy, loss = correct / total, loss_sum.item() / applied if applied else None
         solved = accuracy >= cur.promote_accuracy
         state["history"].append(
             {"epoch": epoch, "length": length, "loss": loss, "accuracy": accuracy, "solved": solved}
@@ -108,9 +122,11 @@ def run(ctx: StageContext) -> dict:
         if solved:
             state["length"] = length + step_by
         state["epoch"] = epoch
-        ctx.tracker.log_metrics({"length": length, "accuracy": accuracy, "loss": loss}, step=epoch)
+        metrics = {"length": length, "accuracy": accuracy, "loss": loss}
+        ctx.tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=epoch)
         ctx.log(
-            f"epoch {epoch:>3}  length {length:>3}  loss {loss:.4f}  accuracy "
+            f"epoch {epoch:>3}  length {length:>3}  "
+            f"loss {'-' if loss is None else f'{loss:.4f}'}  accuracy "
             f"{accuracy:.4f}{'  solved' if solved else ''}"
         )
         _save(root, epoch, model, optimizer, state)
@@ -132,10 +148,11 @@ def run(ctx: StageContext) -> dict:
         f"score {result['score']} (the longest length solved in {state['epoch']} epochs); "
         f"next length {result['next_length']} (the authors' script's reading)"
     )
+    skipped = {"nonfinite_skipped": guard.skipped} if train.nonfinite == "skip" else {}
     return {
         key: result[key]
         for key in ("problem", "score", "next_length", "final_length", "epochs", "parameters")
-    }
+    } | skipped
 
 
 def best_length(history: list[dict]) -> int:
@@ -304,6 +321,8 @@ def config(spec) -> dict:
             "device": train.device,
             "batch_size": train.batch_size,
             "optimizer": train.optimizer.model_dump(mode="json"),
+            "nonfinite": train.nonfinite,
+            "nonfinite_limit": train.nonfinite_limit,
         },
     }
 
@@ -315,4 +334,6 @@ STAGE = Stage(
     section_key="train",
     config=config,
     run=run,
+    # nonfinite stop: a run it lets finish is the run before the key existed
+    added_keys={"train.nonfinite": "stop", "train.nonfinite_limit": 100},
 )

@@ -55,6 +55,7 @@ def run(ctx: StageContext) -> dict:
         with torch.no_grad():
             total, count = evaluate_nll(model, tokens, ev.batch_size, seq_len, device)
         nats = total / count
+        _refuse_nonfinite(f"the {split} split's loss", nats, results["checkpoint"])
         if count < FEW_TOKENS:
             ctx.log(
                 f"warning: the {split} split has only {count:,} scored tokens: its bpc is "
@@ -68,6 +69,8 @@ def run(ctx: StageContext) -> dict:
         if ev.line_losses:
             assert eos_id is not None  # read above when line_losses is asked for
             lines = line_losses(model, tokens, eos_id, ev.batch_size, device)
+            for key in ("paper_loss", "line_nll"):
+                _refuse_nonfinite(f"the {split} split's {key}", lines[key], results["checkpoint"])
             results[split]["lines"] = lines
             ctx.tracker.log_metrics(
                 {
@@ -158,6 +161,9 @@ def _evaluate_documents(
             model, docs, ev.batch_size, seq_len, layout["input_length"], device
         )
         results[split] = scores.metrics()
+        _refuse_nonfinite(
+            f"the {split} split's loss", results[split]["loss"], results["checkpoint"]
+        )
         ctx.tracker.log_metrics(
             {f"{split}_{k}": results[split][k] for k in ("loss", "token_accuracy", "exact_match")},
             step=0,
@@ -172,6 +178,15 @@ def _evaluate_documents(
             f"exact match {r['exact_match']:.3f}   ({r['documents']:,} documents)"
         )
     return results
+
+
+def _refuse_nonfinite(what: str, value: float, checkpoint: str) -> None:
+    """A NaN or infinite score is no result: the stage fails before recording it."""
+    if not math.isfinite(value):
+        raise PipelineError(
+            f"evaluate: {what} is not finite ({value}) with checkpoint {checkpoint}: nothing "
+            f"recorded; the checkpoint's weights or the evaluation overflowed"
+        )
 
 
 def _eos_id(ctx: StageContext) -> int:

@@ -25,7 +25,14 @@ def run(ctx: StageContext) -> dict:
     recorded = (step_dirs(ckpt_root) and read_record(ctx.out_dir)) or read_record(
         ctx.inputs["train"]
     )
-    trainer = Trainer(ctx.spec, ctx.inputs["preprocess"], ctx.tracker, ctx.log, recorded=recorded)
+    trainer = Trainer(
+        ctx.spec,
+        ctx.inputs["preprocess"],
+        ctx.tracker,
+        ctx.log,
+        recorded=recorded,
+        stage="finetune",
+    )
     record_resolved(ctx, trainer)
     if step_dirs(ckpt_root):  # an interrupted finetune resumes from its own
         ctx.log(f"resuming the LR-drop phase at step {trainer.load(ckpt_root)}")

@@ -162,5 +162,11 @@ STAGE = Stage(
     run=run,
     distributed=True,
     runtime_only=RUNTIME_ONLY,
-    added_keys={"train.optimizer.schedule": "linear_warmup", "train.micro_batch_size": None},
+    # nonfinite stop: a run it lets finish is the run before the key existed
+    added_keys={
+        "train.optimizer.schedule": "linear_warmup",
+        "train.micro_batch_size": None,
+        "train.nonfinite": "stop",
+        "train.nonfinite_limit": 100,
+    },
 )

@@ -641,7 +641,7 @@ class LauncherSpec(Section):
 class TrainSpec(Section):
     """The train stage's settings. finetune runs with them too (its own steps and lr),
     evaluate takes device and the default seq_len, the curriculum stage seed, device,
-    batch_size and optimizer."""
+    batch_size, optimizer and nonfinite."""
 
     # numpy seeds each rank with seed + rank, and takes only seeds below 2^32
     seed: int = Field(
@@ -720,6 +720,21 @@ class TrainSpec(Section):
         gt=0,
         le=10**6,
         description="newest checkpoints kept (the best validation's is kept besides)",
+    )
+    nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="an update whose loss or gradient is NaN or inf: stop = training stops "
+        "there, naming the step, and the run fails (nothing non-finite is saved or marked "
+        "best); skip = the update is not applied (no optimizer step) and counted, as fp16 "
+        "loss scalers do, until more than nonfinite_limit are skipped (one host sync per "
+        "update)",
+    )
+    nonfinite_limit: int = Field(
+        100,
+        ge=0,
+        le=MAX_STEPS,
+        description="with nonfinite: skip, the most updates skipped in one run of a stage; "
+        "the next non-finite one stops training as stop does",
     )
     compile: bool | Literal["auto", "graphs"] = Field(
         "auto",
@@ -1060,6 +1075,11 @@ class Spec(Section):
                 "the paper's Adagrad (clip: per_param) has no weight decay",
             ),
             (opt and opt.clip == "none", ("train.optimizer.clip_norm",), "clip is none"),
+            (
+                self.train and self.train.nonfinite == "stop",
+                ("train.nonfinite_limit",),
+                "train.nonfinite is stop: the first non-finite update stops training",
+            ),
         ):
             if applies:
                 out += [(tuple(key.split(".")), why) for key in keys]

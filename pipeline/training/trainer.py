@@ -36,6 +36,7 @@ from pipeline.training.checkpoint_io import CheckpointIO, LoopState
 from pipeline.training.document_passes import run_documents, score_documents
 from pipeline.training.ds_config import deepspeed_config, skip_single_process_allreduce
 from pipeline.training.evaluation import LN2, evaluate_nll
+from pipeline.training.nonfinite import HINT, NonfiniteGuard
 from pipeline.training.progress import LossWindow, Progress
 
 if TYPE_CHECKING:  # imported where it is used, in Trainer.__init__
@@ -50,9 +51,11 @@ class Trainer:
         tracker,
         log: Callable[[str], None],
         recorded: dict | None = None,
+        stage: str = "train",
     ):
         from pipeline.data import StreamBatches
         from pipeline.training.optim import (
+            _stepped_optimizer,
             bind_to_engine,
             build_optimizer,
             float32_from_master,
@@ -121,6 +124,16 @@ class Trainer:
         # which elements belong to which parameter, and clamp the bounded parameters on the
         # fp32 masters, from which DeepSpeed overwrites the model's copies.
         bind_to_engine(self.engine)
+        # train.nonfinite: in front of the optimizer DeepSpeed really steps
+        self.stage = stage
+        self.guard = NonfiniteGuard(
+            train.nonfinite,
+            train.nonfinite_limit,
+            stage,
+            self.device,
+            log_metrics=tracker.log_metrics if self.rank == 0 else None,
+        )
+        self.guard.attach(_stepped_optimizer(self.engine))
         # one process, no ZeRO: no allreduce over a group of one (ds_config.py says why)
         skip_single_process_allreduce(self.engine, self.world_size)
         self.compiled = False
@@ -214,11 +227,22 @@ class Trainer:
             train.batch_size * (self.documents["length"] - 1 if self.documents else train.seq_len)
         )
         progress = Progress(self.step, until, enabled=self.rank == 0)
+        self.guard.start(self.step)
         stopped_early = False
         with StopSignal() as stop, progress:
             while self.step < until:
                 self.set_lr(lr_at(self.step + 1))
-                window.add(self.train_step())
+                try:
+                    loss = self.train_step()
+                except PipelineError:
+                    raise
+                except Exception:
+                    # a model that reads its weights on the host (its spans) fails on a
+                    # non-finite one: name the update that made it instead (this rank's
+                    # view: the others are not here to agree)
+                    self.guard.read_and_check(self.model.parameters(), self.step, agree=False)
+                    raise
+                window.add(loss)
                 progress.advance()
                 if (
                     expect_lr is not None
@@ -267,13 +291,14 @@ class Trainer:
                     f"pipeline again to finish the stage"
                 )
         best = "best_valid_loss" if self.documents else "best_valid_bpc_estimate"
+        skipped = {"nonfinite_skipped": self.guard.skipped} if self.guard.mode == "skip" else {}
         return {
             "step": self.step,
             "checkpoint": str(path),
             "stopped_early": stopped_early,
             best: self.best_valid,
             "parameters": self.params,
-        }
+        } | skipped
 
     def train_step(self) -> torch.Tensor:
         """One optimizer update over all micro-batches; returns this rank's mean token nll
@@ -317,9 +342,14 @@ class Trainer:
             out = self.engine(x[rows], y[rows], self.states[i])
             nll = out.nll.float().mean()
             self.engine.backward(nll + self.model.aux_loss())
+            self.guard.loss(nll)
             self.engine.step()
             self.states[i] = out.state
             losses.append(nll.detach())
+        if self.guard.skipped_last:
+            # the skipped update's forward left its (non-finite) activations in the carried
+            # states: the next update starts the streams from the initial ones
+            self.states = self._initial_states()
         return losses
 
     def _document_updates(self) -> list[torch.Tensor]:
@@ -339,6 +369,7 @@ class Trainer:
             )
             nll = out.nll.mean()
             self.engine.backward(nll + out.aux)
+            self.guard.loss(nll)
             self.engine.step()
             losses.append(nll.detach().float())
         return losses
@@ -390,8 +421,14 @@ class Trainer:
     def _track_validation(self, progress: Progress) -> bool:
         """Validate, log, and count evaluations since the best (by bpc, or by loss per
         scored target for documents); True on a new best."""
+        self.guard.read_and_check()  # names the first non-finite update, if one ran
         metrics = self.validate()
         valid = metrics["loss" if self.documents else "bpc"]
+        if not math.isfinite(valid):  # never the best, never saved
+            raise PipelineError(
+                f"{self.stage}: the validation at step {self.step} is not finite ({valid}): "
+                f"training stopped; the last checkpoint saved before it is kept; {HINT}"
+            )
         improved = self.best_valid is None or valid < self.best_valid
         if improved:
             self.best_valid, self.evals_since_best = valid, 0
@@ -430,7 +467,10 @@ class Trainer:
         metrics since the last report, all read from the device at once. Called on every
         rank: the loss is averaged with a collective."""
         mean, seconds_per_step, tokens_per_s = window.take()
-        values = self._read_once({"loss": mean} | self.model.metric_tensors())
+        values = self._read_once(
+            {"loss": mean} | self.model.metric_tensors() | self.guard.tensors()
+        )
+        self.guard.check(values)  # in the same read: a non-finite update stops here
         mean = distributed.mean_over_ranks(values.pop("loss"))
         warnings = self.model.metric_warnings(values)
         if self.rank != 0:
@@ -472,7 +512,9 @@ class Trainer:
     def save(self, root: Path, keep: int, best: bool = False) -> Path:
         """Checkpoint this step under `root` (pipeline.training.checkpoint_io.CheckpointIO.save),
         once the metrics logged up to it are durable: a run resumed from it logs none of
-        them again."""
+        them again. Refuses (PipelineError) to save a non-finite state: the last checkpoint
+        stays the last finite one."""
+        self._check_finite()
         self.tracker.make_durable()
         return self.checkpoints.save(
             root,
@@ -486,6 +528,11 @@ class Trainer:
             ),
             best=best,
         )
+
+    def _check_finite(self) -> None:
+        """Stop if an update was not finite or the weights are not: one read, at a
+        checkpoint, which reads them anyway."""
+        self.guard.read_and_check(self.model.parameters(), self.step)
 
     def load(self, root: Path) -> int:
         """Restore the newest intact checkpoint under `root`; returns its step."""
