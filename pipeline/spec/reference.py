@@ -817,8 +817,11 @@ spec, so its keys are exactly those `allattn-pipe validate` accepts.
   keys.
 - Validation is strict: an unknown key or a wrong type is an error naming the file and line
   (a quoted `"4"` is not an int; an int is accepted where a float is expected), and so are
-  `.inf` and `.nan`. A key that does nothing under the other settings (`betas` with
-  `adagrad`, say) is refused where it is written.
+  `.inf` and `.nan`, and a number training's dtype cannot hold: beyond float32's (and
+  bf16's) range, about 3.4e38, a positive one below its smallest, 1.4e-45 (with
+  `train.deepspeed.fp16`, a `model.*` number beyond 65504), and an lr that
+  `finetune.lr_divisor` takes there. A key that does nothing under the other settings
+  (`betas` with `adagrad`, say) is refused where it is written.
 - `*` in a key stands for a name you choose (a file's role under `dataset.files`).
 - The `model.*` keys depend on `model.kind`: each kind has a section of its own, and
   [the model keys by kind](#model) give each kind's default at a glance.

@@ -126,6 +126,7 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
     if spec is not None and not errors:
         errors += _check_stages(spec, where, origin)
         errors += _check_model_for_training(spec, params, where, origin)
+        errors += _check_float_range(spec, params, where, origin)
         if (
             spec.train
             and spec.train.deepspeed.zero_stage == 3
@@ -286,6 +287,69 @@ def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> l
                     f"memory on, the states leaving the short-term memory in a segment wait "
                     f"in its mem_len extra rows; make mem_len at least {length}"
                 )
+    return errors
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # bf16 has float32's exponent: the same range
+FLOAT32_TINIEST = 1.401298464324817e-45  # below half of it, a number rounds to 0
+FLOAT16_MAX = 65504.0
+
+
+def _floats(node, path: tuple):
+    """(path, value) of every float in plain data (bools are ints, not floats)."""
+    if isinstance(node, float):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _floats(value, (*path, key))
+    elif isinstance(node, list | tuple):
+        for i, value in enumerate(node):
+            yield from _floats(value, (*path, i))
+
+
+def _check_float_range(spec: Spec, params, where: dict, origin: str) -> list[str]:
+    """The numbers training computes with, refused where its dtype cannot hold them: past
+    float32's range (bf16's too) a learning rate or a coefficient becomes inf inside the
+    optimizer or the model; a positive one below its smallest number becomes 0. Under fp16
+    the model's own numbers multiply fp16 tensors, so they must fit fp16's 65504."""
+    errors: list[str] = []
+    model = asdict(params) if is_dataclass(params) and not isinstance(params, type) else {}
+    data: dict[str, Any] = {"model": model}
+    if spec.train is not None:
+        data["train"] = spec.train.model_dump(mode="python")
+    if spec.finetune is not None:
+        data["finetune"] = spec.finetune.model_dump(mode="python")
+    fp16 = spec.train is not None and spec.train.deepspeed.fp16
+    found = list(_floats(data, ()))
+    if spec.train is not None and spec.finetune is not None and "finetune" in spec.stages:
+        # finetune trains at this lr: checked where the divisor is
+        lr = spec.train.optimizer.lr / spec.finetune.lr_divisor
+        found.append((("finetune", "lr_divisor"), lr))
+    for loc, value in found:
+        dtype, largest = (
+            ("fp16", FLOAT16_MAX) if fp16 and loc[0] == "model" else ("float32", FLOAT32_MAX)
+        )
+        derived = loc == ("finetune", "lr_divisor") and value != data["finetune"]["lr_divisor"]
+        if derived and errors:  # its own parts are refused already
+            continue
+        what = f"train.optimizer.lr / finetune.lr_divisor = {value:g}" if derived else None
+        if abs(value) > largest:
+            why = (
+                f"beyond {dtype}'s range (at most {largest:g} in magnitude), the dtype "
+                f"training computes in: it would be inf there"
+            )
+        elif 0 < abs(value) < FLOAT32_TINIEST / 2:
+            why = (
+                f"too small for float32 (its smallest positive number is "
+                f"{FLOAT32_TINIEST:g}): it would be 0 there"
+            )
+        else:
+            continue
+        errors.append(
+            f"{_locate(where, loc, origin)}: {_dotted(loc)}: "
+            f"{f'{what} is ' if what else ''}{why}"
+            f"{'' if what else f'; found {_show(value)} ({_kind(value)})'}"
+        )
     return errors
 
 

@@ -586,3 +586,62 @@ def test_infinity_former_short_term_memory_shorter_than_a_segment_is_refused():
     msg = error_of(SORT_CPU, [f"evaluate.seq_len={longer}"])
     assert f"is shorter than evaluate.seq_len {longer}" in msg
     load_spec(SORT_CPU, [f"train.seq_len={longer}", "model.ltm=false"])  # no LTM: any length
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("train.optimizer.lr", "1.0e+39"),
+        ("train.optimizer.weight_decay", "1.0e+39"),
+        ("train.optimizer.clip_norm", "5.0e+38"),
+        ("model.span_loss_coef", "1.0e+39"),
+    ],
+)
+def test_a_number_past_float32s_range_is_refused_by_validate_naming_the_key(tmp_path, key, value):
+    """lr 1e39 was valid, then a traceback inside the optimizer (it is inf in float32)."""
+    path = write(tmp_path, "big.yaml", BASE)
+    result = CliRunner().invoke(main, ["validate", str(path), "--set", f"{key}={value}"])
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert "\n" not in line and f": {key}: beyond float32's range" in line, line
+
+
+def test_a_number_too_small_for_float32_and_an_overflowing_finetune_lr_are_refused(tmp_path):
+    path = write(tmp_path, "small.yaml", BASE)
+    assert "train.optimizer.lr: too small for float32" in error_of(
+        path, ["train.optimizer.lr=1.0e-50"]
+    )
+    err = error_of(path, ["train.optimizer.lr=1.0e+38", "finetune.lr_divisor=0.01"])
+    assert "finetune.lr_divisor: train.optimizer.lr / finetune.lr_divisor = 1e+40 is beyond" in err
+
+
+def test_under_fp16_a_model_number_past_65504_is_refused(tmp_path):
+    path = write(tmp_path, "fp16.yaml", BASE)
+    sets = ["train.deepspeed.fp16=true", "model.span_loss_coef=1.0e+5"]
+    assert "model.span_loss_coef: beyond fp16's range (at most 65504" in error_of(path, sets)
+    assert load_spec(path, ["model.span_loss_coef=1.0e+5"])  # float32 holds it
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", ".NaN"])
+@pytest.mark.parametrize(
+    "key", ["train.optimizer.lr", "finetune.lr_divisor", "model.attn_dropout", "betas"]
+)
+def test_nan_and_infinity_written_in_the_yaml_are_refused_naming_the_key(tmp_path, key, value):
+    text = BASE.replace("lr: 1.0e-3", "lr: 1.0e-3, betas: [0.9, 0.99]")
+    line = {
+        "train.optimizer.lr": ("lr: 1.0e-3", f"lr: {value}"),
+        "finetune.lr_divisor": ("  steps: 2\n", f"  steps: 2\n  lr_divisor: {value}\n"),
+        "model.attn_dropout": ("  max_span: 64\n", f"  max_span: 64\n  attn_dropout: {value}\n"),
+        "betas": ("betas: [0.9, 0.99]", f"betas: [0.9, {value}]"),
+    }[key]
+    path = write(tmp_path, "nan.yaml", text.replace(*line))
+    err = error_of(path)
+    name = "train.optimizer.betas.1" if key == "betas" else key
+    assert f": {name}: expected a finite number" in err and "\n" not in err, err
+
+
+def test_train_nonfinite_limit_does_nothing_under_stop(tmp_path):
+    path = write(tmp_path, "limit.yaml", BASE)
+    assert "train.nonfinite_limit" in error_of(path, ["train.nonfinite_limit=5"])
+    spec = load_spec(path, ["train.nonfinite=skip", "train.nonfinite_limit=5"])
+    assert (spec.train.nonfinite, spec.train.nonfinite_limit) == ("skip", 5)
