@@ -146,13 +146,16 @@ CORPUS = b"".join(b"line %d of a tiny corpus, served over HTTP\n" % i for i in r
 
 class Server:
     """A local HTTP server on its own thread: /corpus.txt (CORPUS), /denied (401), /broken
-    (500), /redirect?to=URL (302), anything else 404; an absolute-form request (a proxy's)
-    is answered for its path. `requests` holds each request line and its headers.
-    `closed_port` has no listener; `silent_port` accepts connections and never answers."""
+    (500), /redirect?to=URL (302 to URL, its SECRET replaced by `secret`), anything else
+    404; an absolute-form request (a proxy's) is answered for its path. `requests` holds
+    each request line and its headers. `closed_port` has no listener; `silent_port` accepts
+    connections and never answers."""
 
     def __init__(self):
         requests: list[str] = []
         self.requests = requests
+        self.secret = "none"  # what /redirect-secret puts in the URL it redirects to
+        server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
@@ -161,9 +164,10 @@ class Server:
                 query = urllib.parse.parse_qs(url.query)
                 if url.path == "/corpus.txt":
                     self._answer(200, CORPUS)
-                elif url.path == "/redirect":
+                elif url.path in ("/redirect", "/redirect-secret"):
+                    to = query.get("to", ["/corpus.txt"])[0]
                     self.send_response(302)
-                    self.send_header("Location", query.get("to", ["/corpus.txt"])[0])
+                    self.send_header("Location", to.replace("SECRET", server.secret))
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                 elif url.path == "/denied":

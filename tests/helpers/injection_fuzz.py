@@ -222,15 +222,13 @@ def _run_script(script: str, tmp: Path, rec: Recorders, task: int | None) -> str
 
 
 def check_script(case: Case, script: str, tmp: Path, rec: Recorders) -> str | None:
-    problem = _directives(script)
-    if problem:
-        return problem
+    directives = _directives(script)  # and the script is run all the same: does it run a canary?
     array = re.search(r"^#SBATCH --array=0-(\d+)", script, re.M)
     tasks = list(range(int(array.group(1)) + 1)) if array else [None]
     for task in tasks:
         problem = _run_script(script, tmp, rec, task)
-        if problem:
-            return problem
+        if problem or directives:
+            return "; ".join(p for p in (directives, problem) if p)
     sruns = rec.calls("srun")
     if len(sruns) != len(tasks):
         return f"mangled: srun ran {len(sruns)} times for {len(tasks)} task(s)"

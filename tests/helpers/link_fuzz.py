@@ -16,7 +16,8 @@ directory (`launch slurm`), the manifest and checkpoint files readers open (`sam
 validate / show / run (itself, or a file it `extends`).
 
 A case fails on a change to anything outside the copied world the command owns (the victim
-included), on a traceback, a refusal that is not one line, or a hang. Used by
+included; `export --out` owns the directory its path resolves to, link followed, as the
+docs say), on a traceback, a refusal that is not one line, or a hang. Used by
 tests/commands/test_fuzz_classes.py and bench/fuzz.py --links N.
 """
 
@@ -185,6 +186,10 @@ def run_case(case: Case, world: World, tmp: Path) -> Outcome:
     after = snapshot(tmp)
     owned = str(tmp / "world") + "/"
     outputs = [str(tmp / p) for p in ("out", "curves.png", "job.sbatch")]
+    # export --out names a directory, symlinks resolved (docs/running.md): where a link
+    # there points is the export's, as in tests/helpers/path_fuzz.py; a file output
+    # (--plot, --output) replaces a link, never writes through it
+    outputs.append(os.path.realpath(tmp / "out"))
     changed = sorted(
         k
         for k in before.keys() | after.keys()

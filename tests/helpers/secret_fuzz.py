@@ -55,8 +55,10 @@ DATA_URLS = [
     "http://{h}/denied?token={c}",
     "http://{h}/broken?Signature={c}",
     "http://{h}/missing.txt?AccessKey={c}",
-    "http://{h}/redirect?to=http://127.0.0.1:{closed}/x%3Ftoken%3D{c}&token={c}",
-    "http://{h}/redirect?to=ftp://u:{c}@127.0.0.1/x&sig={c}",
+    # redirected to a URL that holds the secret (the server puts it in, not our URL)
+    "http://{h}/redirect?to=http://127.0.0.1:{closed}/x%3Ftoken%3DSECRET&token={c}",
+    "http://{h}/redirect?to=ftp://u:SECRET@127.0.0.1/x&sig={c}",
+    "http://{h}/redirect?to=http://u:SECRET@{h}/denied",
     "http://127.0.0.1:{closed}/corpus.txt?token={c}",
     "ftp://user:{c}@127.0.0.1/corpus.txt",
     "file:///nonexistent/corpus.txt?token={c}",
@@ -111,6 +113,7 @@ def draw_case(draw, world: World, tmp: Path, server: Server) -> Case:
     # random, not drawn: a draw repeats across cases, and a canary one case leaked into the
     # shared world would be found again in the next case that drew it
     canary = f"CANARY-SECRET-{uuid.uuid4().hex}"
+    server.secret = canary
     ports = {
         "c": canary,
         "h": f"127.0.0.1:{server.port}",
