@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from click.testing import CliRunner
 from pipeline.commands.cli import main
 from pipeline.errors import PipelineError
 from pipeline.spec import load_spec
-from pipeline.tracking.tracker import make_tracker
+from pipeline.tracking.tracker import NullTracker, make_tracker
 from pipeline.training.checkpoints import read_checkpoint_file, read_pointer, step_dirs
 from pipeline.workspace.runner import Runner
 
@@ -45,6 +46,22 @@ workspace: {{root: {tmp / "runs"}}}
 stages: [download, preprocess, train, evaluate]
 """)
     return path
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    """download and preprocess, once: each test trains in a copy of this workspace root."""
+    tmp = tmp_path_factory.mktemp("prepared")
+    Runner(load_spec(config(tmp), []), only=["download,preprocess"], log=lambda m: None).run(
+        NullTracker()
+    )
+    return tmp / "runs"
+
+
+def copied(prepared: Path, tmp: Path, steps: int = 6) -> Path:
+    """The config, its workspace root a copy of the prepared one."""
+    shutil.copytree(prepared, tmp / "runs", symlinks=True)
+    return config(tmp, steps)
 
 
 def mlflow_runs(spec) -> dict:
@@ -73,10 +90,12 @@ def all_finite(ckpt: Path) -> bool:
     return all(torch.isfinite(t).all() for t in weights(ckpt).values() if t.is_floating_point())
 
 
-def test_a_nan_producing_lr_stops_in_one_line_and_keeps_the_last_finite_checkpoint(tmp_path):
+def test_a_nan_producing_lr_stops_in_one_line_and_keeps_the_last_finite_checkpoint(
+    prepared, tmp_path
+):
     """Before issue 35: training went on with a NaN loss, the NaN validation became `best`,
     evaluate recorded NaN and the pipeline exited 0, FINISHED."""
-    cfg = config(tmp_path)
+    cfg = copied(prepared, tmp_path)
     result = CliRunner().invoke(main, ["run", str(cfg)])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
@@ -98,8 +117,8 @@ def test_a_nan_producing_lr_stops_in_one_line_and_keeps_the_last_finite_checkpoi
     assert all(math.isfinite(v) for v in runs["train"][2].values())  # no NaN recorded
 
 
-def test_skip_leaves_the_weights_of_skipped_updates_unchanged_and_counts_them(tmp_path):
-    cfg = config(tmp_path, steps=4)
+def test_skip_leaves_the_weights_of_skipped_updates_unchanged_and_counts_them(prepared, tmp_path):
+    cfg = copied(prepared, tmp_path, steps=4)
     spec = load_spec(cfg, ["train.nonfinite=skip", "train.nonfinite_limit=10"])
     Runner(spec, only=["download,preprocess,train"], log=lambda m: None).run(make_tracker(spec))
     train = Path(spec.workspace_dir) / "train"
@@ -114,8 +133,10 @@ def test_skip_leaves_the_weights_of_skipped_updates_unchanged_and_counts_them(tm
     assert runs["train"][0] == "FINISHED" and runs["train"][1] == [1.0, 2.0, 3.0]
 
 
-def test_skip_stops_past_its_limit_naming_the_step(tmp_path):
-    spec = load_spec(config(tmp_path), ["train.nonfinite=skip", "train.nonfinite_limit=1"])
+def test_skip_stops_past_its_limit_naming_the_step(prepared, tmp_path):
+    spec = load_spec(
+        copied(prepared, tmp_path), ["train.nonfinite=skip", "train.nonfinite_limit=1"]
+    )
     with pytest.raises(PipelineError) as info:
         Runner(spec, only=["download,preprocess,train"], log=lambda m: None).run(make_tracker(spec))
     assert str(info.value).startswith(
@@ -128,12 +149,14 @@ def test_skip_stops_past_its_limit_naming_the_step(tmp_path):
     assert (runs["train"][0], runs["parent"][0]) == ("FAILED", "FAILED")
 
 
-def test_a_nonfinite_evaluation_is_an_error_not_a_result(tmp_path, monkeypatch):
+def test_a_nonfinite_evaluation_is_an_error_not_a_result(prepared, tmp_path, monkeypatch):
     """What a checkpoint whose weights overflow in evaluation's longer segments gives: here
     the scorer made to answer NaN (training no longer saves non-finite weights)."""
     import pipeline.training.evaluation as evaluation
 
-    spec = load_spec(config(tmp_path, steps=2), ["train.optimizer.lr=0.01", "train.eval_every=0"])
+    spec = load_spec(
+        copied(prepared, tmp_path, steps=2), ["train.optimizer.lr=0.01", "train.eval_every=0"]
+    )
     Runner(spec, only=["download,preprocess,train"], log=lambda m: None).run(make_tracker(spec))
     monkeypatch.setattr(evaluation, "evaluate_nll", lambda *a, **k: (math.nan, 1000))
     with pytest.raises(PipelineError, match=r"^evaluate: the valid split's loss is not finite"):
