@@ -12,13 +12,16 @@ take none, gz and zip; no tar.)
 
 What the command owns here is the download stage's directory, the download cache and the
 tracking store: a member that lands in another stage's directory, beside the sandbox or in
-the victim directory is a change outside, as is a symlink made anywhere.
+the victim directory is a change outside, as is a symlink made anywhere. After exit 0 every
+file download.json lists must be there with its recorded sha256.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
+import json
 import stat
 import warnings
 import zipfile
@@ -116,4 +119,18 @@ def draw_dataset_case(draw, sandbox: Path):
         str(runs / "cache"),
         *(str(runs / n) for n in ("mlflow.db", ".mlflow.db.lock", "mlflow.db-journal")),
     ]
-    return Case(f"download {kind}", args, owned, world_owned=False)
+    return Case(
+        f"download {kind}", args, owned, world_owned=False, verify=lambda: _as_recorded(runs)
+    )
+
+
+def _as_recorded(runs: Path) -> str | None:
+    """Every file download.json lists is there with the sha256 it records (a member named
+    like another's temporary file must not replace or remove it)."""
+    stage = runs / "tiny" / "download"
+    record = json.loads((stage / "download.json").read_text())
+    for role, f in record["files"].items():
+        path = stage / f["path"]
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != f["sha256"]:
+            return f"not as recorded: download.json's {role} {f['path']} is missing or differs"
+    return None

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,7 @@ class Case:
     owned: list[str] = field(default_factory=list)  # as the user gave them
     concurrent: bool = False
     world_owned: bool = True  # the whole copied world is the command's (else: `owned` only)
+    verify: Callable[[], str | None] | None = None  # after exit 0: a problem, or None
 
 
 def draw_case(draw, sandbox: Path) -> Case:
@@ -310,6 +312,8 @@ def run_case(case: Case, sandbox: Path) -> Outcome:
         )
         if changed:
             problem = f"changed what it does not own: {changed[:4]}"
+        elif case.verify and codes == [0]:
+            problem = case.verify()
     return Outcome(case.command, case.args, codes, seconds, problem)
 
 
