@@ -7,7 +7,8 @@ planted first, as anyone with write access to a group-writable runs/ directory c
 - a FIFO (the command must not block on it: HANG_SECONDS is a hang),
 - a dangling symlink into the victim directory (the file it names must not be created).
 
-Paths and the commands that open them: the workspace's `.lock` (`run`), each stage's
+Paths and the commands that open them: the workspace's `.lock` and the tracking store's
+lock (`run`, `compare`), each stage's
 records, outputs and checkpoint pointers (`run --only STAGE --force STAGE`; the download
 stage from the local server, so through the download cache: the cached file, its `.part`
 and `.lock`), the tracking backlog (`sync`), the default batch script and its logs
@@ -44,6 +45,8 @@ STEP = "step-00000006"
 # {d} the case's directory, {h} the local server)
 TARGETS = [
     ("world/runs/tiny/.lock", ["run", "{t}"]),
+    ("world/runs/.mlflow.db.lock", ["run", "{t}"]),
+    ("world/runs/.mlflow.db.lock", ["compare", "tiny"]),
     ("world/runs/tiny/.lock", ["run", "{t}", "--only", "evaluate", "--force", "evaluate"]),
     ("world/runs/tiny/download/download.json", ["run", "{t}", *DOWNLOAD]),
     ("world/runs/tiny/download/stage.json", ["run", "{t}", *DOWNLOAD]),

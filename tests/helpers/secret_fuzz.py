@@ -158,6 +158,7 @@ def draw_case(draw, world: World, tmp: Path, server: Server) -> Case:
             case.args += ["--prompt", "def ", "--tokens", "3"]
         if command == "export":
             case.args += ["--out", str(tmp / "export")]
+            case.args += draw(st.sampled_from([[], ["--register", "fuzz-model"]]))
     elif command in ("run", "run --dry-run"):
         case.args = ["run", config, *sets] + (["--only", "download"] if copy else ["--dry-run"])
     elif command == "compare":
