@@ -133,7 +133,8 @@ class Case:
 
     @property
     def command(self) -> str:
-        return f"{' '.join(a for a in self.args[:2] if '/' not in a)} @ {self.planted}"
+        where = self.planted.replace(SHA, "<sha256>").replace("world/runs/", "runs/")
+        return f"{' '.join(a for a in self.args[:2] if '/' not in a)} @ {where}"
 
 
 @dataclass
