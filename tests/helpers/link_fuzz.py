@@ -2,10 +2,13 @@
 workspace, the download cache, an --out / --output / --plot target, a config), something is
 planted first, as anyone with write access to a group-writable runs/ directory could:
 
-- a symlink to a victim file outside (its bytes and mtime must not change),
-- a symlink to a directory outside (nothing may appear in it),
-- a FIFO (the command must not block on it: HANG_SECONDS is a hang),
-- a dangling symlink into the victim directory (the file it names must not be created).
+- a symlink to a victim file outside, or to a link to it (its bytes and mtime must not
+  change),
+- a symlink to a directory outside (nothing may appear in it), or to a FIFO outside,
+- a FIFO or a socket (the command must not block on it: HANG_SECONDS is a hang),
+- a dangling symlink into the victim directory (the file it names must not be created);
+links with absolute or relative targets, and sometimes a second thing planted at another
+of the world's paths.
 
 Paths and the commands that open them: the workspace's `.lock` and the tracking store's
 lock (`run`, `compare`), each stage's
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +41,15 @@ from tests.helpers.fuzz_kit import CORPUS, Server, derandomized, invoke
 from tests.helpers.path_fuzz import snapshot
 
 SHA = hashlib.sha256(CORPUS).hexdigest()
-KINDS = ["link to a file", "link to a directory", "fifo", "dangling link"]
+KINDS = [
+    "link to a file",
+    "link to a link to a file",
+    "link to a directory",
+    "link to a fifo",
+    "fifo",
+    "socket",
+    "dangling link",
+]
 DOWNLOAD = ["--only", "download", "--set", "dataset.url=http://{h}/corpus.txt"]
 DOWNLOAD += ["--set", f"dataset.sha256={SHA}"]
 STEP = "step-00000006"
@@ -130,6 +142,9 @@ class Case:
     planted: str
     kind: str
     args: list[str]
+    relative: bool = False  # the links' targets relative to their directory
+    also: tuple[str, str] | None = None  # a second path planted, and what
+    nonce: int = 0  # in the victim's bytes
 
     @property
     def command(self) -> str:
@@ -150,35 +165,58 @@ class Outcome:
 
 def draw_case(draw, tmp: Path, server: Server) -> Case:
     planted, args = draw(st.sampled_from(TARGETS))
-    kind = draw(st.sampled_from(KINDS))
     values = {"t": str(tmp / "world" / "tiny.yaml"), "d": str(tmp), "h": f"127.0.0.1:{server.port}"}
-    return Case(planted, kind, [a.format(**values) for a in args])
+    case = Case(planted, draw(st.sampled_from(KINDS)), [a.format(**values) for a in args])
+    case.relative = draw(st.booleans())
+    # sometimes a second thing planted at another path the world holds
+    if draw(st.integers(0, 2)) == 0:
+        other = draw(st.sampled_from([p for p, _ in TARGETS if p.startswith("world/")]))
+        if other != planted:
+            case.also = (other, draw(st.sampled_from(KINDS)))
+    case.nonce = draw(st.integers(0, 10**6))
+    return case
 
 
 def plant(case: Case, world: World, tmp: Path) -> None:
     """The case's directory: a copy of the world, a victim outside it, and the planted
-    thing at the case's path (what was there is moved aside)."""
+    thing at the case's path (what was there is moved aside); maybe one more elsewhere."""
     copy_world(world, tmp / "world")
     victim = tmp / "victim"
     (victim / "dir").mkdir(parents=True)
-    (victim / "thesis.tex").write_text("not yours\n")
+    (victim / "thesis.tex").write_text(f"not yours {case.nonce}\n")
     (victim / "dir" / "notes.txt").write_text("not yours either\n")
+    (victim / "link-to-thesis").symlink_to(victim / "thesis.tex")
+    os.mkfifo(victim / "pipe")
     (tmp / "child.yaml").write_text(f"extends: [{tmp / 'base.yaml'}]\n")
-    where = tmp / case.planted
+    for planted, kind in [(case.planted, case.kind), *([case.also] if case.also else [])]:
+        _plant(tmp / planted, kind, victim, case.relative)
+
+
+def _plant(where: Path, kind: str, victim: Path, relative: bool) -> None:
     where.parent.mkdir(parents=True, exist_ok=True)
     if where.is_dir() and not where.is_symlink():
         os.rename(where, where.with_name(where.name + ".moved"))
     elif where.exists() or where.is_symlink():
         where.unlink()
-    if case.kind == "fifo":
+    if kind == "fifo":
         os.mkfifo(where)
+    elif kind == "socket":  # bound by its name from its directory: a socket path is short
+        here = os.getcwd()
+        os.chdir(where.parent)
+        try:
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.bind(where.name)
+        finally:
+            os.chdir(here)
     else:
         target = {
             "link to a file": victim / "thesis.tex",
+            "link to a link to a file": victim / "link-to-thesis",
             "link to a directory": victim / "dir",
+            "link to a fifo": victim / "pipe",
             "dangling link": victim / "dir" / f"made-through-{where.name}",
-        }[case.kind]
-        where.symlink_to(target)
+        }[kind]
+        where.symlink_to(os.path.relpath(target, where.parent) if relative else target)
 
 
 def run_case(case: Case, world: World, tmp: Path) -> Outcome:
