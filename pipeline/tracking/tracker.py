@@ -296,6 +296,9 @@ class MlflowTracker:
             return
         try:
             sent, left = replay(backlog, Delivery(self.client), self.warn_server)
+        except PipelineError as e:  # not a file we may read (a planted FIFO, a link)
+            self.warn(f"the tracking backlog was left unread: {e}")
+            return
         except Exception as e:  # the server failed in another way: sync can retry
             sent, left = 0, None
             self.warn_server(f"sending the backlog failed ({reason(e)})")

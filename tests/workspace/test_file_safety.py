@@ -372,3 +372,20 @@ def test_an_archive_member_named_like_the_extractors_temporary_is_extracted_inta
         assert (files / name).read_bytes() == data
     with zipfile.ZipFile(src) as z:
         assert sorted(z.namelist()) == sorted(members)
+
+
+def test_a_fifo_at_the_tracking_backlog_is_named_as_unread_not_as_records(tmp_path):
+    """A FIFO planted at the backlog is left unread, and the warning says so, rather than
+    telling the user it holds records an earlier run could not send."""
+    from types import SimpleNamespace
+
+    from pipeline.tracking.tracker import BACKLOG, MlflowTracker
+
+    os.mkfifo(tmp_path / BACKLOG)
+    said: list[str] = []
+    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", warn=said.append)
+    spec = SimpleNamespace(workspace_dir=tmp_path, source="x.yaml")
+    within(10, lambda: tracker._replay_backlog(spec), tmp_path / BACKLOG)
+    assert len(said) == 1, said
+    assert "tracking backlog was left unread" in said[0] and "FIFO" in said[0], said
+    assert stat.S_ISFIFO(os.lstat(tmp_path / BACKLOG).st_mode)
