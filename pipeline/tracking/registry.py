@@ -18,7 +18,6 @@ import math
 import os
 import posixpath
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -57,7 +56,7 @@ def check_name(name: str) -> None:
 def check_registrable(spec, name: str):
     """Before exporting: the name is valid, tracking is on, and the store answers and holds
     a model registry. Returns the MLflow client to register with."""
-    from pipeline.tracking.tracker import tracking_uri
+    from pipeline.tracking.tracker import quick_requests, tracking_uri
 
     check_name(name)
     if not spec.tracking.enabled:
@@ -72,14 +71,14 @@ def check_registrable(spec, name: str):
         client = _client(uri)
     except Exception as e:  # MLflow opens a local store as it makes the client
         raise PipelineError(_unusable(uri, "tracking store", e)) from None
-    with _quick_requests(uri):
+    with quick_requests(uri):
         try:
             client.search_experiments(max_results=1)
         except Exception as e:
             raise PipelineError(
                 f"--register: the tracking store {uri} is not answering ({_reason(e)})"
             ) from None
-    with _quick_requests(registry):
+    with quick_requests(registry):
         try:
             client.search_registered_models(max_results=1)
         except Exception as e:
@@ -110,25 +109,6 @@ def _unusable(store: str, what: str, error: Exception) -> str:
             f"sqlite:///<workspace root>/mlflow.db) or a tracking server"
         )
     return f"--register: {store} cannot serve as a {what} ({_reason(error)})"
-
-
-@contextmanager
-def _quick_requests(uri: str):
-    """A first request to a tracking server gets one try, answered in seconds, as `run`'s
-    check does (MLflow's defaults retry for minutes); the uploads after it get MLflow's
-    defaults, which a large model.safetensors may need. A user's own settings stand."""
-    from pipeline.tracking.tracker import _HTTP_LIMITS, is_remote
-
-    if not is_remote(uri):
-        yield
-        return
-    added = [k for k in _HTTP_LIMITS if k not in os.environ]
-    os.environ.update({k: _HTTP_LIMITS[k] for k in added})
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 def _reason(error: Exception) -> str:
