@@ -570,19 +570,11 @@ def fuzz(world: World, cases: int, on_outcome) -> None:
     temporary directory; `on_outcome(outcome)` sees each (it may raise, to fail the case)."""
     import tempfile
 
-    from hypothesis import HealthCheck, given, settings
+    from tests.helpers.fuzz_kit import derandomized  # fuzz_kit imports this module
 
-    @settings(
-        max_examples=cases,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(data=st.data())
-    def one_case(data):
+    def one_case(draw):
         with tempfile.TemporaryDirectory() as tmp:
-            case = draw_case(data.draw, world, Path(tmp))
+            case = draw_case(draw, world, Path(tmp))
             on_outcome(run_case(case, world.root))
 
-    one_case()
+    derandomized(cases, one_case)

@@ -321,24 +321,16 @@ def fuzz_paths(world: World, cases: int, on_outcome) -> None:
     """`cases` derandomized cases, each in a fresh sandbox with $HOME inside it."""
     import tempfile
 
-    from hypothesis import HealthCheck, given, settings
+    from tests.helpers.fuzz_kit import derandomized
 
-    @settings(
-        max_examples=cases,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(data=st.data())
-    def one_case(data):
+    def one_case(draw):
         with tempfile.TemporaryDirectory() as tmp:
             sandbox = Path(tmp).resolve()
             make_sandbox(sandbox, world)
             home = os.environ.get("HOME")
             os.environ["HOME"] = str(sandbox / "home")
             try:
-                case = draw_case(data.draw, sandbox)
+                case = draw_case(draw, sandbox)
                 outcome = run_case(case, sandbox)
             finally:
                 if home is None:
@@ -347,4 +339,4 @@ def fuzz_paths(world: World, cases: int, on_outcome) -> None:
                     os.environ["HOME"] = home
             on_outcome(outcome)
 
-    one_case()
+    derandomized(cases, one_case)
