@@ -23,26 +23,19 @@ from pipeline.tracking.tracker import NullTracker
 from pipeline.workspace.lock import WorkspaceLock, lock_is_free
 from pipeline.workspace.runner import Runner
 from tests.stages.test_download import (  # noqa: F401  (fixtures)
-    Server,
     _offline_and_fast,
     config,
     listing,
     make_zip,
     payload,
     run_download,
+    server,
     sha,
 )
 from tests.workspace.test_runner import calls, cfg, run  # noqa: F401  (calls, cfg: fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 VICTIM = "not yours: thesis chapter 3\n"
-
-
-@pytest.fixture
-def server():
-    s = Server()
-    yield s
-    s.close()
 
 
 @pytest.fixture
@@ -156,7 +149,9 @@ def test_a_fifo_at_the_workspace_lock_is_refused_not_waited_on(tmp_path):
 
 
 def test_a_link_planted_at_a_partial_download_is_refused_and_its_target_untouched(
-    server, tmp_path, victim
+    server,
+    tmp_path,
+    victim,  # noqa: F811
 ):
     data = payload(60_000)
     server.files["d.bin"] = data
@@ -174,7 +169,7 @@ def test_a_link_planted_at_a_partial_download_is_refused_and_its_target_untouche
     assert not (downloads / sha(data)).exists()
 
 
-def test_a_link_planted_at_the_download_lock_creates_nothing(server, tmp_path):
+def test_a_link_planted_at_the_download_lock_creates_nothing(server, tmp_path):  # noqa: F811
     data = payload(10_000)
     server.files["d.bin"] = data
     spec = config(tmp_path, {"url": server.url("d.bin"), "sha256": sha(data)})
