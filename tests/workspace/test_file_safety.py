@@ -149,9 +149,9 @@ def test_a_fifo_at_the_workspace_lock_is_refused_not_waited_on(tmp_path):
 
 
 def test_a_link_planted_at_a_partial_download_is_refused_and_its_target_untouched(
-    server,
+    server,  # noqa: F811
     tmp_path,
-    victim,  # noqa: F811
+    victim,
 ):
     data = payload(60_000)
     server.files["d.bin"] = data
