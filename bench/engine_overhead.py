@@ -15,7 +15,7 @@ pipeline.training.optim) step in two ways:
 
 Per step it counts the aten ops that run (a TorchDispatchMode: forward, backward and
 optimizer alike) and the host syncs: the ops that make the host wait for the device on
-CUDA (`.item()`, `.tolist()`, bool of a tensor, nonzero...; tests/helpers/host_syncs.py's
+CUDA (`.item()`, `.tolist()`, bool of a tensor, nonzero...; pipeline/diagnostics/host_syncs.py's
 HostSyncCounter), with the line that asked for each. Times are the median of --steps steps after
 warm-up, the three kinds of step
 interleaved. Prints markdown tables; asserts
@@ -41,8 +41,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers.host_syncs import HostSyncCounter  # noqa: E402
-from tests.helpers.step_audit import OpCounter  # noqa: E402
+from pipeline.diagnostics.host_syncs import HostSyncCounter  # noqa: E402
+from pipeline.diagnostics.step_audit import OpCounter  # noqa: E402
 
 
 def build(spec, vocab: int):
@@ -210,7 +210,7 @@ def main() -> None:
         f"{spec.model_kind}, {params:,} parameters, micro-batch {args.batch} x {args.seq}, "
         f"{'bf16 (plain: autocast)' if BF16 else 'float32'}, "
         f"optimizer {opt.type} (clip {opt.clip}), CPU, {args.threads} thread(s), torch "
-        f"{torch.__version__}; host syncs by tests/helpers/host_syncs.py\n"
+        f"{torch.__version__}; host syncs by pipeline/diagnostics/host_syncs.py\n"
     )
     print("| step | ms/step (median) | aten ops/step | host syncs/step |")
     print("|---|---:|---:|---:|")

@@ -11,7 +11,7 @@ imported from there, never copied. The shapes come from building the config's mo
 meta device; the tensors are random, with gradients scaled so that some parameters are
 clipped and some not. aten ops are those dispatched from Python (a `_foreach_*` op counts
 once); host syncs are the ops that read a device value on the host
-(tests/helpers/host_syncs.py). Prints a table; asserts nothing.
+(pipeline/diagnostics/host_syncs.py). Prints a table; asserts nothing.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pipeline.diagnostics.host_syncs import HostSyncCounter  # noqa: E402
+from pipeline.diagnostics.step_audit import OpCounter  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
 from pipeline.training.optim import ClippedAdagrad  # noqa: E402
-from tests.helpers.host_syncs import HostSyncCounter  # noqa: E402
-from tests.helpers.step_audit import OpCounter  # noqa: E402
 
 LR, CLIP, EPS = 0.07, 0.03, 1e-10
 

@@ -4,10 +4,10 @@ authors' code where `--reference-code DIR` is given:
     python bench/step_counts.py [--reference-code DIR] [--parts ops,syncs,saved,time]
 
 1. aten ops per steady-state update (forward, backward, optimizer step, span clamp), counted
-   with a TorchDispatchMode (tests/helpers/step_audit.py) at a tiny shape of enwik8_large's
+   with a TorchDispatchMode (pipeline/diagnostics/step_audit.py) at a tiny shape of enwik8_large's
    model (d 64, 4 heads, N 32, max span 256 held at 1, micro-batch 2 x 64, attention dropout
    0.4, the clipped Adagrad), at 2 and 3 layers, extrapolated to 36 (fixed + 36 x per layer);
-2. host syncs per steady-state update at the same shape (tests/helpers/host_syncs.py's
+2. host syncs per steady-state update at the same shape (pipeline/diagnostics/host_syncs.py's
    HostSyncCounter), with the places they come from; ours steps the model as the trainer
    does (each update inside ``planned_update()``, ``request_plan()`` after it);
 3. bytes kept for backward per layer at enwik8_large's shape (micro-batch 4 x 512, max span
@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from train_step import Authors, Ours  # noqa: E402
 
 from pipeline.commands.report import vocab_size_for  # noqa: E402
+from pipeline.diagnostics.host_syncs import HostSyncCounter  # noqa: E402
+from pipeline.diagnostics.step_audit import OpCounter, SavedBytes  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
-from tests.helpers.host_syncs import HostSyncCounter  # noqa: E402
-from tests.helpers.step_audit import OpCounter, SavedBytes  # noqa: E402
 
 CONFIG = ROOT / "configs" / "enwik8_large.yaml"
 LAYERS = 36
@@ -152,7 +152,9 @@ def ops_and_syncs(ref) -> None:
         )
     if "authors" in scaled:
         print(f"\nours / authors at 36 layers: {scaled['ours'] / scaled['authors']:.2f}")
-    print("\n### host syncs per steady-state update (same shape; tests/helpers/host_syncs.py)\n")
+    print(
+        "\n### host syncs per steady-state update (same shape; pipeline.diagnostics.host_syncs)\n"
+    )
     print("| code | 2 layers | 3 layers | per layer | scaled to 36 layers |")
     print("|---|---:|---:|---:|---:|")
     for name in c2:

@@ -132,7 +132,7 @@ def straddling(engine, names: dict[int, str]) -> list[str]:
 def count_host_syncs(optimizer) -> dict:
     """From now on, counts the calls of `optimizer.step` (those the DeepSpeed wrappers make)
     and lists their ops that would make the host wait for the device."""
-    from tests.helpers.host_syncs import HostSyncCounter
+    from pipeline.diagnostics.host_syncs import HostSyncCounter
 
     seen, step = {"steps": 0, "syncs": []}, optimizer.step
 

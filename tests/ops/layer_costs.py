@@ -16,10 +16,10 @@ from collections import Counter
 
 import torch
 
+from pipeline.diagnostics.step_audit import OpCounter, SavedBytes
 from pipeline.models.config import AllAttnConfig
 from pipeline.models.layers import AllAttnLayer
 from pipeline.ops import get_attention_impl
-from tests.helpers.step_audit import OpCounter, SavedBytes
 
 GIB = 2**30
 
@@ -39,7 +39,7 @@ def saved_bytes(run) -> int:
 
 def aten_ops(step) -> Counter:
     """aten ops dispatched by ``step()`` (forward and backward), by ``aten.<name>``
-    (tests/helpers/step_audit.py's OpCounter)."""
+    (pipeline/diagnostics/step_audit.py's OpCounter)."""
     with OpCounter() as counter:
         step()
     return Counter({name if "." in name else f"aten.{name}": n for name, n in counter.ops.items()})

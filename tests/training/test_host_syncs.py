@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.diagnostics.host_syncs import HostSyncCounter
 from stages.base import NullStageTracker
-from tests.helpers.host_syncs import HostSyncCounter
 from tests.training.test_epoch_wrap import tiny_corpus
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeline.cluster.device import dense_peak_tflops
+from pipeline.diagnostics.host_syncs import HostSyncCounter
 from pipeline.models.active_memory import ActiveMemoryConfig, ActiveMemoryModel
 from pipeline.models.allattn import AllAttnConfig, AllAttnLM
-from tests.helpers.host_syncs import HostSyncCounter
 
 D, LAYERS, HEADS, N, VOCAB = 16, 2, 2, 4, 50
 

@@ -189,8 +189,8 @@ def test_the_curriculum_stage_has_the_same_guard(tmp_path):
 def test_the_guard_decides_once_per_update_and_stop_mode_never_waits_for_the_device():
     """ZeRO 3 calls the optimizer's step once per sub-group of one update: the first call
     decides for all; in stop mode the guard reads nothing from the device."""
+    from pipeline.diagnostics.host_syncs import HostSyncCounter
     from pipeline.training.nonfinite import NonfiniteGuard
-    from tests.helpers.host_syncs import HostSyncCounter
 
     w = torch.nn.Parameter(torch.ones(3))
 

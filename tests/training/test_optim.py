@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pipeline.diagnostics.host_syncs import HostSyncCounter
+from pipeline.diagnostics.step_audit import OpCounter
 from pipeline.errors import PipelineError
 from pipeline.training.optim import ClippedAdagrad, _flat_layout, _whole, bind_to_engine
-from tests.helpers.host_syncs import HostSyncCounter
-from tests.helpers.step_audit import OpCounter
 
 ROOT = Path(__file__).resolve().parents[2]
 

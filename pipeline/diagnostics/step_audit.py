@@ -6,7 +6,7 @@
 - ``SavedBytes``: the bytes autograd keeps for backward (``saved_tensors_hooks``), each
   storage once, parameters and the inputs it is told about left out; works on the meta device.
 
-The host syncs are counted by tests/helpers/host_syncs.py's ``HostSyncCounter`` (the one
+The host syncs are counted by pipeline/diagnostics/host_syncs.py's ``HostSyncCounter`` (the one
 sync counter); ``OpCounter`` here is the one op counter (tests/ops/layer_costs.py and the
 benches import it).
 """

@@ -1,6 +1,6 @@
 """Count the operations that make the host wait for the device (host syncs). The one sync
 counter of the tests and benches (it replaced tests/helpers/optim_syncs.py's ``HostSyncs``
-and tests/helpers/step_audit.py's ``HostSyncCounter``).
+and pipeline/diagnostics/step_audit.py's ``HostSyncCounter``).
 
     with HostSyncCounter() as counter:
         trainer.train_step()
@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+import types
 import weakref
 
 import torch
@@ -115,6 +116,7 @@ _OPTIM_STEP_VALUE = _get_value.__code__
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PIPELINE = os.path.join(_ROOT, "pipeline") + os.sep
+_DIAGNOSTICS = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the counters, not a culprit
 _SKIP = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.abspath(__file__),
@@ -126,14 +128,14 @@ def _where() -> str:
     """The innermost pipeline/ line of the caller's stack (and the innermost line outside
     torch and this file, if different)."""
     ours = outside = None
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None and ours is None:
         path = frame.f_code.co_filename
         shown = os.path.relpath(path, _ROOT) if path.startswith(_ROOT) else path
         here = f"{shown}:{frame.f_lineno}"
         if outside is None and not path.startswith(_SKIP):
             outside = here
-        if path.startswith(_PIPELINE):
+        if path.startswith(_PIPELINE) and not path.startswith(_DIAGNOSTICS):
             ours = here
         frame = frame.f_back
     if ours and outside and ours != outside:
