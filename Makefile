@@ -41,7 +41,7 @@ $(VENV)/.lint-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[test,lint]"
 	touch $@
 
-# The GPU check (bench/gpu_check.py): the CUDA tests and the GPU benchmarks, one report.
+# The GPU check (gpu/check.py): the CUDA tests and the GPU benchmarks, one report.
 # It runs under the interpreter that has the machine's torch: the project's .venv where there
 # is one, else $(PYTHON) (a GPU machine with its own CUDA torch and no network). Give the
 # wheels of what that machine lacks with WHEELS=DIR. Without a GPU: a dry run, exit 0.
@@ -49,7 +49,7 @@ CHECK_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 # REFERENCE=DIR: a checkout of the authors' code (facebookresearch/adaptive-span), timed beside
 # ours. The whole check keeps to 9 minutes on an H100/H200 (each part has its budget).
 gpu-check:
-	$(CHECK_PYTHON) bench/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) \
+	$(CHECK_PYTHON) gpu/check.py $(if $(WHEELS),--wheels $(WHEELS)) \
 	    $(if $(REFERENCE),--reference-code $(REFERENCE)) --report gpu-check.md
 
 # The wheels a GPU image with torch, click, pyyaml, numpy, sentencepiece, psutil, matplotlib
@@ -59,7 +59,7 @@ gpu-check:
 # (pip's metadata only), downloads and builds nothing.
 GPU_WHEELS ?= gpu-wheels
 gpu-wheels: $(VENV)/.installed
-	$(BIN)/python bench/gpu_wheels.py --dest $(GPU_WHEELS) $(if $(DRY_RUN),--dry-run)
+	$(BIN)/python gpu/wheels.py --dest $(GPU_WHEELS) $(if $(DRY_RUN),--dry-run)
 
 # Debian's Slurm and munge for tests/cluster/test_cluster.py (a real two-node Slurm in network
 # namespaces); as root. Without them those tests skip, naming what is missing.

@@ -1,6 +1,6 @@
 """The authors' code (facebookresearch/adaptive-span, CC-BY-NC) at one of our shapes, for the
 benches that put its training step beside ours (bench/train_step.py, bench/step_counts.py,
-bench/gpu_check.py). Their code is never copied here: the user gives their own checkout
+gpu/check.py). Their code is never copied here: the user gives their own checkout
 (`--reference-code DIR`), and this module imports it from there.
 
 It builds what their main.py builds for experiments/enwik8_pers.sh (the all-attention model:

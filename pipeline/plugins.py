@@ -8,7 +8,7 @@ and a stage kind under `allattn_pipe.stages` (the name is what `stages:` lists; 
 the same groups, so there is one way a name is registered.
 
 Without this project's installed metadata (a source checkout on PYTHONPATH, as
-bench/gpu_check.py runs on a GPU image, or an install older than the entry points) the
+gpu/check.py runs on a GPU image, or an install older than the entry points) the
 built-ins' declarations are read from the pyproject.toml beside `pipeline/`: the table pip
 would have installed, not a second list.
 

@@ -1,6 +1,6 @@
 """Reading documents segment by segment and scoring what follows their separator: the one
 loop behind document-level training (the trainer), validation, the evaluate stage and
-bench/infinity_sort.py.
+reproduce/infinity_sort.py.
 
 A batch of documents [B, length] (pipeline.data.documents: input, separator, targets) is read
 in segments of ``seq_len`` tokens from the model's ``init_state``, the state carried from each

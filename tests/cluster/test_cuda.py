@@ -1,4 +1,4 @@
-"""What only a GPU can show, marked `cuda` (bench/gpu_check.py runs `pytest -m cuda`): the span
+"""What only a GPU can show, marked `cuda` (gpu/check.py runs `pytest -m cuda`): the span
 mask and whole training steps in bf16 on CUDA against float32 (a tiny model, and two layers of
 the paper config's shape with its clipped Adagrad), and our collectives over a one-rank nccl
 group. They skip here, naming why; the flex dropout test is in test_attention_fused.py. The

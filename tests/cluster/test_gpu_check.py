@@ -17,7 +17,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "gpu"))
 
 AUTHORS_FILES = (
     "models.py",
@@ -91,7 +91,7 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
 def test_gpu_check_runs_the_parts_asked_for_and_refuses_an_unknown_one(tmp_path):
     report = tmp_path / "report.md"
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--parts", "attention", "--report", str(report)],
+        [sys.executable, "gpu/check.py", "--parts", "attention", "--report", str(report)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -101,7 +101,7 @@ def test_gpu_check_runs_the_parts_asked_for_and_refuses_an_unknown_one(tmp_path)
     titles = [line for line in report.read_text().splitlines() if line.startswith("## ")]
     assert titles == ["## the op alone: bench/attention.py, bf16, dropout 0.4, N 2048 (--help): ok"]
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--parts", "attention,speed"],
+        [sys.executable, "gpu/check.py", "--parts", "attention,speed"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -135,7 +135,7 @@ def test_a_reference_code_folder_without_the_authors_files_stops_the_dry_run(tmp
 
 
 def test_the_report_keeps_a_failure_and_drops_a_log_flood():
-    from gpu_check import pytest_digest
+    from check import pytest_digest
 
     flood = "\n".join(
         f"V1126 12:00:00 inductor.py:1] [__graph_code] line {i}" for i in range(20000)
@@ -165,7 +165,7 @@ FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - 
 
 
 def test_only_the_wheels_of_missing_packages_are_installed(tmp_path):
-    from gpu_check import missing_wheels
+    from check import missing_wheels
 
     for name in (
         "torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl",

@@ -1,7 +1,7 @@
-"""The command-line fuzzer (tests/helpers/cli_fuzz.py) over every command: 2,000 cases, each
+"""The command-line fuzzer (quality/fuzzers/cli_fuzz.py) over every command: 2,000 cases, each
 ending in exit 0 or a located one-line `error: ...` with exit 2, none a traceback or a hang,
 none changing what a refused or read-only command found (marker `fuzz`); and a short run of
-the path fuzzer (tests/helpers/path_fuzz.py). bench/fuzz.py prints both figures."""
+the path fuzzer (quality/fuzzers/path_fuzz.py). quality/fuzz.py prints both figures."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli_fuzz import Case, build_world, fuzz, run_case
-from tests.helpers.path_fuzz import fuzz_paths
+from quality.fuzzers.cli_fuzz import Case, build_world, fuzz, run_case
+from quality.fuzzers.path_fuzz import fuzz_paths
 
 CASES = 2000
 
@@ -74,12 +74,12 @@ ORDINARY_CASES = {
 }
 """One invocation of each command that must get through (exit 0) on the tiny world."""
 
-PATH_CASES = 30  # bench/fuzz.py --paths 1000 runs the full figure
+PATH_CASES = 30  # quality/fuzz.py --paths 1000 runs the full figure
 
 
 @pytest.mark.slow
 def test_path_shapes_and_concurrent_commands_change_only_what_the_command_owns(world):
-    """tests/helpers/path_fuzz.py: `..` through missing directories, symlinks, `~`, foreign
+    """quality/fuzzers/path_fuzz.py: `..` through missing directories, symlinks, `~`, foreign
     directories, unicode and long names, for every path argument and path-valued key; two
     commands at once on one workspace."""
     outcomes = []

@@ -1,18 +1,18 @@
-"""Short runs of issue 35's fuzzers (tests/helpers/secret_fuzz.py, injection_fuzz.py,
+"""Short runs of issue 35's fuzzers (quality/fuzzers/secret_fuzz.py, injection_fuzz.py,
 link_fuzz.py): a canary secret in every credential place is never recorded or printed, a
 canary command in every value that reaches a batch script or a remote command line never
 runs, and a link or FIFO planted where a command opens a file changes nothing outside and
 blocks nothing. Each test runs every case and then fails listing all the bad ones.
-bench/fuzz.py --secrets / --injection / --links N prints the full figures."""
+quality/fuzz.py --secrets / --injection / --links N prints the full figures."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers.cli_fuzz import build_world
-from tests.helpers.injection_fuzz import fuzz_injection
-from tests.helpers.link_fuzz import KINDS, fuzz_links
-from tests.helpers.secret_fuzz import fuzz_secrets
+from quality.fuzzers.cli_fuzz import build_world
+from quality.fuzzers.injection_fuzz import fuzz_injection
+from quality.fuzzers.link_fuzz import KINDS, fuzz_links
+from quality.fuzzers.secret_fuzz import fuzz_secrets
 
 SECRET_CASES = 100
 INJECTION_CASES = 30

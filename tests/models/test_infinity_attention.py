@@ -24,7 +24,7 @@ d_model 6 with 2 heads so that sqrt(d_head), d_head and sqrt(d_model) all differ
 Tolerance: the module computes the sinusoids in float32 (as Transformer-XL does) before
 casting them to the model's dtype, so the float64 model agrees with the exact formula to about
 1e-7 relative, not to float64's precision; any single-line change of the formula moves the
-output by orders of magnitude more (bench/mutations.py checks that).
+output by orders of magnitude more (quality/mutations.py checks that).
 """
 
 from __future__ import annotations

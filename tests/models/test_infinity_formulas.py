@@ -4,7 +4,7 @@ helpers: explicit loops over Python floats (float64), quadrature and finite diff
 Each piece (basis and design matrix, ridge fit, closed-form read, gradients, the whole LTM
 step over two blocks, KL, sticky positions, the query the LTM reads with) is written out from
 the paper (PAPERS.md §3) and the authors' code, so that changing any single line of a formula
-in pipeline/models/infinity_former.py fails a test here (bench/mutations.py checks that).
+in pipeline/models/infinity_former/model.py fails a test here (quality/mutations.py checks that).
 
 Sizes are tiny and the basis wide (widths 0.1 / 0.3 over 4 centres) so that every basis
 function overlaps every position and no term vanishes in rounding; λ = 0.5 and τ = 0.6 so
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pipeline.models import build_model
-from pipeline.models.infinity_former import (
+from pipeline.models.infinity_former.model import (
     ContinuousMemory,
     InfinityFormerConfig,
     basis_values,

@@ -2,7 +2,7 @@
 
 On a machine without CUDA they run in Triton's interpreter (float32: the interpreter has no
 bfloat16), which is what CI runs; on CUDA the same cases run compiled in bf16, marked ``cuda``
-(bench/gpu_check.py), in the first tile of TILES only (each tile is a compilation per case;
+(gpu/check.py), in the first tile of TILES only (each tile is a compilation per case;
 the tile choice has a test of its own here and runs in the GPU check's timed parts).
 
 Every case compares the output and every gradient (q, k, v, the position table u, the
@@ -69,7 +69,9 @@ def one_tile(monkeypatch):
 def _close(got, want, tol, what):
     assert torch.isfinite(got).all(), what
     scale = max(1.0, want.abs().max().item())
-    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale, msg=what)
+    # the reference runs on the CPU: assert_close also fails on a device mismatch alone
+    got = got.double().to(want.device)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=what)
 
 
 def _check_against_reference(xs, spans, device, dtype, tol, **kw):
@@ -296,6 +298,40 @@ def test_triton_traces_into_one_graph_with_its_backward_and_gives_the_eager_bits
     traced = run(torch.compile(attend, backend="aot_eager", fullgraph=True))
     for name, a, b in zip(["out", *NAMES], eager, traced, strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("device,dtype,tol", _devices())
+@pytest.mark.parametrize("persistent,mask,dropout", [(True, True, True), (False, False, False)])
+def test_triton_ops_fake_kernels_match_the_real_outputs(
+    persistent, mask, dropout, device, dtype, tol
+):
+    """torch.library.opcheck on the forward and the backward op: the fake kernels (what
+    torch.compile plans with) give each output's shape, dtype and strides exactly. Inductor
+    asserts the real strides against them, so a transposed or sliced gradient (u's and log
+    m's) fails a compiled step on the GPU (aot_eager, above, does not check strides)."""
+    xs, spans = _inputs(dtype=torch.float32, b=1, h=3, m=19, span=21, d=8, n=3)
+    q, k, v, pos, pk, pv = [x.to(device, dtype) for x in xs]
+    if not persistent:
+        pk = pv = None
+    logm = (
+        attention_mod.log_span_mask(attention_mod.adaptive_span_mask(spans, 3, 21)).float()
+        if mask
+        else None
+    )
+    logm = None if logm is None else logm.to(device)
+    seed = torch.tensor(5, dtype=torch.int32, device=device) if dropout else None
+    p = 0.3 if dropout else 0.0
+    out, lse = torch.ops.allattn.triton_attention(q, k, v, pos, pk, pv, logm, seed, p)
+    grad = torch.randn_like(out)
+    for op, args in [
+        (torch.ops.allattn.triton_attention, (q, k, v, pos, pk, pv, logm, seed, p)),
+        (
+            torch.ops.allattn.triton_attention_backward,
+            (grad, q, k, v, pos, pk, pv, logm, seed, out, lse, p),
+        ),
+    ]:
+        report = torch.library.opcheck(op, args)
+        assert set(report.values()) == {"SUCCESS"}, report
 
 
 def test_triton_refuses_what_it_cannot_run_in_one_line():

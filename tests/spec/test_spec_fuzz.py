@@ -2,7 +2,7 @@
 either in success or in exit 2 with one located error per line, quickly; never a traceback
 or a hang.
 
-The damage (tests/helpers/spec_damage.py) is what a spec meets: odd scalars, YAML tags with
+The damage (quality/fuzzers/spec_damage.py) is what a spec meets: odd scalars, YAML tags with
 random text, huge and infinite numbers, deep structures, aliases, complex and merge keys, bad
 bytes, odd `extends` targets, damaged dataset cards and `--set` overrides.
 """
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.commands.cli import main
-from tests.helpers.spec_damage import ROOT, damaged_config
+from quality.fuzzers.spec_damage import ROOT, damaged_config
 
 # A hang detector, not a speed target: a refusal or a `show` takes well under a second alone
 # (the deepest --set the fuzzer made: 0.3 s over a plain validate), but a shared 2-core CI

@@ -2,7 +2,7 @@
 random moments (most right after a checkpoint is published, while its metrics may still be
 queued) and resumed after each, leaves in MLflow every step's training loss exactly once,
 with the values of an uninterrupted run, and every killed attempt marked KILLED.
-bench/kill9_tracking.py runs the same with 20 kills and prints the figure."""
+quality/kill9_tracking.py runs the same with 20 kills and prints the figure."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""bench/learning_check.py on the CPU: the verdict on hand-made curves (within 2% of ref A at
+"""gpu/learning_check.py on the CPU: the verdict on hand-made curves (within 2% of ref A at
 every step and no further from it than the seed spread, else FAIL naming the worst step),
 the trainer's report lines parsed, a run that crashes (exit 2, with its output's tail), the
 three trainings end to end on a tiny model with backends a CPU trains (sdpa for the fast
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "gpu"))
 
 import learning_check as lc  # noqa: E402
 

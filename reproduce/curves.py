@@ -1,7 +1,7 @@
 """Short learning curves on real text: the all-attention network against the Transformer +
 adaptive span baseline at (nearly) equal parameter count, character level, on CPU.
 
-    python bench/curves.py [--steps 400] [--eval-every 50] [--models allattn,transformer]
+    python reproduce/curves.py [--steps 400] [--eval-every 50] [--models allattn,transformer]
 
 Data: WikiText-2 (the shared copy, ../shared/data/wikitext-2 beside the checkout) read as
 unicode characters; the vocabulary is the training file's characters plus one id for

@@ -6,13 +6,13 @@ directory with files (`victim/`), a file, a symlink to the foreign directory, a 
 symlink, a sibling named like an old temporary (`.out.tmp/`), a directory whose files merely
 have an export's names, and $HOME (so `~` stays in the sandbox). The path given is drawn from
 `..` through missing directories, symlinks, a trailing `/.`, `~`, existing files and foreign
-directories, unicode and very long names. Dataset cases (tests/helpers/archive_fuzz.py): card
+directories, unicode and very long names. Dataset cases (quality/fuzzers/archive_fuzz.py): card
 file paths and archive member names, downloaded from a file:// source in the sandbox.
 
 A case fails on a traceback, on a run past HANG_SECONDS, or when any file or directory in the
 sandbox changed outside what the command owns: the resolved destination it was given (and the
 missing directories above it), the workspace root and the cache the spec names. Used by
-tests/commands/test_cli_fuzz.py (a short run) and bench/fuzz.py --paths N (the figure).
+tests/commands/test_cli_fuzz.py (a short run) and quality/fuzz.py --paths N (the figure).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from tests.helpers.cli_fuzz import World
-from tests.helpers.fuzz_kit import invoke
+from quality.fuzzers.cli_fuzz import World
+from quality.fuzzers.fuzz_kit import invoke
 
 HANG_SECONDS = 60
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def draw_case(draw, sandbox: Path) -> Case:
         )
     )
     if command == "dataset":
-        from tests.helpers.archive_fuzz import draw_dataset_case
+        from quality.fuzzers.archive_fuzz import draw_dataset_case
 
         return draw_dataset_case(draw, sandbox)
     if command == "export":
@@ -321,7 +321,7 @@ def fuzz_paths(world: World, cases: int, on_outcome) -> None:
     """`cases` derandomized cases, each in a fresh sandbox with $HOME inside it."""
     import tempfile
 
-    from tests.helpers.fuzz_kit import derandomized
+    from quality.fuzzers.fuzz_kit import derandomized
 
     def one_case(draw):
         with tempfile.TemporaryDirectory() as tmp:

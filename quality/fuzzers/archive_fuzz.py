@@ -1,4 +1,4 @@
-"""The path fuzzer's dataset cases (tests/helpers/path_fuzz.py): dataset-card file paths and
+"""The path fuzzer's dataset cases (quality/fuzzers/path_fuzz.py): dataset-card file paths and
 archive member names, fetched from a file:// source in the sandbox by `run --only download`
 on the sandbox's world.
 
@@ -80,7 +80,7 @@ def make_gz(path: Path, stored_name: str) -> None:
 
 def draw_dataset_case(draw, sandbox: Path):
     """A path_fuzz.Case: `run --only download` of a drawn archive or card path."""
-    from tests.helpers.path_fuzz import Case
+    from quality.fuzzers.path_fuzz import Case
 
     names = st.sampled_from(NAMES).map(lambda n: _name(n, sandbox))
     src = sandbox / "src"

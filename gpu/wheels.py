@@ -1,6 +1,6 @@
 """The wheels a GPU machine without network needs to run `make gpu-check` (`make gpu-wheels`).
 
-    python bench/gpu_wheels.py [--dest gpu-wheels] [--max-mb 60] [--dry-run]
+    python gpu/wheels.py [--dest gpu-wheels] [--max-mb 60] [--dry-run]
 
 The GPU image (README of the device machine; a typical rented CUDA image) has CUDA torch,
 click, pyyaml, numpy, sentencepiece, psutil, matplotlib and safetensors, and what they
@@ -104,7 +104,7 @@ MUST_CARRY = ("deepspeed", "mlflow-skinny", "pydantic", "webdataset")
 MLFLOW_STORE = ("sqlalchemy", "alembic")
 
 # what the check itself runs beyond the pipeline: pytest for the CUDA tests (the GPU image
-# usually has it; bench/gpu_check.py installs only the wheels whose package is missing)
+# usually has it; gpu/check.py installs only the wheels whose package is missing)
 CHECK_NEEDS = ("pytest>=8",)
 
 

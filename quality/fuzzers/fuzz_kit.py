@@ -1,9 +1,9 @@
-"""What the secret, injection and planted-link fuzzers share (tests/helpers/secret_fuzz.py,
+"""What the secret, injection and planted-link fuzzers share (quality/fuzzers/secret_fuzz.py,
 injection_fuzz.py, link_fuzz.py): the derandomized driver, a command run in this process
 with everything it prints caught (file descriptors 1 and 2 as well as click's streams), a
 local HTTP server, and recorders standing in for Slurm, the remote shells and Python.
 
-The tiny trained pipeline they run on is tests/helpers/cli_fuzz.py's `World`.
+The tiny trained pipeline they run on is quality/fuzzers/cli_fuzz.py's `World`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
-from tests.helpers.cli_fuzz import working_directory
+from quality.fuzzers.cli_fuzz import working_directory
 
 HANG_SECONDS = 30
 

@@ -8,7 +8,7 @@ parameters (token, sig, signature, api_key, password, client_secret, X-Amz-Signa
 X-Amz-Credential, X-Goog-Signature, access_token, ...), in `dataset.url` and `tracking.uri`
 (as `--set` or written in the config); and into environment variables (MLFLOW_TRACKING_URI,
 MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN, AWS_SECRET_ACCESS_KEY, FOO_TOKEN,
-http_proxy). The URLs point at a local server (tests/helpers/fuzz_kit.py `Server`) that
+http_proxy). The URLs point at a local server (quality/fuzzers/fuzz_kit.py `Server`) that
 serves a small corpus, refuses (401, 500, 404), redirects, at a port nobody listens on, or
 (tracking) at one that accepts and never answers.
 
@@ -20,7 +20,7 @@ logs, cache) or the case's directory (the configs the case wrote excepted). One 
 by design: a batch script is the job's input as the config is, so the script `launch slurm`
 / `sweep --slurm` renders (and prints with --dry-run) may hold a secret given with `--set`.
 A case also fails on a traceback, a refusal that is not one line, or a hang (30 s).
-Used by tests/commands/test_fuzz_classes.py and bench/fuzz.py --secrets N.
+Used by tests/commands/test_fuzz_classes.py and quality/fuzz.py --secrets N.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from tests.helpers.cli_fuzz import World, copy_world
-from tests.helpers.fuzz_kit import CORPUS, Server, derandomized, invoke
+from quality.fuzzers.cli_fuzz import World, copy_world
+from quality.fuzzers.fuzz_kit import CORPUS, Server, derandomized, invoke
 
 CORPUS_SHA = hashlib.sha256(CORPUS).hexdigest()
 # {c}: the canary; {h}: 127.0.0.1:PORT of the server; {closed}, {silent}: ports

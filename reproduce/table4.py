@@ -1,7 +1,7 @@
 """The active-memory paper's Table 4 on our pipeline: the longest length each operator solves
 by the length curriculum, mean over seeds, beside the paper's numbers (PAPERS.md §2).
 
-    python bench/table4.py [--protocol full|cpu] [--problems add,mult,remember,reverse]
+    python reproduce/table4.py [--protocol full|cpu] [--problems add,mult,remember,reverse]
                            [--mixers self_attention,conv,sa+conv] [--seeds 1,2,3]
                            [--epochs E] [--steps S] [--jobs 1] [--threads T]
                            [--device auto] [--results FILE.jsonl]

@@ -1,7 +1,7 @@
 """Does the fast GPU path learn like the float32 reference? Three short trainings of a
 config's model on the built-in corpus, their loss curves side by side and a verdict.
 
-    .venv/bin/python bench/learning_check.py [--config configs/enwik8_small.yaml]
+    .venv/bin/python gpu/learning_check.py [--config configs/enwik8_small.yaml]
         [--steps 300] [--batch 8] [--seq-len 256] [--log-every 25] [--warmup 30]
         [--seeds 1234,4321] [--set K=V]... [--fast-set K=V]... [--ref-set K=V]...
         [--timeout 240] [--budget S] [--jobs 1] [--tolerance 0.02] [--plot FILE.png]
@@ -28,7 +28,7 @@ ref A's to ref B (two seeds of the reference); otherwise **FAIL**, naming the wo
 Exit status 0 on PASS, 1 on FAIL, 2 when a run crashed, timed out or logged too few steps
 (its output's tail is printed).
 
-The defaults, sized for one H100 inside bench/gpu_check.py's 9 minutes: enwik8_small's model
+The defaults, sized for one H100 inside gpu/check.py's 9 minutes: enwik8_small's model
 (18 layers, d 512, N 1024, span up to 8192, attention dropout 0.3) at batch 8 x 256 tokens
 (micro-batch 8, no accumulation and no micro-batch search), 300 updates, the loss logged
 every 25 (a mean over 25 x 2,048 tokens: the window evens out the dropout's noise), no
@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gpu_check  # bench/, beside this script: its process-group start and finish
+import check as gpu_check  # gpu/, beside this script: its process-group start and finish
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/enwik8_small.yaml"

@@ -10,7 +10,7 @@ that validate, and others), a `--grid` value, `--seeds`, `launch slurm`'s and `s
 - `launch slurm` (the script printed with --dry-run, or written with --output) and
   `sweep --slurm --dry-run`: the script is then run with bash, every array task of it, with
   sbatch, srun, scontrol, scancel, deepspeed, pdsh, ssh, allattn-pipe and the project's
-  interpreter replaced by recorders (tests/helpers/fuzz_kit.py);
+  interpreter replaced by recorders (quality/fuzzers/fuzz_kit.py);
 - `run` with `train.launcher.nodes: 2` and a hostfile: the real deepspeed launcher renders
   its remote command line and hands it to the pdsh recorder, which runs it with `bash -c`
   for each node as a remote shell would (the project's interpreter on it a recorder).
@@ -19,7 +19,7 @@ A case fails when a canary ran ("command ran"), when a value did not arrive byte
 at srun, at the sweep's task step or at each node's launch/train.py ("mangled"), when an
 `#SBATCH` line sits below the first command or was injected ("directives"), when a rendered
 script fails under the recorders, on a traceback, a refusal that is not one line, or a hang.
-Used by tests/commands/test_fuzz_classes.py and bench/fuzz.py --injection N.
+Used by tests/commands/test_fuzz_classes.py and quality/fuzz.py --injection N.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from tests.helpers.cli_fuzz import World
-from tests.helpers.fuzz_kit import (
+from quality.fuzzers.cli_fuzz import World
+from quality.fuzzers.fuzz_kit import (
     CANARY_WORD,
     HANG_SECONDS,
     Recorders,

@@ -1,10 +1,10 @@
 """The command-line fuzzer: every `allattn-pipe` command, invoked in process with random and
-bad flags and values, damaged configs (tests/helpers/spec_damage.py) and damaged workspaces.
+bad flags and values, damaged configs (quality/fuzzers/spec_damage.py) and damaged workspaces.
 
 Every case must end in exit 0, or exit 2 with `error: ...` lines, each naming where (a file,
 `--set` or a flag); never a traceback, never a hang; and a refused command, or one that only
 reads, leaves every file it found as it was. Used by tests/commands/test_cli_fuzz.py (asserting) and
-bench/fuzz.py (counting).
+quality/fuzz.py (counting).
 
 The commands that would train get a tiny, already trained pipeline (`World`): `run` on it
 skips, or redoes a few steps. A damaged or overridden config is only ever run with
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from pipeline.commands.cli import main
 from pipeline.errors import shown
-from tests.helpers.spec_damage import CONFIGS, damaged_config, raw_values, tagged
+from quality.fuzzers.spec_damage import CONFIGS, damaged_config, raw_values, tagged
 
 HANG_SECONDS = 30
 STAGES = ["download", "preprocess", "train", "finetune", "evaluate", "curriculum"]
@@ -570,7 +570,7 @@ def fuzz(world: World, cases: int, on_outcome) -> None:
     temporary directory; `on_outcome(outcome)` sees each (it may raise, to fail the case)."""
     import tempfile
 
-    from tests.helpers.fuzz_kit import derandomized  # fuzz_kit imports this module
+    from quality.fuzzers.fuzz_kit import derandomized  # fuzz_kit imports this module
 
     def one_case(draw):
         with tempfile.TemporaryDirectory() as tmp:

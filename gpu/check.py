@@ -23,7 +23,7 @@ this order, the most wanted first, and what the budget no longer reaches is list
    Triton kernels and CUDA graphs under the DeepSpeed engine (batch 8, the config's
    micro-batch: auto) on the built-in python_docs corpus (no download), tokens/s from its
    log;
-7. `learning`: bench/learning_check.py, enwik8_small's model trained 300 updates with the
+7. `learning`: gpu/learning_check.py, enwik8_small's model trained 300 updates with the
    Triton kernels, bf16 and CUDA graphs against the reference op in float32 from the same
    weights and batches, and a second float32 seed for the spread, the three side by side;
 8. `reference`: today's path for comparison, the reference op's eager step at micro-batch 4.
@@ -336,7 +336,7 @@ def plan(args, folder: Path) -> list[Part]:
         str(pipeline_config(folder, args.pipeline_batch)),
     ]
     # the three trainings side by side on the one GPU, within the part's budget
-    learning = [py, "bench/learning_check.py", "--jobs", "3"]
+    learning = [py, "gpu/learning_check.py", "--jobs", "3"]
     learning += [
         "--budget",
         str(BUDGETS["learning"] - 10),

@@ -2,7 +2,7 @@
 with sticky memories, the same short-term memory, at doubling lengths, several seeds; prints
 the sorted output's accuracy per length and how much each model loses as the input grows.
 
-    python bench/infinity_sort.py [--lengths 32,64,128,256] [--seeds 0,1,2]
+    python reproduce/infinity_sort.py [--lengths 32,64,128,256] [--seeds 0,1,2]
         [--models xl,infinity,sticky] [--base-steps 6000] [--steps 400] [--jobs 2]
         [--results FILE.jsonl] [--plot FILE.png] [--table-only]
 

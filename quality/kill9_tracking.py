@@ -3,7 +3,7 @@ print what MLflow's training-loss history holds against an uninterrupted run: ki
 checked, steps lost, steps doubled, values that differ (tests/tracking/test_kill9_tracking.py runs
 the same with 4 kills). About 20-40 s a kill on 2 busy cores.
 
-    DS_ACCELERATOR=cpu .venv/bin/python bench/kill9_tracking.py [--kills 20] [--seed 20]
+    DS_ACCELERATOR=cpu .venv/bin/python quality/kill9_tracking.py [--kills 20] [--seed 20]
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 seconds. The same derandomized cases as tests/commands/test_cli_fuzz.py (which fails on any bad
 one); here every case runs and the bad ones are listed.
 
-    .venv/bin/python bench/fuzz.py [--cases 2000] [--show-bad 20]
-    .venv/bin/python bench/fuzz.py --paths 1000     # the path fuzzer (tests/helpers/path_fuzz.py)
-    .venv/bin/python bench/fuzz.py --secrets 1000 --injection 1000 --links 1000
-        # issue 35's classes: secret_fuzz.py, injection_fuzz.py, link_fuzz.py (tests/helpers/)
+    .venv/bin/python quality/fuzz.py [--cases 2000] [--show-bad 20]
+    .venv/bin/python quality/fuzz.py --paths 1000   # the path fuzzer (quality/fuzzers/path_fuzz.py)
+    .venv/bin/python quality/fuzz.py --secrets 1000 --injection 1000 --links 1000
+        # issue 35's classes: secret_fuzz.py, injection_fuzz.py, link_fuzz.py (quality/fuzzers/)
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers.cli_fuzz import build_world, fuzz  # noqa: E402
-from tests.helpers.injection_fuzz import fuzz_injection  # noqa: E402
-from tests.helpers.link_fuzz import fuzz_links  # noqa: E402
-from tests.helpers.path_fuzz import fuzz_paths  # noqa: E402
-from tests.helpers.secret_fuzz import fuzz_secrets  # noqa: E402
+from quality.fuzzers.cli_fuzz import build_world, fuzz  # noqa: E402
+from quality.fuzzers.injection_fuzz import fuzz_injection  # noqa: E402
+from quality.fuzzers.link_fuzz import fuzz_links  # noqa: E402
+from quality.fuzzers.path_fuzz import fuzz_paths  # noqa: E402
+from quality.fuzzers.secret_fuzz import fuzz_secrets  # noqa: E402
 
 
 def timed(run_fuzzer, cases: int) -> tuple[list, float, float]:

@@ -22,7 +22,7 @@ validate / show / run (itself, or a file it `extends`).
 A case fails on a change to anything outside the copied world the command owns (the victim
 included; `export --out` owns the directory its path resolves to, link followed, as the
 docs say), on a traceback, a refusal that is not one line, or a hang. Used by
-tests/commands/test_fuzz_classes.py and bench/fuzz.py --links N.
+tests/commands/test_fuzz_classes.py and quality/fuzz.py --links N.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from tests.helpers.cli_fuzz import World, copy_world
-from tests.helpers.fuzz_kit import CORPUS, Server, derandomized, invoke
-from tests.helpers.path_fuzz import snapshot
+from quality.fuzzers.cli_fuzz import World, copy_world
+from quality.fuzzers.fuzz_kit import CORPUS, Server, derandomized, invoke
+from quality.fuzzers.path_fuzz import snapshot
 
 SHA = hashlib.sha256(CORPUS).hexdigest()
 KINDS = [
@@ -229,7 +229,7 @@ def run_case(case: Case, world: World, tmp: Path) -> Outcome:
     owned = str(tmp / "world") + "/"
     outputs = [str(tmp / p) for p in ("out", "curves.png", "job.sbatch")]
     # export --out names a directory, symlinks resolved (docs/running.md): where a link
-    # there points is the export's, as in tests/helpers/path_fuzz.py; a file output
+    # there points is the export's, as in quality/fuzzers/path_fuzz.py; a file output
     # (--plot, --output) replaces a link, never writes through it
     outputs.append(os.path.realpath(tmp / "out"))
     changed = sorted(
