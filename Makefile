@@ -49,7 +49,7 @@ CHECK_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 # REFERENCE=DIR: a checkout of the authors' code (facebookresearch/adaptive-span), timed beside
 # ours. The whole check keeps to 9 minutes on an H100/H200 (each part has its budget).
 gpu-check:
-	$(CHECK_PYTHON) gpu/check.py $(if $(WHEELS),--wheels $(WHEELS)) \
+	$(CHECK_PYTHON) -m gpu.check $(if $(WHEELS),--wheels $(WHEELS)) \
 	    $(if $(REFERENCE),--reference-code $(REFERENCE)) --report gpu-check.md
 
 # The wheels a GPU image with torch, click, pyyaml, numpy, sentencepiece, psutil, matplotlib
@@ -59,7 +59,7 @@ gpu-check:
 # (pip's metadata only), downloads and builds nothing.
 GPU_WHEELS ?= gpu-wheels
 gpu-wheels: $(VENV)/.installed
-	$(BIN)/python gpu/wheels.py --dest $(GPU_WHEELS) $(if $(DRY_RUN),--dry-run)
+	$(BIN)/python -m gpu.wheels --dest $(GPU_WHEELS) $(if $(DRY_RUN),--dry-run)
 
 # Debian's Slurm and munge for tests/cluster/test_cluster.py (a real two-node Slurm in network
 # namespaces); as root. Without them those tests skip, naming what is missing.

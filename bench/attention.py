@@ -1,6 +1,6 @@
 """Time and peak memory of one all-attention op, reference versus the fused backends.
 
-    python bench/attention.py [--spans 512,2048,8192] [--persistent 0,1024,2048]
+    python -m bench.attention [--spans 512,2048,8192] [--persistent 0,1024,2048]
                               [--batch 1] [--impls sdpa,flex,triton] [--dropout 0.4]
                               [--repeat 3]
 
@@ -16,13 +16,9 @@ inputs; CPU: not measured (prints -). Prints a markdown table; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.ops import adaptive_span_mask, get_attention_impl
 

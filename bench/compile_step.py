@@ -1,7 +1,7 @@
 """train.compile on this machine: wall time of training updates of a config's model, eager
 against per-layer torch.compile (compile time included), at the config's batch and span.
 
-    python bench/compile_step.py configs/quickstart.yaml --steps 30 [--backend inductor]
+    python -m bench.compile_step configs/quickstart.yaml --steps 30 [--backend inductor]
 
 One process, no DeepSpeed (the model's own planned updates and torch.optim.Adam): the
 compile question is the model's. Prints, per mode, the first update (compiling), the median

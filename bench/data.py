@@ -1,6 +1,6 @@
 """Data throughput: the preprocess stage on an enwik8-sized byte stream, and the LM loader.
 
-    .venv/bin/python bench/data.py [--mb 100] [--steps 200]
+    .venv/bin/python -m bench.data [--mb 100] [--steps 200]
 
 1. preprocess: 100 MB of real text (Tiny Shakespeare repeated, from ../shared/data, built in a
    temporary directory and deleted afterwards) through `stages.preprocess.preprocess` with the
@@ -24,13 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pipeline.data import StreamBatches
+from pipeline.data.manifest import load_split
+from pipeline.spec import load_spec
+from stages.preprocess import preprocess
 
-from pipeline.data import StreamBatches  # noqa: E402
-from pipeline.data.manifest import load_split  # noqa: E402
-from pipeline.spec import load_spec  # noqa: E402
-from stages.preprocess import preprocess  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SHARED = ROOT.parent / "shared" / "data"
 

@@ -3,7 +3,7 @@
 Runs the train stage of a quickstart-sized model through `allattn-pipe run` (so the 2-process
 rows include the `deepspeed` launcher the runner starts) and reads MLflow back:
 
-    python bench/distributed.py [--steps 30] [--procs 1 2] [--zero 0 1 2]
+    python -m bench.distributed [--steps 30] [--procs 1 2] [--zero 0 1 2]
 
 "start -> step 1" is wall time from starting `allattn-pipe run` (download and preprocess
 already done) to the first logged step, so it includes the launcher, process-group set-up,

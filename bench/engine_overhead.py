@@ -1,6 +1,6 @@
 """What the DeepSpeed engine adds to a training step at world size 1, against a plain torch step.
 
-    DS_ACCELERATOR=cpu .venv/bin/python bench/engine_overhead.py [--config configs/quickstart.yaml]
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.engine_overhead [--config configs/quickstart.yaml]
         [--set K=V] [--steps 20] [--batch 8] [--seq 64]
 
 The same model, weights, batch and optimizer (the config's train.optimizer, built by
@@ -30,7 +30,6 @@ import argparse
 import collections
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -38,11 +37,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pipeline.diagnostics.host_syncs import HostSyncCounter
+from pipeline.diagnostics.step_audit import OpCounter
 
-from pipeline.diagnostics.host_syncs import HostSyncCounter  # noqa: E402
-from pipeline.diagnostics.step_audit import OpCounter  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def build(spec, vocab: int):
@@ -64,7 +62,7 @@ class Engine:
 
         from pipeline.cluster import distributed
         from pipeline.training.ds_config import deepspeed_config
-        from pipeline.training.optim import bind_to_engine
+        from pipeline.training.engine import bind_to_engine
 
         distributed.init_process_group()
         model, optimizer = build(spec, vocab)
@@ -90,7 +88,7 @@ class EngineNoAllreduce(Engine):
     name = "engine + the trainer's hook (no allreduce at world size 1 under ZeRO 0)"
 
     def __init__(self, *args):
-        from pipeline.training.ds_config import skip_single_process_allreduce
+        from pipeline.training.engine import skip_single_process_allreduce
 
         super().__init__(*args)
         skip_single_process_allreduce(self.engine, 1)  # ZeRO 1-3 keep it

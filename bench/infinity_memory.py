@@ -2,7 +2,7 @@
 short-term memory of one segment plus the continuous LTM) versus a Transformer-XL whose cache
 keeps the same context (mem_len = segments stored × segment length).
 
-    python bench/infinity_memory.py [--segments 1,4,16,64] [--seg-len 128] [--repeat 5]
+    python -m bench.infinity_memory [--segments 1,4,16,64] [--seg-len 128] [--repeat 5]
                                     [--device cpu|cuda] [--threads 1]
 
 For each number of segments stored, both models stream that many segments (no grad), then one
@@ -18,14 +18,10 @@ Prints a markdown table; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.models import build_model
 

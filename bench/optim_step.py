@@ -3,7 +3,7 @@ ops and host syncs, for pipeline.training.optim.ClippedAdagrad (its multi-tensor
 on the CPU its fused one), for the Python loop this project ran before, and for the authors'
 AdagradWithGradClip.
 
-    python bench/optim_step.py [configs/enwik8_large.yaml] [--reps 3] [--device cpu]
+    python -m bench.optim_step [configs/enwik8_large.yaml] [--reps 3] [--device cpu]
         [--threads N] [--reference-code DIR]
 
 DIR is a checkout of facebookresearch/adaptive-span; its adagrad_with_grad_clip.py is
@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pipeline.diagnostics.host_syncs import HostSyncCounter
+from pipeline.diagnostics.step_audit import OpCounter
+from pipeline.spec import load_spec
+from pipeline.training.optim import ClippedAdagrad
 
-from pipeline.diagnostics.host_syncs import HostSyncCounter  # noqa: E402
-from pipeline.diagnostics.step_audit import OpCounter  # noqa: E402
-from pipeline.spec import load_spec  # noqa: E402
-from pipeline.training.optim import ClippedAdagrad  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 LR, CLIP, EPS = 0.07, 0.03, 1e-10
 
@@ -73,10 +71,9 @@ class LoopClippedAdagrad(torch.optim.Optimizer):
 
 
 def authors(params, reference_code: str):
-    sys.path.insert(0, reference_code)
-    from adagrad_with_grad_clip import AdagradWithGradClip
+    from bench.reference_code import ReferenceCode
 
-    opt = AdagradWithGradClip(params, lr=LR, grad_clip=CLIP)
+    opt = ReferenceCode(reference_code).adagrad.AdagradWithGradClip(params, lr=LR, grad_clip=CLIP)
     # torch >= 1.12's Adagrad keeps the step count as a tensor; the authors' code was written
     # for a number (a tensor would make the lr one, read back with .item() in every addcdiv_)
     for state in opt.state.values():

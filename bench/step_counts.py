@@ -1,7 +1,7 @@
 """What a training step costs, counted on the CPU (issue 26's CPU targets), ours beside the
 authors' code where `--reference-code DIR` is given:
 
-    python bench/step_counts.py [--reference-code DIR] [--parts ops,syncs,saved,time]
+    python -m bench.step_counts [--reference-code DIR] [--parts ops,syncs,saved,time]
 
 1. aten ops per steady-state update (forward, backward, optimizer step, span clamp), counted
    with a TorchDispatchMode (pipeline/diagnostics/step_audit.py) at a tiny shape of enwik8_large's
@@ -37,16 +37,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.train_step import Authors, Ours
+from pipeline.commands.report import vocab_size_for
+from pipeline.diagnostics.host_syncs import HostSyncCounter
+from pipeline.diagnostics.step_audit import OpCounter, SavedBytes
+from pipeline.spec import load_spec
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from train_step import Authors, Ours  # noqa: E402
-
-from pipeline.commands.report import vocab_size_for  # noqa: E402
-from pipeline.diagnostics.host_syncs import HostSyncCounter  # noqa: E402
-from pipeline.diagnostics.step_audit import OpCounter, SavedBytes  # noqa: E402
-from pipeline.spec import load_spec  # noqa: E402
 
 CONFIG = ROOT / "configs" / "enwik8_large.yaml"
 LAYERS = 36
@@ -75,7 +72,7 @@ def spec_at(shape: dict, layers: int, overrides=()):
 
 def runners(shape: dict, layers: int, ref, device="cpu"):
     """(ours, the authors' or None) at this shape, float32."""
-    from reference_code import Shape
+    from bench.reference_code import Shape
 
     spec = spec_at(shape, layers)
     vocab = vocab_size_for(spec)[0] or 205
@@ -248,7 +245,7 @@ def saved_by_forward(runner, shape: dict) -> tuple[int, int, list]:
 
 
 def saved_bytes(ref) -> None:
-    from reference_code import Shape
+    from bench.reference_code import Shape
 
     results: dict[str, list[int]] = {}
     reads: dict[str, int] = {}
@@ -357,7 +354,7 @@ def main() -> int:
 
     ref = None
     if args.reference_code:
-        from reference_code import ReferenceCode
+        from bench.reference_code import ReferenceCode
 
         ref = ReferenceCode(args.reference_code)
     parts = args.parts.split(",")

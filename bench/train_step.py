@@ -1,6 +1,6 @@
 """Throughput and memory of one training step of a config's model, at its batch shape.
 
-    python bench/train_step.py configs/enwik8_small.yaml [--steps 20] [--span 0,0.5,1]
+    python -m bench.train_step configs/enwik8_small.yaml [--steps 20] [--span 0,0.5,1]
         [--batch 8 | --batch 4,max] [--dtype bf16] [--set model.attention.impl=auto]
         [--reference-code DIR] [--time-budget 150] [--dry-run]
 
@@ -36,9 +36,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline.cluster.device import dense_peak_tflops, peak_memory_mb
 from pipeline.commands.report import vocab_size_for
@@ -324,7 +321,7 @@ def main() -> int:
     search = "max" in batches and gpu
     ref = shape = None
     if args.reference_code:
-        from reference_code import ReferenceCode, Shape
+        from bench.reference_code import ReferenceCode, Shape
 
         ref = ReferenceCode(args.reference_code)
         shape = Shape.from_spec(spec, vocab, sizes[0] if sizes else 4)

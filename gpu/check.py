@@ -318,7 +318,8 @@ def plan(args, folder: Path) -> list[Part]:
         py, "-m", "pytest", "-q", "-m", "cuda", *cuda_test_files(), "-p", "no:cacheprovider",
         "--tb=short", "-rfEs", "--show-capture=no", "--log-level=WARNING",
     ]  # fmt: skip
-    step = [py, "bench/train_step.py", CONFIG, "--dtype", "bf16", "--steps", "5", "--warmup", "2"]
+    step = [py, "-m", "bench.train_step", CONFIG, "--dtype", "bf16", "--steps", "5"]
+    step += ["--warmup", "2"]
     triton = ["--set", "model.attention.impl=triton"]
     authors = (
         ["--reference-code", str(args.reference_code.resolve())] if args.reference_code else []
@@ -336,7 +337,7 @@ def plan(args, folder: Path) -> list[Part]:
         str(pipeline_config(folder, args.pipeline_batch)),
     ]
     # the three trainings side by side on the one GPU, within the part's budget
-    learning = [py, "gpu/learning_check.py", "--jobs", "3"]
+    learning = [py, "-m", "gpu.learning_check", "--jobs", "3"]
     learning += [
         "--budget",
         str(BUDGETS["learning"] - 10),
@@ -344,7 +345,7 @@ def plan(args, folder: Path) -> list[Part]:
         str(BUDGETS["learning"] - 10),
     ]
     attention = [
-        py, "bench/attention.py", "--spans", "1024,8192", "--persistent", "2048",
+        py, "-m", "bench.attention", "--spans", "1024,8192", "--persistent", "2048",
         "--dropout", "0.4", "--impls", "triton,flex",
     ]  # fmt: skip
     digest_tests = lambda out, seconds: pytest_digest(out)  # noqa: E731

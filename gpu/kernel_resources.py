@@ -1,7 +1,7 @@
 """What each Triton attention kernel asks of a GPU, counted without one: compiled ahead of time
 for a compute capability (Triton's own ptxas), per tile of TILES.
 
-    python gpu/kernel_resources.py [--cc 90] [--dtype bf16] [--head-dim 64]
+    python -m gpu.kernel_resources [--cc 90] [--dtype bf16] [--head-dim 64]
 
 Prints, per kernel and tile: shared memory (KiB), registers per thread and the bytes each
 thread spills to local memory (cuobjdump), and whether it fits an H100's 227 KiB of shared

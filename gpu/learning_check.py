@@ -1,7 +1,7 @@
 """Does the fast GPU path learn like the float32 reference? Three short trainings of a
 config's model on the built-in corpus, their loss curves side by side and a verdict.
 
-    .venv/bin/python gpu/learning_check.py [--config configs/enwik8_small.yaml]
+    .venv/bin/python -m gpu.learning_check [--config configs/enwik8_small.yaml]
         [--steps 300] [--batch 8] [--seq-len 256] [--log-every 25] [--warmup 30]
         [--seeds 1234,4321] [--set K=V]... [--fast-set K=V]... [--ref-set K=V]...
         [--timeout 240] [--budget S] [--jobs 1] [--tolerance 0.02] [--plot FILE.png]
@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import check as gpu_check  # gpu/, beside this script: its process-group start and finish
+from gpu import check as gpu_check  # its process-group start and finish
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/enwik8_small.yaml"

@@ -1,6 +1,6 @@
 """The wheels a GPU machine without network needs to run `make gpu-check` (`make gpu-wheels`).
 
-    python gpu/wheels.py [--dest gpu-wheels] [--max-mb 60] [--dry-run]
+    python -m gpu.wheels [--dest gpu-wheels] [--max-mb 60] [--dry-run]
 
 The GPU image (README of the device machine; a typical rented CUDA image) has CUDA torch,
 click, pyyaml, numpy, sentencepiece, psutil, matplotlib and safetensors, and what they

@@ -2,9 +2,9 @@
 seconds. The same derandomized cases as tests/commands/test_cli_fuzz.py (which fails on any bad
 one); here every case runs and the bad ones are listed.
 
-    .venv/bin/python quality/fuzz.py [--cases 2000] [--show-bad 20]
-    .venv/bin/python quality/fuzz.py --paths 1000   # the path fuzzer (quality/fuzzers/path_fuzz.py)
-    .venv/bin/python quality/fuzz.py --secrets 1000 --injection 1000 --links 1000
+    .venv/bin/python -m quality.fuzz [--cases 2000] [--show-bad 20]
+    .venv/bin/python -m quality.fuzz --paths 1000   # the path fuzzer (quality/fuzzers/path_fuzz.py)
+    .venv/bin/python -m quality.fuzz --secrets 1000 --injection 1000 --links 1000
         # issue 35's classes: secret_fuzz.py, injection_fuzz.py, link_fuzz.py (quality/fuzzers/)
 """
 
@@ -17,14 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from quality.fuzzers.cli_fuzz import build_world, fuzz
+from quality.fuzzers.injection_fuzz import fuzz_injection
+from quality.fuzzers.link_fuzz import fuzz_links
+from quality.fuzzers.path_fuzz import fuzz_paths
+from quality.fuzzers.secret_fuzz import fuzz_secrets
 
-from quality.fuzzers.cli_fuzz import build_world, fuzz  # noqa: E402
-from quality.fuzzers.injection_fuzz import fuzz_injection  # noqa: E402
-from quality.fuzzers.link_fuzz import fuzz_links  # noqa: E402
-from quality.fuzzers.path_fuzz import fuzz_paths  # noqa: E402
-from quality.fuzzers.secret_fuzz import fuzz_secrets  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def timed(run_fuzzer, cases: int) -> tuple[list, float, float]:

@@ -1,6 +1,6 @@
 """Mutation check: does a family's test suite fail when one line of its formulas is wrong?
 
-    python quality/mutations.py [--family infinity_former] [--only 3,7] [--timeout 900] [--list]
+    python -m quality.mutations [--family infinity_former] [--only 3,7] [--timeout 900] [--list]
 
 For each mutation of the chosen families (default: all), one line of a copy of the repository
 (its tracked and untracked, not ignored, files, in a temporary directory) is replaced, and the

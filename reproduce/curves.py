@@ -1,7 +1,7 @@
 """Short learning curves on real text: the all-attention network against the Transformer +
 adaptive span baseline at (nearly) equal parameter count, character level, on CPU.
 
-    python reproduce/curves.py [--steps 400] [--eval-every 50] [--models allattn,transformer]
+    python -m reproduce.curves [--steps 400] [--eval-every 50] [--models allattn,transformer]
 
 Data: WikiText-2 (the shared copy, ../shared/data/wikitext-2 beside the checkout) read as
 unicode characters; the vocabulary is the training file's characters plus one id for
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,13 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pipeline.data import StreamBatches
+from pipeline.models import AllAttnConfig, AllAttnLM, count_parameters
+from pipeline.training.evaluation import LN2, evaluate_nll
+from pipeline.training.optim import ClippedAdagrad, scheduled_lr
 
-from pipeline.data import StreamBatches  # noqa: E402
-from pipeline.models import AllAttnConfig, AllAttnLM, count_parameters  # noqa: E402
-from pipeline.training.evaluation import LN2, evaluate_nll  # noqa: E402
-from pipeline.training.optim import ClippedAdagrad, scheduled_lr  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def find_data() -> Path:

@@ -2,7 +2,7 @@
 with sticky memories, the same short-term memory, at doubling lengths, several seeds; prints
 the sorted output's accuracy per length and how much each model loses as the input grows.
 
-    python reproduce/infinity_sort.py [--lengths 32,64,128,256] [--seeds 0,1,2]
+    python -m reproduce.infinity_sort [--lengths 32,64,128,256] [--seeds 0,1,2]
         [--models xl,infinity,sticky] [--base-steps 6000] [--steps 400] [--jobs 2]
         [--results FILE.jsonl] [--plot FILE.png] [--table-only]
 
@@ -64,7 +64,6 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -72,8 +71,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.data.frequency_sort import generate_split
 from pipeline.models import build_model

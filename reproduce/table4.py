@@ -1,7 +1,7 @@
 """The active-memory paper's Table 4 on our pipeline: the longest length each operator solves
 by the length curriculum, mean over seeds, beside the paper's numbers (PAPERS.md §2).
 
-    python reproduce/table4.py [--protocol full|cpu] [--problems add,mult,remember,reverse]
+    python -m reproduce.table4 [--protocol full|cpu] [--problems add,mult,remember,reverse]
                            [--mixers self_attention,conv,sa+conv] [--seeds 1,2,3]
                            [--epochs E] [--steps S] [--jobs 1] [--threads T]
                            [--device auto] [--results FILE.jsonl]
@@ -51,14 +51,12 @@ import argparse
 import json
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # Table 4 of the paper (PAPERS.md §2): mean longest length solved over 3 runs
 PAPER = {

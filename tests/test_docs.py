@@ -191,7 +191,8 @@ def test_readme_is_a_front_door():
 
 @pytest.mark.parametrize(
     "page",
-    [README, ROOT / "bench" / "README.md", ROOT / "launch" / "README.md"],
+    [README, ROOT / "launch" / "README.md"]
+    + [ROOT / tools / "README.md" for tools in ("bench", "reproduce", "quality", "gpu")],
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_relative_links_resolve(page):

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "gpu"))
 
 AUTHORS_FILES = (
     "models.py",
@@ -91,7 +90,7 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
 def test_gpu_check_runs_the_parts_asked_for_and_refuses_an_unknown_one(tmp_path):
     report = tmp_path / "report.md"
     done = subprocess.run(
-        [sys.executable, "gpu/check.py", "--parts", "attention", "--report", str(report)],
+        [sys.executable, "-m", "gpu.check", "--parts", "attention", "--report", str(report)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -101,7 +100,7 @@ def test_gpu_check_runs_the_parts_asked_for_and_refuses_an_unknown_one(tmp_path)
     titles = [line for line in report.read_text().splitlines() if line.startswith("## ")]
     assert titles == ["## the op alone: bench/attention.py, bf16, dropout 0.4, N 2048 (--help): ok"]
     done = subprocess.run(
-        [sys.executable, "gpu/check.py", "--parts", "attention,speed"],
+        [sys.executable, "-m", "gpu.check", "--parts", "attention,speed"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -116,7 +115,8 @@ def test_a_reference_code_folder_without_the_authors_files_stops_the_dry_run(tmp
     done = subprocess.run(
         [
             sys.executable,
-            "bench/train_step.py",
+            "-m",
+            "bench.train_step",
             "configs/enwik8_large.yaml",
             "--reference-code",
             str(tmp_path),
@@ -135,7 +135,7 @@ def test_a_reference_code_folder_without_the_authors_files_stops_the_dry_run(tmp
 
 
 def test_the_report_keeps_a_failure_and_drops_a_log_flood():
-    from check import pytest_digest
+    from gpu.check import pytest_digest
 
     flood = "\n".join(
         f"V1126 12:00:00 inductor.py:1] [__graph_code] line {i}" for i in range(20000)
@@ -165,7 +165,7 @@ FAILED tests/cluster/test_cuda.py::test_bf16_span_mask_on_cuda_equals_float32 - 
 
 
 def test_only_the_wheels_of_missing_packages_are_installed(tmp_path):
-    from check import missing_wheels
+    from gpu.check import missing_wheels
 
     for name in (
         "torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl",
@@ -214,12 +214,12 @@ def test_make_gpu_wheels_dry_run_resolves_what_the_image_lacks(tmp_path):
 def test_models_ops_and_benches_import_without_deepspeed_mlflow_webdataset():
     blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in ("deepspeed", "mlflow", "webdataset"))
     code = (
-        f"import sys; {blocked}; sys.path.insert(0, 'bench'); "
+        f"import sys; {blocked}; "
         "import pipeline.models, pipeline.ops, pipeline.training.optim, pipeline.spec, "
         "pipeline.commands.report, pipeline.cluster.device, pipeline.cluster.distributed; "
         "import runpy; sys.argv = ['train_step.py', 'configs/quickstart.yaml', "
         "'--steps', '1', '--warmup', '0', '--batch', '2']; "
-        "runpy.run_path('bench/train_step.py', run_name='__main__')"
+        "runpy.run_module('bench.train_step', run_name='__main__')"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "gpu"))
+from gpu import learning_check as lc
 
-import learning_check as lc  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS = [10, 20, 30, 40]
 REF_A = {10: 4.0, 20: 3.5, 30: 3.0, 40: 2.8}

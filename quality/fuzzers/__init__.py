@@ -1,0 +1,2 @@
+"""The fuzzers: case generators and runners that tests/commands assert on and
+quality/fuzz.py counts."""

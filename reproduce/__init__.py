@@ -1,0 +1,2 @@
+"""Paper reproductions whose results docs/benchmarks.md quotes (``python -m reproduce.<script>``;
+reproduce/README.md)."""
