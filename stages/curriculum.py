@@ -1,4 +1,5 @@
-"""curriculum: the active-memory paper's length curriculum on an algorithmic task (PAPERS.md §2).
+"""curriculum: the active-memory paper's length curriculum on an algorithmic task
+(docs/papers.md#active-memory-tasks).
 
 Training starts at `start_length`. An epoch is `steps_per_epoch` Adam updates, each on a fresh
 batch of `train.batch_size` generated cases; after it, `check_cases` fresh cases are scored

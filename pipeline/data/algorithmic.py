@@ -1,4 +1,5 @@
-"""The active-memory paper's algorithmic tasks (PAPERS.md §2), generated online.
+"""The active-memory paper's algorithmic tasks (docs/papers.md#active-memory-tasks), generated
+online.
 
 Each problem makes a batch of (inputs, targets), two int64 tensors [B, T] of the same shape
 (position-wise targets, an encoder-only model), from a `torch.Generator`, so a seed fixes

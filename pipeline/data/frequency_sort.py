@@ -1,5 +1,5 @@
-"""The ∞-former's sorting task (PAPERS.md §3; the card datasets/sort_synthetic.yaml), as the
-authors' generate_data.py defines it, seeded.
+"""The ∞-former's sorting task (docs/papers.md#sorting-task; the card
+datasets/sort_synthetic.yaml), as the authors' generate_data.py defines it, seeded.
 
 A case: two distributions over the vocabulary from integer weights drawn uniformly in
 ``weight_range`` (inclusive) and normalised, p_start and p_end; token j of ``length`` is drawn

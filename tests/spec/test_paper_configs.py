@@ -1,7 +1,7 @@
 """The paper configs (configs/*.yaml, baselines/, ablations/): built from the YAML files
 through the spec layer on the meta device, their parameter counts checked against the
 authors' code AND against an explicit formula, and their hyperparameters against the paper
-(shared/PAPERS.md section 1)."""
+(docs/papers.md#all-attention-hyperparameters)."""
 
 from __future__ import annotations
 

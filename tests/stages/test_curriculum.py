@@ -1,6 +1,6 @@
-"""The algorithmic tasks (PAPERS.md §2) and the curriculum stage: generator layouts, the
-promotion rule, a resumed curriculum equal to an uninterrupted one, the spec rules of a task
-pipeline, and the CLI end to end (including kill -9 and re-run).
+"""The algorithmic tasks (docs/papers.md#active-memory-tasks) and the curriculum stage:
+generator layouts, the promotion rule, a resumed curriculum equal to an uninterrupted one,
+the spec rules of a task pipeline, and the CLI end to end (including kill -9 and re-run).
 
 The model is configs/active_memory's at toy size (one conv layer of width 16, dropout 0.1):
 it learns `not` in a few steps, so lengths grow."""
