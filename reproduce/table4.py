@@ -1,5 +1,6 @@
 """The active-memory paper's Table 4 on our pipeline: the longest length each operator solves
-by the length curriculum, mean over seeds, beside the paper's numbers (PAPERS.md §2).
+by the length curriculum, mean over seeds, beside the paper's numbers
+(docs/papers.md#active-memory-tasks).
 
     python -m reproduce.table4 [--protocol full|cpu] [--problems add,mult,remember,reverse]
                            [--mixers self_attention,conv,sa+conv] [--seeds 1,2,3]
@@ -58,7 +59,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Table 4 of the paper (PAPERS.md §2): mean longest length solved over 3 runs
+# Table 4 of the paper (docs/papers.md#active-memory-tasks): mean longest length solved over 3 runs
 PAPER = {
     "self_attention": {
         "reverse": 41.0,

@@ -3,8 +3,9 @@ helpers: explicit loops over Python floats (float64), quadrature and finite diff
 
 Each piece (basis and design matrix, ridge fit, closed-form read, gradients, the whole LTM
 step over two blocks, KL, sticky positions, the query the LTM reads with) is written out from
-the paper (PAPERS.md §3) and the authors' code, so that changing any single line of a formula
-in pipeline/models/infinity_former/model.py fails a test here (quality/mutations.py checks that).
+the paper (docs/papers.md#infinity-former) and the authors' code, so that changing any single
+line of a formula in pipeline/models/infinity_former/model.py fails a test here
+(quality/mutations.py checks that).
 
 Sizes are tiny and the basis wide (widths 0.1 / 0.3 over 4 centres) so that every basis
 function overlaps every position and no term vanishes in rounding; λ = 0.5 and τ = 0.6 so
