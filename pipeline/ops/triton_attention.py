@@ -322,9 +322,10 @@ def _backward_op(
     tile = _launch("backward dq", q, dq_pass)
     du, dlogm_parts = partials[tile["T"]]
     scale = 1.0 / math.sqrt(d)
-    dpos = (du.sum((0, 1))[:span_len] * scale).t().to(pos.dtype)
+    # contiguous, as the fake kernel says: torch.compile checks the real strides against it
+    dpos = (du.sum((0, 1))[:span_len] * scale).t().contiguous().to(pos.dtype)
     dlogm = (
-        dlogm_parts.view(b, h, -1, dlogm_parts.shape[-1]).sum((0, 2))[:, :span_len]
+        dlogm_parts.view(b, h, -1, dlogm_parts.shape[-1]).sum((0, 2))[:, :span_len].contiguous()
         if logm is not None
         else lse.new_empty(0)
     )
