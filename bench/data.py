@@ -67,6 +67,42 @@ def time_preprocess(tmp: Path, card: str, data: bytes, role: str, sets: list[str
     return time.perf_counter() - t0, manifest, out
 
 
+def wikitext_rows(tmp: Path) -> list[tuple[str, float, str]]:
+    """The word-level path on WikiText-2's train file repeated, where the shared copy is."""
+    wt2 = SHARED / "wikitext-2" / "wiki.train.tokens.gz"
+    if not wt2.is_file():
+        return []
+    text = repeated(wt2, 54_000_000, opener=gzip.open)  # ~10M tokens, whole lines
+    text = text[: text.rindex(b"\n") + 1]
+    cfg_sets = [
+        "dataset.split={kind: tail, valid: 1000, test: 1000}",
+        "dataset.files={}",
+        "dataset.archive=none",
+        "dataset.vocab_size=null",
+    ]
+    secs_w, m_w, _ = time_preprocess(tmp, "wikitext2", text, "all", cfg_sets)
+    toks = sum(s["tokens"] for s in m_w["splits"].values())
+    rate = f"{toks / secs_w / 1e6:.2f} M tokens/s; vocab {m_w['vocab_size']:,}"
+    return [(f"preprocess word, WikiText-2 train x5 ({len(text) / 1e6:.0f} MB)", secs_w, rate)]
+
+
+def loader_row(out: Path, args) -> tuple[str, float, str]:
+    ids = load_split(out, "train")
+    sb = StreamBatches(ids, batch_size=args.batch, seq_len=args.seq)
+    sb.batch(0)
+    steps = min(args.steps, sb.epoch_steps(0))
+    t0 = time.perf_counter()
+    for k in range(steps):
+        sb.batch(k)
+    secs_l = time.perf_counter() - t0
+    tok = steps * args.batch * args.seq
+    return (
+        f"loader StreamBatches {args.batch} x {args.seq}, {steps} steps",
+        secs_l,
+        f"{tok / secs_l / 1e6:.1f} M tokens/s ({secs_l / steps * 1e3:.2f} ms/step)",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=100.0, help="size of the byte-level input")
@@ -94,39 +130,8 @@ def main() -> None:
             )
         )
 
-        wt2 = SHARED / "wikitext-2" / "wiki.train.tokens.gz"
-        if wt2.is_file():
-            text = repeated(wt2, 54_000_000, opener=gzip.open)  # ~10M tokens, whole lines
-            text = text[: text.rindex(b"\n") + 1]
-            cfg_sets = [
-                "dataset.split={kind: tail, valid: 1000, test: 1000}",
-                "dataset.files={}",
-                "dataset.archive=none",
-                "dataset.vocab_size=null",
-            ]
-            secs_w, m_w, _ = time_preprocess(tmp, "wikitext2", text, "all", cfg_sets)
-            toks = sum(s["tokens"] for s in m_w["splits"].values())
-            rate = f"{toks / secs_w / 1e6:.2f} M tokens/s; vocab {m_w['vocab_size']:,}"
-            rows.append(
-                (f"preprocess word, WikiText-2 train x5 ({len(text) / 1e6:.0f} MB)", secs_w, rate)
-            )
-
-        ids = load_split(out, "train")
-        sb = StreamBatches(ids, batch_size=args.batch, seq_len=args.seq)
-        sb.batch(0)
-        steps = min(args.steps, sb.epoch_steps(0))
-        t0 = time.perf_counter()
-        for k in range(steps):
-            sb.batch(k)
-        secs_l = time.perf_counter() - t0
-        tok = steps * args.batch * args.seq
-        rows.append(
-            (
-                f"loader StreamBatches {args.batch} x {args.seq}, {steps} steps",
-                secs_l,
-                f"{tok / secs_l / 1e6:.1f} M tokens/s ({secs_l / steps * 1e3:.2f} ms/step)",
-            )
-        )
+        rows += wikitext_rows(tmp)
+        rows.append(loader_row(out, args))
 
     print(f"cpus: {os.cpu_count()}  (python {sys.version.split()[0]})")
     w = max(len(r[0]) for r in rows)

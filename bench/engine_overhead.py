@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import statistics
 import time
@@ -137,7 +138,34 @@ def time_round_robin(runners: dict, x, y, steps: int) -> dict[str, float]:
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def main() -> None:
+# quickstart.yaml shrunk to the measured model: 4 layers, d 64, the paper's clipped Adagrad
+SMALL = [
+    "model.d_model=64",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_persistent=16",
+    "model.max_span=128",
+    "model.attn_dropout=0.0",
+    "model.emb_dropout=0.0",
+    "model.out_dropout=0.0",
+    "train.optimizer.type=adagrad",
+    "train.optimizer.clip=per_param",
+    "train.optimizer.clip_norm=0.03",
+    "train.optimizer.lr=0.07",
+    "tracking.enabled=false",
+]
+# the engine's config keys the report shows
+SHOWN_KEYS = (
+    "gradient_clipping",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "bf16",
+    "fp16",
+    "zero_optimization",
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "quickstart.yaml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
@@ -159,41 +187,17 @@ def main() -> None:
         help="engines in DeepSpeed's bf16 "
         "mode (fp32 masters), the plain step under torch.autocast(bf16)",
     )
-    args = parser.parse_args()
-    global BF16
-    BF16 = args.bf16
-    torch.set_num_threads(args.threads)
+    return parser.parse_args(argv)
 
-    import json
 
-    from pipeline.spec import load_spec
-
-    small = [
-        "model.d_model=64",
-        "model.n_layers=4",
-        "model.n_heads=4",
-        "model.n_persistent=16",
-        "model.max_span=128",
-        "model.attn_dropout=0.0",
-        "model.emb_dropout=0.0",
-        "model.out_dropout=0.0",
-        "train.optimizer.type=adagrad",
-        "train.optimizer.clip=per_param",
-        "train.optimizer.clip_norm=0.03",
-        "train.optimizer.lr=0.07",
-        "tracking.enabled=false",
-    ]
-    if args.config.endswith("quickstart.yaml"):
-        overrides = [*small, *args.overrides]
-    else:
-        overrides = args.overrides
-    spec = load_spec(args.config, overrides)
+def measure(spec, args) -> tuple[dict, dict, int]:
+    """Each step's counts and median time: (results by step name, the engine's DeepSpeed
+    config, the model's parameter count)."""
     vocab = 256
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
     ds_overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ds)}
-
     results, runners = {}, {}
     for kind in (Engine, EngineNoAllreduce, Plain):
         runner = runners[kind.name] = kind(spec, vocab, args.batch, ds_overrides)
@@ -202,8 +206,12 @@ def main() -> None:
             engine_config = runner.config
     for name, ms in time_round_robin(runners, x, y, args.steps).items():
         results[name]["ms"] = ms
-    opt = spec.train.optimizer
     params = sum(p.numel() for p in runner.model.parameters())
+    return results, engine_config, params
+
+
+def render(results: dict, engine_config: dict, params: int, spec, args) -> None:
+    opt = spec.train.optimizer
     print(
         f"{spec.model_kind}, {params:,} parameters, micro-batch {args.batch} x {args.seq}, "
         f"{'bf16 (plain: autocast)' if BF16 else 'float32'}, "
@@ -239,18 +247,23 @@ def main() -> None:
             print(f"\nhost syncs of one {name} step, by the line that asked:")
             for line, n in collections.Counter(r["syncs"]).most_common():
                 print(f"  {n:>4}  {line}")
-    shown_keys = (
-        "gradient_clipping",
-        "steps_per_print",
-        "wall_clock_breakdown",
-        "bf16",
-        "fp16",
-        "zero_optimization",
-    )
     print(
         "\nthe engine's config: "
-        + json.dumps({k: engine_config.get(k) for k in shown_keys if k in engine_config})
+        + json.dumps({k: engine_config.get(k) for k in SHOWN_KEYS if k in engine_config})
     )
+
+
+def main() -> None:
+    args = parse_args()
+    global BF16
+    BF16 = args.bf16
+    torch.set_num_threads(args.threads)
+
+    from pipeline.spec import load_spec
+
+    small = args.config.endswith("quickstart.yaml")
+    spec = load_spec(args.config, [*SMALL, *args.overrides] if small else args.overrides)
+    render(*measure(spec, args), spec, args)
 
 
 if __name__ == "__main__":

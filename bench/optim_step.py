@@ -109,7 +109,7 @@ def measure(make, shapes, grads, reps: int, device: torch.device):
     return ms, ops.total, len(counted.syncs), [p.detach() for p in params]
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", default=str(ROOT / "configs" / "enwik8_large.yaml"))
     parser.add_argument("--reps", type=int, default=3, help="timed steps, after 2 untimed")
@@ -123,20 +123,11 @@ def main() -> None:
     parser.add_argument(
         "--reference-code", metavar="DIR", help="a checkout of facebookresearch/adaptive-span"
     )
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore", category=UserWarning)  # the authors' old signatures
-    device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return parser.parse_args(argv)
 
-    shapes = shapes_of(args.config)
-    torch.manual_seed(0)
-    # gradient norms spread around the clip: some tensors clipped, some not
-    grads = [
-        torch.randn(s, device=device) * 10 ** torch.empty(()).uniform_(-5, -1).item()
-        for s in shapes
-    ]
-    clipped = sum(g.norm().item() > CLIP for g in grads)
+
+def optimizers(device: torch.device, reference_code: str | None) -> list[tuple[str, object]]:
+    """(row name, params -> optimizer) for each optimizer timed."""
     rows = [
         (
             "ClippedAdagrad, multi-tensor (foreach)",
@@ -154,9 +145,27 @@ def main() -> None:
                 lambda ps: ClippedAdagrad(ps, lr=LR, clip_norm=CLIP, eps=EPS, fused=True),
             )
         )
-    if args.reference_code:
-        rows.append(("authors' AdagradWithGradClip", lambda ps: authors(ps, args.reference_code)))
+    if reference_code:
+        rows.append(("authors' AdagradWithGradClip", lambda ps: authors(ps, reference_code)))
+    return rows
 
+
+def main() -> None:
+    args = parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)  # the authors' old signatures
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    shapes = shapes_of(args.config)
+    torch.manual_seed(0)
+    # gradient norms spread around the clip: some tensors clipped, some not
+    grads = [
+        torch.randn(s, device=device) * 10 ** torch.empty(()).uniform_(-5, -1).item()
+        for s in shapes
+    ]
+    clipped = sum(g.norm().item() > CLIP for g in grads)
+    rows = optimizers(device, args.reference_code)
     print(
         f"{Path(args.config).name}: {len(shapes)} parameter tensors, "
         f"{sum(s.numel() for s in shapes):,} elements ({clipped} clipped), {device}, "

@@ -33,6 +33,7 @@ import gc
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -254,7 +255,7 @@ def row_text(code: str, r: dict, gpu: bool, peak_tflops: float | None, vs: str =
     return text + f" {vs} |"
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
@@ -308,17 +309,134 @@ def main() -> int:
         action="store_true",
         help="load the config (and the authors' code), print the plan, time nothing",
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    started = time.monotonic()
+
+@dataclass
+class Rows:
+    """What every row of the table needs: the device, the time budget, and what was left out
+    or is to be said under the table."""
+
+    args: argparse.Namespace
+    gpu: bool
+    started: float = field(default_factory=time.monotonic)
+    skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def over_budget(self) -> bool:
+        budget = self.args.time_budget
+        return budget is not None and time.monotonic() - self.started > budget
+
+    def out_of_memory(self, code: str, batch: int, frac: float) -> None:
+        tail = " |" if self.gpu else ""
+        print(f"| {code} | {batch} | {frac:.4g} | | out of memory | | |{tail} |", flush=True)
+
+
+def time_or_oom(runner, batch: int, frac: float, steps: int, warmup: int) -> dict | None:
+    """time_step, or None where the step ran out of memory (the memory freed)."""
+    try:
+        return time_step(runner, batch, frac, steps, warmup)
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+        if not is_oom(e):
+            raise
+    free_memory()
+    return None
+
+
+def time_ours(ours, sizes, fracs, rows: Rows, peak) -> dict[tuple[int, float], dict]:
+    args = rows.args
+    timed: dict[tuple[int, float], dict] = {}
+    for batch in sizes:
+        for frac in fracs:
+            if rows.over_budget():
+                rows.skipped.append(f"ours at micro-batch {batch}, span {frac:g}")
+                continue
+            r = time_or_oom(ours, batch, frac, args.steps, args.warmup)
+            if r is None:
+                rows.out_of_memory("ours", batch, frac)
+                continue
+            timed[(batch, frac)] = r
+            print(row_text("ours", r, rows.gpu, peak), flush=True)
+    return timed
+
+
+def time_authors(authors, sizes, fracs, ours_rows, rows: Rows, peak) -> None:
+    args = rows.args
+    for batch in sizes:
+        for frac in fracs:
+            if rows.over_budget():
+                rows.skipped.append(f"authors at micro-batch {batch}, span {frac:g}")
+                continue
+            r, tried = None, batch
+            while r is None and tried >= 1:
+                r = time_or_oom(authors, tried, frac, args.steps, args.warmup)
+                if r is None:  # theirs may not fit where ours does: half of it
+                    rows.out_of_memory("authors", tried, frac)
+                    tried = tried // 2 if tried == batch else 0
+            if r is None:
+                continue
+            mine = ours_rows.get((batch, frac))
+            vs = f"{mine['tokens_s'] / r['tokens_s']:.2f}x" if mine else ""
+            print(row_text("authors", r, rows.gpu, peak, vs=vs), flush=True)
+    rows.notes.append(
+        "vs authors: our tokens/s over the authors' at the same span and "
+        "micro-batch (on the authors' row; where theirs ran out of memory, over "
+        "theirs at half the micro-batch)"
+    )
+
+
+def time_largest(ours, fracs, ours_rows, fixed_bytes: int, rows: Rows, peak) -> None:
+    """Search the largest micro-batch that fits at the longest span, then time it."""
+    top = max(fracs)
+    known = max(
+        (r for (b, f), r in ours_rows.items() if f == top),
+        key=lambda r: r["batch"],
+        default=None,
+    )
+    if rows.over_budget():
+        rows.skipped.append("ours at the largest micro-batch")
+        return
+    best, failed = largest_batch(ours, top, known, fixed_bytes)
+    rows.notes.append(
+        f"the largest micro-batch that fits at span {top:g}: {best or 'none'}"
+        + (f" (out of memory at {', '.join(map(str, failed))})" if failed else "")
+    )
+    if not best:
+        return
+    for frac in fracs:
+        if rows.over_budget():
+            rows.skipped.append(f"ours at micro-batch {best}, span {frac:g}")
+            continue
+        r = ours_rows.get((best, frac)) or time_step(ours, best, frac, min(rows.args.steps, 3), 1)
+        print(row_text("ours", r, rows.gpu, peak), flush=True)
+
+
+def print_header(plan: str, spec, ours, gpu: bool) -> None:
+    params = sum(p.numel() for p in ours.model.parameters())
+    print(
+        f"{plan}\n{spec.name}: {params:,} parameters, {torch.get_num_threads()} threads; "
+        f"{ours.describe()}\n"
+    )
+    header = (
+        "| code | micro-batch | span frac | L' tokens | ms/step | tokens/s | peak MB |"
+        + (" MFU |" if gpu else "")
+        + " vs authors |"
+    )
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+
+
+def main() -> int:
+    args = parse_args()
+    rows_started = time.monotonic()
     spec = load_spec(args.config, args.overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
+    rows = Rows(args, gpu, started=rows_started)
     vocab = vocab_size_for(spec)[0] or 256
     fracs = [float(f) for f in args.span.split(",")]
     batches = (args.batch or str(spec.train.batch_size)).split(",")
     sizes = [int(b) for b in batches if b != "max"]
-    search = "max" in batches and gpu
     ref = shape = None
     if args.reference_code:
         from bench.reference_code import ReferenceCode, Shape
@@ -347,113 +465,21 @@ def main() -> int:
     if gpu and (peak_ours is None or (ref is not None and peak_authors is None)):
         print(f"no dense peak known for {torch.cuda.get_device_name(device)}: give --peak-tflops")
     fixed_bytes = torch.cuda.memory_allocated(device) if gpu else 0
-    params = sum(p.numel() for p in ours.model.parameters())
-    print(
-        f"{plan}\n{spec.name}: {params:,} parameters, {torch.get_num_threads()} threads; "
-        f"{ours.describe()}\n"
-    )
-    header = (
-        "| code | micro-batch | span frac | L' tokens | ms/step | tokens/s | peak MB |"
-        + (" MFU |" if gpu else "")
-        + " vs authors |"
-    )
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
-
-    def over_budget() -> bool:
-        return args.time_budget is not None and time.monotonic() - started > args.time_budget
-
-    skipped: list[str] = []
-    notes: list[str] = []
-    ours_rows: dict[tuple[int, float], dict] = {}
-    for batch in sizes:
-        for frac in fracs:
-            if over_budget():
-                skipped.append(f"ours at micro-batch {batch}, span {frac:g}")
-                continue
-            try:
-                r = time_step(ours, batch, frac, args.steps, args.warmup)
-            except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
-                if not is_oom(e):
-                    raise
-                r = None
-            if r is None:
-                free_memory()
-                print(
-                    f"| ours | {batch} | {frac:.4g} | | out of memory | | |"
-                    + (" |" if gpu else "")
-                    + " |",
-                    flush=True,
-                )
-                continue
-            ours_rows[(batch, frac)] = r
-            print(row_text("ours", r, gpu, peak_ours), flush=True)
-
+    print_header(plan, spec, ours, gpu)
+    ours_rows = time_ours(ours, sizes, fracs, rows, peak_ours)
     free_memory()
     if ref is not None:
         authors = Authors(ref, shape, device, DTYPES[args.reference_dtype])
-        for batch in sizes:
-            for frac in fracs:
-                if over_budget():
-                    skipped.append(f"authors at micro-batch {batch}, span {frac:g}")
-                    continue
-                r, tried = None, batch
-                while r is None and tried >= 1:
-                    try:
-                        r = time_step(authors, tried, frac, args.steps, args.warmup)
-                    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
-                        if not is_oom(e):
-                            raise
-                    if r is None:  # theirs may not fit where ours does: half of it
-                        free_memory()
-                        print(
-                            f"| authors | {tried} | {frac:.4g} | | out of memory | | |"
-                            + (" |" if gpu else "")
-                            + " |",
-                            flush=True,
-                        )
-                        tried = tried // 2 if tried == batch else 0
-                if r is None:
-                    continue
-                mine = ours_rows.get((batch, frac))
-                vs = f"{mine['tokens_s'] / r['tokens_s']:.2f}x" if mine else ""
-                print(row_text("authors", r, gpu, peak_authors, vs=vs), flush=True)
+        time_authors(authors, sizes, fracs, ours_rows, rows, peak_authors)
         authors.close()
         free_memory()
-        notes.append(
-            "vs authors: our tokens/s over the authors' at the same span and "
-            "micro-batch (on the authors' row; where theirs ran out of memory, over "
-            "theirs at half the micro-batch)"
-        )
-    if search:
-        top = max(fracs)
-        known = max(
-            (r for (b, f), r in ours_rows.items() if f == top),
-            key=lambda r: r["batch"],
-            default=None,
-        )
-        if over_budget():
-            skipped.append("ours at the largest micro-batch")
-        else:
-            best, failed = largest_batch(ours, top, known, fixed_bytes)
-            notes.append(
-                f"the largest micro-batch that fits at span {top:g}: {best or 'none'}"
-                + (f" (out of memory at {', '.join(map(str, failed))})" if failed else "")
-            )
-            if best:
-                for frac in fracs:
-                    if over_budget():
-                        skipped.append(f"ours at micro-batch {best}, span {frac:g}")
-                        continue
-                    r = ours_rows.get((best, frac)) or time_step(
-                        ours, best, frac, min(args.steps, 3), 1
-                    )
-                    print(row_text("ours", r, gpu, peak_ours), flush=True)
+    if "max" in batches and gpu:
+        time_largest(ours, fracs, ours_rows, fixed_bytes, rows, peak_ours)
     ours.close()
-    if notes:
-        print("\n" + "\n".join(notes))
-    if skipped:
-        print(f"\nskipped (time budget of {args.time_budget:g} s spent): {'; '.join(skipped)}")
+    if rows.notes:
+        print("\n" + "\n".join(rows.notes))
+    if rows.skipped:
+        print(f"\nskipped (time budget of {args.time_budget:g} s spent): {'; '.join(rows.skipped)}")
     return 0
 
 

@@ -281,7 +281,7 @@ def resolve(requirements: list[str], target: list[str]) -> list[dict]:
     ]
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dest", type=Path, default=ROOT / "gpu-wheels")
     parser.add_argument("--max-mb", type=float, default=60.0)
@@ -293,21 +293,75 @@ def main() -> int:
         default=PYTHON_VERSION,
         help="the GPU machine's Python (default %(default)s)",
     )
-    args = parser.parse_args()
-    target = target_args(args.python_version)
+    return parser.parse_args(argv)
 
-    requirements = runtime_requirements()
+
+def deepspeed_wheel(args) -> tuple[str, list[str]]:
+    """DeepSpeed's wheel (built here, or on a dry run its requirement) and what it needs."""
     if args.dry_run:
         ds = deepspeed_requirement()
         ds_needs = [
             r.split(";")[0].strip() for r in (md.requires("deepspeed") or []) if "extra ==" not in r
         ]
         print(f"gpu-wheels (dry run): would build {ds} (DS_BUILD_OPS=0, no deps) into {args.dest}")
-    else:
-        args.dest.mkdir(parents=True, exist_ok=True)
-        wheel = build_deepspeed(args.dest)
-        ds = wheel.name
-        ds_needs = wheel_requirements(wheel)
+        return ds, ds_needs
+    args.dest.mkdir(parents=True, exist_ok=True)
+    wheel = build_deepspeed(args.dest)
+    return wheel.name, wheel_requirements(wheel)
+
+
+def print_plan(ds: str, carry: list[dict], target: list[str], dest: Path) -> None:
+    print("| wheel | version | from |\n|---|---|---|")
+    print(f"| deepspeed | {ds.removeprefix('deepspeed')} | built here |")
+    for r in carry:
+        print(f"| {r['name']} | {r['version']} | {r['url'].rsplit('/', 1)[-1]} |")
+    print(
+        f"\n{len(carry) + 1} wheels; `pip download --no-deps {' '.join(target)} "
+        f"-d {dest} NAME==VERSION ...`"
+    )
+
+
+def download(ds: str, carry: list[dict], target: list[str], dest: Path) -> list[Path]:
+    """Fetch the planned wheels into ``dest``; the wheels there now."""
+    pip(
+        [
+            "download",
+            "--no-deps",
+            *target,
+            "-d",
+            str(dest),
+            *[f"{r['name']}=={r['version']}" for r in carry],
+        ]
+    )
+    planned = {(r["name"], r["version"]) for r in carry}
+    files = sorted(dest.glob("*.whl"))
+    for f in files:  # a wheel an earlier plan fetched: two versions stop an install
+        name, version = normalise(f.name.split("-")[0]), f.name.split("-")[1]
+        if f.name != ds and (name, version) not in planned:
+            f.unlink()
+    return [f for f in files if f.exists()]
+
+
+def check_size(files: list[Path], args) -> int:
+    total = sum(f.stat().st_size for f in files)
+    print("| wheel | MB |\n|---|---:|")
+    for f in sorted(files, key=lambda f: -f.stat().st_size):
+        print(f"| {f.name} | {f.stat().st_size / 1e6:.1f} |")
+    print(f"\n{len(files)} wheels, {total / 1e6:.1f} MB in {args.dest} (limit {args.max_mb:g} MB)")
+    if total > args.max_mb * 1e6:
+        print(
+            f"gpu-wheels: {total / 1e6:.1f} MB is over the {args.max_mb:g} MB limit",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
+    target = target_args(args.python_version)
+    requirements = runtime_requirements()
+    ds, ds_needs = deepspeed_wheel(args)
     needs = requirements + [
         r
         for r in ds_needs
@@ -325,47 +379,10 @@ def main() -> int:
         f"target: CPython {args.python_version}, {', '.join(PLATFORMS[:2])}, ...; the image's "
         f"{len(skipped)} packages left out: {', '.join(skipped)}\n"
     )
-
     if args.dry_run:
-        print("| wheel | version | from |\n|---|---|---|")
-        print(f"| deepspeed | {ds.removeprefix('deepspeed')} | built here |")
-        for r in carry:
-            print(f"| {r['name']} | {r['version']} | {r['url'].rsplit('/', 1)[-1]} |")
-        print(
-            f"\n{len(carry) + 1} wheels; `pip download --no-deps {' '.join(target)} "
-            f"-d {args.dest} NAME==VERSION ...`"
-        )
+        print_plan(ds, carry, target, args.dest)
         return 0
-
-    pip(
-        [
-            "download",
-            "--no-deps",
-            *target,
-            "-d",
-            str(args.dest),
-            *[f"{r['name']}=={r['version']}" for r in carry],
-        ]
-    )
-    planned = {(r["name"], r["version"]) for r in carry}
-    files = sorted(args.dest.glob("*.whl"))
-    for f in files:  # a wheel an earlier plan fetched: two versions stop an install
-        name, version = normalise(f.name.split("-")[0]), f.name.split("-")[1]
-        if f.name != ds and (name, version) not in planned:
-            f.unlink()
-    files = [f for f in files if f.exists()]
-    total = sum(f.stat().st_size for f in files)
-    print("| wheel | MB |\n|---|---:|")
-    for f in sorted(files, key=lambda f: -f.stat().st_size):
-        print(f"| {f.name} | {f.stat().st_size / 1e6:.1f} |")
-    print(f"\n{len(files)} wheels, {total / 1e6:.1f} MB in {args.dest} (limit {args.max_mb:g} MB)")
-    if total > args.max_mb * 1e6:
-        print(
-            f"gpu-wheels: {total / 1e6:.1f} MB is over the {args.max_mb:g} MB limit",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return check_size(download(ds, carry, target, args.dest), args)
 
 
 if __name__ == "__main__":

@@ -870,7 +870,7 @@ def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[bool, str]:
     return False, (failed[0].split(" - ")[0] if failed else done.stdout.strip()[-200:])
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--family",
@@ -881,7 +881,61 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated mutation numbers (1-based, per family)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per test run")
     ap.add_argument("--list", action="store_true", help="list the mutations and stop")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def check_copy(copy: Path) -> None:
+    """The copy must import its own pipeline/, or every mutation would look survived."""
+    where = subprocess.run(
+        [sys.executable, "-c", "import pipeline; print(pipeline.__file__)"],
+        cwd=copy,
+        env=dict(os.environ, PYTHONPATH=str(copy)),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(where).resolve().is_relative_to(copy.resolve()):
+        raise SystemExit(f"the copy imports pipeline from {where}, not from itself")
+
+
+def check_family(copy: Path, family: str, only: set[int] | None, timeout: float) -> int:
+    """Run one family's mutations in ``copy``, a table row each; how many survived."""
+    tests, mutations = FAMILIES[family]
+    start = time.perf_counter()
+    ok, why = run_tests(copy, tests, timeout)
+    if not ok:
+        raise SystemExit(f"{family}: the unmutated tests fail ({why})")
+    print(
+        f"## {family}: {len(mutations)} mutations; tests: {', '.join(tests)} "
+        f"(unmutated: pass, {time.perf_counter() - start:.0f} s)\n"
+    )
+    print("| # | where | mutation | result | failed first |")
+    print("|---:|---|---|---|---|")
+    killed = survived = 0
+    for k, (file, old, new, what) in enumerate(mutations, 1):
+        if only is not None and k not in only:
+            continue
+        path = copy / file
+        original = path.read_text()
+        path.write_text(mutate(original, old, new))
+        try:
+            ok, why = run_tests(copy, tests, timeout)
+        finally:
+            path.write_text(original)
+        killed += not ok
+        survived += ok
+        result = "**survived**" if ok else "killed"
+        print(
+            f"| {k} | {file}:{line_number(original, old)} | {what} | {result} | "
+            f"{why.removeprefix('FAILED ').removeprefix('ERROR ')} |",
+            flush=True,
+        )
+    print(f"\n{family}: {killed + survived} mutations, {killed} killed, {survived} survived\n")
+    return survived
+
+
+def main() -> None:
+    args = parse_args()
     families = args.family or sorted(FAMILIES)
     only = {int(k) for k in args.only.split(",")} if args.only else None
     if args.list:
@@ -893,51 +947,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mutations-") as tmp:
         copy = Path(tmp)
         copy_repository(copy)
-        where = subprocess.run(
-            [sys.executable, "-c", "import pipeline; print(pipeline.__file__)"],
-            cwd=copy,
-            env=dict(os.environ, PYTHONPATH=str(copy)),
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        if not Path(where).resolve().is_relative_to(copy.resolve()):
-            raise SystemExit(f"the copy imports pipeline from {where}, not from itself")
+        check_copy(copy)
         for family in families:
-            tests, mutations = FAMILIES[family]
-            start = time.perf_counter()
-            ok, why = run_tests(copy, tests, args.timeout)
-            if not ok:
-                raise SystemExit(f"{family}: the unmutated tests fail ({why})")
-            print(
-                f"## {family}: {len(mutations)} mutations; tests: {', '.join(tests)} "
-                f"(unmutated: pass, {time.perf_counter() - start:.0f} s)\n"
-            )
-            print("| # | where | mutation | result | failed first |")
-            print("|---:|---|---|---|---|")
-            killed = survived = 0
-            for k, (file, old, new, what) in enumerate(mutations, 1):
-                if only is not None and k not in only:
-                    continue
-                path = copy / file
-                original = path.read_text()
-                path.write_text(mutate(original, old, new))
-                try:
-                    ok, why = run_tests(copy, tests, args.timeout)
-                finally:
-                    path.write_text(original)
-                killed += not ok
-                survived += ok
-                result = "**survived**" if ok else "killed"
-                print(
-                    f"| {k} | {file}:{line_number(original, old)} | {what} | {result} | "
-                    f"{why.removeprefix('FAILED ').removeprefix('ERROR ')} |",
-                    flush=True,
-                )
-            print(
-                f"\n{family}: {killed + survived} mutations, {killed} killed, {survived} survived\n"
-            )
-            survived_any |= survived > 0
+            survived_any |= check_family(copy, family, only, args.timeout) > 0
     sys.exit(1 if survived_any else 0)
 
 

@@ -257,7 +257,8 @@ def plot(results: list[dict], lengths: list[int], models: list[str], path: Path)
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, with lengths, seeds and models as lists."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="32,64,128,256")
     ap.add_argument("--seeds", default="0,1,2")
@@ -289,7 +290,7 @@ def main() -> None:
         action="store_true",
         help="print the table (and draw --plot) from --results, train nothing",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     lengths = sorted(int(s) for s in args.lengths.split(","))
     seeds = [int(s) for s in args.seeds.split(",")]
     models = args.models.split(",")
@@ -306,27 +307,92 @@ def main() -> None:
         ap.error("--table-only reads --results FILE")
     if args.plot and args.plot.suffix.lower() != ".png":
         ap.error(f"--plot {args.plot}: a .png file")
-    settings = vars(args).copy()
-    shortest = lengths[0]
-    results = [r for r in load_results(args.results) if r["settings"] == protocol(settings)]
-    done = {(r["model"], r["length"], r["seed"], r["base"]) for r in results}
-    folder = Path(tempfile.mkdtemp()) if args.results is None else args.results.parent
+    args.lengths, args.seeds, args.models = lengths, seeds, models
+    return args
 
-    def base_path(seed: int) -> Path:
-        stem = args.results.name if args.results else "infinity_sort"
-        return folder / f"{stem}.base-{seed}.pt"
 
-    bases = [s for s in seeds if ("xl", shortest, s, True) not in done or not base_path(s).exists()]
+def base_path(args, folder: Path, seed: int) -> Path:
+    stem = args.results.name if args.results else "infinity_sort"
+    return folder / f"{stem}.base-{seed}.pt"
+
+
+def to_train(args, done: set, folder: Path) -> tuple[list[int], dict[int, list]]:
+    """The seeds whose base is (re)trained, and each seed's continuing runs still to do."""
+    shortest = args.lengths[0]
+    bases = [
+        s
+        for s in args.seeds
+        if ("xl", shortest, s, True) not in done or not base_path(args, folder, s).exists()
+    ]
     # a base trained again makes its seed's continuing runs stale: they run again too
     continuing = {
         s: [
             (m, n, s)
-            for n in lengths[1:]
-            for m in models
+            for n in args.lengths[1:]
+            for m in args.models
             if s in bases or (m, n, s, False) not in done
         ]
-        for s in seeds
+        for s in args.seeds
     }
+    return bases, continuing
+
+
+def record(args, results: list[dict], result: dict) -> None:
+    results.append(result)
+    if args.results:
+        with args.results.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+    print(
+        f"  {'base' if result['base'] else MODELS[result['model']][0]}, length "
+        f"{result['length']}, seed {result['seed']}: accuracy "
+        f"{result['accuracy']:.3f}, exact {result['exact']:.3f} "
+        f"({result['seconds'] / 60:.1f} min)",
+        flush=True,
+    )
+
+
+def train_all(args, settings, results, bases, continuing, folder: Path) -> None:
+    """Each base first, then its seed's continuing runs, --jobs at a time."""
+    shortest = args.lengths[0]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+
+        def submit_continuing(seed: int) -> list:
+            # longest first: the slowest runs start early, so the jobs end together
+            jobs = sorted(continuing[seed], key=lambda job: -job[1])
+            base = base_path(args, folder, seed)
+            return [pool.submit(train_and_score, *job, settings, base) for job in jobs]
+
+        pending = {
+            pool.submit(
+                train_and_score, "xl", shortest, s, settings, None, base_path(args, folder, s)
+            ): s
+            for s in bases
+        }
+        pending |= {f: None for s in args.seeds if s not in bases for f in submit_continuing(s)}
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                seed = pending.pop(future)
+                record(args, results, future.result())
+                if seed is not None:  # a base: its continuing runs can start
+                    pending |= {f: None for f in submit_continuing(seed)}
+
+
+def main() -> None:
+    args = parse_args()
+    lengths, seeds, models = args.lengths, args.seeds, args.models
+    settings = vars(args).copy()
+    settings.update(
+        lengths=",".join(map(str, lengths)),
+        seeds=",".join(map(str, seeds)),
+        models=",".join(models),
+    )
+    shortest = lengths[0]
+    results = [r for r in load_results(args.results) if r["settings"] == protocol(settings)]
+    done = {(r["model"], r["length"], r["seed"], r["base"]) for r in results}
+    folder = Path(tempfile.mkdtemp()) if args.results is None else args.results.parent
+    bases, continuing = to_train(args, done, folder)
     todo = len(bases) + sum(map(len, continuing.values()))
     print(
         f"base: {args.base_steps} updates at length {shortest}; then {args.steps} updates per "
@@ -338,42 +404,7 @@ def main() -> None:
     start = time.perf_counter()
     if todo and not args.table_only:
         results = [r for r in results if r["seed"] not in bases]
-
-        def record(result: dict) -> None:
-            results.append(result)
-            if args.results:
-                with args.results.open("a") as f:
-                    f.write(json.dumps(result) + "\n")
-            print(
-                f"  {'base' if result['base'] else MODELS[result['model']][0]}, length "
-                f"{result['length']}, seed {result['seed']}: accuracy "
-                f"{result['accuracy']:.3f}, exact {result['exact']:.3f} "
-                f"({result['seconds'] / 60:.1f} min)",
-                flush=True,
-            )
-
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-
-            def submit_continuing(seed: int) -> list:
-                # longest first: the slowest runs start early, so the jobs end together
-                jobs = sorted(continuing[seed], key=lambda job: -job[1])
-                return [
-                    pool.submit(train_and_score, *job, settings, base_path(seed)) for job in jobs
-                ]
-
-            pending = {
-                pool.submit(train_and_score, "xl", shortest, s, settings, None, base_path(s)): s
-                for s in bases
-            }
-            pending |= {f: None for s in seeds if s not in bases for f in submit_continuing(s)}
-            while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    seed = pending.pop(future)
-                    record(future.result())
-                    if seed is not None:  # a base: its continuing runs can start
-                        pending |= {f: None for f in submit_continuing(seed)}
+        train_all(args, settings, results, bases, continuing, folder)
         print(
             f"\ntrained {todo} runs in {(time.perf_counter() - start) / 60:.0f} min at "
             f"--jobs {args.jobs}\n"

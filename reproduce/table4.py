@@ -183,7 +183,8 @@ def one_run(
     }
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, with problems, mixers and seeds as lists."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--protocol", default="full", choices=sorted(PROTOCOLS))
     ap.add_argument("--problems", default="add,mult,remember,reverse")
@@ -197,28 +198,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch threads per curriculum")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--results", type=Path, help="finished cells, kept across invocations")
-    args = ap.parse_args()
-    problems = args.problems.split(",")
-    mixers = (args.mixers or DEFAULT_MIXERS[args.protocol]).split(",")
-    if unknown := sorted(set(problems) - set(PROBLEMS)):
+    args = ap.parse_args(argv)
+    args.problem_list = args.problems.split(",")
+    args.mixer_list = (args.mixers or DEFAULT_MIXERS[args.protocol]).split(",")
+    if unknown := sorted(set(args.problem_list) - set(PROBLEMS)):
         ap.error(f"--problems: unknown {', '.join(unknown)}; known: {', '.join(PROBLEMS)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
+    args.seed_list = [int(s) for s in args.seeds.split(",")]
+    return args
+
+
+def run_cells(args, todo: list, budgets: dict, results: dict) -> None:
+    """Run the curricula of ``todo``, --jobs at a time, each result shown and kept."""
     threads = args.threads or (1 if args.jobs > 1 else os.cpu_count())
-    # seed by seed: a table stopped part-way holds every cell of its first seeds
-    cells = [(p, m, s) for s in seeds for p in problems for m in mixers]
-    budgets = {
-        p: {
-            "epochs": args.epochs or PROTOCOLS[args.protocol][p][0],
-            "steps": args.steps or PROTOCOLS[args.protocol][p][1],
-        }
-        for p in problems
-    }
-    results = earlier_results(args.results, budgets) if args.results else {}
-    for cell in cells:
-        if cell in results:
-            show(cell, results[cell], "(earlier)")
-    todo = [cell for cell in cells if cell not in results]
-    started = time.time()
     # spawned workers: a forked one can hang in OpenMP that its parent's torch started
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {
@@ -243,7 +234,10 @@ def main() -> None:
                         )
                         + "\n"
                     )
-    total = time.time() - started
+
+
+def render(args, budgets: dict, results: dict, cells: list, todo: list, total: float) -> None:
+    problems, mixers, seeds = args.problem_list, args.mixer_list, args.seed_list
     print(
         f"\nTable 4, protocol {args.protocol} ("
         + ", ".join(f"{p} {b['epochs']} x {b['steps']}" for p, b in budgets.items())
@@ -262,6 +256,28 @@ def main() -> None:
         f"{len(cells) - len(todo)} from {args.results}; their own times: "
         f"{sum(results[c]['seconds'] for c in cells) / 3600:.1f} h in all"
     )
+
+
+def main() -> None:
+    args = parse_args()
+    problems = args.problem_list
+    # seed by seed: a table stopped part-way holds every cell of its first seeds
+    cells = [(p, m, s) for s in args.seed_list for p in problems for m in args.mixer_list]
+    budgets = {
+        p: {
+            "epochs": args.epochs or PROTOCOLS[args.protocol][p][0],
+            "steps": args.steps or PROTOCOLS[args.protocol][p][1],
+        }
+        for p in problems
+    }
+    results = earlier_results(args.results, budgets) if args.results else {}
+    for cell in cells:
+        if cell in results:
+            show(cell, results[cell], "(earlier)")
+    todo = [cell for cell in cells if cell not in results]
+    started = time.time()
+    run_cells(args, todo, budgets, results)
+    render(args, budgets, results, cells, todo, time.time() - started)
 
 
 def show(cell, result: dict, note: str = "") -> None:
