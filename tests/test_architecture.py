@@ -130,3 +130,43 @@ def test_the_layer_rule_sees_a_wrong_import():
         "stages" in g["pipeline.workspace.runner"]
         and "pipeline.training.trainer" in g["stages.train"]
     )
+
+
+def test_the_tool_folders_import_no_tests_patch_no_sys_path_and_keep_main_short():
+    """bench/, reproduce/, quality/ and gpu/ run as modules of the checkout (python -m
+    bench.train_step): no import of tests (what tests and tools share lives in the package
+    or the tool folders), no sys.path patching (except to import code that is not ours), and
+    each main() parses, runs and renders in at most 60 lines."""
+    outside_code = {  # the only sys.path edits: for code that is not the project's
+        "bench/reference_code.py": "the user's checkout of the authors' code",
+        "gpu/check.py": "wheels installed beside a read-only environment",
+    }
+    tools = [
+        p
+        for folder in ("bench", "reproduce", "quality", "gpu")
+        for p in ROOT.glob(f"{folder}/**/*.py")
+    ]
+    assert len(tools) > 20, tools
+    found = []
+    for path in tools:
+        name = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(), name)):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                modules = []
+            found += [f"{name}: imports {m}" for m in modules if m.split(".")[0] == "tests"]
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("insert", "append", "extend")
+                and ast.unparse(node.value) == "sys.path"
+                and name not in outside_code
+            ):
+                found.append(f"{name}:{node.lineno}: patches sys.path")
+            if isinstance(node, ast.FunctionDef) and node.name == "main":
+                body = node.end_lineno - node.body[0].lineno + 1
+                if body > 60:
+                    found.append(f"{name}: main() is {body} lines (at most 60)")
+    assert not found, "\n".join(found)
