@@ -1,0 +1,92 @@
+"""The trained model a command works from (`sample`, `export`): the checkpoint that
+`--checkpoint latest|best|PATH` names, loaded into the spec's model, after checking that the
+preprocess stage's outputs (the vocabulary the prompt is encoded with, or that is exported)
+are what the model was trained on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.errors import PipelineError, shown
+
+
+def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
+    """(checkpoints root, tag or None for the newest intact one, a description) for
+    `--checkpoint latest|best|PATH`: latest is finetune's if it ran, else train's; best is
+    the checkpoint the validations marked best (finetune's pointer first, as evaluate
+    reads it); PATH is a checkpoint directory (step-N) or a checkpoints directory."""
+    from pipeline.training.checkpoints import read_pointer
+
+    ws = spec.workspace_dir
+    trained = [
+        s for s in ("finetune", "train") if s in spec.stages and (ws / s / "stage.json").is_file()
+    ]
+    if which in ("latest", "best"):
+        if not trained:
+            raise PipelineError(
+                f"{spec.source}: no finished train stage in {ws}; run "
+                f"`allattn-pipe run {spec.source}` first, or name a "
+                f"checkpoint directory with --checkpoint PATH"
+            )
+        if which == "latest":
+            return ws / trained[0] / "checkpoints", None, f"{trained[0]} (latest)"
+        for stage in trained:
+            root = ws / stage / "checkpoints"
+            if tag := read_pointer(root / "best"):
+                return root, tag, f"{stage}/{tag} (best)"
+        raise PipelineError(
+            f"--checkpoint best: no checkpoint is marked best under "
+            f"{', '.join(str(ws / s / 'checkpoints') for s in trained)} "
+            f"(train.eval_every's validations mark it)"
+        )
+    if not which.strip():  # Path("") is the current directory
+        raise PipelineError("--checkpoint is empty: give latest, best, or a checkpoint directory")
+    path = Path(which).expanduser()
+    try:  # is_file / is_dir answer False for a missing path, but raise for one too long
+        if (path / "mp_rank_00_model_states.pt").is_file() or path.name.startswith("step-"):
+            return path.parent, path.name, str(path)
+        if path.is_dir():
+            return path, None, str(path)
+    except OSError as error:
+        raise PipelineError(f"--checkpoint {shown(which)}: {error.strerror}") from None
+    raise PipelineError(f"--checkpoint {shown(which)}: not latest, best, or a checkpoint directory")
+
+
+def verify_published(spec, stage: str) -> None:
+    """Refuse (one line) a stage's outputs that are not the files its record lists, as `run`
+    refuses to build on them: an edited vocabulary would encode the prompt, or be exported,
+    with ids the trained model never saw."""
+    from pipeline.workspace.layout import Workspace
+
+    ws = Workspace(spec.workspace_dir)
+    record = ws.record(stage)
+    if record is not None and (damage := ws.output_damage(stage, record)):
+        raise PipelineError(
+            f"{ws.committed_dir(stage)}: {damage} (changed since {stage} published it, so "
+            f"it is not what the model was trained on); nothing was read: run "
+            f"`allattn-pipe run {shown(spec.source)}` to rebuild it"
+        )
+
+
+def trained_model(spec, which: str, log):
+    """The spec's model with the weights of checkpoint `which`, in eval mode, and the
+    preprocess stage's directory (its vocabulary, its manifest)."""
+    from pipeline.data.manifest import load_manifest
+    from pipeline.training.checkpoints import load_model_weights
+    from stages import STAGES
+
+    if "train" not in spec.stages or "preprocess" not in spec.stages:
+        raise PipelineError(
+            f"{spec.source}: sample and export need a language model that "
+            f"preprocess and train made; this config's stages are "
+            f"{', '.join(spec.stages)}"
+        )
+    preprocess = spec.workspace_dir / "preprocess"
+    verify_published(spec, "preprocess")
+    manifest = load_manifest(preprocess)
+    model = spec.build_model(manifest["vocab_size"], str(preprocess / "manifest.json"))
+    root, tag, description = checkpoint_of(spec, which, log)
+    # the model section as the train stage records it, to compare with what made the weights
+    tag = load_model_weights(model, root, log, tag, STAGES["train"].config(spec)["model"])
+    return model.eval(), preprocess, f"{root}/{tag}"
