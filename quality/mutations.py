@@ -27,8 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-INFINITY = "pipeline/models/infinity_former.py"
-ACTIVE_MEMORY = "pipeline/models/active_memory.py"
+INFINITY = "pipeline/models/infinity_former/model.py"
+ACTIVE_MEMORY = "pipeline/models/active_memory/model.py"
 KERNELS = "pipeline/ops/triton_kernels.py"
 LAUNCH = "pipeline/ops/triton_attention.py"
 

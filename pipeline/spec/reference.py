@@ -32,7 +32,7 @@ from pydantic.fields import FieldInfo
 
 from pipeline.models import MODELS
 from pipeline.models.active_memory import CONV_ACTIVATIONS, GATES, MIXERS, ActiveMemoryConfig
-from pipeline.models.config import (
+from pipeline.models.allattn.config import (
     ATTENTION_IMPL_NAMES,
     FF_KINDS,
     PERSISTENT_MODES,

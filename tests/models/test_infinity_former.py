@@ -1,4 +1,4 @@
-"""The ∞-former (pipeline/models/infinity_former.py): its continuous memory against the
+"""The ∞-former (pipeline/models/infinity_former/model.py): its continuous memory against the
 formulas (float64), and the model as a stream. Tiny sizes throughout."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeline.models import MODELS, build_model
-from pipeline.models.infinity_former import (
+from pipeline.models.infinity_former.model import (
     ContinuousMemory,
     InfinityFormerConfig,
     InfinityFormerLM,

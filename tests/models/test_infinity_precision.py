@@ -1,5 +1,5 @@
 """The ∞-former's continuous memory under bf16 / fp16: the basis, μ, σ², the read weights and
-the old samples stay float32 (pipeline/models/infinity_former.py, ContinuousMemory).
+the old samples stay float32 (pipeline/models/infinity_former/model.py, ContinuousMemory).
 
 bf16 keeps 8 bits of mantissa: at N = 1024 the 512 centres linspace(0, 1, 512) round to 385
 distinct values, and read weights computed from them move by about 12%."""
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from pipeline.models.infinity_former import ContinuousMemory, InfinityFormerConfig
+from pipeline.models.infinity_former.model import ContinuousMemory, InfinityFormerConfig
 
 CFG = InfinityFormerConfig(d_model=8, n_heads=2, n_basis=1024, n_samples=64)
 LOW = [torch.bfloat16, torch.float16]

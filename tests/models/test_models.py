@@ -21,7 +21,7 @@ from pipeline.models import (
     build_model,
     count_parameters,
 )
-from pipeline.models.layers import attn_span_len, cache_len
+from pipeline.models.allattn.layers import attn_span_len, cache_len
 
 DT = torch.float64
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +134,7 @@ def test_registry():
 
 def test_models_and_ops_import_only_plain_torch():
     banned = {"deepspeed", "mlflow", "yaml", "click", "pydantic"}
-    files = list((ROOT / "pipeline" / "models").glob("*.py")) + list(
+    files = list((ROOT / "pipeline" / "models").rglob("*.py")) + list(
         (ROOT / "pipeline" / "ops").glob("*.py")
     )
     assert files

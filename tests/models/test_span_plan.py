@@ -1,4 +1,4 @@
-"""Planned span lengths (pipeline/models/allattn.py, "Planned span lengths"): training with
+"""Planned span lengths (pipeline/models/allattn/model.py, "Planned span lengths"): training with
 L' planned from span fractions two updates old gives the synchronous L''s losses while the
 spans grow slowly (up to the reference op's +1e-8 guard); a span that jumps past its plan
 is counted and warned about; the plan resumes exactly from plan_state(); forwards outside
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.models import AllAttnConfig, AllAttnLM
-from pipeline.models.layers import attn_span_len, planned_span_len
+from pipeline.models.allattn.layers import attn_span_len, planned_span_len
 
 V, B, M, MAX_SPAN, RAMP = 13, 2, 8, 256, 8
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.models import AllAttnConfig, AllAttnLM
-from pipeline.models.layers import AdaptiveSpan
+from pipeline.models.allattn.layers import AdaptiveSpan
 from pipeline.ops import adaptive_span_mask
 from stages.base import NullStageTracker
 

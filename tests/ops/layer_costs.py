@@ -17,8 +17,8 @@ from collections import Counter
 import torch
 
 from pipeline.diagnostics.step_audit import OpCounter, SavedBytes
-from pipeline.models.config import AllAttnConfig
-from pipeline.models.layers import AllAttnLayer
+from pipeline.models.allattn.config import AllAttnConfig
+from pipeline.models.allattn.layers import AllAttnLayer
 from pipeline.ops import get_attention_impl
 
 GIB = 2**30

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from pipeline.models.allattn import AllAttnLM
-from pipeline.models.config import AllAttnConfig
+from pipeline.models.allattn.config import AllAttnConfig
 from pipeline.models.protocol import ModelOutput, SequenceModel
 from pipeline.ops.attention import attend_reference
 from pipeline.training.head_maps import HEAT_MAP_KEY, head_heat_map, save_head_tables

@@ -66,8 +66,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
-from pipeline.models.config import FF_KINDS, PERSISTENT_MODES, AllAttnConfig
-from pipeline.models.layers import (
+from pipeline.models.allattn.config import FF_KINDS, PERSISTENT_MODES, AllAttnConfig
+from pipeline.models.allattn.layers import (
     SPAN_GRANULARITY,
     AdaptiveSpan,
     AllAttnLayer,

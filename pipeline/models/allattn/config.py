@@ -1,7 +1,7 @@
 """The all-attention model family's configuration: one dataclass, the `model:` section of a
 spec. Every field has a type and a default (the paper's enwik8 small model); the spec layer
 validates YAML against these fields, and `__post_init__` refuses bad values naming the field.
-The paper-versus-code notes and the ablations' definitions are in pipeline/models/allattn.py.
+The paper-versus-code notes and the ablations' definitions are in pipeline/models/allattn/model.py.
 """
 
 from __future__ import annotations

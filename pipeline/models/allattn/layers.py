@@ -1,6 +1,6 @@
 """The layers of the all-attention family: adaptive span, multi-head attention with persistent
 vectors (all four `persistent_mode`s), the feed-forward variants, and the post-norm layer.
-What each ablation means is written out in pipeline/models/allattn.py's docstring.
+What each ablation means is written out in pipeline/models/allattn/model.py's docstring.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.models.config import AllAttnConfig
+from pipeline.models.allattn.config import AllAttnConfig
 from pipeline.ops.attention import (
     AttendFn,
     adaptive_span_mask,
