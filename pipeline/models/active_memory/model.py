@@ -1,4 +1,4 @@
-"""Active-memory Transformers (PAPERS.md section 2: "Active memory versus self-attention"):
+"""Active-memory Transformers ("Active memory versus self-attention"; docs/papers.md#active-memory):
 a pre-norm Transformer whose token mixer is self-attention, a convolution, a
 persistent-convolution, a highway-convolution, a CGRU, or the sum of self-attention and one of
 the convolutions.

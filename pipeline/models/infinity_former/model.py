@@ -1,6 +1,6 @@
 """The ∞-former (Martins, Marinho, Martins, 2022): a Transformer-XL whose attention also reads
-a continuous long-term memory (LTM). ../shared/PAPERS.md §3 has the facts; where the paper is
-silent this follows the authors' sorting code (deep-spin/infinite-former, sorting/).
+a continuous long-term memory (LTM). docs/papers.md#infinity-former has the facts; where the
+paper is silent this follows the authors' sorting code (deep-spin/infinite-former, sorting/).
 
 Per layer and block of M tokens (batch first throughout):
 - the short-term memory (STM) is the Transformer-XL cache the attention reads: the layer's
