@@ -179,7 +179,7 @@ def test_only_the_wheels_of_missing_packages_are_installed(tmp_path):
 
 
 def test_make_gpu_wheels_dry_run_resolves_what_the_image_lacks(tmp_path):
-    from gpu_wheels import MUST_CARRY, in_image
+    from gpu.wheels import MUST_CARRY, in_image
 
     dest = tmp_path / "wheels"
     done = subprocess.run(
