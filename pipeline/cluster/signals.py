@@ -27,7 +27,7 @@ from pipeline.errors import Interrupted
 DUPLICATE_WINDOW_S = 5.0
 
 
-class _Handler:
+class SignalHandler:
     """Installs `_first` / `_again` for SIGTERM, SIGINT and SIGHUP (main thread only) and restores
     the previous handlers on exit."""
 
@@ -62,11 +62,11 @@ class _Handler:
             signal.signal(sig, handler)
 
 
-class RaiseOnSignal(_Handler):
+class RaiseOnSignal(SignalHandler):
     def _first(self, signum) -> None:
         raise Interrupted(signal.Signals(signum).name, signum)
 
 
-class StopSignal(_Handler):
+class StopSignal(SignalHandler):
     """The training loop's: the first signal only sets `received`, which the loop checks
     after each update, so a preempted job stops at a step boundary with a checkpoint."""

@@ -198,6 +198,7 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     from pipeline.commands import compare as cmp
     from pipeline.redact import mask
     from pipeline.spec import load_spec
+    from pipeline.tracking.store import open_existing_store
 
     if plot:
         from pipeline.fsutil import user_path
@@ -216,7 +217,7 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
             experiments.append(target)
     if overrides and not specs:
         raise PipelineError("--set applies to a CONFIG argument; none was given")
-    client = cmp.open_store(cmp.store_uri(specs))
+    client = open_existing_store(cmp.store_uri(specs))
     rows = cmp.collect(client, specs, experiments, run_ids, filter_string, overrides)
     groups = cmp.group(rows)
     # runs recorded before URLs were masked still hold their secrets: never printed

@@ -108,60 +108,6 @@ def store_uri(specs) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri("runs")
 
 
-def open_store(uri: str):
-    """An MlflowClient on `uri`; refuses an embedded store that does not exist yet (opening
-    it would create an empty one)."""
-    import logging
-
-    from mlflow.tracking import MlflowClient
-
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    if uri.startswith("sqlite:///"):
-        path = Path(uri.removeprefix("sqlite:///"))
-        if not path.is_file():
-            raise PipelineError(
-                f"no tracking store at {path}: no pipeline has run with it "
-                f"(name a CONFIG, or set MLFLOW_TRACKING_URI)"
-            )
-        _check_sqlite_store(path)
-    from pipeline.tracking.tracker import check_server
-
-    client = MlflowClient(tracking_uri=uri)
-    # as `run` does: a server that does not answer is one line in seconds, not minutes of
-    # MLflow's retries and then its traceback
-    check_server(
-        client,
-        uri,
-        "start it, or point MLFLOW_TRACKING_URI (or the config's tracking.uri) at the store "
-        "that holds the runs",
-    )
-    return client
-
-
-def _check_sqlite_store(path) -> None:
-    """Refuse, in one line, a file that is not an MLflow store that MLflow would otherwise
-    fail on with a traceback (damaged) or give a schema (empty): reading writes nothing."""
-    import sqlite3
-
-    try:
-        with sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True) as db:
-            problems = [row[0] for row in db.execute("PRAGMA quick_check")]
-            tables = {
-                row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-            }
-        db.close()
-    except sqlite3.DatabaseError as e:
-        raise PipelineError(f"{path}: not a readable MLflow tracking store ({e})") from None
-    if problems != ["ok"]:
-        raise PipelineError(f"{path}: the MLflow tracking store is damaged ({problems[0]})")
-    if not {"experiments", "runs", "alembic_version"} <= tables:
-        raise PipelineError(
-            f"{path}: not an MLflow tracking store (no experiments or runs "
-            f"tables); no pipeline has run with it"
-        )
-
-
 def collect(
     client, specs=(), experiments=(), run_ids=(), filter_string: str = "", overrides=()
 ) -> list[RunRow]:

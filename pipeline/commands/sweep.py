@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from pipeline.cluster import distributed
-from pipeline.cluster.signals import _Handler
+from pipeline.cluster.signals import SignalHandler
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.fsutil import open_for_write
 from pipeline.redact import mask
 from pipeline.spec import load_spec
+from pipeline.tracking.sweep_run import SweepRun
 from pipeline.workspace.layout import Workspace, fingerprint
 from pipeline.workspace.runner import Runner
 
@@ -187,75 +188,6 @@ def is_done(spec) -> bool:
     return all(step.action == "skip" for step in Runner(spec, log=lambda m: None).plan())
 
 
-class SweepRun:
-    """The sweep's MLflow run: found by its `sweep.id` tag or created; each point's
-    pipeline runs are made its children (`mlflow.parentRunId`) as they appear."""
-
-    def __init__(self, spec, ident: str, description: str, warn):
-        from pipeline.commands.compare import open_store
-        from pipeline.tracking.tracker import tracking_uri
-
-        self.warn = warn
-        self.client: Any = None  # an MlflowClient or open_store's; None: not recorded
-        self.run_id: str | None = None
-        if not spec.tracking.enabled:
-            return
-        try:
-            uri = tracking_uri(spec)
-            if uri.startswith("sqlite:///"):
-                Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-                from pipeline.tracking.tracker import open_client
-
-                self.client = open_client(uri, warn)
-            else:
-                self.client = open_store(uri)
-            from pipeline.tracking.sender import experiment_id
-            from pipeline.tracking.tracker import artifact_location, experiment_name
-
-            exp_id = experiment_id(self.client, experiment_name(spec), artifact_location(spec, uri))
-            self.experiment_id = exp_id
-            found = self.client.search_runs([exp_id], f"tags.`sweep.id` = '{ident}'")
-            if found:
-                self.run_id = found[0].info.run_id
-                self.client.update_run(self.run_id, "RUNNING")
-            else:
-                run = self.client.create_run(
-                    exp_id,
-                    run_name=f"{spec.name}-sweep",
-                    tags={"sweep.id": ident, "sweep.points": description},
-                )
-                self.run_id = run.info.run_id
-        except Exception as e:  # tracking never stops the pipeline
-            self._give_up(e)
-
-    def _give_up(self, e: Exception) -> None:
-        self.warn(
-            f"the sweep's MLflow run is not recorded ({type(e).__name__}: {mask(str(e))}); "
-            f"the points' own runs are"
-        )
-        self.client = self.run_id = None
-
-    def adopt(self, workspaces: list[Path]) -> None:
-        """Make the pipeline runs of these workspaces children of the sweep's run."""
-        if self.run_id is None:
-            return
-        try:
-            for ws in workspaces:
-                filt = f"tags.workspace = '{ws.resolve()}'"
-                for run in self.client.search_runs([self.experiment_id], filt):
-                    if run.data.tags.get("mlflow.parentRunId") != self.run_id:
-                        self.client.set_tag(run.info.run_id, "mlflow.parentRunId", self.run_id)
-        except Exception as e:
-            self._give_up(e)
-
-    def end(self, status: str) -> None:
-        if self.run_id is not None:
-            try:
-                self.client.set_terminated(self.run_id, status)
-            except Exception as e:
-                self._give_up(e)
-
-
 def plan_sweep(
     config: str, overrides: list[str], grid_items: list[str], seeds_text: str | None, log=None
 ) -> tuple[list[Point], list[str], str]:
@@ -285,7 +217,8 @@ def run_sweep(
     log=print,
 ) -> list[str]:
     """Run (or, dry, describe) every point; returns the names of the points that failed."""
-    from pipeline.tracking.tracker import is_remote, make_tracker, tracking_uri
+    from pipeline.tracking.store import is_remote
+    from pipeline.tracking.tracker import make_tracker, tracking_uri
 
     pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text, log)
     if dry_run:
@@ -381,7 +314,7 @@ def point_command(config: str, point: Point) -> list[str]:
     ]
 
 
-class ForwardSignals(_Handler):
+class ForwardSignals(SignalHandler):
     """While the points run as processes: the first SIGTERM / SIGINT / SIGHUP is passed on as
     SIGTERM to every running point (each saves a checkpoint and exits 143), and no new point
     starts; a second one is passed on as SIGINT (they stop at once) and stops the sweep."""

@@ -56,7 +56,8 @@ def check_name(name: str) -> None:
 def check_registrable(spec, name: str):
     """Before exporting: the name is valid, tracking is on, and the store answers and holds
     a model registry. Returns the MLflow client to register with."""
-    from pipeline.tracking.tracker import quick_requests, tracking_uri
+    from pipeline.tracking.store import open_store, quick_requests
+    from pipeline.tracking.tracker import tracking_uri
 
     check_name(name)
     if not spec.tracking.enabled:
@@ -68,7 +69,7 @@ def check_registrable(spec, name: str):
     uri = tracking_uri(spec)
     registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
     try:
-        client = _client(uri)
+        client = open_store(uri, make_parent=True)
     except Exception as e:  # MLflow opens a local store as it makes the client
         raise PipelineError(_unusable(uri, "tracking store", e)) from None
     with quick_requests(uri):
@@ -84,18 +85,6 @@ def check_registrable(spec, name: str):
         except Exception as e:
             raise PipelineError(_unusable(registry, "model registry", e)) from None
     return client
-
-
-def _client(uri: str):
-    import logging
-
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    from pipeline.tracking.tracker import open_client
-
-    return open_client(uri)
 
 
 def _unusable(store: str, what: str, error: Exception) -> str:
@@ -189,7 +178,7 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
 
     from pipeline.tracking.sender import experiment_id
     from pipeline.tracking.tracker import (
-        _BATCH,
+        LOG_BATCH_SIZE,
         artifact_location,
         experiment_name,
         flatten,
@@ -215,9 +204,12 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
         run_id = run.info.run_id
         params = [Param(k, v) for k, v in flatten(spec.resolved()).items()]
         values = [Metric(k, v, run.info.start_time, 0) for k, v in metrics.items()]
-        for i in range(0, max(len(params), len(values)), _BATCH):
+        for i in range(0, max(len(params), len(values)), LOG_BATCH_SIZE):
             client.log_batch(
-                run_id, metrics=values[i : i + _BATCH], params=params[i : i + _BATCH], tags=[]
+                run_id,
+                metrics=values[i : i + LOG_BATCH_SIZE],
+                params=params[i : i + LOG_BATCH_SIZE],
+                tags=[],
             )
         client.log_artifacts(run_id, str(out), "model")
         with tempfile.TemporaryDirectory() as tmp:

@@ -10,7 +10,6 @@ for `allattn-pipe sync`.
 from __future__ import annotations
 
 import base64
-import logging
 import os
 import platform
 import re
@@ -31,15 +30,21 @@ from pipeline.errors import PipelineError, Preempted, shown
 from pipeline.fsutil import read_bytes
 from pipeline.redact import mask
 from pipeline.spec import PROJECT_ROOT
-from pipeline.tracking.sender import RETRY_SECONDS, Delivery, Sender, is_transient, reason, replay
+from pipeline.tracking.sender import RETRY_SECONDS, Delivery, Sender, reason, replay
+from pipeline.tracking.store import (
+    HTTP_LIMITS,
+    check_server,
+    check_writable,
+    is_remote,
+    open_store,
+    sqlite_path,
+)
 from stages.base import NullStageTracker
 
 _MAX_PARAM = 6000  # MLflow's limit on a param value
-_BATCH = 100  # params / metrics per log_batch call
+LOG_BATCH_SIZE = 100  # params / metrics per log_batch call
 BACKLOG = "tracking-backlog.jsonl"
 FLUSH_SECONDS = 10.0  # a stage's end waits this long for its records to reach the server
-# one try per request, answered or given up within seconds (see MlflowTracker.__init__)
-_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 # artifacts read as text, so that the URLs in them are masked (pipeline.redact)
 _TEXT_ARTIFACTS = (".json", ".yaml", ".yml", ".txt", ".csv", ".md", ".log")
 
@@ -146,8 +151,10 @@ class StageTracker:
 
     def log_params(self, params: dict) -> None:
         items = [[k, mask(v)] for k, v in flatten(params).items()]
-        for i in range(0, len(items), _BATCH):
-            self.sender.submit({"op": "batch", "key": self.key, "params": items[i : i + _BATCH]})
+        for i in range(0, len(items), LOG_BATCH_SIZE):
+            self.sender.submit(
+                {"op": "batch", "key": self.key, "params": items[i : i + LOG_BATCH_SIZE]}
+            )
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         now = int(time.time() * 1000)
@@ -156,8 +163,10 @@ class StageTracker:
             for k, v in metrics.items()
             if step > self.recorded.get(k, -1)
         ]
-        for i in range(0, len(items), _BATCH):
-            self.sender.submit({"op": "batch", "key": self.key, "metrics": items[i : i + _BATCH]})
+        for i in range(0, len(items), LOG_BATCH_SIZE):
+            self.sender.submit(
+                {"op": "batch", "key": self.key, "metrics": items[i : i + LOG_BATCH_SIZE]}
+            )
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
         path = Path(path)
@@ -195,10 +204,6 @@ class StageTracker:
         )
 
 
-def is_remote(uri: str) -> bool:
-    return uri.split(":", 1)[0].lower() in ("http", "https")
-
-
 def backlog_path(spec) -> Path:
     return spec.workspace_dir / BACKLOG
 
@@ -218,24 +223,18 @@ class MlflowTracker:
     def __init__(
         self, uri: str, retry_s: float = RETRY_SECONDS, flush_s: float = FLUSH_SECONDS, warn=None
     ):
-        # the store's first-use schema migration logs at INFO on every new workspace
-        logging.getLogger("mlflow").setLevel(logging.WARNING)
-        logging.getLogger("alembic").setLevel(logging.WARNING)
         if is_remote(uri):
             # MLflow's defaults (7 retries with backoff, 120 s per request) block for minutes
             # on a dead server; the Sender retries by itself, so one short try per call
-            for name, value in _HTTP_LIMITS.items():
+            for name, value in HTTP_LIMITS.items():
                 os.environ.setdefault(name, value)
-        # a local store's refusals (locked, read-only, full) are ours to report in one line;
-        # MLflow's session wrapper logs each with a traceback first
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         self.uri, self.flush_s = uri, flush_s
         said = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
         self.warn = lambda message: said(mask(message))  # a URI's password, MLflow's words
         from mlflow.exceptions import MlflowException
 
         try:
-            self.client = open_client(uri, self.warn)
+            self.client = open_store(uri, self.warn)
         except MlflowException as e:  # a store MLflow refuses (file: without its opt-in)
             raise PipelineError(
                 f"tracking store {shown(mask(uri))}: MLflow refuses it: "
@@ -257,7 +256,7 @@ class MlflowTracker:
         when a local store cannot take a write (read-only, or locked by another process for
         longer than STORE_WAIT_S: a run waits that long, saying so)."""
         if sqlite_path(self.uri) is not None:
-            _open_store(lambda: _probe_write(self.uri), self.uri, self.warn)
+            check_writable(self.uri, self.warn)
             return
         check_server(
             self.client,
@@ -384,7 +383,7 @@ class MlflowTracker:
     def _request_timeout() -> float:
         return float(
             os.environ.get(
-                "MLFLOW_HTTP_REQUEST_TIMEOUT", _HTTP_LIMITS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
+                "MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_LIMITS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
             )
         )
 
@@ -430,42 +429,6 @@ class MlflowTracker:
         self._settle()
 
 
-@contextmanager
-def quick_requests(uri: str):
-    """Requests to a tracking server within get one try, answered or given up in seconds
-    (MLflow's defaults retry for minutes); a user's own settings stand."""
-    if not is_remote(uri):
-        yield
-        return
-    added = [k for k in _HTTP_LIMITS if k not in os.environ]
-    os.environ.update({k: _HTTP_LIMITS[k] for k in added})
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-
-
-def check_server(client, uri: str, hint: str) -> None:
-    """What every command that talks to a tracking server does first: one request, answered
-    in seconds, or one line (`hint`: what to do when it does not answer). The URI's
-    password is masked. Nothing to do for a local store."""
-    if not is_remote(uri):
-        return
-    with quick_requests(uri):
-        try:
-            client.search_experiments(max_results=1)
-        except Exception as e:
-            why = mask(reason(e))
-            if not is_transient(e):
-                raise PipelineError(
-                    f"tracking server {mask(uri)} refused a request ({why})"
-                ) from None
-            raise PipelineError(
-                f"tracking server {mask(uri)} is not answering ({why}); {hint}"
-            ) from None
-
-
 def sync(spec, log=print) -> None:
     """Send the records of the workspace's backlog file to the tracking server."""
     from pipeline.workspace.lock import WorkspaceLock
@@ -495,141 +458,6 @@ def last_activity(client, run, children) -> int:
         if "loss" in child.data.metrics:
             times += [m.timestamp for m in client.get_metric_history(child.info.run_id, "loss")]
     return max(times)
-
-
-STORE_WAIT_S = 60.0  # a run waits this long for another process to free a local store
-
-
-def sqlite_path(uri: str) -> Path | None:
-    """The database file of a `sqlite:` tracking URI (its `file:` URI form too), else None."""
-    if not uri.lower().startswith("sqlite:"):
-        return None
-    from urllib.parse import urlparse
-
-    from sqlalchemy.engine import make_url
-
-    try:
-        database = make_url(uri).database
-    except Exception:
-        return None
-    if not database or database == ":memory:":
-        return None
-    return Path(urlparse(database).path if database.startswith("file:") else database)
-
-
-@contextmanager
-def store_lock(uri: str, warn):
-    """Opening a local sqlite store, one process at a time: on first use MLflow creates the
-    store's tables and runs its migrations, and two processes doing that at once break each
-    other (two `run`s started together on a new workspace). The lock is a file beside the
-    store; a process that finds it held waits, saying so, up to STORE_WAIT_S."""
-    import fcntl
-
-    path = sqlite_path(uri)
-    if path is None or not path.parent.is_dir():
-        yield  # MLflow's own error names what is missing
-        return
-    lock = path.parent / f".{path.name}.lock"
-    try:
-        from pipeline.fsutil import open_lock_file
-
-        fd = open_lock_file(lock, "tracking store lock file")  # never through a planted link
-    except OSError as e:
-        raise PipelineError(
-            f"tracking store {shown(path)}: cannot create its lock file "
-            f"{shown(lock)}: {e.strerror or e}"
-        ) from None
-    try:
-        deadline, said = time.monotonic() + STORE_WAIT_S, False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not said:
-                    warn(f"waiting for another process that is opening the tracking store {path}")
-                    said = True
-                if time.monotonic() > deadline:
-                    raise PipelineError(
-                        f"tracking store {shown(path)}: another process has held {lock} for "
-                        f"{STORE_WAIT_S:g} s; let it finish, or stop it, and run again"
-                    ) from None
-                time.sleep(0.2)
-        yield
-    finally:
-        os.close(fd)  # and with it the lock
-
-
-def open_client(uri: str, warn=None):
-    """An MlflowClient for `uri`, as every command opens one: a local sqlite store under
-    `store_lock` (its creation is not safe to race), its refusals one line (`_open_store`)."""
-    from mlflow.tracking import MlflowClient
-
-    warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
-    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
-    with store_lock(uri, warn):
-        return _open_store(lambda: MlflowClient(tracking_uri=uri), uri, warn)
-
-
-def _probe_write(uri: str) -> None:
-    """Begin a write transaction on a local store and roll it back: a store that is
-    read-only, on a read-only or full file system, or locked fails here, before the run."""
-    import sqlalchemy
-
-    engine = sqlalchemy.create_engine(uri, connect_args={"timeout": 1.0})
-    try:
-        raw = engine.raw_connection()
-        try:
-            cursor = raw.cursor()
-            cursor.execute("BEGIN IMMEDIATE")
-            try:  # a write: a read-only store refuses only those
-                cursor.execute("CREATE TABLE allattn_write_probe (x)")
-            finally:
-                cursor.execute("ROLLBACK")
-        finally:
-            raw.close()
-    finally:
-        engine.dispose()
-
-
-def _open_store(action, uri: str, warn):
-    """`action()` on a local store, its refusals as one line with sqlite's cause; while
-    another process holds the store locked, retried for up to STORE_WAIT_S, saying so."""
-    from mlflow.exceptions import MlflowException
-
-    path = sqlite_path(uri)
-    if path is None:
-        return action()
-    deadline = None  # from the first refusal: an attempt may block
-    error: Exception
-    while True:
-        try:
-            return action()
-        except MlflowException as e:
-            if "sqlite3" not in str(e):
-                raise  # MLflow's own refusal, for the caller to word
-            error = e
-        except Exception as e:  # sqlalchemy's, raised before MLflow's wrapper
-            error = e
-        why = reason(error)
-        if "locked" in why and (deadline is None or time.monotonic() < deadline):
-            if deadline is None:
-                deadline = time.monotonic() + STORE_WAIT_S
-                warn(
-                    f"tracking store {path} is locked by another process; waiting up to "
-                    f"{STORE_WAIT_S:g} s for it"
-                )
-            time.sleep(0.5)
-            continue
-        hint = (
-            "another process holds it (an sqlite3 shell, a stuck process?): close it and run again"
-            if "locked" in why
-            else "free space and run again"
-            if "full" in why
-            else "make it and its directory writable, or point tracking.uri elsewhere, or "
-            "set tracking.enabled: false"
-        )
-        raise PipelineError(f"tracking store {shown(path)}: {why}; {hint}") from None
 
 
 def _first_sentence(text: str) -> str:

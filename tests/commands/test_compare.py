@@ -181,14 +181,15 @@ def test_table_folds_equal_columns_and_prints_the_paper_row(
 def test_plot_draws_each_runs_curves_by_step_tokens_and_time(
     three_seeds_two_lrs, tmp_path, monkeypatch
 ):
-    from pipeline.commands.compare import collect, open_store
+    from pipeline.commands.compare import collect
     from pipeline.commands.plots import curves
+    from pipeline.tracking.store import open_existing_store
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
     png = tmp_path / "curves.png"
     compare(["compare", "--filter", "params.`train.seed` = '1'", "--plot", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
-    client = open_store((tmp_path / "store").as_uri())
+    client = open_existing_store((tmp_path / "store").as_uri())
     row = collect(client, filter_string="params.`train.seed` = '1'")[0]
     data = curves(client, row)
     assert [(p["step"], p["tokens"], p["value"]) for p in data["loss"]] == (
@@ -297,7 +298,7 @@ def test_show_prints_the_paper_row(cfg):
     )
 
 
-PUBLISHED = {  # PAPERS.md: the all-attention paper's tables 1-3
+PUBLISHED = {  # docs/papers.md#all-attention-results: the all-attention paper's tables 1-3
     "enwik8_small.yaml": {"test_bpc": 1.01},
     "enwik8_large.yaml": {"test_bpc": 0.98},
     "text8_small.yaml": {"valid_bpc": 1.05, "test_bpc": 1.11},

@@ -93,7 +93,7 @@ def test_an_existing_experiment_gets_the_kind_and_a_users_own_kind_stays(tmp_pat
 
 
 def test_a_sweeps_experiment_is_marked_too(tmp_path):
-    from pipeline.commands.sweep import SweepRun
+    from pipeline.tracking.sweep_run import SweepRun
 
     spec = load_spec(write_config(tmp_path, "swept"), [])
     SweepRun(spec, "id1", "a=1,2", warn=pytest.fail)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from pipeline.commands.cli import main
 from pipeline.errors import PipelineError
 from pipeline.tracking import sender as sender_module
-from pipeline.tracking import tracker as tracker_module
+from pipeline.tracking import store as store_module
 from pipeline.tracking.tracker import MlflowTracker, default_tracking_uri
 
 CONFIG = """\
@@ -75,7 +75,7 @@ def test_a_store_another_process_holds_locked_is_waited_for_then_one_line(tmp_pa
     MlflowTracker(default_tracking_uri(root), warn=lambda m: None)
     holder = sqlite3.connect(root / "mlflow.db", isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
-    monkeypatch.setattr(tracker_module, "STORE_WAIT_S", 1.0)
+    monkeypatch.setattr(store_module, "STORE_WAIT_S", 1.0)
     try:
         result = _run(tmp_path)
     finally:

@@ -1,0 +1,277 @@
+"""The one way into the MLflow tracking store: every command opens it here.
+
+A store is a local sqlite database (the default, `<workspace root>/mlflow.db`), a `file:`
+store, or a tracking server (`http(s)://`). `open_store` opens one to record in (`run`,
+`sweep`, `export --register`): a local store is created on first use, one process at a
+time. `open_existing_store` opens one to read (`compare`): a local store must already hold
+MLflow's tables. A server gets one quick request (`check_server`) instead of MLflow's
+minutes of retries. Every refusal is one line, a URI's password masked (pipeline.redact).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipeline.errors import PipelineError, shown
+from pipeline.redact import mask
+from pipeline.tracking.sender import is_transient, reason
+
+# one try per request, answered or given up within seconds (see MlflowTracker.__init__)
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+STORE_WAIT_S = 60.0  # a run waits this long for another process to free a local store
+# what to do when the server that should hold the runs does not answer
+SERVER_HINT = (
+    "start it, or point MLFLOW_TRACKING_URI (or the config's tracking.uri) at the store "
+    "that holds the runs"
+)
+
+
+def is_remote(uri: str) -> bool:
+    return uri.split(":", 1)[0].lower() in ("http", "https")
+
+
+@contextmanager
+def quick_requests(uri: str):
+    """Requests to a tracking server within get one try, answered or given up in seconds
+    (MLflow's defaults retry for minutes); a user's own settings stand."""
+    if not is_remote(uri):
+        yield
+        return
+    added = [k for k in HTTP_LIMITS if k not in os.environ]
+    os.environ.update({k: HTTP_LIMITS[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def check_server(client, uri: str, hint: str) -> None:
+    """What every command that talks to a tracking server does first: one request, answered
+    in seconds, or one line (`hint`: what to do when it does not answer). The URI's
+    password is masked. Nothing to do for a local store."""
+    if not is_remote(uri):
+        return
+    with quick_requests(uri):
+        try:
+            client.search_experiments(max_results=1)
+        except Exception as e:
+            why = mask(reason(e))
+            if not is_transient(e):
+                raise PipelineError(
+                    f"tracking server {mask(uri)} refused a request ({why})"
+                ) from None
+            raise PipelineError(
+                f"tracking server {mask(uri)} is not answering ({why}); {hint}"
+            ) from None
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:` tracking URI (its `file:` URI form too), else None."""
+    if not uri.lower().startswith("sqlite:"):
+        return None
+    from urllib.parse import urlparse
+
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(uri).database
+    except Exception:
+        return None
+    if not database or database == ":memory:":
+        return None
+    return Path(urlparse(database).path if database.startswith("file:") else database)
+
+
+@contextmanager
+def store_lock(uri: str, warn):
+    """Opening a local sqlite store, one process at a time: on first use MLflow creates the
+    store's tables and runs its migrations, and two processes doing that at once break each
+    other (two `run`s started together on a new workspace). The lock is a file beside the
+    store; a process that finds it held waits, saying so, up to STORE_WAIT_S."""
+    import fcntl
+
+    path = sqlite_path(uri)
+    if path is None or not path.parent.is_dir():
+        yield  # MLflow's own error names what is missing
+        return
+    lock = path.parent / f".{path.name}.lock"
+    try:
+        from pipeline.fsutil import open_lock_file
+
+        fd = open_lock_file(lock, "tracking store lock file")  # never through a planted link
+    except OSError as e:
+        raise PipelineError(
+            f"tracking store {shown(path)}: cannot create its lock file "
+            f"{shown(lock)}: {e.strerror or e}"
+        ) from None
+    try:
+        deadline, said = time.monotonic() + STORE_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    warn(f"waiting for another process that is opening the tracking store {path}")
+                    said = True
+                if time.monotonic() > deadline:
+                    raise PipelineError(
+                        f"tracking store {shown(path)}: another process has held {lock} for "
+                        f"{STORE_WAIT_S:g} s; let it finish, or stop it, and run again"
+                    ) from None
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def open_store(uri: str, warn=None, make_parent: bool = False):
+    """An MlflowClient to record in: a local sqlite store is created on first use, under
+    `store_lock` (its creation is not safe to race), with its directory when `make_parent`;
+    its refusals are one line (`_on_local_store`). A server is not asked anything here: the
+    caller decides when `check_server` runs."""
+    from mlflow.tracking import MlflowClient
+
+    warn = warn or _warn_on_stderr
+    _quiet_mlflow()
+    path = sqlite_path(uri)
+    if make_parent and path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PipelineError(
+                f"tracking store {shown(path)}: cannot make its directory: {e.strerror or e}"
+            ) from None
+    with store_lock(uri, warn):
+        return _on_local_store(lambda: MlflowClient(tracking_uri=uri), uri, warn)
+
+
+def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
+    """An MlflowClient to read from. A local store that does not exist is refused (opening
+    it would create an empty one), and so is a file that is not a sound MLflow store; a
+    server must answer (`check_server`, `hint`: what to do when it does not). No lock file
+    is made: a store in a directory this user cannot write is still read."""
+    from mlflow.tracking import MlflowClient
+
+    warn = warn or _warn_on_stderr
+    _quiet_mlflow()
+    path = sqlite_path(uri)
+    if path is not None:
+        if not path.is_file():
+            raise PipelineError(
+                f"no tracking store at {path}: no pipeline has run with it "
+                f"(name a CONFIG, or set MLFLOW_TRACKING_URI)"
+            )
+        _check_mlflow_database(path)
+    client = _on_local_store(lambda: MlflowClient(tracking_uri=uri), uri, warn)
+    check_server(client, uri, hint)
+    return client
+
+
+def check_writable(uri: str, warn) -> None:
+    """Refuse, in one line, a local store that cannot take a write (read-only, on a full or
+    read-only file system); one locked by another process is waited for (STORE_WAIT_S)."""
+    _on_local_store(lambda: _probe_write(uri), uri, warn)
+
+
+def _warn_on_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _quiet_mlflow() -> None:
+    # the store's first-use schema migration logs at INFO on every new workspace
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    # a local store's refusals (locked, read-only, full) are ours to report in one line;
+    # MLflow's session wrapper logs each with a traceback first
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
+
+def _check_mlflow_database(path: Path) -> None:
+    """Refuse, in one line, a file that is not an MLflow store that MLflow would otherwise
+    fail on with a traceback (damaged) or give a schema (empty): reading writes nothing."""
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True) as db:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check")]
+            tables = {
+                row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            }
+        db.close()
+    except sqlite3.DatabaseError as e:
+        raise PipelineError(f"{path}: not a readable MLflow tracking store ({e})") from None
+    if problems != ["ok"]:
+        raise PipelineError(f"{path}: the MLflow tracking store is damaged ({problems[0]})")
+    if not {"experiments", "runs", "alembic_version"} <= tables:
+        raise PipelineError(
+            f"{path}: not an MLflow tracking store (no experiments or runs "
+            f"tables); no pipeline has run with it"
+        )
+
+
+def _probe_write(uri: str) -> None:
+    """Begin a write transaction on a local store and roll it back: a store that is
+    read-only, on a read-only or full file system, or locked fails here, before the run."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(uri, connect_args={"timeout": 1.0})
+    try:
+        raw = engine.raw_connection()
+        try:
+            cursor = raw.cursor()
+            cursor.execute("BEGIN IMMEDIATE")
+            try:  # a write: a read-only store refuses only those
+                cursor.execute("CREATE TABLE allattn_write_probe (x)")
+            finally:
+                cursor.execute("ROLLBACK")
+        finally:
+            raw.close()
+    finally:
+        engine.dispose()
+
+
+def _on_local_store(action, uri: str, warn):
+    """`action()` on a local store, its refusals as one line with sqlite's cause; while
+    another process holds the store locked, retried for up to STORE_WAIT_S, saying so."""
+    from mlflow.exceptions import MlflowException
+
+    path = sqlite_path(uri)
+    if path is None:
+        return action()
+    deadline = None  # from the first refusal: an attempt may block
+    error: Exception
+    while True:
+        try:
+            return action()
+        except MlflowException as e:
+            if "sqlite3" not in str(e):
+                raise  # MLflow's own refusal, for the caller to word
+            error = e
+        except Exception as e:  # sqlalchemy's, raised before MLflow's wrapper
+            error = e
+        why = reason(error)
+        if "locked" in why and (deadline is None or time.monotonic() < deadline):
+            if deadline is None:
+                deadline = time.monotonic() + STORE_WAIT_S
+                warn(
+                    f"tracking store {path} is locked by another process; waiting up to "
+                    f"{STORE_WAIT_S:g} s for it"
+                )
+            time.sleep(0.5)
+            continue
+        hint = (
+            "another process holds it (an sqlite3 shell, a stuck process?): close it and run again"
+            if "locked" in why
+            else "free space and run again"
+            if "full" in why
+            else "make it and its directory writable, or point tracking.uri elsewhere, or "
+            "set tracking.enabled: false"
+        )
+        raise PipelineError(f"tracking store {shown(path)}: {why}; {hint}") from None
