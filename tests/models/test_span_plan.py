@@ -14,6 +14,7 @@ import torch
 
 from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.models.allattn.layers import attn_span_len, planned_span_len
+from pipeline.models.allattn.span_planner import SpanPlanner
 
 V, B, M, MAX_SPAN, RAMP = 13, 2, 8, 256, 8
 
@@ -158,3 +159,45 @@ def test_models_without_adaptive_span_plan_nothing():
         run.step(t)
     assert run.model.plan_state() is None
     assert "span_plan_overflows" not in run.model.metric_tensors()
+
+
+def test_the_planner_reads_the_spans_only_when_it_has_no_copy_to_plan_from():
+    """SpanPlanner alone: update 1 reads the current fractions, update 2 keeps its plan,
+    update s >= 3 plans from the copy requested after update s - 2 without reading; a fixed
+    span never reads."""
+    planner = SpanPlanner(2, MAX_SPAN, RAMP, adaptive=True)
+    reads: list[float] = []
+
+    def fracs(value: float):
+        def read() -> torch.Tensor:
+            reads.append(value)
+            return torch.tensor([value, value / 2])
+
+        return read
+
+    def plan(value: float) -> list[int]:
+        return [planned_span_len(f, MAX_SPAN, RAMP) for f in (value, value / 2)]
+
+    device = torch.device("cpu")
+    values = [0.1, 0.3, 0.5, 0.7]
+    for update, value in enumerate(values):
+        with planner.update(fracs(-1.0 if update else value), device):
+            assert planner.in_force() == plan(values[max(0, update - 2)])
+        assert planner.in_force() is None
+        planner.request(fracs(value))
+    assert reads == [0.1, *values]  # the first update's read, then one per request
+    assert planner.state() == {
+        "planned": plan(0.3),
+        "pending": [pytest.approx([v, v / 2]) for v in values[2:]],
+        "overflows": 0,
+    }
+
+    def never() -> torch.Tensor:
+        raise AssertionError("a fixed span reads no fractions")
+
+    fixed = SpanPlanner(2, MAX_SPAN, RAMP, adaptive=False)
+    with fixed.update(never, device):
+        assert fixed.in_force() == [MAX_SPAN, MAX_SPAN]
+        fixed.count_overflow(never)
+    fixed.request(never)
+    assert fixed.state() is None and fixed.metric_tensors() == {}

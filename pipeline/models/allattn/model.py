@@ -58,7 +58,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import cast
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -66,21 +65,17 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.models.adaptive import AdaptiveInput, AdaptiveLogSoftmax
-from pipeline.models.allattn.config import FF_KINDS, PERSISTENT_MODES, AllAttnConfig
+from pipeline.models.allattn.config import AllAttnConfig
 from pipeline.models.allattn.layers import (
-    SPAN_GRANULARITY,
     AdaptiveSpan,
     AllAttnLayer,
     PersistentShareSum,
     attn_span_len,
     cache_len,
-    planned_span_len,
 )
+from pipeline.models.allattn.span_planner import SpanPlanner
 from pipeline.models.protocol import ModelOutput, SequenceModel, State, count_elements
 from pipeline.ops import AttendFn, describe_auto, get_attention_impl
-
-__all__ = ["AllAttnConfig", "AllAttnLM", "FF_KINDS", "PERSISTENT_MODES"]
-
 
 # --------------------------------------------------------------------------------------
 # language model
@@ -97,25 +92,13 @@ class AllAttnLM(SequenceModel):
     ``activation_checkpointing = True``: in training, each layer's activations are recomputed
     in backward instead of stored (torch's RNG state is replayed, so dropout is identical).
 
-    Planned span lengths (adaptive span, training). Each layer's L' is a Python int (it sets
-    tensor shapes), a function of the learned span fractions, which live on the device:
-    reading them before every forward would make the host wait for the device. Inside the
-    trainer's ``planned_update()`` the model does not read them. After each optimizer step,
-    ``request_plan()`` starts a non-blocking copy of each layer's largest span fraction to a
-    (pinned, on CUDA) host buffer and records an event; before update s, the copy requested
-    after update s - 2 is taken (its event long complete while the device is busy; update 1
-    reads the current fractions, update 2 keeps update 1's plan) and each layer's L' planned
-    from it with slack (``planned_span_len``: the synchronous L' plus 64 tokens, rounded up
-    to a span bucket, at most max_span). The mask is still computed on the device from the
-    CURRENT fractions, so while the planned L' covers the span really needed the result
-    equals the synchronous one up to rounding (the extra columns have mask exactly 0). When
-    a span outgrows its plan (it grew by more than the slack within two updates), the
-    oldest columns it would attend to are cut: each forward where some layer's current span
-    needs more than its planned L' is counted on the device (``span_plan_overflows``, read
-    with the loss at each report; the trainer warns in its log). The plan in force and the
-    requested values are saved with checkpoints (``plan_state``), so a resumed run plans as
-    the uninterrupted one. Forwards outside ``planned_update()`` (evaluation, sampling)
-    compute L' synchronously from the current fractions, as always.
+    Planned span lengths (adaptive span, training): inside the trainer's
+    ``planned_update()`` each layer's L' comes from ``span_planner``
+    (pipeline.models.allattn.span_planner), planned from span fractions copied to the host
+    after an earlier update, so that no training forward waits for the device; the model's
+    planning hooks (``planned_update``, ``request_plan``, ``plan_state``,
+    ``load_plan_state``) and its ``span_plan_overflows`` metric delegate to it. Forwards
+    outside ``planned_update()`` (evaluation, sampling) read the current spans.
 
     ``compile_for_training()`` (train.compile) compiles each layer (regional compilation: the
     layers share the compiled code) for the planned forwards only: their L' are static ints
@@ -159,14 +142,9 @@ class AllAttnLM(SequenceModel):
         else:
             self.out = nn.Linear(cfg.d_model, vocab_size)
         self.set_attention_impl(cfg.attention.impl)
-        self._planning = False  # inside planned_update()
-        self._planned: list[int] | None = None  # L' per layer in force while planning
-        self._limits: Tensor | None = None  # the same on the device, float32
-        # requested [n_layers] host copies: (buffer, a numpy view of it, CUDA event or None)
-        self._pending: list[tuple] = []
-        self._free: list[tuple] = []  # (buffer, view) to reuse
-        self._overflows: Tensor | None = None  # forwards whose plan was too short
-        self._overflows_seen = 0  # the count at the last report
+        self.span_planner = SpanPlanner(
+            cfg.n_layers, cfg.max_span, cfg.span_ramp, adaptive=cfg.adaptive_span
+        )
         self._compiled: list | None = None  # compile_for_training(): per layer
         self._graphs = False  # ... replayed as CUDA graphs
 
@@ -189,8 +167,9 @@ class AllAttnLM(SequenceModel):
     def span_lens(self) -> list[int]:
         """L' per layer: how many previous tokens each layer attends to right now (inside
         ``planned_update()``: the planned ones)."""
-        if self._planning and self._planned is not None:
-            return list(self._planned)
+        planned = self.span_planner.in_force()
+        if planned is not None:
+            return list(planned)
         fracs = self._span_fracs()
         if fracs is None:
             return [self.cfg.max_span] * self.cfg.n_layers
@@ -200,105 +179,29 @@ class AllAttnLM(SequenceModel):
         """Hidden states each layer carries to the next block."""
         return [cache_len(s, self.cfg.max_span) for s in self.span_lens()]
 
-    # ---- planned span lengths (see the class doc) ----------------------------------------
+    # ---- planned span lengths (the span planner's) ------------------------------------
 
     def _layer_max_fracs(self) -> Tensor:
         """[n_layers] each layer's largest span fraction, float32, on the device."""
         fracs = torch.stack([s.frac.detach() for s in self._adaptive_spans()])
         return fracs.float().amax(dim=1)
 
-    def _set_plan(self, max_fracs: list[float]) -> None:
-        plan = [planned_span_len(f, self.cfg.max_span, self.cfg.span_ramp) for f in max_fracs]
-        if plan == self._planned and self._limits is not None:
-            return
-        self._planned = plan
-        limits = torch.tensor(plan, dtype=torch.float32)
-        device = self.pos_table.device
-        if device.type == "cuda":
-            limits = limits.pin_memory()
-        self._limits = limits.to(device, non_blocking=True)
-
     @contextmanager
     def planned_update(self):
-        if not self.cfg.adaptive_span:  # a fixed span: L' = max_span, nothing to read
-            self._planned = [self.cfg.max_span] * len(self.layers)
-        elif len(self._pending) >= 2:  # requested after update s - 2
-            buffer, view, event = self._pending.pop(0)
-            if event is not None:
-                event.synchronize()  # long done while the device is busy
-            self._set_plan(view.tolist())  # host memory: a numpy read, no device access
-            self._free.append((buffer, view))
-        elif self._planned is None:  # the first update (or a checkpoint without a plan)
-            self._set_plan(self._layer_max_fracs().tolist())
-        if self._graphs:
-            # a new update: the graphs' outputs of the last one may be overwritten now
-            torch.compiler.cudagraph_mark_step_begin()
-        self._planning = True
-        try:
+        with self.span_planner.update(self._layer_max_fracs, self.pos_table.device):
+            if self._graphs:
+                # a new update: the graphs' outputs of the last one may be overwritten now
+                torch.compiler.cudagraph_mark_step_begin()
             yield
-        finally:
-            self._planning = False
 
     def request_plan(self) -> None:
-        if not self.cfg.adaptive_span:
-            return
-        fracs = self._layer_max_fracs()
-        buffer, view = self._free.pop() if self._free else self._host_buffer(fracs.device)
-        buffer.copy_(fracs, non_blocking=True)
-        event = None
-        if fracs.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self._pending.append((buffer, view, event))
-        while len(self._pending) > 2:  # requested twice without an update between
-            self._free.append(self._pending.pop(0)[:2])
-
-    def _host_buffer(self, device: torch.device) -> tuple[Tensor, np.ndarray]:
-        """A [n_layers] float32 host buffer (pinned for CUDA) and a numpy view of it."""
-        buffer = torch.empty(
-            len(self.layers), dtype=torch.float32, pin_memory=device.type == "cuda"
-        )
-        return buffer, buffer.numpy()
+        self.span_planner.request(self._layer_max_fracs)
 
     def plan_state(self) -> dict | None:
-        if not self.cfg.adaptive_span:
-            return None
-        pending = []
-        for _, view, event in self._pending:
-            if event is not None:
-                event.synchronize()
-            pending.append(view.tolist())
-        overflows = 0 if self._overflows is None else int(self._overflows)
-        return {"planned": self._planned, "pending": pending, "overflows": overflows}
+        return self.span_planner.state()
 
     def load_plan_state(self, state: dict | None) -> None:
-        self._pending, self._planned, self._limits = [], None, None
-        self._overflows = None
-        if not self.cfg.adaptive_span or state is None:
-            return
-        if state["planned"] is not None:
-            self._planned = list(state["planned"])
-            self._limits = torch.tensor(self._planned, dtype=torch.float32).to(
-                self.pos_table.device
-            )
-        for values in state["pending"]:
-            buffer, view = self._host_buffer(self.pos_table.device)
-            view[:] = values
-            self._pending.append((buffer, view, None))
-        self._overflows = torch.tensor(state["overflows"], dtype=torch.int64).to(
-            self.pos_table.device
-        )
-        self._overflows_seen = state["overflows"]
-
-    def _count_overflow(self) -> None:
-        """On the device: +1 if some layer's current span needs more than its planned L'
-        (the mask's first cut column, distance L' + 1, is R + z - L' > 0)."""
-        spans = self._layer_max_fracs() * self.cfg.max_span
-        assert self._limits is not None  # planned_update() set them
-        cut = ((self.cfg.span_ramp + spans) - self._limits).gt(0).any()
-        if self._overflows is None:
-            self._overflows = torch.zeros((), dtype=torch.int64, device=spans.device)
-        self._overflows += cut
+        self.span_planner.load_state(state, self.pos_table.device)
 
     # ---- torch.compile -----------------------------------------------------------------
 
@@ -360,7 +263,7 @@ class AllAttnLM(SequenceModel):
         authors' code does the same; a model that kept them would not)."""
         skip = {id(p) for p in self.embed.parameters()} | {id(self.pos_table)}
         weights = count_elements(p for p in self.parameters() if id(p) not in skip)
-        spans = self._planned or [self.cfg.max_span] * len(self.layers)
+        spans = self.span_planner.planned or [self.cfg.max_span] * len(self.layers)
         attn = sum(
             6 * 3 * layer.attn.n_ctx_heads * layer.attn.head_dim * span
             for layer, span in zip(self.layers, spans, strict=True)
@@ -411,22 +314,12 @@ class AllAttnLM(SequenceModel):
             torch.cat([s.frac.detach().double() for s in self._adaptive_spans()])
             * self.cfg.max_span
         )
-        out = {"span_mean": spans.mean(), "span_max": spans.max()}
-        if self._overflows is not None:
-            out["span_plan_overflows"] = self._overflows
-        return out
+        return {"span_mean": spans.mean(), "span_max": spans.max()} | (
+            self.span_planner.metric_tensors()
+        )
 
     def metric_warnings(self, values: dict[str, float]) -> list[str]:
-        n = int(values.get("span_plan_overflows", 0))
-        new, self._overflows_seen = n - self._overflows_seen, n
-        if new <= 0:
-            return []
-        return [
-            f"warning: in {new} forward(s) since the last report a span outgrew its "
-            f"planned length (it grew by more than {SPAN_GRANULARITY} tokens within two "
-            f"updates): the oldest context columns it would attend to were cut "
-            f"({n} so far)"
-        ]
+        return self.span_planner.overflow_warnings(values)
 
     def head_tables(self) -> dict[str, list[list[float]]]:
         """{"spans": ``spans()``} with adaptive span (a fixed span is max_span everywhere:
@@ -500,10 +393,10 @@ class AllAttnLM(SequenceModel):
         cache = self.init_state(bsz, device=tokens.device) if state is None else state
         if len(cache) != len(self.layers):
             raise ValueError(f"state has {len(cache)} entries for {len(self.layers)} layers")
-        planned = self._planning and self._planned is not None
+        planned = self.span_planner.in_force() is not None
         span_lens = self.span_lens()  # fixed for the whole block (planned, or read now)
-        if planned and self.cfg.adaptive_span:
-            self._count_overflow()
+        if planned:
+            self.span_planner.count_overflow(self._layer_max_fracs)
         layers = self._compiled if planned and self._compiled is not None else self.layers
         h = self.emb_dropout(self.embed(tokens))
         new_cache: list[Tensor] = []
