@@ -11,11 +11,16 @@ curriculum would train next (longest solved + step; the start length if none was
 which is what the authors' script prints as "Maximum Sequence Size". Metrics per epoch
 (step = epoch): length, accuracy, loss.
 
-One process, plain torch: the paper's task model is small. Every epoch ends with a checkpoint
-`checkpoints/step-<epoch>` (model, Adam state, curriculum history), written aside and renamed
-into place with checksums; an interrupted run resumes from the newest intact one and ends
-exactly as an uninterrupted run would: each epoch's batches and dropout are drawn from
-streams seeded by (seed, epoch), so no RNG state needs carrying over.
+One process: the paper's task model is small. Its updates are the train stage's
+(pipeline.training.trainer.EngineUpdates on an engine from its build_engine: Adam in float32,
+no ZeRO, train.optimizer's clipping, the train.nonfinite guard), so a fix to the update
+reaches both; what is the curriculum's own is the lengths, the promotion and the history.
+Every epoch ends with a checkpoint `checkpoints/step-<epoch>` (model, Adam state, curriculum
+history), written aside and renamed into place with checksums once the metrics logged before
+it are durable; SIGTERM or SIGINT ends the current epoch, saves it and stops. An interrupted
+run resumes from the newest intact checkpoint and ends exactly as an uninterrupted run would:
+each epoch's batches and dropout are drawn from streams seeded by (seed, epoch), so no RNG
+state needs carrying over.
 
 Outputs: `checkpoints/` and `curriculum.json` (score, next_length, final_length: the last
 epoch's length, the per-epoch history).
@@ -52,9 +57,11 @@ def stream_seed(seed: int, purpose: str, epoch: int) -> int:
 def run(ctx: StageContext) -> dict:
     import torch
 
-    from pipeline.data.algorithmic import generate, length_step, vocab_size
-    from pipeline.training.nonfinite import NonfiniteGuard
-    from pipeline.training.optim import scheduled_lr
+    from pipeline.cluster.signals import StopSignal
+    from pipeline.data.algorithmic import length_step, vocab_size
+    from pipeline.errors import Preempted
+    from pipeline.training.engine import stepped_optimizer
+    from pipeline.training.trainer import EngineUpdates, build_guard
 
     spec, train = ctx.spec, ctx.spec.train
     task, data_seed = spec.dataset.generator.algorithmic, spec.dataset.generator.seed
@@ -62,7 +69,8 @@ def run(ctx: StageContext) -> dict:
     step_by = length_step(task.problem, cur.length_step)
     vocab = vocab_size(task.problem, task.vocab)
     device = _device(train.device)
-    model, optimizer = _build(spec, vocab, device)
+    engine = _engine(spec, vocab, device)
+    model, optimizer = engine.module, stepped_optimizer(engine)
     root = ctx.out_dir / CHECKPOINTS
     state = {"epoch": 0, "length": cur.start_length, "history": []}
     if (tag := _newest(root, ctx.log)) is not None:
@@ -75,62 +83,52 @@ def run(ctx: StageContext) -> dict:
         f"{cur.epochs} epochs of {cur.steps_per_epoch} steps x {train.batch_size} cases "
         f"on {device}, from length {cur.start_length} by {step_by}"
     )
-    opt = train.optimizer
-    # train.nonfinite, as the train stage has it
-    guard = NonfiniteGuard(
-        train.nonfinite, train.nonfinite_limit, "curriculum", device, ctx.tracker.log_metrics
-    )
-    guard.attach(optimizer)
+    # train.nonfinite and the update itself: the train stage's (pipeline.training.trainer)
+    guard = build_guard(train, "curriculum", device, engine, ctx.tracker, rank=0)
+    # fp32 throughout (DeepSpeed casts nothing): the bounded parameters' values are float32
+    bounded = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
+    updates = EngineUpdates(engine, guard, bounded)
     guard.start(state["epoch"] * cur.steps_per_epoch)
-    for epoch in range(state["epoch"] + 1, cur.epochs + 1):
-        length = state["length"]
-        torch.manual_seed(stream_seed(train.seed, "dropout", epoch))
-        batches = torch.Generator().manual_seed(stream_seed(data_seed, "train", epoch))
-        model.train()
-        loss_sum = torch.zeros((), device=device)
-        applied = 0  # updates not skipped (train.nonfinite: skip)
-        for i in range(cur.steps_per_epoch):
-            update = (epoch - 1) * cur.steps_per_epoch + i + 1
-            for group in optimizer.param_groups:
-                group["lr"] = scheduled_lr(
-                    opt.lr, opt.warmup_steps, update, opt.schedule, cur.epochs * cur.steps_per_epoch
+    # SIGTERM / SIGINT (a preemption, ctrl-C) ends the epoch, which is then saved
+    with StopSignal() as stop:
+        for epoch in range(state["epoch"] + 1, cur.epochs + 1):
+            length = state["length"]
+            loss = _train_epoch(updates, ctx.spec, epoch, length, device)
+            # before anything reads the epoch's result or saves it
+            guard.read_and_check(model.parameters(), epoch * cur.steps_per_epoch)
+            check = torch.Generator().manual_seed(stream_seed(data_seed, "check", epoch))
+            correct, total, _ = score(
+                model, task.problem, length, cur.check_cases, check, task.vocab, device
+            )
+            accuracy = correct / total
+            solved = accuracy >= cur.promote_accuracy
+            state["history"].append(
+                {
+                    "epoch": epoch,
+                    "length": length,
+                    "loss": loss,
+                    "accuracy": accuracy,
+                    "solved": solved,
+                }
+            )
+            if solved:
+                state["length"] = length + step_by
+            state["epoch"] = epoch
+            metrics = {"length": length, "accuracy": accuracy, "loss": loss}
+            ctx.tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=epoch)
+            ctx.log(
+                f"epoch {epoch:>3}  length {length:>3}  "
+                f"loss {'-' if loss is None else f'{loss:.4f}'}  accuracy "
+                f"{accuracy:.4f}{'  solved' if solved else ''}"
+            )
+            # the metrics logged up to the checkpoint are kept: a resumed run logs none again
+            ctx.tracker.make_durable()
+            _save(root, epoch, model, optimizer, state)
+            if stop.received:
+                raise Preempted(
+                    f"{stop.received} in epoch {epoch}: its checkpoint is saved; run the "
+                    f"pipeline again to resume from it"
                 )
-            x, y = generate(task.problem, length, train.batch_size, batches, task.vocab)
-            out = model(x.to(device), y.to(device))
-            loss = out.nll.mean() + model.aux_loss()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if opt.clip == "global":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_norm)
-            guard.loss(loss)
-            optimizer.step()
-            model.after_step()
-            if not guard.skipped_last:
-                loss_sum += loss.detach()
-                applied += 1
-        # before anything reads the epoch's result or saves it
-        guard.read_and_check(model.parameters(), epoch * cur.steps_per_epoch)
-        check = torch.Generator().manual_seed(stream_seed(data_seed, "check", epoch))
-        correct, total, _ = score(
-            model, task.problem, length, cur.check_cases, check, task.vocab, device
-        )
-        # none when train.nonfinite: skip skipped every update of the epoch
-        accuracy, loss = correct / total, loss_sum.item() / applied if applied else None
-        solved = accuracy >= cur.promote_accuracy
-        state["history"].append(
-            {"epoch": epoch, "length": length, "loss": loss, "accuracy": accuracy, "solved": solved}
-        )
-        if solved:
-            state["length"] = length + step_by
-        state["epoch"] = epoch
-        metrics = {"length": length, "accuracy": accuracy, "loss": loss}
-        ctx.tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=epoch)
-        ctx.log(
-            f"epoch {epoch:>3}  length {length:>3}  "
-            f"loss {'-' if loss is None else f'{loss:.4f}'}  accuracy "
-            f"{accuracy:.4f}{'  solved' if solved else ''}"
-        )
-        _save(root, epoch, model, optimizer, state)
     result = {
         "problem": task.problem,
         "score": best_length(state["history"]),
@@ -154,6 +152,40 @@ def run(ctx: StageContext) -> dict:
         key: result[key]
         for key in ("problem", "score", "next_length", "final_length", "epochs", "parameters")
     } | skipped
+
+
+def _train_epoch(updates, spec, epoch: int, length: int, device) -> float | None:
+    """Epoch `epoch`'s updates at `length`, its batches and dropout drawn from the epoch's
+    own streams; returns their mean loss (the model's objective), None when train.nonfinite
+    skip skipped every one."""
+    import torch
+
+    from pipeline.data.algorithmic import generate
+    from pipeline.training.engine import param_groups
+    from pipeline.training.optim import scheduled_lr
+
+    train, opt = spec.train, spec.train.optimizer
+    task, cur = spec.dataset.generator.algorithmic, spec.dataset.generator.algorithmic.curriculum
+    torch.manual_seed(stream_seed(train.seed, "dropout", epoch))
+    batches = torch.Generator().manual_seed(
+        stream_seed(spec.dataset.generator.seed, "train", epoch)
+    )
+    updates.model.train()
+    loss_sum = torch.zeros((), device=device)
+    applied = 0  # updates not skipped (train.nonfinite: skip)
+    for i in range(cur.steps_per_epoch):
+        update = (epoch - 1) * cur.steps_per_epoch + i + 1
+        for group in param_groups(updates.engine):
+            group["lr"] = scheduled_lr(
+                opt.lr, opt.warmup_steps, update, opt.schedule, cur.epochs * cur.steps_per_epoch
+            )
+        x, y = generate(task.problem, length, train.batch_size, batches, task.vocab)
+        x, y = x.to(device), y.to(device)
+        (step,) = updates.run(lambda: [updates.micro_batch(x, y)])  # noqa: B023 (run calls it now)
+        if not updates.guard.skipped_last:
+            loss_sum += step.objective
+            applied += 1
+    return loss_sum.item() / applied if applied else None
 
 
 def best_length(history: list[dict]) -> int:
@@ -207,7 +239,7 @@ def evaluate_task(ctx: StageContext) -> dict:
     source = ctx.inputs["curriculum"]
     trained = read_json(source / RESULT)
     device = _device(spec.train.device)
-    model, _ = _build(spec, vocab_size(task.problem, task.vocab), device, optimizer=False)
+    model = _build(spec, vocab_size(task.problem, task.vocab), device)
     tag = _newest(source / CHECKPOINTS, ctx.log)
     if tag is None:
         raise PipelineError(f"no checkpoint under {source / CHECKPOINTS}")
@@ -260,18 +292,26 @@ def _device(name: str):
     return torch.device(name)
 
 
-def _build(spec, vocab: int, device, optimizer: bool = True):
-    """The spec's model (initialised from train.seed) on `device`, and its Adam."""
+def _build(spec, vocab: int, device):
+    """The spec's model, initialised from train.seed, on `device`."""
     import torch
 
     torch.manual_seed(spec.train.seed)
-    model = spec.build_model(vocab, f"dataset {spec.dataset.name}").to(device)
-    if not optimizer:
-        return model, None
-    opt = spec.train.optimizer
-    return model, torch.optim.Adam(
-        model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
-    )
+    return spec.build_model(vocab, f"dataset {spec.dataset.name}").to(device)
+
+
+def _engine(spec, vocab: int, device):
+    """The spec's model in a one-process DeepSpeed engine built as the train stage builds
+    its own (pipeline.training.trainer.build_engine): Adam, float32, no ZeRO,
+    train.optimizer's clipping."""
+    from pipeline.cluster import distributed
+    from pipeline.training.ds_config import deepspeed_config
+    from pipeline.training.trainer import build_engine
+
+    distributed.init_process_group()  # a group of one: DeepSpeed needs one
+    train = spec.train
+    config = deepspeed_config(train, 1, micro_batch_size=train.batch_size, bf16=False)
+    return build_engine(_build(spec, vocab, device), config, train, 1)
 
 
 def _save(root: Path, epoch: int, model, optimizer, state: dict) -> None:

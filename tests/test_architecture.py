@@ -132,6 +132,139 @@ def test_the_layer_rule_sees_a_wrong_import():
     )
 
 
+def test_only_the_engine_module_reaches_into_deepspeed():
+    """pipeline/training/engine.py is the one seam to DeepSpeed: no other module of pipeline/
+    or stages/ imports deepspeed or reads its engine's internals (its optimizer wrapper, the
+    wrapper's flat groups and partitions, its private attributes), so that a DeepSpeed
+    upgrade is checked in one file (`allowed` lists the two exceptions). Trainer is built
+    from named builders around that seam: its __init__ stays under 40 lines."""
+    import inspect
+    import re
+
+    from pipeline.training.trainer import Trainer
+
+    wrapper_attr = re.compile(
+        r"(bit16|bf16|fp16|fp32)_\w*groups|groups_flat|^(basic_optimizer|real_dp_process_group|"
+        r"round_robin_\w+|ds_tensor|ds_numel|enable_backward_allreduce|cpu_offload|"
+        r"offload_optimizer|sub_group_process_groups)$"
+    )
+
+    def reaches_in(source: str) -> set[str]:
+        found = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] == "deepspeed"}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                if (node.module or "").split(".")[0] == "deepspeed":
+                    found.add(node.module or "")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if wrapper_attr.search(node.value):  # getattr(wrapper, "bf16_groups_flat")
+                    found.add(node.value)
+            elif isinstance(node, ast.Attribute):
+                value = node.value
+                owner = value.attr if isinstance(value, ast.Attribute) else ""
+                owner = value.id if isinstance(value, ast.Name) else owner
+                if wrapper_attr.search(node.attr) or owner == "wrapper":
+                    found.add(f"{owner}.{node.attr}")
+                elif owner.endswith("engine") and (
+                    node.attr == "optimizer" or node.attr.startswith("_")
+                ):
+                    found.add(f"{owner}.{node.attr}")
+        return found
+
+    # the scan sees each kind of access, in the seam itself
+    seam = reaches_in((ROOT / "pipeline/training/engine.py").read_text())
+    assert {"deepspeed", "engine.optimizer", "bf16_groups_flat", "wrapper.fp16_groups"} <= seam
+    assert reaches_in("self.engine._x\nw.fp32_groups_flat_partition\nengine.module") == {
+        "engine._x",
+        "w.fp32_groups_flat_partition",
+    }
+    # what others may: the process group set up before any engine exists, and a ZeRO 3
+    # parameter's whole size, read where the models (a leaf layer) count their parameters
+    allowed = {
+        "pipeline/cluster/distributed.py": {"deepspeed", "deepspeed.ops", "deepspeed.accelerator"},
+        "pipeline/models/protocol.py": {"ds_numel"},
+    }
+    wrong = []
+    for path in sorted([*ROOT.glob("pipeline/**/*.py"), *ROOT.glob("stages/**/*.py")]):
+        name = path.relative_to(ROOT).as_posix()
+        if name != "pipeline/training/engine.py":
+            found = reaches_in(path.read_text()) - allowed.get(name, set())
+            wrong += [f"{name}: {f}" for f in sorted(found)]
+    assert wrong == []
+    assert len(inspect.getsource(Trainer.__init__).splitlines()) < 40
+
+
+# (file, private name) uses that remain until their files' owners make the names public; an
+# entry that no longer occurs fails the test too, so the list only shrinks.
+PRIVATE_USES_TO_FIX = {
+    # pipeline/spec: the package's __init__ and its modules share helpers; outside the
+    # change that added this test, so left for a change of its own
+    ("pipeline/spec/__init__.py", "_apply_override"),
+    ("pipeline/spec/__init__.py", "_load_with_extends"),
+    ("pipeline/spec/__init__.py", "_resolve_card"),
+    ("pipeline/spec/__init__.py", "_refuse_inert_keys"),
+    ("pipeline/spec/__init__.py", "_validate"),
+    ("pipeline/spec/reference.py", "_task_symbols"),
+    ("pipeline/spec/validation.py", "_dotted"),
+    ("pipeline/spec/validation.py", "_kind"),
+    ("pipeline/spec/validation.py", "_show"),
+}
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A `_name` is its module's own: another module of the project that needs it gets it
+    made public or moved, so that what a module may change freely is what it names `_x`.
+    Found by reading the source: `from m import _x`, and `m._x` where `m` was imported from
+    the project. Third-party privates (torch._dynamo, os._exit) are not this rule's; tests
+    may reach in."""
+    tools = ("launch", "bench", "reproduce", "quality", "gpu")
+    dirs = ("pipeline", "stages", *tools)
+    # a tool's scripts may import each other by bare name (their directory on sys.path)
+    top_level = {*dirs, *(f.stem for d in tools for f in (ROOT / d).glob("*.py"))}
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    def private_uses(tree: ast.AST, own_module: str) -> set[str]:
+        imported = set()  # local names bound to something imported from the project
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = node.module or ""
+                if not node.level and source.split(".")[0] not in top_level:
+                    continue
+                for alias in node.names:
+                    if private(alias.name) and (node.level or source != own_module):
+                        found.add(alias.name)
+                    imported.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] in top_level:
+                        imported.add(alias.asname or alias.name.split(".")[0])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in imported:
+                    found.add(node.attr)
+        return found
+
+    # the scan sees both forms, and leaves a module's own names and other projects' alone
+    sample = "import pipeline.x as m\nm._a\nfrom stages.y import _b, c\nc._d\nimport os\nos._exit"
+    assert private_uses(ast.parse(sample), "z") == {"_a", "_b", "_d"}
+    assert private_uses(ast.parse("from stages.y import _b"), "stages.y") == set()
+
+    uses = set()
+    for d in dirs:
+        for path in sorted((ROOT / d).rglob("*.py")):
+            names = private_uses(ast.parse(path.read_text(), str(path)), module_name(path))
+            uses |= {(path.relative_to(ROOT).as_posix(), name) for name in names}
+    assert sorted(uses - PRIVATE_USES_TO_FIX) == []
+    assert sorted(PRIVATE_USES_TO_FIX - uses) == [], "fixed: remove from PRIVATE_USES_TO_FIX"
+
+
 def test_the_tool_folders_import_no_tests_patch_no_sys_path_and_keep_main_short():
     """bench/, reproduce/, quality/ and gpu/ run as modules of the checkout (python -m
     bench.train_step): no import of tests (what tests and tools share lives in the package

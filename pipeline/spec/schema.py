@@ -767,7 +767,7 @@ class TrainSpec(Section):
                 "optimizer.clip per_param scales the Adagrad step per tensor (the "
                 "paper's optimizer); with adam use clip: global or none"
             )
-        # every ZeRO stage is fine: pipeline.training.optim.bind_to_engine assembles the per-tensor
+        # every ZeRO stage is fine: pipeline.training.engine.bind_to_engine assembles the per-tensor
         # norms across DeepSpeed's partitions
         return self
 

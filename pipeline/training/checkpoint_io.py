@@ -8,7 +8,6 @@ record, the rank's random state and the model's plan (shapes planned ahead).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from pipeline.training.checkpoints import (
     step_of,
     write_checksums,
 )
-from pipeline.training.optim import before_save_checkpoint
+from pipeline.training.engine import before_save_checkpoint, quiet_failed_save
 
 
 @dataclass
@@ -67,22 +66,6 @@ def read_trainer_file(path: Path) -> dict:
     if "caches" in saved:
         saved["states"] = saved.pop("caches")
     return saved
-
-
-@contextlib.contextmanager
-def _quiet_failed_save():
-    """Without DeepSpeed's log line for a checkpoint directory it could not make: the write
-    fails next, and `cannot_write` reports it, with its cause, in the one line of the error."""
-    from deepspeed.utils import logger
-
-    def keep(record) -> bool:
-        return not str(record.msg).startswith("Failed saving model checkpoint")
-
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
 
 
 def cannot_write(path: Path, failure: BaseException) -> PipelineError | None:
@@ -168,7 +151,7 @@ class CheckpointIO:
         failure = None
         try:
             before_save_checkpoint(self.engine)
-            with _quiet_failed_save():
+            with quiet_failed_save():
                 self.engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
             torch.save(
                 {

@@ -42,20 +42,13 @@ HASH_BLOCK = 4 << 20  # bytes read at a time: a 114M-parameter model's checkpoin
 CHECKPOINT_TYPES = [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def optimizer_file_types() -> list:
-    """The types DeepSpeed's ZeRO optimizer files (`*optim_states.pt`) hold besides."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, ZeroStageEnum, fragment_address]
-
-
 def read_checkpoint_file(path: Path, **load_args):
     """A checkpoint file, unpickled by torch's weights-only reader with only CHECKPOINT_TYPES
     (and DeepSpeed's optimizer types, in its optimizer files) allowed besides: a file whose
     pickle would build anything else (run code) is refused in one line naming it, before
     anything in it is built."""
+    from pipeline.training.engine import optimizer_file_types
+
     allowed = CHECKPOINT_TYPES + (
         optimizer_file_types() if Path(path).name.endswith("optim_states.pt") else []
     )
@@ -137,12 +130,12 @@ def load_model_weights(
             f"model states file; it holds {held})"
         )
     else:  # ZeRO 3 saves each rank's shard only: assemble the fp32 weights from the shards
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from pipeline.training.engine import zero3_fp32_weights
 
         # DeepSpeed unpickles them without restriction: each is read safely first
         for shard in sorted(ckpt.glob("*.pt")):
             read_checkpoint_file(shard, mmap=True)
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        weights = zero3_fp32_weights(root, tag)
     if misfit := _misfit(model.state_dict(), weights):
         raise PipelineError(
             f"checkpoint {ckpt} does not fit the config's model: {misfit}"

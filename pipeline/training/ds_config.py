@@ -58,16 +58,3 @@ def deepspeed_config(
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-
-
-def skip_single_process_allreduce(engine, world_size: int) -> bool:
-    """At world size 1 without ZeRO, stop the engine averaging the gradients over the one
-    process after each backward: it flattens every gradient into one buffer, all-reduces it
-    over a group of one, divides it by 1 and copies it back (about 5 aten ops per parameter
-    and two passes over the gradients; bench/engine_overhead.py), and no DeepSpeed config key
-    turns that off. ZeRO stages keep it: their reduction is what fills their partitions.
-    Returns whether it was turned off."""
-    if world_size != 1 or engine.zero_optimization_stage() != 0:
-        return False
-    engine.enable_backward_allreduce = False
-    return True

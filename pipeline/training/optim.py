@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -14,17 +14,17 @@ from pipeline.errors import PipelineError
 
 
 @dataclass(frozen=True)
-class _Run:
+class Run:
     """Consecutive elements of a stepped tensor that belong to one model parameter."""
 
-    owner: int  # index into _Layout.params; len(params) marks alignment padding
+    owner: int  # index into Layout.params; len(params) marks alignment padding
     start: int  # first element in the stepped (flattened) tensor
     length: int
     lp: torch.Tensor  # the same elements in the model's (or its partition's) copy
 
 
 @dataclass
-class _Layout:
+class Layout:
     """How one tensor the optimizer steps is cut into pieces of model parameters.
 
     Under ZeRO and the bf16 wrapper the optimizer steps one flat fp32 partition per rank:
@@ -32,13 +32,13 @@ class _Layout:
     """
 
     params: list[torch.Tensor]  # the model parameters flattened together, same on all ranks
-    runs: list[_Run]  # cover the stepped tensor, in order
+    runs: list[Run]  # cover the stepped tensor, in order
     group: object | None  # process group holding the other pieces; None: whole tensors
 
 
-def _whole(master: torch.Tensor, param: torch.Tensor) -> _Layout:
+def whole(master: torch.Tensor, param: torch.Tensor) -> Layout:
     """`master` is the whole of `param` (itself, or DeepSpeed's fp32 copy of it)."""
-    return _Layout([param], [_Run(0, 0, master.numel(), param.data.view(-1))], None)
+    return Layout([param], [Run(0, 0, master.numel(), param.data.view(-1))], None)
 
 
 class _Plan:
@@ -52,7 +52,7 @@ class _Plan:
     step, so padding never moves.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], layouts: list[_Layout], fused: bool | None):
+    def __init__(self, tensors: list[torch.Tensor], layouts: list[Layout], fused: bool | None):
         devices = {t.device for t in tensors}
         if len(devices) > 1:
             raise PipelineError(
@@ -119,7 +119,8 @@ class ClippedAdagrad(torch.optim.Optimizer):
     then running torch's Adagrad would also shrink the accumulator: a different optimizer.
 
     ‖g‖ is the norm of the whole parameter's gradient. Where DeepSpeed hands this optimizer
-    flat partitions instead of the parameters (ZeRO 1-3, bf16), `bind_to_engine` tells it
+    flat partitions instead of the parameters (ZeRO 1-3, bf16), pipeline.training.engine's
+    `bind_to_engine` tells it
     which parameter each element belongs to; the partial sums of squares are then summed
     over the data-parallel ranks before the step.
 
@@ -146,10 +147,10 @@ class ClippedAdagrad(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "clip_norm": clip_norm, "eps": eps})
         self.fused = fused
         # built on whole parameters; a wrapper that flattens them must call bind_layouts
-        self._layouts = {p: _whole(p, p) for g in self.param_groups for p in g["params"]}
+        self._layouts = {p: whole(p, p) for g in self.param_groups for p in g["params"]}
         self._plans: dict[tuple, _Plan] = {}
 
-    def bind_layouts(self, layouts: dict[torch.Tensor, _Layout]) -> None:
+    def bind_layouts(self, layouts: dict[torch.Tensor, Layout]) -> None:
         self._layouts = layouts
         self._plans = {}
 
@@ -174,11 +175,11 @@ class ClippedAdagrad(torch.optim.Optimizer):
             return self._plans[key]
         layouts = [self._layouts.get(t) for t in tensors]
         if all(layout is not None for layout in layouts):
-            plan = self._plans[key] = _Plan(tensors, cast("list[_Layout]", layouts), self.fused)
+            plan = self._plans[key] = _Plan(tensors, cast("list[Layout]", layouts), self.fused)
             return plan
         # DeepSpeed's unfused bf16 wrapper steps once with zero gradients while it is being
         # built, before it can be bound: a zero gradient changes nothing, whatever the layout.
-        # This check syncs, but only until bind_to_engine; such a plan is not cached.
+        # This check syncs, but only until engine.bind_to_engine; such a plan is not cached.
         if any(
             layout is None and t.grad is not None and t.grad.any()
             for t, layout in zip(tensors, layouts, strict=False)
@@ -186,7 +187,7 @@ class ClippedAdagrad(torch.optim.Optimizer):
             raise PipelineError(
                 "ClippedAdagrad is asked to step a tensor it was not built with "
                 "(DeepSpeed flattened the parameters): call "
-                "pipeline.training.optim.bind_to_engine(engine) after deepspeed.initialize"
+                "pipeline.training.engine.bind_to_engine(engine) after initialize"
             )
         bound = [
             (t, layout) for t, layout in zip(tensors, layouts, strict=False) if layout is not None
@@ -240,267 +241,6 @@ class ClippedAdagrad(torch.optim.Optimizer):
         torch._foreach_add_(std, group["eps"])
         torch._foreach_mul_(plan.runs(std), run_stretch)
         torch._foreach_addcdiv_(plan.tensors, grads, std, value=-group["lr"])
-
-
-# ------------------------------------------------------------ DeepSpeed's partitions
-
-
-def _flat_layout(master, flat, params, pieces, group) -> _Layout:
-    """Layout of `master`, the fp32 copy of `flat` (a rank's low-precision partition).
-
-    `pieces`: (param index, element offset in `flat`, length) for every piece of a parameter
-    that `flat` holds. Offsets come from where DeepSpeed put the tensors in memory, so
-    DeepSpeed's alignment rules need not be re-derived here; gaps are padding."""
-    if master.numel() != flat.numel():
-        raise PipelineError(
-            f"DeepSpeed's fp32 partition ({master.numel()} elements) does not "
-            f"match its model partition ({flat.numel()}): unknown layout"
-        )
-    runs, pos = [], 0
-    flat_1d = flat.view(-1)
-    for owner, start, length in sorted(pieces, key=lambda piece: piece[1]):
-        if start < pos or start + length > flat.numel():
-            raise PipelineError(
-                "DeepSpeed's partition layout has overlapping or out-of-range "
-                "parameters: refusing to guess per-parameter norms"
-            )
-        if start > pos:
-            runs.append(_Run(len(params), pos, start - pos, flat_1d[pos:start]))
-        runs.append(_Run(owner, start, length, flat_1d[start : start + length]))
-        pos = start + length
-    if pos < flat.numel() or not runs:
-        runs.append(_Run(len(params), pos, flat.numel() - pos, flat_1d[pos:]))
-    return _Layout(list(params), runs, group)
-
-
-def _offset(view: torch.Tensor, flat: torch.Tensor) -> int:
-    """Element offset of `view` inside `flat`, checked to really be a view into it."""
-    if (
-        view.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-        or not view.is_contiguous()
-        or view.dtype != flat.dtype
-    ):
-        raise PipelineError(
-            "a parameter is not a view into DeepSpeed's flat buffer: the "
-            "partition layout cannot be established"
-        )
-    return (view.data_ptr() - flat.data_ptr()) // flat.element_size()
-
-
-def _clip_pieces(params, flat, part_start, part_len):
-    """Pieces of `params` (views into `flat`) inside [part_start, part_start + part_len),
-    as offsets relative to the partition."""
-    pieces = []
-    for j, p in enumerate(params):
-        lo = _offset(p.data, flat)
-        a, b = max(lo, part_start), min(lo + p.numel(), part_start + part_len)
-        if a < b:
-            pieces.append((j, a - part_start, b - a))
-    return pieces
-
-
-def _master_layouts(engine) -> dict[torch.Tensor, _Layout]:
-    """For every tensor the basic optimizer steps: which model parameter each element is."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    wrapper = engine.optimizer
-    if wrapper is engine.basic_optimizer:  # ZeRO 0, fp32: steps the parameters
-        return {p: _whole(p, p) for g in wrapper.param_groups for p in g["params"]}
-    if getattr(wrapper, "cpu_offload", False) or getattr(wrapper, "offload_optimizer", False):
-        raise PipelineError(
-            "per-parameter optimizer layouts are not supported with ZeRO offload; turn offload off"
-        )
-    layouts: dict[torch.Tensor, _Layout] = {}
-    if type(wrapper) is FP16_UnfusedOptimizer:  # ZeRO 0, bf16: one fp32 copy per tensor
-        for masters, params in zip(wrapper.fp32_groups, wrapper.fp16_groups, strict=False):
-            layouts |= {m: _whole(m, p) for m, p in zip(masters, params, strict=False)}
-    elif type(wrapper) in (DeepSpeedZeroOptimizer, BF16_Optimizer):
-        # ZeRO 1 and 2, and bf16 with fp32 gradient accumulation: one flat buffer per group,
-        # cut into equal partitions, the same layout under two sets of attribute names
-        if type(wrapper) is DeepSpeedZeroOptimizer:
-            names = (
-                "bit16_groups",
-                "bit16_groups_flat",
-                "parallel_partitioned_bit16_groups",
-                "single_partition_of_fp32_groups",
-            )
-        else:
-            names = (
-                "bf16_groups",
-                "bf16_groups_flat",
-                "bf16_partitioned_groups",
-                "fp32_groups_flat_partition",
-            )
-        groups, flats, partitions, masters = (getattr(wrapper, n) for n in names)
-        for i, params in enumerate(groups):
-            rank = dist.get_rank(group=wrapper.real_dp_process_group[i])
-            part = partitions[i][rank]
-            start = _offset(part, flats[i])
-            layouts[masters[i]] = _flat_layout(
-                masters[i],
-                part,
-                params,
-                _clip_pieces(params, flats[i], start, part.numel()),
-                wrapper.real_dp_process_group[i],
-            )
-    elif type(wrapper) is DeepSpeedZeroOptimizer_Stage3:
-        # each parameter is cut into equal ds_tensor slices, rank r holding elements from
-        # r * slice; a sub-group's slices sit side by side in one flat buffer
-        for sg, params in enumerate(wrapper.fp16_groups):
-            flat = wrapper.fp16_partitioned_groups_flat[sg]
-            if flat is None:
-                raise PipelineError("ZeRO 3 parameters offloaded to NVMe: no flat partition")
-            group = wrapper.sub_group_process_groups[sg]
-            rank = dist.get_rank(group=group)
-            pieces = []
-            for j, p in enumerate(params):
-                size = p.ds_tensor.numel()
-                length = min(size, p.ds_numel - rank * size)  # the last slices are padded
-                if length > 0:
-                    pieces.append((j, _offset(p.ds_tensor, flat), length))
-            master = wrapper.fp32_partitioned_groups_flat[sg]
-            layouts[master] = _flat_layout(master, flat, params, pieces, group)
-    else:
-        raise PipelineError(
-            f"unknown DeepSpeed optimizer wrapper {type(wrapper).__name__}: "
-            "cannot tell which parameter each optimizer element belongs to"
-        )
-    return layouts
-
-
-def _stepped_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch optimizer DeepSpeed really steps: for torch's Adagrad, ZeRO builds a new one
-    over its fp32 partitions instead of the client's."""
-    return getattr(engine.optimizer, "optimizer", engine.optimizer)
-
-
-def bind_to_engine(engine) -> None:
-    """Call right after `deepspeed.initialize`: tells a ClippedAdagrad how DeepSpeed cut the
-    parameters into the tensors it steps. A no-op for other optimizers."""
-    opt = engine.basic_optimizer
-    if isinstance(opt, ClippedAdagrad):
-        if _stepped_optimizer(engine) is not opt:
-            raise PipelineError(
-                f"{type(engine.optimizer).__name__} replaced ClippedAdagrad "
-                "by an optimizer of its own: per-tensor clipping would be lost"
-            )
-        opt.bind_layouts(_master_layouts(engine))
-
-
-def master_clamp(
-    engine, bounded: Iterable[tuple[torch.Tensor, float, float]]
-) -> Callable[[], None]:
-    """A function that clamps each model parameter of `bounded` (parameter, low, high: a
-    model's `bounded_parameters()`) to [low, high] in every copy this rank holds: the fp32
-    master the optimizer steps, from which DeepSpeed overwrites the model's copy at the next
-    step, and the model's copy itself. Build it once after `deepspeed.initialize` (and
-    `bind_to_engine`); call it after every optimizer step."""
-    bounds = {id(p): (low, high) for p, low, high in bounded}
-    views = []
-    for master, layout in _master_layouts(engine).items():
-        flat_master = master.data.view(-1)
-        for run in layout.runs:
-            if run.owner < len(layout.params) and id(layout.params[run.owner]) in bounds:
-                low_high = bounds[id(layout.params[run.owner])]
-                views += [
-                    (flat_master[run.start : run.start + run.length], low_high),
-                    (run.lp, low_high),
-                ]
-    # ZeRO 0-2 keep every parameter whole on every rank (ZeRO 3: empty outside forward)
-    views += [
-        (p.data, bounds[id(p)]) for p in engine.module.parameters() if id(p) in bounds and p.numel()
-    ]
-
-    @torch.no_grad()
-    def clamp() -> None:
-        for view, (low, high) in views:
-            view.clamp_(low, high)
-
-    return clamp
-
-
-def float32_from_master(
-    engine, params: Iterable[torch.Tensor], initial: Iterable[torch.Tensor]
-) -> Callable[[], None]:
-    """A function that makes each of `params` (model parameters) a float32 tensor holding its
-    fp32 master's values: for a model's `bounded_parameters()`, which it reads in float32
-    (the span fractions: pipeline.models.layers.AdaptiveSpan). DeepSpeed casts every
-    parameter to the training precision and ZeRO 1/2 point the parameters back at that
-    rounded copy after every step, so call it before every forward and after clamping.
-
-    Build it once after `deepspeed.initialize` (and before anything re-points parameters):
-    it writes `initial` (their float32 values from before DeepSpeed's cast) into the
-    masters. Under ZeRO 1/2 a master is cut across ranks, so each call sums the pieces over
-    the group (one all_reduce of the few span values). A no-op when no parameter is in bf16
-    or fp16 (fp32 training). Not for ZeRO 3 (the spec refuses it for adaptive-span models)."""
-    params = list(params)
-    if not any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
-        return lambda: None
-    index = {id(p): i for i, p in enumerate(params)}
-    starts = [0]
-    for p in params:
-        starts.append(starts[-1] + p.numel())
-    values = torch.cat([v.detach().reshape(-1).float() for v in initial])
-    pieces, groups = [], set()
-    for master, layout in _master_layouts(engine).items():
-        if any(id(p) in index for p in layout.params):  # the same on every rank
-            groups.add(layout.group)
-        flat_master = master.data.view(-1)
-        for run in layout.runs:  # this rank's pieces (none, under ZeRO 1/2, on some ranks)
-            if run.owner == len(layout.params) or id(layout.params[run.owner]) not in index:
-                continue
-            param = layout.params[run.owner]
-            at = (
-                starts[index[id(param)]]
-                + (run.lp.data_ptr() - param.data.data_ptr()) // param.element_size()
-            )
-            view = flat_master[run.start : run.start + run.length]
-            view.copy_(values[at : at + run.length])
-            pieces.append((view, at))
-    if len(groups) != 1:
-        raise PipelineError(
-            "the bounded parameters are spread over several DeepSpeed process "
-            "groups: cannot gather their fp32 masters"
-        )
-    (group,) = groups
-
-    @torch.no_grad()
-    def to_float32() -> None:
-        buf = torch.zeros(starts[-1], dtype=torch.float32, device=params[0].device)
-        for view, at in pieces:
-            buf[at : at + view.numel()] = view
-        if group is not None:
-            dist.all_reduce(buf, group=group)
-        for p, a, b in zip(params, starts, starts[1:], strict=False):
-            p.data = buf[a:b].view(p.shape)
-
-    to_float32()
-    return to_float32
-
-
-def before_save_checkpoint(engine) -> None:
-    """Call right before `engine.save_checkpoint`. torch's Adagrad creates its state for the
-    model parameters when it is built; DeepSpeed's bf16 wrappers then swap in fp32 copies,
-    and that stale state makes torch's `state_dict` fail (KeyError). Drop it."""
-    opt = _stepped_optimizer(engine)
-    stepped = {id(p) for g in opt.param_groups for p in g["params"]}
-    for p in [p for p in engine.module.parameters() if p in opt.state and id(p) not in stepped]:
-        del opt.state[p]
-
-
-def before_load_checkpoint(engine) -> None:
-    """Call right before `engine.load_checkpoint`. ZeRO 3 steps each sub-group with its
-    param group holding just that flat partition and leaves it empty afterwards, so saved
-    groups are empty; a fresh torch Adagrad still lists the model parameters, and loading
-    fails on the size mismatch. Empty them as ZeRO 3 would."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    if type(engine.optimizer) is DeepSpeedZeroOptimizer_Stage3:
-        for group in _stepped_optimizer(engine).param_groups:
-            group["params"] = []
 
 
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:

@@ -23,7 +23,6 @@ would have continued on the old world size.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -48,7 +47,12 @@ def load_engine(engine, root: Path, tag: str, writers: int) -> None:
     """`engine.load_checkpoint` of checkpoint `tag` under `root`, written by `writers`
     processes; where that is not this engine's world size, this rank's ZeRO 1/2 optimizer
     partitions are cut out of the writers' ones."""
-    from pipeline.training.optim import before_load_checkpoint
+    from pipeline.training.engine import (
+        before_load_checkpoint,
+        load_zero_partitions,
+        optimizer_partitioned,
+        zero_partition_files,
+    )
 
     ckpt = root / tag
     partitioned = writers != torch.distributed.get_world_size() and optimizer_partitioned(
@@ -63,113 +67,9 @@ def load_engine(engine, root: Path, tag: str, writers: int) -> None:
     if path is None:
         raise PipelineError(f"DeepSpeed could not load checkpoint {ckpt}")
     if partitioned:
-        load_zero_partitions(engine, ckpt, writers)
-
-
-def optimizer_partitioned(engine, ckpt: Path) -> bool:
-    """True if the checkpoint's optimizer state is split over its writers' files (ZeRO 1/2),
-    False if it is whole in the model-states file (ZeRO 0); refuses what cannot be resharded."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if not engine.zero_optimization():
-        return False
-    wrapper = engine.optimizer
-    if engine.zero_optimization_stage() >= 3:
-        # each parameter is sharded separately and the module weights exist only as shards
-        raise PipelineError(
-            f"checkpoint {ckpt}: resuming a ZeRO 3 checkpoint on another "
-            f"number of processes is not supported; resume with the "
-            f"train.launcher it was written with"
-        )
-    if type(wrapper) is not DeepSpeedZeroOptimizer or wrapper.cpu_offload:
-        raise PipelineError(
-            f"checkpoint {ckpt}: resuming on another number of processes "
-            f"supports ZeRO 1/2 without offload (DeepSpeed's "
-            f"{type(wrapper).__name__} here); resume with the train.launcher "
-            f"it was written with"
-        )
-    if wrapper.round_robin_gradients:
-        raise PipelineError(
-            "zero_optimization.round_robin_gradients orders the flat buffer by "
-            "world size: the checkpoint cannot be resharded"
-        )
-    return True
-
-
-def load_zero_partitions(engine, ckpt: Path, writers: int) -> None:
-    """Fill this rank's ZeRO 1/2 fp32 masters and optimizer state from the `writers` ranks'
-    `zero_pp_rank_*` files of checkpoint directory `ckpt`. Call after the engine has loaded
-    the checkpoint's module weights (`load_optimizer_states=False`)."""
-    from deepspeed.checkpoint.constants import (
-        BASE_OPTIMIZER_STATE,
-        GROUP_PADDINGS,
-        OPTIMIZER_STATE_DICT,
-        PARAM_ALIGNMENT_PADDINGS,
-        SINGLE_PARTITION_OF_FP32_GROUPS,
-    )
-
-    wrapper = engine.optimizer
-    prefix = "bf16_" if engine.bfloat16_enabled() else ""  # DeepSpeed's naming
-    files = [ckpt / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(writers)]
-    missing = [f.name for f in files if not f.exists()]
-    if missing:
-        raise PipelineError(
-            f"checkpoint {ckpt} lacks {', '.join(missing)}: it was not written "
-            f"by {writers} ZeRO 1/2 processes and cannot be resharded"
-        )
-    # memory-mapped: a rank reads only the slices its own partition needs
-    old = [read_checkpoint_file(f, mmap=True)[OPTIMIZER_STATE_DICT] for f in files]
-    if old[0].get(PARAM_ALIGNMENT_PADDINGS) != wrapper.round_robin_bit16_padding:
-        raise PipelineError(
-            f"checkpoint {ckpt} lays out the parameters with other alignment "
-            f"padding than this run: it cannot be resharded"
-        )
-    wrapper._load_global_state(old[0])  # loss scale, overflow flag, clipping: rank-independent
-    base = old[0][BASE_OPTIMIZER_STATE]
-    state: dict[Any, Any] = {}
-    for i, master in enumerate(wrapper.single_partition_of_fp32_groups):
-        rank = torch.distributed.get_rank(group=wrapper.real_dp_process_group[i])
-        start = rank * master.numel()  # the flat buffer is cut into equal slices
-        masters = [sd[SINGLE_PARTITION_OF_FP32_GROUPS][i] for sd in old]
-        held = sum(m.numel() for m in masters)
-        expected = sum(p.numel() for p in wrapper.bit16_groups[i]) + sum(
-            wrapper.round_robin_bit16_padding[i]
-        )
-        if held != expected:
-            raise PipelineError(
-                f"checkpoint {ckpt}: param group {i} holds {held} elements over "
-                f"{writers} ranks, this model {expected}: not the same model"
-            )
-        with torch.no_grad():
-            master.copy_(_slice(masters, start, master.numel()))
-        # optimizer state tensors cover a rank's slice with its padding; others (`step`) are
-        # the same on every rank
-        padded = masters[0].numel() + old[0][GROUP_PADDINGS][i]
-        state[i] = {}
-        for key, value in base["state"].get(i, {}).items():
-            if torch.is_tensor(value) and value.shape == (padded,):
-                pieces = [
-                    sd[BASE_OPTIMIZER_STATE]["state"][i][key][: m.numel()]
-                    for sd, m in zip(old, masters, strict=False)
-                ]
-                value = _slice(pieces, start, master.numel())
-            state[i][key] = value.clone() if torch.is_tensor(value) else value  # off the mmap
-    wrapper.optimizer.load_state_dict({"state": state, "param_groups": base["param_groups"]})
-    wrapper._link_all_hp_params()  # DeepSpeed's per-parameter views into the new state
-
-
-def _slice(pieces: list[torch.Tensor], start: int, length: int) -> torch.Tensor:
-    """Elements start .. start+length-1 of the concatenated `pieces`, zero past their end
-    (the end padding of the flat buffer). Only the overlapping parts of pieces are read."""
-    out = torch.zeros(length, dtype=pieces[0].dtype)
-    offset = 0
-    for piece in pieces:
-        piece = piece.reshape(-1)
-        lo, hi = max(start, offset), min(start + length, offset + piece.numel())
-        if lo < hi:
-            out[lo - start : hi - start] = piece[lo - offset : hi - offset]
-        offset += piece.numel()
-    return out
+        files = zero_partition_files(engine, ckpt, writers)
+        # memory-mapped: a rank reads only the slices its own partition needs
+        load_zero_partitions(engine, [read_checkpoint_file(f, mmap=True) for f in files], ckpt)
 
 
 def trainer_state(old: list[dict], rank: int, world_size: int, accum: int, ckpt: Path) -> dict:

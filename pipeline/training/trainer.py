@@ -19,7 +19,7 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -30,17 +30,79 @@ from pipeline.cluster.signals import StopSignal
 from pipeline.data.documents import DocumentBatches, as_documents
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError, Preempted
-from pipeline.models.protocol import State
+from pipeline.models.protocol import SequenceModel, State
 from pipeline.ops import compile_count
 from pipeline.training.checkpoint_io import CheckpointIO, LoopState
 from pipeline.training.document_passes import run_documents, score_documents
-from pipeline.training.ds_config import deepspeed_config, skip_single_process_allreduce
+from pipeline.training.ds_config import deepspeed_config
+from pipeline.training.engine import (
+    Float32Masters,
+    MasterClamp,
+    bind_to_engine,
+    initialize,
+    param_groups,
+    skip_single_process_allreduce,
+    stepped_optimizer,
+)
 from pipeline.training.evaluation import LN2, evaluate_nll
+from pipeline.training.micro_batch import resolve
 from pipeline.training.nonfinite import HINT, NonfiniteGuard
+from pipeline.training.optim import build_optimizer
 from pipeline.training.progress import LossWindow, Progress
 
-if TYPE_CHECKING:  # imported where it is used, in Trainer.__init__
+if TYPE_CHECKING:  # imported where it is used, in build_batches
     from pipeline.data import StreamBatches
+
+
+Losses = TypeVar("Losses")
+
+
+class MicroBatchLoss(NamedTuple):
+    nll: torch.Tensor  # the mean token nll, detached, float32
+    objective: torch.Tensor  # what was minimised: nll + the model's aux_loss(), detached
+    state: State  # the model's state after the micro-batch
+
+
+class EngineUpdates:
+    """Optimizer updates on a DeepSpeed engine: the part of the training loop shared by
+    `Trainer` (train, finetune) and the curriculum stage, so that a fix to it reaches both.
+
+    Around each update (`run`) the model's bounded parameters are read in float32 from the
+    fp32 masters DeepSpeed steps and clamped on them (engine.MasterClamp, Float32Masters),
+    and the model plans its shapes (planned_update, request_plan); each micro-batch
+    (`micro_batch`) goes forward, backward and through the non-finite guard to the engine's
+    step. `bounded_init`: the bounded parameters' float32 values from before DeepSpeed's
+    cast. Build it after the guard is attached and the model compiled."""
+
+    def __init__(self, engine, guard: NonfiniteGuard, bounded_init: list[torch.Tensor]):
+        self.engine, self.guard, self.model = engine, guard, engine.module
+        bounded = self.model.bounded_parameters()
+        self.master_clamp = MasterClamp(engine, bounded)
+        self.float32_masters = Float32Masters(engine, [p for p, _, _ in bounded], bounded_init)
+
+    def run(self, micro_batches: Callable[[], Losses]) -> Losses:
+        """One update: `micro_batches()` runs its micro-batches; returns what it returns."""
+        self.float32_masters.copy_to_params()  # after a resume, too: the masters were loaded
+        with self.model.planned_update():
+            losses = micro_batches()
+        self.master_clamp.clamp()  # the fp32 masters DeepSpeed steps, and the model's copies
+        self.model.after_step()  # the model's own hook (the base clamps as above)
+        self.float32_masters.copy_to_params()
+        self.model.request_plan()
+        return losses
+
+    def micro_batch(
+        self, x: torch.Tensor, y: torch.Tensor, state: State | None = None
+    ) -> MicroBatchLoss:
+        """Forward and backward on one micro-batch, then the engine's step (which updates
+        at the update's last micro-batch)."""
+        out = self.engine(x, y, state)
+        nll = out.nll.float().mean()
+        objective = nll + self.model.aux_loss()
+        self.engine.backward(objective)
+        self.guard.loss(nll)
+        self.engine.step()
+        return MicroBatchLoss(nll.detach(), objective.detach(), out.state)
 
 
 class Trainer:
@@ -53,140 +115,25 @@ class Trainer:
         recorded: dict | None = None,
         stage: str = "train",
     ):
-        from pipeline.data import StreamBatches
-        from pipeline.training.optim import (
-            _stepped_optimizer,
-            bind_to_engine,
-            build_optimizer,
-            float32_from_master,
-            master_clamp,
-        )
-
-        self.spec, self.tracker, self.log = spec, tracker, log
-        train = spec.train
+        self.spec, self.tracker, self.log, self.stage = spec, tracker, log, stage
+        train, self.preprocess_dir = spec.train, preprocess_dir
         self.rank, self.world_size = distributed.init_process_group()
-        import deepspeed
-
-        self.device = resolve_device(train.device)
-        if train.deepspeed.fp16 and self.device.type != "cuda":
-            raise PipelineError(
-                "train.deepspeed.fp16 needs a GPU (DeepSpeed refuses fp16 on "
-                "CPU); use bf16 or neither"
-            )
-        manifest = load_manifest(preprocess_dir)
-        self.vocab_size = manifest["vocab_size"]
-        self.documents = manifest.get("documents")  # None: a token stream
-
-        # identical initial weights on every rank, then per-rank streams of randomness
-        torch.manual_seed(train.seed)
-        model = spec.build_model(self.vocab_size, f"{preprocess_dir}/manifest.json")
-        if why := model.cannot_train_on(self.device):
-            raise PipelineError(why)
-        torch.manual_seed(train.seed + self.rank)
-        np.random.seed(train.seed + self.rank)
-        random.seed(train.seed + self.rank)
-
-        # train.micro_batch_size and deepspeed.bf16 as this run has them (`auto` settled on
-        # this device once; `recorded`: a resume's or, for finetune, train's record)
-        from pipeline.training.micro_batch import resolve
-
-        self.resolved = resolve(
-            spec,
-            model,
-            self.vocab_size,
-            self.documents,
-            self.device,
-            self.world_size,
-            recorded,
-            log,
-        )
-        self.ds_config = deepspeed_config(
-            train, self.world_size, self.resolved["micro_batch_size"], self.resolved["bf16"]
-        )
-        # this GPU's dense peak in the dtype the model's matmuls run in (DeepSpeed casts the
-        # model to bf16 / fp16), for the reports' model FLOPs utilisation; None on the CPU
-        # and on a GPU not in the table (no mfu then)
-        matmuls = torch.float32
-        if self.ds_config["bf16"]["enabled"]:
-            matmuls = torch.bfloat16
-        elif self.ds_config["fp16"]["enabled"]:
-            matmuls = torch.float16
-        self.peak_tflops = dense_peak_tflops(self.device, matmuls)
-        optimizer = build_optimizer(model.parameters(), train.optimizer)
-        # float32, before DeepSpeed's cast to the training precision
+        self.device = build_device(train)
+        manifest = load_manifest(preprocess_dir)  # documents None: a token stream
+        self.vocab_size, self.documents = manifest["vocab_size"], manifest.get("documents")
+        model = build_model(spec, self.vocab_size, preprocess_dir, self.device, self.rank)
+        self.resolved, self.ds_config = build_ds_config(self, model, recorded)
+        self.peak_tflops = dense_peak_tflops(self.device, matmul_dtype(self.ds_config))
         bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model.to(self.device), optimizer=optimizer, config=self.ds_config
-        )
+        self.engine = build_engine(model.to(self.device), self.ds_config, train, self.world_size)
         self.model = self.engine.module
-        self.model.activation_checkpointing = train.deepspeed.activation_checkpointing
-        # ZeRO and bf16 hand the optimizer flat partitions: tell the per-tensor clipping
-        # which elements belong to which parameter, and clamp the bounded parameters on the
-        # fp32 masters, from which DeepSpeed overwrites the model's copies.
-        bind_to_engine(self.engine)
-        # train.nonfinite: in front of the optimizer DeepSpeed really steps
-        self.stage = stage
-        self.guard = NonfiniteGuard(
-            train.nonfinite,
-            train.nonfinite_limit,
-            stage,
-            self.device,
-            log_metrics=tracker.log_metrics if self.rank == 0 else None,
-        )
-        self.guard.attach(_stepped_optimizer(self.engine))
-        # one process, no ZeRO: no allreduce over a group of one (ds_config.py says why)
-        skip_single_process_allreduce(self.engine, self.world_size)
-        self.compiled = False
-        if train.compile in (True, "graphs") or (
-            train.compile == "auto" and self.device.type == "cuda"
-        ):
-            graphs = train.compile == "graphs" and self.device.type == "cuda"
-            if train.compile == "graphs" and not graphs:
-                log(f"train.compile: graphs needs CUDA; compiling without them on {self.device}")
-            self.compiled = self.model.compile_for_training(graphs=graphs)
-            if not self.compiled and train.compile in (True, "graphs"):
-                log(
-                    f"train.compile: {type(self.model).__name__} has no compiled path; "
-                    f"training eagerly"
-                )
-        bounded = self.model.bounded_parameters()
-        self.clamp_masters = master_clamp(self.engine, bounded)
-        # bf16 / fp16: the forward reads the bounded parameters from their fp32 masters
-        self.bounded_to_float32 = float32_from_master(
-            self.engine, [p for p, _, _ in bounded], bounded_init
-        )
-
-        self.micro_batch = self.ds_config["train_micro_batch_size_per_gpu"]
-        self.accum = self.ds_config["gradient_accumulation_steps"]
-        rows = self.micro_batch * self.accum
-        self.train_tokens = load_split(preprocess_dir, "train")
-        self.preprocess_dir = preprocess_dir
-        self.valid_tokens: np.ndarray | None = None
-        self.batches: StreamBatches | DocumentBatches
-        try:
-            if self.documents is None:
-                self.batches = StreamBatches(
-                    self.train_tokens,
-                    rows,
-                    train.seq_len,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    seed=train.seed,
-                )
-            else:
-                self.batches = DocumentBatches(
-                    as_documents(
-                        self.train_tokens, self.documents, f"{preprocess_dir}, train split"
-                    ),
-                    rows,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    seed=train.seed,
-                )
-        except ValueError as e:
-            raise PipelineError(f"train: {e}") from None
-        # one model state per micro-batch: each carries its own rows' history
-        self.states = self._initial_states()
+        self.guard = build_guard(train, stage, self.device, self.engine, tracker, self.rank)
+        self.compiled = compile_model(self.model, train.compile, self.device, log)
+        self.updates = EngineUpdates(self.engine, self.guard, bounded_init)
+        self.micro_batch, self.accum = micro_batches(self.ds_config)
+        self.valid_tokens: np.ndarray | None = None  # read when first validating
+        self.batches = build_batches(self, self.micro_batch * self.accum)
+        self.states = self._initial_states()  # one per micro-batch: its rows' history
         self.step = 0  # optimizer updates done so far
         self.best_valid: float | None = None
         self.evals_since_best = 0
@@ -308,13 +255,9 @@ class Trainer:
         stays on the device until a report reads it, and a model with value-dependent shapes
         plans them ahead (``planned_update`` / ``request_plan``, pipeline.models.protocol).
         ``float()`` of the result waits for the step to finish."""
-        self.bounded_to_float32()  # after a resume, too: the masters are what was loaded
-        with self.model.planned_update():
-            losses = self._stream_updates() if self.documents is None else self._document_updates()
-        self.clamp_masters()  # the fp32 masters DeepSpeed steps, and the model's copies
-        self.model.after_step()  # the model's own hook (the base clamps as above)
-        self.bounded_to_float32()
-        self.model.request_plan()
+        losses = self.updates.run(
+            self._stream_updates if self.documents is None else self._document_updates
+        )
         self.step += 1
         return torch.stack(losses).mean()
 
@@ -339,13 +282,9 @@ class Trainer:
         losses = []
         for i in range(self.accum):
             rows = slice(i * mb, (i + 1) * mb)
-            out = self.engine(x[rows], y[rows], self.states[i])
-            nll = out.nll.float().mean()
-            self.engine.backward(nll + self.model.aux_loss())
-            self.guard.loss(nll)
-            self.engine.step()
-            self.states[i] = out.state
-            losses.append(nll.detach())
+            step = self.updates.micro_batch(x[rows], y[rows], self.states[i])
+            self.states[i] = step.state
+            losses.append(step.nll)
         if self.guard.skipped_last:
             # the skipped update's forward left its (non-finite) activations in the carried
             # states: the next update starts the streams from the initial ones
@@ -375,11 +314,11 @@ class Trainer:
         return losses
 
     def set_lr(self, lr: float) -> None:
-        for group in self.engine.optimizer.param_groups:
+        for group in param_groups(self.engine):
             group["lr"] = lr
 
     def current_lr(self) -> float:
-        return self.engine.optimizer.param_groups[0]["lr"]
+        return param_groups(self.engine)[0]["lr"]
 
     def validate(self) -> dict[str, float]:
         """Validation over the first `train.eval_batches` batches of the valid split (or all
@@ -541,3 +480,116 @@ class Trainer:
         self.best_valid, self.evals_since_best = loop.best_valid, loop.evals_since_best
         self.model.load_plan_state(loop.plan)
         return self.step
+
+
+# ------------------------------------------------------------ what a Trainer is built from
+
+
+def build_device(train) -> torch.device:
+    """train.device on this process; fp16 only on a GPU (DeepSpeed refuses it on the CPU)."""
+    device = resolve_device(train.device)
+    if train.deepspeed.fp16 and device.type != "cuda":
+        raise PipelineError(
+            "train.deepspeed.fp16 needs a GPU (DeepSpeed refuses fp16 on CPU); use bf16 or neither"
+        )
+    return device
+
+
+def build_model(spec, vocab_size: int, preprocess_dir: Path, device, rank: int) -> SequenceModel:
+    """The spec's model, with identical initial weights on every rank (from train.seed);
+    then each rank's own streams of randomness are seeded."""
+    seed = spec.train.seed
+    torch.manual_seed(seed)
+    model = spec.build_model(vocab_size, f"{preprocess_dir}/manifest.json")
+    if why := model.cannot_train_on(device):
+        raise PipelineError(why)
+    torch.manual_seed(seed + rank)
+    np.random.seed(seed + rank)
+    random.seed(seed + rank)
+    return model
+
+
+def build_ds_config(trainer: Trainer, model: SequenceModel, recorded: dict | None):
+    """train.micro_batch_size and deepspeed.bf16 as this run has them, and DeepSpeed's config
+    for them: `auto` is settled on this device once; `recorded`, a resume's or (for
+    finetune) train's record, is never searched again."""
+    resolved = resolve(
+        trainer.spec,
+        model,
+        trainer.vocab_size,
+        trainer.documents,
+        trainer.device,
+        trainer.world_size,
+        recorded,
+        trainer.log,
+    )
+    train, bf16 = trainer.spec.train, resolved["bf16"]
+    return resolved, deepspeed_config(train, trainer.world_size, resolved["micro_batch_size"], bf16)
+
+
+def matmul_dtype(ds_config: dict) -> torch.dtype:
+    """The dtype the model's matmuls run in (DeepSpeed casts the model to bf16 / fp16): the
+    GPU's dense peak in it is the reports' model FLOPs utilisation's denominator."""
+    if ds_config["bf16"]["enabled"]:
+        return torch.bfloat16
+    return torch.float16 if ds_config["fp16"]["enabled"] else torch.float32
+
+
+def micro_batches(ds_config: dict) -> tuple[int, int]:
+    """(rows per micro-batch, micro-batches per update) on this rank."""
+    return ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+
+
+def build_engine(model: SequenceModel, ds_config: dict, train, world_size: int):
+    """The DeepSpeed engine around `model` (on its device) and train.optimizer."""
+    engine = initialize(model, build_optimizer(model.parameters(), train.optimizer), ds_config)
+    engine.module.activation_checkpointing = train.deepspeed.activation_checkpointing
+    # ZeRO and bf16 hand the optimizer flat partitions: tell the per-tensor clipping which
+    # elements belong to which parameter
+    bind_to_engine(engine)
+    # one process, no ZeRO: no allreduce over a group of one (engine.py says why)
+    skip_single_process_allreduce(engine, world_size)
+    return engine
+
+
+def build_guard(train, stage: str, device, engine, tracker, rank: int) -> NonfiniteGuard:
+    """train.nonfinite, in front of the optimizer DeepSpeed really steps."""
+    guard = NonfiniteGuard(
+        train.nonfinite,
+        train.nonfinite_limit,
+        stage,
+        device,
+        log_metrics=tracker.log_metrics if rank == 0 else None,
+    )
+    guard.attach(stepped_optimizer(engine))
+    return guard
+
+
+def compile_model(model: SequenceModel, compile_mode, device, log) -> bool:
+    """train.compile: whether the model's compiled training path is in use."""
+    if not (compile_mode in (True, "graphs") or (compile_mode == "auto" and device.type == "cuda")):
+        return False
+    graphs = compile_mode == "graphs" and device.type == "cuda"
+    if compile_mode == "graphs" and not graphs:
+        log(f"train.compile: graphs needs CUDA; compiling without them on {device}")
+    compiled = model.compile_for_training(graphs=graphs)
+    if not compiled and compile_mode in (True, "graphs"):
+        log(f"train.compile: {type(model).__name__} has no compiled path; training eagerly")
+    return compiled
+
+
+def build_batches(trainer: Trainer, rows: int) -> StreamBatches | DocumentBatches:
+    """The train split's batches of `rows` rows for this rank: token streams, or whole
+    documents where the manifest has them."""
+    from pipeline.data import StreamBatches
+
+    train, source = trainer.spec.train, trainer.preprocess_dir
+    tokens = load_split(source, "train")
+    split = dict(rank=trainer.rank, world_size=trainer.world_size, seed=train.seed)
+    try:
+        if trainer.documents is None:
+            return StreamBatches(tokens, rows, train.seq_len, **split)
+        docs = as_documents(tokens, trainer.documents, f"{source}, train split")
+        return DocumentBatches(docs, rows, **split)
+    except ValueError as e:
+        raise PipelineError(f"train: {e}") from None

@@ -114,10 +114,10 @@ def fp32_master(engine, name: str, param: torch.Tensor) -> torch.Tensor:
 
 def straddling(engine, names: dict[int, str]) -> list[str]:
     """Parameters of which this rank's optimizer partition holds some but not all elements."""
-    from pipeline.training.optim import _master_layouts
+    from pipeline.training.engine import master_layouts
 
     held = {}
-    for layout in _master_layouts(engine).values():
+    for layout in master_layouts(engine).values():
         for run in layout.runs:
             if run.owner < len(layout.params):
                 key = id(layout.params[run.owner])
@@ -150,7 +150,8 @@ def count_host_syncs(optimizer) -> dict:
 def run(name: str, extra: dict, rank: int, world: int) -> dict:
     import deepspeed
 
-    from pipeline.training.optim import ClippedAdagrad, bind_to_engine, master_clamp
+    from pipeline.training.engine import MasterClamp, bind_to_engine
+    from pipeline.training.optim import ClippedAdagrad
 
     torch.manual_seed(0)
     model = Toy()
@@ -169,7 +170,7 @@ def run(name: str, extra: dict, rank: int, world: int) -> dict:
     bind_to_engine(engine)
     stepped = count_host_syncs(engine.basic_optimizer)
     params = dict(engine.module.p.items())
-    clamp = master_clamp(engine, [(params["frac"], 0.0, 1.0)])
+    clamp = MasterClamp(engine, [(params["frac"], 0.0, 1.0)]).clamp
     bf16 = "bf16" in extra
     expected, counts = reference(init, world, bf16)
     errors = []

@@ -37,7 +37,8 @@ def batch(step: int, rank: int, world: int, bf16: bool) -> dict[str, torch.Tenso
 def engine_for(name: str):
     import deepspeed
 
-    from pipeline.training.optim import ClippedAdagrad, bind_to_engine
+    from pipeline.training.engine import bind_to_engine
+    from pipeline.training.optim import ClippedAdagrad
 
     torch.manual_seed(0)
     model = Toy()
@@ -55,7 +56,7 @@ def engine_for(name: str):
 
 
 def train(engine, name: str, steps: range, rank: int, world: int, save: Path | None) -> list:
-    from pipeline.training.optim import before_save_checkpoint
+    from pipeline.training.engine import before_save_checkpoint
 
     bf16 = "bf16" in CONFIGS[name]
     params = dict(engine.module.p.items())

@@ -18,7 +18,9 @@ import torch
 from pipeline.diagnostics.host_syncs import HostSyncCounter
 from pipeline.diagnostics.step_audit import OpCounter
 from pipeline.errors import PipelineError
-from pipeline.training.optim import ClippedAdagrad, _flat_layout, _whole, bind_to_engine
+from pipeline.training.engine import _flat_layout, bind_to_engine
+from pipeline.training.optim import ClippedAdagrad
+from pipeline.training.optim import whole as whole_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +114,7 @@ def flat_setup(fused: bool, seed: int = 0):
     whole = torch.nn.Parameter(torch.randn(4, 4))
     layouts = {
         master_a: _flat_layout(master_a, flat_a, model[:2], pieces_a, None),
-        whole: _whole(whole, whole),
+        whole: whole_layout(whole, whole),
         master_b: _flat_layout(master_b, flat_b, model[2:], pieces_b, None),
     }
     opt = ClippedAdagrad([master_a, whole, master_b], lr=0.1, clip_norm=0.5, eps=1e-10, fused=fused)

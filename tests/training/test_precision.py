@@ -26,8 +26,9 @@ def losses(
 
     from pipeline.cluster import distributed
     from pipeline.models import build_model
-    from pipeline.training.ds_config import deepspeed_config, skip_single_process_allreduce
-    from pipeline.training.optim import bind_to_engine, build_optimizer
+    from pipeline.training.ds_config import deepspeed_config
+    from pipeline.training.engine import bind_to_engine, skip_single_process_allreduce
+    from pipeline.training.optim import build_optimizer
 
     distributed.init_process_group()
     torch.manual_seed(0)
@@ -87,7 +88,7 @@ def test_bf16_training_on_the_cpu_follows_float32():
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_one_process_without_the_engines_allreduce_steps_the_same_weights(bf16):
     """Issue 26, item 2: at world size 1 without ZeRO the trainer turns the engine's
-    gradient allreduce off (ds_config.skip_single_process_allreduce); it was an average over
+    gradient allreduce off (engine.skip_single_process_allreduce); it was an average over
     one process, so the updates are bit for bit the same, and no allreduce runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
