@@ -1,4 +1,4 @@
-"""The tree is the architecture (../shared/DESIGN.md, "Layout"): every import between the
+"""The tree is the architecture (docs/design.md#layers): every import between the
 project's modules, read from the source (imports inside functions too), runs one way.
 
     commands -> workspace -> stages -> training -> models / ops
@@ -220,8 +220,7 @@ def test_no_module_uses_another_modules_private_names():
     may reach in."""
     tools = ("launch", "bench", "reproduce", "quality", "gpu")
     dirs = ("pipeline", "stages", *tools)
-    # a tool's scripts may import each other by bare name (their directory on sys.path)
-    top_level = {*dirs, *(f.stem for d in tools for f in (ROOT / d).glob("*.py"))}
+    top_level = set(dirs)  # the tools run as modules (python -m bench.x): no bare names
 
     def private(name: str) -> bool:
         return name.startswith("_") and not name.startswith("__")
@@ -303,73 +302,3 @@ def test_the_tool_folders_import_no_tests_patch_no_sys_path_and_keep_main_short(
                 if body > 60:
                     found.append(f"{name}: main() is {body} lines (at most 60)")
     assert not found, "\n".join(found)
-
-
-# (file, private name) uses that remain until their files' owners make the names public; an
-# entry that no longer occurs fails the test too, so the list only shrinks.
-PRIVATE_USES_TO_FIX = {
-    # pipeline/spec: the package's __init__ and its modules share helpers; outside the
-    # change that added this test, so left for a change of its own
-    ("pipeline/spec/__init__.py", "_apply_override"),
-    ("pipeline/spec/__init__.py", "_load_with_extends"),
-    ("pipeline/spec/__init__.py", "_resolve_card"),
-    ("pipeline/spec/__init__.py", "_refuse_inert_keys"),
-    ("pipeline/spec/__init__.py", "_validate"),
-    ("pipeline/spec/reference.py", "_task_symbols"),
-    ("pipeline/spec/validation.py", "_dotted"),
-    ("pipeline/spec/validation.py", "_kind"),
-    ("pipeline/spec/validation.py", "_show"),
-}
-
-
-def test_no_module_uses_another_modules_private_names():
-    """A `_name` is its module's own: another module of the project that needs it gets it
-    made public or moved, so that what a module may change freely is what it names `_x`.
-    Found by reading the source: `from m import _x`, and `m._x` where `m` was imported from
-    the project. Third-party privates (torch._dynamo, os._exit) are not this rule's; tests
-    may reach in."""
-    tools = ("launch", "bench", "reproduce", "quality", "gpu")
-    dirs = ("pipeline", "stages", *tools)
-    # a tool's scripts may import each other by bare name (their directory on sys.path)
-    top_level = {*dirs, *(f.stem for d in tools for f in (ROOT / d).glob("*.py"))}
-
-    def private(name: str) -> bool:
-        return name.startswith("_") and not name.startswith("__")
-
-    def private_uses(tree: ast.AST, own_module: str) -> set[str]:
-        imported = set()  # local names bound to something imported from the project
-        found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                source = node.module or ""
-                if not node.level and source.split(".")[0] not in top_level:
-                    continue
-                for alias in node.names:
-                    if private(alias.name) and (node.level or source != own_module):
-                        found.add(alias.name)
-                    imported.add(alias.asname or alias.name)
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name.split(".")[0] in top_level:
-                        imported.add(alias.asname or alias.name.split(".")[0])
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and private(node.attr):
-                root = node.value
-                while isinstance(root, ast.Attribute):
-                    root = root.value
-                if isinstance(root, ast.Name) and root.id in imported:
-                    found.add(node.attr)
-        return found
-
-    # the scan sees both forms, and leaves a module's own names and other projects' alone
-    sample = "import pipeline.x as m\nm._a\nfrom stages.y import _b, c\nc._d\nimport os\nos._exit"
-    assert private_uses(ast.parse(sample), "z") == {"_a", "_b", "_d"}
-    assert private_uses(ast.parse("from stages.y import _b"), "stages.y") == set()
-
-    uses = set()
-    for d in dirs:
-        for path in sorted((ROOT / d).rglob("*.py")):
-            names = private_uses(ast.parse(path.read_text(), str(path)), module_name(path))
-            uses |= {(path.relative_to(ROOT).as_posix(), name) for name in names}
-    assert sorted(uses - PRIVATE_USES_TO_FIX) == []
-    assert sorted(PRIVATE_USES_TO_FIX - uses) == [], "fixed: remove from PRIVATE_USES_TO_FIX"

@@ -217,10 +217,11 @@ class SplitSizesSpec(Section):
 
 
 class FrequencySortTask(Section):
-    """The ∞-former's sorting task (PAPERS.md §3): `length` tokens drawn from a mixture of two
-    distributions over `vocab` symbols whose weight drifts from the first to the second along
-    the sequence; target = the symbols by decreasing count (absent ones last, in index order).
-    Each distribution: integer weights drawn uniformly from `weight_range`, normalised."""
+    """The ∞-former's sorting task (docs/papers.md#sorting-task): `length` tokens drawn from a
+    mixture of two distributions over `vocab` symbols whose weight drifts from the first to the
+    second along the sequence; target = the symbols by decreasing count (absent ones last, in
+    index order). Each distribution: integer weights drawn uniformly from `weight_range`,
+    normalised."""
 
     vocab: Annotated[int, AfterValidator(_task_symbols)] = Field(
         20,
@@ -260,9 +261,9 @@ class FrequencySortTask(Section):
 
 
 class CurriculumSpec(Section):
-    """The curriculum stage's length curriculum (PAPERS.md section 2): train at one length for
-    an epoch, score fresh cases, grow the length once they are solved. The score is the
-    longest length solved."""
+    """The curriculum stage's length curriculum (docs/papers.md#active-memory-tasks): train at
+    one length for an epoch, score fresh cases, grow the length once they are solved. The
+    score is the longest length solved."""
 
     start_length: int = Field(
         5,
@@ -304,8 +305,8 @@ class CurriculumSpec(Section):
 
 
 class AlgorithmicTask(Section):
-    """The active-memory paper's algorithmic tasks (PAPERS.md §2), generated online with a
-    length curriculum; position-wise targets of the input's length."""
+    """The active-memory paper's algorithmic tasks (docs/papers.md#active-memory-tasks),
+    generated online with a length curriculum; position-wise targets of the input's length."""
 
     problem: Literal["reverse", "sort", "add", "mult", "not", "remember"] = Field(
         description="the task (layouts in pipeline/data/algorithmic.py): reverse / sort the "
