@@ -195,23 +195,6 @@ def test_only_the_engine_module_reaches_into_deepspeed():
     assert len(inspect.getsource(Trainer.__init__).splitlines()) < 40
 
 
-# (file, private name) uses that remain until their files' owners make the names public; an
-# entry that no longer occurs fails the test too, so the list only shrinks.
-PRIVATE_USES_TO_FIX = {
-    # pipeline/spec: the package's __init__ and its modules share helpers; outside the
-    # change that added this test, so left for a change of its own
-    ("pipeline/spec/__init__.py", "_apply_override"),
-    ("pipeline/spec/__init__.py", "_load_with_extends"),
-    ("pipeline/spec/__init__.py", "_resolve_card"),
-    ("pipeline/spec/__init__.py", "_refuse_inert_keys"),
-    ("pipeline/spec/__init__.py", "_validate"),
-    ("pipeline/spec/reference.py", "_task_symbols"),
-    ("pipeline/spec/validation.py", "_dotted"),
-    ("pipeline/spec/validation.py", "_kind"),
-    ("pipeline/spec/validation.py", "_show"),
-}
-
-
 def test_no_module_uses_another_modules_private_names():
     """A `_name` is its module's own: another module of the project that needs it gets it
     made public or moved, so that what a module may change freely is what it names `_x`.
@@ -260,8 +243,7 @@ def test_no_module_uses_another_modules_private_names():
         for path in sorted((ROOT / d).rglob("*.py")):
             names = private_uses(ast.parse(path.read_text(), str(path)), module_name(path))
             uses |= {(path.relative_to(ROOT).as_posix(), name) for name in names}
-    assert sorted(uses - PRIVATE_USES_TO_FIX) == []
-    assert sorted(PRIVATE_USES_TO_FIX - uses) == [], "fixed: remove from PRIVATE_USES_TO_FIX"
+    assert sorted(uses) == []
 
 
 def test_the_tool_folders_import_no_tests_patch_no_sys_path_and_keep_main_short():

@@ -16,12 +16,12 @@ from pipeline.spec.schema import Spec
 from pipeline.spec.sources import (
     PROJECT_ROOT,
     SpecError,
-    _apply_override,
-    _load_with_extends,
-    _resolve_card,
+    apply_override,
+    load_with_extends,
     parse_override,
+    resolve_dataset_card,
 )
-from pipeline.spec.validation import _refuse_inert_keys, _validate
+from pipeline.spec.validation import refuse_inert_keys, validate_spec
 
 __all__ = ["PROJECT_ROOT", "Spec", "SpecError", "load_spec", "parse_override"]
 
@@ -31,23 +31,23 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
     path = Path(path)
     origin = shown(path)  # where an error without a line of its own points
     where: dict = {}
-    data = _load_with_extends(path, where)
+    data = load_with_extends(path, where)
     parsed = [(parse_override(text), text) for text in overrides]
     for (key, value), text in parsed:
         if key == ("dataset",):
-            _apply_override(data, key, value, where, text, path)
+            apply_override(data, key, value, where, text, path)
     if isinstance(data.get("dataset"), str):
-        data["dataset"] = _resolve_card(
+        data["dataset"] = resolve_dataset_card(
             data["dataset"], path, where, where.get(("dataset",), origin)
         )
     for (key, value), text in parsed:
         if key != ("dataset",):
-            _apply_override(data, key, value, where, text, path)
+            apply_override(data, key, value, where, text, path)
     if isinstance(data.get("dataset"), str):  # --set dataset=NAME
-        data["dataset"] = _resolve_card(
+        data["dataset"] = resolve_dataset_card(
             data["dataset"], path, where, where.get(("dataset",), origin)
         )
-    spec = _validate(data, where, origin)
+    spec = validate_spec(data, where, origin)
     spec._source = str(path)
-    _refuse_inert_keys(spec, where, origin)
+    refuse_inert_keys(spec, where, origin)
     return spec

@@ -42,7 +42,7 @@ from pipeline.models.allattn.config import (
 from pipeline.models.infinity_former import InfinityFormerConfig
 from pipeline.plugins import MODEL_GROUP, PROJECT, STAGE_GROUP, providers
 from pipeline.spec import PROJECT_ROOT, load_spec
-from pipeline.spec.schema import TASK_SYMBOLS_LIMIT, Spec, _task_symbols
+from pipeline.spec.schema import TASK_SYMBOLS_LIMIT, Spec, check_task_symbols
 from pipeline.spec.validation import MODEL_LIMITS
 
 # how this module is run, for the messages that say how to regenerate the page
@@ -281,7 +281,7 @@ class _Constraints:
                 self.max_len = m.max_length
             elif getattr(m, "pattern", None) is not None:
                 self.pattern = m.pattern
-            elif isinstance(m, AfterValidator) and m.func is _task_symbols:
+            elif isinstance(m, AfterValidator) and m.func is check_task_symbols:
                 self.high, self.high_open = TASK_SYMBOLS_LIMIT, False
             elif isinstance(m, FieldInfo):
                 self.read(m.metadata)

@@ -31,7 +31,8 @@ TASK_SYMBOLS_LIMIT = VOCAB_LIMIT - 2
 """A generated task's symbols: its vocabulary adds a separator and padding to them."""
 
 
-def _task_symbols(value: int | None) -> int | None:
+def check_task_symbols(value: int | None) -> int | None:
+    """The validator of a task's `vocab`: at most TASK_SYMBOLS_LIMIT symbols."""
     if value is not None and value > TASK_SYMBOLS_LIMIT:
         raise ValueError(
             f"at most {TASK_SYMBOLS_LIMIT:,} symbols: with the separator and "
@@ -223,7 +224,7 @@ class FrequencySortTask(Section):
     index order). Each distribution: integer weights drawn uniformly from `weight_range`,
     normalised."""
 
-    vocab: Annotated[int, AfterValidator(_task_symbols)] = Field(
+    vocab: Annotated[int, AfterValidator(check_task_symbols)] = Field(
         20,
         gt=1,
         description="symbols the inputs are drawn from; the model's vocabulary is "
@@ -313,7 +314,7 @@ class AlgorithmicTask(Section):
         "input; add / mult two binary numbers; not: flip bits; remember: repeat "
         "N tokens after N zeros"
     )
-    vocab: Annotated[int | None, AfterValidator(_task_symbols)] = Field(
+    vocab: Annotated[int | None, AfterValidator(check_task_symbols)] = Field(
         None,
         gt=1,
         description="the model's vocabulary; default as in the paper: 100 reverse, "

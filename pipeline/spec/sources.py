@@ -106,7 +106,7 @@ class _Builder:
             # the plain mapping or list under the tag, and the tag silently dropped
             what = "a mapping" if isinstance(node, yaml.MappingNode) else "a list"
             raise SpecError(
-                f"{self.place(node)}: {_dotted(path)}: the tag "
+                f"{self.place(node)}: {dotted_path(path)}: the tag "
                 f"{_shown(_tag_name(node.tag))} on {what} is not supported; a "
                 f"spec's mappings and lists are plain ones"
             )
@@ -117,13 +117,13 @@ class _Builder:
         try:
             return self.scalars.construct_object(node, deep=True)
         except yaml.constructor.ConstructorError as e:  # a tag the safe loader does not know
-            raise SpecError(f"{self.place(node)}: {_dotted(path)}: {e.problem}") from None
+            raise SpecError(f"{self.place(node)}: {dotted_path(path)}: {e.problem}") from None
         # PyYAML's constructors assume text their tag's pattern matched: on other text they
         # fail with whatever their parsing hits (!!int abc: ValueError, !!bool maybe:
         # KeyError, !!timestamp notadate: AttributeError, !!int '': IndexError)
         except Exception:
             raise SpecError(
-                f"{self.place(node)}: {_dotted(path)}: {_show(node.value)} is not "
+                f"{self.place(node)}: {dotted_path(path)}: {short_repr(node.value)} is not "
                 f"a valid {_tag_name(node.tag)}"
             ) from None
 
@@ -133,15 +133,15 @@ class _Builder:
             at = self.place(key_node)
             if key_node.tag == "tag:yaml.org,2002:merge":
                 raise SpecError(
-                    f"{at}: {_dotted(path)}: merge keys (<<) are not supported; "
+                    f"{at}: {dotted_path(path)}: merge keys (<<) are not supported; "
                     f"share settings between files with `extends`"
                 )
             if not isinstance(key_node, yaml.ScalarNode):
                 found = "a list" if isinstance(key_node, yaml.SequenceNode) else "a mapping"
-                raise SpecError(f"{at}: {_dotted(path)}: a key must be a name, found {found}")
+                raise SpecError(f"{at}: {dotted_path(path)}: a key must be a name, found {found}")
             key = key_node.value
             if key in out:
-                raise SpecError(f"{at}: {_dotted(path + (key,))}: key given twice")
+                raise SpecError(f"{at}: {dotted_path(path + (key,))}: key given twice")
             out[key] = self.build(value_node, path + (key,))
             self.where[path + (key,)] = at
         return out
@@ -188,7 +188,8 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return getattr(e, "problem", None) or getattr(e, "reason", None) or str(e).splitlines()[0]
 
 
-def _dotted(path: tuple) -> str:
+def dotted_path(path: tuple) -> str:
+    """A key path as the user writes it: ('train', 'optimizer', 'lr') -> 'train.optimizer.lr'."""
     return ".".join(_shown(p) for p in path) or "(top level)"
 
 
@@ -203,7 +204,8 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) -> dict:
+def load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) -> dict:
+    """The spec file merged over its `extends` (in order); each key's origin goes in `where`."""
     if path.resolve() in chain:
         cycle = " -> ".join(str(p) for p in chain + (path.resolve(),))
         raise SpecError(f"{_shown(path)}: `extends` forms a cycle: {cycle}")
@@ -211,7 +213,8 @@ def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) ->
     data = _load_yaml(path, own_where)
     if not isinstance(data, dict):
         raise SpecError(
-            f"{_shown(path)}:1: a pipeline spec must be a mapping of keys, found {_kind(data)}"
+            f"{_shown(path)}:1: a pipeline spec must be a mapping of keys, "
+            f"found {type_in_words(data)}"
         )
     extends = data.pop("extends", [])
     if isinstance(extends, str):
@@ -226,7 +229,7 @@ def _load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) ->
         at = own_where.get(("extends", i), own_where.get(("extends",)))  # `extends: FILE`
         if not _is_file(parent_path, at):
             raise SpecError(f"{at}: extends: no such file {_shown(parent_path)}")
-        merged = _merge(merged, _load_with_extends(parent_path, where, chain + (path.resolve(),)))
+        merged = _merge(merged, load_with_extends(parent_path, where, chain + (path.resolve(),)))
     # The file's own keys win, and so do their locations.
     where.update({k: v for k, v in own_where.items() if k and k[0] != "extends"})
     return _merge(merged, data)
@@ -236,7 +239,7 @@ def _is_file(path: Path, at: str | None) -> bool:
     try:
         return path.is_file()
     except OSError as e:  # a name too long for the filesystem
-        raise SpecError(f"{at}: cannot read {_show(str(path))}: {e.strerror}") from None
+        raise SpecError(f"{at}: cannot read {short_repr(str(path))}: {e.strerror}") from None
 
 
 # ---------------------------------------------------------------- dataset cards
@@ -250,10 +253,12 @@ def dataset_card_dirs(spec_path: Path) -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
-def _resolve_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
+def resolve_dataset_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
+    """The contents of the dataset card `name` (datasets/NAME.yaml beside the spec, then the
+    project's); its keys' origins go in `where` under `dataset`."""
     if not CARD_NAME.fullmatch(name):
         raise SpecError(
-            f"{at}: dataset: {_show(name)} is not a dataset card's name (letters, "
+            f"{at}: dataset: {short_repr(name)} is not a dataset card's name (letters, "
             f"digits, _ . -, at most 100 characters) nor a mapping"
         )
     dirs = dataset_card_dirs(spec_path)
@@ -303,11 +308,10 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     return path, None if node is None else _Builder(_set_origin(text), {}).build(node, path)
 
 
-def _apply_override(
-    data: dict, path: tuple, value, where: dict, text: str, spec_path: Path
-) -> None:
+def apply_override(data: dict, path: tuple, value, where: dict, text: str, spec_path: Path) -> None:
+    """Set one parsed `--set` override in `data`; its origin in `where` is the override."""
     if path[0] == "dataset" and len(path) > 1 and isinstance(data.get("dataset"), str):
-        data["dataset"] = _resolve_card(
+        data["dataset"] = resolve_dataset_card(
             data["dataset"], spec_path, where, where.get(("dataset",), _shown(spec_path))
         )
     node = data
@@ -317,7 +321,7 @@ def _apply_override(
             child = node[part] = {}
         elif not isinstance(child, dict):
             raise SpecError(
-                f"{_set_origin(text)}: {_dotted(path[: i + 1])} is {_kind(child)}, "
+                f"{_set_origin(text)}: {dotted_path(path[: i + 1])} is {type_in_words(child)}, "
                 f"not a mapping, so it has no key '{path[i + 1]}'"
             )
         node = child
@@ -327,7 +331,8 @@ def _apply_override(
     where[path] = Where(_set_origin(text))
 
 
-def _kind(value) -> str:
+def type_in_words(value) -> str:
+    """A value's type as an error message says it: 'a mapping', 'an integer', 'null'."""
     return {
         dict: "a mapping",
         list: "a list",
@@ -339,6 +344,7 @@ def _kind(value) -> str:
     }.get(type(value), type(value).__name__)
 
 
-def _show(value) -> str:
+def short_repr(value) -> str:
+    """repr(value), cut to 60 characters for an error message."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

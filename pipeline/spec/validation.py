@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from pipeline.errors import shown as _shown
 from pipeline.models import MODELS
 from pipeline.spec.schema import VOCAB_LIMIT, Spec
-from pipeline.spec.sources import SpecError, _dotted, _kind, _show
+from pipeline.spec.sources import SpecError, dotted_path, short_repr, type_in_words
 
 
 def _locate(where: dict, loc: tuple, fallback: str) -> str:
@@ -71,9 +71,9 @@ def _describe(
             if close
             else (f" (valid keys: {', '.join(valid)})" if valid else "")
         )
-        return f"{place}: {_dotted(loc)}: unknown key '{_shown(key)}'{hint}"
+        return f"{place}: {dotted_path(loc)}: unknown key '{_shown(key)}'{hint}"
     if kind == "missing":
-        return f"{place}: {_dotted(loc)}: required key is missing"
+        return f"{place}: {dotted_path(loc)}: required key is missing"
     msg = err["msg"]
     if msg.startswith("Input should be "):
         msg = "expected " + msg[len("Input should be ") :]
@@ -82,10 +82,12 @@ def _describe(
     else:
         msg = msg[0].lower() + msg[1:]
     found = err.get("input")
-    return f"{place}: {_dotted(loc)}: {msg}; found {_show(found)} ({_kind(found)})"
+    return f"{place}: {dotted_path(loc)}: {msg}; found {short_repr(found)} ({type_in_words(found)})"
 
 
-def _validate(data: dict, where: dict, origin: str) -> Spec:
+def validate_spec(data: dict, where: dict, origin: str) -> Spec:
+    """The merged spec `data` as a `Spec`; SpecError listing every mistake, each at the file
+    and line (from `where`) it was written, `origin` where a key has none."""
     errors: list[str] = []
     try:
         spec = Spec.model_validate(data)
@@ -109,7 +111,10 @@ def _validate(data: dict, where: dict, origin: str) -> Spec:
                 if kind is None
                 else f"unknown model kind '{kind}'"
                 if isinstance(kind, str)
-                else f"expected the name of a model kind, found {_show(kind)} ({_kind(kind)})"
+                else (
+                    "expected the name of a model kind, "
+                    f"found {short_repr(kind)} ({type_in_words(kind)})"
+                )
             )
             errors.append(f"{at}: model.kind: {what}{hint}; known: {', '.join(MODELS)}")
         else:
@@ -170,7 +175,7 @@ def _check_names(spec: Spec, where: dict, origin: str) -> list[str]:
         f"{at}: tracking.experiment: becomes a directory name under "
         f"{{workspace.root}}/mlartifacts, so it is held to the rule `name` has: letters, "
         f"digits, '_', '.', '-', starting with a letter or digit, at most {NAME_MAX} "
-        f"characters; found {_show(experiment)}"
+        f"characters; found {short_repr(experiment)}"
     ]
 
 
@@ -346,9 +351,9 @@ def _check_float_range(spec: Spec, params, where: dict, origin: str) -> list[str
         else:
             continue
         errors.append(
-            f"{_locate(where, loc, origin)}: {_dotted(loc)}: "
+            f"{_locate(where, loc, origin)}: {dotted_path(loc)}: "
             f"{f'{what} is ' if what else ''}{why}"
-            f"{'' if what else f'; found {_show(value)} ({_kind(value)})'}"
+            f"{'' if what else f'; found {short_repr(value)} ({type_in_words(value)})'}"
         )
     return errors
 
@@ -418,7 +423,7 @@ def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:
     return errors
 
 
-def _refuse_inert_keys(spec: Spec, where: dict, top: str) -> None:
+def refuse_inert_keys(spec: Spec, where: dict, top: str) -> None:
     """Every key acts or is refused: one that does nothing under the other settings is an
     error where the user wrote it (this file, or --set). From an `extends` base it is
     accepted: a shared base sets what some of its variants switch off."""
@@ -426,6 +431,6 @@ def _refuse_inert_keys(spec: Spec, where: dict, top: str) -> None:
     for key, why in spec.inert_keys():
         origin = where.get(key)
         if origin and (origin.startswith("--set ") or origin.rsplit(":", 1)[0] == top):
-            errors.append(f"{origin}: {_dotted(key)}: does nothing here ({why}); remove it")
+            errors.append(f"{origin}: {dotted_path(key)}: does nothing here ({why}); remove it")
     if errors:
         raise SpecError("\n".join(errors))
