@@ -41,7 +41,7 @@ head-split, single-head, FF-attn) are built from two pieces: this op *without* p
 vectors (context only: softmax over the L' context scores, span mask, renormalisation over
 the context alone, as the adaptive-span code does without persistent memory) and
 ``attend_persistent`` (softmax over the persistent vectors alone). Backends only implement
-the joint op; the model combines the pieces (``pipeline.models.allattn.AllAttention``).
+the joint op; the model combines the pieces (``pipeline.models.allattn.layers.AllAttention``).
 """
 
 from __future__ import annotations

@@ -1059,7 +1059,7 @@ class Spec(Section):
             (
                 curriculum,
                 ("train.deepspeed", "train.launcher"),
-                "the curriculum stage trains in one process with plain torch",
+                "the curriculum stage trains in one process on a float32 engine without ZeRO",
             ),
             (
                 curriculum,

@@ -233,7 +233,7 @@ class MasterClamp:
 class Float32Masters:
     """Makes each of `params` (model parameters) a float32 tensor holding its fp32 master's
     values: for a model's `bounded_parameters()`, which it reads in float32 (the span
-    fractions: pipeline.models.layers.AdaptiveSpan). DeepSpeed casts every parameter to the
+    fractions: pipeline.models.allattn.layers.AdaptiveSpan). DeepSpeed casts every parameter to the
     training precision and ZeRO 1/2 point the parameters back at that rounded copy after
     every step, so call `copy_to_params()` before every forward and after clamping.
 
