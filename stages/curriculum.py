@@ -316,21 +316,52 @@ def _engine(spec, vocab: int, device):
 
 def _save(root: Path, epoch: int, model, optimizer, state: dict) -> None:
     """Checkpoint `step-<epoch>`: written in a side directory, checksummed, renamed into
-    place; then all but the newest KEEP are removed."""
+    place; then all but the newest KEEP are removed. The train stage's refusals: a disk
+    without room, a directory that refuses writes or a link planted at the side directory
+    is one line, and the checkpoints already there are left as they were."""
     import torch
 
-    from pipeline.training.checkpoints import step_dirs, write_checksums
+    from pipeline.fsutil import refuse_link
+    from pipeline.training.checkpoint_io import cannot_write
+    from pipeline.training.checkpoints import (
+        checkpoint_bytes,
+        disk_full,
+        has_room,
+        out_of_space,
+        step_dirs,
+        write_checksums,
+    )
 
     tag = f"step-{epoch:08d}"
     aside = root / f".{tag}.tmp"
+    refuse_link(aside, "checkpoint directory", directory=True)
     if aside.exists():
         shutil.rmtree(aside)
-    aside.mkdir(parents=True)
-    torch.save(
-        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, aside / STATE
+    previous = step_dirs(root) if root.is_dir() else []
+    # the previous checkpoint's size, or float32 weights plus Adam's two moments
+    needed = (
+        checkpoint_bytes(previous[0])
+        if previous
+        else 12 * sum(p.numel() for p in model.parameters())
     )
-    write_checksums(aside)
-    os.replace(aside, root / tag)
+    try:
+        aside.mkdir(parents=True)
+        if not has_room(root, needed):
+            raise disk_full(root / tag, needed)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state},
+            aside / STATE,
+        )
+        write_checksums(aside)
+        os.replace(aside, root / tag)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(aside, ignore_errors=True)
+        if out_of_space(e, root, needed):
+            raise disk_full(root / tag, needed) from None
+        raise cannot_write(root / tag, e) or e from None
+    except PipelineError:
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
     for old in step_dirs(root)[KEEP:]:
         shutil.rmtree(old)
 

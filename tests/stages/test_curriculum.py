@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,8 +20,9 @@ import pytest
 import torch
 
 from pipeline.data.algorithmic import binary_case, check_length, generate, vocab_size
+from pipeline.errors import PipelineError
 from pipeline.spec import SpecError, load_spec
-from pipeline.training.checkpoints import read_checkpoint_file
+from pipeline.training.checkpoints import damage, read_checkpoint_file
 from stages import StageContext, curriculum
 from stages.base import NullStageTracker
 
@@ -205,6 +207,39 @@ def test_resumed_curriculum_equals_the_uninterrupted_one(tmp_path):
         for d in ("whole", "cut")
     ]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_full_disk_or_a_planted_link_stops_the_curriculum_in_one_line_keeping_its_checkpoints(
+    tmp_path, monkeypatch
+):
+    """The train stage's checkpoint refusals hold for the curriculum's own checkpoints: no
+    room for the next one (shutil says 1 KiB free once epoch 2's is written) is "disk full"
+    before anything is written, and a link planted where the next one is assembled is refused;
+    either way the checkpoints already there stay intact and nothing half-written is left."""
+    _, spec = task_spec(tmp_path)
+    ckpts = tmp_path / "full" / "checkpoints"
+    real = shutil.disk_usage
+
+    def disk_usage(path):
+        usage = real(path)
+        return usage._replace(free=1 << 10) if (ckpts / "step-00000002").exists() else usage
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with pytest.raises(PipelineError) as full:
+        run_stage(spec, tmp_path / "full")
+    monkeypatch.undo()
+    assert str(full.value).startswith(f"disk full: checkpoint {ckpts / 'step-00000003'} needs")
+    assert "has 1.0 KiB free" in str(full.value)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000001", "step-00000002"]
+    assert all(damage(ckpts / name) is None for name in ("step-00000001", "step-00000002"))
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (ckpts / ".step-00000003.tmp").symlink_to(elsewhere)
+    with pytest.raises(PipelineError, match="checkpoint directory") as planted:
+        run_stage(spec, tmp_path / "full")
+    assert "\n" not in str(planted.value) and list(elsewhere.iterdir()) == []
+    assert damage(ckpts / "step-00000002") is None
 
 
 def weights_sha256(state_dict: dict) -> str:
