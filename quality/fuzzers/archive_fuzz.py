@@ -5,10 +5,10 @@ on the sandbox's world.
 Card paths (`dataset.files.ROLE.path`): `..`, absolute paths, `a/../../b`, `~`, backslashes,
 a trailing slash, paths into the victim directory and into the workspace's other stages.
 Archive members (zip): the same shapes, names like the extractor's own temporary files (its
-old fixed `.NAME.part` and the mkstemp form `.NAME.XXXXXXXX.part`) beside NAME itself,
-`__MACOSX/` junk, duplicates, and symbolic-link members (a unix mode in the zip entry) that
-point outside. A gz archive gets a stored file name (FNAME) with the same shapes. (The cards
-take none, gz and zip; no tar.)
+old fixed `.NAME.part`, and the mkstemp form: `.NAME.`, eight random characters, `.part`)
+beside NAME itself, `__MACOSX/` junk, duplicates, and symbolic-link members (a unix mode in
+the zip entry) that point outside. A gz archive gets a stored file name (FNAME) with the same
+shapes. (The cards take none, gz and zip; no tar.)
 
 What the command owns here is the download stage's directory, the download cache and the
 tracking store: a member that lands in another stage's directory, beside the sandbox or in
@@ -28,6 +28,8 @@ import zipfile
 from pathlib import Path
 
 from hypothesis import strategies as st
+
+from quality.fuzzers.fuzz_kit import Case
 
 BODY = b"".join(b"line %d of an archived file\n" % i for i in range(50))
 NAMES = [
@@ -80,7 +82,6 @@ def make_gz(path: Path, stored_name: str) -> None:
 
 def draw_dataset_case(draw, sandbox: Path):
     """A path_fuzz.Case: `run --only download` of a drawn archive or card path."""
-    from quality.fuzzers.path_fuzz import Case
 
     names = st.sampled_from(NAMES).map(lambda n: _name(n, sandbox))
     src = sandbox / "src"

@@ -14,7 +14,6 @@ skips, or redoes a few steps. A damaged or overridden config is only ever run wi
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import signal
@@ -27,6 +26,7 @@ from hypothesis import strategies as st
 
 from pipeline.commands.cli import main
 from pipeline.errors import shown
+from quality.fuzzers.fuzz_kit import crash_problem, derandomized, working_directory
 from quality.fuzzers.spec_damage import CONFIGS, damaged_config, raw_values, tagged
 
 HANG_SECONDS = 30
@@ -87,18 +87,6 @@ def copy_world(world: World, to: Path) -> World:
     copy = World(to)
     copy.tiny.write_text(TINY.format(root=to / "runs"))
     return copy
-
-
-class working_directory:
-    def __init__(self, path: Path):
-        self.path, self.previous = path, None
-
-    def __enter__(self):
-        self.previous = os.getcwd()
-        os.chdir(self.path)
-
-    def __exit__(self, *exc):
-        os.chdir(self.previous)
 
 
 # ---------------------------------------------------------------- values
@@ -537,16 +525,8 @@ def run_case(case: Case, cwd: Path) -> Outcome:
         signal.signal(signal.SIGALRM, previous)
     seconds = time.monotonic() - start
     code = result.exit_code
-    problem = None
-    if isinstance(result.exception, TimeoutError):
-        problem = f"hang: {result.exception}"
-    elif (
-        result.exception is not None
-        and not isinstance(result.exception, SystemExit)
-        or code not in (0, 2)
-    ):
-        problem = f"traceback: exit {code}: {result.exception!r}"
-    elif code == 2:
+    problem = crash_problem(result, TimeoutError)
+    if problem is None and code == 2:
         lines = result.stderr.splitlines()
         if not lines or not all(line.startswith("error: ") for line in lines[:1]):
             problem = f"not 'error: ...': {result.stderr[-500:]!r}"
@@ -569,8 +549,6 @@ def fuzz(world: World, cases: int, on_outcome) -> None:
     """`cases` cases drawn the same way on every call (derandomized), each in a fresh
     temporary directory; `on_outcome(outcome)` sees each (it may raise, to fail the case)."""
     import tempfile
-
-    from quality.fuzzers.fuzz_kit import derandomized  # fuzz_kit imports this module
 
     def one_case(draw):
         with tempfile.TemporaryDirectory() as tmp:

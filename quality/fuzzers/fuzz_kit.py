@@ -17,14 +17,14 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
-from quality.fuzzers.cli_fuzz import working_directory
 
 HANG_SECONDS = 30
 
@@ -49,6 +49,45 @@ def derandomized(cases: int, body) -> None:
 
 
 # ---------------------------------------------------------------- one command
+
+
+class working_directory:
+    def __init__(self, path: Path):
+        self.path, self.previous = path, None
+
+    def __enter__(self):
+        self.previous = os.getcwd()
+        os.chdir(self.path)
+
+    def __exit__(self, *exc):
+        os.chdir(self.previous)
+
+
+@dataclass
+class Case:
+    """A path fuzzer's case (path_fuzz, archive_fuzz): a command and the paths it owns."""
+
+    command: str
+    args: list[str]
+    owned: list[str] = field(default_factory=list)  # as the user gave them
+    concurrent: bool = False
+    world_owned: bool = True  # the whole copied world is the command's (else: `owned` only)
+    verify: Callable[[], str | None] | None = None  # after exit 0: a problem, or None
+
+
+def crash_problem(result, hang: type[BaseException]) -> str | None:
+    """A CliRunner result's hang (`hang` raised by the alarm) or traceback (an exception
+    other than SystemExit, or an exit status other than 0 and 2); None for neither."""
+    code = result.exit_code
+    if isinstance(result.exception, hang):
+        return f"hang: {result.exception}"
+    if (
+        result.exception is not None
+        and not isinstance(result.exception, SystemExit)
+        or code not in (0, 2)
+    ):
+        return f"traceback: exit {code}: {result.exception!r}"
+    return None
 
 
 class Hang(BaseException):
@@ -124,17 +163,11 @@ def invoke(
     stderr = result.stderr
     output = result.stdout + stderr + fd_text
     code = result.exit_code
-    if isinstance(result.exception, Hang):
-        problem = f"hang: {result.exception}"
-    elif (
-        result.exception is not None
-        and not isinstance(result.exception, SystemExit)
-        or code not in (0, 2)
-    ):
-        problem = f"traceback: exit {code}: {result.exception!r}"
-    elif "Traceback (most recent call last)" in output:
+    problem = crash_problem(result, Hang)
+    errors = sum(line.startswith("error: ") for line in stderr.splitlines())
+    if problem is None and "Traceback (most recent call last)" in output:
         problem = f"traceback: exit {code}: in the output: {output[-300:]!r}"
-    elif code == 2 and len([x for x in stderr.splitlines() if x.startswith("error: ")]) != 1:
+    elif problem is None and code == 2 and errors != 1:
         problem = f"not one 'error: ...' line: {stderr[-300:]!r}"
     return Invocation(code, output, result.stdout, stderr, seconds, problem)
 

@@ -23,14 +23,14 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hypothesis import strategies as st
 
+from quality.fuzzers.archive_fuzz import draw_dataset_case
 from quality.fuzzers.cli_fuzz import World
-from quality.fuzzers.fuzz_kit import invoke
+from quality.fuzzers.fuzz_kit import Case, invoke
 
 HANG_SECONDS = 60
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,16 +104,6 @@ def paths(draw, sandbox: Path) -> str:
     return text
 
 
-@dataclass
-class Case:
-    command: str
-    args: list[str]
-    owned: list[str] = field(default_factory=list)  # as the user gave them
-    concurrent: bool = False
-    world_owned: bool = True  # the whole copied world is the command's (else: `owned` only)
-    verify: Callable[[], str | None] | None = None  # after exit 0: a problem, or None
-
-
 def draw_case(draw, sandbox: Path) -> Case:
     tiny = str(sandbox / "world" / "tiny.yaml")
     path = draw(paths(sandbox))
@@ -132,8 +122,6 @@ def draw_case(draw, sandbox: Path) -> Case:
         )
     )
     if command == "dataset":
-        from quality.fuzzers.archive_fuzz import draw_dataset_case
-
         return draw_dataset_case(draw, sandbox)
     if command == "export":
         return Case(command, ["export", tiny, "--out", path], [path])
