@@ -57,6 +57,7 @@ def stream_seed(seed: int, purpose: str, epoch: int) -> int:
 def run(ctx: StageContext) -> dict:
     import torch
 
+    from pipeline.cluster.device import resolve_device
     from pipeline.cluster.signals import StopSignal
     from pipeline.data.algorithmic import length_step, vocab_size
     from pipeline.errors import Preempted
@@ -68,7 +69,7 @@ def run(ctx: StageContext) -> dict:
     cur = task.curriculum
     step_by = length_step(task.problem, cur.length_step)
     vocab = vocab_size(task.problem, task.vocab)
-    device = _device(train.device)
+    device = resolve_device(train.device)
     engine = _engine(spec, vocab, device)
     model, optimizer = engine.module, stepped_optimizer(engine)
     root = ctx.out_dir / CHECKPOINTS
@@ -232,13 +233,14 @@ def evaluate_task(ctx: StageContext) -> dict:
     above final + 2, + 5, + 10 and 2 x final (generalisation)."""
     import torch
 
+    from pipeline.cluster.device import resolve_device
     from pipeline.data.algorithmic import length_step, vocab_size
 
     spec = ctx.spec
     task, data_seed = spec.dataset.generator.algorithmic, spec.dataset.generator.seed
     source = ctx.inputs["curriculum"]
     trained = read_json(source / RESULT)
-    device = _device(spec.train.device)
+    device = resolve_device(spec.train.device)
     model = _build(spec, vocab_size(task.problem, task.vocab), device)
     tag = _newest(source / CHECKPOINTS, ctx.log)
     if tag is None:
@@ -280,16 +282,6 @@ def evaluate_task(ctx: StageContext) -> dict:
     ctx.tracker.log_artifact(ctx.out_dir / "results.json")
     ctx.log(f"score {trained['score']} ({task.problem}, checkpoint curriculum/{tag})")
     return results
-
-
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise PipelineError("train.device is cuda but torch sees no CUDA device")
-    return torch.device(name)
 
 
 def _build(spec, vocab: int, device):
