@@ -14,6 +14,9 @@ process was started with it ignored (`nohup`): then it stays ignored.
   delivered twice (a preemption reaches the ranks from Slurm and, near a time limit, from the
   job script's `scancel --signal=TERM` too), not impatience. A launcher that is asked twice
   escalates to SIGINT.
+- A signal the training loop took is handed to the handler it restores: the preemption's
+  duplicate that reaches the bookkeeping after the checkpoint is still the same request, not
+  a new one that would replace the `Preempted` exit with `Interrupted`.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class SignalHandler:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        outer = getattr(self._previous.get(signal.SIGTERM), "__self__", None)
+        if self.received and isinstance(outer, SignalHandler) and outer.received is None:
+            outer.received, outer._first_at = self.received, self._first_at
 
 
 class RaiseOnSignal(SignalHandler):

@@ -67,6 +67,18 @@ def test_outside_training_a_second_signal_cuts_the_cleanup_short(sig, code):
     assert cleaned == (["duplicate ignored"] if sig == signal.SIGTERM else [])
 
 
+def test_after_a_checkpointed_stop_the_duplicate_sigterm_does_not_interrupt_the_cleanup():
+    # the loop took the preemption; its duplicate arrives while the runner records the stop
+    with RaiseOnSignal() as outer:
+        with StopSignal() as stop:
+            signal.raise_signal(signal.SIGTERM)
+        assert stop.received == outer.received == "SIGTERM"
+        signal.raise_signal(signal.SIGTERM)  # within the window: the same request
+        later(outer)
+        with pytest.raises(Interrupted, match="stopped at once"):
+            signal.raise_signal(signal.SIGTERM)  # a real second request still cuts it short
+
+
 def test_the_handlers_are_restored():
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     with StopSignal(), RaiseOnSignal():
