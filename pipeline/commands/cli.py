@@ -18,6 +18,13 @@ SET = click.option(
     help="Override any key of the spec, e.g. --set train.optimizer.lr=0.05 "
     "(values are typed as YAML: 12 is an int, 0.05 a float). Repeatable.",
 )
+SMOKE = click.option(
+    "--smoke",
+    is_flag=True,
+    help="A tiny model of the same kind and a few steps of every stage, as "
+    "NAME-smoke, in one process on whatever device is here; a downloaded "
+    "dataset becomes the built-in corpus (--set dataset=NAME keeps it).",
+)
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -50,13 +57,14 @@ def main(debug: bool) -> None:
     "discarding the checkpoints of an interrupted run of it.",
 )
 @click.option("--dry-run", is_flag=True, help="Print what would run and why; run nothing.")
-def run(config, overrides, start_from, only, force, dry_run):
+@SMOKE
+def run(config, overrides, start_from, only, force, dry_run, smoke):
     """Run the pipeline CONFIG, skipping stages whose outputs are up to date."""
     from pipeline.spec import load_spec
     from pipeline.tracking.tracker import make_tracker
     from pipeline.workspace.runner import Runner
 
-    spec = load_spec(config, list(overrides))
+    spec = load_spec(config, list(overrides), smoke=smoke, log=_echo)
     runner = Runner(spec, force=list(force), start_from=start_from, only=list(only))
     if dry_run:
         click.echo(f"workspace {spec.workspace_dir}")
@@ -129,25 +137,33 @@ def _repeat(flag: str, values) -> list[str]:
 @main.command()
 @CONFIG
 @SET
-def validate(config, overrides):
+@SMOKE
+def validate(config, overrides, smoke):
     """Check CONFIG (and its extends, dataset card and overrides) without running anything."""
     from pipeline.spec import load_spec
 
-    spec = load_spec(config, list(overrides))
+    spec = load_spec(config, list(overrides), smoke=smoke, log=_echo)
     click.echo(f"{config}: valid ({spec.name}: {', '.join(spec.stages)})")
 
 
 @main.command()
 @CONFIG
 @SET
-def show(config, overrides):
+@SMOKE
+@click.option(
+    "--estimate",
+    is_flag=True,
+    help="Also print the cost: tokens per stage, a step timed here, H100 / H200 hours.",
+)
+def show(config, overrides, smoke, estimate):
     """Print the fully resolved spec and the model's parameter count."""
     import yaml
 
     from pipeline.commands.report import parameter_report
     from pipeline.spec import load_spec
 
-    spec = load_spec(config, list(overrides))
+    # the substitution's line on stderr: stdout stays the spec's YAML
+    spec = load_spec(config, list(overrides), smoke=smoke, log=lambda m: _echo(m, err=True))
     click.echo(yaml.safe_dump(spec.resolved(), sort_keys=False).rstrip())
     click.echo()
     click.echo(parameter_report(spec))
@@ -155,6 +171,10 @@ def show(config, overrides):
         from pipeline.commands.compare import paper_line
 
         click.echo(paper_line(spec.paper))
+    if estimate:
+        from pipeline.commands.estimate import estimate_report
+
+        click.echo(estimate_report(spec, progress=lambda m: _echo(m, err=True)))
 
 
 @main.command()
@@ -259,6 +279,15 @@ def SLURM_JOB(command):
                 help="Slurm: how long before the time limit the job starts "
                 "checkpointing (default 300).",
             ),
+            click.option(
+                "--cpus-per-task",
+                type=int,
+                metavar="N",
+                help="Slurm: CPUs per training process (default: the node's CPUs per GPU, "
+                "or per process on a CPU partition, as sinfo reports them; 1 without sinfo).",
+            ),
+            click.option("--account", help="Slurm account to charge (default: yours)."),
+            click.option("--qos", help="Slurm quality of service (default: the account's)."),
         ]
     ):
         command = option(command)
@@ -327,6 +356,9 @@ def sweep(
     partition,
     time_limit,
     signal_lead,
+    cpus_per_task,
+    account,
+    qos,
     max_parallel,
     array_task_prepare,
     array_task_finish,
@@ -354,6 +386,7 @@ def sweep(
             signal_lead,
             max_parallel,
             dry_run,
+            {"cpus_per_task": cpus_per_task, "account": account, "qos": qos},
         )
         return
     cluster_only = {
@@ -363,6 +396,9 @@ def sweep(
         "--partition": partition,
         "--time": time_limit,
         "--signal-lead": signal_lead,
+        "--cpus-per-task": cpus_per_task is not None,
+        "--account": account is not None,
+        "--qos": qos is not None,
         "--max-parallel": max_parallel,
     }
     given = [flag for flag, value in cluster_only.items() if value]
@@ -386,13 +422,17 @@ def _sweep_on_slurm(
     signal_lead,
     max_parallel,
     dry_run,
+    resources: dict,
 ) -> None:
     from pipeline.cluster.slurm import render_sweep_array, script_values, slurm_dir, submit
     from pipeline.commands import sweep as sweeps
 
     config, overrides, grid, seeds = args
     script_values(overrides, grid, seeds)  # before the points are planned from them
-    points, _, _ = sweeps.plan_sweep(str(config), overrides, grid, seeds)
+    # what each point drops, on stderr: a --dry-run's stdout is the script
+    points, _, _ = sweeps.plan_sweep(
+        str(config), overrides, grid, seeds, log=lambda m: _echo(m, err=True)
+    )
     script, base = render_sweep_array(
         config,
         overrides,
@@ -405,6 +445,7 @@ def _sweep_on_slurm(
         partition=partition,
         time=time_limit,
         max_parallel=max_parallel,
+        **resources,
         **({"signal_lead": signal_lead} if signal_lead is not None else {}),
     )
     if dry_run:
@@ -483,6 +524,16 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
     help="The directory to write (model.safetensors, config.json, vocab.json).",
 )
 @click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["native", "hf"]),
+    default="native",
+    show_default=True,
+    help="native: this package's files (load_exported); hf: a folder Hugging Face "
+    "transformers loads without this package (AutoModelForCausalLM.from_pretrained(DIR, "
+    "trust_remote_code=True); writing it needs no transformers).",
+)
+@click.option(
     "--register",
     metavar="NAME",
     help="Also register the export as a new version of model NAME in MLflow's model "
@@ -491,7 +542,7 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
     "the resolved config and evaluate's results; the version is tagged with "
     "the checkpoint and the headline numbers.",
 )
-def export(config, overrides, checkpoint, out, register):
+def export(config, overrides, checkpoint, out, fmt, register):
     """Write CONFIG's trained weights as safetensors, with the model config and vocabulary
     as JSON: `pipeline.commands.export.load_exported(DIR)` loads them into the plain torch model."""
     from pipeline.commands.export import export as write_export
@@ -503,7 +554,7 @@ def export(config, overrides, checkpoint, out, register):
         from pipeline.tracking.registry import check_registrable
 
         client = check_registrable(spec, register)
-    exported = write_export(spec, out, checkpoint, log=_echo)
+    exported = write_export(spec, out, checkpoint, log=_echo, fmt=fmt)
     if register is not None:
         from pipeline.tracking.registry import register as register_export
 
@@ -551,6 +602,9 @@ def slurm(
     partition,
     time_limit,
     signal_lead,
+    cpus_per_task,
+    account,
+    qos,
     overrides,
     dry_run,
     output,
@@ -569,6 +623,9 @@ def slurm(
         partition=partition,
         time=time_limit,
         overrides=list(overrides),
+        cpus_per_task=cpus_per_task,
+        account=account,
+        qos=qos,
         **({"signal_lead": signal_lead} if signal_lead is not None else {}),
     )
     if dry_run:

@@ -5,7 +5,9 @@
     <DIR>/vocab.json          the preprocess stage's vocabulary (its manifest's "vocab")
     <DIR>/tokenizer.model     the sentencepiece model, for a sentencepiece vocabulary
 
-Loading needs torch, safetensors and this package's models, not DeepSpeed, MLflow or YAML:
+`--format hf` writes a folder transformers loads without this package instead
+(pipeline.commands.hf_export). The native format's loading needs torch, safetensors and this
+package's models, not DeepSpeed, MLflow or YAML:
 
     from pipeline.commands.export import load_exported
     model, tokenizer = load_exported("DIR")     # an eval-mode SequenceModel, on the CPU
@@ -36,12 +38,39 @@ MARKER_TEXT = '{"kind": "export", "format": 1}\n'
 FILES = (WEIGHTS, CONFIG, VOCAB, SP_MODEL, MARKER)
 
 
-def export(spec, out: Path, which: str = "latest", log=print) -> str:
+def marker_text(more_files: list[str]) -> str:
+    """The marker; one that lists `more_files` (a Hugging Face folder's code and README) lets
+    a later export replace those too."""
+    if not more_files:
+        return MARKER_TEXT
+    return json.dumps({"kind": "export", "format": 1, "files": sorted(more_files)}) + "\n"
+
+
+def export_files(directory: Path) -> set[str]:
+    """The names an export directory may hold: FILES and the plain file names its marker
+    lists (a name with a path in it is never one)."""
+    names = set(FILES)
+    try:
+        listed = json.loads((directory / MARKER).read_text()).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return names
+    if isinstance(listed, list):
+        names.update(
+            n for n in listed if isinstance(n, str) and n not in ("", ".", "..") and "/" not in n
+        )
+    return names
+
+
+FORMATS = ("native", "hf")
+
+
+def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native") -> str:
     """Write the export files into `out`, built in a private temporary directory beside it
     and renamed into place. `out` is resolved first (`~`, `..`, symlinks, a trailing `/.`);
     it may be new, an empty directory, or an earlier export (its marker file says so, and it
     holds nothing but export files); anything else is refused, naming the path. Returns the
-    checkpoint exported (as config.json records it)."""
+    checkpoint exported (as config.json records it). `fmt`: native (the files above) or hf
+    (a Hugging Face folder, pipeline.commands.hf_export)."""
     from safetensors.torch import save_model
 
     from pipeline.data.manifest import load_manifest
@@ -54,6 +83,15 @@ def export(spec, out: Path, which: str = "latest", log=print) -> str:
             f"--out {shown(given)}: a name in it is longer than a file name can be (255 bytes)"
         )
     check_replaceable(out, given)
+    hf_names: list[str] = []
+    if fmt == "hf":
+        from pipeline.commands.hf_export import hf_file_names, hf_refusal
+
+        if why := hf_refusal(spec):
+            raise PipelineError(why)
+        hf_names = hf_file_names(spec)
+    elif fmt != "native":
+        raise PipelineError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
     model, preprocess, checkpoint = trained_model(spec, which, log)
     manifest = load_manifest(preprocess)
     vocab = manifest["vocab"]
@@ -65,23 +103,28 @@ def export(spec, out: Path, which: str = "latest", log=print) -> str:
             f"--out {shown(given)}: cannot write there: {e.strerror or e}"
         ) from None
     try:
-        save_model(model, str(tmp / WEIGHTS))
-        (tmp / CONFIG).write_text(
-            json.dumps(
-                {
-                    "kind": spec.model_kind,
-                    "model": asdict(spec.model_params),
-                    "vocab_size": manifest["vocab_size"],
-                    "source": {"spec": spec.source, "checkpoint": checkpoint},
-                },
-                indent=2,
+        if fmt == "hf":
+            from pipeline.commands.hf_export import write_hf_files
+
+            write_hf_files(tmp, spec, model, vocab, manifest["vocab_size"], checkpoint)
+        else:  # the weights, and this package's own config (load_exported reads it)
+            save_model(model, str(tmp / WEIGHTS))
+            (tmp / CONFIG).write_text(
+                json.dumps(
+                    {
+                        "kind": spec.model_kind,
+                        "model": asdict(spec.model_params),
+                        "vocab_size": manifest["vocab_size"],
+                        "source": {"spec": spec.source, "checkpoint": checkpoint},
+                    },
+                    indent=2,
+                )
+                + "\n"
             )
-            + "\n"
-        )
-        (tmp / VOCAB).write_text(json.dumps(vocab, indent=1) + "\n")
+            (tmp / VOCAB).write_text(json.dumps(vocab, indent=1) + "\n")
         if vocab["kind"] == "sentencepiece":
             shutil.copy2(preprocess / "shards" / vocab["model"], tmp / SP_MODEL)
-        (tmp / MARKER).write_text(MARKER_TEXT)
+        (tmp / MARKER).write_text(marker_text(hf_names))
         # built private (mkdtemp's 0700; safetensors writes 0600), published with the modes
         # the umask asks for: the directory is there to be shared
         for path in tmp.iterdir():
@@ -93,8 +136,14 @@ def export(spec, out: Path, which: str = "latest", log=print) -> str:
             f"--out {shown(given)}: cannot write the export: {e.strerror or e}"
         ) from None
     finally:
-        _remove_export(tmp)  # ours (mkdtemp): gone once renamed, else half-written
-    log(f"{out}: {checkpoint} exported ({WEIGHTS}, {CONFIG}, {VOCAB})")
+        _remove_export(tmp, hf_names)  # ours (mkdtemp): gone once renamed, else half-written
+    if fmt == "hf":
+        log(
+            f"{out}: {checkpoint} exported in Hugging Face format ({len(hf_names)} files; "
+            f"AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) loads it)"
+        )
+    else:
+        log(f"{out}: {checkpoint} exported ({WEIGHTS}, {CONFIG}, {VOCAB})")
     return checkpoint
 
 
@@ -121,9 +170,10 @@ def check_replaceable(out: Path, given) -> None:
             f"earlier export (no {MARKER} file in it); name a new directory "
             f"or an earlier export's"
         )
+    allowed = export_files(out)
     for name in entries:
         path = out / name
-        if name not in FILES or path.is_symlink() or not path.is_file():
+        if name not in allowed or path.is_symlink() or not path.is_file():
             raise PipelineError(
                 f"--out {where}: an earlier export, but {shown(path)} is not "
                 f"one of its files; move it away or name another directory"
@@ -164,12 +214,12 @@ def _replace(tmp: Path, out: Path, given) -> None:
         _remove_export(trash)
 
 
-def _remove_export(directory: Path) -> None:
+def _remove_export(directory: Path, more_files=()) -> None:
     """Remove a directory of export files this process made or checked: only the files it
     can hold, then the directory itself, which fails (and is left) if anything else is in it."""
     if not directory.is_dir() or directory.is_symlink():
         return
-    for name in FILES:
+    for name in sorted(export_files(directory).union(more_files)):
         try:
             (directory / name).unlink()
         except (FileNotFoundError, IsADirectoryError):

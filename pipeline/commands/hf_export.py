@@ -1,0 +1,325 @@
+"""`allattn-pipe export --format hf`: a folder that Hugging Face transformers loads without
+this package,
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained("DIR", trust_remote_code=True)
+
+The folder carries its own code ("remote code"): the configuration and modeling files
+written from the templates below, and the model family's modules, copied from this package
+as flat files, their `from pipeline.a.b import x` lines rewritten to `from .a_b import x`
+(transformers' dynamic-module loader follows relative imports among the files of one folder).
+The copies are made at export time from the installed source, so there is no second copy of
+any model to keep in step.
+
+The model reads a sequence as `sample` reads a prompt: in blocks of the evaluation length, each
+carrying the state (the cache) from the one before. For the all-attention family, whose cache
+holds at least the span, that gives the same logits for any blocking, so `generate` (which
+reads the whole sequence again at every step: no transformers cache) draws what `sample` draws.
+The ∞-former's long-term memory and the active-memory model's blocks depend on the blocking,
+so they are not exported in this format.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+MODEL_TYPE = "allattn_pipe"
+CONFIG_PY = "configuration_allattn_pipe.py"
+MODELING_PY = "modeling_allattn_pipe.py"
+README = "README.md"
+
+HF_FAMILIES = {
+    "allattn": (
+        "pipeline.models.allattn.model",
+        "AllAttnLM",
+        "pipeline.models.allattn.config",
+        "AllAttnConfig",
+    )
+}
+"""kind -> (model module, model class, config module, config class) of the families this
+format exports."""
+
+STUBS = {
+    "pipeline.ops.triton_attention": '''\
+"""The triton attention backend is left out of this export: its kernels train on
+CUDA and need the triton package; the export's config names the reference op instead
+(same numbers)."""
+
+
+def attend_triton(*args, **kwargs):
+    raise RuntimeError(
+        "attention impl triton is not in this export; use reference, sdpa, flex or auto"
+    )
+''',
+}
+"""Modules written as a stub instead of copied: what they hold is not needed to run the
+model, and copying it would make transformers require a package (triton) to load it."""
+
+
+def hf_refusal(spec) -> str | None:
+    """Why `spec`'s model cannot be exported in this format (one line), or None."""
+    kind = spec.model_kind
+    if kind not in HF_FAMILIES:
+        return (
+            f"export --format hf: model kind {kind} is not supported (its state between "
+            f"blocks makes `generate` differ from `sample`); supported: "
+            f"{', '.join(HF_FAMILIES)}; use --format native"
+        )
+    if getattr(spec.model_params, "adaptive_io", False):
+        return (
+            "export --format hf: an adaptive softmax (model.adaptive_io) forms no logits "
+            "to generate from; use --format native"
+        )
+    return None
+
+
+def flat_name(module: str) -> str:
+    """The flat file stem of a `pipeline.*` module: pipeline.models.allattn.model ->
+    models_allattn_model."""
+    return module.removeprefix("pipeline.").replace(".", "_")
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def flat_source(module: str) -> tuple[str, list[str]]:
+    """(the module's source with its `pipeline` imports made flat and relative, the
+    `pipeline.*` modules it imports)."""
+    found = importlib.util.find_spec(module)
+    if found is None or found.origin is None:
+        raise PipelineError(f"export --format hf: cannot find the source of {module}")
+    source = Path(found.origin).read_text(encoding="utf-8")
+    lines = source.splitlines(keepends=True)
+    needed = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] == "pipeline" for a in node.names
+        ):
+            raise PipelineError(
+                f"export --format hf: {module} line {node.lineno}: `import "
+                f"pipeline...` cannot be made flat; use `from pipeline.x import y`"
+            )
+        if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+            continue
+        if node.module.split(".")[0] != "pipeline":
+            continue
+        submodules = [a.name for a in node.names if _is_module(f"{node.module}.{a.name}")]
+        if submodules and node.module != "pipeline" and module not in STUBS:
+            raise PipelineError(
+                f"export --format hf: {module} line {node.lineno} imports the module "
+                f"{node.module}.{submodules[0]}; import names from it instead"
+            )
+        i = node.lineno - 1
+        lines[i], n = re.subn(
+            rf"\bfrom\s+{re.escape(node.module)}\s+import",
+            f"from .{flat_name(node.module)} import",
+            lines[i],
+            count=1,
+        )
+        if not n:
+            raise PipelineError(f"export --format hf: {module} line {node.lineno}: cannot rewrite")
+        needed.append(node.module)
+    return "".join(lines), needed
+
+
+def imports_pipeline(source: str) -> bool:
+    """Whether Python source imports the `pipeline` package anywhere (function bodies too)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] == "pipeline" for a in node.names
+        ):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] == "pipeline":
+                return True
+    return False
+
+
+def family_sources(root: str) -> dict[str, str]:
+    """{flat file name: text} of `root` and every `pipeline.*` module it needs, transitively."""
+    files: dict[str, str] = {}
+    todo, seen = [root], set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        if module in STUBS:
+            files[f"{flat_name(module)}.py"] = STUBS[module]
+            continue
+        text, needed = flat_source(module)
+        files[f"{flat_name(module)}.py"] = text
+        todo.extend(needed)
+    return files
+
+
+def hf_config(spec, vocab_size: int, checkpoint: str) -> dict:
+    """config.json: transformers' keys, `auto_map` naming the folder's code, and the model
+    section (`model`) the family's config dataclass is built from."""
+    model = asdict(spec.model_params)
+    if model.get("attention", {}).get("impl") == "triton":
+        model["attention"]["impl"] = "reference"  # same numbers; the stub says why
+    module, model_class, _, config_class = HF_FAMILIES[spec.model_kind]
+    return {
+        "model_type": MODEL_TYPE,
+        "architectures": ["AllAttnPipeForCausalLM"],
+        "auto_map": {
+            "AutoConfig": f"{CONFIG_PY[:-3]}.AllAttnPipeConfig",
+            "AutoModelForCausalLM": f"{MODELING_PY[:-3]}.AllAttnPipeForCausalLM",
+        },
+        "kind": spec.model_kind,
+        "family": {"module": flat_name(module), "model": model_class, "config": config_class},
+        "model": model,
+        "vocab_size": vocab_size,
+        "block_len": spec.train.eval_seq_len or spec.train.seq_len,
+        "use_cache": False,
+        "source": {"spec": str(spec.source), "checkpoint": checkpoint},
+    }
+
+
+CONFIGURATION_TEMPLATE = '''\
+"""Written by allattn-pipe export --format hf: the model's hyperparameters."""
+
+from transformers import PretrainedConfig
+
+
+class AllAttnPipeConfig(PretrainedConfig):
+    model_type = "{model_type}"
+
+    def __init__(self, kind="allattn", family=None, model=None, vocab_size=256, block_len=512,
+                 source=None, **kwargs):
+        self.kind = kind
+        self.family = family or {{}}
+        self.model = model or {{}}
+        self.vocab_size = vocab_size
+        self.block_len = block_len
+        self.source = source or {{}}
+        kwargs.setdefault("use_cache", False)  # the model keeps no transformers cache
+        super().__init__(**kwargs)
+'''
+
+MODELING_TEMPLATE = '''\
+"""Written by allattn-pipe export --format hf: the family's model ({model_class},
+in {module}.py) as a transformers causal LM. A sequence is read as allattn-pipe's `sample`
+reads a prompt: in blocks of `config.block_len` tokens, each carrying the model's state (its
+cache) from the block before."""
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+from .{config_module} import AllAttnPipeConfig
+from .{module} import {model_class}
+from .{config_file} import {config_class}
+
+
+class AllAttnPipeForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = AllAttnPipeConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = {model_class}({config_class}(**config.model), config.vocab_size)
+        self.post_init()
+
+    def _init_weights(self, module):
+        pass  # every weight comes from model.safetensors
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("padding (an attention_mask with zeros) is not supported")
+        state = self.model.init_state(input_ids.shape[0], device=input_ids.device)
+        logits = []
+        for start in range(0, input_ids.shape[1], self.config.block_len):
+            out = self.model(input_ids[:, start : start + self.config.block_len], None, state)
+            state = out.state
+            logits.append(out.logits)
+        logits = torch.cat(logits, dim=1)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+            )
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        return {{"input_ids": input_ids, "attention_mask": attention_mask}}
+'''
+
+
+def readme(spec, vocab: dict, checkpoint: str) -> str:
+    symbols = (
+        "ids 0..V-1 stand for `symbols[i]` in vocab.json; for a byte vocabulary encode the "
+        "text as UTF-8 and map each byte b to `symbols.index(b)`"
+        if vocab["kind"] != "sentencepiece"
+        else "tokenizer.model is the sentencepiece model the ids come from"
+    )
+    return f"""# {spec.name}: an allattn-pipe model in Hugging Face format
+
+Exported by `allattn-pipe export --format hf` from {checkpoint}. Loads without allattn-pipe:
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("DIR", trust_remote_code=True)
+out = model.generate(input_ids, max_new_tokens=100, do_sample=False)
+```
+
+- config.json, {CONFIG_PY}, {MODELING_PY}: the transformers config and model; the other
+  .py files are the model's code, copied from allattn-pipe.
+- model.safetensors: the weights.
+- vocab.json: the {vocab["kind"]} vocabulary: {symbols}. There is no transformers tokenizer.
+
+The model reads a sequence in blocks of {{block_len}} tokens (config.json), each carrying the
+cache of the one before; `generate` reads the whole sequence again at every step (no
+transformers cache).
+"""
+
+
+def write_hf_files(tmp: Path, spec, model, vocab: dict, vocab_size: int, checkpoint: str):
+    """Write the Hugging Face folder's files into `tmp` (weights, config, code, vocabulary,
+    README); returns the file names written."""
+    from safetensors.torch import save_file
+
+    module, model_class, config_module, config_class = HF_FAMILIES[spec.model_kind]
+    config = hf_config(spec, vocab_size, checkpoint)
+    # every tensor its own copy under the wrapper's prefix: transformers loads each name
+    weights = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    code = family_sources(module)
+    code[CONFIG_PY] = CONFIGURATION_TEMPLATE.format(model_type=MODEL_TYPE)
+    code[MODELING_PY] = MODELING_TEMPLATE.format(
+        config_module=CONFIG_PY[:-3],
+        module=flat_name(module),
+        model_class=model_class,
+        config_file=flat_name(config_module),
+        config_class=config_class,
+    )
+    for name, text in code.items():
+        (tmp / name).write_text(text)
+    if stray := [name for name, text in code.items() if imports_pipeline(text)]:
+        raise PipelineError(f"export --format hf: {stray[0]} still imports pipeline")
+    (tmp / "vocab.json").write_text(json.dumps(vocab, indent=1) + "\n")
+    (tmp / README).write_text(
+        readme(spec, vocab, checkpoint).replace("{block_len}", str(config["block_len"]))
+    )
+    return hf_file_names(spec)
+
+
+def hf_file_names(spec) -> list[str]:
+    """The names of the files `write_hf_files` writes for `spec`'s model."""
+    code = family_sources(HF_FAMILIES[spec.model_kind][0])
+    return ["model.safetensors", "config.json", "vocab.json", README, CONFIG_PY, MODELING_PY, *code]
