@@ -1,0 +1,115 @@
+"""`allattn-pipe show --estimate`: tokens per stage by hand, the H100 hours consistent with the
+recorded step, and what the command prints (a real step timed on this machine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.commands import recorded_gpu
+from pipeline.commands.cli import main
+from pipeline.commands.estimate import (
+    evaluate_tokens,
+    gpu_estimates,
+    training_tokens,
+    unknown_stages,
+)
+from pipeline.spec import load_spec
+
+SMALL = [
+    "train.steps=10",
+    "train.batch_size=4",
+    "train.seq_len=32",
+    "finetune.steps=5",
+    "train.optimizer.warmup_steps=2",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+]
+
+
+def test_tokens_per_stage_are_updates_times_sequences_times_tokens(tmp_path):
+    spec = load_spec("configs/quickstart.yaml", [*SMALL, f"workspace.root={tmp_path}"])
+    got = {s.stage: (s.updates, s.tokens, s.at_least) for s in training_tokens(spec)}
+    assert got == {"train": (10, 10 * 4 * 32, False), "finetune": (5, 5 * 4 * 32, False)}
+
+
+def test_a_curriculum_counts_cases_at_its_start_length_as_a_lower_bound():
+    spec = load_spec(
+        "configs/active_memory/add.yaml",
+        [
+            "dataset.generator.algorithmic.curriculum.epochs=3",
+            "dataset.generator.algorithmic.curriculum.steps_per_epoch=2",
+        ],
+    )
+    (stage,) = training_tokens(spec)
+    # 3 epochs x 2 updates x 32 cases x 5 tokens (start_length), at least
+    assert (stage.stage, stage.updates, stage.tokens, stage.at_least) == (
+        "curriculum",
+        6,
+        960,
+        True,
+    )
+
+
+@pytest.mark.parametrize("frac", [1.0, 1 / 16])
+def test_h100_hours_of_the_measured_config_give_back_its_recorded_tokens_per_second(frac):
+    """enwik8_large is the model the GPU check timed: its estimate must reproduce the
+    recorded tokens/s at each span (the FLOP count and L' plan the MFU was computed with)."""
+    spec = load_spec("configs/enwik8_large.yaml", [])
+    stages = training_tokens(spec)
+    est = next(e for e in gpu_estimates(spec, stages) if e.record["span_frac"] == frac)
+    tokens_s = stages[0].tokens / (est.hours["train"] * 3600)
+    recorded = recorded_gpu.estimate_record(frac)["tokens_s"]
+    assert tokens_s == pytest.approx(recorded, rel=0.01)
+
+
+def test_evaluate_tokens_come_from_the_card_or_are_unknown_until_preprocess(tmp_path):
+    where = f"workspace.root={tmp_path}"
+    enwik8 = load_spec("configs/enwik8_small.yaml", [where])
+    assert evaluate_tokens(enwik8) == (
+        "evaluate: valid 5,000,000 tokens, test 5,000,000 tokens (dataset card 'enwik8': "
+        "split sizes in bytes, one token each)"
+    )
+    wt103 = load_spec("configs/wt103.yaml", [where])
+    assert "unknown until preprocess" in evaluate_tokens(wt103)
+
+
+def test_a_stage_the_estimator_does_not_know_is_named():
+    spec = SimpleNamespace(stages=["download", "preprocess", "my_stage", "train"])
+    assert unknown_stages(spec) == [
+        "stage 'my_stage': not estimated (the estimator knows train, finetune, curriculum)"
+    ]
+
+
+def test_show_estimate_without_a_training_stage_says_so(tmp_path):
+    result = CliRunner().invoke(
+        main,
+        [
+            "show",
+            "configs/quickstart.yaml",
+            "--estimate",
+            "--set",
+            "stages=[download, preprocess]",
+            "--set",
+            f"workspace.root={tmp_path}",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "no stage trains (stages: download, preprocess)" in result.output
+    assert "H100 hours" not in result.output
+
+
+def test_show_estimate_prints_tokens_a_measured_step_and_gpu_hours_with_sources(tmp_path):
+    args = [a for s in [*SMALL, f"workspace.root={tmp_path}"] for a in ("--set", s)]
+    result = CliRunner().invoke(main, ["show", "configs/quickstart.yaml", "--estimate", *args])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "train      1,280 tokens = 10 updates (train.steps) x 4 sequences" in out
+    assert "finetune   640 tokens = 5 updates (finetune.steps)" in out
+    assert "step time here:" in out and "1 warm-up + 3 timed updates of micro-batch 1" in out
+    assert "hours here: train" in out
+    assert "H100 hours at the full span: train" in out
+    assert "MFU 6.9% x 989 TFLOP/s" in out and "docs/benchmarks.md#triton" in out
+    assert "H200: not measured; H100's MFU assumed" in out
