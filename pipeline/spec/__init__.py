@@ -8,14 +8,16 @@ dataset card named by string replaced by the card's contents, then `--set` overr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline.errors import shown
 from pipeline.spec.schema import Spec
+from pipeline.spec.smoke import BUILTIN_CARD, smoke_data
 from pipeline.spec.sources import (
     PROJECT_ROOT,
     SpecError,
+    Where,
     apply_override,
     load_with_extends,
     parse_override,
@@ -26,13 +28,23 @@ from pipeline.spec.validation import refuse_inert_keys, validate_spec
 __all__ = ["PROJECT_ROOT", "Spec", "SpecError", "load_spec", "parse_override"]
 
 
-def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
-    """Read, merge, override and validate a pipeline spec; SpecError on any mistake."""
+def load_spec(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    smoke: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Spec:
+    """Read, merge, override and validate a pipeline spec; SpecError on any mistake.
+    `smoke`: the config shrunk to a tiny model and a few steps (pipeline.spec.smoke), before
+    the other `--set` overrides; `log` is told what it put in place of a downloaded dataset.
+    An override `~KEY` removes KEY (it takes its default): how a sweep point drops a key
+    that does nothing there."""
     path = Path(path)
     origin = shown(path)  # where an error without a line of its own points
     where: dict = {}
     data = load_with_extends(path, where)
-    parsed = [(parse_override(text), text) for text in overrides]
+    removals = [text for text in overrides if text.startswith("~")]
+    parsed = [(parse_override(text), text) for text in overrides if not text.startswith("~")]
     for (key, value), text in parsed:
         if key == ("dataset",):
             apply_override(data, key, value, where, text, path)
@@ -40,6 +52,9 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
         data["dataset"] = resolve_dataset_card(
             data["dataset"], path, where, where.get(("dataset",), origin)
         )
+    if smoke:
+        keep = any(key[0] == "dataset" for (key, _), _ in parsed)
+        data = apply_smoke(data, path, where, keep, log)
     for (key, value), text in parsed:
         if key != ("dataset",):
             apply_override(data, key, value, where, text, path)
@@ -47,7 +62,42 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> Spec:
         data["dataset"] = resolve_dataset_card(
             data["dataset"], path, where, where.get(("dataset",), origin)
         )
+    for text in removals:  # after every --set: `~KEY` removes KEY whatever set it
+        remove_key(data, where, text)
     spec = validate_spec(data, where, origin)
     spec._source = str(path)
     refuse_inert_keys(spec, where, origin)
     return spec
+
+
+def apply_smoke(data: dict, path: Path, where: dict, keep_dataset: bool, log) -> dict:
+    """`smoke_data` on the merged data; the keys it set point at --smoke in `where`."""
+    builtin = resolve_dataset_card(BUILTIN_CARD, path, {}, "--smoke")
+    result = smoke_data(data, builtin, keep_dataset)
+    for changed in result.changed:
+        for k in [k for k in where if k[: len(changed)] == changed]:
+            del where[k]
+        where[changed] = Where("--smoke")
+    if result.note and log:
+        log(result.note)
+    return result.data
+
+
+def remove_key(data: dict, where: dict, text: str) -> None:
+    """Apply the override `~KEY`: KEY out of the merged `data` (and its origins out of
+    `where`); SpecError where KEY is not a key path or is not set."""
+    key = text[1:].strip()
+    path = tuple(key.split("."))
+    if not key or not all(path):
+        raise SpecError(f"--set {shown(text)}: '{shown(key)}' is not a dotted key path")
+    node = data
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or path[-1] not in node:
+        raise SpecError(
+            f"--set {shown(text)}: {shown(key)} is not set in the config, so there is "
+            f"nothing to remove"
+        )
+    del node[path[-1]]
+    for k in [k for k in where if k[: len(path)] == path]:
+        del where[k]

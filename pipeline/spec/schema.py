@@ -554,13 +554,15 @@ class OptimizerSpec(Section):
         "per_param",
         description="per_param: the paper's Adagrad, each tensor's step scaled "
         "by min(1, clip_norm / |g|) (adagrad only); global: the gradient scaled to a total "
-        "norm of at most clip_norm; none: no clipping",
+        "norm of at most clip_norm; none: no clipping. Default: per_param for adagrad, "
+        "global for adam (each as its paper)",
     )
     clip_norm: float = Field(
         0.03,
         gt=0,
         description="the norm clip bounds: per tensor "
-        "(per_param) or of the whole gradient (global). Paper: 0.03 per "
+        "(per_param) or of the whole gradient (global). Default: 0.03; 1 with "
+        "adam's default clip. Paper: 0.03 per "
         "tensor (character level), 1 global (WikiText-103)",
     )
     betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field(
@@ -575,6 +577,18 @@ class OptimizerSpec(Section):
         description="torch's weight decay (L2) of Adam "
         "or Adagrad; adam, or adagrad without per_param",
     )
+
+    @model_validator(mode="after")
+    def _clip_defaults_fit_type(self):
+        # per_param / 0.03 is the paper's Adagrad only; an Adam config that sets no clip gets
+        # the word-level paper's global clip at 1 rather than a refusal. The field defaults
+        # stay Adagrad's (a fingerprint counts an inert clip_norm at its field default), and
+        # a clip: global written without clip_norm keeps 0.03, as the runs made with it
+        if self.type == "adam" and "clip" not in self.model_fields_set:
+            self.clip = "global"
+            if "clip_norm" not in self.model_fields_set:
+                self.clip_norm = 1.0
+        return self
 
 
 class DeepSpeedSpec(Section):

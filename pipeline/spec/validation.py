@@ -10,7 +10,7 @@ import functools
 import re
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from typing import Any
 
 import pydantic
@@ -27,6 +27,30 @@ def _locate(where: dict, loc: tuple, fallback: str) -> str:
         if loc[:n] in where:
             return where[loc[:n]]
     return fallback
+
+
+def _blame(where: dict, loc: tuple, message: str, fallback: str) -> str:
+    """Where an error at `loc` came from. A check across keys (a model's d_model and n_heads,
+    an optimizer's type and clip) reports at their section, whose line is in the file even
+    when a `--set` gave the faulty value: the `--set`s of the keys under `loc` that `message`
+    names are its origin; a section's check that names none of its `--set`s is placed at the
+    section "with" them (the values it checked include theirs)."""
+    overrides = {
+        key: origin
+        for key, origin in where.items()
+        if len(key) > len(loc) and key[: len(loc)] == loc and str(origin).startswith("--set ")
+    }
+    named = [
+        origin
+        for key, origin in overrides.items()
+        if isinstance(key[-1], str) and re.search(rf"(?<!\w){re.escape(key[-1])}(?!\w)", message)
+    ]
+    if named:
+        return ", ".join(dict.fromkeys(named))
+    place = _locate(where, loc, fallback)
+    if loc and overrides and not place.startswith("--set "):
+        return f"{place} with {', '.join(dict.fromkeys(overrides.values()))}"
+    return place
 
 
 def _schema_keys(schema, loc: tuple) -> list[str]:
@@ -60,7 +84,7 @@ def _describe(
     err: Mapping[str, Any], where: dict, fallback: str, schema, loc_prefix: tuple = ()
 ) -> str:
     loc = loc_prefix + tuple(err["loc"])
-    place = _locate(where, loc, fallback)
+    place = _blame(where, loc, err["msg"], fallback)
     kind = err["type"]
     if kind == "extra_forbidden":
         key = loc[-1]
@@ -82,6 +106,8 @@ def _describe(
     else:
         msg = msg[0].lower() + msg[1:]
     found = err.get("input")
+    if kind == "value_error" and isinstance(found, dict):
+        return f"{place}: {dotted_path(loc)}: {msg}"  # a check across the section's keys
     return f"{place}: {dotted_path(loc)}: {msg}; found {short_repr(found)} ({type_in_words(found)})"
 
 
@@ -126,12 +152,13 @@ def validate_spec(data: dict, where: dict, origin: str) -> Spec:
             except pydantic.ValidationError as e:
                 errors += [_describe(err, where, origin, cfg_cls, ("model",)) for err in e.errors()]
             except ValueError as e:  # the config's own cross-field checks
-                errors.append(f"{_locate(where, ('model',), origin)}: model: {e}")
+                errors.append(f"{_blame(where, ('model',), str(e), origin)}: model: {e}")
 
     if spec is not None and not errors:
         errors += _check_stages(spec, where, origin)
         errors += _check_model_for_training(spec, params, where, origin)
         errors += _check_float_range(spec, params, where, origin)
+        errors += check_warmup_fits_steps(spec, where, origin)
         if (
             spec.train
             and spec.train.deepspeed.zero_stage == 3
@@ -152,6 +179,23 @@ def validate_spec(data: dict, where: dict, origin: str) -> Spec:
     _normalise_paths(spec)
     spec._model_params = params
     return spec
+
+
+def check_warmup_fits_steps(spec: Spec, where: dict, origin: str) -> list[str]:
+    """A warm-up as long as training never reaches the lr it warms up to (and finetune then
+    divides an lr that was never reached): refused, with the fix."""
+    train = spec.train
+    if not (train and train.steps and train.optimizer.warmup_steps >= train.steps):
+        return []
+    warmup = ("train", "optimizer", "warmup_steps")
+    # blame the one given last on the command line, else the warm-up's line
+    steps_at = where.get(("train", "steps"), "")
+    at = steps_at if steps_at.startswith("--set ") else _locate(where, warmup, origin)
+    return [
+        f"{at}: train.optimizer.warmup_steps {train.optimizer.warmup_steps:,} is not below "
+        f"train.steps {train.steps:,}: the lr would never reach train.optimizer.lr; make "
+        f"warmup_steps smaller than train.steps (0: no warm-up) or train.steps larger"
+    ]
 
 
 # a name that becomes one path component: the rule `name` has in the schema
@@ -423,14 +467,43 @@ def _check_stages(spec: Spec, where: dict, origin: str) -> list[str]:
     return errors
 
 
+@dataclass(frozen=True)
+class InertKey:
+    """A key the user wrote that does nothing under the spec's other settings."""
+
+    key: str  # dotted: model.n_heads
+    origin: str  # where it was written: FILE:LINE or --set KEY=VALUE
+    why: str
+
+
+# what a user can do instead of deleting the key: a base may set what its variants switch off
+INERT_WAY_OUT = (
+    "remove it, or move it into a base this config `extends` (where it is accepted); "
+    "a sweep drops it at each point where it does nothing"
+)
+
+
+class InertKeysError(SpecError):
+    """The keys, written in the config or by --set, that do nothing here (`keys`); a sweep
+    drops them at the points where they do nothing (pipeline.commands.sweep)."""
+
+    def __init__(self, keys: list[InertKey]):
+        self.keys = keys
+        super().__init__(
+            "\n".join(
+                f"{k.origin}: {k.key}: does nothing here ({k.why}); {INERT_WAY_OUT}" for k in keys
+            )
+        )
+
+
 def refuse_inert_keys(spec: Spec, where: dict, top: str) -> None:
     """Every key acts or is refused: one that does nothing under the other settings is an
     error where the user wrote it (this file, or --set). From an `extends` base it is
     accepted: a shared base sets what some of its variants switch off."""
-    errors = []
+    keys = []
     for key, why in spec.inert_keys():
         origin = where.get(key)
         if origin and (origin.startswith("--set ") or origin.rsplit(":", 1)[0] == top):
-            errors.append(f"{origin}: {dotted_path(key)}: does nothing here ({why}); remove it")
-    if errors:
-        raise SpecError("\n".join(errors))
+            keys.append(InertKey(dotted_path(key), str(origin), why))
+    if keys:
+        raise InertKeysError(keys)
