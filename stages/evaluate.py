@@ -2,7 +2,9 @@
 validation's (`evaluate.checkpoint: best`).
 
 Every token of each split is scored exactly once, streamed with the cache ("full eval").
-Outputs `results.json`; prints the numbers beside the train split's unigram entropy.
+Outputs `results.json`; prints the numbers beside the train split's unigram entropy. While a
+split is scored it shows tokens done, tokens/s and ETA (a bar on a terminal, a line per tenth
+or per 30 s in a log).
 A dataset of documents (the sorting task) is scored document by document instead, on the
 targets after each separator: loss per scored target, token accuracy and exact match
 (pipeline.training.document_passes).
@@ -33,6 +35,7 @@ def run(ctx: StageContext) -> dict:
     from pipeline.training.checkpoints import load_model_weights
     from pipeline.training.evaluation import LN2, evaluate_nll
     from pipeline.training.paper_loss import line_losses
+    from pipeline.training.progress import ScoringProgress
 
     spec, ev = ctx.spec, ctx.spec.evaluate
     manifest = load_manifest(ctx.inputs["preprocess"])
@@ -52,8 +55,13 @@ def run(ctx: StageContext) -> dict:
     loaded = {}  # split -> tokens: the persistent share reads valid again
     for split in ev.splits:
         tokens = loaded[split] = load_split(ctx.inputs["preprocess"], split)
-        with torch.no_grad():
-            total, count = evaluate_nll(model, tokens, ev.batch_size, seq_len, device)
+        with (
+            torch.no_grad(),
+            ScoringProgress(f"evaluate {split}", max(len(tokens) - 1, 0), ctx.log) as shown,
+        ):
+            total, count = evaluate_nll(
+                model, tokens, ev.batch_size, seq_len, device, progress=shown
+            )
         nats = total / count
         _refuse_nonfinite(f"the {split} split's loss", nats, results["checkpoint"])
         if count < FEW_TOKENS:

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from pipeline.training.evaluation import accumulation_dtype
+
 # the authors' script skips longer lines
 MAX_LINE_PIECES = 300
 
@@ -81,17 +83,22 @@ def line_losses(
     kept = [line for line in lines if len(line) <= max_pieces]
     was_training = model.training
     model.eval()
-    batch_means, total, count = [], 0.0, 0
+    # the sums stay on the device and are read once at the end
+    dtype = accumulation_dtype(torch.device(device))
+    total = torch.zeros(3, dtype=dtype, device=device)  # sum of batch means, of nll; count
+    batches = 0
     for inputs, targets, mask in line_batches(kept, eos_id, batch_size):
         out = model(inputs.to(device), targets.to(device), None)
-        nll = out.nll.double() * mask.to(device)
-        batch_means.append(float(nll.mean()))
-        total += float(nll.sum())
-        count += int(mask.sum())
+        mask = mask.to(device)
+        nll = out.nll.to(dtype) * mask
+        total += torch.stack([nll.mean(), nll.sum(), mask.sum().to(dtype)])
+        batches += 1
     model.train(was_training)
+    sum_of_means, nll_sum, count = total.tolist()
+    count = int(count)
     return {
-        "paper_loss": sum(batch_means) / len(batch_means) if batch_means else float("nan"),
-        "line_nll": total / count if count else float("nan"),
+        "paper_loss": sum_of_means / batches if batches else float("nan"),
+        "line_nll": nll_sum / count if count else float("nan"),
         "lines": len(kept),
         "skipped_lines": len(lines) - len(kept),
         "tokens": count,

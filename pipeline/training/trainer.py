@@ -48,7 +48,7 @@ from pipeline.training.evaluation import LN2, evaluate_nll
 from pipeline.training.micro_batch import resolve
 from pipeline.training.nonfinite import HINT, NonfiniteGuard
 from pipeline.training.optim import build_optimizer
-from pipeline.training.progress import LossWindow, Progress
+from pipeline.training.progress import LossWindow, Progress, gpu_memory_text
 
 if TYPE_CHECKING:  # imported where it is used, in build_batches
     from pipeline.data import StreamBatches
@@ -435,13 +435,15 @@ class Trainer:
             mfu = f"  mfu {metrics['mfu']:.1%}"
         metrics |= values
         self.tracker.log_metrics(metrics, step=self.step)
-        eta = (until - self.step) * seconds_per_step
+        progress.eta.update(seconds_per_step)
+        eta = progress.eta.remaining(until - self.step)
+        memory = gpu_memory_text(self.device)
         progress.show(f"loss {mean:.4f} lr {metrics['lr']:.3g} {tokens_per_s:,.0f} tok/s")
         progress.log(
             self.log,
             f"step {self.step:>6}/{until}  loss {mean:.4f}  "
             f"{bpc}lr {metrics['lr']:.3g}  "
-            f"{tokens_per_s:,.0f} tok/s{mfu}  eta {eta:,.0f}s",
+            f"{tokens_per_s:,.0f} tok/s{mfu}{memory}  eta {eta:,.0f}s",
         )
         for line in warnings:
             progress.log(self.log, f"step {self.step:>6}/{until}  {line}")
