@@ -330,3 +330,106 @@ def test_readme_lists_every_command_and_each_has_help():
         result = invoke([*path, "--help"], ROOT)
         assert result.exit_code == 0, shown(result)
         assert "Usage: allattn-pipe" in result.stdout
+
+
+# ---------------------------------------------------------------- the pictures
+
+IMAGES = DOCS / "img"
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+MAKER = re.compile(r"python -m \w|allattn-pipe \w")
+MAKER_LINES = 4
+"""A picture's page names the command that makes it within this many lines of it."""
+PICTURE_LIMIT = 150 * 1024
+
+PICTURES = {
+    "allattn_layer.png": "models.md",
+    "stages.png": "design.md",
+    "quickstart_curves.png": "tracking.md",
+    "quickstart_spans.png": "tracking.md",
+    "quickstart_persistent_share.png": "tracking.md",
+}
+"""The pictures issue 37 asked for, each on the page that describes what it shows."""
+
+
+def embedded_images() -> list[tuple[Path, int, str]]:
+    """(page, line index, target) of every `![...](...)` image on the pages."""
+    return [
+        (page, i, target)
+        for page in PAGES
+        for i, line in enumerate(page.read_text(encoding="utf-8").splitlines())
+        for target in IMAGE.findall(line)
+    ]
+
+
+def test_every_embedded_image_is_a_file_in_docs_img():
+    found = embedded_images()
+    assert found
+    for page, i, target in found:
+        where = f"{page.name}:{i + 1}: {target}"
+        # the site builds and reads offline: no picture from the web
+        assert not re.match(r"^[a-z][a-z0-9+.-]*:", target), f"{where} is not a local file"
+        path = (page.parent / target).resolve()
+        assert path.parent == IMAGES.resolve(), f"{where} is not in docs/img"
+        assert path.is_file(), f"{where} does not exist"
+
+
+def test_every_picture_in_docs_img_is_shown_with_the_command_that_makes_it():
+    shown_at = embedded_images()
+    pictures = sorted(p for p in IMAGES.iterdir() if not p.name.startswith("."))
+    assert pictures
+    for picture in pictures:
+        assert picture.stat().st_size <= PICTURE_LIMIT, (
+            f"docs/img/{picture.name} is {picture.stat().st_size:,} bytes, over {PICTURE_LIMIT:,}"
+        )
+        places = [(page, i) for page, i, target in shown_at if Path(target).name == picture.name]
+        assert places, f"docs/img/{picture.name} is shown on no page"
+        for page, i in places:
+            lines = page.read_text(encoding="utf-8").splitlines()
+            near = lines[max(0, i - MAKER_LINES) : i + MAKER_LINES + 1]
+            assert any(MAKER.search(line) for line in near), (
+                f"{page.name}:{i + 1}: docs/img/{picture.name} is shown with no command that "
+                f"makes it (`python -m ...` or `allattn-pipe ...`) within {MAKER_LINES} lines"
+            )
+
+
+@pytest.mark.parametrize("picture, page", sorted(PICTURES.items()))
+def test_the_asked_for_pictures_are_on_their_pages(picture, page):
+    pages = {p.name for p, _, target in embedded_images() if Path(target).name == picture}
+    assert page in pages, f"docs/img/{picture} is not shown on {page} (shown on {sorted(pages)})"
+
+
+def test_the_diagrams_command_writes_every_diagram(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "reproduce.diagrams", "--out", str(tmp_path / "img")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    written = sorted((tmp_path / "img").iterdir())
+    assert [p.name for p in written] == ["allattn_layer.png", "stages.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path.name
+        assert 0 < path.stat().st_size <= PICTURE_LIMIT, path.name
+        assert path.name in done.stdout
+
+
+def test_the_stages_diagram_names_what_the_stages_write():
+    """Every file and directory the diagram shows under a stage is a name in that stage's
+    module (or a stages module it imports from: finetune shares train's)."""
+    from reproduce.diagrams import STAGE_OUTPUTS
+
+    for stage, outputs in STAGE_OUTPUTS.items():
+        module = ROOT / "stages" / f"{stage}.py"
+        source = module.read_text(encoding="utf-8")
+        for imported in re.findall(r"^from stages\.(\w+) import", source, re.M):
+            source += (ROOT / "stages" / f"{imported}.py").read_text(encoding="utf-8")
+        # the directories (`files/`; not `step-N/`, the trainer's) and the files
+        names = [n for text in outputs for n in re.findall(r"(?<![\w-])(\w+)/", text)]
+        names += [n for text in outputs for n in re.findall(r"\b(\w+\.(?:json|png))\b", text)]
+        assert names, stage
+        for name in names:
+            assert name.removesuffix(".json").removesuffix(".png") in source, (
+                f"the diagram shows {stage}/{name}, which stages/{stage}.py never names"
+            )
