@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -36,7 +36,8 @@ from pipeline.cluster.signals import SignalHandler
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.fsutil import open_for_write
 from pipeline.redact import mask
-from pipeline.spec import load_spec
+from pipeline.spec import SpecError, load_spec
+from pipeline.spec.validation import InertKey, InertKeysError
 from pipeline.tracking.sweep_run import SweepRun
 from pipeline.workspace.layout import Workspace, fingerprint
 from pipeline.workspace.runner import Runner
@@ -49,8 +50,18 @@ from stages import STAGES, resolve_inputs
 @dataclass
 class Point:
     name: str
-    overrides: list[str]  # the user's --set, then the grid's, the seed, name, experiment
+    overrides: list[str]  # the user's --set, the grid's, the seed, `~KEY` drops, name, experiment
     spec: Spec  # its resolved spec
+    dropped: list[InertKey] = field(default_factory=list)  # keys that do nothing at this point
+
+    def dropped_line(self) -> str:
+        """'point NAME: dropped K1, K2 (why); K3 (why)': the keys grouped by their reason."""
+        by_why: dict[str, list[str]] = {}
+        for k in self.dropped:
+            by_why.setdefault(k.why, []).append(k.key)
+        return f"point {self.name}: dropped " + "; ".join(
+            f"{', '.join(keys)} ({why})" for why, keys in by_why.items()
+        )
 
 
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
@@ -98,11 +109,39 @@ def _label(key: str, keys: list[str]) -> str:
     return last if sum(k.rsplit(".", 1)[-1] == last for k in keys) == 1 else key.replace(".", "_")
 
 
+def load_dropping_inert(config: str, sets_for, chosen: list[tuple[str, str]]):
+    """The spec of `config` with `sets_for(chosen, removals)`, less each key written there
+    that does nothing under its other settings: a grid key's value is left out of `chosen`,
+    any other key removed by `--set ~KEY`. Returns the spec, the grid values kept, the sets
+    that load it and the keys dropped."""
+    removals: list[str] = []
+    dropped: dict[str, InertKey] = {}
+    while True:
+        sets = sets_for(chosen, removals)
+        try:
+            return load_spec(config, sets), chosen, sets, list(dropped.values())
+        except InertKeysError as e:
+            if all(f"~{k.key}" in removals for k in e.keys):
+                raise  # removed, yet still there: never loop
+            for k in e.keys:
+                # one left out of the grid may still be written in the file: a second round
+                if any(g == k.key for g, _ in chosen):
+                    chosen = [(g, v) for g, v in chosen if g != k.key]
+                elif f"~{k.key}" not in removals:
+                    removals.append(f"~{k.key}")
+                dropped.setdefault(k.key, k)
+
+
 def points(
     config: str, overrides: list[str], grid: list[tuple[str, list[str]]], seeds: list[str]
 ) -> list[Point]:
-    """Every point of the grid x seeds, each validated as its own spec."""
-    base = load_spec(config, overrides)
+    """Every point of the grid x seeds, each validated as its own spec. A key written in the
+    config, by --set or by the grid that does nothing at a point is dropped there (a grid
+    key's label leaves the point's name, and points that then coincide are one); one that
+    does nothing at every point is refused, as a single run refuses it."""
+    base, _, _, _ = load_dropping_inert(
+        config, lambda chosen, removals: [*overrides, *removals], []
+    )
     keys = [k for k, _ in grid]
     if seeds and any(overlapping(k, "train.seed") for k in keys):
         raise PipelineError(
@@ -110,33 +149,62 @@ def points(
             "would run under two names; give the seeds once"
         )
     experiment = base.tracking.experiment or base.name
-    out, names = [], set()
-    for values in itertools.product(*(v for _, v in grid), *([seeds] if seeds else [])):
-        chosen = list(zip(keys, values, strict=False))
-        seed = values[len(keys)] if seeds else None
+
+    def point_name(chosen, seed) -> str:
         # a name is a directory, a run name and a line of output: no URL's secret in it
         parts = [f"{_label(k, keys)}{mask(v)}" for k, v in chosen]
         if seed is not None:
             parts.append(f"seed{seed}")
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join([base.name, *parts]))
-        sets = [
-            *overrides,
-            *(f"{k}={v}" for k, v in chosen),
-            *([f"train.seed={seed}"] if seed is not None else []),
-            f"name={name}",
-            f"tracking.experiment={experiment}",
-        ]
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join([base.name, *parts]))
+
+    out: list[Point] = []
+    names = set()
+    for values in itertools.product(*(v for _, v in grid), *([seeds] if seeds else [])):
+        seed = values[len(keys)] if seeds else None
+
+        def sets_for(chosen, removals, seed=seed) -> list[str]:
+            return [
+                *overrides,
+                *(f"{k}={v}" for k, v in chosen),
+                *([f"train.seed={seed}"] if seed is not None else []),
+                *removals,
+                f"name={point_name(chosen, seed)}",
+                f"tracking.experiment={experiment}",
+            ]
+
+        full = list(zip(keys, values, strict=False))
+        try:
+            spec, chosen, sets, dropped = load_dropping_inert(config, sets_for, full)
+        except PipelineError as e:
+            raise PipelineError(f"sweep point {point_name(full, seed)}: {e}") from None
+        name = point_name(chosen, seed)
         if name in names:
+            if len(chosen) < len(full):
+                continue  # differs from an earlier point only in grid keys dropped here
             raise PipelineError(
                 f"sweep: two points would both be named {name}; give each value once"
             )
         names.add(name)
-        try:
-            spec = load_spec(config, sets)
-        except PipelineError as e:
-            raise PipelineError(f"sweep point {name}: {e}") from None
-        out.append(Point(name, sets, spec))
+        out.append(Point(name, sets, spec, dropped))
+    refuse_inert_everywhere(out, grid)
     return out
+
+
+def refuse_inert_everywhere(pts: list[Point], grid: list[tuple[str, list[str]]]) -> None:
+    """A key dropped at every point does nothing in this sweep (a typo, most likely): refused
+    where it was written, as `run` refuses it."""
+    everywhere = set.intersection(*({k.key for k in p.dropped} for p in pts)) if pts else set()
+    if not everywhere:
+        return
+    grid_items = {k: f"--grid {k}={','.join(values)}" for k, values in grid}
+    raise SpecError(
+        "\n".join(
+            f"{grid_items.get(k.key, k.origin)}: {k.key}: does nothing at any point of the "
+            f"sweep ({k.why}); remove it"
+            for k in pts[0].dropped
+            if k.key in everywhere
+        )
+    )
 
 
 def sweep_id(config: str, overrides: list[str], grid, seeds) -> str:
@@ -192,7 +260,8 @@ def plan_sweep(
     config: str, overrides: list[str], grid_items: list[str], seeds_text: str | None, log=None
 ) -> tuple[list[Point], list[str], str]:
     """The sweep's points, the stages they share, and its id (its MLflow run's tag); `log`
-    is told of each --set that the grid or the seeds replace."""
+    is told of each --set that the grid or the seeds replace, and of the keys each point
+    drops because they do nothing there."""
     grid = parse_grid(grid_items)
     seeds = parse_seeds(seeds_text)
     if not grid and not seeds:
@@ -204,6 +273,9 @@ def plan_sweep(
         if replaced_by:
             log(f"--set {item}: replaced at every point by {', '.join(replaced_by)}")
     pts = points(config, overrides, grid, seeds)
+    for p in pts if log else ():
+        if p.dropped:
+            log(p.dropped_line())
     return pts, shared_prefix(pts), sweep_id(config, overrides, grid, seeds)
 
 

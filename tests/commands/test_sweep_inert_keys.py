@@ -1,0 +1,152 @@
+"""A sweep over a structural key (model.mixer): a key the config writes that does nothing at
+some points (n_heads, head_dim without self-attention) is dropped there, one line per point
+says so, and the point's name, spec and fingerprints no longer depend on it; a key that does
+nothing at every point is refused as in a single run, whose error names the way out."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.commands.cli import main
+from pipeline.spec import load_spec
+from pipeline.spec.sources import PROJECT_ROOT
+from stages import STAGES
+from tests.test_docs import PAGES, PLACEHOLDER, commands
+
+BASE = PROJECT_ROOT / "configs" / "base" / "active_memory_lm.yaml"
+WHY = "mixer conv has no self-attention"
+
+
+def own_config(tmp_path, n_heads=4, head_dim=32, name="mine"):
+    """A user's own active-memory config: the attention sizes in the file itself, not a base."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"""\
+name: {name}
+extends: [{BASE}]
+model:
+  mixer: self_attention
+  n_heads: {n_heads}
+  head_dim: {head_dim}
+workspace: {{root: {tmp_path / "runs"}}}
+""")
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_a_mixer_sweep_drops_the_attention_keys_where_they_do_nothing(tmp_path):
+    cfg = own_config(tmp_path)
+    result = invoke("sweep", cfg, "--dry-run", "--grid", "model.mixer=self_attention,conv,sa+conv")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    dropped = [line for line in lines if line.startswith("point ")]
+    assert dropped == [
+        f"point mine-mixerconv: dropped model.n_heads, model.head_dim ({WHY})",
+    ], result.output
+    conv = next(line for line in lines if line.split()[:1] == ["mine-mixerconv"])
+    assert conv.split()[-6:] == [
+        "--set",
+        "model.mixer=conv",
+        "--set",
+        "~model.n_heads",
+        "--set",
+        "~model.head_dim",
+    ]
+    # what a point's own process (--parallel, a launcher, a Slurm task) loads: the same spec
+    result = invoke(
+        "validate", cfg, "--set", "model.mixer=conv", "--set", "~model.n_heads", "--set",
+        "~model.head_dim",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_dropped_key_changes_no_fingerprint_and_no_name(tmp_path):
+    from pipeline.commands.sweep import plan_sweep
+
+    specs = []
+    for n_heads in (4, 8):
+        cfg = own_config(tmp_path, n_heads=n_heads, name=f"mine{n_heads}")
+        pts, _, _ = plan_sweep(str(cfg), ["name=mine"], ["model.mixer=conv,self_attention"], None)
+        specs.append({p.name: p.spec for p in pts})
+    assert list(specs[0]) == list(specs[1]) == ["mine-mixerconv", "mine-mixerself_attention"]
+    conv = [STAGES["train"].fingerprinted(s["mine-mixerconv"]) for s in specs]
+    assert conv[0] == conv[1]
+    attention = [STAGES["train"].fingerprinted(s["mine-mixerself_attention"]) for s in specs]
+    assert attention[0] != attention[1]  # where they act, they count
+
+
+def test_a_grid_key_dropped_at_a_point_leaves_one_point_for_its_values(tmp_path):
+    cfg = own_config(tmp_path)
+    result = invoke(
+        "sweep", cfg, "--dry-run", "--grid", "model.mixer=self_attention,conv",
+        "--grid", "model.n_heads=2,4",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    names = [line.split()[0] for line in lines if line.startswith("  ")]
+    assert names == [
+        "mine-mixerself_attention-n_heads2",
+        "mine-mixerself_attention-n_heads4",
+        "mine-mixerconv",
+    ], result.output
+    assert any(line.startswith("3 points;") for line in lines)
+    assert f"point mine-mixerconv: dropped model.n_heads, model.head_dim ({WHY})" in lines
+
+
+@pytest.mark.parametrize(
+    "args, at",
+    [
+        (["--grid", "model.mixer=conv,cgru"], "FILE:5"),
+        (["--set", "model.mixer=conv", "--seeds", "1,2"], "FILE:5"),
+        (["--grid", "model.mixer=conv,cgru", "--set", "model.n_heads=2"], "--set model.n_heads=2"),
+    ],
+)
+def test_a_key_that_does_nothing_at_every_point_is_refused(tmp_path, args, at):
+    cfg = own_config(tmp_path)
+    result = invoke("sweep", cfg, "--dry-run", *args)
+    assert result.exit_code == 2, result.output
+    at = at.replace("FILE", str(cfg))
+    assert f"{at}: model.n_heads: does nothing at any point of the sweep ({WHY}" in result.output
+    assert "model.head_dim: does nothing at any point of the sweep" in result.output
+
+
+def test_a_single_run_refuses_it_and_names_the_way_out(tmp_path):
+    cfg = own_config(tmp_path)
+    result = invoke("validate", cfg, "--set", "model.mixer=conv")
+    assert result.exit_code == 2, result.output
+    assert f"{cfg}:5: model.n_heads: does nothing here ({WHY}); remove it" in result.output
+    assert "`extends`" in result.output and "sweep" in result.output
+
+
+def test_a_set_that_removes_a_key_the_config_does_not_set_is_refused(tmp_path):
+    cfg = own_config(tmp_path)
+    with pytest.raises(Exception, match=r"~model.cgru_gate: .*not set"):
+        load_spec(cfg, ["~model.cgru_gate"])
+
+
+def docs_sweeps() -> list[tuple[str, str]]:
+    """The `allattn-pipe sweep` commands the pages show with a real config (not `CFG`)."""
+    return [
+        (page.name, c)
+        for page in PAGES
+        for c in commands(page)
+        if c.split()[1] == "sweep" and not PLACEHOLDER.search(c)
+    ]
+
+
+def test_the_docs_show_a_mixer_sweep():
+    assert any("--grid model.mixer=" in c for _, c in docs_sweeps()), docs_sweeps()
+
+
+@pytest.mark.parametrize("page, command", docs_sweeps(), ids=[c for _, c in docs_sweeps()])
+def test_the_docs_sweeps_plan_as_written(page, command, monkeypatch):
+    monkeypatch.chdir(PROJECT_ROOT)  # the pages' config paths are the project's
+    args = shlex.split(command)[1:]
+    result = invoke(*args, *([] if "--dry-run" in args else ["--dry-run"]))
+    assert result.exit_code == 0, f"{page}: `{command}`:\n{result.output}"
