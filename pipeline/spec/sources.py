@@ -17,6 +17,7 @@ import yaml
 
 from pipeline.errors import PipelineError
 from pipeline.errors import shown as _shown
+from pipeline.spec.bases import base_config_problem
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,7 +233,12 @@ def load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) -> 
         merged = _merge(merged, load_with_extends(parent_path, where, chain + (path.resolve(),)))
     # The file's own keys win, and so do their locations.
     where.update({k: v for k, v in own_where.items() if k and k[0] != "extends"})
-    return _merge(merged, data)
+    merged = _merge(merged, data)
+    if not chain and "name" not in merged:  # the file run or validated has no name
+        problem = base_config_problem(path, _shown(path))
+        if problem:
+            raise SpecError(problem)
+    return merged
 
 
 def _is_file(path: Path, at: str | None) -> bool:
