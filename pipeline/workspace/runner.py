@@ -86,6 +86,17 @@ def _differences(kept: dict, config: dict, input_builds: dict) -> list[str]:
     ]
 
 
+def _best_validation(summary: dict) -> str:
+    """ ", best valid bpc estimate 2.246" from a training stage's summary, if it has one."""
+    for key, what, digits in (
+        ("best_valid_bpc_estimate", "best valid bpc estimate", 3),
+        ("best_valid_loss", "best valid loss", 4),
+    ):
+        if summary.get(key) is not None:
+            return f", {what} {summary[key]:.{digits}f}"
+    return ""
+
+
 def _parse_selection(names: list[str] | None, spec: Spec, flag: str) -> list[str]:
     out = []
     for item in names or []:
@@ -284,6 +295,13 @@ class Runner:
             for name in self.spec.stages:
                 self.ws.finish_publish(name)  # one a crash interrupted
             steps = self.plan()
+            if not any(s.action == "run" for s in steps):
+                # a parent run with no stage under it would only be noise in MLflow
+                distributed.broadcast_object(None)  # nothing for the other ranks
+                for step in steps:
+                    records[step.stage] = self._do(step, records, tracker, steps)
+                self._reprint_results(steps, records)
+                return records
             together = [s for s in steps if s.action == "run" and STAGES[s.stage].distributed]
             try:
                 tracker.start(self.spec, plan=steps)
@@ -299,6 +317,37 @@ class Runner:
                 raise
             tracker.finish("FINISHED")
         return records
+
+    def _reprint_results(self, steps: list[Step], records: dict[str, dict | None]) -> None:
+        """Nothing ran: say that nothing was recorded, and print the results the records
+        hold (training's last step and best validation, evaluate's lines as it printed them)."""
+        from stages.evaluate import result_lines
+
+        done = (
+            "every stage is up to date"
+            if all(s.action == "skip" for s in steps)
+            else ("the stages selected are up to date")
+        )
+        self.log(f"nothing to run: {done}; no MLflow run recorded")
+        for name, record in records.items():
+            summary = (record or {}).get("summary") or {}
+            if name in ("train", "finetune") and "step" in summary:
+                lines = [f"step {summary['step']}" + _best_validation(summary)]
+            elif name == "evaluate" and "checkpoint" in summary:
+                # stage.json keeps keys sorted: the splits in the order evaluate scores them
+                splits = self.spec.evaluate.splits
+                lines = result_lines({**{k: summary[k] for k in splits if k in summary}, **summary})
+            else:
+                continue
+            assert record is not None  # a summary came from it
+            run = record.get("mlflow_run_id")
+            self.log(
+                f"recorded results of {name} (finished {record.get('finished_at')}"
+                + (f", MLflow run {run}" if run else "")
+                + "):"
+            )
+            for line in lines:
+                self.log(f"[{name}] {line}")
 
     def _do(self, step: Step, records: dict, tracker, steps: list[Step]) -> dict | None:
         name = step.stage

@@ -1,0 +1,97 @@
+"""A re-run with nothing to do: no new MLflow run, and the recorded results printed again.
+
+The stages are stand-ins (as in test_runner.py); the tracking store is the real embedded one
+that `allattn-pipe run` makes under workspace.root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+
+import stages
+from pipeline.commands.cli import main
+from pipeline.spec import load_spec
+from pipeline.tracking.tracker import experiment_name, tracking_uri
+
+ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
+RESULTS = {
+    "checkpoint": "finetune/step-00000003",
+    "unigram_entropy_bits": 4.5,
+    "valid": {"tokens": 1234, "loss": 1.5, "bpc": 2.164, "ppl": 4.48},
+    "test": {"tokens": 2345, "loss": 1.6, "bpc": 2.308, "ppl": 4.95},
+}
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    def make(name):
+        def run(ctx):
+            (ctx.out_dir / "output.txt").write_text(name)
+            if name == "evaluate":
+                return RESULTS
+            if name in ("train", "finetune"):
+                return {"step": 3, "checkpoint": "x", "best_valid_bpc_estimate": 2.5}
+            return {"ok": name}
+
+        return run
+
+    for name in ORDER:
+        monkeypatch.setitem(
+            stages.STAGES, name, dataclasses.replace(stages.STAGES[name], run=make(name))
+        )
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(f"""\
+name: pipe
+dataset: python_docs
+model: {{kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 64}}
+train: {{steps: 2, batch_size: 2, seq_len: 8,
+        optimizer: {{type: adam, lr: 1.0e-3, clip: global, clip_norm: 1.0}}}}
+finetune: {{steps: 1}}
+workspace: {{root: {tmp_path / "runs"}}}
+stages: [download, preprocess, train, finetune, evaluate]
+""")
+    return path
+
+
+def mlflow_runs(cfg) -> list:
+    from mlflow.tracking import MlflowClient
+
+    spec = load_spec(cfg, [])
+    client = MlflowClient(tracking_uri(spec))
+    experiment = client.get_experiment_by_name(experiment_name(spec))
+    return client.search_runs([experiment.experiment_id])
+
+
+def test_a_rerun_with_nothing_to_do_records_no_run_and_reprints_the_results(cfg, stand_ins):
+    first = CliRunner().invoke(main, ["run", str(cfg)])
+    assert first.exit_code == 0, first.output
+    runs = {r.info.run_id for r in mlflow_runs(cfg)}
+    assert len(runs) == 1 + len(ORDER)  # the parent and a run per stage
+
+    again = CliRunner().invoke(main, ["run", str(cfg)])
+    assert again.exit_code == 0, again.output
+    assert {r.info.run_id for r in mlflow_runs(cfg)} == runs
+    out = again.stdout
+    assert "nothing to run: every stage is up to date; no MLflow run recorded" in out
+    assert "recorded results of evaluate (finished " in out
+    assert "[evaluate] valid bpc 2.164   ppl 4.48   (1,234 tokens)" in out
+    assert "[evaluate] test  bpc 2.308   ppl 4.95   (2,345 tokens)" in out
+    assert out.index("[evaluate] valid bpc") < out.index("[evaluate] test  bpc")  # as scored
+    assert "[finetune] step 3, best valid bpc estimate 2.500" in out
+
+
+def test_a_dry_run_is_unchanged_and_records_nothing(cfg, stand_ins):
+    assert CliRunner().invoke(main, ["run", str(cfg)]).exit_code == 0
+    runs = len(mlflow_runs(cfg))
+    dry = CliRunner().invoke(main, ["run", str(cfg), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "recorded results" not in dry.stdout
+    assert all(" skip " in line for line in dry.stdout.splitlines()[1:])
+    assert len(mlflow_runs(cfg)) == runs
