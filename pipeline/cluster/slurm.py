@@ -60,6 +60,16 @@ MARKER = "# allattn-pipe rendered this Slurm script: re-rendering it replaces th
 # end a comment or a line of the script, or change what sbatch reads: refused, never quoted.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
+# An account or QOS name, as sacctmgr makes them: ASCII letters, digits and _.- only, so it
+# needs no quoting in an #SBATCH line (which Slurm splits on whitespace).
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+# --cpus-per-task when sinfo cannot say what a node has (no sinfo here, no controller): Slurm's
+# own default. A rank reads its data in its own process (pipeline/data/stream.py: no loader
+# workers), so 1 runs; `--cpus-per-task` gives it more.
+FALLBACK_CPUS_PER_TASK = 1
+SINFO_TIMEOUT_S = 10
+
 
 def refuse_control(flag: str, value: str) -> str:
     """`value`, given as `flag`, if it can go into a script's line; else a one-line error."""
@@ -131,6 +141,77 @@ def _comment(text: str) -> str:
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
+def slurm_name(flag: str, value: str, what: str) -> str:
+    """`value` if it can be a Slurm account / QOS name in an #SBATCH line; else one line."""
+    refuse_control(flag, value)
+    if not _SLURM_NAME.fullmatch(value):
+        raise PipelineError(
+            f"{flag} {value!r}: not a Slurm {what} name; only ASCII letters, digits and _.- "
+            f"are supported"
+        )
+    return value
+
+
+def partition_nodes(partition: str | None) -> list[tuple[int, int]] | None:
+    """(CPUs, GPUs) of each kind of node in `partition` (the cluster's default partition when
+    None), as sinfo reports them; None when sinfo is not here or cannot say."""
+    import shutil
+    import subprocess
+
+    sinfo = shutil.which("sinfo")
+    if sinfo is None:
+        return None
+    command = [sinfo, "--noheader", "--format=%P %c %G"]
+    if partition is not None:
+        command.append(f"--partition={partition}")
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=SINFO_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    nodes = []
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        # the default partition is the one sinfo marks with *; "64+": at least 64 CPUs
+        if len(fields) != 3 or (partition is None and not fields[0].endswith("*")):
+            continue
+        cpus = re.fullmatch(r"([0-9]+)\+?", fields[1])
+        if cpus is None:
+            continue
+        # Gres such as gpu:8, gpu:a100:8(S:0-1) or gpu:a100:4,gpu:v100:2 ((null): none)
+        gpus = sum(int(n) for n in re.findall(r"gpu(?::[^:,(]+)?:([0-9]+)", fields[2]))
+        nodes.append((int(cpus.group(1)), gpus))
+    return nodes or None
+
+
+def cpus_per_task(
+    given: int | None, partition: str | None, gpus_per_node: int, procs: int
+) -> tuple[int, str]:
+    """CPUs for each training process, and where the number comes from: `given`
+    (--cpus-per-task), else the node's CPUs per GPU (per process on a CPU partition) on the
+    partition's smallest kind of node, as sinfo reports it, else FALLBACK_CPUS_PER_TASK."""
+    if given is not None:
+        if given < 1:
+            raise PipelineError(f"--cpus-per-task must be at least 1, got {given}")
+        return given, "--cpus-per-task"
+    nodes = partition_nodes(partition)
+    where = f"partition {partition}" if partition else "the default partition"
+    if nodes is None:
+        return FALLBACK_CPUS_PER_TASK, (
+            f"Slurm's default; sinfo could not say what {where}'s nodes have "
+            f"(--cpus-per-task N sets it)"
+        )
+    per_node = [
+        (cpus // gpus, f"{cpus} CPUs / {gpus} GPUs")
+        if gpus_per_node and gpus
+        else (cpus // procs, f"{cpus} CPUs / {procs} processes")
+        for cpus, gpus in nodes
+    ]
+    cpus, how = min(per_node)
+    return max(1, cpus), f"{how} per node of {where} (sinfo)"
+
+
 def _resources(nodes: int, gpus_per_node: int, procs_per_node: int | None) -> int:
     """Processes per node: one per GPU, or --procs-per-node on a CPU partition."""
     if nodes < 1:
@@ -159,11 +240,18 @@ def _resources(nodes: int, gpus_per_node: int, procs_per_node: int | None) -> in
 
 def _directives(
     gpus_per_node: int,
+    procs: int,
     partition: str | None,
     time: str | None,
     signal_lead: int,
+    *,
+    cpus: int | None,
+    account: str | None,
+    qos: str | None,
     extra: Sequence[str] = (),
 ) -> str:
+    """The #SBATCH lines a job's options ask for (None: not asked, the cluster's default;
+    `cpus`: derived, see `cpus_per_task`)."""
     directives = [*extra]
     if gpus_per_node:
         directives.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
@@ -174,6 +262,13 @@ def _directives(
                 f"comma-separated list of them)"
             )
         directives.append(f"#SBATCH --partition={partition}")
+    per_task, source = cpus_per_task(cpus, partition, gpus_per_node, procs)
+    directives.append(f"# CPUs per training process: {_comment(source)}")
+    directives.append(f"#SBATCH --cpus-per-task={per_task}")
+    if account is not None:
+        directives.append(f"#SBATCH --account={slurm_name('--account', account, 'account')}")
+    if qos is not None:
+        directives.append(f"#SBATCH --qos={slurm_name('--qos', qos, 'QOS')}")
     if signal_lead < 1:
         raise PipelineError(f"--signal-lead must be at least 1 second, got {signal_lead}")
     if signal_lead > MAX_SIGNAL_LEAD_S:
@@ -194,11 +289,13 @@ def _directives(
 
 
 def _environment(gpus_per_node: int) -> str:
+    # srun of Slurm 22.05 to 23.02 does not take --cpus-per-task from the job: say it again
+    cpus = "export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}\n"
     if gpus_per_node:
-        return ""
+        return cpus
     # DeepSpeed would look for a GPU; OpenMP threads default to the cores Slurm gave a task
     return (
-        "export DS_ACCELERATOR=cpu\n"
+        cpus + "export DS_ACCELERATOR=cpu\n"
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}\n"
     )
 
@@ -244,6 +341,9 @@ def render_sbatch(
     time: str | None = None,
     signal_lead: int = SIGNAL_LEAD_S,
     overrides: tuple[str, ...] | list[str] = (),
+    cpus_per_task: int | None = None,
+    account: str | None = None,
+    qos: str | None = None,
 ) -> str:
     """The batch script that trains `spec` (loaded from `config_path` with `overrides`) on
     `nodes` x processes per node. The job must be submitted from the current directory's
@@ -271,7 +371,16 @@ def render_sbatch(
             **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
             "name": job_spec.name,
             "rendered_by": command,
-            "optional_directives": _directives(gpus_per_node, partition, time, signal_lead),
+            "optional_directives": _directives(
+                gpus_per_node,
+                procs,
+                partition,
+                time,
+                signal_lead,
+                cpus=cpus_per_task,
+                account=account,
+                qos=qos,
+            ),
             "log_dir": plain("log directory", slurm_dir(spec) / "logs"),
             "log_name": "%x-%j.out",
             "point_setup": "",
@@ -294,6 +403,9 @@ def render_sweep_array(
     time: str | None = None,
     signal_lead: int = SIGNAL_LEAD_S,
     max_parallel: int | None = None,
+    cpus_per_task: int | None = None,
+    account: str | None = None,
+    qos: str | None = None,
 ) -> tuple[str, Spec]:
     """A job array that runs every point of `allattn-pipe sweep CONFIG --grid ... --seeds ...`
     as one task (at most `max_parallel` at once), each on `nodes` x processes per node.
@@ -354,7 +466,17 @@ def render_sweep_array(
             **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
             "name": f"{base.name}-sweep",
             "rendered_by": rendered_by,
-            "optional_directives": _directives(gpus_per_node, partition, time, signal_lead, array),
+            "optional_directives": _directives(
+                gpus_per_node,
+                procs,
+                partition,
+                time,
+                signal_lead,
+                cpus=cpus_per_task,
+                account=account,
+                qos=qos,
+                extra=array,
+            ),
             "log_dir": plain("log directory", slurm_dir(base) / "logs"),
             "log_name": "%x-%A_%a.out",
             "point_setup": setup,

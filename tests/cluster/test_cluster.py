@@ -482,10 +482,20 @@ def test_sbatch_accepts_every_rendered_script_and_refuses_what_rendering_refuses
     cpu = ["--gpus-per-node", "0", "--procs-per-node", "1"]
     common = ["--set", f"workspace.root={root}", "--set", value, *cpu]
     limits = ["--time", "2-00:00:00", "--signal-lead", "65535", "--partition", "cpu"]
+    # --account / --qos stay out: this cluster keeps no accounts (no slurmdbd)
+    limits += ["--cpus-per-task", "1"]
     scripts = []
     for i, extra in enumerate([[], limits]):
         scripts.append(tmp_path / f"job{i}.sbatch")
-        cli("launch", "slurm", config, "--nodes", "2", *common, *extra, "--output", scripts[-1])
+        cli(
+            *["launch", "slurm", config, "--nodes", "2", *common, *extra],
+            *["--output", scripts[-1]],
+            env=cluster.env,  # the cluster's sinfo says what its nodes have: 1 CPU each
+        )
+    assert "#SBATCH --cpus-per-task=1\n" in scripts[0].read_text()
+    assert "1 CPUs / 1 processes per node of the default partition (sinfo)" in (
+        scripts[0].read_text()
+    )
     sweep = cli(
         "sweep",
         config,

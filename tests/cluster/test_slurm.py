@@ -53,6 +53,29 @@ FAKES = {
 }
 
 
+# A stand-in for sinfo: prints $FAKE_SINFO's lines ("PARTITION CPUS GRES", as --format=
+# "%P %c %G" asks) for the --partition asked, all of them without one; no file: it fails, as
+# sinfo does without a controller.
+FAKE_SINFO = """\
+#!/bin/bash
+[ -f "$FAKE_SINFO" ] || { echo "sinfo: fatal: no controller" >&2; exit 1; }
+for a in "$@"; do case "$a" in --partition=*) part="${a#--partition=}" ;; esac; done
+if [ -n "${part:-}" ]; then grep -E "^$part\\*? " "$FAKE_SINFO"; else cat "$FAKE_SINFO"; fi
+"""
+
+
+@pytest.fixture(autouse=True)
+def sinfo(tmp_path_factory, monkeypatch) -> Path:
+    """The sinfo rendering asks about the nodes (what it prints: the returned file's lines),
+    in place of any real one on this machine; outside tmp_path, which tests check is empty."""
+    bin_dir = tmp_path_factory.mktemp("sinfo")
+    (bin_dir / "sinfo").write_text(FAKE_SINFO)
+    (bin_dir / "sinfo").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SINFO", str(bin_dir / "sinfo.txt"))
+    return bin_dir / "sinfo.txt"
+
+
 def render(*args: str, workspace: Path | None = None):
     extra = ["--set", f"workspace.root={workspace}"] if workspace else []
     return CliRunner().invoke(main, ["launch", "slurm", *args, *extra])
@@ -105,6 +128,7 @@ def test_sbatch_directives(project, tmp_path):
         "nodes": "2",
         "ntasks-per-node": "8",
         "gpus-per-node": "8",
+        "cpus-per-task": "1",  # sinfo does not answer here: Slurm's default
         "output": f"{slurm_dir}/logs/%x-%j.out",
         "open-mode": "append",
         "requeue": "",
@@ -114,6 +138,53 @@ def test_sbatch_directives(project, tmp_path):
     first_command = re.search(r"^[^#\n]", script, re.MULTILINE).start()
     assert script.rfind("#SBATCH") < first_command
     assert "DS_ACCELERATOR" not in script
+
+
+def test_cpus_per_task_account_and_qos_become_sbatch_lines(project, tmp_path):
+    flags = ["--cpus-per-task", "6", "--account", "proj_1.a-b", "--qos", "high"]
+    launch = render(CONFIG, "--nodes", "2", "--gpus-per-node", "8", *flags, "--dry-run")
+    assert launch.exit_code == 0, launch.output
+    sweep = CliRunner().invoke(
+        main,
+        ["sweep", CONFIG, "--seeds", "1,2", "--set", f"workspace.root={tmp_path}"]
+        + ["--slurm", "--nodes", "2", "--gpus-per-node", "8", *flags, "--dry-run"],
+    )
+    assert sweep.exit_code == 0, sweep.output
+    for script in (launch.stdout, sweep.stdout):
+        options = sbatch_options(script)
+        assert options["cpus-per-task"] == "6"
+        assert options["account"] == "proj_1.a-b" and options["qos"] == "high"
+        # srun of Slurm 22.05-23.02 does not pass the job's --cpus-per-task on by itself
+        assert "export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}\n" in script
+    assert "account" not in sbatch_options(acceptance_script(tmp_path))
+    assert "qos" not in sbatch_options(acceptance_script(tmp_path))
+
+
+def test_cpus_per_task_comes_from_the_nodes_sinfo_reports(project, tmp_path, sinfo):
+    # the default partition (*) has 8-GPU nodes of 128 CPUs, and some with more
+    sinfo.write_text("gpu* 128 gpu:h100:8(S:0-1)\ngpu* 256+ gpu:8\ncpu 64 (null)\n")
+    gpu = render(CONFIG, "--nodes", "2", "--gpus-per-node", "4", "--dry-run", workspace=tmp_path)
+    assert gpu.exit_code == 0, gpu.output
+    assert sbatch_options(gpu.stdout)["cpus-per-task"] == "16"  # 128 CPUs / 8 GPUs
+    assert "# CPUs per training process: 128 CPUs / 8 GPUs per node of the default" in gpu.stdout
+    cpu = render(
+        CONFIG,
+        *["--nodes", "2", "--gpus-per-node", "0", "--procs-per-node", "4"],
+        *["--partition", "cpu", "--dry-run"],
+        workspace=tmp_path,
+    )
+    assert cpu.exit_code == 0, cpu.output
+    assert sbatch_options(cpu.stdout)["cpus-per-task"] == "16"  # 64 CPUs / 4 processes
+    given = render(
+        CONFIG, "--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "3", "--dry-run"
+    )
+    assert sbatch_options(given.stdout)["cpus-per-task"] == "3"
+
+
+def test_without_sinfo_cpus_per_task_is_slurms_default_and_says_so(project, tmp_path):
+    script = acceptance_script(tmp_path)
+    assert sbatch_options(script)["cpus-per-task"] == "1"
+    assert "sinfo could not say what the default partition's nodes have" in script
 
 
 def test_a_cpu_partition_asks_for_no_gpu(project, tmp_path):
@@ -315,6 +386,22 @@ def test_writes_the_script_and_says_how_to_submit(project, tmp_path):
             ["--nodes", "2", "--gpus-per-node", "8", "--set", "stages=[download,preprocess]"],
             "has no train stage",
         ),
+        (
+            ["--nodes", "2", "--gpus-per-node", "8", "--cpus-per-task", "0"],
+            "--cpus-per-task must be at least 1, got 0",
+        ),
+        (
+            ["--nodes", "2", "--gpus-per-node", "8", "--account", "a b"],
+            "--account 'a b': not a Slurm account name; only ASCII letters, digits and _.-",
+        ),
+        (
+            ["--nodes", "2", "--gpus-per-node", "8", "--qos", "$(touch x)"],
+            "--qos '$(touch x)': not a Slurm QOS name",
+        ),
+        (
+            ["--nodes", "2", "--gpus-per-node", "8", "--account", "a\nb"],
+            "--account a\\nb: control characters (newline, tab, ...) cannot go into",
+        ),
     ],
 )
 def test_refuses_with_a_clear_message(project, args, message):
@@ -394,6 +481,10 @@ def test_cluster_options_without_slurm_are_refused(project):
         "error: --nodes, --max-parallel: only with --slurm (locally, "
         "--parallel sets how many points run at once)\n"
     )
+    slurm_only = ["--cpus-per-task", "4", "--account", "p", "--qos", "q"]
+    result = CliRunner().invoke(main, ["sweep", CONFIG, "--seeds", "1,2", *slurm_only])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: --cpus-per-task, --account, --qos: only with --slurm")
 
 
 def test_ranks_from_slurm_outside_an_srun_step_is_one_line(project, monkeypatch, capsys):
