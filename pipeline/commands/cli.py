@@ -340,6 +340,7 @@ def SLURM_JOB(command):
     type=click.IntRange(min=1),
     help="With --slurm: at most this many points run at once.",
 )
+@SMOKE
 @click.option("--array-task-prepare", type=int, hidden=True)
 @click.option("--array-task-finish", type=int, hidden=True)
 def sweep(
@@ -360,6 +361,7 @@ def sweep(
     account,
     qos,
     max_parallel,
+    smoke,
     array_task_prepare,
     array_task_finish,
 ):
@@ -368,6 +370,11 @@ def sweep(
     interrupted ones."""
     from pipeline.commands import sweep as sweeps
 
+    if smoke and (slurm or array_task_prepare is not None or array_task_finish is not None):
+        raise PipelineError(
+            "--smoke with --slurm: a smoke sweep is a try-out that runs here; "
+            "drop --slurm (or --smoke to submit the real sweep)"
+        )
     args = (config, list(overrides), list(grid), seeds)
     if array_task_prepare is not None:
         sweeps.prepare_array_task(*args, array_task_prepare, log=_echo)
@@ -407,7 +414,7 @@ def sweep(
             f"{', '.join(given)}: only with --slurm (locally, --parallel "
             f"sets how many points run at once)"
         )
-    failed = sweeps.run_sweep(*args, parallel, dry_run, log=_echo)
+    failed = sweeps.run_sweep(*args, parallel, dry_run, log=_echo, smoke=smoke)
     if failed:
         raise PipelineError(f"{len(failed)} sweep points failed: {', '.join(failed)}")
 

@@ -53,6 +53,7 @@ class Point:
     overrides: list[str]  # the user's --set, the grid's, the seed, `~KEY` drops, name, experiment
     spec: Spec  # its resolved spec
     dropped: list[InertKey] = field(default_factory=list)  # keys that do nothing at this point
+    smoke: bool = False  # the config shrunk by --smoke (pipeline.spec.smoke) before the sets
 
     def dropped_line(self) -> str:
         """'point NAME: dropped K1, K2 (why); K3 (why)': the keys grouped by their reason."""
@@ -109,7 +110,9 @@ def _label(key: str, keys: list[str]) -> str:
     return last if sum(k.rsplit(".", 1)[-1] == last for k in keys) == 1 else key.replace(".", "_")
 
 
-def load_dropping_inert(config: str, sets_for, chosen: list[tuple[str, str]]):
+def load_dropping_inert(
+    config: str, sets_for, chosen: list[tuple[str, str]], smoke: bool = False, log=None
+):
     """The spec of `config` with `sets_for(chosen, removals)`, less each key written there
     that does nothing under its other settings: a grid key's value is left out of `chosen`,
     any other key removed by `--set ~KEY`. Returns the spec, the grid values kept, the sets
@@ -119,7 +122,8 @@ def load_dropping_inert(config: str, sets_for, chosen: list[tuple[str, str]]):
     while True:
         sets = sets_for(chosen, removals)
         try:
-            return load_spec(config, sets), chosen, sets, list(dropped.values())
+            spec = load_spec(config, sets, smoke=smoke, log=log)
+            return spec, chosen, sets, list(dropped.values())
         except InertKeysError as e:
             if all(f"~{k.key}" in removals for k in e.keys):
                 raise  # removed, yet still there: never loop
@@ -133,14 +137,19 @@ def load_dropping_inert(config: str, sets_for, chosen: list[tuple[str, str]]):
 
 
 def points(
-    config: str, overrides: list[str], grid: list[tuple[str, list[str]]], seeds: list[str]
+    config: str,
+    overrides: list[str],
+    grid: list[tuple[str, list[str]]],
+    seeds: list[str],
+    smoke: bool = False,
+    log=None,
 ) -> list[Point]:
     """Every point of the grid x seeds, each validated as its own spec. A key written in the
     config, by --set or by the grid that does nothing at a point is dropped there (a grid
     key's label leaves the point's name, and points that then coincide are one); one that
     does nothing at every point is refused, as a single run refuses it."""
     base, _, _, _ = load_dropping_inert(
-        config, lambda chosen, removals: [*overrides, *removals], []
+        config, lambda chosen, removals: [*overrides, *removals], [], smoke, log
     )
     keys = [k for k, _ in grid]
     if seeds and any(overlapping(k, "train.seed") for k in keys):
@@ -174,7 +183,7 @@ def points(
 
         full = list(zip(keys, values, strict=False))
         try:
-            spec, chosen, sets, dropped = load_dropping_inert(config, sets_for, full)
+            spec, chosen, sets, dropped = load_dropping_inert(config, sets_for, full, smoke)
         except PipelineError as e:
             raise PipelineError(f"sweep point {point_name(full, seed)}: {e}") from None
         name = point_name(chosen, seed)
@@ -185,7 +194,7 @@ def points(
                 f"sweep: two points would both be named {name}; give each value once"
             )
         names.add(name)
-        out.append(Point(name, sets, spec, dropped))
+        out.append(Point(name, sets, spec, dropped, smoke))
     refuse_inert_everywhere(out, grid)
     return out
 
@@ -257,7 +266,12 @@ def is_done(spec) -> bool:
 
 
 def plan_sweep(
-    config: str, overrides: list[str], grid_items: list[str], seeds_text: str | None, log=None
+    config: str,
+    overrides: list[str],
+    grid_items: list[str],
+    seeds_text: str | None,
+    log=None,
+    smoke: bool = False,
 ) -> tuple[list[Point], list[str], str]:
     """The sweep's points, the stages they share, and its id (its MLflow run's tag); `log`
     is told of each --set that the grid or the seeds replace, and of the keys each point
@@ -272,11 +286,12 @@ def plan_sweep(
         replaced_by = [flag for k, flag in varied if overlapping(key, k)]
         if replaced_by:
             log(f"--set {item}: replaced at every point by {', '.join(replaced_by)}")
-    pts = points(config, overrides, grid, seeds)
+    pts = points(config, overrides, grid, seeds, smoke, log)
     for p in pts if log else ():
         if p.dropped:
             log(p.dropped_line())
-    return pts, shared_prefix(pts), sweep_id(config, overrides, grid, seeds)
+    ident = sweep_id(config, [*overrides, *(["--smoke"] if smoke else [])], grid, seeds)
+    return pts, shared_prefix(pts), ident
 
 
 def run_sweep(
@@ -287,12 +302,14 @@ def run_sweep(
     parallel: int = 1,
     dry_run: bool = False,
     log=print,
+    smoke: bool = False,
 ) -> list[str]:
-    """Run (or, dry, describe) every point; returns the names of the points that failed."""
+    """Run (or, dry, describe) every point; returns the names of the points that failed.
+    `smoke`: every point is the config shrunk by --smoke, run as `run --smoke` runs it."""
     from pipeline.tracking.store import is_remote
     from pipeline.tracking.tracker import make_tracker, tracking_uri
 
-    pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text, log)
+    pts, prefix, ident = plan_sweep(config, overrides, grid_items, seeds_text, log, smoke)
     if dry_run:
         log(
             f"{len(pts)} points; run once and reused by every point: "
@@ -382,6 +399,7 @@ def point_command(config: str, point: Point) -> list[str]:
         "pipeline.commands.cli",
         "run",
         config,
+        *(["--smoke"] if point.smoke else []),
         *(x for o in point.overrides for x in ("--set", o)),
     ]
 
