@@ -225,6 +225,8 @@ def measure_step(spec, budget_s: float = 60.0) -> StepTime:
     else:
         seq = spec.train.seq_len
     vocab, origin = vocab_size_for(spec)
+    if vocab is None:
+        raise PipelineError(f"{spec.source}: the vocabulary size is unknown until preprocess")
     torch.manual_seed(0)
     model = spec.build_model(vocab, origin).to(device, dtype)
     optimizer = build_optimizer(model.parameters(), spec.train.optimizer)
@@ -293,7 +295,12 @@ def estimate_report(spec, measure: bool = True, progress=None) -> str:
             f"  model FLOPs per token (forward + backward){where}: {est.flops / 1e9:.3f} GFLOP "
             f"(the model's train_flops_per_token())"
         )
-    if measure:
+    if measure and vocab_size_for(spec)[0] is None:
+        lines.append(
+            "  step time here: not measured (the vocabulary size is unknown until preprocess "
+            "has run; set dataset.vocab_size to time an update)"
+        )
+    elif measure:
         if progress is not None:
             progress(
                 f"timing updates of {spec.name}'s model here (1 warm-up, then up to 3 "

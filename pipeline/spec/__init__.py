@@ -90,7 +90,7 @@ def remove_key(data: dict, where: dict, text: str) -> None:
     path = tuple(key.split("."))
     if not key or not all(path):
         raise SpecError(f"--set {shown(text)}: '{shown(key)}' is not a dotted key path")
-    node = data
+    node: dict | None = data
     for part in path[:-1]:
         node = node.get(part) if isinstance(node, dict) else None
     if not isinstance(node, dict) or path[-1] not in node:

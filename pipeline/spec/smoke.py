@@ -106,7 +106,7 @@ def smoke_data(data: dict, builtin_card: dict, keep_dataset: bool = False) -> Sm
         out.changed.append(path)
 
     def cap(path: tuple, limit: int, default=None) -> None:
-        node = d
+        node: dict | None = d
         for part in path[:-1]:
             node = node.get(part) if isinstance(node, dict) else None
         current = node.get(path[-1], default) if isinstance(node, dict) else default
@@ -119,7 +119,7 @@ def smoke_data(data: dict, builtin_card: dict, keep_dataset: bool = False) -> Sm
     if isinstance(tracking, dict) and isinstance(tracking.get("experiment"), str):
         put(("tracking", "experiment"), tracking["experiment"] + SUFFIX)
 
-    stages = d.get("stages") if isinstance(d.get("stages"), list) else []
+    stages = d["stages"] if isinstance(d.get("stages"), list) else []
     vocab = _smoke_dataset(d, out, put, cap, builtin_card, keep_dataset)
     _smoke_model(d, put, cap, vocab)
 
