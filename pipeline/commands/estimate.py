@@ -38,11 +38,22 @@ def training_tokens(spec) -> list[StageTokens]:
             train = spec.train
             steps = train.steps if stage == "train" else spec.finetune.steps
             key = "train.steps" if stage == "train" else "finetune.steps"
+            generator = spec.dataset.generator
+            if generator is not None and (task := generator.frequency_sort) is not None:
+                # an update reads whole documents, in segments of seq_len with the memory
+                # carried: the input, the separator and the sorted vocabulary
+                per_row = task.length + 1 + task.vocab
+                what = (
+                    f"{per_row:,} tokens (a whole document: {task.length:,} "
+                    f"(frequency_sort.length) + the separator + {task.vocab} sorted symbols)"
+                )
+            else:
+                per_row, what = train.seq_len, f"{train.seq_len} tokens (train.seq_len)"
             how = (
                 f"{steps:,} updates ({key}) x {train.batch_size} sequences (train.batch_size, "
-                f"all processes) x {train.seq_len} tokens (train.seq_len)"
+                f"all processes) x {what}"
             )
-            out.append(StageTokens(stage, steps, steps * train.batch_size * train.seq_len, how))
+            out.append(StageTokens(stage, steps, steps * train.batch_size * per_row, how))
         elif stage == "curriculum":
             cur = spec.dataset.generator.algorithmic.curriculum
             updates = cur.epochs * cur.steps_per_epoch

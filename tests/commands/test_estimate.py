@@ -53,6 +53,14 @@ def test_a_curriculum_counts_cases_at_its_start_length_as_a_lower_bound():
     )
 
 
+def test_an_update_of_the_sorting_task_reads_whole_documents():
+    # sort_16k: 20,000 updates x 8 documents of 16,000 tokens, the separator and 20 sorted
+    # symbols (its segments of 1,024 are how a document is read, not what an update costs)
+    [train] = training_tokens(load_spec("configs/infinity_former/sort_16k.yaml"))
+    assert train.tokens == 20_000 * 8 * (16_000 + 1 + 20)
+    assert "whole document" in train.how
+
+
 @pytest.mark.parametrize("frac", [1.0, 1 / 16])
 def test_h100_hours_of_the_measured_config_give_back_its_recorded_tokens_per_second(frac):
     """enwik8_large is the model the GPU check timed: its estimate must reproduce the
