@@ -191,8 +191,8 @@ def stages_diagram(path) -> Path:
     ax.text(
         0.005,
         0.215,
-        "one MLflow parent run per invocation (params, resolved spec, environment), "
-        "a nested run per stage that ran",
+        "one MLflow parent run per `run` that runs a stage (params, resolved spec, "
+        "environment), a nested run per stage that ran; a re-run with nothing to do records none",
         fontsize="small",
         color="#333333",
         va="center",
