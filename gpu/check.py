@@ -270,6 +270,7 @@ model: {{attention: {{impl: triton}}}}
 train:
   compile: graphs
   steps: {PIPELINE_STEPS}
+  optimizer: {{warmup_steps: {PIPELINE_STEPS // 5}}}  # the paper's 32,000 outlast a short run
   batch_size: {batch}
   log_every: 10
   eval_every: {PIPELINE_STEPS}
