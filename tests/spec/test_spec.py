@@ -147,7 +147,7 @@ def test_set_overrides_are_typed(tmp_path):
         [
             "train.optimizer.lr=0.05",
             "model.n_layers=12",
-            "train.optimizer.warmup_steps=10",
+            "train.optimizer.warmup_steps=3",
             "tracking.enabled=false",
             "model.span_loss_coef=2e-7",
         ],
