@@ -5,11 +5,13 @@ the path fuzzer (quality/fuzzers/path_fuzz.py). quality/fuzz.py prints both figu
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from pipeline.data import corpus
 from quality.fuzzers.cli_fuzz import Case, build_world, fuzz, run_case
 from quality.fuzzers.path_fuzz import fuzz_paths
 
@@ -18,7 +20,11 @@ CASES = 2000
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("fuzz") / "world")
+    # the built-in corpus assembled once: a drawn `run --force download` walks the standard
+    # library again otherwise (11 s idle, past the 30 s hang limit on a loaded CI machine)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(corpus.BUILTIN, "python-docs", functools.cache(corpus.python_docs))
+        yield build_world(tmp_path_factory.mktemp("fuzz") / "world")
 
 
 @pytest.mark.fuzz
