@@ -154,7 +154,7 @@ def collect(
             runs = _search(client, exp_id, "")
             matching = _search(client, exp_id, filter_string) if filter_string else runs
         except MlflowException as e:
-            raise PipelineError(f"--filter {filter_string!r}: {e.message}") from None
+            raise PipelineError(f"--filter {filter_string!r}: {shown(e.message)}") from None
         chosen = {p for r in matching for p in _pipelines_of(r, runs)}
         children: dict[str, list] = {}
         by_workspace: dict[str, list] = {}

@@ -232,6 +232,15 @@ def test_plot_without_an_extension_is_a_png_at_that_name(cfg, stand_ins, tmp_pat
     assert (tmp_path / "curves").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_filter_mlflow_refuses_is_one_escaped_line(cfg, stand_ins, tmp_path, monkeypatch):
+    # MLflow's message quotes the filter raw: a carriage return in it broke the one line
+    pipeline(cfg, "train.seed=1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    out = compare(["compare", "--filter", "0\rA"], code=2)
+    assert out.startswith("error: --filter '0\\rA': ") and "\r" not in out
+    assert len(out.strip().splitlines()) == 1
+
+
 def test_csv_keeps_every_column_and_filter_uses_mlflow_syntax(
     three_seeds_two_lrs, tmp_path, monkeypatch
 ):
