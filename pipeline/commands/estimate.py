@@ -306,12 +306,7 @@ def estimate_report(spec, measure: bool = True, progress=None) -> str:
             f"  model FLOPs per token (forward + backward){where}: {est.flops / 1e9:.3f} GFLOP "
             f"(the model's train_flops_per_token())"
         )
-    if measure and vocab_size_for(spec)[0] is None:
-        lines.append(
-            "  step time here: not measured (the vocabulary size is unknown until preprocess "
-            "has run; set dataset.vocab_size to time an update)"
-        )
-    elif measure:
+    if measure:  # gpu_estimates has refused a vocabulary unknown before preprocess
         if progress is not None:
             progress(
                 f"timing updates of {spec.name}'s model here (1 warm-up, then up to 3 "
