@@ -32,7 +32,7 @@ from tests.stages.test_download import (  # noqa: F401  (fixtures)
     server,
     sha,
 )
-from tests.workspace.test_runner import calls, cfg, run  # noqa: F401  (calls, cfg: fixtures)
+from tests.workspace.test_runner import calls, run  # noqa: F401  (calls: a fixture; cfg: conftest)
 
 ROOT = Path(__file__).resolve().parents[2]
 VICTIM = "not yours: thesis chapter 3\n"
@@ -88,7 +88,7 @@ def mode(path: Path) -> int:
 
 
 def test_a_link_planted_at_the_workspace_lock_is_refused_and_its_target_untouched(
-    cfg,  # noqa: F811
+    cfg,
     calls,  # noqa: F811
     victim,
 ):
@@ -114,7 +114,7 @@ def test_a_dangling_link_at_the_workspace_lock_creates_nothing(cfg, calls, tmp_p
 
 
 def test_a_link_planted_at_a_stage_directory_is_refused_and_its_target_untouched(
-    cfg,  # noqa: F811
+    cfg,
     calls,  # noqa: F811
     victim,
 ):

@@ -23,7 +23,7 @@ from pipeline.tracking.tracker import NullTracker
 from pipeline.workspace.runner import Runner
 from stages import STAGES
 from tests.stages.test_curriculum import task_spec
-from tests.workspace.test_runner import ORDER, calls, cfg, run  # noqa: F401  (calls, cfg: fixtures)
+from tests.workspace.test_runner import ORDER, calls, run  # noqa: F401  (calls: a fixture; cfg: conftest)
 
 
 def workspace(cfg) -> Path:
