@@ -30,6 +30,7 @@ as flex's tiles are (``pipeline.ops.fused.FLEX_TILES``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -41,7 +42,7 @@ from torch import Tensor
 from pipeline.ops.attention import check_shapes, log_span_mask
 from pipeline.ops.dropout import draw_dropout_seed, keep_threshold
 
-__all__ = ["KERNELS", "TILES", "attend_triton", "compile_ahead", "tiles_in_use"]
+__all__ = ["KERNELS", "TILES", "attend_triton", "compile_ahead", "forced_tile", "tiles_in_use"]
 
 TILES: tuple[dict, ...] = (
     {"T": 64, "num_warps": 4, "num_stages": 2},
@@ -58,6 +59,20 @@ still span several tiles."""
 
 _tiles: dict[tuple, dict] = {}
 _kernels: Any = None
+_forced: dict | None = None
+
+
+@contextlib.contextmanager
+def forced_tile(tile: dict):
+    """Every kernel launched inside runs in ``tile`` (one of TILES, or the interpreter's
+    {"T": t}), neither timed nor kept: how the tests and the GPU check reach each tile,
+    which the timed choice alone would leave untested."""
+    global _forced
+    before, _forced = _forced, dict(tile)
+    try:
+        yield
+    finally:
+        _forced = before
 
 
 def tiles_in_use() -> dict[tuple, dict]:
@@ -95,6 +110,9 @@ def _load_kernels(device: torch.device):
 def _launch(name: str, q: Tensor, launch_one) -> dict:
     """Run ``launch_one(tile)`` in the tile kept for (name, device, dtype, d_h); the first
     time, time every tile of TILES that compiles and keep the fastest. Returns the tile."""
+    if _forced is not None:
+        launch_one(_forced)
+        return _forced
     if q.device.type != "cuda":
         launch_one(INTERPRETER_TILE)
         return INTERPRETER_TILE
