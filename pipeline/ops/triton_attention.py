@@ -1,18 +1,22 @@
 """``triton``: the all-attention op as Triton kernels (``pipeline.ops.triton_kernels``), forward
 and backward, with the signature and numbers of ``attend_reference``.
 
-What it computes is the softmax over [window ; persistent vectors] of
+What it computes is the reference's: the softmax over [window ; persistent vectors] of
 
-    s_tc = (q_t . k_c + q_t . u_(t-c)) / sqrt(d_h) + log m(t - c)
+    s_tc = (q_t . k_c + q_t . u_(t-c)) / sqrt(d_h)
     s_tn = q_t . M_k[n] / sqrt(d_h)
 
-(``pipeline.ops.fused``'s formulation: the span mask as log m in float32, which is the
-reference's masked and renormalised weights without its +1e-8 guard), with attention dropout
-from a hash of a device seed (``pipeline.ops.dropout.flex_keep``: flex draws the same mask).
-Nothing of size [B, H, M, L'] is ever in memory: the forward keeps the output and one float32
-log-sum-exp per query, and the backward recomputes the weights tile by tile.
+with the span mask m (float32) multiplying the window's weights and the joint
+renormalisation 1 / (sum(a m) + sum(a_pers) + 1e-8), its guard included
+(``pipeline.ops.triton_kernels`` writes it out): a key with m = 0 weighs exactly 0 and the
+spans' gradient is the reference's, bounded where the mask is 0, which the log m
+formulation of ``pipeline.ops.fused`` is not (it grows like e^gap of the scores there). With
+attention dropout from a hash of a device seed (``pipeline.ops.dropout.flex_keep``: flex
+draws the same mask). Nothing of size [B, H, M, L'] is ever in memory: the forward keeps
+the output and one float32 log-denominator per query, and the backward recomputes the
+weights tile by tile.
 
-Three kernels run the backward: per query block, dq and the partial sums of u's and log m's
+Three kernels run the backward: per query block, dq and the partial sums of u's and m's
 gradients over its rows (reduced here, once); per key tile, dk and dv; per tile of
 persistent vectors, their gradients over the whole batch. No atomics, so a gradient is the
 same bits run to run.
@@ -39,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeline.ops.attention import check_shapes, log_span_mask
+from pipeline.ops.attention import RENORM_EPS, check_shapes
 from pipeline.ops.dropout import draw_dropout_seed, keep_threshold
 
 __all__ = ["KERNELS", "TILES", "attend_triton", "compile_ahead", "forced_tile", "tiles_in_use"]
@@ -155,8 +159,8 @@ KERNELS = {
 }
 """The kernels by the names the tile cache and the reports use."""
 
-_FLOAT32_POINTERS = {"lse", "delta", "du", "dlogm", "logm"}
-_FLOAT_ARGS = {"qk_scale2", "sm_scale", "keep_scale"}
+_FLOAT32_POINTERS = {"lse", "delta", "du", "dmask", "mask"}
+_FLOAT_ARGS = {"qk_scale2", "sm_scale", "keep_scale", "renorm_eps"}
 
 
 def compile_ahead(cc: int, dtype: torch.dtype, head_dim: int = 64, tile: dict | None = None):
@@ -222,7 +226,7 @@ def _rows_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _operands(q, k, v, pos, pk, pv, logm, seed, dropout_p: float) -> tuple:
+def _operands(q, k, v, pos, pk, pv, mask, seed, dropout_p: float) -> tuple:
     """The leading arguments every kernel takes: the inputs, their strides, the sizes
     (B, H, M, L', N, d_h) and the scalars. Without persistent vectors, a mask or dropout, q
     and pos stand in for the pointers the kernels then never read."""
@@ -230,7 +234,7 @@ def _operands(q, k, v, pos, pk, pv, logm, seed, dropout_p: float) -> tuple:
     pk_, pv_, lm = (
         (q if pk is None else pk),
         (q if pv is None else pv),
-        (pos if logm is None else logm),
+        (pos if mask is None else mask),
     )
     seed = q if seed is None else seed
     n = 0 if pk is None else pk.shape[1]
@@ -240,7 +244,7 @@ def _operands(q, k, v, pos, pk, pv, logm, seed, dropout_p: float) -> tuple:
         pk_.stride(-3), pk_.stride(-2), pv_.stride(-3), pv_.stride(-2), lm.stride(0),
         b, h, m, pos.shape[1], n, d,
         1.4426950408889634 / math.sqrt(d), 1.0 / math.sqrt(d), 1.0 / (1.0 - dropout_p),
-        keep_threshold(dropout_p),
+        keep_threshold(dropout_p), 0.0 if mask is None else RENORM_EPS,
     )  # fmt: skip
 
 
@@ -262,20 +266,21 @@ def _forward_op(
     pos: Tensor,
     pk: Tensor | None,
     pv: Tensor | None,
-    logm: Tensor | None,
+    mask: Tensor | None,
     seed: Tensor | None,
     dropout_p: float,
 ) -> tuple[Tensor, Tensor]:
-    """(out [B, H, M, d_h], lse [B, H, M] float32 in log2 units)."""
+    """(out [B, H, M, d_h], lse [B, H, M] float32: log2 of each row's denominator, plus its
+    max)."""
     kernels = _load_kernels(q.device)
     b, h, m, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(b, h, m, dtype=torch.float32)
     args = (
-        *_operands(q, k, v, pos, pk, pv, logm, seed, dropout_p),
+        *_operands(q, k, v, pos, pk, pv, mask, seed, dropout_p),
         out, lse, *out.stride()[:3],
     )  # fmt: skip
-    constants = _constants(q.dtype, q.shape[-1], logm is not None, dropout_p > 0.0)
+    constants = _constants(q.dtype, q.shape[-1], mask is not None, dropout_p > 0.0)
     _launch(
         "forward",
         q,
@@ -285,7 +290,7 @@ def _forward_op(
 
 
 @_forward_op.register_fake
-def _(q, k, v, pos, pk, pv, logm, seed, dropout_p):
+def _(q, k, v, pos, pk, pv, mask, seed, dropout_p):
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         q.new_empty(q.shape[:-1], dtype=torch.float32),
@@ -301,24 +306,24 @@ def _backward_op(
     pos: Tensor,
     pk: Tensor | None,
     pv: Tensor | None,
-    logm: Tensor | None,
+    mask: Tensor | None,
     seed: Tensor | None,
     out: Tensor,
     lse: Tensor,
     dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dpos, dpk, dpv, dlogm); dpk, dpv and dlogm are empty where there is no
+    """(dq, dk, dv, dpos, dpk, dpv, dmask); dpk, dpv and dmask are empty where there is no
     such input (a custom op returns tensors only)."""
     kernels = _load_kernels(q.device)
     b, h, m, d = q.shape
     span_len, n = pos.shape[1], 0 if pk is None else pk.shape[1]
     grad = _rows_contiguous(grad)
     delta = (grad.float() * out.float()).sum(-1)  # sum_c P dP per row = dO . O
-    ops = _operands(q, k, v, pos, pk, pv, logm, seed, dropout_p)
+    ops = _operands(q, k, v, pos, pk, pv, mask, seed, dropout_p)
     rows = (grad, lse, delta, *grad.stride()[:3])
-    constants = _constants(q.dtype, q.shape[-1], logm is not None, dropout_p > 0.0)
+    constants = _constants(q.dtype, q.shape[-1], mask is not None, dropout_p > 0.0)
 
-    # per query block: dq, and partial sums per distance of u's and log m's gradients
+    # per query block: dq, and partial sums per distance of u's and m's gradients
     # ([B * H, blocks, W]: each block's chunks end before W), summed here once; the kernels
     # store every gradient but those two scaled, in the input's dtype
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -332,19 +337,19 @@ def _backward_op(
                 q.new_empty(b * h, blocks, width, d, dtype=torch.float32),
                 q.new_empty(b * h, blocks, width, dtype=torch.float32),
             )
-        du, dlogm = partials[t]
+        du, dmask = partials[t]
         kernels.attention_bwd_dq[(blocks, b * h)](
-            *ops, *rows, dq, du, dlogm, width, **constants, **tile
+            *ops, *rows, dq, du, dmask, width, **constants, **tile
         )
 
     tile = _launch("backward dq", q, dq_pass)
-    du, dlogm_parts = partials[tile["T"]]
+    du, dmask_parts = partials[tile["T"]]
     scale = 1.0 / math.sqrt(d)
     # contiguous, as the fake kernel says: torch.compile checks the real strides against it
     dpos = (du.sum((0, 1))[:span_len] * scale).t().contiguous().to(pos.dtype)
-    dlogm = (
-        dlogm_parts.view(b, h, -1, dlogm_parts.shape[-1]).sum((0, 2))[:, :span_len].contiguous()
-        if logm is not None
+    dmask = (
+        dmask_parts.view(b, h, -1, dmask_parts.shape[-1]).sum((0, 2))[:, :span_len].contiguous()
+        if mask is not None
         else lse.new_empty(0)
     )
 
@@ -371,11 +376,11 @@ def _backward_op(
                 *ops, *rows, dpk, dpv, **constants, **t
             ),
         )
-    return dq, dk, dv, dpos, dpk, dpv, dlogm
+    return dq, dk, dv, dpos, dpk, dpv, dmask
 
 
 @_backward_op.register_fake
-def _(grad, q, k, v, pos, pk, pv, logm, seed, out, lse, dropout_p):
+def _(grad, q, k, v, pos, pk, pv, mask, seed, out, lse, dropout_p):
     def like(x):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -386,24 +391,24 @@ def _(grad, q, k, v, pos, pk, pv, logm, seed, out, lse, dropout_p):
         like(pos),
         q.new_empty(0) if pk is None else like(pk),
         q.new_empty(0) if pv is None else like(pv),
-        lse.new_empty(0) if logm is None else like(logm),
+        lse.new_empty(0) if mask is None else like(mask),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, pos, pk, pv, logm, seed, dropout_p = inputs
+    q, k, v, pos, pk, pv, mask, seed, dropout_p = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, pos, pk, pv, logm, seed, out, lse)
+    ctx.save_for_backward(q, k, v, pos, pk, pv, mask, seed, out, lse)
     ctx.dropout_p = dropout_p
 
 
 def _backward(ctx, grad, _grad_lse):
-    q, k, v, pos, pk, pv, logm, seed, out, lse = ctx.saved_tensors
-    dq, dk, dv, dpos, dpk, dpv, dlogm = _backward_op(
-        grad, q, k, v, pos, pk, pv, logm, seed, out, lse, ctx.dropout_p
+    q, k, v, pos, pk, pv, mask, seed, out, lse = ctx.saved_tensors
+    dq, dk, dv, dpos, dpk, dpv, dmask = _backward_op(
+        grad, q, k, v, pos, pk, pv, mask, seed, out, lse, ctx.dropout_p
     )
-    absent = (pk is None, pv is None, logm is None)
-    extra = [None if gone else g for gone, g in zip(absent, (dpk, dpv, dlogm), strict=True)]
+    absent = (pk is None, pv is None, mask is None)
+    extra = [None if gone else g for gone, g in zip(absent, (dpk, dpv, dmask), strict=True)]
     return dq, dk, dv, dpos, *extra, None, None
 
 
@@ -450,7 +455,7 @@ def attend_triton(
         pos.to(dt),
         None if persistent_k is None else _rows_contiguous(persistent_k.to(dt)),
         None if persistent_v is None else _rows_contiguous(persistent_v.to(dt)),
-        None if span_mask is None else log_span_mask(span_mask).float(),
+        None if span_mask is None else _rows_contiguous(span_mask.float()),
         seed,
         dropout_p if drop else 0.0,
     )

@@ -10,15 +10,30 @@ log2 units (s2 = s * log2 e, so the softmax runs on exp2):
 
     s2[r, t] = (q_i . k_c + q_i . u_j) / sqrt(d_h) * log2 e + log2 m_h(j)      0 <= j < L'
 
+The span mask multiplies the weights, as the reference does, and enters the denominator
+with the reference's +1e-8 guard: with e = exp2(s2 - max) over every key of the row (window
+and persistent), the weight of context key c is
+
+    P_c = e_c m(j) / D,      D = sum_c e_c m(j) + sum_n e_n + eps * sum_all e      (eps 1e-8)
+
+which is a m r of attend_reference (a = softmax(s), r = 1 / (sum(a m) + eps)) term by term: a
+key with m = 0 weighs exactly 0 whatever its score, a window whose mask is 0 throughout gives
+0, and the backward's weights e / D are bounded by 1 / eps as the reference's a r are. The
+forward stores log2 D + max per row (``lse``); the backward recomputes e / D = exp2(s2 - lse)
+and gives, with dp = dO . v (after dropout) and delta = dO . out,
+
+    dS_c = m P'_c (dp_c - delta) - eps delta e_c / D     (P' = e / D; m = 1 for persistent)
+    dm_c = e_c / D (dp_c - delta)
+
 q . u is a matmul in distance space, not in key space: R_k = q @ pos[:, kT : kT + T] holds
 q_i . u_(kT + jj) at [r, jj]. Tile k needs the distances kT - T + 1 .. kT + T - 1, i.e.
 chunks k - 1 and k, at column (t - r) mod T of R_(k-1) (t < r) or R_k (t >= r): one register
 gather per chunk, and each chunk is computed once per block (carried to the next tile).
 The backward runs the same map the other way: dS of tile k, gathered at column (jj + r) mod
 T, is distance chunk k's part (jj + r < T) and chunk k - 1's (jj + r >= T); a chunk is
-complete after two tiles, and then gives q's position gradient, u's (q^T D) and log m's
-(column sums) in one go: per-block partial sums that the caller reduces once, with no
-atomics.
+complete after two tiles, and then gives q's position gradient and u's (q^T D) in one go;
+m's gradient (the column sums of dm by distance) is gathered the same way: per-block
+partial sums that the caller reduces once, with no atomics.
 
 The N persistent keys follow the window as dense key tiles in the same online softmax, with
 no position term and no mask. Dropout keeps weight (b, h, i, key) when a 32-bit hash of (seed,
@@ -101,36 +116,48 @@ def _distance(L, k, T: tl.constexpr):
 
 @triton.jit
 def _accumulate(
-    s2, values, m_i, l_i, acc, seed, b, h, rows, key, threshold, DROPOUT: tl.constexpr,
-    PREC: tl.constexpr,
+    s2, mask, values, m_i, e_i, l_i, acc, seed, b, h, rows, key, threshold,
+    HAS_MASK: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """One step of the online softmax over a tile of logits s2 (log2 units): the running
-    row max and sum of exp2 (every weight, dropped or not: the softmax's denominator) and the
-    output accumulated from the kept weights. Returns (m, l, acc)."""
+    """One step of the online softmax over a tile of logits s2 (log2 units), all relative
+    to the running row max m: e, the sum of exp2 over every key (kept only with a span mask:
+    its eps term), l, the sum of the masked weights (dropped or not: the denominator), and
+    the output accumulated from the kept masked weights. ``mask``: the tile's m (MASKED;
+    persistent tiles have none). Returns (m, e, l, acc)."""
     m_new = tl.maximum(m_i, tl.max(s2, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s2 - m_new[:, None])
+    if HAS_MASK:
+        e_i = e_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        p = p * mask
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(_keep(seed, b, h, rows[:, None], key, threshold), p, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PREC)
-    return m_new, l_i, acc
+    return m_new, e_i, l_i, acc
 
 
 @triton.jit
-def _chunk_bias(
-    q, u, logm_row, chunk, L, qk_scale2, HAS_MASK: tl.constexpr, T: tl.constexpr,
-    PREC: tl.constexpr,
-):  # fmt: skip
+def _chunk_bias(q, u, chunk, L, qk_scale2, T: tl.constexpr, PREC: tl.constexpr):
     """Distance chunk ``chunk`` of one query block, in log2 units: [r, jj] = q_r . u_j / sqrt(d_h)
-    + log m(j) for j = chunk*T + jj, and -inf where j is outside the window 0 <= j < L' (so
-    the window's edges come with the gather, not as a mask of every tile)."""
+    for j = chunk*T + jj, and -inf where j is outside the window 0 <= j < L' (so the window's
+    edges come with the gather, not as a mask of every tile)."""
     jj = chunk * T + tl.arange(0, T)
-    inside = (jj >= 0) & (jj < L)
-    row = tl.where(inside, 0.0, float("-inf"))
-    if HAS_MASK:
-        row += tl.load(logm_row + jj, mask=inside, other=0.0) * 1.4426950408889634
+    row = tl.where((jj >= 0) & (jj < L), 0.0, float("-inf"))
     return tl.dot(q, tl.trans(u), input_precision=PREC) * qk_scale2 + row[None, :]
+
+
+@triton.jit
+def _window_mask(mask_row, k, L, HAS_MASK: tl.constexpr, T: tl.constexpr):
+    """The span mask m(j) of window tile k's scores, j = kT + t - r ([T, T], float32; 0
+    outside the window, where the logits are -inf anyway); without a mask, ones that the
+    callers never read (MASKED off)."""
+    mask = tl.full([T, T], 1.0, tl.float32)
+    if HAS_MASK:
+        j = k * T + tl.arange(0, T)[None, :] - tl.arange(0, T)[:, None]
+        mask = tl.load(mask_row + j, mask=(j >= 0) & (j < L), other=0.0)
+    return mask
 
 
 @triton.jit
@@ -146,14 +173,15 @@ def _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T: tl.constexpr, P
 
 @triton.jit
 def attention_fwd(
-    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, mask_ptr, seed_ptr,
     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
-    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold,
+    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold, renorm_eps,
     out_ptr, lse_ptr, sob, soh, som,
     HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
-    """One block of T queries: out [T, d_h] and the row log-sum-exp (log2 units)."""
+    """One block of T queries: out [T, d_h] and log2 of the row's denominator D plus its
+    max (the backward's e / D is exp2(s2 - lse))."""
     i0 = tl.program_id(0) * T
     bh = tl.program_id(1)
     b = bh // H
@@ -170,6 +198,7 @@ def attention_fwd(
     )
     seed = _seed(seed_ptr, DROPOUT)
     m_i = tl.full([T], float("-inf"), tl.float32)
+    e_i = tl.zeros([T], tl.float32)
     l_i = tl.zeros([T], tl.float32)
     acc = tl.zeros([T, DP], tl.float32)
     bias_prev = tl.full([T, T], float("-inf"), tl.float32)  # chunk -1: before the window
@@ -178,27 +207,32 @@ def attention_fwd(
     for k in range(0, (L + T - 2) // T + 1):  # the window's tiles
         k_tile, v_tile = _key_tiles(k_base, v_base, i0 + k * T + cols, skm, svm, L, M, D, DP)
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
-        bias_cur = _chunk_bias(q, u, logm_ptr + h * slh, k, L, qk_scale2, HAS_MASK, T, PREC)
+        bias_cur = _chunk_bias(q, u, k, L, qk_scale2, T, PREC)
         s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
-        m_i, l_i, acc = _accumulate(
-            s2, v_tile, m_i, l_i, acc, seed, b, h, rows, _distance(L, k, T), threshold,
-            DROPOUT, PREC,
+        mask = _window_mask(mask_ptr + h * slh, k, L, HAS_MASK, T)
+        m_i, e_i, l_i, acc = _accumulate(
+            s2, mask, v_tile, m_i, e_i, l_i, acc, seed, b, h, rows, _distance(L, k, T),
+            threshold, HAS_MASK, HAS_MASK, DROPOUT, PREC,
         )  # fmt: skip
         bias_prev = bias_cur
     for n0 in range(0, N, T):
         pers = n0 + cols
         pk, pv = _persistent_tiles(pk_ptr, pv_ptr, h, pers, spkh, spkn, spvh, spvn, N, D, DP)
         s2 = _persistent_logits(q, pk, pers, N, qk_scale2, PREC)
-        m_i, l_i, acc = _accumulate(
-            s2, pv, m_i, l_i, acc, seed, b, h, rows, -1 - pers[None, :], threshold, DROPOUT, PREC
-        )
-    out = acc * (keep_scale / l_i)[:, None]
+        m_i, e_i, l_i, acc = _accumulate(
+            s2, 1.0, pv, m_i, e_i, l_i, acc, seed, b, h, rows, -1 - pers[None, :], threshold,
+            HAS_MASK, False, DROPOUT, PREC,
+        )  # fmt: skip
+    denominator = l_i
+    if HAS_MASK:
+        denominator += renorm_eps * e_i
+    out = acc * (keep_scale / denominator)[:, None]
     tl.store(
         out_ptr + b * sob + h * soh + rows[:, None] * som + dd[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & dmask,
     )
-    tl.store(lse_ptr + bh * M + rows, m_i + tl.math.log2(l_i), mask=row_ok)
+    tl.store(lse_ptr + bh * M + rows, m_i + tl.math.log2(denominator), mask=row_ok)
 
 
 @triton.jit
@@ -221,12 +255,16 @@ def _bwd_rows(
 
 @triton.jit
 def _scores_grad(
-    s2, lse, delta, do, v_tile, seed, b, h, rows, key, threshold, keep_scale,
-    DROPOUT: tl.constexpr, PREC: tl.constexpr,
+    s2, mask, lse, delta, do, v_tile, seed, b, h, rows, key, threshold, keep_scale, renorm_eps,
+    HAS_MASK: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """One tile's weights after dropout (what multiplied the values) and dS = dL/ds, from its
-    logits s2; ``key``: the dropout's key coordinate of each column."""
-    p = tl.math.exp2(s2 - lse[:, None])
+    """One tile's weights after dropout (what multiplied the values), dS = dL/ds and dm =
+    dL/dm (meaningful for MASKED tiles), from its logits s2 and its mask (MASKED); ``key``:
+    the dropout's key coordinate of each column."""
+    e = tl.math.exp2(s2 - lse[:, None])  # e / D: at most 1 / eps
+    p = e
+    if MASKED:
+        p = e * mask
     dp = tl.dot(do, tl.trans(v_tile), input_precision=PREC)
     if DROPOUT:
         keep = _keep(seed, b, h, rows[:, None], key, threshold)
@@ -234,38 +272,43 @@ def _scores_grad(
         p_dropped = tl.where(keep, p * keep_scale, 0.0)
     else:
         p_dropped = p
-    return p_dropped, p * (dp - delta[:, None])
+    dp_centred = dp - delta[:, None]
+    ds = p * dp_centred
+    if HAS_MASK:
+        ds -= (renorm_eps * delta)[:, None] * e  # every key's share of the eps term
+    return p_dropped, ds, e * dp_centred
 
 
 @triton.jit
 def _window_tile_grad(
-    q, do, lse, delta, k_tile, v_tile, u_prev, u, logm_row, k, L, qk_scale2, seed, b, h, rows,
-    threshold, keep_scale, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr,
-    PREC: tl.constexpr,
+    q, do, lse, delta, k_tile, v_tile, u_prev, u, mask_row, k, L, qk_scale2, seed, b, h, rows,
+    threshold, keep_scale, renorm_eps, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    T: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Window tile k of one query block, recomputed for the backward from u's chunks k - 1
-    and k: (its weights after dropout, dS)."""
-    bias_prev = _chunk_bias(q, u_prev, logm_row, k - 1, L, qk_scale2, HAS_MASK, T, PREC)
-    bias_cur = _chunk_bias(q, u, logm_row, k, L, qk_scale2, HAS_MASK, T, PREC)
+    and k: (its weights after dropout, dS, dm)."""
+    bias_prev = _chunk_bias(q, u_prev, k - 1, L, qk_scale2, T, PREC)
+    bias_cur = _chunk_bias(q, u, k, L, qk_scale2, T, PREC)
     s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
+    mask = _window_mask(mask_row, k, L, HAS_MASK, T)
     return _scores_grad(
-        s2, lse, delta, do, v_tile, seed, b, h, rows, _distance(L, k, T), threshold, keep_scale,
-        DROPOUT, PREC,
+        s2, mask, lse, delta, do, v_tile, seed, b, h, rows, _distance(L, k, T), threshold,
+        keep_scale, renorm_eps, HAS_MASK, HAS_MASK, DROPOUT, PREC,
     )  # fmt: skip
 
 
 @triton.jit
 def attention_bwd_dq(
-    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, mask_ptr, seed_ptr,
     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
-    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold,
-    do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dq_ptr, du_ptr, dlogm_ptr, W,
+    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold, renorm_eps,
+    do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dq_ptr, du_ptr, dmask_ptr, W,
     HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     """One block of T queries: dq, and this block's partial sums of
-    q^T dS and of dS per distance (u's and log m's gradients, reduced by the caller):
-    du [B * H, blocks, W, d_h] and dlogm [B * H, blocks, W], W >= L' + T - 1."""
+    q^T dS and of dm per distance (u's and m's gradients, reduced by the caller):
+    du [B * H, blocks, W, d_h] and dmask [B * H, blocks, W], W >= L' + T - 1."""
     blk = tl.program_id(0)
     i0 = blk * T
     bh = tl.program_id(1)
@@ -282,46 +325,48 @@ def attention_bwd_dq(
     seed = _seed(seed_ptr, DROPOUT)
     dq = tl.zeros([T, DP], tl.float32)
     u_prev = tl.zeros([T, DP], q.dtype)
-    # distance chunk k - 1's part from tile k - 1 (the input dtype: it only meets matmuls; its
-    # column sums, log m's gradient, are carried in float32 beside it)
+    # distance chunk k - 1's part of dS from tile k - 1 (the input dtype: it only meets
+    # matmuls), and of dm's column sums (m's gradient, float32)
     d_carry = tl.zeros([T, T], q.dtype)
     sum_carry = tl.zeros([T], tl.float32)
     at = (cols[None, :] + rr) % T  # distance column jj of row r is tile column (jj + r) mod T
     later = cols[None, :] + rr < T  # ... of this tile's chunk k (else of chunk k - 1)
     part = (bh * tl.num_programs(0) + blk).to(tl.int64)
     du_base = du_ptr + part * W * D
-    dlogm_base = dlogm_ptr + part * W
+    dmask_base = dmask_ptr + part * W
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
-    logm_row = logm_ptr + h * slh
+    mask_row = mask_ptr + h * slh
     for k in range(0, (L + T - 2) // T + 1):
         k_tile, v_tile = _key_tiles(k_base, v_base, i0 + k * T + cols, skm, svm, L, M, D, DP)
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
         # chunk k - 1's bias recomputed from the u kept for dq, not carried ([T, T] float32)
-        _, ds = _window_tile_grad(
-            q, do, lse, delta, k_tile, v_tile, u_prev, u, logm_row, k, L, qk_scale2, seed, b,
-            h, rows, threshold, keep_scale, HAS_MASK, DROPOUT, T, PREC,
+        _, ds, dm = _window_tile_grad(
+            q, do, lse, delta, k_tile, v_tile, u_prev, u, mask_row, k, L, qk_scale2, seed, b,
+            h, rows, threshold, keep_scale, renorm_eps, HAS_MASK, DROPOUT, T, PREC,
         )  # fmt: skip
         dq += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PREC)
         by_distance = tl.gather(ds, at, 1)
         earlier = tl.where(later, 0.0, by_distance)
         d_done = d_carry + earlier.to(q.dtype)  # chunk k - 1, now complete (disjoint parts)
         dq += tl.dot(d_done, u_prev, input_precision=PREC)
-        done_sums = sum_carry + tl.sum(earlier, 0)
-        _store_chunk(du_base, dlogm_base, k - 1, d_done, done_sums, q, D, T, DP, PREC)
-        current = tl.where(later, by_distance, 0.0)
-        d_carry = current.to(q.dtype)
-        sum_carry = tl.sum(current, 0)
+        done_sums = sum_carry
+        if HAS_MASK:
+            dm_by_distance = tl.gather(dm, at, 1)
+            done_sums += tl.sum(tl.where(later, 0.0, dm_by_distance), 0)
+            sum_carry = tl.sum(tl.where(later, dm_by_distance, 0.0), 0)
+        _store_chunk(du_base, dmask_base, k - 1, d_done, done_sums, q, D, T, DP, PREC)
+        d_carry = tl.where(later, by_distance, 0.0).to(q.dtype)
         u_prev = u
     dq += tl.dot(d_carry, u_prev, input_precision=PREC)
-    _store_chunk(du_base, dlogm_base, (L + T - 2) // T, d_carry, sum_carry, q, D, T, DP, PREC)
+    _store_chunk(du_base, dmask_base, (L + T - 2) // T, d_carry, sum_carry, q, D, T, DP, PREC)
     for n0 in range(0, N, T):
         pers = n0 + cols
         pk, pv = _persistent_tiles(pk_ptr, pv_ptr, h, pers, spkh, spkn, spvh, spvn, N, D, DP)
         s2 = _persistent_logits(q, pk, pers, N, qk_scale2, PREC)
-        _, ds = _scores_grad(
-            s2, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
-            keep_scale, DROPOUT, PREC,
+        _, ds, _ = _scores_grad(
+            s2, 1.0, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
+            keep_scale, renorm_eps, HAS_MASK, False, DROPOUT, PREC,
         )  # fmt: skip
         dq += tl.dot(ds.to(pk.dtype), pk, input_precision=PREC)
     tl.store(
@@ -333,24 +378,24 @@ def attention_bwd_dq(
 
 @triton.jit
 def _store_chunk(
-    du_base, dlogm_base, chunk, d, d_sums, q, D, T: tl.constexpr, DP: tl.constexpr,
+    du_base, dmask_base, chunk, d, dm_sums, q, D, T: tl.constexpr, DP: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
-    """Distance chunk ``chunk``'s partial sums of one query block: D^T q and D's column sums
-    ``d_sums`` (nothing for chunk -1, the tile before the first)."""
+    """Distance chunk ``chunk``'s partial sums of one query block: dS^T q and dm's column
+    sums ``dm_sums`` (nothing for chunk -1, the tile before the first)."""
     if chunk >= 0:
         jj = chunk * T + tl.arange(0, T)
         dd = tl.arange(0, DP)
         du = tl.dot(tl.trans(d), q, input_precision=PREC)
         tl.store(du_base + jj[:, None] * D + dd[None, :], du, mask=dd[None, :] < D)
-        tl.store(dlogm_base + jj, d_sums)
+        tl.store(dmask_base + jj, dm_sums)
 
 
 @triton.jit
 def attention_bwd_dkdv(
-    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, mask_ptr, seed_ptr,
     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
-    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold,
+    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold, renorm_eps,
     do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dk_ptr, dv_ptr,
     HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
     PREC: tl.constexpr,
@@ -371,7 +416,7 @@ def attention_bwd_dkdv(
     seed = _seed(seed_ptr, DROPOUT)
     dk = tl.zeros([T, DP], tl.float32)
     dv = tl.zeros([T, DP], tl.float32)
-    logm_row = logm_ptr + h * slh
+    mask_row = mask_ptr + h * slh
     # query blocks from the one holding i = c0 - L' + 1 (at least 0) to the one holding c0 + T - 1
     first = tl.maximum(c0 - L + 1, 0) // T * T
     last = tl.minimum(c0 + T - 1, M - 1)
@@ -384,9 +429,9 @@ def attention_bwd_dkdv(
         k = (c0 - i0) // T
         u_prev = _pos_chunk(pos_ptr, stride_pd, stride_pj, k - 1, L, D, T, DP)
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
-        p, ds = _window_tile_grad(
-            q, do, lse, delta, k_tile, v_tile, u_prev, u, logm_row, k, L, qk_scale2, seed, b,
-            h, rows, threshold, keep_scale, HAS_MASK, DROPOUT, T, PREC,
+        p, ds, _ = _window_tile_grad(
+            q, do, lse, delta, k_tile, v_tile, u_prev, u, mask_row, k, L, qk_scale2, seed, b,
+            h, rows, threshold, keep_scale, renorm_eps, HAS_MASK, DROPOUT, T, PREC,
         )  # fmt: skip
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
@@ -397,9 +442,9 @@ def attention_bwd_dkdv(
 
 @triton.jit
 def attention_bwd_persistent(
-    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, logm_ptr, seed_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, pk_ptr, pv_ptr, mask_ptr, seed_ptr,
     sqb, sqh, sqm, skb, skh, skm, svb, svh, svm, stride_pd, stride_pj, spkh, spkn, spvh, spvn, slh,
-    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold,
+    B, H, M, L, N, D, qk_scale2, sm_scale, keep_scale, threshold, renorm_eps,
     do_ptr, lse_ptr, delta_ptr, sdob, sdoh, sdom, dpk_ptr, dpv_ptr,
     HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr, DP: tl.constexpr,
     PREC: tl.constexpr,
@@ -426,9 +471,9 @@ def attention_bwd_persistent(
                 sdom, M, D, DP,
             )  # fmt: skip
             s2 = _persistent_logits(q, pk, pers, N, qk_scale2, PREC)
-            p, ds = _scores_grad(
-                s2, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
-                keep_scale, DROPOUT, PREC,
+            p, ds, _ = _scores_grad(
+                s2, 1.0, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
+                keep_scale, renorm_eps, HAS_MASK, False, DROPOUT, PREC,
             )  # fmt: skip
             dpv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
             dpk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
