@@ -619,14 +619,14 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             # window edge
             (
                 KERNELS,
-                "inside = (jj >= 0) & (jj < L)",
-                "inside = (jj >= 0) & (jj <= L)",
+                'row = tl.where((jj >= 0) & (jj < L), 0.0, float("-inf"))',
+                'row = tl.where((jj >= 0) & (jj <= L), 0.0, float("-inf"))',
                 "window one key too long (the query's own position)",
             ),
             (
                 KERNELS,
-                "inside = (jj >= 0) & (jj < L)",
-                "inside = (jj >= 1) & (jj < L)",
+                'row = tl.where((jj >= 0) & (jj < L), 0.0, float("-inf"))',
+                'row = tl.where((jj >= 1) & (jj < L), 0.0, float("-inf"))',
                 "window one key too short (the oldest key left out)",
             ),
             (
@@ -638,15 +638,52 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             # span mask
             (
                 KERNELS,
-                "row += tl.load(logm_row + jj, mask=inside, other=0.0) * 1.4426950408889634",
-                "row += tl.load(logm_row + jj, mask=inside, other=0.0)",
-                "log m added in natural units to log2 logits",
+                "mask = tl.load(mask_row + j, mask=(j >= 0) & (j < L), other=0.0)",
+                "mask = tl.load(mask_row + j + 1, mask=(j >= 0) & (j < L - 1), other=0.0)",
+                "span mask read one distance off",
             ),
             (
+                KERNELS,
+                "p = p * mask",
+                "p = p",
+                "forward: the span mask not applied to the weights",
+            ),
+            (
+                KERNELS,
+                "p = e * mask",
+                "p = e",
+                "backward: the span mask not applied to the weights",
+            ),
+            # the reference's +1e-8 renormalisation guard
+            (
                 LAUNCH,
-                "None if span_mask is None else log_span_mask(span_mask).float(),",
-                "None if span_mask is None else span_mask.float(),",
-                "the mask m added to the logits instead of log m",
+                "keep_threshold(dropout_p), 0.0 if mask is None else RENORM_EPS,",
+                "keep_threshold(dropout_p), 0.0,",
+                "the +1e-8 guard left out (the log m formulation's weights)",
+            ),
+            (
+                KERNELS,
+                "e_i = e_i * alpha + tl.sum(p, 1)",
+                "e_i = e_i + tl.sum(p, 1)",
+                "the guard's sum of every key not rescaled by the new maximum",
+            ),
+            (
+                KERNELS,
+                "denominator += renorm_eps * e_i",
+                "denominator += renorm_eps * l_i",
+                "the guard scaled by the masked weights' sum, not every key's",
+            ),
+            (
+                KERNELS,
+                "ds -= (renorm_eps * delta)[:, None] * e  # every key's share of the eps term",
+                "ds -= (renorm_eps * delta)[:, None] * p  # every key's share of the eps term",
+                "backward: the guard's share taken from the masked weights",
+            ),
+            (
+                KERNELS,
+                "return p_dropped, ds, e * dp_centred",
+                "return p_dropped, ds, p * dp_centred",
+                "m's gradient from the masked weights (none at the ramp's edge, where m = 0)",
             ),
             # online softmax
             (
@@ -663,7 +700,7 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 KERNELS,
-                "tl.store(lse_ptr + bh * M + rows, m_i + tl.math.log2(l_i), mask=row_ok)",
+                "tl.store(lse_ptr + bh * M + rows, m_i + tl.math.log2(denominator), mask=row_ok)",
                 "tl.store(lse_ptr + bh * M + rows, m_i, mask=row_ok)",
                 "log-sum-exp without log l: the backward's weights unnormalised",
             ),
@@ -676,8 +713,8 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 KERNELS,
-                "out = acc * (keep_scale / l_i)[:, None]",
-                "out = acc * (1.0 / l_i)[:, None]",
+                "out = acc * (keep_scale / denominator)[:, None]",
+                "out = acc * (1.0 / denominator)[:, None]",
                 "forward: kept weights not scaled by 1 / (1 - p)",
             ),
             (
@@ -713,8 +750,8 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             # gradients
             (
                 KERNELS,
-                "return p_dropped, p * (dp - delta[:, None])",
-                "return p_dropped, p * dp",
+                "dp_centred = dp - delta[:, None]",
+                "dp_centred = dp",
                 "dS without the row term delta",
             ),
             (
@@ -745,22 +782,23 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 KERNELS,
-                "done_sums = sum_carry + tl.sum(earlier, 0)",
-                "done_sums = sum_carry",
-                "log m's gradient loses a chunk's part from the next tile",
+                "done_sums += tl.sum(tl.where(later, 0.0, dm_by_distance), 0)",
+                "done_sums += 0.0",
+                "m's gradient loses a chunk's part from the next tile",
             ),
             (
                 LAUNCH,
-                "dpos = (du.sum((0, 1))[:span_len] * scale).t().to(pos.dtype)",
-                "dpos = du.sum((0, 1))[:span_len].t().to(pos.dtype)",
+                "dpos = (du.sum((0, 1))[:span_len] * scale).t().contiguous().to(pos.dtype)",
+                "dpos = du.sum((0, 1))[:span_len].t().contiguous().to(pos.dtype)",
                 "u's gradient not scaled by 1/sqrt(d_h)",
             ),
             (
                 LAUNCH,
-                "dlogm_parts.view(b, h, -1, dlogm_parts.shape[-1]).sum((0, 2))[:, :span_len]",
-                "dlogm_parts.view(b, h, -1, dlogm_parts.shape[-1])"
-                ".sum((0, 2))[:, 1 : span_len + 1]",
-                "log m's gradient one distance off",
+                "dmask_parts.view(b, h, -1, dmask_parts.shape[-1]).sum((0, 2))[:, :span_len]"
+                ".contiguous()",
+                "dmask_parts.view(b, h, -1, dmask_parts.shape[-1])"
+                ".sum((0, 2))[:, 1 : span_len + 1].contiguous()",
+                "m's gradient one distance off",
             ),
             (
                 KERNELS,
