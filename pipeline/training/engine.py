@@ -237,6 +237,10 @@ class Float32Masters:
     training precision and ZeRO 1/2 point the parameters back at that rounded copy after
     every step, so call `copy_to_params()` before every forward and after clamping.
 
+    The parameters always point at the same float32 buffer, allocated here and refilled in
+    place by each copy: a CUDA graph records a parameter's address when it is captured, so
+    the address must not change for the life of the engine.
+
     Build it once after `initialize` (and before anything re-points parameters): it writes
     `initial` (their float32 values from before DeepSpeed's cast) into the masters. Under
     ZeRO 1/2 a master is cut across ranks, so each copy sums the pieces over the group (one
@@ -276,19 +280,26 @@ class Float32Masters:
                 "groups: cannot gather their fp32 masters"
             )
         (self.group,) = groups
+        self.buffer = torch.zeros(
+            self.starts[-1], dtype=torch.float32, device=self.params[0].device
+        )
+        self.views = [
+            self.buffer[a:b].view(p.shape)
+            for p, a, b in zip(self.params, self.starts, self.starts[1:], strict=False)
+        ]
         self.copy_to_params()
 
     @torch.no_grad()
     def copy_to_params(self) -> None:
         if not self.active:
             return
-        buf = torch.zeros(self.starts[-1], dtype=torch.float32, device=self.params[0].device)
+        self.buffer.zero_()  # the ranks' pieces are summed: the others' places hold 0
         for view, at in self.pieces:
-            buf[at : at + view.numel()] = view
+            self.buffer[at : at + view.numel()].copy_(view)
         if self.group is not None:
-            dist.all_reduce(buf, group=self.group)
-        for p, a, b in zip(self.params, self.starts, self.starts[1:], strict=False):
-            p.data = buf[a:b].view(p.shape)
+            dist.all_reduce(self.buffer, group=self.group)
+        for p, view in zip(self.params, self.views, strict=True):
+            p.data = view
 
 
 def before_save_checkpoint(engine) -> None:

@@ -7,27 +7,22 @@ tiny all-attention model in bf16 follow the float32 ones."""
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
 
-def losses(
-    bf16: bool,
-    steps: int = 4,
-    skip_allreduce: bool = False,
-    engine_out: list | None = None,
-    around=None,
-    zero_stage: int = 0,
-    ds_extra: dict | None = None,
-) -> list[float]:
+def tiny_engine(bf16: bool, zero_stage: int = 0, ds_extra: dict | None = None):
+    """The engine around a tiny adaptive-span model, as the trainer builds it, and the span
+    fractions' float32 values from before DeepSpeed's cast."""
     import deepspeed
 
     from pipeline.cluster import distributed
     from pipeline.models import build_model
     from pipeline.training.ds_config import deepspeed_config
-    from pipeline.training.engine import bind_to_engine, skip_single_process_allreduce
+    from pipeline.training.engine import bind_to_engine
     from pipeline.training.optim import build_optimizer
 
     distributed.init_process_group()
@@ -52,12 +47,28 @@ def losses(
         optimizer=opt_cfg,
         deepspeed=NS(zero_stage=zero_stage, bf16=bf16, fp16=False, gradient_accumulation_steps=1),
     )
+    bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=build_optimizer(model.parameters(), opt_cfg),
         config=deepspeed_config(train, 1) | (ds_extra or {}),
     )
     bind_to_engine(engine)
+    return engine, bounded_init
+
+
+def losses(
+    bf16: bool,
+    steps: int = 4,
+    skip_allreduce: bool = False,
+    engine_out: list | None = None,
+    around=None,
+    zero_stage: int = 0,
+    ds_extra: dict | None = None,
+) -> list[float]:
+    from pipeline.training.engine import skip_single_process_allreduce
+
+    engine, _ = tiny_engine(bf16, zero_stage, ds_extra)
     if skip_allreduce:
         assert skip_single_process_allreduce(engine, 1)
     if engine_out is not None:
@@ -136,3 +147,54 @@ def test_bf16_under_zero_checks_no_gradient_for_overflow():
     b = losses(True, 2, zero_stage=2, around=default, ds_extra=checked)
     assert a == b
     assert default.count - ours.count == 2 * 2  # two a step, over two steps
+
+
+def fp32_master(engine, param: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed's fp32 master of `param`, read through DeepSpeed's own records."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    master = safe_get_full_fp32_param(param)  # ZeRO 1 and 2
+    if master is not None:
+        return master
+    wrapper = engine.optimizer  # ZeRO 0: one fp32 copy per tensor, group by group
+    for params, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups, strict=True):
+        for p, m in zip(params, masters, strict=True):
+            if p is param:
+                return m.detach().clone()
+    raise AssertionError("no fp32 master found")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_the_span_fractions_stay_at_one_address_holding_their_fp32_masters(zero_stage):
+    """Issue 43 item 1: inside a CUDA graph a parameter is read at the address recorded at
+    capture, so the float32 span fractions must live at one address for the life of the
+    engine: every forward and every update sees the address they had after initialisation
+    (the first tensor is kept alive, so a new buffer could not reuse its memory), holding
+    the fp32 masters' values."""
+    from pipeline.training.nonfinite import NonfiniteGuard
+    from pipeline.training.trainer import EngineUpdates
+
+    engine, bounded_init = tiny_engine(True, zero_stage)
+    model = engine.module
+    fracs = [p for p, _, _ in model.bounded_parameters()]
+    updates = EngineUpdates(engine, NonfiniteGuard("stop", 0, "train", "cpu"), bounded_init)
+    first = [p.data for p in fracs]
+    addresses = [t.data_ptr() for t in first]
+    assert all(p.dtype == torch.float32 for p in fracs)
+    seen: list[list[int]] = []
+    model.register_forward_pre_hook(lambda m, a: seen.append([p.data_ptr() for p in fracs]))
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 23, (4, 17), generator=gen)
+    state = model.init_state(4)
+    moved = []
+    for _ in range(4):
+        out = updates.run(partial(updates.micro_batch, tokens[:, :-1], tokens[:, 1:], state))
+        state = out.state
+        assert [p.data_ptr() for p in fracs] == addresses
+        for p in fracs:
+            assert p.dtype == torch.float32
+            assert torch.equal(p.detach(), fp32_master(engine, p))
+        moved.append(torch.cat([p.detach().clone() for p in fracs]))
+    assert seen == [addresses] * 4
+    assert not torch.equal(moved[0], moved[-1])  # the spans were trained, not left alone
