@@ -17,6 +17,7 @@ into one flag on the device:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -25,6 +26,20 @@ from pipeline.cluster import distributed
 from pipeline.errors import PipelineError
 
 HINT = "lower train.optimizer.lr (or clip the gradients), or set train.nonfinite: skip"
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Whether every element of `tensors` (none empty) is finite: a 0-d bool on their device,
+    not read here. By each tensor's largest |x|, which is inf or NaN exactly when an element
+    is (both ways below propagate NaN); a norm is not: four finite 1e20s square past
+    float32's range."""
+    if tensors[0].device.type == "cpu":
+        # the CPU's inf-norm is not vectorised (10 against 1.7 ms here for 6.3M elements);
+        # the copy abs makes costs host memory only
+        max_abs = torch._foreach_max(torch._foreach_abs(list(tensors)))
+    else:
+        max_abs = torch._foreach_norm(list(tensors), ord=math.inf)  # one pass, no copy
+    return torch.isfinite(torch.stack(max_abs)).all()
 
 
 class NonfiniteGuard:
@@ -82,9 +97,9 @@ class NonfiniteGuard:
         first, self._new_update = self._new_update, False
         flags = [] if self._loss_ok is None else [self._loss_ok]
         self._loss_ok = None
+        grads = [g for g in grads if g.numel()]  # no largest element in nothing
         if grads:
-            # a norm is inf or NaN exactly when an element is: one pass, one small result
-            flags.append(torch.isfinite(torch.stack(torch._foreach_norm(list(grads)))).all())
+            flags.append(all_finite(grads))
         ok = flags[0] if len(flags) == 1 else (flags[0] & flags[1] if flags else None)
         if first:
             self.step += 1
@@ -147,8 +162,7 @@ class NonfiniteGuard:
         tensors = self.tensors()
         params = [p.detach() for p in weights if p.numel()]
         if params:
-            norms = torch._foreach_norm(params, dtype=torch.float32)
-            tensors["weights_finite"] = torch.isfinite(torch.stack(norms)).all()
+            tensors["weights_finite"] = all_finite(params)
         read = torch.stack([t.to(torch.float64).reshape(()) for t in tensors.values()])
         values = dict(zip(tensors, read.tolist(), strict=True))
         weights_finite = values.pop("weights_finite", 1.0) > 0

@@ -218,3 +218,44 @@ def test_the_guard_decides_once_per_update_and_stop_mode_never_waits_for_the_dev
     assert counter.syncs == [], counter.syncs
     with pytest.raises(PipelineError, match=r"^finetune: a non-finite .* at step 12: "):
         stop.read_and_check()
+
+
+HUGE = torch.full((4,), 1e20)  # finite; its float32 norm is not: 4e40 > 3.4e38
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_finite_gradient_whose_norm_overflows_float32_is_not_flagged(mode):
+    """Issue 43 item 1: the guard tested a float32 norm of the gradients, inf for four
+    finite 1e20s, and stopped (or skipped) a finite update as "NaN or inf"."""
+    from pipeline.training.nonfinite import NonfiniteGuard
+
+    assert torch.isfinite(HUGE).all() and 1e20 * 1e20 * 4 > torch.finfo(torch.float32).max
+    guard = NonfiniteGuard(mode, 0, "train", "cpu")
+    guard.start(0)
+    guard.loss(torch.tensor(1.0))
+    assert guard.before_step([HUGE, torch.ones(3)])
+    assert guard.skipped == 0
+    guard.read_and_check()
+    # the weights' check, which read the same norm
+    NonfiniteGuard(mode, 0, "train", "cpu").read_and_check([torch.ones(3), HUGE], step=1)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_one_nonfinite_element_among_huge_ones_is_flagged(mode, bad):
+    from pipeline.training.nonfinite import NonfiniteGuard
+
+    grad = torch.cat([HUGE, torch.tensor([bad]), HUGE])
+    guard = NonfiniteGuard(mode, 0, "train", "cpu")
+    guard.start(0)
+    guard.loss(torch.tensor(1.0))
+    if mode == "skip":
+        with pytest.raises(PipelineError, match=r"^train: a non-finite loss or gradient .* step 1"):
+            guard.before_step([torch.ones(3), grad])
+    else:
+        assert guard.before_step([torch.ones(3), grad])  # stop mode reads it later
+        with pytest.raises(PipelineError, match=r"^train: a non-finite loss or gradient .* step 1"):
+            guard.read_and_check()
+    weights = NonfiniteGuard(mode, 0, "train", "cpu")
+    with pytest.raises(PipelineError, match=r"^train: the weights at step 7 are not finite"):
+        weights.read_and_check([torch.ones(2), grad.bfloat16()], step=7)
