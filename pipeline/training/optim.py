@@ -49,7 +49,8 @@ class _Plan:
     Every run of every tensor gets a slot: its parameter's, where the squares of the
     parameter's pieces add up (then over the ranks of the layout's process group). All
     padding shares one last slot, which starts at +inf: an infinite norm is clipped to a zero
-    step, so padding never moves.
+    step, so padding never moves. The slots are float64: a float32 gradient's squares pass
+    float32's range from a norm of 1.8e19 (four finite 1e20s), and it is still clipped.
     """
 
     def __init__(self, tensors: list[torch.Tensor], layouts: list[Layout], fused: bool | None):
@@ -91,14 +92,12 @@ class _Plan:
                 else:
                     self.reduce.append([layout.group, slots, slots + n])
             slots += n
-        self.dtype = (
-            torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-        )
         self.owners = torch.tensor(
             [slots if o is None else o for o in owners], dtype=torch.long, device=device
         )
-        self.base = torch.zeros(slots + 1, dtype=self.dtype, device=device)
+        self.base = torch.zeros(slots + 1, dtype=torch.float64, device=device)
         self.base[slots] = math.inf
+        self.sum_max = [torch.finfo(t.dtype).max for t in tensors]  # per accumulator
 
     def runs(self, per_tensor: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Views of the runs of tensors shaped like the stepped ones (their gradients...)."""
@@ -208,7 +207,7 @@ class ClippedAdagrad(torch.optim.Optimizer):
 
         # ‖g‖² per parameter: per-run norms, added into their parameter's slot, then summed
         # over the ranks that hold the parameter's other pieces
-        run_norms = torch.stack(torch._foreach_norm(plan.runs(grads), dtype=plan.dtype))
+        run_norms = torch.stack(torch._foreach_norm(plan.runs(grads), dtype=torch.float64))
         sq = plan.base.index_add(0, plan.owners, run_norms.square())
         for process_group, a, b in plan.reduce:
             dist.all_reduce(sq[a:b], group=process_group)
@@ -235,12 +234,16 @@ class ClippedAdagrad(torch.optim.Optimizer):
                 eps=group["eps"],
                 maximize=False,
             )
-            return
-        torch._foreach_addcmul_(sums, grads, grads)  # the unclipped g²
-        std = torch._foreach_sqrt(sums)
-        torch._foreach_add_(std, group["eps"])
-        torch._foreach_mul_(plan.runs(std), run_stretch)
-        torch._foreach_addcdiv_(plan.tensors, grads, std, value=-group["lr"])
+        else:
+            torch._foreach_addcmul_(sums, grads, grads)  # the unclipped g²
+            std = torch._foreach_sqrt(sums)
+            torch._foreach_add_(std, group["eps"])
+            torch._foreach_mul_(plan.runs(std), run_stretch)
+            torch._foreach_addcdiv_(plan.tensors, grads, std, value=-group["lr"])
+        # a finite g whose g² overflows (|g| > 1.8e19 in float32) leaves inf in the
+        # accumulator, and its element unmoved (g / inf): saturated at the largest finite
+        # value instead, the state stays finite, and the element's later steps near 0
+        torch._foreach_clamp_max_(sums, plan.sum_max)
 
 
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:

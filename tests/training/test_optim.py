@@ -155,6 +155,31 @@ def test_flat_partitions_step_each_parameter_by_its_own_norm_and_padding_never_m
 
 
 @BOTH
+def test_a_finite_gradient_whose_square_overflows_float32_is_clipped_by_its_true_norm(fused):
+    """Issue 43 item 1: four finite gradients of 1e20 (float32) had a float32 norm of inf,
+    so the parameter's step was clipped to nothing, and their squares made the accumulator
+    inf for good. Their norm is 2e20: the fifth element, whose gradient is 1, moves by
+    lr·clip/2e20 each step; the accumulator stays finite (at float32's largest value where
+    g² = 1e40 passes it), and so do the weights."""
+    lr, clip, eps = 0.1, 0.03, 1e-10
+    w = torch.nn.Parameter(torch.zeros(5))
+    opt = ClippedAdagrad([w], lr=lr, clip_norm=clip, eps=eps, fused=fused)
+    float32_max = 3.4028234663852886e38  # (2 - 2**-23) * 2**127
+    norm = math.sqrt(4 * 1e20 * 1e20 + 1.0)  # 2e20
+    expected_w5 = 0.0
+    for step in (1, 2):
+        w.grad = torch.tensor([1e20, 1e20, 1e20, 1e20, 1.0])
+        opt.step()
+        expected_w5 -= lr * (clip / (norm + 1e-10)) * 1.0 / (math.sqrt(step * 1.0) + eps)
+        acc = opt.state[w]["sum"]
+        assert torch.isfinite(acc).all() and torch.isfinite(w).all()
+        assert acc.tolist() == [float32_max] * 4 + [float(step)]
+        assert w[:4].tolist() == [0.0] * 4  # g / inf at the step where g² overflowed
+        assert w[4].item() == pytest.approx(expected_w5, rel=1e-6, abs=0)
+    assert expected_w5 == pytest.approx(-1.5e-23 * (1 + 1 / math.sqrt(2)), rel=1e-9, abs=0)
+
+
+@BOTH
 def test_a_step_never_waits_for_the_device(fused):
     """No op of a step reads a device value on the host (the loop before read one per tensor)."""
     opt, stepped, _, _ = flat_setup(fused)
