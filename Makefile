@@ -47,10 +47,13 @@ $(VENV)/.lint-installed: $(VENV)/.installed
 # wheels of what that machine lacks with WHEELS=DIR. Without a GPU: a dry run, exit 0.
 CHECK_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 # REFERENCE=DIR: a checkout of the authors' code (facebookresearch/adaptive-span), timed beside
-# ours. The whole check keeps to 9 minutes on an H100/H200 (each part has its budget).
+# ours. One call runs the essentials (install, nan, the CUDA tests, the learning check, the
+# step, the op alone) within 9 minutes on an H100/H200 (each part has its budget) and ends
+# with the command of the second call for the rest: PARTS=a,b,... (or all) runs those parts.
 gpu-check:
 	$(CHECK_PYTHON) -m gpu.check $(if $(WHEELS),--wheels $(WHEELS)) \
-	    $(if $(REFERENCE),--reference-code $(REFERENCE)) --report gpu-check.md
+	    $(if $(REFERENCE),--reference-code $(REFERENCE)) $(if $(PARTS),--parts $(PARTS)) \
+	    --report gpu-check.md
 
 # The wheels a GPU image with torch, click, pyyaml, numpy, sentencepiece, psutil, matplotlib
 # and safetensors lacks (deepspeed built here, pydantic, mlflow-skinny + the sqlite store's

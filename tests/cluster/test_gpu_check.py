@@ -1,10 +1,11 @@
 """`make gpu-check` on a machine without a GPU: one line saying so, then the dry run of the same
-script (the CUDA tests collected, the benches and the pipeline started with --dry-run, the
-authors' code imported from --reference-code), exit 0; the models, ops and benches it runs
-import without deepspeed, mlflow or webdataset, as on the GPU machine; its report keeps a
-failing test's traceback and FAILED line and nothing of a log flood; and `make gpu-wheels
-DRY_RUN=1` resolves the wheels for the GPU's Python (pip's metadata only: no wheel is
-downloaded, deepspeed is not built)."""
+script (the nan part at a tiny shape, the CUDA tests collected, the benches and the pipeline
+started with --dry-run, the authors' code imported from --reference-code), exit 0, for the
+essentials, then for the rest by the second call its report prints; the essentials' budgets
+fit one call; the models, ops and benches it runs import without deepspeed, mlflow or
+webdataset, as on the GPU machine; its report keeps a failing test's traceback and FAILED
+line and nothing of a log flood; and `make gpu-wheels DRY_RUN=1` resolves the wheels for the
+GPU's Python (pip's metadata only: no wheel is downloaded, deepspeed is not built)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,10 @@ def fake_reference_checkout(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the no-GPU mode")
-def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
-    reference = fake_reference_checkout(tmp_path / "adaptive-span")
+def make_gpu_check(*args: str) -> str:
+    """`make -s gpu-check ARGS...` here (a dry run); its report."""
     done = subprocess.run(
-        ["make", "-s", "gpu-check", f"PYTHON={sys.executable}", f"REFERENCE={reference}"],
+        ["make", "-s", "gpu-check", f"PYTHON={sys.executable}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -51,7 +51,31 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0].startswith("gpu-check: no CUDA GPU here (torch ")
     assert lines[0].endswith("); dry run only")
-    report = (ROOT / "gpu-check.md").read_text()
+    return (ROOT / "gpu-check.md").read_text()
+
+
+def titles(report: str) -> list[str]:
+    return [line.split(" (")[0] for line in report.splitlines() if line.startswith("## ")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the no-GPU mode")
+def test_make_gpu_check_without_a_gpu_is_a_dry_run_of_the_essentials_then_the_second_call(
+    tmp_path,
+):
+    reference = fake_reference_checkout(tmp_path / "adaptive-span")
+    report = make_gpu_check(f"REFERENCE={reference}")
+    assert titles(report) == [
+        "## nan: what stops triton + bf16 + CUDA graphs on a non-finite update",
+        "## CUDA tests",
+        "## learning check: triton + bf16 + CUDA graphs against the reference in float32, 300 "
+        "updates of enwik8_small's model",
+        "## training step, configs/enwik8_large.yaml bf16, attention triton, eager vs the "
+        "authors' code",
+        "## the op alone: bench/attention.py, triton against the reference, bf16, dropout 0.4, N "
+        "2048",
+    ]
+    nan = report.split("(gpu/nan_check.py) (--dry-run): ok\n\n")[1].split("\n## ")[0]
+    assert nan.rstrip().splitlines()[-1].startswith("cause: ")  # (a)-(c) ran in the interpreter
     assert "## CUDA tests (collected): ok" in report
     collected = report.split("## CUDA tests (collected): ok\n\n")[1].split()[0]
     assert int(collected.split("/")[0]) >= 6  # the cuda-marked tests exist
@@ -61,6 +85,25 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
     )[1]
     assert step.startswith("dry run: enwik8_large: micro-batch 4, max x 512, spans 0.0625,1, bf16")
     assert f"the authors' code from {reference} (fp32)" in step.splitlines()[0]
+    learning = report.split("## learning check: ")[1]
+    assert learning.split("\n")[0].endswith("(--dry-run): ok")
+    assert "model.attention.impl=triton" in learning and "train.compile=graphs" in learning
+    assert "N 2048 (--help): ok" in report
+    assert report.rstrip().endswith(
+        "all parts passed\n\nsecond call, for the parts this one did not run: make gpu-check "
+        f"PARTS=graphs,pipeline,flex,reference REFERENCE={reference}"
+    )
+
+    second = report.rstrip().splitlines()[-1].split("make gpu-check ")[1].split()
+    report = make_gpu_check(*second)
+    assert titles(report) == [
+        "## training step, configs/enwik8_large.yaml bf16, attention triton, layers in CUDA graphs",
+        "## pipeline: allattn-pipe run, 50 steps, enwik8_large's model bf16, attention triton, "
+        "CUDA graphs",
+        "## the op alone: bench/attention.py, flex against the reference, bf16, dropout 0.4, N "
+        "2048",
+        "## training step, configs/enwik8_large.yaml bf16, the reference op, eager",
+    ]
     graphs = report.split(
         "## training step, configs/enwik8_large.yaml bf16, attention triton, layers in CUDA "
         "graphs (train.compile: graphs) (--dry-run): ok\n\n"
@@ -75,16 +118,30 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run(tmp_path):
         "preprocess",
         "train",
     ]
-    learning = report.split("## learning check: ")[1]
-    assert learning.split("\n")[0].endswith("(--dry-run): ok")
-    assert "model.attention.impl=triton" in learning and "train.compile=graphs" in learning
-    assert "## the op alone: bench/attention.py, bf16, dropout 0.4, N 2048 (--help): ok" in report
     reference_step = report.split(
         "## training step, configs/enwik8_large.yaml bf16, the reference op, eager (the path "
         "these replace) (--dry-run): ok\n\n"
     )[1]
     assert reference_step.startswith("dry run: enwik8_large: micro-batch 4 x 512")
-    assert report.rstrip().endswith("all parts passed")
+    assert report.rstrip().endswith("all parts passed")  # nothing left for a third call
+
+
+def test_the_essentials_fit_one_call_and_what_is_left_is_the_second_call():
+    from gpu.check import BUDGETS, ESSENTIALS, REST, TOTAL_BUDGET, parse_args, second_call
+
+    assert sum(BUDGETS[k] for k in ESSENTIALS) <= TOTAL_BUDGET
+    assert list(BUDGETS) == [*ESSENTIALS, *REST]  # the essentials run first
+    args = parse_args(["--wheels", "gpu-wheels"])
+    assert args.chosen == list(ESSENTIALS)
+    assert second_call(args, ["attention"]) == (
+        "second call, for the parts this one did not run: make gpu-check "
+        "PARTS=attention,graphs,pipeline,flex,reference WHEELS=gpu-wheels"
+    )
+    assert second_call(parse_args(["--parts", "graphs,pipeline"]), []) == ""
+    assert second_call(parse_args(["--parts", "graphs,pipeline"]), ["pipeline"]).endswith(
+        "make gpu-check PARTS=pipeline"
+    )
+    assert parse_args(["--parts", "all"]).chosen == list(BUDGETS)
 
 
 def test_gpu_check_runs_the_parts_asked_for_and_refuses_an_unknown_one(tmp_path):
@@ -97,8 +154,10 @@ def test_gpu_check_runs_the_parts_asked_for_and_refuses_an_unknown_one(tmp_path)
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    titles = [line for line in report.read_text().splitlines() if line.startswith("## ")]
-    assert titles == ["## the op alone: bench/attention.py, bf16, dropout 0.4, N 2048 (--help): ok"]
+    assert titles(report.read_text()) == [
+        "## the op alone: bench/attention.py, triton against the reference, bf16, dropout 0.4, N "
+        "2048"
+    ]
     done = subprocess.run(
         [sys.executable, "-m", "gpu.check", "--parts", "attention,speed"],
         cwd=ROOT,
@@ -107,7 +166,7 @@ def test_gpu_check_runs_the_parts_asked_for_and_refuses_an_unknown_one(tmp_path)
         timeout=300,
     )
     assert done.returncode == 2
-    assert "--parts: no part speed; parts: install, tests, step" in done.stderr
+    assert "--parts: no part speed; parts: install, nan, tests, learning, step" in done.stderr
 
 
 def test_a_reference_code_folder_without_the_authors_files_stops_the_dry_run(tmp_path):
