@@ -2,7 +2,7 @@
 part has a time budget, and the parts run in this order, the most wanted first. One call runs
 the essentials (parts 1-6), whose budgets add up to the 9 minutes (530 s) one call on an
 H100/H200 has; the report ends with the exact command of the second call, for the rest
-(parts 7-10) and any essential the budget did not reach. `--parts` runs a chosen few
+(parts 7-11) and any essential the budget did not reach. `--parts` runs a chosen few
 (`make gpu-check PARTS=...`), `--parts all` all of them.
 
 1. install: `--wheels DIR` (from `make gpu-wheels`) installs, with `pip --no-index --no-deps`,
@@ -13,9 +13,10 @@ H100/H200 has; the report ends with the exact command of the second call, for th
    enwik8_small's model trained 25 updates by hand with triton and with the reference, the
    CUDA graphs' recordings counted; its last line names the cause;
 3. `tests`: the CUDA tests (`pytest -m cuda` on the files that have them: the Triton
-   kernels in bf16 against float64 among them), their failures readable: no torch.compile
-   log in pytest's report (TORCH_LOGS unset, --log-level=WARNING, captured output not
-   shown), the short tracebacks and the `FAILED` lines in the report;
+   kernels in bf16 against float64 among them; flex's are part 9), their failures
+   readable: no torch.compile log in pytest's report (TORCH_LOGS unset,
+   --log-level=WARNING, captured output not shown), the short tracebacks and the `FAILED`
+   lines in the report;
 4. `learning`: gpu/learning_check.py, enwik8_small's model trained 300 updates with the
    Triton kernels, bf16 and CUDA graphs against the reference op in float32 from the same
    weights and batches, and a second float32 seed for the spread, the three side by side;
@@ -32,8 +33,9 @@ H100/H200 has; the report ends with the exact command of the second call, for th
    Triton kernels and CUDA graphs under the DeepSpeed engine (batch 8, the config's
    micro-batch: auto) on the built-in python_docs corpus (no download), tokens/s from its
    log;
-9. `flex`: part 6 with flex in place of triton;
-10. `reference`: today's path for comparison, the reference op's eager step at micro-batch 4.
+9. `fused-tests`: flex's CUDA tests (FUSED_TESTS), a torch.compile each;
+10. `flex`: part 6 with flex in place of triton;
+11. `reference`: today's path for comparison, the reference op's eager step at micro-batch 4.
 
 It uses the interpreter it runs under (the machine's CUDA torch). A part that needs a
 missing package is skipped with the reason. The report (markdown) goes to stdout and
@@ -70,27 +72,31 @@ TOTAL_BUDGET = 530.0  # seconds for one call's parts after start-up (9 minutes m
 # essential even when each takes all of its budget. The estimates are the first GPU check's
 # (docs/benchmarks.md) where it measured them.
 BUDGETS = {
-    # pip --no-index --no-deps of ~25 local wheels, nothing compiled: ~10-20 s
+    # pip --no-index --no-deps of up to ~50 local wheels (26 MB), nothing compiled: ~15-25 s
     "install": 40,
-    # (a) 4 tiles x 4 kernels compiled in bf16 (~1.4 s a compile in the CUDA tests), (b) the
-    # corpus (~8 s) and 2 x 25 eager updates of enwik8_small, (c) a child process compiling
-    # the layers in CUDA graphs (~30-40 s) for 22 updates; gpu/nan_check.py stops at 10 s less
-    "nan": 110,
-    # 44 s for its 8 bf16 cases at the first check; Triton compiles per case's specialisation
-    "tests": 110,
+    # (a) 4 tiles x 4 kernels compiled in bf16, (b) the corpus (~8 s), the same 16 again with
+    # dropout for the timed choice and 2 x 25 eager updates, (c) a child compiling the layers
+    # in CUDA graphs (~30-40 s); ~1.2 s a Triton compile (the first check's CUDA tests);
+    # gpu/nan_check.py stops at 10 s less; its compiles are cached on disk for what follows
+    "nan": 125,
+    # the Triton and bf16 cases (~24, a few compiles each at ~1.2 s) and a model traced;
+    # flex's, a torch.compile each (~20 s), are in the second call (FUSED_TESTS)
+    "tests": 115,
     # three 300-update runs side by side; the fast run's start-up and compile in graphs
-    # (~60 s) hold it; the runs get 10 s less
-    "learning": 130,
+    # (partly cached by the nan part) hold it; the runs get 10 s less
+    "learning": 120,
     # enwik8_large eager at 2 spans x micro-batch 4, then the largest that fits searched and
-    # timed; no row starts after 70 s
-    "step": 100,
+    # timed; no row starts after 60 s
+    "step": 90,
     # reference and triton at spans 1024 and 8192: Triton's compile and tile timing (~25 s);
     # cut, it is not a failure
     "attention": 40,
     # the second call (REST): compiles in CUDA graphs (~40 s a span); DeepSpeed's start-up,
-    # the corpus and 50 steps; flex's compile per span (~30 s); two eager rows
+    # the corpus and 50 steps; flex's CUDA tests (4 compiles); flex's compile per span
+    # (~30 s); two eager rows
     "graphs": 100,
     "pipeline": 90,
+    "fused-tests": 100,
     "flex": 70,
     "reference": 50,
 }
@@ -99,6 +105,8 @@ REST = tuple(k for k in BUDGETS if k not in ESSENTIALS)
 CONFIG = "configs/enwik8_large.yaml"
 SPANS = "0.0625,1"
 PIPELINE_STEPS = 50
+# flex's CUDA cases: the tests part runs the others, the second call these
+FUSED_TESTS = "tests/ops/test_attention_fused.py"
 NAN_REPORT = 24000  # characters of the nan part's report kept: its tables end in the cause
 # the environment variables that turn torch.compile's logs on: they would flood the report
 LOUD = ("TORCH_LOGS", "TORCHDYNAMO_VERBOSE", "TORCH_COMPILE_DEBUG", "TORCHINDUCTOR_VERBOSE")
@@ -313,6 +321,10 @@ workspace: {{root: {folder / "runs"}}}
     return path
 
 
+def digest_tests(out: str, seconds: float) -> str:
+    return pytest_digest(out)
+
+
 def pipeline_digest(out: str, seconds: float) -> str:
     steps = [line.strip() for line in out.splitlines() if "tok/s" in line]
     rates = [
@@ -345,9 +357,9 @@ class Part:
 def commands(args, folder: Path) -> dict[str, list[str]]:
     """What each part after the install runs on a GPU, by its key."""
     py = sys.executable
-    tests = [
-        py, "-m", "pytest", "-q", "-m", "cuda", *cuda_test_files(), "-p", "no:cacheprovider",
-        "--tb=short", "-rfEs", "--show-capture=no", "--log-level=WARNING",
+    pytest = [
+        py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--tb=short", "-rfEs",
+        "--show-capture=no", "--log-level=WARNING",
     ]  # fmt: skip
     step = [py, "-m", "bench.train_step", CONFIG, "--dtype", "bf16", "--steps", "5"]
     step += ["--warmup", "2"]
@@ -368,12 +380,13 @@ def commands(args, folder: Path) -> dict[str, list[str]]:
     pipeline = [py, "-m", "pipeline.commands.cli", "run"]
     return {
         "nan": [py, "-m", "gpu.nan_check", "--budget", str(BUDGETS["nan"] - 10)],
-        "tests": tests,
+        "tests": [*pytest, *(f for f in cuda_test_files() if f != FUSED_TESTS)],
         "learning": learning,
         "step": eager,
         "attention": [*attention, "--impls", "triton"],
         "graphs": [*step, *triton, "--graphs", "--span", SPANS, "--batch", "4"],
         "pipeline": [*pipeline, str(pipeline_config(folder, args.pipeline_batch))],
+        "fused-tests": [*pytest, FUSED_TESTS],
         "flex": [*attention, "--impls", "flex"],
         "reference": [
             *step, "--set", "model.attention.impl=reference", "--span", SPANS, "--batch", "4",
@@ -387,7 +400,6 @@ def plan(args, folder: Path) -> list[Part]:
     vs = " vs the authors' code (fp32)" if args.reference_code else ""
     op = "the op alone: bench/attention.py, {} against the reference, bf16, dropout 0.4, N 2048"
     nan_dry = [*cmd["nan"][:3], "--dry-run"]
-    digest_tests = lambda out, seconds: pytest_digest(out)  # noqa: E731
     digest_nan = lambda out, seconds: out[-NAN_REPORT:]  # noqa: E731  (markdown, cause last)
     return [
         Part("nan", "nan: what stops triton + bf16 + CUDA graphs on a non-finite update "
@@ -407,6 +419,8 @@ def plan(args, folder: Path) -> list[Part]:
         Part("pipeline", f"pipeline: allattn-pipe run, {PIPELINE_STEPS} steps, enwik8_large's "
              "model bf16, attention triton, CUDA graphs", cmd["pipeline"],
              [*cmd["pipeline"], "--dry-run"], needs=NEEDED, digest=pipeline_digest),
+        Part("fused-tests", f"CUDA tests of flex ({FUSED_TESTS})", cmd["fused-tests"],
+             [*cmd["fused-tests"], "--collect-only"], digest=digest_tests),
         Part("flex", op.format("flex"), cmd["flex"], [*cmd["flex"], "--help"], optional=True),
         Part("reference", f"training step, {CONFIG} bf16, the reference op, eager (the "
              "path these replace)", cmd["reference"], [*cmd["reference"], "--dry-run"],
@@ -546,8 +560,9 @@ def run_part(part: Part, gpu: bool, report: Report, limit: float) -> bool:
     t0 = time.monotonic()
     code, out = run(part.cmd, limit)
     took = time.monotonic() - t0
-    # a failure shows its output's end (the traceback); a time-out what it measured
-    readable = code in (0, 124) or part.key == "tests"
+    # a failure shows its output's end (the traceback); a time-out what it measured; pytest's
+    # digest keeps a failure's traceback itself
+    readable = code in (0, 124) or part.digest is digest_tests
     body = part.digest(out, took) if readable else out[-4000:]
     report.add(part.title, code, body, took, part.optional)
     return True

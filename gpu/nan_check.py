@@ -2,7 +2,7 @@
 triton, bf16, CUDA graphs) stopped on a non-finite loss or gradient at update 11 of the
 learning check, found in one call. Three sections, each markdown, then one line `cause: ...`.
 
-    .venv/bin/python -m gpu.nan_check [--budget 110] [--updates 25] [--graph-updates 15]
+    .venv/bin/python -m gpu.nan_check [--budget 115] [--updates 25] [--graph-updates 15]
         [--dry-run]
 
 **(a) every tile against the reference.** At the learning check's shapes (enwik8_small's
@@ -821,7 +821,7 @@ def header(shapes: Shapes, device, dtype, tiny: bool) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=110, help="seconds for all of it")
+    parser.add_argument("--budget", type=float, default=115, help="seconds for all of it")
     parser.add_argument("--updates", type=int, default=None, help="(b)'s updates (25)")
     parser.add_argument("--graph-updates", type=int, default=None, help="(c)'s updates (15)")
     parser.add_argument(

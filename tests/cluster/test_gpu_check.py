@@ -91,7 +91,7 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run_of_the_essentials_then_the_se
     assert "N 2048 (--help): ok" in report
     assert report.rstrip().endswith(
         "all parts passed\n\nsecond call, for the parts this one did not run: make gpu-check "
-        f"PARTS=graphs,pipeline,flex,reference REFERENCE={reference}"
+        f"PARTS=graphs,pipeline,fused-tests,flex,reference REFERENCE={reference}"
     )
 
     second = report.rstrip().splitlines()[-1].split("make gpu-check ")[1].split()
@@ -100,10 +100,13 @@ def test_make_gpu_check_without_a_gpu_is_a_dry_run_of_the_essentials_then_the_se
         "## training step, configs/enwik8_large.yaml bf16, attention triton, layers in CUDA graphs",
         "## pipeline: allattn-pipe run, 50 steps, enwik8_large's model bf16, attention triton, "
         "CUDA graphs",
+        "## CUDA tests of flex",
         "## the op alone: bench/attention.py, flex against the reference, bf16, dropout 0.4, N "
         "2048",
         "## training step, configs/enwik8_large.yaml bf16, the reference op, eager",
     ]
+    fused = report.split("(tests/ops/test_attention_fused.py) (collected): ok\n\n")[1]
+    assert int(fused.split("/")[0]) >= 2  # flex's cuda-marked tests, not in the first call
     graphs = report.split(
         "## training step, configs/enwik8_large.yaml bf16, attention triton, layers in CUDA "
         "graphs (train.compile: graphs) (--dry-run): ok\n\n"
@@ -135,7 +138,7 @@ def test_the_essentials_fit_one_call_and_what_is_left_is_the_second_call():
     assert args.chosen == list(ESSENTIALS)
     assert second_call(args, ["attention"]) == (
         "second call, for the parts this one did not run: make gpu-check "
-        "PARTS=attention,graphs,pipeline,flex,reference WHEELS=gpu-wheels"
+        "PARTS=attention,graphs,pipeline,fused-tests,flex,reference WHEELS=gpu-wheels"
     )
     assert second_call(parse_args(["--parts", "graphs,pipeline"]), []) == ""
     assert second_call(parse_args(["--parts", "graphs,pipeline"]), ["pipeline"]).endswith(
