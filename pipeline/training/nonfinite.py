@@ -30,16 +30,16 @@ HINT = "lower train.optimizer.lr (or clip the gradients), or set train.nonfinite
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Whether every element of `tensors` (none empty) is finite: a 0-d bool on their device,
-    not read here. By each tensor's largest |x|, which is inf or NaN exactly when an element
+    not read here. By each tensor's extremes, which are inf or NaN exactly when an element
     is (both ways below propagate NaN); a norm is not: four finite 1e20s square past
     float32's range."""
     if tensors[0].device.type == "cpu":
-        # the CPU's inf-norm is not vectorised (10 against 1.7 ms here for 6.3M elements);
-        # the copy abs makes costs host memory only
-        max_abs = torch._foreach_max(torch._foreach_abs(list(tensors)))
+        # the CPU's inf-norm is not vectorised (17 against 0.9 ms for 6.4M elements on one
+        # thread); aminmax is, and copies nothing
+        extremes = [x for t in tensors for x in torch.aminmax(t)]
     else:
-        max_abs = torch._foreach_norm(list(tensors), ord=math.inf)  # one pass, no copy
-    return torch.isfinite(torch.stack(max_abs)).all()
+        extremes = list(torch._foreach_norm(list(tensors), ord=math.inf))  # one pass: max |x|
+    return torch.isfinite(torch.stack(extremes)).all()
 
 
 class NonfiniteGuard:
