@@ -242,47 +242,38 @@ def test_a_full_disk_or_a_planted_link_stops_the_curriculum_in_one_line_keeping_
     assert damage(ckpts / "step-00000002") is None
 
 
-def weights_sha256(state_dict: dict) -> str:
-    """sha256 of a state dict's names and tensor bytes, in name order."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name in sorted(state_dict):
-        digest.update(name.encode())
-        digest.update(state_dict[name].detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-# The task_spec curriculum's per-epoch losses and final weights. `none` (the paper configs'
-# clipping) was captured from the stage's own Adam loop (commit 634d8e2) before it trained
-# through the train stage's engine and update (pipeline.training.trainer.EngineUpdates):
-# reproduced bit for bit. `global` was captured after: DeepSpeed clips with its own
+# The task_spec curriculum's per-epoch losses. `none` (the paper configs' clipping) was
+# captured from the stage's own Adam loop (commit 634d8e2) before it trained through the train
+# stage's engine and update (pipeline.training.trainer.EngineUpdates): reproduced bit for bit
+# on the machine that captured it. `global` was captured after: DeepSpeed clips with its own
 # clip_grad_norm_ (the total norm as the root of the summed squared per-parameter norms),
 # whose rounding differs from torch.nn.utils.clip_grad_norm_'s in the last bits, the same
-# rule; the old loop gave losses 0.3863078594207764, 0.013364943861961364, ... and weights
-# 7dd380ed...
+# rule; the old loop gave losses 0.3863078594207764, 0.013364943861961364, ...
+#
+# Compared within a relative 1e-5, not bit for bit: another CPU's kernels round differently
+# (on an AMD EPYC with AVX-512, 2026-11-28, the losses differ from these by 1.2e-7 to 1.2e-6
+# relative, and so the final weights' bytes differ too, which this test hashed before). A
+# changed update (another clip, schedule or loss) moves them by far more: clip none against
+# global differ by 3% at the first epoch.
+LOSS_RTOL = 1e-5
 REFERENCE = {
-    "none": (
-        [0.398840069770813, 0.03781103193759918, 0.014638182520866395, 0.004757652059197426],
-        "260be236f89f82536c965e8203d9a34ee30d03b05ef5ca0b8286226779f37935",
-    ),
-    "global": (
-        [0.38630783557891846, 0.013364940881729126, 0.0010638142004609108, 0.00016079487977549434],
-        "cd9e22b67674560eeefe13296278cfd4e78ecf94e535a10a87b77276f3c39695",
-    ),
+    "none": [0.398840069770813, 0.03781103193759918, 0.014638182520866395, 0.004757652059197426],
+    "global": [
+        0.38630783557891846,
+        0.013364940881729126,
+        0.0010638142004609108,
+        0.00016079487977549434,
+    ],
 }
 
 
 @pytest.mark.parametrize("clip", ["none", "global"])
-def test_the_curriculum_trains_to_the_recorded_bits(tmp_path, clip):
+def test_the_curriculum_trains_to_the_recorded_losses(tmp_path, clip):
     _, spec = task_spec(tmp_path, f"train.optimizer.clip={clip}")
     summary = run_stage(spec, tmp_path / "a")
     runs = history(tmp_path / "a")
     assert [h["length"] for h in runs] == [5, 6, 7, 8] and summary["score"] == 8
-    losses, weights = REFERENCE[clip]
-    assert [h["loss"] for h in runs] == losses
-    state = tmp_path / "a" / "checkpoints" / "step-00000004" / curriculum.STATE
-    assert weights_sha256(read_checkpoint_file(state)["model"]) == weights
+    assert [h["loss"] for h in runs] == pytest.approx(REFERENCE[clip], rel=LOSS_RTOL, abs=0)
 
 
 # ---------------------------------------------------------------- the attention scale
