@@ -102,6 +102,15 @@ class TrainingMetrics:
         ``metric_tensors()``; [] when all is well."""
         return []
 
+    def train_hardware_flops_per_token(self, block_len: int) -> float:
+        """Training FLOPs per token that the hardware executes, for the hardware FLOPs
+        utilisation (HFU) reported beside the MFU: ``train_flops_per_token()`` plus what the
+        computation does twice. Default: with ``activation_checkpointing``, the forward again
+        (a third more: 2 of the 6 per weight element). A family adds what it recomputes of
+        its own; ``block_len``: the tokens of one training block (``train.seq_len``)."""
+        flops = self.train_flops_per_token()  # type: ignore[attr-defined]  # SequenceModel's
+        return flops * 4 / 3 if getattr(self, "activation_checkpointing", False) else flops
+
 
 class HeadReports:
     """Numbers per layer x head, reported at the end of training and by evaluate."""

@@ -121,6 +121,8 @@ class Trainer:
         self.device = build_device(train)
         manifest = load_manifest(preprocess_dir)  # documents None: a token stream
         self.vocab_size, self.documents = manifest["vocab_size"], manifest.get("documents")
+        # the tokens of one training block: a document less its last token, or train.seq_len
+        self.block_len = self.documents["length"] - 1 if self.documents else train.seq_len
         model = build_model(spec, self.vocab_size, preprocess_dir, self.device, self.rank)
         self.resolved, self.ds_config = build_ds_config(self, model, recorded)
         self.peak_tflops = dense_peak_tflops(self.device, matmul_dtype(self.ds_config))
@@ -170,9 +172,7 @@ class Trainer:
         resumes from there."""
         train = self.spec.train
         first = self.step + 1
-        window = LossWindow(
-            train.batch_size * (self.documents["length"] - 1 if self.documents else train.seq_len)
-        )
+        window = LossWindow(train.batch_size * self.block_len)
         progress = Progress(self.step, until, enabled=self.rank == 0)
         self.guard.start(self.step)
         stopped_early = False
@@ -430,9 +430,11 @@ class Trainer:
         if self.peak_tflops is not None:
             # per GPU: tokens_per_s counts every rank's tokens (the window's step is
             # train.batch_size rows, the global batch), the peak is one GPU's
-            flops = tokens_per_s / self.world_size * self.model.train_flops_per_token()
-            metrics["mfu"] = flops / (self.peak_tflops * 1e12)
-            mfu = f"  mfu {metrics['mfu']:.1%}"
+            per_gpu = tokens_per_s / self.world_size / (self.peak_tflops * 1e12)
+            metrics["mfu"] = per_gpu * self.model.train_flops_per_token()
+            # what the kernels execute: recomputation and the cache's projections included
+            metrics["hfu"] = per_gpu * self.model.train_hardware_flops_per_token(self.block_len)
+            mfu = f"  mfu {metrics['mfu']:.1%}  hfu {metrics['hfu']:.1%}"
         metrics |= values
         self.tracker.log_metrics(metrics, step=self.step)
         progress.eta.update(seconds_per_step)

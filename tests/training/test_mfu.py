@@ -72,6 +72,39 @@ def test_head_split_counts_the_context_heads_and_their_persistent_vectors():
     assert model.train_flops_per_token() == 6.0 * (weights + VOCAB) + attn
 
 
+BLOCK = 16  # tokens per training block
+
+
+def cached_projections(span: int, per_mac: int) -> float:
+    """K and V (d x d each) of the L' cached rows, made again for every block of BLOCK
+    tokens, per token and layer."""
+    return per_mac * 2 * D * D * span / BLOCK
+
+
+def triton_recomputation(span: int) -> float:
+    """Per token and layer: the window's q.k, q.u (in the dq and the dk/dv kernels) and dO.v
+    (once more than the model's backward), 5 products of d x L'; the persistent vectors' 3
+    of d x N; 2 FLOPs a multiply-add."""
+    return 2 * 5 * D * span + 2 * 3 * D * N
+
+
+def test_hardware_flops_add_the_cache_s_projections_the_kernels_recomputation_and_checkpointing():
+    model = tiny_allattn(max_span=64, adaptive_span=False)
+    want = allattn_flops(64, adaptive=False)
+    assert model.train_hardware_flops_per_token(BLOCK) == pytest.approx(
+        want + LAYERS * cached_projections(64, 6), rel=1e-12
+    )
+    model.set_attention_impl("triton")
+    assert model.train_hardware_flops_per_token(BLOCK) == pytest.approx(
+        want + LAYERS * (cached_projections(64, 6) + triton_recomputation(64)), rel=1e-12
+    )
+    model.activation_checkpointing = True  # the forward again: 2 of the 6 per weight
+    assert model.train_hardware_flops_per_token(BLOCK) == pytest.approx(
+        want * 4 / 3 + LAYERS * (cached_projections(64, 8) + triton_recomputation(64)), rel=1e-12
+    )
+    assert model.train_flops_per_token() == want  # the MFU's count is what the model needs
+
+
 def test_the_default_is_six_per_weight_outside_the_embeddings():
     d, layers, ff, heads, head_dim = 8, 2, 16, 2, 4
     cfg = ActiveMemoryConfig(
@@ -95,6 +128,10 @@ def test_the_default_is_six_per_weight_outside_the_embeddings():
     weights = layers * per_layer + 2 * d + (d * VOCAB + VOCAB)  # + final norm, output
     assert sum(p.numel() for p in model.parameters()) == weights + VOCAB * d  # + embedding
     assert model.train_flops_per_token() == 6.0 * weights
+    # the hardware's count: the same, and a forward more (2 per weight) when recomputed
+    assert model.train_hardware_flops_per_token(BLOCK) == 6.0 * weights
+    model.activation_checkpointing = True
+    assert model.train_hardware_flops_per_token(BLOCK) == pytest.approx(8.0 * weights, rel=1e-12)
 
 
 # ---------------------------------------------------------------- the peak by name
@@ -208,14 +245,20 @@ def test_the_report_has_mfu_where_the_peak_is_known(tmp_path, monkeypatch):
     last = metrics[-1]
     assert last["mfu"] == pytest.approx(last["tokens_per_s"] * flops / 50e12, rel=1e-12)
     assert 0 < last["mfu"] < 1
-    assert all("mfu" in m for m in metrics)
-    assert all(" tok/s  mfu " in line and "%  eta " in line for line in reports), reports
+    hardware = trainer.model.train_hardware_flops_per_token(trainer.block_len)
+    assert trainer.block_len == trainer.spec.train.seq_len
+    assert last["hfu"] == pytest.approx(last["tokens_per_s"] * hardware / 50e12, rel=1e-12)
+    assert last["hfu"] > last["mfu"]  # the cache's K and V projections, made again
+    assert all("mfu" in m and "hfu" in m for m in metrics)
+    assert all(
+        " tok/s  mfu " in line and "  hfu " in line and "%  eta " in line for line in reports
+    ), reports
 
 
 @pytest.mark.slow
 def test_the_report_on_the_cpu_is_as_before(tmp_path, monkeypatch):
     trainer, metrics, reports = short_run(tmp_path, monkeypatch)
     assert trainer.peak_tflops is None
-    assert not any("mfu" in m for m in metrics)
-    assert not any("mfu" in line for line in reports)
+    assert not any("mfu" in m or "hfu" in m for m in metrics)
+    assert not any("mfu" in line or "hfu" in line for line in reports)
     assert all(" tok/s  eta " in line for line in reports), reports

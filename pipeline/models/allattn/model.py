@@ -270,6 +270,32 @@ class AllAttnLM(SequenceModel):
         )
         return 6.0 * weights + attn
 
+    def train_hardware_flops_per_token(self, block_len: int) -> float:
+        """``train_flops_per_token()`` plus, per layer, at the L' in force:
+
+        - the K and V projections of the L' cached rows, made again for every block of
+          ``block_len`` tokens: 6 per multiply-add (autograd computes their input's gradient
+          too, then drops it), 8 with activation checkpointing: 2 x d^2 x L' / block_len
+          multiply-adds a token;
+        - with ``attention.impl: triton``, what its backward recomputes rather than stores
+          (pipeline/ops/triton_kernels.py): the dq and the dk/dv kernels each recompute the
+          window's scores (q.k, q.u) and dO.v, which the model's backward needs once: 5
+          products of d_ctx x L' multiply-adds more, 2 FLOPs each; and, in the joint op, the
+          persistent scores twice and dO.M_v once more: 3 x d x N;
+        - with activation checkpointing, the forward again (SequenceModel's third)."""
+        flops = super().train_hardware_flops_per_token(block_len)
+        spans = self.span_planner.planned or [self.cfg.max_span] * len(self.layers)
+        per_mac = 8 if self.activation_checkpointing else 6
+        d = self.cfg.d_model
+        for layer, span in zip(self.layers, spans, strict=True):
+            attn = layer.attn
+            flops += per_mac * 2 * d * d * span / block_len
+            if self.attention_impl == "triton":
+                flops += 2 * 5 * attn.n_ctx_heads * attn.head_dim * span
+                if attn.mode == "all_attn":
+                    flops += 2 * 3 * attn.n_heads * attn.head_dim * attn.n_persistent
+        return flops
+
     def describe(self) -> str:
         """The attention backend; for ``auto``, what it picks on the model's current device
         and dtype (call after moving the model)."""
