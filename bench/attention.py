@@ -120,8 +120,8 @@ def tiles(impls: list[str]) -> str:
         lines.append(f"flex forward tile (the first of FLEX_TILES that compiled): {kept}")
     if "triton" in impls:
         kept = {
-            f"{k} {d} {t} d_h {h}": tile
-            for (k, d, t, h), tile in triton_attention.tiles_in_use().items()
+            f"{k} {d} {t} d_h {h} L' <= {span} rows <= {rows}": tile
+            for (k, d, t, h, span, rows), tile in triton_attention.tiles_in_use().items()
         }
         lines.append(f"triton tiles (the fastest of TILES that fits, per kernel): {kept}")
     return "\n".join(lines)

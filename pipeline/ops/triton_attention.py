@@ -27,7 +27,8 @@ imported before triton): the same kernels, exact, and far too slow to train with
 what the tests run in CI. The interpreter has no bfloat16.
 
 The tile: one T for the query block and the key tile alike (the position gather needs it),
-chosen per kernel, device, dtype and head size the first time it runs, as the fastest of
+chosen per kernel, device, dtype, head size, L' bucket and query-row bucket the first time
+it runs there, as the fastest of
 ``TILES`` that fits the chip; a tile that runs out of shared memory or registers is skipped,
 as flex's tiles are (``pipeline.ops.fused.FLEX_TILES``).
 """
@@ -80,7 +81,8 @@ def forced_tile(tile: dict):
 
 
 def tiles_in_use() -> dict[tuple, dict]:
-    """{(kernel, device, dtype, d_h): the tile it runs with} for the benchmarks' reports."""
+    """{(kernel, device, dtype, d_h, L' bucket, rows bucket): the tile it runs with} for the
+    benchmarks' reports (``_launch``)."""
     return dict(_tiles)
 
 
@@ -111,16 +113,26 @@ def _load_kernels(device: torch.device):
     return _kernels
 
 
-def _launch(name: str, q: Tensor, launch_one) -> dict:
-    """Run ``launch_one(tile)`` in the tile kept for (name, device, dtype, d_h); the first
-    time, time every tile of TILES that compiles and keep the fastest. Returns the tile."""
+def _bucket(n: int) -> int:
+    """n rounded up to a power of 2: the sizes that share a tile choice."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _launch(name: str, q: Tensor, launch_one, span_len: int) -> dict:
+    """Run ``launch_one(tile)`` in the tile kept for (name, device, dtype, d_h, L' bucket,
+    rows bucket); the first time, time every tile of TILES that compiles and keep the
+    fastest. Returns the tile. Per bucket of L' and of the query rows (B x H x M), both
+    rounded up to a power of 2: the fastest tile at the spans of the first update (short,
+    at initialisation) need not be the fastest once the spans have grown, nor at another
+    micro-batch."""
     if _forced is not None:
         launch_one(_forced)
         return _forced
     if q.device.type != "cuda":
         launch_one(INTERPRETER_TILE)
         return INTERPRETER_TILE
-    where = (name, str(q.device), q.dtype, q.shape[-1])
+    rows = q.shape[0] * q.shape[1] * q.shape[2]
+    where = (name, str(q.device), q.dtype, q.shape[-1], _bucket(span_len), _bucket(rows))
     if where in _tiles:
         launch_one(_tiles[where])
         return _tiles[where]
@@ -285,6 +297,7 @@ def _forward_op(
         "forward",
         q,
         lambda t: kernels.attention_fwd[(_cdiv(m, t["T"]), b * h)](*args, **constants, **t),
+        pos.shape[1],
     )
     return out, lse
 
@@ -342,7 +355,7 @@ def _backward_op(
             *ops, *rows, dq, du, dmask, width, **constants, **tile
         )
 
-    tile = _launch("backward dq", q, dq_pass)
+    tile = _launch("backward dq", q, dq_pass, span_len)
     du, dmask_parts = partials[tile["T"]]
     scale = 1.0 / math.sqrt(d)
     # contiguous, as the fake kernel says: torch.compile checks the real strides against it
@@ -362,6 +375,7 @@ def _backward_op(
         lambda t: kernels.attention_bwd_dkdv[(_cdiv(span_len + m, t["T"]), b * h)](
             *ops, *rows, dk, dv, **constants, **t
         ),
+        span_len,
     )
 
     # per tile of persistent vectors: their gradients over the whole batch
@@ -375,6 +389,7 @@ def _backward_op(
             lambda t: kernels.attention_bwd_persistent[(_cdiv(n, t["T"]), h)](
                 *ops, *rows, dpk, dpv, **constants, **t
             ),
+            span_len,
         )
     return dq, dk, dv, dpos, dpk, dpv, dmask
 

@@ -430,10 +430,12 @@ class _FakeCudaTensor:
 def test_the_tile_is_the_fastest_that_fits_kept_per_kernel_and_chosen_untimed_in_a_capture(
     monkeypatch,
 ):
-    """On CUDA the first call of a kernel (per device, dtype and head size) launches every tile
-    of TILES, skips those that run out of resources, times the rest and keeps the fastest;
-    later calls launch the kept tile once; inside a CUDA graph capture nothing is timed and
-    the first tile that fits is kept. Events and launches faked: no GPU needed."""
+    """On CUDA the first call of a kernel (per device, dtype, head size, L' bucket and
+    query-row bucket) launches every tile of TILES, skips those that run out of resources,
+    times the rest and keeps the fastest; later calls in the same buckets launch the kept tile
+    once, and a span or a batch in another bucket is timed anew; inside a CUDA graph capture
+    nothing is timed and the first tile that fits is kept. Events and launches faked: no GPU
+    needed."""
     from triton.runtime.errors import OutOfResources
 
     tiles = ({"T": 128}, {"T": 64}, {"T": 32}, {"T": 16})
@@ -462,21 +464,29 @@ def test_the_tile_is_the_fastest_that_fits_kept_per_kernel_and_chosen_untimed_in
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    q = _FakeCudaTensor()
-    assert triton_attention._launch("forward", q, launch) == {"T": 32}
+    q = _FakeCudaTensor()  # B 1, H 8, M 512: 4,096 rows
+    assert triton_attention._launch("forward", q, launch, 300) == {"T": 32}
     assert launched == [64, 64, 64, 64, 32, 32, 32, 32, 16, 16, 16, 16, 32]  # kept: once more
-    assert triton_attention.tiles_in_use() == {("forward", "cuda", torch.bfloat16, 64): {"T": 32}}
+    key = ("forward", "cuda", torch.bfloat16, 64, 512, 4096)  # L' 300 in the bucket of 512
+    assert triton_attention.tiles_in_use() == {key: {"T": 32}}
     launched.clear()
-    assert triton_attention._launch("forward", q, launch) == {"T": 32}
+    assert triton_attention._launch("forward", q, launch, 512) == {"T": 32}  # the same bucket
     assert launched == [32]
+    # the spans grew past the bucket: timed again, and now another tile is the fastest
+    launched.clear()
+    ms.update({32: 9.0})
+    assert triton_attention._launch("forward", q, launch, 513) == {"T": 64}
+    assert launched == [64, 64, 64, 64, 32, 32, 32, 32, 16, 16, 16, 16, 64]
+    assert triton_attention.tiles_in_use()[key] == {"T": 32}  # the first bucket keeps its own
+    ms.update({32: 2.0})
     # a capture: no timing, the first tile that fits
     launched.clear()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert triton_attention._launch("backward dq", q, launch) == {"T": 64}
+    assert triton_attention._launch("backward dq", q, launch, 300) == {"T": 64}
     assert launched == [64, 64]
     ms.update({64: None, 32: None, 16: None})
     with pytest.raises(RuntimeError, match="no tile of TILES fits"):
-        triton_attention._launch("backward dk dv", q, launch)
+        triton_attention._launch("backward dk dv", q, launch, 300)
 
 
 # --------------------------------------------------------------------------------------
