@@ -646,16 +646,21 @@ def slurm(
 
 
 def _write_script(path, script: str, log_dir, submit_hint: bool = True) -> None:
-    """Write a batch script (atomically) and say how to submit it."""
+    """Write a batch script (atomically) and say how to submit it. A script that cannot be
+    written leaves nothing behind: the log directory made for it is taken back."""
     from pipeline.fsutil import atomic_write_text
 
+    made: list = []
     try:
         previous = _earlier_script(path)
         # Slurm opens the job's --output file before the script runs: its directory must exist.
-        log_dir.mkdir(parents=True, exist_ok=True)
+        _make_dirs(log_dir, made)
         if previous != script:
             atomic_write_text(path, script)
     except (OSError, UnicodeDecodeError) as e:
+        for directory in reversed(made):  # innermost first; each one empty, as it was made
+            with contextlib.suppress(OSError):
+                directory.rmdir()
         raise PipelineError(
             f"{shown(path)}: cannot write the script: {getattr(e, 'strerror', None) or e}"
         ) from None
@@ -665,6 +670,19 @@ def _write_script(path, script: str, log_dir, submit_hint: bool = True) -> None:
         click.echo(f"{path}: {'replaced a different earlier script' if previous else 'written'}")
     if submit_hint:
         click.echo(f"submit with: sbatch {path}")
+
+
+def _make_dirs(path, made: list) -> None:
+    """``path.mkdir(parents=True, exist_ok=True)`` that appends each directory it makes to
+    ``made``, outermost first (so that a caller can take them back)."""
+    missing = []
+    for directory in [path, *path.parents]:
+        if directory.is_dir():
+            break
+        missing.append(directory)
+    for directory in reversed(missing):
+        directory.mkdir()
+        made.append(directory)
 
 
 def _earlier_script(path) -> str | None:

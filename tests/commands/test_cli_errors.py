@@ -131,3 +131,21 @@ def test_a_name_no_file_can_have_or_a_device_is_one_error_line(args, names):
     assert result.exit_code == 2, (result.exception, result.output)
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], lines
+
+
+def test_a_script_that_cannot_be_written_leaves_no_log_directory_behind(tmp_path):
+    """`launch slurm --output` to a place no file can be: one line, exit 2, and the workspace
+    as it was: the log directory the script would need is made first and taken back (the CLI
+    fuzzer drew it: `--output /proc/x` left runs/NAME/slurm/logs)."""
+    (tmp_path / "runs").mkdir()
+    args = ["launch", "slurm", QUICKSTART, "--nodes", "1", "--gpus-per-node", "1"]
+    args += ["--set", f"workspace.root={tmp_path / 'runs'}", "--output", "/proc/x"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, (result.exception, result.output)
+    assert result.stderr.startswith("error: --output /proc/x: cannot write"), result.stderr
+    assert list((tmp_path / "runs").iterdir()) == []
+    # written where it can be, the same command makes the log directory Slurm needs
+    args[-1] = str(tmp_path / "job.sbatch")
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, (result.exception, result.output)
+    assert (tmp_path / "runs" / "quickstart" / "slurm" / "logs").is_dir()
