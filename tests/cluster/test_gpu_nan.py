@@ -22,6 +22,7 @@ def section(report: str, start: str, end: str) -> str:
     return report.split(start, 1)[1].split(end, 1)[0]
 
 
+@pytest.mark.slow  # the whole dry run, (c) in a child process: ~30 s
 def test_a_nan_at_one_tile_is_named_the_cause_in_a_report_of_every_section(monkeypatch, capsys):
     poisoned = TILES[2]
     current: list[dict] = []

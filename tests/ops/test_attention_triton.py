@@ -42,7 +42,8 @@ NAMES = ["q", "k", "v", "pos", "persistent_k", "persistent_v", "spans"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-INTERPRETER_TILES = sorted({t["T"] for t in triton_attention.TILES} | {16})
+INTERPRETER_TILE = triton_attention.INTERPRETER_TILE["T"]
+INTERPRETER_TILES = sorted({t["T"] for t in triton_attention.TILES} | {INTERPRETER_TILE})
 """Every tile size a GPU may run (TILES) and the interpreter's default."""
 
 
@@ -54,15 +55,17 @@ def _devices(every_tile: bool = False):
         CUDA, reason="a CUDA machine runs the kernels compiled: the cuda cases"
     )
     sizes = INTERPRETER_TILES if every_tile else [None]
+    # the interpreter's own tile in the fast tier, the GPU's other tiles in the slow one
+    slow = [on_cpu, pytest.mark.slow]
     cpu = [
         pytest.param(
             "cpu",
             torch.float32,
             2e-5,
             None if t is None else {"T": t},
-            marks=on_cpu,
+            marks=on_cpu if t in (None, INTERPRETER_TILE) else slow,
             id="interpreter-fp32" + ("" if t is None else f"-T{t}"),
-        )  # fmt: skip
+        )
         for t in sizes
     ]
     cuda = pytest.param(
