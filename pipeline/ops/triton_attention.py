@@ -47,7 +47,15 @@ from torch import Tensor
 from pipeline.ops.attention import RENORM_EPS, check_shapes
 from pipeline.ops.dropout import draw_dropout_seed, keep_threshold
 
-__all__ = ["KERNELS", "TILES", "attend_triton", "compile_ahead", "forced_tile", "tiles_in_use"]
+__all__ = [
+    "KERNELS",
+    "RECOMPUTED_PRODUCTS",
+    "TILES",
+    "attend_triton",
+    "compile_ahead",
+    "forced_tile",
+    "tiles_in_use",
+]
 
 TILES: tuple[dict, ...] = (
     {"T": 64, "num_warps": 4, "num_stages": 2},
@@ -57,6 +65,12 @@ TILES: tuple[dict, ...] = (
 )
 """The tiles tried on CUDA, per kernel; the first that compiles wins where timing is not
 possible (inside a CUDA graph capture)."""
+
+RECOMPUTED_PRODUCTS = {"window": 5, "persistent": 3}
+"""Matmul-shaped products per query that the backward kernels compute beyond a stored-weights
+backward's (the hardware FLOPs utilisation counts them): the dq and the dk/dv kernels each
+recompute the window's scores (q.k and q.u) and dO.v, which a backward needs once, so 5 of
+d_ctx x L' multiply-adds; the persistent scores twice and dO.M_v once more, 3 of d x N."""
 
 INTERPRETER_TILE = {"T": 16}
 """The tile under Triton's interpreter: the smallest tl.dot takes, so the tests' small shapes

@@ -76,6 +76,7 @@ from pipeline.models.allattn.layers import (
 from pipeline.models.allattn.span_planner import SpanPlanner
 from pipeline.models.protocol import ModelOutput, SequenceModel, State, count_elements
 from pipeline.ops import AttendFn, describe_auto, get_attention_impl
+from pipeline.ops.triton_attention import RECOMPUTED_PRODUCTS
 
 # --------------------------------------------------------------------------------------
 # language model
@@ -278,10 +279,8 @@ class AllAttnLM(SequenceModel):
           too, then drops it), 8 with activation checkpointing: 2 x d^2 x L' / block_len
           multiply-adds a token;
         - with ``attention.impl: triton``, what its backward recomputes rather than stores
-          (pipeline/ops/triton_kernels.py): the dq and the dk/dv kernels each recompute the
-          window's scores (q.k, q.u) and dO.v, which the model's backward needs once: 5
-          products of d_ctx x L' multiply-adds more, 2 FLOPs each; and, in the joint op, the
-          persistent scores twice and dO.M_v once more: 3 x d x N;
+          (``RECOMPUTED_PRODUCTS``, 2 FLOPs a multiply-add): products of d_ctx x L' and, in
+          the joint op, of d x N;
         - with activation checkpointing, the forward again (SequenceModel's third)."""
         flops = super().train_hardware_flops_per_token(block_len)
         spans = self.span_planner.planned or [self.cfg.max_span] * len(self.layers)
@@ -291,9 +290,13 @@ class AllAttnLM(SequenceModel):
             attn = layer.attn
             flops += per_mac * 2 * d * d * span / block_len
             if self.attention_impl == "triton":
-                flops += 2 * 5 * attn.n_ctx_heads * attn.head_dim * span
+                window, persistent = (
+                    RECOMPUTED_PRODUCTS["window"],
+                    RECOMPUTED_PRODUCTS["persistent"],
+                )
+                flops += 2 * window * attn.n_ctx_heads * attn.head_dim * span
                 if attn.mode == "all_attn":
-                    flops += 2 * 3 * attn.n_heads * attn.head_dim * attn.n_persistent
+                    flops += 2 * persistent * attn.n_heads * attn.head_dim * attn.n_persistent
         return flops
 
     def describe(self) -> str:
