@@ -47,7 +47,8 @@ HF_FAMILIES = {
 format exports."""
 
 STUBS = {
-    "pipeline.ops.triton_attention": '''\
+    "pipeline.ops.triton_attention": (
+        '''\
 """The triton attention backend is left out of this export: its kernels train on
 CUDA and need the triton package; the export's config names the reference op instead
 (same numbers)."""
@@ -58,9 +59,20 @@ def attend_triton(*args, **kwargs):
         "attention impl triton is not in this export; use reference, sdpa, flex or auto"
     )
 ''',
+        ("RECOMPUTED_PRODUCTS",),
+    ),
 }
 """Modules written as a stub instead of copied: what they hold is not needed to run the
-model, and copying it would make transformers require a package (triton) to load it."""
+model, and copying it would make transformers require a package (triton) to load it.
+Each is (the stub's code, the module's constants that the copied modules import from it,
+written out with their values at export time)."""
+
+
+def stub_source(module: str) -> str:
+    """The stub of `module`, its carried constants appended as literals."""
+    code, constants = STUBS[module]
+    real = importlib.import_module(module)
+    return code + "".join(f"\n{name} = {getattr(real, name)!r}\n" for name in constants)
 
 
 def hf_refusal(spec) -> str | None:
@@ -156,7 +168,7 @@ def family_sources(root: str) -> dict[str, str]:
             continue
         seen.add(module)
         if module in STUBS:
-            files[f"{flat_name(module)}.py"] = STUBS[module]
+            files[f"{flat_name(module)}.py"] = stub_source(module)
             continue
         text, needed = flat_source(module)
         files[f"{flat_name(module)}.py"] = text
