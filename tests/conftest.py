@@ -1,84 +1,54 @@
-"""What every test shares.
+"""The suite's tiers and the fixtures every test shares.
 
-- The environment: each test starts from the session's, less the variables that would point
-  it at a user's tracking server, and whatever it sets is undone after it (`environment`).
-- The external benchmark corpora (../shared/data beside the checkout) for the tests that read
-  them. A user's clone has no such folder: those tests skip with a one-line reason. CI has the
-  data and sets REQUIRE_SHARED_DATA (in .ci/run), which turns a missing file into a failure.
-- Triton's interpreter on a machine without CUDA (the attention kernels' tests run there):
-  on before anything imports triton, which is when Triton reads it.
+A test's tier is its folder (docs/contributing.md says which to run when):
+
+- ``tests/unit/``: one module at a time, in process; no subprocess, no `allattn-pipe run`,
+  no DeepSpeed engine. Seconds each.
+- ``tests/integration/``: pipelines and engines in process (or one short child process) on
+  tiny models. ``make test`` runs these two tiers and ``tests/test_architecture.py``.
+- ``tests/system/``: what a user's run does end to end: Slurm, several DeepSpeed processes,
+  kill -9, the fuzz campaigns, the quickstart's figures, the docs build, the plugin install,
+  the paper configs, the Triton kernels at every GPU tile. ``make test-all`` adds them.
+
+Each test gets its tier as a marker (``-m unit`` selects one) and a timeout that fails it
+with every thread's stack when it hangs (pytest-timeout; a test's own
+``@pytest.mark.timeout`` wins). The shared fixtures live in ``tests/fixtures/`` and load
+here as plugins, so no test module imports another.
 """
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-import pipeline.ops  # noqa: F401  (on a machine without CUDA, it turns Triton's interpreter on)
+pytest_plugins = [
+    "tests.fixtures.environment",
+    "tests.fixtures.download_server",
+    "tests.fixtures.stand_in_stages",
+    "tests.fixtures.tracked_pipeline",
+]
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-REQUIRE_SHARED_DATA = "ALLATTN_REQUIRE_SHARED_DATA"
-# A user's tracking server (and registry), and the HTTP limits MlflowTracker exports for
-# one: never a test's.
-TRACKING_VARIABLES = (
-    "MLFLOW_TRACKING_URI",
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT",
-    "MLFLOW_REGISTRY_URI",
-)
+TESTS = Path(__file__).resolve().parent
+TIMEOUT_S = {"unit": 120, "integration": 600, "system": 1800}
+"""Per test, by tier: several times the slowest test of the tier on 2 busy cores."""
 
 
-@contextmanager
-def _restored_environment():
-    saved = dict(os.environ)
-    for name in TRACKING_VARIABLES:
-        os.environ.pop(name, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+def tier_of(path: Path) -> str:
+    """The tier of a test file: its first folder under tests/ (the project-wide checks at
+    the top, tests/test_architecture.py, read files only: unit)."""
+    parts = path.resolve().relative_to(TESTS).parts
+    return parts[0] if len(parts) > 1 and parts[0] in TIMEOUT_S else "unit"
 
 
-@pytest.fixture(autouse=True)
-def environment():
-    """os.environ as the session had it, less TRACKING_VARIABLES, restored after the test.
-
-    Stages run in the test's process export RANK, MASTER_PORT... (the process group's set-up)
-    and MlflowTracker its HTTP limits; left behind, they would make another test's subprocess
-    join a process group that is not its own (its MASTER_PORT is this process's store:
-    EADDRINUSE), or track to another test's server. The process group itself stays for the
-    session: DeepSpeed caches its groups in module globals, so a group destroyed and made
-    again in one process breaks the next in-process engine."""
-    with _restored_environment():
-        yield
+def pytest_configure(config):
+    for tier in TIMEOUT_S:
+        config.addinivalue_line("markers", f"{tier}: set by the test's folder (tests/{tier}/)")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def module_environment():
-    """The same around a module: what its module-scoped fixtures set (a run in this process,
-    shared by the module's tests) is undone when the module ends. Autouse fixtures come
-    first within their scope, so this one saves before any of them runs."""
-    with _restored_environment():
-        yield
-
-
-def find_shared_data(relpath: str) -> Path | None:
-    """SHARED_DATA / relpath, or None where it is absent (a test failure with
-    $ALLATTN_REQUIRE_SHARED_DATA set)."""
-    path = SHARED_DATA / relpath
-    if path.is_file():
-        return path
-    if os.environ.get(REQUIRE_SHARED_DATA):
-        pytest.fail(f"{path} is missing ({REQUIRE_SHARED_DATA} is set)", pytrace=False)
-    return None
-
-
-def shared_data(relpath: str) -> Path:
-    """SHARED_DATA / relpath; where it is absent the test skips (fails under
-    $ALLATTN_REQUIRE_SHARED_DATA)."""
-    path = find_shared_data(relpath)
-    if path is None:
-        pytest.skip(f"needs {SHARED_DATA / relpath} (benchmark data beside the checkout)")
-    return path
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = tier_of(Path(item.fspath))
+        item.add_marker(getattr(pytest.mark, tier))
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TIMEOUT_S[tier]))

@@ -22,59 +22,15 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from tests.fixtures.docs_pages import DOCS, PAGES, PLACEHOLDER, README, code_blocks, commands
+
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
-DOCS = ROOT / "docs"
-PAGES = [README, *sorted(DOCS.glob("*.md"))]
 README_LIMIT = 8192
 
 
 # ---------------------------------------------------------------- reading the pages
 
 
-def code_blocks(path: Path) -> list[str]:
-    """Every fenced (```) and indented (4 spaces, after a blank line) code block of a
-    Markdown page, as text without the indentation."""
-    blocks, lines = [], path.read_text(encoding="utf-8").splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        fence = re.match(r"^(\s*)```", line)
-        if fence:
-            indent, body = len(fence.group(1)), []
-            i += 1
-            while i < len(lines) and not lines[i].strip().startswith("```"):
-                body.append(lines[i][indent:])
-                i += 1
-            blocks.append("\n".join(body))
-        elif line.startswith("    ") and (i == 0 or not lines[i - 1].strip()):
-            body = []
-            while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
-                body.append(lines[i][4:])
-                i += 1
-            blocks.append("\n".join(body).strip("\n"))
-            continue
-        i += 1
-    return blocks
-
-
-def commands(path: Path) -> list[str]:
-    """The `allattn-pipe ...` command lines of a page's code blocks (a trailing `# comment`
-    removed, backslash continuations joined). A `$ allattn-pipe ...` line is a transcript
-    with the output beneath it: test_validation_example checks the one there is."""
-    found = []
-    for block in code_blocks(path):
-        joined = re.sub(r"\\\n\s*", " ", block)
-        for line in joined.splitlines():
-            if line.strip().startswith("allattn-pipe "):
-                found.append(re.sub(r"\s+#.*$", "", line.strip()).strip())
-    return found
-
-
-PLACEHOLDER = re.compile(
-    r"\b(CFG|CONFIG|STAGE|DIR|TEXT|FILE|PATH|EXPERIMENT|RUN_ID|[A-Z])\b"
-    r"|[\[\]|]|\.\.\.|K=V"
-)
 CHEAP = ("validate", "show", "stages")
 
 

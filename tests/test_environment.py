@@ -1,5 +1,5 @@
-"""The tests' one environment fixture (conftest.environment), run on two tests of its own in a
-pytest of their own: what the first sets is gone for the second, and a user's tracking server
+"""The tests' one environment fixture (tests/fixtures/environment.py), run on two tests of its own
+in a pytest of their own: what the first sets is gone for the second, and a user's tracking server
 never reaches either."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CONFTEST = Path(__file__).with_name("conftest.py")
+ENVIRONMENT = Path(__file__).with_name("fixtures") / "environment.py"
 
 TESTS = """
 import os
@@ -27,7 +27,7 @@ def test_the_next_test_starts_without_it():
 
 
 def test_a_variable_one_test_sets_never_reaches_the_next(tmp_path):
-    (tmp_path / "conftest.py").write_text(CONFTEST.read_text())
+    (tmp_path / "conftest.py").write_text(ENVIRONMENT.read_text())
     (tmp_path / "test_pair.py").write_text(TESTS)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT")}
     env.update(MLFLOW_TRACKING_URI="http://a-users-server:5000", KEPT="yes")

@@ -1,6 +1,6 @@
-"""tests/conftest.py's shared_data: in a checkout with no ../shared beside it a test that needs
-the benchmark data skips with its reason; with ALLATTN_REQUIRE_SHARED_DATA set (CI) it fails
-naming the missing file; with the data there it runs."""
+"""tests/fixtures/shared_data.py's shared_data: in a checkout with no ../shared beside it a test
+that needs the benchmark data skips with its reason; with ALLATTN_REQUIRE_SHARED_DATA set (CI) it
+fails naming the missing file; with the data there it runs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 USES_SHARED_DATA = """\
-from tests.conftest import shared_data
+from tests.fixtures.shared_data import shared_data
 
 def test_reads_the_corpus():
     assert shared_data("corpus/input.txt").read_text() == "real text\\n"
@@ -24,12 +24,13 @@ def test_reads_the_corpus():
 
 @pytest.fixture
 def clone(tmp_path) -> Path:
-    """tmp/clone/tests with the project's conftest.py and one test that reads
-    ../shared/data/corpus/input.txt; tmp/shared does not exist."""
+    """tmp/clone/tests with the project's tests/fixtures/shared_data.py and one test that
+    reads ../shared/data/corpus/input.txt; tmp/shared does not exist."""
     tests = tmp_path / "clone" / "tests"
-    tests.mkdir(parents=True)
-    shutil.copy(TESTS / "conftest.py", tests)
-    (tests / "__init__.py").touch()  # tests/ is a package, as in the project
+    (tests / "fixtures").mkdir(parents=True)
+    shutil.copy(TESTS / "fixtures" / "shared_data.py", tests / "fixtures")
+    for package in (tests, tests / "fixtures"):  # packages, as in the project
+        (package / "__init__.py").touch()
     (tests / "test_uses_shared_data.py").write_text(USES_SHARED_DATA)
     return tmp_path / "clone"
 
@@ -56,7 +57,7 @@ def test_missing_shared_data_skips_with_the_path(clone):
     assert [
         line
         for line in r.stdout.splitlines()
-        if line.startswith("SKIPPED [1] tests/conftest.py:") and line.endswith(reason)
+        if line.startswith("SKIPPED [1] tests/fixtures/shared_data.py:") and line.endswith(reason)
     ]
     assert r.stdout.splitlines()[-1].startswith("1 skipped in ")
 

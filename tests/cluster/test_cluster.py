@@ -1,4 +1,4 @@
-"""Multi-node training through a real two-node Slurm (tests/helpers/slurm_cluster.py: Debian's
+"""Multi-node training through a real two-node Slurm (tests/fixtures/slurm_cluster.py: Debian's
 slurmctld / slurmd / munged, two network namespaces on a bridge) and through the deepspeed
 launcher across the same two hosts, on CPU with gloo.
 
@@ -31,15 +31,14 @@ import pytest
 import torch
 
 from pipeline.cluster.slurm import time_limit_seconds
-from tests.cluster.test_distributed import metric_history
-from tests.helpers.slurm_cluster import (
+from tests.fixtures.runs import final_weights, metric_history
+from tests.fixtures.slurm_cluster import (
     INTERFACE,
     NODES,
     SlurmCluster,
     install_hint,
     missing_commands,
 )
-from tests.workspace.test_resume_edits import final_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRE_CLUSTER = "ALLATTN_REQUIRE_CLUSTER"

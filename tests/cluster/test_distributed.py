@@ -21,26 +21,12 @@ import psutil
 import pytest
 
 from quality.tiny_training import ADAM, STEPS, cli, tiny_config
+from tests.fixtures.runs import metric_history
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = 80  # long enough that a signal sent at step 4 lands mid-training
 
 pytestmark = pytest.mark.slow
-
-
-def metric_history(root: Path, experiment: str, stage: str, key: str) -> dict[int, float]:
-    """step -> value of `key` over every run of `stage` in `experiment`, later runs winning."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
-    exp = client.get_experiment_by_name(experiment)
-    runs = client.search_runs(
-        [exp.experiment_id], f"tags.stage = '{stage}'", order_by=["attributes.start_time ASC"]
-    )
-    out: dict[int, float] = {}
-    for run in runs:
-        out |= {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-    return out
 
 
 def run_losses(tmp: Path, **kw) -> dict[int, float]:

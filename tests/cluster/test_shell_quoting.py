@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
-from tests.cluster.test_slurm import FAKES
+from tests.fixtures.fake_slurm import FAKES
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/enwik8_large.yaml"

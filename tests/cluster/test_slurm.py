@@ -18,39 +18,11 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
+from tests.fixtures.fake_slurm import FAKES
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/enwik8_large.yaml"
 JOB_ID = "123456"
-
-# Stand-ins for the cluster's commands. They record what they were asked into $FAKE_LOG.
-FAKES = {
-    "scontrol": """\
-        if [ "$1 $2" = "show hostnames" ]; then printf 'nodeA\\nnodeB\\n'; exit 0; fi
-        if [ "$1 $2" = "show node" ]; then
-            echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.0.0.7 NodeHostName=$3"
-            exit 0
-        fi
-        echo "scontrol $*" >> "$FAKE_LOG/scontrol"
-        """,
-    # Records its arguments, working directory and rendezvous. With FAKE_RANK set it runs one
-    # "rank": a process that saves on SIGTERM and exits 143, as the trainer does.
-    "srun": """\
-        printf '%s\\n' "$@" > "$FAKE_LOG/srun.argv"
-        pwd > "$FAKE_LOG/srun.cwd"
-        echo "$MASTER_ADDR:$MASTER_PORT $DS_ACCELERATOR" > "$FAKE_LOG/srun.env"
-        [ -n "${FAKE_RANK:-}" ] || exit 0
-        bash -c 'trap "echo TERM > \\"$FAKE_LOG/rank\\"; exit 143" TERM
-                 echo $$ > "$FAKE_LOG/rank.pid"
-                 while :; do sleep 0.05; done' &
-        wait $!
-        """,
-    # scancel --signal=TERM JOB: Slurm signals the job's steps, here the one fake rank
-    "scancel": """\
-        echo "scancel $*" >> "$FAKE_LOG/scancel"
-        kill -TERM "$(cat "$FAKE_LOG/rank.pid")"
-        """,
-}
 
 
 # A stand-in for sinfo: prints $FAKE_SINFO's lines ("PARTITION CPUS GRES", as --format=

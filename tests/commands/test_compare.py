@@ -19,8 +19,14 @@ from pipeline.commands.cli import main
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import MlflowTracker, tracking_uri
 from pipeline.workspace.runner import Runner
+from tests.fixtures.tracked_pipeline import pipeline
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
+
+
+@pytest.fixture
+def cfg(tracked_cfg):
+    return tracked_cfg
 
 
 def test_bpc(seed: int, lr: float) -> float:
@@ -65,44 +71,6 @@ def stand_ins(monkeypatch):
             stages.STAGES, name, dataclasses.replace(stages.STAGES[name], run=make(name))
         )
     return fail
-
-
-@pytest.fixture
-def cfg(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    path = tmp_path / "pipe.yaml"
-    path.write_text(f"""\
-name: pipe
-dataset: python_docs
-model: {{kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 64}}
-train: {{steps: 6, batch_size: 2, seq_len: 8, seed: 1,
-        optimizer: {{type: adam, lr: 1.0e-3, clip: global, clip_norm: 1.0}}}}
-finetune: {{steps: 2}}
-tracking: {{uri: "{(tmp_path / "store").as_uri()}", experiment: pipe}}
-workspace: {{root: {tmp_path / "runs"}}}
-paper: {{table: "a paper, table 9", parameters: 12000, results: {{test_bpc: 1.05}}}}
-stages: [download, preprocess, train, finetune, evaluate]
-""")
-    return path
-
-
-def pipeline(cfg, *overrides):
-    """One pipeline run, in a workspace of its own (each seed is its own run in a sweep)."""
-    sets = [*overrides, f"name=pipe-seed{_seed(overrides)}-lr{_lr(overrides)}"]
-    spec = load_spec(cfg, sets)
-    tracker = MlflowTracker(spec.tracking.uri, flush_s=5.0, warn=lambda m: None)
-    Runner(spec, log=lambda m: None).run(tracker)
-
-
-def _seed(overrides) -> str:
-    return next((o.split("=")[1] for o in overrides if o.startswith("train.seed=")), "1")
-
-
-def _lr(overrides) -> str:
-    return next(
-        (o.split("=")[1] for o in overrides if o.startswith("train.optimizer.lr=")), "0.001"
-    )
 
 
 def compare(cfg_or_args, *args, code=0):

@@ -1,7 +1,7 @@
 """`allattn-pipe sweep`: a 2 x 2 grid with 2 seeds is 8 runs and one preprocess; a second
 sweep runs nothing; an interrupted sweep's re-run finishes only what was missing, also after
-kill -9. Stand-in stages (tests/helpers/sweep_worker.py) record each call in a file, so the whole
-sweep takes seconds."""
+kill -9. Stand-in stages (tests/fixtures/workers/sweep_worker.py) record each call in a file, so
+the whole sweep takes seconds."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def sweep(cfg, *args, env=None):
     return subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "tests" / "helpers" / "sweep_worker.py"),
+            str(ROOT / "tests" / "fixtures" / "workers" / "sweep_worker.py"),
             "sweep",
             str(cfg),
             *GRID,
@@ -335,7 +335,7 @@ def test_a_signal_to_a_parallel_sweep_reaches_its_points_and_marks_its_run_kille
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "tests" / "helpers" / "sweep_worker.py"),
+            str(ROOT / "tests" / "fixtures" / "workers" / "sweep_worker.py"),
             "sweep",
             str(cfg),
             "--seeds",

@@ -14,7 +14,7 @@ from pipeline.commands.cli import main
 from pipeline.spec import load_spec
 from pipeline.spec.sources import PROJECT_ROOT
 from stages import STAGES
-from tests.test_docs import PAGES, PLACEHOLDER, commands
+from tests.fixtures.docs_pages import PAGES, PLACEHOLDER, commands
 
 BASE = PROJECT_ROOT / "configs" / "base" / "active_memory_lm.yaml"
 WHY = "mixer conv has no self-attention"

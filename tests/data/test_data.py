@@ -23,7 +23,7 @@ from pipeline.data import (
     write_shards,
 )
 from pipeline.fsutil import sha256_file
-from tests.conftest import find_shared_data
+from tests.fixtures.shared_data import find_shared_data
 
 
 @pytest.fixture(scope="module")

@@ -172,7 +172,8 @@ def test_deepspeed_bf16_trains_with_float32_spans(tmp_path):
     bf16 flat buffer after every step; the forward must still see the spans in float32, the
     fp32 masters' values (not on bf16's grid), starting exactly at span_init, while the rest
     of the model stays bf16; resuming from a checkpoint continues exactly."""
-    from tests.training.test_epoch_wrap import run_worker, tiny_corpus
+    from tests.fixtures.runs import run_worker
+    from tests.fixtures.tiny_corpus import tiny_corpus
 
     cfg, pre = tiny_corpus(tmp_path)
     got = run_worker(__file__, cfg, pre, tmp_path / "ckpt", tmp_path / "bf16.json")

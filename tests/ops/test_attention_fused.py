@@ -25,97 +25,24 @@ from pipeline.ops import (
     get_attention_impl,
 )
 from pipeline.ops.fused import flex_bucket, pick_attention_impl
+from tests.fixtures.attention import (
+    DT,
+    flex_mask,
+    inputs,
+    keep_np,
+    op_grads,
+    reference_fn,
+    reference_with_mask,
+    run_op,
+)
 
-DT = torch.float64
 CUDA = torch.cuda.is_available()
 NO_CUDA = "needs CUDA (FlexAttention backward and its compiled dropout are CUDA-only in torch 2.13)"
-
-
-def _inputs(dtype=DT, device="cpu", b=2, h=3, m=5, span=7, d=4, n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shapes = [
-        (b, h, m, d),
-        (b, h, span + m, d),
-        (b, h, span + m, d),
-        (d, span),
-        (h, n, d),
-        (h, n, d),
-    ]
-    xs = [torch.randn(*s, generator=g, dtype=DT).to(device, dtype) for s in shapes]
-    # spans mid-ramp: some context kept, some on the ramp, some cut (mask exactly 0)
-    spans = torch.tensor([1.5, 0.0, 3.25], dtype=DT).to(device, dtype)
-    return xs, spans
-
-
-def _run(fn, xs, spans, ramp=3, **kw):
-    q, k, v, pos, pk, pv = xs
-    mask = adaptive_span_mask(spans, ramp, pos.shape[1])
-    return fn(q, k, v, pos, persistent_k=pk, persistent_v=pv, span_mask=mask, **kw)
-
-
-def _grads(fn, xs, spans, **kw):
-    """Output and gradients of sum(out * w) for a fixed random w. w is drawn in float64 on
-    the CPU and then cast: drawn in out's dtype, a float32 / bf16 run and its float64
-    reference would get different w (randn draws other numbers per dtype), and their
-    gradients could never agree."""
-    leaves = [x if x is None else x.detach().clone().requires_grad_() for x in (*xs, spans)]
-    out = _run(fn, leaves[:-1], leaves[-1], **kw)
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)
-    (out * w).sum().backward()
-    return out.detach(), [None if x is None else x.grad for x in leaves]
 
 
 # --------------------------------------------------------------------------------------
 # flex's dropout mask, computed independently of pipeline.ops.dropout
 # --------------------------------------------------------------------------------------
-
-_U32 = np.uint64(0xFFFFFFFF)
-
-
-def _keep_np(seed: int, b, h, q, c, p: float) -> np.ndarray:
-    """The flex mask's definition in unsigned 64-bit numpy arithmetic: murmur3's finaliser
-    of seed ^ b*0x9E3779B1 ^ h*0x85EBCA77 ^ q*0xC2B2AE3D ^ c*0x27D4EB2F (mod 2^32, c's
-    two's complement for negative c); keep where bits 8..31 >= round(p * 2^24)."""
-
-    def u32(x):
-        return np.asarray(x, dtype=np.int64).astype(np.uint64) & _U32
-
-    def mul(x, k):
-        return (x * np.uint64(k)) & _U32
-
-    x = u32(seed) ^ mul(u32(b), 0x9E3779B1) ^ mul(u32(h), 0x85EBCA77) ^ mul(u32(q), 0xC2B2AE3D)
-    x = x ^ mul(u32(c), 0x27D4EB2F)
-    x = mul(x ^ (x >> np.uint64(16)), 0x85EBCA6B)
-    x = mul(x ^ (x >> np.uint64(13)), 0xC2B2AE35)
-    x = x ^ (x >> np.uint64(16))
-    return (x >> np.uint64(8)) >= np.uint64(round(p * 2**24))
-
-
-def _flex_mask(seed: int, b: int, h: int, m: int, span: int, n: int, p: float) -> torch.Tensor:
-    """[B, H, M, L' + N] keep mask of flex in the reference's column order: context column j
-    is distance L' - j, persistent vector n has key coordinate -1 - n."""
-    c = np.concatenate([np.arange(span, 0, -1), -1 - np.arange(n)])
-    grid = np.ix_(np.arange(b), np.arange(h), np.arange(m), np.arange(len(c)))
-    return torch.from_numpy(_keep_np(seed, *grid[:3], c[grid[3]], p).copy())
-
-
-def _reference_with_mask(keep, p, q, k, v, pos, *, persistent_k, persistent_v, span_mask):
-    """The reference op's maths with dropout by an explicit keep mask [B, H, M, L' + N]."""
-    a_ctx, a_pers = attention_mod.attention_weights(
-        q, k, pos, persistent_k=persistent_k, span_mask=span_mask
-    )
-    a = torch.cat([a_ctx, a_pers], -1) * keep.to(q.device) / (1 - p)
-    span = a_ctx.shape[-1]
-    return attention_mod.skew(a[..., :span]) @ v + a[..., span:] @ persistent_v
-
-
-def _reference_fn(keep, p):
-    def fn(q, k, v, pos, **kw):
-        kw.pop("dropout_p"), kw.pop("training"), kw.pop("dropout_seed")
-        return _reference_with_mask(keep, p, q, k, v, pos, **kw)
-
-    return fn
 
 
 def _eager_flex(monkeypatch):
@@ -135,7 +62,7 @@ def test_flex_keep_is_the_hash_computed_independently_with_int32_or_int64_counte
     g = np.random.default_rng(0)
     counters = [g.integers(-(2**31), 2**31, 4000) for _ in range(5)]
     seed, b, h, q, c = counters
-    want = _keep_np(seed, b, h, q, c, 0.3)
+    want = keep_np(seed, b, h, q, c, 0.3)
     for dt in (torch.int32, torch.int64):  # the compiled kernel's / eager flex's indices
         t = [torch.from_numpy(x).to(dt) for x in counters]
         got = flex_keep(t[0].to(torch.int32), *t[1:], threshold=round(0.3 * 2**24))
@@ -145,18 +72,18 @@ def test_flex_keep_is_the_hash_computed_independently_with_int32_or_int64_counte
 def test_flex_mask_statistics():
     """Keep rate within a binomial bound, and no structure along any axis."""
     p, shape = 0.3, (4, 3, 50, 500)
-    a = _flex_mask(7, *shape[:3], 300, 200, p)
+    a = flex_mask(7, *shape[:3], 300, 200, p)
     assert a.shape == shape
     n = a.numel()
     assert abs(a.float().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
-    assert 0.35 < (a != _flex_mask(8, *shape[:3], 300, 200, p)).float().mean() < 0.49
+    assert 0.35 < (a != flex_mask(8, *shape[:3], 300, 200, p)).float().mean() < 0.49
     for dim in range(4):  # rows, heads, batch elements and keys drop independently
         first, second = a.select(dim, 0), a.select(dim, 1)
         assert 0.38 < (first != second).float().mean() < 0.46  # 2 p (1 - p) = 0.42
 
 
 def test_reference_dropout_is_reproducible_from_the_seed_and_acts_on_the_renormalised_weights():
-    xs, spans = _inputs()
+    xs, spans = inputs()
     q, k, v, pos, pk, pv = xs
     mask = adaptive_span_mask(spans, 3, pos.shape[1])
     kw = dict(persistent_k=pk, persistent_v=pv, span_mask=mask, dropout_p=0.3, training=True)
@@ -172,7 +99,7 @@ def test_reference_dropout_is_reproducible_from_the_seed_and_acts_on_the_renorma
     torch.manual_seed(3)
     keep_ctx = torch.rand(2, 3, 5, 7) >= 0.3
     keep_pers = torch.rand(2, 3, 5, 6) >= 0.3
-    want = _reference_with_mask(
+    want = reference_with_mask(
         torch.cat([keep_ctx, keep_pers], -1),
         0.3,
         q,
@@ -211,16 +138,16 @@ def test_attention_dropout_statistics():
 
 @pytest.mark.parametrize("persistent", [True, False])
 def test_sdpa_equals_reference_forward_and_backward(persistent, monkeypatch):
-    xs, spans = _inputs()
+    xs, spans = inputs()
     if not persistent:  # Transformer + adaptive span: no persistent vectors
         xs = [*xs[:4], None, None]
     sdpa = get_attention_impl("sdpa")
-    out, grads = _grads(sdpa, xs, spans)
+    out, grads = op_grads(sdpa, xs, spans)
     assert all(torch.isfinite(g).all() for g in grads if g is not None)  # log 0 is NaN-safe
-    want, want_grads = _grads(attend_reference, xs, spans)
+    want, want_grads = op_grads(attend_reference, xs, spans)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)
     monkeypatch.setattr(attention_mod, "RENORM_EPS", 0.0)
-    want, want_grads = _grads(attend_reference, xs, spans)
+    want, want_grads = op_grads(attend_reference, xs, spans)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     names = ["q", "k", "v", "pos", "persistent_k", "persistent_v", "spans"]
     for name, g, w in zip(names, grads, want_grads, strict=False):
@@ -232,9 +159,9 @@ def test_sdpa_equals_reference_forward_and_backward(persistent, monkeypatch):
 
 
 def test_sdpa_refuses_dropout():
-    xs, spans = _inputs()
+    xs, spans = inputs()
     with pytest.raises(ValueError, match="dropout"):
-        _run(get_attention_impl("sdpa"), xs, spans, dropout_p=0.1, training=True)
+        run_op(get_attention_impl("sdpa"), xs, spans, dropout_p=0.1, training=True)
 
 
 def test_flex_buckets_bound_the_compiled_shapes():
@@ -342,21 +269,21 @@ def test_flex_dropout_equals_the_reference_with_flex_s_mask_on_cpu():
     # maths in float64 with the mask computed independently. float32 is what flex computes
     # in; tolerance for its reassociation.
     b, h, m, span, n, p = 2, 3, 16, 40, 6, 0.3
-    xs, spans = _inputs(dtype=torch.float32, m=m, span=span, d=8, n=n)
+    xs, spans = inputs(dtype=torch.float32, m=m, span=span, d=8, n=n)
     seed = torch.tensor(11, dtype=torch.int32)
     with torch.no_grad():
-        out = _run(
+        out = run_op(
             get_attention_impl("flex"), xs, spans, dropout_p=p, training=True, dropout_seed=seed
         )
-        again = _run(
+        again = run_op(
             get_attention_impl("flex"), xs, spans, dropout_p=p, training=True, dropout_seed=seed
         )
-        other = _run(
+        other = run_op(
             get_attention_impl("flex"), xs, spans, dropout_p=p, training=True, dropout_seed=seed + 1
         )
-        keep = _flex_mask(11, b, h, m, span, n, p)
-        want = _run(
-            _reference_fn(keep, p),
+        keep = flex_mask(11, b, h, m, span, n, p)
+        want = run_op(
+            reference_fn(keep, p),
             [x.double() for x in xs],
             spans.double(),
             dropout_p=p,
@@ -369,31 +296,31 @@ def test_flex_dropout_equals_the_reference_with_flex_s_mask_on_cpu():
 
 
 def test_flex_dropout_draws_its_seed_on_the_device_reproducibly():
-    xs, spans = _inputs(dtype=torch.float32, m=16, span=40, d=8, n=6)
+    xs, spans = inputs(dtype=torch.float32, m=16, span=40, d=8, n=6)
     kw = dict(dropout_p=0.3, training=True)
     flex = get_attention_impl("flex")
     with torch.no_grad():
         torch.manual_seed(5)
-        first = _run(flex, xs, spans, **kw)
+        first = run_op(flex, xs, spans, **kw)
         torch.manual_seed(5)
-        assert torch.equal(_run(flex, xs, spans, **kw), first)
+        assert torch.equal(run_op(flex, xs, spans, **kw), first)
         torch.manual_seed(6)
-        assert (_run(flex, xs, spans, **kw) - first).abs().max() > 1e-2
+        assert (run_op(flex, xs, spans, **kw) - first).abs().max() > 1e-2
         torch.manual_seed(5)
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int32)  # what flex drew
         torch.testing.assert_close(
-            _run(flex, xs, spans, dropout_seed=seed, **kw), first, rtol=0, atol=0
+            run_op(flex, xs, spans, dropout_seed=seed, **kw), first, rtol=0, atol=0
         )
 
 
 def test_flex_dropout_rows_with_every_weight_dropped_give_zero():
     b, h, m, span, n, p = 2, 3, 16, 40, 6, 0.97
-    xs, spans = _inputs(dtype=torch.float32, m=m, span=span, d=8, n=n)
-    keep = _flex_mask(3, b, h, m, span, n, p)
+    xs, spans = inputs(dtype=torch.float32, m=m, span=span, d=8, n=n)
+    keep = flex_mask(3, b, h, m, span, n, p)
     empty = ~keep.any(-1)
     assert empty.any() and not empty.all()
     with torch.no_grad():
-        out = _run(
+        out = run_op(
             get_attention_impl("flex"),
             xs,
             spans,
@@ -401,8 +328,8 @@ def test_flex_dropout_rows_with_every_weight_dropped_give_zero():
             training=True,
             dropout_seed=torch.tensor(3, dtype=torch.int32),
         )
-        want = _run(
-            _reference_fn(keep, p),
+        want = run_op(
+            reference_fn(keep, p),
             [x.double() for x in xs],
             spans.double(),
             dropout_p=p,
@@ -426,13 +353,13 @@ def test_flex_dropout_forward_and_backward_on_cpu_through_torch_s_math_backward(
     behind the CUDA failures: the test drew its output weights w in the run's dtype, so the
     float64 reference got other w (every gradient off by more than its size); and in bf16
     log m was a bf16 table, which put the spans' gradient 15-30% off (3e-2 needed)."""
-    xs, spans = _inputs(dtype=dtype, **CUDA_CASE)
+    xs, spans = inputs(dtype=dtype, **CUDA_CASE)
     p, seed = 0.3, 11
     kw = dict(dropout_p=p, training=True, dropout_seed=torch.tensor(seed, dtype=torch.int32))
-    out, grads = _grads(_eager_flex(monkeypatch), xs, spans, **kw)
-    keep = _flex_mask(seed, 2, 3, 128, 192, 64, p)
-    want, want_grads = _grads(
-        _reference_fn(keep, p), [x.double() for x in xs], spans.double(), **kw
+    out, grads = op_grads(_eager_flex(monkeypatch), xs, spans, **kw)
+    keep = flex_mask(seed, 2, 3, 128, 192, 64, p)
+    want, want_grads = op_grads(
+        reference_fn(keep, p), [x.double() for x in xs], spans.double(), **kw
     )
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
     for name, g, w in zip(
@@ -448,17 +375,17 @@ def test_flex_dropout_forward_and_backward_on_cpu_through_torch_s_math_backward(
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_flex_on_cuda_equals_reference_with_dropout_forward_and_backward(dtype, tol):
-    xs, spans = _inputs(dtype=dtype, device="cuda", **CUDA_CASE)
+    xs, spans = inputs(dtype=dtype, device="cuda", **CUDA_CASE)
     p, seed = 0.3, 11
     kw = dict(
         dropout_p=p,
         training=True,
         dropout_seed=torch.tensor(seed, dtype=torch.int32, device="cuda"),
     )
-    out, grads = _grads(get_attention_impl("flex"), xs, spans, **kw)
-    keep = _flex_mask(seed, 2, 3, 128, 192, 64, p)
-    want, want_grads = _grads(
-        _reference_fn(keep, p), [x.double() for x in xs], spans.double(), **kw
+    out, grads = op_grads(get_attention_impl("flex"), xs, spans, **kw)
+    keep = flex_mask(seed, 2, 3, 128, 192, 64, p)
+    want, want_grads = op_grads(
+        reference_fn(keep, p), [x.double() for x in xs], spans.double(), **kw
     )
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
     for g, w in zip(grads, want_grads, strict=False):
@@ -489,21 +416,21 @@ def test_flex_falls_back_to_smaller_tiles_when_the_kernel_runs_out_of_shared_mem
             )
         return fa.flex_attention(*args, **kw)
 
-    xs, spans = _inputs(dtype=torch.float32, b=1, h=2, m=16, span=24, d=8, n=4)
+    xs, spans = inputs(dtype=torch.float32, b=1, h=2, m=16, span=24, d=8, n=4)
     kw = dict(dropout_p=0.3, training=True, dropout_seed=torch.tensor(5, dtype=torch.int32))
     with torch.no_grad():
-        got = _run(
+        got = run_op(
             lambda *a, **k: fused_mod._attend_flex(*a, flex=small_chip_flex, **k), xs, spans, **kw
         )
         assert tried == [fused_mod.FLEX_TILES[0], fused_mod.FLEX_TILES[1], fits, fits]
         assert fused_mod.flex_tiles_in_use() == {("cpu", torch.float32, 8): fits}
-        want = _run(
+        want = run_op(
             lambda *a, **k: fused_mod._attend_flex(*a, flex=fa.flex_attention, **k), xs, spans, **kw
         )
         assert torch.equal(got, want)
         tried.clear()  # the tile that fitted is where the next call starts
         plain = dict(dropout_p=0.0, training=False, dropout_seed=None)
-        _run(
+        run_op(
             lambda *a, **k: fused_mod._attend_flex(*a, flex=small_chip_flex, **k),
             xs,
             spans,
@@ -516,7 +443,7 @@ def test_flex_falls_back_to_smaller_tiles_when_the_kernel_runs_out_of_shared_mem
 
         monkeypatch.setattr(fused_mod, "_flex_tile", {})
         with pytest.raises(RuntimeError, match="illegal memory access"):
-            _run(
+            run_op(
                 lambda *a, **k: fused_mod._attend_flex(*a, flex=broken_flex, **k),
                 xs,
                 spans,
@@ -527,7 +454,7 @@ def test_flex_falls_back_to_smaller_tiles_when_the_kernel_runs_out_of_shared_mem
             raise RuntimeError("out of resource: shared memory")
 
         with pytest.raises(RuntimeError, match="out of resource"):
-            _run(
+            run_op(
                 lambda *a, **k: fused_mod._attend_flex(*a, flex=no_tile_fits, **k),
                 xs,
                 spans,
@@ -535,7 +462,7 @@ def test_flex_falls_back_to_smaller_tiles_when_the_kernel_runs_out_of_shared_mem
             )
 
 
-PAPER_HEAD = dict(b=1, h=3, m=512, span=512, d=64, n=128)  # h: _inputs has 3 heads' spans
+PAPER_HEAD = dict(b=1, h=3, m=512, span=512, d=64, n=128)  # h: inputs has 3 heads' spans
 """enwik8_large's head size and block (d_h 64, M 512): the shape whose default flex tile did
 not fit an H200's shared memory in bf16."""
 
@@ -544,13 +471,13 @@ not fit an H200's shared memory in bf16."""
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_flex_on_cuda_compiles_and_trains_at_the_paper_s_head_size_in_bf16(dropout_p):
-    xs, spans = _inputs(dtype=torch.bfloat16, device="cuda", **PAPER_HEAD)
+    xs, spans = inputs(dtype=torch.bfloat16, device="cuda", **PAPER_HEAD)
     seed = torch.tensor(3, dtype=torch.int32, device="cuda")
     kw = dict(dropout_p=dropout_p, training=True, dropout_seed=seed)
-    out, grads = _grads(get_attention_impl("flex"), xs, spans, **kw)
-    keep = _flex_mask(3, 1, 3, 512, 512, 128, dropout_p)
-    want, want_grads = _grads(
-        _reference_fn(keep, dropout_p), [x.double() for x in xs], spans.double(), **kw
+    out, grads = op_grads(get_attention_impl("flex"), xs, spans, **kw)
+    keep = flex_mask(3, 1, 3, 512, 512, 128, dropout_p)
+    want, want_grads = op_grads(
+        reference_fn(keep, dropout_p), [x.double() for x in xs], spans.double(), **kw
     )
     tol = 3e-2
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)

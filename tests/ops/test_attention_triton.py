@@ -10,7 +10,7 @@ Every case compares the output and every gradient (q, k, v, the position table u
 persistent keys and values, the spans through log m) with the reference op in float64, the
 expected values computed by the reference's own maths (pipeline/ops/attention.py) and, for
 dropout, by an explicit keep mask from an independent computation of the hash
-(tests/ops/test_attention_fused.py's ``_flex_mask``).
+(tests/ops/test_attention_fused.py's ``flex_mask``).
 
 The kernels compute the reference's maths, its +1e-8 renormalisation guard included, so the
 reference runs as it is. Tolerances: float32 against float64, atol 2e-5 relative to each
@@ -35,7 +35,12 @@ import pipeline.ops.attention as attention_mod
 import pipeline.ops.triton_attention as triton_attention
 from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.ops import get_attention_impl
-from tests.ops.test_attention_fused import _flex_mask, _grads, _inputs, _reference_fn
+from tests.fixtures.attention import (
+    flex_mask,
+    inputs,
+    op_grads,
+    reference_fn,
+)
 
 CUDA = torch.cuda.is_available()
 NAMES = ["q", "k", "v", "pos", "persistent_k", "persistent_v", "spans"]
@@ -103,9 +108,9 @@ def _check_against_reference(xs, spans, device, dtype, tol, tile=None, exercised
     ``tile``) against the reference in float64; ``exercised``: every gradient is non-zero."""
     triton = get_attention_impl("triton")
     with _in_tile(tile):
-        out, grads = _grads(triton, [None if x is None else x.to(device, dtype) for x in xs],
+        out, grads = op_grads(triton, [None if x is None else x.to(device, dtype) for x in xs],
                             spans.to(device), **kw)  # fmt: skip
-    want, want_grads = _grads(get_attention_impl("reference"), xs, spans, **kw)
+    want, want_grads = op_grads(get_attention_impl("reference"), xs, spans, **kw)
     _close(out, want, tol, "out")
     for name, g, w in zip(NAMES, grads, want_grads, strict=True):
         if w is None:
@@ -129,7 +134,7 @@ SHAPES = {
 @pytest.mark.parametrize("device,dtype,tol,tile", _devices(every_tile=True))
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_triton_equals_reference_forward_and_every_gradient(shape, device, dtype, tol, tile):
-    xs, spans = _inputs(**SHAPES[shape])
+    xs, spans = inputs(**SHAPES[shape])
     if SHAPES[shape]["n"] == 0:
         xs = [*xs[:4], None, None]
     _check_against_reference(xs, spans, device, dtype, tol, tile)
@@ -146,7 +151,7 @@ def _hot_key_inputs(gap: float, n: int = 3, spans=(3.0, 0.0, 1.5)):
     """Small random scores (|s| < 1) and one key, HOT_KEY, whose score is ``gap`` nats above
     them for every query that sees it: the cases where a formula in log m lets a masked key
     through (-69 nats is all log(0 + 1e-30) takes off) or sends e^gap to the span."""
-    xs, _ = _inputs(b=1, h=3, m=20, span=40, d=8, n=n)
+    xs, _ = inputs(b=1, h=3, m=20, span=40, d=8, n=n)
     q, k, v, pos, pk, pv = xs
     q, k, pos, pk = q * 0.1, k * 0.1, pos * 0.1, pk * 0.1
     q[..., 0] = 1.0
@@ -191,7 +196,7 @@ def test_a_window_masked_throughout_gives_the_reference_s_output(n, device, dtyp
     if n == 0:
         cast = [None if x is None else x.to(device, dtype) for x in xs]
         with _in_tile(tile):
-            out, _ = _grads(get_attention_impl("triton"), cast, spans.to(device))
+            out, _ = op_grads(get_attention_impl("triton"), cast, spans.to(device))
         assert torch.equal(out, torch.zeros_like(out))
     _check_against_reference(xs, spans, device, dtype, tol, tile, exercised=False)
 
@@ -200,7 +205,7 @@ def test_a_window_masked_throughout_gives_the_reference_s_output(n, device, dtyp
 def test_triton_without_a_span_mask_is_the_plain_joint_softmax(device, dtype, tol, tile):
     """Fixed span (no mask, no renormalisation), the reference's +1e-8 guard untouched: it
     only acts with a mask."""
-    xs, _ = _inputs(b=2, h=2, m=20, span=35, d=8, n=5)
+    xs, _ = inputs(b=2, h=2, m=20, span=35, d=8, n=5)
     q, k, v, pos, pk, pv = xs
     triton = get_attention_impl("triton")
     leaves = [x.to(device, dtype).requires_grad_() for x in xs]
@@ -221,24 +226,24 @@ def test_triton_dropout_is_flex_s_mask_forward_and_backward_and_the_same_run_to_
     device, dtype, tol, tile
 ):
     b, h, m, span, n, p, seed = 2, 3, 21, 37, 6, 0.3, 11
-    xs, spans = _inputs(b=b, h=h, m=m, span=span, d=8, n=n)
+    xs, spans = inputs(b=b, h=h, m=m, span=span, d=8, n=n)
     kw = dict(
         dropout_p=p, training=True, dropout_seed=torch.tensor(seed, dtype=torch.int32).to(device)
     )
     triton = get_attention_impl("triton")
     cast = [x.to(device, dtype) for x in xs]
     with _in_tile(tile):
-        out, grads = _grads(triton, cast, spans.to(device), **kw)
-        again, grads_again = _grads(triton, cast, spans.to(device), **kw)
+        out, grads = op_grads(triton, cast, spans.to(device), **kw)
+        again, grads_again = op_grads(triton, cast, spans.to(device), **kw)
     assert torch.equal(out, again)  # same seed: the same mask, the same bits
     assert all(torch.equal(g, a) for g, a in zip(grads, grads_again, strict=True))
-    keep = _flex_mask(seed, b, h, m, span, n, p)
-    want, want_grads = _grads(_reference_fn(keep, p), xs, spans, **kw)
+    keep = flex_mask(seed, b, h, m, span, n, p)
+    want, want_grads = op_grads(reference_fn(keep, p), xs, spans, **kw)
     _close(out, want, tol, "out")
     for name, g, w in zip(NAMES, grads, want_grads, strict=True):
         _close(g, w, tol, name)
     other = dict(kw, dropout_seed=kw["dropout_seed"] + 1)
-    assert (_grads(triton, cast, spans.to(device), **other)[0] - out).abs().max() > 1e-2
+    assert (op_grads(triton, cast, spans.to(device), **other)[0] - out).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("device,dtype,tol,tile", _devices())
@@ -289,7 +294,7 @@ def test_triton_dropout_keep_rate_and_unbiased_weights(device, dtype, tol, tile)
 
 @pytest.mark.parametrize("device,dtype,tol,tile", _devices())
 def test_triton_draws_its_dropout_seed_on_the_device_reproducibly(device, dtype, tol, tile):
-    xs, spans = _inputs(b=1, h=3, m=16, span=20, d=8, n=4)
+    xs, spans = inputs(b=1, h=3, m=16, span=20, d=8, n=4)
     triton = get_attention_impl("triton")
     cast = [x.to(device, dtype) for x in xs]
     mask = attention_mod.adaptive_span_mask(spans.to(device), 3, 20)
@@ -355,7 +360,7 @@ def test_triton_traces_into_one_graph_with_its_backward_and_gives_the_eager_bits
     """What train.compile and its CUDA graphs need: torch.compile traces the op (its checks,
     the mask's log, the custom forward and backward ops) with no graph break, and the
     traced forward and backward (AOT autograd, eager kernels) give the eager op's bits."""
-    xs, spans = _inputs(dtype=torch.float32, b=1, h=3, m=16, span=20, d=8, n=4)
+    xs, spans = inputs(dtype=torch.float32, b=1, h=3, m=16, span=20, d=8, n=4)
     triton = get_attention_impl("triton")
 
     def attend(q, k, v, pos, pk, pv, spans, seed):
@@ -387,7 +392,7 @@ def test_triton_ops_fake_kernels_match_the_real_outputs(
     torch.compile plans with) give each output's shape, dtype and strides exactly. Inductor
     asserts the real strides against them, so a transposed or sliced gradient (u's and log
     m's) fails a compiled step on the GPU (aot_eager, above, does not check strides)."""
-    xs, spans = _inputs(dtype=torch.float32, b=1, h=3, m=19, span=21, d=8, n=3)
+    xs, spans = inputs(dtype=torch.float32, b=1, h=3, m=19, span=21, d=8, n=3)
     q, k, v, pos, pk, pv = [x.to(device, dtype) for x in xs]
     if not persistent:
         pk = pv = None
@@ -408,7 +413,7 @@ def test_triton_ops_fake_kernels_match_the_real_outputs(
 
 
 def test_triton_refuses_what_it_cannot_run_in_one_line():
-    xs, spans = _inputs(b=1, h=2, m=4, span=5, d=8, n=2)
+    xs, spans = inputs(b=1, h=2, m=4, span=5, d=8, n=2)
     q, k, v, pos, pk, pv = xs
     triton = get_attention_impl("triton")
     with pytest.raises(ValueError, match="float32, float16 or bfloat16, not torch.float64"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.ops.layer_costs import ENWIK8_LARGE, GIB, TINY, our_layer, saved_bytes, step_ops
+from tests.fixtures.layer_costs import ENWIK8_LARGE, GIB, TINY, our_layer, saved_bytes, step_ops
 
 AUTHORS_SAVED_GIB = 2.31
 """The authors' layer at enwik8_large's shape, full span, fp32, with their dropout masks kept

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.spec import SpecError, load_spec
-from tests.stages.test_damaged_data import config as local_corpus_config
+from tests.fixtures.local_corpus import config as local_corpus_config
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -14,7 +14,7 @@ from pipeline.errors import Preempted
 from pipeline.spec import load_spec
 from pipeline.workspace.layout import fingerprint
 from stages import without
-from tests.workspace.test_runner import ORDER, SEEN, calls, run  # noqa: F401  (calls: a fixture)
+from tests.fixtures.stand_in_stages import ORDER, SEEN, run
 
 ROOT = Path(__file__).resolve().parents[2]
 

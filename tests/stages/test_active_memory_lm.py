@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.models.active_memory import MIXERS
-from tests.conftest import shared_data
+from tests.fixtures.shared_data import shared_data
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,8 +23,8 @@ from pipeline.data.algorithmic import binary_case, check_length, generate, vocab
 from pipeline.errors import PipelineError
 from pipeline.spec import SpecError, load_spec
 from pipeline.training.checkpoints import damage, read_checkpoint_file
-from stages import StageContext, curriculum
-from stages.base import NullStageTracker
+from stages import curriculum
+from tests.fixtures.curriculum import StopAt, history, run_stage, task_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,57 +114,6 @@ def test_binary_problems_refuse_even_lengths():
 
 
 # ---------------------------------------------------------------- the stage, in process
-
-TASK = """\
-extends: [{base}, toy_model.yaml]
-name: tiny_task
-dataset: not_algorithmic
-train: {{batch_size: 8}}
-workspace: {{root: {root}}}
-"""
-# in a base of its own, as configs/base does: a mixer without attention ignores n_heads
-TOY_MODEL = (
-    "model: {d_model: 16, n_layers: 1, ff_dim: 32, kernel_size: 3, n_heads: 2, head_dim: 8}\n"
-)
-
-
-def task_spec(tmp_path: Path, *sets: str, name: str = "t.yaml"):
-    path = tmp_path / name
-    (tmp_path / "toy_model.yaml").write_text(TOY_MODEL)
-    path.write_text(
-        TASK.format(
-            base=ROOT / "configs" / "base" / "active_memory_task.yaml", root=tmp_path / "runs"
-        )
-    )
-    tiny = [
-        "dataset.generator.algorithmic.curriculum={epochs: 4, steps_per_epoch: 10, check_cases: 8}"
-    ]
-    return path, load_spec(path, tiny + list(sets))
-
-
-class StopAt(NullStageTracker):
-    """A tracker that stops the run (as a kill would) when epoch `epoch` reports, after the
-    checkpoint of the epoch before it."""
-
-    def __init__(self, epoch: int | None = None):
-        self.epoch, self.metrics = epoch, []
-
-    def log_metrics(self, metrics, step):
-        if step == self.epoch and "length" in metrics:
-            raise KeyboardInterrupt
-        self.metrics.append((step, metrics))
-
-
-def run_stage(spec, out_dir: Path, tracker=None) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = StageContext(
-        spec=spec, out_dir=out_dir, inputs={}, tracker=tracker or StopAt(), log=lambda m: None
-    )
-    return curriculum.run(ctx)
-
-
-def history(out_dir: Path) -> list[dict]:
-    return json.loads((out_dir / curriculum.RESULT).read_text())["history"]
 
 
 def test_solved_lengths_grow_by_the_step_and_the_score_is_the_longest(tmp_path):

@@ -13,37 +13,10 @@ import pytest
 
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError
+from tests.fixtures.local_corpus import config
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = b"".join(b"line %d of a small local corpus, read as bytes.\n" % i for i in range(3000))
-
-
-def config(
-    tmp: Path,
-    source: Path,
-    *extra: str,
-    name: str = "damaged",
-    stages: str = "[download, preprocess]",
-) -> Path:
-    """A quickstart pipeline on the local corpus file `source`; `extra` lines are appended."""
-    path = tmp / f"{name}.yaml"
-    path.write_text(
-        f"""\
-extends: [{ROOT / "configs" / "quickstart.yaml"}]
-name: {name}
-dataset:
-  name: local
-  url: file://{source}
-  tokenizer: {{kind: byte}}
-  split: {{kind: tail, valid: 0.1, test: 0.1}}
-  shards: {{block_tokens: 4096, blocks_per_shard: 4}}
-tracking: {{enabled: false}}
-workspace: {{root: {tmp / "runs"}}}
-stages: {stages}
-"""
-        + "".join(f"{line}\n" for line in extra)
-    )
-    return path
 
 
 def cli(*args):

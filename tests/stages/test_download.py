@@ -10,206 +10,31 @@ from __future__ import annotations
 
 import errno
 import gzip
-import hashlib
-import io
-import json
 import os
-import random
 import re
 import socket
 import subprocess
-import threading
 import zipfile
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import yaml
 
-import stages
-import stages.download
 from pipeline.data import corpus, extract, fetch
 from pipeline.errors import PipelineError
-from pipeline.spec import load_spec
-from stages.base import NullStageTracker
+from tests.fixtures.download_server import (
+    config,
+    listing,
+    make_zip,
+    md5,
+    payload,
+    record,
+    run_download,
+    sha,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_REQUESTS = 20
 
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def md5(data: bytes) -> str:
-    return hashlib.md5(data).hexdigest()
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-# ---------------------------------------------------------------- the loopback server
-
-
-class _Handler(BaseHTTPRequestHandler):
-    timeout = 10  # a stuck client cannot hold a handler thread forever
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def do_GET(self):
-        srv: Server = self.server.owner
-        with srv.lock:
-            if len(srv.requests) >= MAX_REQUESTS:
-                self.send_error(503, "test server: too many requests")
-                return
-            record = {
-                "path": self.path.lstrip("/"),
-                "range": self.headers.get("Range"),
-                "status": None,
-                "sent": 0,
-            }
-            srv.requests.append(record)
-            cut = srv.cut_after if srv.cuts > 0 else None
-            if cut is not None:
-                srv.cuts -= 1
-        data = srv.files.get(record["path"])
-        if data is None:
-            record["status"] = 404
-            self.send_error(404, "Not Found")
-            return
-        start, status = 0, 200
-        if record["range"] and srv.ranges:
-            start = int(re.fullmatch(r"bytes=(\d+)-", record["range"]).group(1))
-            if start >= len(data):
-                record["status"] = 416
-                self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{len(data)}")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            status = 206
-        body = data[start:]
-        record["status"] = status
-        self.send_response(status)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(len(body)))
-        if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        self.end_headers()
-        if cut is not None:
-            body = body[:cut]  # then the connection closes: a dropped download
-        self.wfile.write(body)
-        record["sent"] = len(body)
-
-
-class Server:
-    def __init__(self):
-        self.files: dict[str, bytes] = {}
-        self.requests: list[dict] = []
-        self.ranges = True  # False: answer a Range request with the whole file
-        self.cut_after: int | None = None
-        self.cuts = 0  # how many of the next responses to cut
-        self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.httpd.owner = self
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def server():
-    s = Server()
-    yield s
-    s.close()
-
-
-@pytest.fixture(autouse=True)
-def _offline_and_fast(monkeypatch):
-    for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    monkeypatch.setattr(fetch, "RETRY_WAIT_S", 0.0)
-    monkeypatch.setattr(fetch, "CHUNK", 16 << 10)
-    monkeypatch.setattr(extract, "CHUNK", 16 << 10)
-    monkeypatch.setattr(fetch, "TIMEOUT_S", 10.0)
-
-
-# ---------------------------------------------------------------- specs and the stage
-
-
-def config(
-    dir: Path,
-    dataset: dict,
-    *,
-    name: str = "dl",
-    root: Path | None = None,
-    cache: Path | None = None,
-) -> Path:
-    """A small pipeline YAML shaped like configs/quickstart.yaml, the dataset inline."""
-    dir.mkdir(parents=True, exist_ok=True)
-    workspace = {"root": str(root or dir / "runs")}
-    if cache:
-        workspace["cache"] = str(cache)
-    dataset = {"name": "testdata", "tokenizer": "byte", **dataset}
-    if set(dataset.get("files", {})) == {"train", "valid", "test"}:
-        dataset["split"] = {"kind": "files"}
-    spec = {
-        "name": name,
-        "dataset": dataset,
-        "model": {
-            "kind": "allattn",
-            "d_model": 32,
-            "n_layers": 1,
-            "n_heads": 2,
-            "n_persistent": 4,
-            "max_span": 64,
-        },
-        "tracking": {"enabled": False},
-        "workspace": workspace,
-        "stages": ["download", "preprocess"],
-    }
-    path = dir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
-def run_download(cfg: Path, *overrides: str):
-    """stages.download.run on a spec loaded like the CLI does; -> (out_dir, summary, logs)."""
-    spec = load_spec(cfg, list(overrides))
-    out = spec.workspace_dir / "download.partial"
-    out.mkdir(parents=True, exist_ok=True)
-    logs: list[str] = []
-    ctx = stages.StageContext(
-        spec=spec, out_dir=out, inputs={}, tracker=NullStageTracker(), log=logs.append
-    )
-    summary = stages.download.run(ctx)
-    return out, summary, logs
-
-
-def record(out: Path) -> dict:
-    return json.loads((out / "download.json").read_text())
-
-
-def listing(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir()) if d.exists() else []
-
-
-def make_zip(members: dict[str, bytes], compression=zipfile.ZIP_DEFLATED) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression) as z:
-        for name, data in members.items():
-            z.writestr(name, data)
-    return buf.getvalue()
-
+pytestmark = pytest.mark.usefixtures("offline_and_fast")
 
 TRAIN, VALID, TEST = payload(90_000, 1), payload(5_000, 2), payload(5_000, 3)
 MEMBERS = {

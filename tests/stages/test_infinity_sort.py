@@ -214,8 +214,7 @@ evaluate: {batch_size: 2, splits: [valid, test]}
 
 @pytest.mark.slow
 def test_a_sorting_run_end_to_end_and_resumed_after_a_preemption(tmp_path, cli, monkeypatch):
-    from tests.cluster.test_distributed import metric_history
-    from tests.workspace.test_resume_edits import final_weights, preempted_at_first_checkpoint
+    from tests.fixtures.runs import final_weights, metric_history, preempted_at_first_checkpoint
 
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     straight_dir.mkdir(), resumed_dir.mkdir()

@@ -29,7 +29,7 @@ from pipeline.data.manifest import load_manifest, load_split, load_tokenizer
 from pipeline.errors import PipelineError
 from pipeline.spec import SpecError, load_spec
 from stages.preprocess import SPLITS, preprocess
-from tests.conftest import shared_data
+from tests.fixtures.shared_data import shared_data
 
 ROOT = Path(__file__).resolve().parents[2]
 WT2 = {"train": (36_718, 2_088_628), "valid": (3_760, 217_646), "test": (4_358, 245_569)}

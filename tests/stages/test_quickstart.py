@@ -20,49 +20,11 @@ import pytest
 import torch
 
 from pipeline.training.checkpoints import read_checkpoint_file
+from tests.fixtures.quickstart import EVAL_EVERY, FT_STEPS, LOG_EVERY, LR, STEPS, cli, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, FT_STEPS, LOG_EVERY, EVAL_EVERY, LR = 40, 6, 4, 20, 0.01
 
 pytestmark = pytest.mark.slow
-
-
-def tiny_config(tmp: Path, name: str = "tiny", attn_dropout: float = 0.0) -> Path:
-    path = tmp / f"{name}.yaml"
-    path.write_text(f"""\
-extends: [{ROOT / "configs" / "quickstart.yaml"}]
-name: {name}
-model: {{d_model: 32, n_layers: 2, n_heads: 2, n_persistent: 8, max_span: 64,
-        attn_dropout: {attn_dropout}}}
-train:
-  steps: {STEPS}
-  batch_size: 8
-  seq_len: 32
-  log_every: {LOG_EVERY}
-  eval_every: {EVAL_EVERY}
-  eval_batches: 2
-  checkpoint_every: 8
-  optimizer: {{lr: {LR}, warmup_steps: 4}}
-finetune: {{steps: {FT_STEPS}}}
-evaluate: {{batch_size: 16, seq_len: 64}}
-workspace: {{root: {tmp / "runs"}}}
-""")
-    return path
-
-
-def cli(*args, check=True, timeout=600):
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline.commands.cli", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result
 
 
 def ran(output: str) -> list[str]:

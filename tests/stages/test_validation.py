@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.spec import SpecError, load_spec
 from stages import STAGES
-from tests.cluster.test_distributed import metric_history
-from tests.stages.test_quickstart import EVAL_EVERY, STEPS, cli, tiny_config
+from tests.fixtures.quickstart import EVAL_EVERY, STEPS, cli, tiny_config
+from tests.fixtures.runs import metric_history
 
 
 def train_fingerprint(cfg, *sets):

@@ -9,88 +9,21 @@ then runs this file as a worker process twice: straight through, and resumed.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from pipeline.cluster import distributed
 from stages.base import NullStageTracker
+from tests.fixtures.runs import run_worker
+from tests.fixtures.tiny_corpus import ROWS, SEQ_LEN, STEPS, tiny_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
-STEPS, SAVE_AT, SEQ_LEN, ROWS = 12, 3, 16, 4
+SAVE_AT = 3
 
 pytestmark = pytest.mark.slow
-
-
-def tiny_corpus(tmp: Path) -> tuple[Path, Path]:
-    """(config, preprocess output) for a training run on 420 bytes of English made here (a
-    user's clone has no ../shared): 378 train tokens, 94 per stream of a batch of 4."""
-    from pipeline.spec import load_spec
-    from stages.preprocess import preprocess
-
-    text = b"".join(
-        b"Line %d: the quick brown fox jumps over the lazy dog.\n" % i for i in range(20)
-    )[:420]
-    download = tmp / "download"
-    (download / "files").mkdir(parents=True)
-    (download / "files" / "all.data").write_bytes(text)
-    digest = hashlib.sha256(text).hexdigest()
-    (download / "download.json").write_text(
-        json.dumps(
-            {
-                "url": "file:///test",
-                "sha256": digest,
-                "files": {"all": {"path": "files/all.data", "sha256": digest, "bytes": len(text)}},
-            }
-        )
-    )
-    cfg = _config(tmp)
-    preprocess(load_spec(cfg).dataset, download, tmp / "preprocess", log=lambda _: None)
-    return cfg, tmp / "preprocess"
-
-
-def run_worker(script: str, *args) -> dict:
-    """Run `script` (a test file's worker) in a fresh process as one DeepSpeed rank; the
-    JSON it wrote to its last argument."""
-    env = distributed.environment_for_new_group() | {
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": str(ROOT),
-    }
-    result = subprocess.run(
-        [sys.executable, script, *map(str, args)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(Path(args[-1]).read_text())
-
-
-def _config(tmp: Path) -> Path:
-    path = tmp / "wrap.yaml"
-    path.write_text(f"""\
-extends: [{ROOT / "configs" / "quickstart.yaml"}]
-name: wrap
-model: {{d_model: 16, n_layers: 2, n_heads: 2, n_persistent: 4, max_span: 64,
-        attn_dropout: 0.1}}
-train:
-  steps: {STEPS}
-  batch_size: {ROWS}
-  seq_len: {SEQ_LEN}
-  eval_every: 0
-  optimizer: {{lr: 0.01, warmup_steps: 0}}
-  deepspeed: {{zero_stage: 0, gradient_accumulation_steps: 2}}
-tracking: {{enabled: false}}
-workspace: {{root: {tmp / "runs"}}}
-""")
-    return path
 
 
 def _worker(cfg: Path, preprocess_dir: Path, ckpt: Path, resume: bool, out: Path) -> None:

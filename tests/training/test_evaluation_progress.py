@@ -138,7 +138,7 @@ def test_the_gpu_line_has_peak_memory(monkeypatch):
 @pytest.mark.slow
 def test_the_trainer_line_on_a_gpu_has_mfu_and_peak_memory(tmp_path, monkeypatch):
     import pipeline.training.trainer as trainer_module
-    from tests.training.test_mfu import short_run
+    from tests.fixtures.runs import short_run
 
     # a GPU's figures for the CPU trainer: its dense peak and its allocator's peak
     monkeypatch.setattr(trainer_module, "dense_peak_tflops", lambda device, dtype: 50.0)

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.diagnostics.host_syncs import HostSyncCounter
 from stages.base import NullStageTracker
-from tests.training.test_epoch_wrap import tiny_corpus
+from tests.fixtures.tiny_corpus import tiny_corpus
 
 pytestmark = pytest.mark.slow
 

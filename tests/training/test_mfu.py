@@ -14,6 +14,7 @@ from pipeline.cluster.device import dense_peak_tflops
 from pipeline.diagnostics.host_syncs import HostSyncCounter
 from pipeline.models.active_memory import ActiveMemoryConfig, ActiveMemoryModel
 from pipeline.models.allattn import AllAttnConfig, AllAttnLM
+from tests.fixtures.runs import short_run
 
 D, LAYERS, HEADS, N, VOCAB = 16, 2, 2, 4, 50
 
@@ -190,41 +191,6 @@ def test_the_cpu_has_no_peak(monkeypatch):
 
 
 # ---------------------------------------------------------------- the trainer's report
-
-
-class Recorder:
-    """A tracker that keeps the metrics it is given (NullStageTracker's other methods)."""
-
-    run_id = None
-
-    def __init__(self) -> None:
-        self.metrics: list[dict] = []
-
-    def log_metrics(self, metrics: dict, step: int) -> None:
-        self.metrics.append(dict(metrics))
-
-    def log_params(self, params: dict) -> None: ...
-    def log_artifact(self, path, artifact_path: str | None = None) -> None: ...
-    def set_tags(self, tags: dict) -> None: ...
-    def make_durable(self) -> None: ...
-
-
-def short_run(tmp_path, monkeypatch, overrides=()):
-    """A Trainer on the tiny corpus trained 2 updates with a report after each; (trainer,
-    the metrics the tracker got, the log lines)."""
-    from pipeline.spec import load_spec
-    from pipeline.training.trainer import Trainer
-    from tests.training.test_epoch_wrap import tiny_corpus
-
-    cfg, pre = tiny_corpus(tmp_path)
-    spec = load_spec(cfg, ["train.log_every=1", "train.checkpoint_every=0", *overrides])
-    tracker, lines = Recorder(), []
-    trainer = Trainer(spec, pre, tracker=tracker, log=lines.append)
-    monkeypatch.setattr(trainer, "save", lambda *a, **k: tmp_path)
-    trainer.fit(2, lambda k: 0.01, tmp_path)
-    reports = [line for line in lines if "tok/s" in line]
-    assert len(tracker.metrics) == len(reports) == 2
-    return trainer, tracker.metrics, reports
 
 
 @pytest.mark.slow

@@ -167,7 +167,7 @@ def test_a_nonfinite_evaluation_is_an_error_not_a_result(prepared, tmp_path, mon
 
 
 def test_the_curriculum_stage_has_the_same_guard(tmp_path):
-    from tests.stages.test_curriculum import history, run_stage, task_spec
+    from tests.fixtures.curriculum import history, run_stage, task_spec
 
     _, spec = task_spec(tmp_path, "train.optimizer.lr=1e6")
     with pytest.raises(

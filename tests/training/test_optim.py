@@ -281,8 +281,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory) -> dict:
-    """tests/helpers/dist_optim_worker.py on 2 CPU processes (gloo), every configuration in one
-    run."""
+    """tests/fixtures/workers/dist_optim_worker.py on 2 CPU processes (gloo), every
+    configuration in one run."""
     out = tmp_path_factory.mktemp("dist_optim") / "results.json"
     env = os.environ | {
         "WORLD_SIZE": "2",
@@ -293,7 +293,11 @@ def two_rank_results(tmp_path_factory) -> dict:
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "helpers" / "dist_optim_worker.py"), str(out)],
+            [
+                sys.executable,
+                str(ROOT / "tests" / "fixtures" / "workers" / "dist_optim_worker.py"),
+                str(out),
+            ],
             env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -328,8 +332,9 @@ def test_clipped_adagrad_equals_its_update_rule_under_deepspeed_with_2_processes
     """The Adagrad-with-step-clipping optimizer equals a direct implementation of its update
     rule over several steps, under ZeRO 0, 1 and 2 with 2 processes (also ZeRO 3 and bf16),
     and its step never waits for the device there either.
-    Tolerances, stated and justified in tests/helpers/dist_optim_worker.py: fp32 rtol 1e-5 + atol
-    1e-7; bf16 atol 0.05·lr. errors are |got - want| / tolerance, so they must stay <= 1."""
+    Tolerances, stated and justified in tests/fixtures/workers/dist_optim_worker.py: fp32 rtol
+    1e-5 + atol 1e-7; bf16 atol 0.05·lr. errors are |got - want| / tolerance, so they must stay
+    <= 1."""
     result = two_rank_results[config]
     assert result["wrapper"] == WRAPPERS[config]
     assert result["clipped"] > 0 and result["unclipped"] > 0

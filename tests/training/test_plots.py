@@ -16,7 +16,7 @@ from pipeline.models.allattn.config import AllAttnConfig
 from pipeline.models.protocol import ModelOutput, SequenceModel
 from pipeline.ops.attention import attend_reference
 from pipeline.training.head_maps import HEAT_MAP_KEY, head_heat_map, save_head_tables
-from tests.commands.test_compare import cfg, pipeline  # noqa: F401  (cfg: the tiny config fixture)
+from tests.fixtures.tracked_pipeline import pipeline
 
 PNG = b"\x89PNG\r\n\x1a\n"
 FRACS = [[0.1, 0.25], [0.4, 0.75]]  # per layer and head: spans 6.4, 16, 25.6, 48 tokens
@@ -166,13 +166,18 @@ def test_span_heat_map_carries_the_models_spans(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_and_evaluate_log_their_heat_maps(cfg, tmp_path, monkeypatch):  # noqa: F811
+def test_train_and_evaluate_log_their_heat_maps(tracked_cfg, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
     from PIL import Image
 
     corpus = tmp_path / "corpus.txt"  # small: a few valid batches of 8 x 64
     corpus.write_bytes(b"".join(b"line %d of a small corpus.\n" % i for i in range(2000)))
-    pipeline(cfg, f"dataset.url=file://{corpus}", "evaluate.seq_len=64", "evaluate.splits=[valid]")
+    pipeline(
+        tracked_cfg,
+        f"dataset.url=file://{corpus}",
+        "evaluate.seq_len=64",
+        "evaluate.splits=[valid]",
+    )
     ws = tmp_path / "runs" / "pipe-seed1-lr0.001"
     client = MlflowClient((tmp_path / "store").as_uri())
     exp = client.get_experiment_by_name("pipe")

@@ -1,7 +1,7 @@
 """Resuming a checkpoint on another number of processes (pipeline/training/reshard.py).
 
-On DeepSpeed engines (tests/helpers/reshard_worker.py): checkpoints of ZeRO 0, 1 and 2 (fp32 and
-bf16)
+On DeepSpeed engines (tests/fixtures/workers/reshard_worker.py): checkpoints of ZeRO 0, 1 and 2
+(fp32 and bf16)
 written by 1 process resume in 2 and the other way round, continuing as the run that wrote
 them would have; ZeRO 3 is refused with a message.
 
@@ -30,10 +30,11 @@ import torch
 from pipeline.cluster.distributed import free_port
 from pipeline.training.checkpoint_io import read_trainer_file
 from pipeline.training.reshard import trainer_state
-from tests.cluster.test_distributed import ROOT, cli, metric_history, tiny_config
+from quality.tiny_training import cli, tiny_config
+from tests.fixtures.runs import ROOT, metric_history
 
 STEPS = 8  # checkpoints at steps 4 and 8 (tiny_config)
-STEPS_TOY, SAVE = 4, 2  # tests/helpers/reshard_worker.py's
+STEPS_TOY, SAVE = 4, 2  # tests/fixtures/workers/reshard_worker.py's
 
 
 # an adaptive-span model's plan_state(): the L' in force, requested values not yet read, and
@@ -88,7 +89,7 @@ def test_cache_rows_go_to_the_rank_and_micro_batch_that_own_them(
 
 
 def launch(world: int, out: Path, ckpts: Path, *phases: str) -> dict:
-    """tests/helpers/reshard_worker.py in `world` CPU processes; rank 0's results."""
+    """tests/fixtures/workers/reshard_worker.py in `world` CPU processes; rank 0's results."""
     env = os.environ | {
         "WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1",
@@ -100,7 +101,7 @@ def launch(world: int, out: Path, ckpts: Path, *phases: str) -> dict:
         subprocess.Popen(
             [
                 sys.executable,
-                str(ROOT / "tests" / "helpers" / "reshard_worker.py"),
+                str(ROOT / "tests" / "fixtures" / "workers" / "reshard_worker.py"),
                 str(out),
                 str(ckpts),
                 *phases,

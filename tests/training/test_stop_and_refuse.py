@@ -75,7 +75,7 @@ def test_sigterm_during_the_last_checkpoint_write_lets_it_complete(tmp_path, mon
 def test_a_checkpoint_directory_turned_read_only_is_one_line(tmp_path):
     # before: a traceback ending in torch's "Parent directory ... does not exist"
     cfg = _config(tmp_path)
-    worker = PROJECT_ROOT / "tests" / "helpers" / "readonly_checkpoints_worker.py"
+    worker = PROJECT_ROOT / "tests" / "fixtures" / "workers" / "readonly_checkpoints_worker.py"
     done = subprocess.run(
         ["unshare", "-m", sys.executable, str(worker), str(cfg), "8"],
         capture_output=True,

@@ -22,19 +22,11 @@ from pipeline.spec import load_spec
 from pipeline.tracking.tracker import NullTracker
 from pipeline.workspace.lock import WorkspaceLock, lock_is_free
 from pipeline.workspace.runner import Runner
-from tests.stages.test_download import (  # noqa: F401  (fixtures)
-    _offline_and_fast,
-    config,
-    listing,
-    make_zip,
-    payload,
-    run_download,
-    server,
-    sha,
-)
-from tests.workspace.test_runner import calls, run  # noqa: F401  (calls: a fixture; cfg: conftest)
+from tests.fixtures.download_server import config, listing, make_zip, payload, run_download, sha
+from tests.fixtures.stand_in_stages import run
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("offline_and_fast")
 VICTIM = "not yours: thesis chapter 3\n"
 
 
@@ -89,7 +81,7 @@ def mode(path: Path) -> int:
 
 def test_a_link_planted_at_the_workspace_lock_is_refused_and_its_target_untouched(
     cfg,
-    calls,  # noqa: F811
+    calls,
     victim,
 ):
     ws = load_spec(cfg).workspace_dir
@@ -104,7 +96,7 @@ def test_a_link_planted_at_the_workspace_lock_is_refused_and_its_target_untouche
     assert calls == []
 
 
-def test_a_dangling_link_at_the_workspace_lock_creates_nothing(cfg, calls, tmp_path):  # noqa: F811
+def test_a_dangling_link_at_the_workspace_lock_creates_nothing(cfg, calls, tmp_path):
     ws = load_spec(cfg).workspace_dir
     ws.mkdir(parents=True)
     (ws / ".lock").symlink_to(tmp_path / "made-by-them")
@@ -115,7 +107,7 @@ def test_a_dangling_link_at_the_workspace_lock_creates_nothing(cfg, calls, tmp_p
 
 def test_a_link_planted_at_a_stage_directory_is_refused_and_its_target_untouched(
     cfg,
-    calls,  # noqa: F811
+    calls,
     victim,
 ):
     ws = load_spec(cfg).workspace_dir
@@ -149,7 +141,7 @@ def test_a_fifo_at_the_workspace_lock_is_refused_not_waited_on(tmp_path):
 
 
 def test_a_link_planted_at_a_partial_download_is_refused_and_its_target_untouched(
-    server,  # noqa: F811
+    server,
     tmp_path,
     victim,
 ):
@@ -169,7 +161,7 @@ def test_a_link_planted_at_a_partial_download_is_refused_and_its_target_untouche
     assert not (downloads / sha(data)).exists()
 
 
-def test_a_link_planted_at_the_download_lock_creates_nothing(server, tmp_path):  # noqa: F811
+def test_a_link_planted_at_the_download_lock_creates_nothing(server, tmp_path):
     data = payload(10_000)
     server.files["d.bin"] = data
     spec = config(tmp_path, {"url": server.url("d.bin"), "sha256": sha(data)})

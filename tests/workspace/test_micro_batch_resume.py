@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
-from tests.stages.test_quickstart import tiny_config
-from tests.workspace.test_resume_edits import preempted_at_first_checkpoint
+from tests.fixtures.quickstart import tiny_config
+from tests.fixtures.runs import preempted_at_first_checkpoint
 
 SETS = [
     "train.steps=8",

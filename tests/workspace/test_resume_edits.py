@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +18,8 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
-from pipeline.errors import Preempted
-from pipeline.training.checkpoints import read_checkpoint_file
-from tests.stages.test_quickstart import tiny_config
+from tests.fixtures.quickstart import tiny_config
+from tests.fixtures.runs import final_weights, preempted_at_first_checkpoint
 
 # lr 0.01 (tiny_config's); embedding dropout so that the run draws random numbers every step
 BASE = [
@@ -80,34 +78,12 @@ def cli():
     return invoke
 
 
-@contextmanager
-def preempted_at_first_checkpoint(monkeypatch):
-    """Inside, training stops as a preemption would right after its first checkpoint."""
-    from pipeline.training.trainer import Trainer
-
-    save = Trainer.save
-
-    def save_then_stop(self, root, keep, best=False):
-        path = save(self, root, keep, best)
-        raise Preempted(f"preempted after saving {path.name}")
-
-    with monkeypatch.context() as m:
-        m.setattr(Trainer, "save", save_then_stop)
-        yield
-
-
 def preempted(cli, monkeypatch, cfg: Path, *sets: str, args: tuple[str, ...] = ()):
     """Run, stopping as a preemption would right after train's first checkpoint."""
     with preempted_at_first_checkpoint(monkeypatch):
         result = cli(cfg, *sets, args=args)
     assert result.exit_code == 143, result.output
     return result
-
-
-def final_weights(train_dir: Path) -> dict:
-    root = train_dir / "checkpoints"
-    tag = (root / "latest").read_text().strip()
-    return read_checkpoint_file(root / tag / "mp_rank_00_model_states.pt")["module"]
 
 
 @pytest.mark.slow

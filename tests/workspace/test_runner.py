@@ -6,7 +6,6 @@ tests/stages/test_quickstart.py runs the real stages.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -17,52 +16,12 @@ from pathlib import Path
 
 import pytest
 
-import stages
 from pipeline.errors import PipelineError, Preempted
 from pipeline.spec import load_spec
-from pipeline.tracking.tracker import NullTracker
 from pipeline.workspace.layout import Workspace
 from pipeline.workspace.lock import WorkspaceLock
 from pipeline.workspace.runner import Runner
-
-ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
-SEEN: dict[str, list[str]] = {}  # stage -> files already in its out_dir when it started
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Replace each stage's work with a stub that writes a file and records the call."""
-    ran: list[str] = []
-    SEEN.clear()
-
-    def make(name):
-        def run(ctx):
-            SEEN[name] = sorted(p.name for p in ctx.out_dir.iterdir())
-            if os.environ.get("PREEMPT_STAGE") == name:  # a checkpoint, then a signal
-                (ctx.out_dir / "checkpoints" / "step-00000004").mkdir(parents=True)
-                (ctx.out_dir / "checkpoints" / "latest").write_text("step-00000004\n")
-                raise Preempted(f"{name} preempted")
-            if os.environ.get("FAIL_STAGE") == name:
-                (ctx.out_dir / "half-written").write_text("x")
-                raise RuntimeError(f"{name} failed")
-            for i in ctx.inputs.values():
-                assert (i / "stage.json").exists(), "inputs are published outputs"
-            (ctx.out_dir / "output.txt").write_text(name)
-            ran.append(name)
-            return {"ok": name}
-
-        return run
-
-    for name in ORDER:
-        monkeypatch.setitem(
-            stages.STAGES, name, dataclasses.replace(stages.STAGES[name], run=make(name))
-        )
-    return ran
-
-
-def run(cfg, *overrides, **options):
-    spec = load_spec(cfg, list(overrides))
-    return Runner(spec, log=lambda m: None, **options).run(NullTracker())
+from tests.fixtures.stand_in_stages import ORDER, SEEN, run
 
 
 def test_first_run_runs_everything_second_skips_everything(cfg, calls):

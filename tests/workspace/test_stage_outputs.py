@@ -22,8 +22,8 @@ from pipeline.spec import load_spec
 from pipeline.tracking.tracker import NullTracker
 from pipeline.workspace.runner import Runner
 from stages import STAGES
-from tests.stages.test_curriculum import task_spec
-from tests.workspace.test_runner import ORDER, calls, run  # noqa: F401  (calls: a fixture; cfg: conftest)
+from tests.fixtures.curriculum import task_spec
+from tests.fixtures.stand_in_stages import ORDER, run
 
 
 def workspace(cfg) -> Path:
