@@ -11,13 +11,21 @@ ifeq ($(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: quickstart test install lint format clean gpu-check gpu-wheels cluster-deps
+.PHONY: quickstart test test-all install lint format clean gpu-check gpu-wheels cluster-deps
 
 quickstart: $(VENV)/.installed
 	$(BIN)/allattn-pipe run configs/quickstart.yaml
 
+# The tiers (tests/conftest.py): `make test` runs unit + integration, a few minutes on 2 cores,
+# the loop to run while working; `make test-all` adds the system tier (Slurm, several
+# processes, kill -9, the fuzz campaigns, the quickstart's figures, the docs build): about half
+# an hour, what CI runs. DURATIONS=N prints the N slowest tests.
+FAST_TIERS := -m "not system" tests/test_architecture.py tests/unit tests/integration
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(DURATIONS),--durations=$(DURATIONS)) $(FAST_TIERS)
+
+test-all: $(VENV)/.installed
+	$(BIN)/python -m pytest -q $(if $(DURATIONS),--durations=$(DURATIONS))
 
 install: $(VENV)/.installed
 
@@ -64,7 +72,7 @@ GPU_WHEELS ?= gpu-wheels
 gpu-wheels: $(VENV)/.installed
 	$(BIN)/python -m gpu.wheels --dest $(GPU_WHEELS) $(if $(DRY_RUN),--dry-run)
 
-# Debian's Slurm and munge for tests/cluster/test_cluster.py (a real two-node Slurm in network
+# Debian's Slurm and munge for tests/system/cluster/test_cluster.py (a real two-node Slurm in network
 # namespaces); as root. Without them those tests skip, naming what is missing.
 cluster-deps:
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null

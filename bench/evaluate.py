@@ -33,7 +33,7 @@ TINY = (
     "model.n_persistent=8",
     "model.max_span=64",
 )
-"""The quickstart test's model (tests/stages/test_quickstart.py): tens of thousands of
+"""The quickstart test's model (tests/system/stages/test_quickstart.py): tens of thousands of
 parameters."""
 
 DEFAULT_MODELS = (("configs/quickstart.yaml", ()), ("configs/quickstart.yaml", TINY))

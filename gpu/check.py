@@ -68,7 +68,7 @@ NEEDED = ("pydantic", "deepspeed", "mlflow", "webdataset")  # what a bare CUDA i
 
 TOTAL_BUDGET = 530.0  # seconds for one call's parts after start-up (9 minutes minus margin)
 # Each part's own limit, in the order the parts run. The essentials' budgets add up to
-# TOTAL_BUDGET (tests/cluster/test_gpu_check.py holds it): one call on an H100 reaches every
+# TOTAL_BUDGET (tests/system/cluster/test_gpu_check.py holds it): one call on an H100 reaches every
 # essential even when each takes all of its budget. The estimates are the first GPU check's
 # (docs/benchmarks.md) where it measured them.
 BUDGETS = {
@@ -106,7 +106,7 @@ CONFIG = "configs/enwik8_large.yaml"
 SPANS = "0.0625,1"
 PIPELINE_STEPS = 50
 # flex's CUDA cases: the tests part runs the others, the second call these
-FUSED_TESTS = "tests/ops/test_attention_fused.py"
+FUSED_TESTS = "tests/unit/ops/test_attention_fused.py"
 NAN_REPORT = 24000  # characters of the nan part's report kept: its tables end in the cause
 # the environment variables that turn torch.compile's logs on: they would flood the report
 LOUD = ("TORCH_LOGS", "TORCHDYNAMO_VERBOSE", "TORCH_COMPILE_DEBUG", "TORCHINDUCTOR_VERBOSE")

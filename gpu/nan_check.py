@@ -53,7 +53,7 @@ Without CUDA, or with --dry-run: the same code at the package's smoke shrink of 
 (`load_spec(..., smoke=True)`) made smaller still (1 x 16 tokens, d 32, max span 32: the
 interpreter takes seconds a call), in float32 (Triton's interpreter has no bfloat16) on random
 tokens, 3 updates in (b) and 2 in (c), which runs eagerly (no graphs without CUDA): a test
-proves it runs end to end (tests/cluster/test_gpu_nan.py). Exit status 0 once the report is
+proves it runs end to end (tests/system/cluster/test_gpu_nan.py). Exit status 0 once the report is
 printed, whatever it finds.
 """
 

@@ -13,7 +13,7 @@ the closure of pyproject.toml's runtime dependencies minus IMAGE:
 - mlflow is replaced by mlflow-skinny of the same version plus SQLAlchemy and Alembic, what
   the pipeline's embedded sqlite tracking store needs; the full package's server, UI and
   data-science stack (pandas, pyarrow, scipy, scikit-learn, Flask, ...) would be over 100 MB
-  and nothing the GPU check runs uses them (tests/tracking runs the server, here only).
+  and nothing the GPU check runs uses them (tests/integration/tracking runs the server, here only).
 
 The closure is resolved by pip itself for the target platform (`pip install --dry-run
 --report`: metadata only), then every package not in IMAGE is fetched with

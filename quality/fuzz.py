@@ -1,6 +1,6 @@
 """The command-line fuzzer's figure: cases, tracebacks, hangs, exit codes, cases per command,
-seconds. The same derandomized cases as tests/commands/test_cli_fuzz.py (which fails on any bad
-one); here every case runs and the bad ones are listed.
+seconds. The same derandomized cases as tests/system/commands/test_cli_fuzz.py (which fails on any
+bad one); here every case runs and the bad ones are listed.
 
     .venv/bin/python -m quality.fuzz [--cases 2000] [--show-bad 20]
     .venv/bin/python -m quality.fuzz --paths 1000   # the path fuzzer (quality/fuzzers/path_fuzz.py)

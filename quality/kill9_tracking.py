@@ -1,6 +1,6 @@
 """kill -9 a tiny training with tracking on at random moments, resuming after each, and
 print what MLflow's training-loss history holds against an uninterrupted run: kills, steps
-checked, steps lost, steps doubled, values that differ (tests/tracking/test_kill9_tracking.py
+checked, steps lost, steps doubled, values that differ (tests/system/tracking/test_kill9_tracking.py
 asserts the same with 4 kills). About 20-40 s a kill on 2 busy cores.
 
     DS_ACCELERATOR=cpu .venv/bin/python -m quality.kill9_tracking [--kills 20] [--seed 20]

@@ -1,13 +1,16 @@
 """Mutation check: does a family's test suite fail when one line of its formulas is wrong?
 
     python -m quality.mutations [--family infinity_former] [--only 3,7] [--timeout 900] [--list]
+                                [--make-test]
 
 For each mutation of the chosen families (default: all), one line of a copy of the repository
 (its tracked and untracked, not ignored, files, in a temporary directory) is replaced, and the
 family's test files run there with pytest -x; the mutation is killed if a test fails (or the
 run exceeds --timeout), survived if they all pass. The unmutated copy is run first and must
 pass. Prints a markdown table (killed / survived, and the test that failed first) and a
-summary line; the exit status is 1 if a mutation survived.
+summary line; the exit status is 1 if a mutation survived. With --make-test, only what
+`make test` runs of the family's tests: its files in tests/unit and tests/integration, less
+their `system` cases (the Triton kernels at the GPU's tile sizes).
 
 A family is an entry of FAMILIES: (test files, mutations), each mutation a tuple (file, old
 line, new line, description). Lines are compared without their indentation; the old line
@@ -36,10 +39,10 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
     "infinity_former": (
         # the attention's test first: it takes a second and kills its mutations at once
         [
-            "tests/models/test_infinity_attention.py",
-            "tests/models/test_infinity_formulas.py",
-            "tests/models/test_infinity_former.py",
-            "tests/models/test_infinity_precision.py",
+            "tests/unit/models/test_infinity_attention.py",
+            "tests/unit/models/test_infinity_formulas.py",
+            "tests/unit/models/test_infinity_former.py",
+            "tests/unit/models/test_infinity_precision.py",
         ],
         [
             (
@@ -341,7 +344,7 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
         ],
     ),
     "active_memory": (
-        ["tests/models/test_active_memory.py"],
+        ["tests/unit/models/test_active_memory.py"],
         [
             # the hard sigmoid: highway gate, CGRU gates
             (
@@ -567,7 +570,7 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
         ],
     ),
     "triton_attention": (
-        ["tests/ops/test_attention_triton.py"],
+        ["tests/unit/ops/test_attention_triton.py"],
         [
             # scale
             (
@@ -919,7 +922,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--only", help="comma-separated mutation numbers (1-based, per family)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per test run")
     ap.add_argument("--list", action="store_true", help="list the mutations and stop")
+    ap.add_argument(
+        "--make-test",
+        action="store_true",
+        help="only what `make test` runs of the family's tests (unit and integration tiers)",
+    )
     return ap.parse_args(argv)
+
+
+FAST_TIERS = ("tests/unit/", "tests/integration/")
+
+
+def selected_tests(family: str, make_test: bool) -> list[str]:
+    """pytest's arguments for a family: its test files, or with ``make_test`` those of the
+    fast tiers less their system cases."""
+    tests = FAMILIES[family][0]
+    if not make_test:
+        return tests
+    return ["-m", "not system", *(t for t in tests if t.startswith(FAST_TIERS))]
 
 
 def check_copy(copy: Path) -> None:
@@ -936,15 +956,18 @@ def check_copy(copy: Path) -> None:
         raise SystemExit(f"the copy imports pipeline from {where}, not from itself")
 
 
-def check_family(copy: Path, family: str, only: set[int] | None, timeout: float) -> int:
+def check_family(
+    copy: Path, family: str, only: set[int] | None, timeout: float, make_test: bool = False
+) -> int:
     """Run one family's mutations in ``copy``, a table row each; how many survived."""
-    tests, mutations = FAMILIES[family]
+    mutations = FAMILIES[family][1]
+    tests = selected_tests(family, make_test)
     start = time.perf_counter()
     ok, why = run_tests(copy, tests, timeout)
     if not ok:
         raise SystemExit(f"{family}: the unmutated tests fail ({why})")
     print(
-        f"## {family}: {len(mutations)} mutations; tests: {', '.join(tests)} "
+        f"## {family}: {len(mutations)} mutations; tests: {' '.join(tests)} "
         f"(unmutated: pass, {time.perf_counter() - start:.0f} s)\n"
     )
     print("| # | where | mutation | result | failed first |")
@@ -987,7 +1010,7 @@ def main() -> None:
         copy_repository(copy)
         check_copy(copy)
         for family in families:
-            survived_any |= check_family(copy, family, only, args.timeout) > 0
+            survived_any |= check_family(copy, family, only, args.timeout, args.make_test) > 0
     sys.exit(1 if survived_any else 0)
 
 

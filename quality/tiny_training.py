@@ -1,6 +1,6 @@
 """A tiny training run the way a user starts it (`allattn-pipe run` in a subprocess, on the CPU):
-the config and the runner shared by the multi-process tests (tests/cluster/test_distributed.py)
-and the kill -9 check (quality/kill9_tracking.py)."""
+the config and the runner shared by the multi-process tests
+(tests/system/cluster/test_distributed.py) and the kill -9 check (quality/kill9_tracking.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ one's estimated H100 GPU-hours (pipeline/commands/estimate.py, as `allattn-pipe 
 
     python -m reproduce.cost_table
 
-prints the table in Markdown; paste it over the one in docs/models.md (tests/test_docs.py
+prints the table in Markdown; paste it over the one in docs/models.md (tests/system/test_docs.py
 fails when the page's configs or hours differ from what this prints)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 - `stages.png` (docs/design.md): the built-in stages in order, what each writes into its
   workspace directory, the record beside it (`stage.json`) and the MLflow runs.
 
-What the stages diagram names is `STAGE_OUTPUTS`; tests/test_docs.py holds it to the files
+What the stages diagram names is `STAGE_OUTPUTS`; tests/system/test_docs.py holds it to the files
 the stages write.
 """
 

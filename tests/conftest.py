@@ -10,7 +10,9 @@ A test's tier is its folder (docs/contributing.md says which to run when):
   kill -9, the fuzz campaigns, the quickstart's figures, the docs build, the plugin install,
   the paper configs, the Triton kernels at every GPU tile. ``make test-all`` adds them.
 
-Each test gets its tier as a marker (``-m unit`` selects one) and a timeout that fails it
+A case may name a higher tier than its folder's with a marker (the Triton kernels' tests at
+the GPU's tile sizes are ``@pytest.mark.system`` cases of a unit test). Each test gets its tier
+as a marker (``-m unit`` selects one) and a timeout that fails it
 with every thread's stack when it hangs (pytest-timeout; a test's own
 ``@pytest.mark.timeout`` wins). The shared fixtures live in ``tests/fixtures/`` and load
 here as plugins, so no test module imports another.
@@ -27,6 +29,7 @@ pytest_plugins = [
     "tests.fixtures.download_server",
     "tests.fixtures.stand_in_stages",
     "tests.fixtures.tracked_pipeline",
+    "tests.fixtures.trained",
 ]
 
 TESTS = Path(__file__).resolve().parent
@@ -48,7 +51,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        tier = tier_of(Path(item.fspath))
-        item.add_marker(getattr(pytest.mark, tier))
+        marked = [tier for tier in TIMEOUT_S if item.get_closest_marker(tier)]
+        tier = marked[-1] if marked else tier_of(Path(item.fspath))
+        if not marked:
+            item.add_marker(getattr(pytest.mark, tier))
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TIMEOUT_S[tier]))

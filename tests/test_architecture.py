@@ -284,3 +284,64 @@ def test_the_tool_folders_import_no_tests_patch_no_sys_path_and_keep_main_short(
                 if body > 60:
                     found.append(f"{name}: main() is {body} lines (at most 60)")
     assert not found, "\n".join(found)
+
+
+# --------------------------------------------------------------------------------------
+# the tests' own layout (tests/conftest.py: the tiers)
+# --------------------------------------------------------------------------------------
+
+TESTS = ROOT / "tests"
+TIERS = ("unit", "integration", "system")
+STARTS_THINGS = {"subprocess", "deepspeed", "multiprocessing"}
+
+
+def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in a module, functions' bodies included."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def layout_findings(root: Path) -> list[str]:
+    """What breaks the tests' layout under `root` (a tests/ folder): a test module that imports
+    another test module (shared code lives in tests/fixtures/), a test file outside the tiers'
+    folders, a unit test that imports what starts processes or engines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        if "example_plugin" in path.parts:
+            continue  # the example plugin's own source, installed by a system test
+        tree = ast.parse(path.read_text(), name)
+        for line, module in imported_modules(tree):
+            parts = module.split(".")
+            if parts[0] == "tests" and parts[1:2] != ["fixtures"]:
+                found.append(f"{name}:{line}: imports {module} (shared code: tests/fixtures/)")
+            if name.startswith("unit/") and parts[0] in STARTS_THINGS:
+                found.append(f"{name}:{line}: a unit test imports {module}")
+        if path.name.startswith("test_") and "/" not in name and name != "test_architecture.py":
+            found.append(f"{name}: a test outside the tiers' folders ({', '.join(TIERS)})")
+    return found
+
+
+def test_no_test_imports_another_and_unit_tests_start_nothing():
+    assert {p.name for p in TESTS.iterdir() if p.is_dir()} >= {*TIERS, "fixtures"}
+    assert layout_findings(TESTS) == []
+
+
+def test_the_layout_rule_sees_each_kind_of_finding(tmp_path):
+    (tmp_path / "unit" / "ops").mkdir(parents=True)
+    (tmp_path / "unit" / "ops" / "test_a.py").write_text(
+        "import subprocess\nfrom tests.unit.ops.test_b import helper\n"
+        "def test_x():\n    from deepspeed import initialize\n"
+    )
+    (tmp_path / "test_loose.py").write_text("from tests.fixtures.runs import ROOT\n")
+    assert layout_findings(tmp_path) == [
+        "test_loose.py: a test outside the tiers' folders (unit, integration, system)",
+        "unit/ops/test_a.py:1: a unit test imports subprocess",
+        "unit/ops/test_a.py:2: imports tests.unit.ops.test_b (shared code: tests/fixtures/)",
+        "unit/ops/test_a.py:4: a unit test imports deepspeed",
+    ]

@@ -7,7 +7,7 @@
   storage once, parameters and the inputs it is told about left out; works on the meta device.
 
 The host syncs are counted by pipeline/diagnostics/host_syncs.py's ``HostSyncCounter`` (the one
-sync counter); ``OpCounter`` here is the one op counter (tests/ops/layer_costs.py and the
+sync counter); ``OpCounter`` here is the one op counter (tests/fixtures/layer_costs.py and the
 benches import it).
 """
 

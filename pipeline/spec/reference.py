@@ -4,7 +4,7 @@ Every key a spec accepts comes from the classes that validate it: the pydantic s
 pipeline/spec/schema.py (type, default, constraints, `Field(description=...)`, a section's class
 docstring) and each model family's config dataclass (type, default, the attribute docstring
 under each field, the size limits of `MODEL_LIMITS`). What a model config's `__post_init__`
-checks cannot be read from it: `MODEL_CHECKS` below states it, and tests/spec/test_reference.py
+checks cannot be read from it: `MODEL_CHECKS` below states it, and tests/unit/spec/test_reference.py
 proves every entry against the dataclass, so neither can drift from the other.
 
     python -m pipeline.spec.reference            # the page on stdout
@@ -789,7 +789,7 @@ INTRO = f"""\
 <!-- Generated from the schema (the spec's pydantic sections and the model config
 dataclasses in pipeline/models/) by
     {REGENERATE}
-Do not edit: change the descriptions there and regenerate; tests/spec/test_reference.py fails
+Do not edit: change the descriptions there and regenerate; tests/unit/spec/test_reference.py fails
 while this page is stale. -->
 
 # Configuration reference

@@ -251,7 +251,7 @@ class Trainer:
         """One optimizer update over all micro-batches; returns this rank's mean token nll
         (of the scored targets, for documents) as a 0-dim float32 tensor on the device.
 
-        Nothing in it waits for the device (tests/training/test_host_syncs.py): the loss
+        Nothing in it waits for the device (tests/integration/training/test_host_syncs.py): the loss
         stays on the device until a report reads it, and a model with value-dependent shapes
         plans them ahead (``planned_update`` / ``request_plan``, pipeline.models.protocol).
         ``float()`` of the result waits for the step to finish."""

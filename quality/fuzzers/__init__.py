@@ -1,2 +1,2 @@
-"""The fuzzers: case generators and runners that tests/commands assert on and
+"""The fuzzers: case generators and runners that tests/system/commands assert on and
 quality/fuzz.py counts."""

@@ -1,9 +1,9 @@
 """The command-line fuzzer: every `allattn-pipe` command, invoked in process with random and
 bad flags and values, damaged configs (quality/fuzzers/spec_damage.py) and damaged workspaces.
 
-Every case must end in exit 0, or exit 2 with `error: ...` lines, each naming where (a file,
-`--set` or a flag); never a traceback, never a hang; and a refused command, or one that only
-reads, leaves every file it found as it was. Used by tests/commands/test_cli_fuzz.py (asserting) and
+Every case must end in exit 0, or exit 2 with `error: ...` lines, each naming where (a file, `--set`
+or a flag); never a traceback, never a hang; and a refused command, or one that only reads, leaves
+every file it found as it was. Used by tests/system/commands/test_cli_fuzz.py (asserting) and
 quality/fuzz.py (counting).
 
 The commands that would train get a tiny, already trained pipeline (`World`): `run` on it

@@ -19,7 +19,7 @@ A case fails when a canary ran ("command ran"), when a value did not arrive byte
 at srun, at the sweep's task step or at each node's launch/train.py ("mangled"), when an
 `#SBATCH` line sits below the first command or was injected ("directives"), when a rendered
 script fails under the recorders, on a traceback, a refusal that is not one line, or a hang.
-Used by tests/commands/test_fuzz_classes.py and quality/fuzz.py --injection N.
+Used by tests/system/commands/test_fuzz_classes.py and quality/fuzz.py --injection N.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ validate / show / run (itself, or a file it `extends`).
 A case fails on a change to anything outside the copied world the command owns (the victim
 included; `export --out` owns the directory its path resolves to, link followed, as the
 docs say), on a traceback, a refusal that is not one line, or a hang. Used by
-tests/commands/test_fuzz_classes.py and quality/fuzz.py --links N.
+tests/system/commands/test_fuzz_classes.py and quality/fuzz.py --links N.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ file paths and archive member names, downloaded from a file:// source in the san
 A case fails on a traceback, on a run past HANG_SECONDS, or when any file or directory in the
 sandbox changed outside what the command owns: the resolved destination it was given (and the
 missing directories above it), the workspace root and the cache the spec names. Used by
-tests/commands/test_cli_fuzz.py (a short run) and quality/fuzz.py --paths N (the figure).
+tests/system/commands/test_cli_fuzz.py (a short run) and quality/fuzz.py --paths N (the figure).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ logs, cache) or the case's directory (the configs the case wrote excepted). One 
 by design: a batch script is the job's input as the config is, so the script `launch slurm`
 / `sweep --slurm` renders (and prints with --dry-run) may hold a secret given with `--set`.
 A case also fails on a traceback, a refusal that is not one line, or a hang (30 s).
-Used by tests/commands/test_fuzz_classes.py and quality/fuzz.py --secrets N.
+Used by tests/system/commands/test_fuzz_classes.py and quality/fuzz.py --secrets N.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Damaged versions of the real configs, for the fuzzers (tests/spec/test_spec_fuzz.py,
-tests/commands/test_cli_fuzz.py, quality/fuzz.py).
+"""Damaged versions of the real configs, for the fuzzers (tests/system/spec/test_spec_fuzz.py,
+tests/system/commands/test_cli_fuzz.py, quality/fuzz.py).
 
 The mutations are the kinds of damage a spec meets: odd scalars and YAML tags in place of
 values (the tag's text drawn at random, like everything else), huge and infinite numbers,
