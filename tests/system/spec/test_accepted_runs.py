@@ -3,15 +3,13 @@ cross-checks belong in the spec; settings the chosen optimizer would ignore are 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.spec import SpecError, load_spec
 from tests.fixtures.local_corpus import config as local_corpus_config
+from tests.fixtures.runs import cli as run_cli
 
 ROOT = Path(__file__).resolve().parents[3]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -83,15 +81,7 @@ def config(tmp: Path, corpus: bytes) -> Path:
 
 
 def cli(*args):
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.commands.cli", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    return run_cli(*args, check=False)
 
 
 def test_a_one_token_valid_split_is_refused_at_preprocess(tmp_path):

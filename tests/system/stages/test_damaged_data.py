@@ -5,30 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError
 from tests.fixtures.local_corpus import config
+from tests.fixtures.runs import cli as run_cli
 
-ROOT = Path(__file__).resolve().parents[3]
 TEXT = b"".join(b"line %d of a small local corpus, read as bytes.\n" % i for i in range(3000))
 
 
 def cli(*args):
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.commands.cli", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    return run_cli(*args, check=False, timeout=300)
 
 
 @pytest.fixture()

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from pipeline.training.checkpoints import read_checkpoint_file
-from tests.fixtures.quickstart import EVAL_EVERY, FT_STEPS, LOG_EVERY, LR, STEPS, cli, tiny_config
+from tests.fixtures.quickstart import EVAL_EVERY, FT_STEPS, LOG_EVERY, LR, STEPS, tiny_config
+from tests.fixtures.runs import cli
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.spec import SpecError, load_spec
 from stages import STAGES
-from tests.fixtures.quickstart import EVAL_EVERY, STEPS, cli, tiny_config
-from tests.fixtures.runs import metric_history
+from tests.fixtures.quickstart import EVAL_EVERY, STEPS, tiny_config
+from tests.fixtures.runs import cli, metric_history
 
 
 def train_fingerprint(cfg, *sets):
