@@ -290,13 +290,10 @@ class AllAttnLM(SequenceModel):
             attn = layer.attn
             flops += per_mac * 2 * d * d * span / block_len
             if self.attention_impl == "triton":
-                window, persistent = (
-                    RECOMPUTED_PRODUCTS["window"],
-                    RECOMPUTED_PRODUCTS["persistent"],
-                )
-                flops += 2 * window * attn.n_ctx_heads * attn.head_dim * span
+                flops += 2 * RECOMPUTED_PRODUCTS["window"] * attn.n_ctx_heads * attn.head_dim * span
                 if attn.mode == "all_attn":
-                    flops += 2 * persistent * attn.n_heads * attn.head_dim * attn.n_persistent
+                    pers = RECOMPUTED_PRODUCTS["persistent"] * attn.head_dim * attn.n_persistent
+                    flops += 2 * pers * attn.n_heads
         return flops
 
     def describe(self) -> str:
