@@ -78,8 +78,8 @@ class TrainingBackends:
         return False
 
     def cannot_train_on(self, device: torch.device) -> str | None:
-        """Why this model cannot train on `device` (a backend that runs forward only there),
-        said before the first step; None when it can."""
+        """Why this model cannot train on `device` (a backend that runs forward only there:
+        ``pipeline.ops.trains_on`` says which), said before the first step; None when it can."""
         return None
 
 

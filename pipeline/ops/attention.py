@@ -63,10 +63,12 @@ __all__ = [
     "attend_persistent",
     "attend_reference",
     "attention_weights",
+    "backends_that_train_on",
     "check_shapes",
     "get_attention_impl",
     "log_span_mask",
     "skew",
+    "trains_on",
     "unskew",
 ]
 
@@ -351,3 +353,29 @@ def get_attention_impl(name: str) -> AttendFn:
         raise ValueError(
             f"unknown attention impl {name!r}; known: {sorted(ATTENTION_IMPLS)}"
         ) from None
+
+
+CANNOT_TRAIN: dict[tuple[str, str], str] = {
+    ("flex", "cpu"): "flex runs forward only on CPU (torch has no CPU backward for FlexAttention)",
+    ("triton", "cpu"): (
+        "triton runs its kernels on CUDA (on the CPU only in Triton's interpreter, for tests: "
+        "minutes a step)"
+    ),
+}
+"""(backend, device type): why that backend cannot train on that device; every pair not here
+trains. The one table spec validation, the models (``cannot_train_on``) and the ops consult,
+through ``trains_on``."""
+
+
+def trains_on(impl: str, device_type: str) -> str | None:
+    """Why attention backend ``impl`` cannot train on ``device_type`` (``"cpu"``, ``"cuda"``),
+    in words that name the backend and the device; None when it can (or when ``impl`` is not
+    one of these ops, a plugin's own). Callers add where the device came from and what to use
+    instead (``backends_that_train_on``)."""
+    return CANNOT_TRAIN.get((impl, device_type))
+
+
+def backends_that_train_on(device_type: str) -> str:
+    """The backends that can train on ``device_type``, in words: "reference, sdpa or auto"."""
+    names = [name for name in ATTENTION_IMPLS if trains_on(name, device_type) is None]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]

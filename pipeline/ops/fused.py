@@ -36,7 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.ops.attention import ATTENTION_IMPLS, check_shapes, log_span_mask, skew
+from pipeline.ops.attention import (
+    ATTENTION_IMPLS,
+    backends_that_train_on,
+    check_shapes,
+    log_span_mask,
+    skew,
+    trains_on,
+)
 from pipeline.ops.dropout import draw_dropout_seed, flex_keep, keep_threshold
 from pipeline.ops.triton_attention import attend_triton
 
@@ -241,8 +248,8 @@ def attend_flex(
         )
     ):
         raise ValueError(
-            "attention impl flex runs forward only on CPU (torch 2.13 has no CPU backward "
-            "for FlexAttention); use sdpa or reference to train on CPU, or auto"
+            f"attention impl {trains_on('flex', 'cpu')}, and this call needs gradients: use "
+            f"{backends_that_train_on('cpu')} to train on CPU"
         )
     return _attend_flex(
         q,

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipeline.errors import shown as _shown
 from pipeline.models import MODELS
+from pipeline.ops import backends_that_train_on, trains_on
 from pipeline.spec.schema import VOCAB_LIMIT, Spec
 from pipeline.spec.sources import SpecError, dotted_path, short_repr, type_in_words
 
@@ -310,18 +311,12 @@ def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> l
             f"{params.attn_dropout}: use flex, reference or auto (or attn_dropout 0)"
         )
     train = spec.train
-    if trains and impl == "flex" and train is not None and train.device == "cpu":
-        errors.append(
-            f"{at_impl}: model.attention.impl: flex runs forward only on CPU (torch "
-            f"has no CPU backward for FlexAttention) and train.device is cpu: use "
-            f"reference, sdpa or auto to train on CPU"
-        )
-    if trains and impl == "triton" and train is not None and train.device == "cpu":
-        errors.append(
-            f"{at_impl}: model.attention.impl: triton runs its kernels on CUDA (on the CPU "
-            f"only in Triton's interpreter, for tests: minutes a step) and train.device is "
-            f"cpu: use reference, sdpa or auto to train on CPU"
-        )
+    if trains and train is not None and isinstance(impl, str) and train.device != "auto":
+        if why := trains_on(impl, train.device):  # train.device auto: the train stage asks
+            errors.append(
+                f"{at_impl}: model.attention.impl: {why} and train.device is {train.device}: "
+                f"use {backends_that_train_on(train.device)} to train on {train.device.upper()}"
+            )
     if getattr(params, "ltm", False) and hasattr(params, "mem_len"):
         segments: dict[str, int | None] = {}
         if trains and train is not None:

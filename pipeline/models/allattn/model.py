@@ -75,7 +75,13 @@ from pipeline.models.allattn.layers import (
 )
 from pipeline.models.allattn.span_planner import SpanPlanner
 from pipeline.models.protocol import ModelOutput, SequenceModel, State, count_elements
-from pipeline.ops import AttendFn, describe_auto, get_attention_impl
+from pipeline.ops import (
+    AttendFn,
+    backends_that_train_on,
+    describe_auto,
+    get_attention_impl,
+    trains_on,
+)
 from pipeline.ops.triton_attention import RECOMPUTED_PRODUCTS
 
 # --------------------------------------------------------------------------------------
@@ -310,19 +316,14 @@ class AllAttnLM(SequenceModel):
         )
 
     def cannot_train_on(self, device: torch.device) -> str | None:
-        if self.attention_impl == "flex" and device.type == "cpu":
-            return (
-                "model.attention.impl: flex runs forward only on CPU (torch has no CPU "
-                "backward for FlexAttention) and this run trains on the CPU: use reference, "
-                "sdpa or auto"
-            )
-        if self.attention_impl == "triton" and device.type == "cpu":
-            return (
-                "model.attention.impl: triton runs its kernels on CUDA (on the CPU only in "
-                "Triton's interpreter, for tests: minutes a step) and this run trains on the "
-                "CPU: use reference, sdpa or auto"
-            )
-        return None
+        why = trains_on(self.attention_impl, device.type)
+        if why is None:
+            return None
+        where = "the CPU" if device.type == "cpu" else device.type
+        return (
+            f"model.attention.impl: {why} and this run trains on {where}: use "
+            f"{backends_that_train_on(device.type)}"
+        )
 
     def metrics(self) -> dict[str, float]:
         """Mean and largest span over all heads, in tokens."""
