@@ -5,15 +5,25 @@
 Every process runs the pipeline of --config as one rank: rank 0 downloads, preprocesses,
 tracks and evaluates; all ranks train. `allattn-pipe run` starts this itself when the spec's
 `train.launcher` asks for more than one process.
+
+It imports the installed package (`pip install -e .` in the checkout), never the folder it
+sits in: an interpreter without the package gets one line saying so, exit 2.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
-
-from pipeline.cluster import distributed
-from pipeline.commands.launched import main
+try:
+    from pipeline.cluster import distributed
+    from pipeline.commands.launched import main
+except ModuleNotFoundError as error:
+    if (error.name or "").partition(".")[0] != "pipeline":
+        raise
+    print(
+        f"error: allattn-pipe is not installed in this interpreter ({sys.executable}): run "
+        f"`{sys.executable} -m pip install -e .` in the source checkout",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 if __name__ == "__main__":
     distributed.exit_process(main())
