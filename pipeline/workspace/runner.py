@@ -25,7 +25,7 @@ from typing import cast
 
 from pipeline.cluster import distributed
 from pipeline.cluster.signals import RaiseOnSignal
-from pipeline.errors import PipelineError, Preempted, shown
+from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.redact import mask
 from pipeline.spec.schema import Spec
 from pipeline.workspace.layout import (
@@ -95,6 +95,32 @@ def _best_validation(summary: dict) -> str:
         if summary.get(key) is not None:
             return f", {what} {summary[key]:.{digits}f}"
     return ""
+
+
+def _checkpointed_stop(error: BaseException) -> Preempted | None:
+    """The training loop's stop (`Preempted`, a checkpoint saved) that `error` is, or that
+    it interrupted: a second signal raised while the stop's bookkeeping ran (the stage's
+    MLflow run ended and made durable) has it as its context."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, Preempted) and not isinstance(current, Interrupted):
+            return current
+        seen.add(id(current))
+        current = current.__context__
+    return None
+
+
+def _cut_short(saved: Preempted) -> Preempted:
+    """A checkpointed stop whose bookkeeping a second signal cut short: still that stop, with
+    its checkpoint line and its exit code (a scheduler requeues on 143), not `Interrupted`'s
+    "nothing more was saved", which would hide the checkpoint the re-run resumes from."""
+    error = Preempted(
+        f"{saved}; a second signal cut the tracking's bookkeeping short (the next run marks "
+        f"this one's MLflow runs KILLED)"
+    )
+    error.exit_code = saved.exit_code
+    return error
 
 
 def _parse_selection(names: list[str] | None, spec: Spec, flag: str) -> list[str]:
@@ -313,7 +339,15 @@ class Runner:
                         distributed.broadcast_object(None)  # let them go; evaluate is ours
             except BaseException as e:
                 killed = isinstance(e, (KeyboardInterrupt, Preempted))
-                tracker.finish("KILLED" if killed else "FAILED")
+                saved = _checkpointed_stop(e)
+                try:
+                    tracker.finish("KILLED" if killed else "FAILED")
+                except Interrupted:
+                    if saved is None:
+                        raise
+                    raise _cut_short(saved) from None
+                if isinstance(e, Interrupted) and saved is not None:  # in the stage's end
+                    raise _cut_short(saved) from None
                 raise
             tracker.finish("FINISHED")
         return records
