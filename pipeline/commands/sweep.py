@@ -344,7 +344,7 @@ def run_sweep(
             for p in todo:
                 try:
                     Runner(p.spec, log=lambda m, p=p: log(f"[{p.name}] {m}")).run(
-                        make_tracker(p.spec)
+                        make_tracker(p.spec, sweep_run_id=sweep.run_id)
                     )
                 except Preempted:
                     raise  # a signal stops the whole sweep
@@ -386,7 +386,7 @@ def run_shared_prefix(pts: list[Point], prefix: list[str], sweep: SweepRun, log)
     ):
         log(f"[{first.name}] running what every point shares: {', '.join(prefix)}")
         Runner(first.spec, only=prefix, log=lambda m: log(f"[{first.name}] {m}")).run(
-            make_tracker(first.spec)
+            make_tracker(first.spec, sweep_run_id=sweep.run_id)
         )
         sweep.adopt([first.spec.workspace_dir])
 
@@ -429,6 +429,16 @@ class ForwardSignals(SignalHandler):
             raise
 
 
+def _point_environment(sweep: SweepRun) -> dict[str, str]:
+    """A point process's environment: a process group of its own, and the sweep's MLflow run
+    (its pipeline run is created as the sweep run's child, not only adopted when it ends)."""
+    from pipeline.tracking.tracker import SWEEP_RUN_ENV
+
+    env = distributed.environment_for_new_group()
+    env.pop(SWEEP_RUN_ENV, None)  # a sweep run inside another's point files under its own
+    return env | ({SWEEP_RUN_ENV: sweep.run_id} if sweep.run_id else {})
+
+
 def _run_processes(
     config: str, todo: list[Point], parallel: int, sweep: SweepRun, log
 ) -> list[str]:
@@ -453,7 +463,7 @@ def _run_processes(
                         point_command(config, p),
                         stdout=out,
                         stderr=subprocess.STDOUT,
-                        env=distributed.environment_for_new_group(),
+                        env=_point_environment(sweep),
                     )
                     running.append((p, proc, out))
                     log(f"[{p.name}] started (log: {p.spec.workspace_dir / 'sweep.log'})")

@@ -221,7 +221,12 @@ class MlflowTracker:
     (`sync` sends it later), and so is everything logged after that."""
 
     def __init__(
-        self, uri: str, retry_s: float = RETRY_SECONDS, flush_s: float = FLUSH_SECONDS, warn=None
+        self,
+        uri: str,
+        retry_s: float = RETRY_SECONDS,
+        flush_s: float = FLUSH_SECONDS,
+        warn=None,
+        sweep_run_id: str | None = None,
     ):
         if is_remote(uri):
             # MLflow's defaults (7 retries with backoff, 120 s per request) block for minutes
@@ -243,6 +248,8 @@ class MlflowTracker:
         self.sender = Sender(Delivery(self.client), self.warn_server, retry_s)
         self.spec: Any = None  # the Spec, from start() on
         self.parent: StageTracker | None = None
+        # a sweep's run, whose child the pipeline run is from its creation (`start`)
+        self.sweep_run_id = sweep_run_id
 
     @property
     def run_id(self) -> str | None:
@@ -270,16 +277,23 @@ class MlflowTracker:
         self.spec = spec
         self._replay_backlog(spec)
         self._end_dead_attempts(spec)
-        tags = environment_tags()
+        # The tags that file the run come first: a file store writes a create's tags one
+        # file each, in this order, so a run a kill -9 cut short during its creation has
+        # its sweep parent and its workspace (by which `_end_dead_attempts` and a sweep's
+        # `adopt` find it) before it has anything else, `spec` included. Before, they came
+        # after the environment's tags and `spec`: a sweep killed between the `spec` and
+        # `workspace` files left a pipeline run that no later sweep could file under it.
+        tags = {"mlflow.parentRunId": self.sweep_run_id} if self.sweep_run_id else {}
         tags.update(
             {
-                "mlflow.runName": f"{spec.name}",
-                "spec": spec.source,
                 "workspace": str(spec.workspace_dir.resolve()),
+                "spec": spec.source,
+                "mlflow.runName": f"{spec.name}",
                 "stages.run": ",".join(s.stage for s in plan if s.action == "run") or "none",
                 "stages.skipped": ",".join(s.stage for s in plan if s.action != "run") or "none",
             }
         )
+        tags.update(environment_tags())
         self.parent = self._create_run(tags)
         resolved = spec.resolved()
         self.parent.log_params(resolved)
@@ -468,7 +482,16 @@ def _first_sentence(text: str) -> str:
     return first + (f" (its opt-out: {way_out.group()})" if way_out else "")
 
 
-def make_tracker(spec, rank: int = 0):
+# The sweep's MLflow run id, in the environment of a point run as a process of its own
+# (`sweep --parallel`): the point's pipeline run is created as its child.
+SWEEP_RUN_ENV = "ALLATTN_SWEEP_RUN_ID"
+
+
+def make_tracker(spec, rank: int = 0, sweep_run_id: str | None = None):
+    """Rank 0's tracker (the others': `NullTracker`). `sweep_run_id` (else $ALLATTN_SWEEP_RUN_ID):
+    the pipeline run is created as that sweep run's child, in the same create."""
     if not spec.tracking.enabled or rank != 0:
         return NullTracker()
-    return MlflowTracker(tracking_uri(spec))
+    return MlflowTracker(
+        tracking_uri(spec), sweep_run_id=sweep_run_id or os.environ.get(SWEEP_RUN_ENV) or None
+    )
