@@ -88,6 +88,28 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(urlparse(database).path if database.startswith("file:") else database)
 
 
+def mlflow_uri(uri: str) -> str:
+    """The URI to give MLflow for ``uri``: the same store. A sqlite URI in SQLite's own URI
+    form (``sqlite:///file:/abs/mlflow.db?mode=ro&uri=true``: a read-only store, another
+    vfs) is given with its driver named, ``sqlite+pysqlite:``, which is what SQLAlchemy runs
+    for ``sqlite:`` anyway. MLflow makes the parent directory of what follows a plain
+    ``sqlite:///`` and reads ``file:/abs`` as a relative path: without this, opening such a
+    store made a ``file:`` directory in the working directory. The store's real directory
+    is made here (``open_store``'s make_parent), from ``sqlite_path``."""
+    if not uri.lower().startswith("sqlite:///file:"):
+        return uri
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.util import asbool
+
+    try:
+        as_uri = asbool(make_url(uri).query.get("uri", False))
+    except Exception:
+        return uri  # MLflow's own error names what is wrong with it
+    # without uri=true, SQLAlchemy opens a file at the relative path "file:/abs/...", whose
+    # directory MLflow is right to make
+    return "sqlite+pysqlite:///" + uri[len("sqlite:///") :] if as_uri else uri
+
+
 @contextmanager
 def store_lock(uri: str, warn):
     """Opening a local sqlite store, one process at a time: on first use MLflow creates the
@@ -149,7 +171,7 @@ def open_store(uri: str, warn=None, make_parent: bool = False):
                 f"tracking store {shown(path)}: cannot make its directory: {e.strerror or e}"
             ) from None
     with store_lock(uri, warn):
-        return _on_local_store(lambda: MlflowClient(tracking_uri=uri), uri, warn)
+        return _on_local_store(lambda: MlflowClient(tracking_uri=mlflow_uri(uri)), uri, warn)
 
 
 def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
@@ -169,7 +191,7 @@ def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
                 f"(name a CONFIG, or set MLFLOW_TRACKING_URI)"
             )
         _check_mlflow_database(path)
-    client = _on_local_store(lambda: MlflowClient(tracking_uri=uri), uri, warn)
+    client = _on_local_store(lambda: MlflowClient(tracking_uri=mlflow_uri(uri)), uri, warn)
     check_server(client, uri, hint)
     return client
 

@@ -87,11 +87,15 @@ def test_a_store_another_process_holds_locked_is_waited_for_then_one_line(tmp_pa
     assert not (root / "tiny" / "download").exists()
 
 
-def test_a_read_only_store_is_refused_before_anything_runs(tmp_path):
+def test_a_read_only_store_is_refused_before_anything_runs(tmp_path, monkeypatch):
     # before: every record was "tracking server not answering" with MLflow's tracebacks, and
-    # the run went on to exit 0
+    # the run went on to exit 0; and MLflow, reading the `file:` URI as a relative path, made
+    # a directory `file:` in the working directory
     root = tmp_path / "runs"
     root.mkdir()
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     MlflowTracker(default_tracking_uri(root), warn=lambda m: None)
     result = _run(tmp_path, f"tracking.uri=sqlite:///file:{root / 'mlflow.db'}?mode=ro&uri=true")
     line = _one_line_error(result)
@@ -100,6 +104,24 @@ def test_a_read_only_store_is_refused_before_anything_runs(tmp_path):
     ), line
     assert "not answering" not in result.output
     assert not (root / "tiny" / "download").exists()
+    assert list(cwd.iterdir()) == []
+
+
+def test_a_store_named_by_a_file_uri_records_and_makes_nothing_in_the_working_directory(
+    tmp_path, monkeypatch
+):
+    """SQLite's URI form (a read-only store, another vfs) names the same store as the plain
+    path: what is recorded through one is read through the other, and MLflow is never given a
+    `file:` path to take as relative (it made `./file:/...`)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    db = tmp_path / "store" / "mlflow.db"
+    client = store_module.open_store(f"sqlite:///file:{db}?uri=true", make_parent=True)
+    client.create_experiment("through-the-uri-form", artifact_location=str(tmp_path / "art"))
+    plain = store_module.open_existing_store(f"sqlite:///{db}")
+    assert plain.get_experiment_by_name("through-the-uri-form") is not None
+    assert list(cwd.iterdir()) == []
 
 
 def test_a_backlog_on_a_full_disk_is_one_line_and_keeps_the_records(tmp_path, monkeypatch):
