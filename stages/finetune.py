@@ -16,6 +16,7 @@ from stages.train import log_head_tables, record_resolved, resolved_summary
 def run(ctx: StageContext) -> dict:
     from pipeline.training.checkpoints import newest_intact, step_dirs, step_of
     from pipeline.training.micro_batch import read_record
+    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
 
     ft = ctx.spec.finetune
@@ -27,7 +28,7 @@ def run(ctx: StageContext) -> dict:
     )
     trainer = Trainer(
         ctx.spec,
-        ctx.inputs["preprocess"],
+        PreprocessedData(ctx.inputs["preprocess"], ctx.spec.train.seq_len),
         ctx.tracker,
         ctx.log,
         recorded=recorded,
@@ -43,13 +44,13 @@ def run(ctx: StageContext) -> dict:
         begin = step_of(newest)
     else:
         begin = trainer.load(train_root)
-    lr = ctx.spec.train.optimizer.lr / ft.lr_divisor
+    lr = trainer.lr_at(begin + 1)  # train.optimizer.lr / finetune.lr_divisor, constant
     ctx.log(
         f"from step {begin}: lr {ctx.spec.train.optimizer.lr:g} / {ft.lr_divisor:g} "
         f"= {lr:g} for {ft.steps} steps"
     )
     summary = trainer.fit(
-        begin + ft.steps, lambda k: lr, ckpt_root, expect_lr=lr if trainer.step == begin else None
+        begin + ft.steps, ckpt_root, expect_lr=lr if trainer.step == begin else None
     )
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
     log_head_tables(ctx, trainer, "finetune")

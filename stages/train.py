@@ -23,7 +23,7 @@ def patience(spec) -> int | None:
 def run(ctx: StageContext) -> dict:
     from pipeline.training.checkpoints import step_dirs
     from pipeline.training.micro_batch import read_record
-    from pipeline.training.optim import scheduled_lr
+    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
 
     train = ctx.spec.train
@@ -31,7 +31,7 @@ def run(ctx: StageContext) -> dict:
     resuming = bool(step_dirs(ckpt_root))
     trainer = Trainer(
         ctx.spec,
-        ctx.inputs["preprocess"],
+        PreprocessedData(ctx.inputs["preprocess"], train.seq_len),
         ctx.tracker,
         ctx.log,
         recorded=read_record(ctx.out_dir) if resuming else None,
@@ -61,13 +61,7 @@ def run(ctx: StageContext) -> dict:
         f"on {trainer.device} (world size {trainer.world_size}), "
         f"{trainer.model.describe()}"
     )
-    opt = train.optimizer
-    summary = trainer.fit(
-        train.steps,
-        lambda k: scheduled_lr(opt.lr, opt.warmup_steps, k, opt.schedule, train.steps),
-        ckpt_root,
-        patience=patience(ctx.spec),
-    )
+    summary = trainer.fit(train.steps, ckpt_root, patience=patience(ctx.spec))
     ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
     log_head_tables(ctx, trainer, "train")
     return summary | resolved_summary(trainer)

@@ -246,11 +246,11 @@ def test_no_module_uses_another_modules_private_names():
     assert sorted(uses) == []
 
 
-def test_the_tool_folders_import_no_tests_patch_no_sys_path_and_keep_main_short():
+def test_the_tool_folders_import_no_tests_and_patch_no_sys_path():
     """bench/, reproduce/, quality/ and gpu/ run as modules of the checkout (python -m
     bench.train_step): no import of tests (what tests and tools share lives in the package
-    or the tool folders), no sys.path patching (except to import code that is not ours), and
-    each main() parses, runs and renders in at most 60 lines."""
+    or the tool folders), no sys.path patching (except to import code that is not ours).
+    Their main()s' length: tests/unit/test_main_lengths.py."""
     outside_code = {  # the only sys.path edits: for code that is not the project's
         "bench/reference_code.py": "the user's checkout of the authors' code",
         "gpu/check.py": "wheels installed beside a read-only environment",
@@ -279,11 +279,58 @@ def test_the_tool_folders_import_no_tests_patch_no_sys_path_and_keep_main_short(
                 and name not in outside_code
             ):
                 found.append(f"{name}:{node.lineno}: patches sys.path")
-            if isinstance(node, ast.FunctionDef) and node.name == "main":
-                body = node.end_lineno - node.body[0].lineno + 1
-                if body > 60:
-                    found.append(f"{name}: main() is {body} lines (at most 60)")
     assert not found, "\n".join(found)
+
+
+# --------------------------------------------------------------------------------------
+# one training loop (pipeline/training/trainer.py)
+# --------------------------------------------------------------------------------------
+
+
+def loop_findings(source: str, name: str) -> list[str]:
+    """What in a module's source trains on its own: a backward pass, an optimizer step, a
+    torch.save of its own, or a learning rate written into an optimizer's groups."""
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            call = ast.unparse(node.func)
+            if node.func.attr in ("backward", "step") or call == "torch.save":
+                found.append((node.lineno, f"calls {call}()"))
+        if isinstance(node, ast.Assign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Subscript) and ast.unparse(target.slice) == "'lr'":
+                    found.append((node.lineno, "sets a learning rate"))
+    return [f"{name}:{line}: {what}" for line, what in sorted(found)]
+
+
+def test_the_stages_and_the_curriculum_train_only_through_the_trainer():
+    """The trainer owns the updates, the learning rate and the checkpoints: no stage (the
+    curriculum included) and no training hook runs a loop of its own beside it."""
+    sources = [*ROOT.glob("stages/*.py"), ROOT / "pipeline" / "training" / "curriculum.py"]
+    found = [
+        f for path in sources for f in loop_findings(path.read_text(), str(path.relative_to(ROOT)))
+    ]
+    assert found == []
+
+
+def test_the_loop_rule_sees_each_kind_of_finding():
+    source = (
+        "def run(engine, optimizer, model, group):\n"
+        "    engine.backward(loss)\n"
+        "    optimizer.step()\n"
+        "    torch.save(model.state_dict(), 'state.pt')\n"
+        "    group['lr'] = 0.1\n"
+        "    group['lr'] *= 0.5\n"
+        "    scheduler.get_lr()\n"
+    )
+    assert loop_findings(source, "stage.py") == [
+        "stage.py:2: calls engine.backward()",
+        "stage.py:3: calls optimizer.step()",
+        "stage.py:4: calls torch.save()",
+        "stage.py:5: sets a learning rate",
+        "stage.py:6: sets a learning rate",
+    ]
 
 
 # --------------------------------------------------------------------------------------

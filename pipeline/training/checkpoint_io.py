@@ -3,7 +3,8 @@
 A checkpoint `step-N` (the directory's conventions: pipeline.training.checkpoints) holds DeepSpeed's
 files and one `trainer-rank<r>.pt` per rank with what the training loop needs to continue
 exactly: the step, the model's state for each of the rank's micro-batches, the validation
-record, the rank's random state and the model's plan (shapes planned ahead).
+record, the rank's random state, the model's plan (shapes planned ahead) and the state of the
+loop's hooks (the curriculum's lengths and history).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from pipeline.training.checkpoints import (
     disk_full,
     has_room,
     newest_intact,
+    not_a_trainer_checkpoint,
     out_of_space,
     read_checkpoint_file,
     read_pointer,
@@ -52,6 +54,8 @@ class LoopState:
     """The model's plan_state() (pipeline.models.protocol): the shapes planned ahead, so that a
     resumed run plans as the uninterrupted one; None from a checkpoint written before plans
     (the model then plans from its current values at the first update)."""
+    hooks: dict = field(default_factory=dict)
+    """Each training hook's state_dict() by its name (pipeline.training.trainer.TrainingHook)."""
 
 
 def trainer_file(ckpt: Path, rank: int) -> Path:
@@ -160,6 +164,7 @@ class CheckpointIO:
                     "states": [[t.cpu() for t in state] for state in loop.states],
                     "valid": {"best": loop.best_valid, "since_best": loop.evals_since_best},
                     "plan": loop.plan,
+                    "hooks": loop.hooks,
                 },
                 trainer_file(tmp, self.rank),
             )
@@ -211,6 +216,8 @@ class CheckpointIO:
             raise PipelineError(refusal)
         ckpt = root / tag
         writers = len(list(ckpt.glob("trainer-rank*.pt")))
+        if writers == 0:
+            raise PipelineError(not_a_trainer_checkpoint(ckpt))
         reshard.load_engine(self.engine, root, tag, writers)
         if writers != self.world_size:
             self.log(reshard.message(writers, self.world_size))
@@ -232,4 +239,5 @@ class CheckpointIO:
             best_valid=saved["valid"]["best"],
             evals_since_best=saved["valid"]["since_best"],
             plan=saved.get("plan"),
+            hooks=saved.get("hooks", {}),
         )

@@ -101,6 +101,20 @@ def step_of(tag: str) -> int:
     return int(tag.removeprefix("step-"))
 
 
+def not_a_trainer_checkpoint(ckpt: Path) -> str:
+    """Why checkpoint directory `ckpt` cannot be resumed or read: it was not written by the
+    trainer (pipeline.training.checkpoint_io): the curriculum stage's own format from before
+    it trained through the trainer, or another program's."""
+    if (ckpt / "state.pt").exists():
+        return (
+            f"checkpoint {ckpt}: a curriculum checkpoint of the old format (state.pt), "
+            f"which this version cannot read: train the curriculum again "
+            f"(allattn-pipe run CONFIG --force curriculum)"
+        )
+    held = ", ".join(sorted(p.name for p in ckpt.iterdir())[:4]) or "nothing"
+    return f"checkpoint {ckpt}: not a checkpoint of the trainer (no model states; it holds {held})"
+
+
 def load_model_weights(
     model: torch.nn.Module,
     root: Path,
@@ -124,11 +138,7 @@ def load_model_weights(
     if path.exists():
         weights = read_checkpoint_file(path)["module"]
     elif not list(ckpt.glob("*model_states.pt")):
-        held = ", ".join(sorted(p.name for p in ckpt.iterdir())[:4]) or "nothing"
-        raise PipelineError(
-            f"checkpoint {ckpt}: not a train or finetune checkpoint (no "
-            f"model states file; it holds {held})"
-        )
+        raise PipelineError(not_a_trainer_checkpoint(ckpt))
     else:  # ZeRO 3 saves each rank's shard only: assemble the fp32 weights from the shards
         from pipeline.training.engine import zero3_fp32_weights
 

@@ -1,25 +1,29 @@
-"""The training loop behind the train and finetune stages, on a DeepSpeed engine.
+"""The one training loop, behind the train, finetune and curriculum stages, on a DeepSpeed
+engine.
 
 One `Trainer` owns the model (any pipeline.models.SequenceModel, used only through that
-protocol), the engine, the data streams and the model's state for each micro-batch. Its
-state is a step number: the data position and the learning rate follow from it, so a
-checkpoint (model, optimizer, model states, RNG, step) resumes exactly where the run stopped.
+protocol), the engine, the data streams, the learning rate (optim.lr_schedule) and the
+model's state for each micro-batch. Its state is a step number: the data position and the
+learning rate follow from it, so a checkpoint (model, optimizer, model states, RNG, step,
+its hooks' states) resumes exactly where the run stopped. A stage adds what is its own as a
+`TrainingHook` (the curriculum's lengths: pipeline.training.curriculum), never a loop.
 
 A dataset of documents (the manifest's `documents`, pipeline.data.documents) trains document
 by document instead: each update reads a batch of whole documents through
-pipeline.training.document_passes.run_documents, every document from the model's initial state, and
-is
-scored on the targets after each separator. Nothing carries across updates, so its state is
-the step alone; validation reports the loss per scored target, token accuracy and exact match.
+pipeline.training.document_passes.run_documents, every document from the model's initial
+state, and is scored on the targets after each separator. Nothing carries across updates, so
+its state is the step alone; validation reports the loss per scored target, token accuracy
+and exact match.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -27,8 +31,7 @@ import torch
 from pipeline.cluster import distributed
 from pipeline.cluster.device import dense_peak_tflops, peak_memory_mb, resolve_device
 from pipeline.cluster.signals import StopSignal
-from pipeline.data.documents import DocumentBatches, as_documents
-from pipeline.data.manifest import load_manifest, load_split
+from pipeline.data.documents import DocumentBatches
 from pipeline.errors import PipelineError, Preempted
 from pipeline.models.protocol import SequenceModel, State
 from pipeline.ops import compile_count
@@ -47,11 +50,12 @@ from pipeline.training.engine import (
 from pipeline.training.evaluation import LN2, evaluate_nll
 from pipeline.training.micro_batch import resolve
 from pipeline.training.nonfinite import HINT, NonfiniteGuard
-from pipeline.training.optim import build_optimizer
+from pipeline.training.optim import build_optimizer, lr_schedule
 from pipeline.training.progress import LossWindow, Progress, gpu_memory_text
 
-if TYPE_CHECKING:  # imported where it is used, in build_batches
+if TYPE_CHECKING:  # the two kinds of batches the sources give
     from pipeline.data import StreamBatches
+    from pipeline.training.sources import TrainingData
 
 
 Losses = TypeVar("Losses")
@@ -63,9 +67,49 @@ class MicroBatchLoss(NamedTuple):
     state: State  # the model's state after the micro-batch
 
 
+class UpdateLoss(NamedTuple):
+    nll: torch.Tensor  # this rank's mean token nll over the update's micro-batches
+    objective: torch.Tensor  # the mean of what was minimised (nll + the model's aux_loss())
+
+
+class TrainingHook(Protocol):
+    """What a stage adds to the loop without a loop of its own (the curriculum's lengths and
+    promotions): called around every update, its state carried by every checkpoint."""
+
+    name: str  # its key in a checkpoint's trainer state
+
+    def before_update(self, trainer: Trainer, update: int) -> None:
+        """Before update number `update` (1-based) draws its batch."""
+
+    def after_update(self, trainer: Trainer, loss: UpdateLoss, log: Callable[[str], None]):
+        """After the update (trainer.step is its number), before the loop reports,
+        validates or checkpoints it; `log` prints above the progress bar."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How often the loop reports the loss, validates and checkpoints, in updates (0: never;
+    the last update is checkpointed regardless), and how many checkpoints it keeps."""
+
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+
+    @classmethod
+    def of(cls, train) -> Cadence:
+        """The spec's train.* settings."""
+        return cls(
+            train.log_every, train.eval_every, train.checkpoint_every, train.keep_checkpoints
+        )
+
+
 class EngineUpdates:
-    """Optimizer updates on a DeepSpeed engine: the part of the training loop shared by
-    `Trainer` (train, finetune) and the curriculum stage, so that a fix to it reaches both.
+    """Optimizer updates on a DeepSpeed engine: the `Trainer`'s update, apart from the loop.
 
     Around each update (`run`) the model's bounded parameters are read in float32 from the
     fp32 masters DeepSpeed steps and clamped on them (engine.MasterClamp, Float32Masters),
@@ -106,24 +150,27 @@ class EngineUpdates:
 
 
 class Trainer:
+    """The one training loop: train, finetune and the curriculum each build one, from the
+    spec, the data (pipeline.training.sources) and their hooks."""
+
     def __init__(
         self,
         spec,
-        preprocess_dir: Path,
+        data: TrainingData,
         tracker,
         log: Callable[[str], None],
         recorded: dict | None = None,
         stage: str = "train",
+        hooks: Sequence[TrainingHook] = (),
     ):
         self.spec, self.tracker, self.log, self.stage = spec, tracker, log, stage
-        train, self.preprocess_dir = spec.train, preprocess_dir
+        self.data, self.hooks, train = data, list(hooks), spec.train
         self.rank, self.world_size = distributed.init_process_group()
         self.device = build_device(train)
-        manifest = load_manifest(preprocess_dir)  # documents None: a token stream
-        self.vocab_size, self.documents = manifest["vocab_size"], manifest.get("documents")
-        # the tokens of one training block: a document less its last token, or train.seq_len
-        self.block_len = self.documents["length"] - 1 if self.documents else train.seq_len
-        model = build_model(spec, self.vocab_size, preprocess_dir, self.device, self.rank)
+        self.vocab_size, self.documents = data.vocab_size, data.documents
+        self.block_len = data.block_len  # the tokens of one training row
+        self.lr_at = lr_schedule(spec, stage)  # the lr of update k; the only writer of lr
+        model = build_model(spec, self.vocab_size, data.origin, self.device, self.rank)
         self.resolved, self.ds_config = build_ds_config(self, model, recorded)
         self.peak_tflops = dense_peak_tflops(self.device, matmul_dtype(self.ds_config))
         bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
@@ -133,8 +180,10 @@ class Trainer:
         self.compiled = compile_model(self.model, train.compile, self.device, log)
         self.updates = EngineUpdates(self.engine, self.guard, bounded_init)
         self.micro_batch, self.accum = micro_batches(self.ds_config)
-        self.valid_tokens: np.ndarray | None = None  # read when first validating
-        self.batches = build_batches(self, self.micro_batch * self.accum)
+        self.valid_split: Any = None  # read when first validating (tokens or documents)
+        self.batches = data.train_batches(
+            self.micro_batch * self.accum, self.rank, self.world_size, train.seed
+        )
         self.states = self._initial_states()  # one per micro-batch: its rows' history
         self.step = 0  # optimizer updates done so far
         self.best_valid: float | None = None
@@ -157,30 +206,34 @@ class Trainer:
     def fit(
         self,
         until: int,
-        lr_at: Callable[[int], float],
         ckpt_root: Path,
         expect_lr: float | None = None,
         patience: int | None = None,
+        cadence: Cadence | None = None,
     ) -> dict:
         """Train from the current step to `until`, checkpointing into `ckpt_root`.
 
-        `lr_at(k)` gives the lr of update k (1-based). `expect_lr`: after the first update,
-        fail loudly unless the optimizer really ran with this lr (the LR-drop check).
+        The lr of update k is `self.lr_at(k)`. `expect_lr`: after the first update, fail
+        loudly unless the optimizer really ran with this lr (the LR-drop check).
         `patience`: stop early once validation has not improved for that many evaluations.
+        `cadence`: when to report, validate and checkpoint; default the spec's train.*.
         SIGTERM or SIGINT (a Slurm preemption, ctrl-C) on any rank finishes the current
         update, saves a checkpoint and raises `Preempted`: running the pipeline again
         resumes from there."""
-        train = self.spec.train
+        every = cadence or Cadence.of(self.spec.train)
+        keep = every.keep_checkpoints
         first = self.step + 1
-        window = LossWindow(train.batch_size * self.block_len)
+        window = LossWindow(self.spec.train.batch_size * self.block_len)
         progress = Progress(self.step, until, enabled=self.rank == 0)
         self.guard.start(self.step)
         stopped_early = False
         with StopSignal() as stop, progress:
             while self.step < until:
-                self.set_lr(lr_at(self.step + 1))
+                self.set_lr(self.lr_at(self.step + 1))
+                for hook in self.hooks:
+                    hook.before_update(self, self.step + 1)
                 try:
-                    loss = self.train_step()
+                    loss = self.update()
                 except PipelineError:
                     raise
                 except Exception:
@@ -189,7 +242,7 @@ class Trainer:
                     # view: the others are not here to agree)
                     self.guard.read_and_check(self.model.parameters(), self.step, agree=False)
                     raise
-                window.add(loss)
+                window.add(loss.nll)
                 progress.advance()
                 if (
                     expect_lr is not None
@@ -201,11 +254,13 @@ class Trainer:
                         f"{self.current_lr():g}, expected {expect_lr:g}: "
                         f"the LR drop did not take"
                     )
-                if self.step % train.log_every == 0 or self.step == until:
+                for hook in self.hooks:
+                    hook.after_update(self, loss, lambda line: progress.log(self.log, line))
+                if every.log_every and (self.step % every.log_every == 0 or self.step == until):
                     self._report(window, until, progress)
-                if train.eval_every and self.step % train.eval_every == 0:
+                if every.eval_every and self.step % every.eval_every == 0:
                     if self._track_validation(progress):
-                        self.save(ckpt_root, train.keep_checkpoints, best=True)
+                        self.save(ckpt_root, keep, best=True)
                     window.restart_clock()
                     if patience and self.evals_since_best >= patience:
                         progress.log(
@@ -216,21 +271,21 @@ class Trainer:
                         stopped_early = True
                         break
                 if distributed.any_rank(stop.received is not None):
-                    path = self.save(ckpt_root, train.keep_checkpoints)
+                    path = self.save(ckpt_root, keep)
                     raise Preempted(
                         f"{stop.received or 'a signal on another rank'} at step "
                         f"{self.step}: checkpoint {path} saved; run the pipeline "
                         f"again to resume from it"
                     )
                 if (
-                    train.checkpoint_every
-                    and self.step % train.checkpoint_every == 0
+                    every.checkpoint_every
+                    and self.step % every.checkpoint_every == 0
                     and self.step < until
                 ):
-                    self.save(ckpt_root, train.keep_checkpoints)
+                    self.save(ckpt_root, keep)
                     window.restart_clock()
             # under StopSignal: a signal during the last write lets it complete, then stops
-            path = self.save(ckpt_root, train.keep_checkpoints)
+            path = self.save(ckpt_root, keep)
             if distributed.any_rank(stop.received is not None):
                 raise Preempted(
                     f"{stop.received or 'a signal on another rank'} during the "
@@ -255,11 +310,18 @@ class Trainer:
         stays on the device until a report reads it, and a model with value-dependent shapes
         plans them ahead (``planned_update`` / ``request_plan``, pipeline.models.protocol).
         ``float()`` of the result waits for the step to finish."""
+        return self.update().nll
+
+    def update(self) -> UpdateLoss:
+        """train_step, with the mean objective too (on the device, as the nll)."""
         losses = self.updates.run(
             self._stream_updates if self.documents is None else self._document_updates
         )
         self.step += 1
-        return torch.stack(losses).mean()
+        return UpdateLoss(
+            torch.stack([loss.nll for loss in losses]).mean(),
+            torch.stack([loss.objective for loss in losses]).mean(),
+        )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host batch to the device without waiting for it: pinned and non-blocking on
@@ -268,7 +330,7 @@ class Trainer:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _stream_updates(self) -> list[torch.Tensor]:
+    def _stream_updates(self) -> list[MicroBatchLoss]:
         """Each micro-batch's rows continue their streams from the carried states."""
         batches = cast("StreamBatches", self.batches)  # this path is for token streams
         if self.step > 0 and batches.starts_epoch(self.step):
@@ -284,14 +346,14 @@ class Trainer:
             rows = slice(i * mb, (i + 1) * mb)
             step = self.updates.micro_batch(x[rows], y[rows], self.states[i])
             self.states[i] = step.state
-            losses.append(step.nll)
+            losses.append(step)
         if self.guard.skipped_last:
             # the skipped update's forward left its (non-finite) activations in the carried
             # states: the next update starts the streams from the initial ones
             self.states = self._initial_states()
         return losses
 
-    def _document_updates(self) -> list[torch.Tensor]:
+    def _document_updates(self) -> list[MicroBatchLoss]:
         """Each micro-batch is whole documents, read from the initial state and scored after
         their separators (pipeline.training.document_passes.run_documents)."""
         docs = self._to_device(cast(DocumentBatches, self.batches).batch(self.step))
@@ -307,10 +369,11 @@ class Trainer:
                 train=True,
             )
             nll = out.nll.mean()
-            self.engine.backward(nll + out.aux)
+            objective = nll + out.aux
+            self.engine.backward(objective)
             self.guard.loss(nll)
             self.engine.step()
-            losses.append(nll.detach().float())
+            losses.append(MicroBatchLoss(nll.detach().float(), objective.detach(), []))
         return losses
 
     def set_lr(self, lr: float) -> None:
@@ -326,15 +389,13 @@ class Trainer:
         documents DocumentScores.metrics() (loss per scored target first); rank 0's values
         on every rank so that decisions taken on them agree."""
         train = self.spec.train
-        if self.valid_tokens is None:  # read (and checksum) only if validating
-            self.valid_tokens = load_split(self.preprocess_dir, "valid")
+        if self.valid_split is None:  # read (and checksum) only if validating
+            self.valid_split = self.data.valid_split()
         max_batches = None if train.eval_batches == "all" else train.eval_batches
         if self.documents is not None:
             scores = score_documents(
                 self.model,
-                as_documents(
-                    self.valid_tokens, self.documents, f"{self.preprocess_dir}, valid split"
-                ),
+                self.valid_split,
                 train.eval_batch_size,
                 train.eval_seq_len or train.seq_len,
                 self.documents["input_length"],
@@ -344,7 +405,7 @@ class Trainer:
             return distributed.broadcast_object(scores.metrics())
         total, count = evaluate_nll(
             self.model,
-            self.valid_tokens,
+            self.valid_split,
             train.eval_batch_size,
             train.eval_seq_len or train.seq_len,
             self.device,
@@ -352,7 +413,7 @@ class Trainer:
         )
         if count == 0:
             raise PipelineError(
-                f"the valid split has {len(self.valid_tokens)} token(s): "
+                f"the valid split has {len(self.valid_split)} token(s): "
                 f"nothing to validate on; make dataset.split.valid larger"
             )
         return distributed.broadcast_object({"bpc": total / count / LN2, "tokens": count})
@@ -468,6 +529,7 @@ class Trainer:
                 self.best_valid,
                 self.evals_since_best,
                 self.model.plan_state(),
+                {hook.name: hook.state_dict() for hook in self.hooks},
             ),
             best=best,
         )
@@ -483,6 +545,13 @@ class Trainer:
         self.step, self.states = loop.step, loop.states
         self.best_valid, self.evals_since_best = loop.best_valid, loop.evals_since_best
         self.model.load_plan_state(loop.plan)
+        for hook in self.hooks:
+            if hook.name not in loop.hooks:
+                raise PipelineError(
+                    f"the checkpoint under {root} at step {self.step} holds no {hook.name} "
+                    f"state: it was written by another stage; run this one again with --force"
+                )
+            hook.load_state_dict(loop.hooks[hook.name])
         return self.step
 
 
@@ -499,12 +568,12 @@ def build_device(train) -> torch.device:
     return device
 
 
-def build_model(spec, vocab_size: int, preprocess_dir: Path, device, rank: int) -> SequenceModel:
-    """The spec's model, with identical initial weights on every rank (from train.seed);
-    then each rank's own streams of randomness are seeded."""
+def build_model(spec, vocab_size: int, origin: str, device, rank: int) -> SequenceModel:
+    """The spec's model for a vocabulary read from `origin`, with identical initial weights
+    on every rank (from train.seed); then each rank's own streams of randomness are seeded."""
     seed = spec.train.seed
     torch.manual_seed(seed)
-    model = spec.build_model(vocab_size, f"{preprocess_dir}/manifest.json")
+    model = spec.build_model(vocab_size, origin)
     if why := model.cannot_train_on(device):
         raise PipelineError(why)
     torch.manual_seed(seed + rank)
@@ -580,20 +649,3 @@ def compile_model(model: SequenceModel, compile_mode, device, log) -> bool:
     if not compiled and compile_mode in (True, "graphs"):
         log(f"train.compile: {type(model).__name__} has no compiled path; training eagerly")
     return compiled
-
-
-def build_batches(trainer: Trainer, rows: int) -> StreamBatches | DocumentBatches:
-    """The train split's batches of `rows` rows for this rank: token streams, or whole
-    documents where the manifest has them."""
-    from pipeline.data import StreamBatches
-
-    train, source = trainer.spec.train, trainer.preprocess_dir
-    tokens = load_split(source, "train")
-    split = dict(rank=trainer.rank, world_size=trainer.world_size, seed=train.seed)
-    try:
-        if trainer.documents is None:
-            return StreamBatches(tokens, rows, train.seq_len, **split)
-        docs = as_documents(tokens, trainer.documents, f"{source}, train split")
-        return DocumentBatches(docs, rows, **split)
-    except ValueError as e:
-        raise PipelineError(f"train: {e}") from None

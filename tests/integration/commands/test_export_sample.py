@@ -230,15 +230,29 @@ def test_another_stage_kinds_checkpoint_is_one_line(trained, tmp_path):
 
     ckpt = tmp_path / "checkpoints" / "step-00000001"
     ckpt.mkdir(parents=True)
-    torch.save({"model": {}, "epoch": 1}, ckpt / "state.pt")  # a curriculum checkpoint
+    (ckpt / "notes.txt").write_text("not weights\n")  # another program's directory
     write_checksums(ckpt)
     result = CliRunner().invoke(
         main, ["sample", str(trained), "--prompt", "x", "--checkpoint", str(ckpt)]
     )
     assert result.exit_code == 2, result.output
     assert result.output == (
-        f"error: checkpoint {ckpt}: not a train or finetune checkpoint "
-        f"(no model states file; it holds checksums.json, state.pt)\n"
+        f"error: checkpoint {ckpt}: not a checkpoint of the trainer "
+        f"(no model states; it holds checksums.json, notes.txt)\n"
+    )
+    # the curriculum's own format from before it trained through the trainer
+    ckpt = tmp_path / "curriculum" / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    torch.save({"model": {}, "epoch": 1}, ckpt / "state.pt")
+    write_checksums(ckpt)
+    result = CliRunner().invoke(
+        main, ["sample", str(trained), "--prompt", "x", "--checkpoint", str(ckpt)]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output == (
+        f"error: checkpoint {ckpt}: a curriculum checkpoint of the old format (state.pt), "
+        f"which this version cannot read: train the curriculum again (allattn-pipe run "
+        f"CONFIG --force curriculum)\n"
     )
 
 

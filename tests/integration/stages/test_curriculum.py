@@ -7,7 +7,9 @@ it learns `not` in a few steps, so lengths grow."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,13 @@ import torch
 from pipeline.data.algorithmic import binary_case, check_length, generate, vocab_size
 from pipeline.errors import PipelineError
 from pipeline.spec import SpecError, load_spec
-from pipeline.training.checkpoints import damage, read_checkpoint_file
-from stages import curriculum
+from pipeline.training.checkpoints import (
+    damage,
+    load_model_weights,
+    read_checkpoint_file,
+    step_dirs,
+)
+from pipeline.training.curriculum import best_length
 from tests.fixtures.curriculum import StopAt, history, run_stage, task_spec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -131,9 +138,7 @@ def test_unsolved_length_stays_and_scores_zero(tmp_path):
     assert [h["length"] for h in runs] == [5] * 4 and not any(h["solved"] for h in runs)
     assert all(h["accuracy"] < 1 for h in runs) and summary["score"] == 0
     assert summary["next_length"] == 5  # the authors' script prints 5 for such a run
-    assert (
-        curriculum.best_length([{"length": 5, "solved": True}, {"length": 6, "solved": False}]) == 5
-    )
+    assert best_length([{"length": 5, "solved": True}, {"length": 6, "solved": False}]) == 5
 
 
 def test_resumed_curriculum_equals_the_uninterrupted_one(tmp_path):
@@ -141,15 +146,73 @@ def test_resumed_curriculum_equals_the_uninterrupted_one(tmp_path):
     run_stage(spec, tmp_path / "whole")
     with pytest.raises(KeyboardInterrupt):
         run_stage(spec, tmp_path / "cut", StopAt(epoch=3))
-    kept = sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir())
-    assert kept == ["step-00000001", "step-00000002"]
+    # a checkpoint at each epoch's last update (10 per epoch), the newest two kept
+    kept = [p.name for p in step_dirs(tmp_path / "cut" / "checkpoints")]
+    assert kept == ["step-00000020", "step-00000010"]
     run_stage(spec, tmp_path / "cut")
     assert history(tmp_path / "cut") == history(tmp_path / "whole")
-    weights = [
-        read_checkpoint_file(tmp_path / d / "checkpoints" / "step-00000004" / "state.pt")["model"]
-        for d in ("whole", "cut")
-    ]
+    weights = [final_weights(tmp_path / d, "step-00000040") for d in ("whole", "cut")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_curriculum_stopped_inside_an_epoch_resumes_to_the_uninterrupted_one(
+    tmp_path, monkeypatch
+):
+    """SIGTERM at update 15 (inside epoch 2): the trainer ends that update, saves it and
+    stops; the run resumes there, its batch stream and dropout where they were, and ends
+    with the uninterrupted run's history and weights."""
+    from pipeline.errors import Preempted
+    from pipeline.training.curriculum import LengthCurriculum
+
+    _, spec = task_spec(tmp_path)
+    run_stage(spec, tmp_path / "whole")
+    after_update = LengthCurriculum.after_update
+
+    def signal_at_15(self, trainer, loss, log):
+        after_update(self, trainer, loss, log)
+        if trainer.step == 15:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(LengthCurriculum, "after_update", signal_at_15)
+    with pytest.raises(Preempted, match=r"^SIGTERM at step 15: checkpoint .*step-00000015 saved"):
+        run_stage(spec, tmp_path / "cut")
+    monkeypatch.undo()
+    assert [p.name for p in step_dirs(tmp_path / "cut" / "checkpoints")] == [
+        "step-00000015",
+        "step-00000010",
+    ]
+    run_stage(spec, tmp_path / "cut")
+    assert history(tmp_path / "cut") == history(tmp_path / "whole")
+    weights = [final_weights(tmp_path / d, "step-00000040") for d in ("whole", "cut")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_checkpoint_of_the_old_curriculum_format_is_refused_in_one_line(tmp_path):
+    """Before the curriculum trained through the trainer it saved `state.pt` checkpoints of
+    its own: a run that finds one says what to do instead of failing inside DeepSpeed."""
+    from pipeline.training.checkpoints import write_checksums
+
+    _, spec = task_spec(tmp_path)
+    ckpt = tmp_path / "old" / "checkpoints" / "step-00000002"
+    ckpt.mkdir(parents=True)
+    torch.save(
+        {"model": {}, "optimizer": {}, "epoch": 2, "length": 6, "history": []}, ckpt / "state.pt"
+    )
+    write_checksums(ckpt)
+    with pytest.raises(PipelineError) as refused:
+        run_stage(spec, tmp_path / "old")
+    assert str(refused.value) == (
+        f"checkpoint {ckpt}: a curriculum checkpoint of the old format (state.pt), which "
+        f"this version cannot read: train the curriculum again (allattn-pipe run CONFIG "
+        f"--force curriculum)"
+    )
+    assert sorted(p.name for p in ckpt.iterdir()) == ["checksums.json", "state.pt"]
+
+
+def final_weights(out_dir: Path, tag: str) -> dict:
+    return read_checkpoint_file(out_dir / "checkpoints" / tag / "mp_rank_00_model_states.pt")[
+        "module"
+    ]
 
 
 def test_a_full_disk_or_a_planted_link_stops_the_curriculum_in_one_line_keeping_its_checkpoints(
@@ -165,24 +228,25 @@ def test_a_full_disk_or_a_planted_link_stops_the_curriculum_in_one_line_keeping_
 
     def disk_usage(path):
         usage = real(path)
-        return usage._replace(free=1 << 10) if (ckpts / "step-00000002").exists() else usage
+        return usage._replace(free=1 << 10) if (ckpts / "step-00000020").exists() else usage
 
     monkeypatch.setattr(shutil, "disk_usage", disk_usage)
     with pytest.raises(PipelineError) as full:
         run_stage(spec, tmp_path / "full")
     monkeypatch.undo()
-    assert str(full.value).startswith(f"disk full: checkpoint {ckpts / 'step-00000003'} needs")
+    assert str(full.value).startswith(f"disk full: checkpoint {ckpts / 'step-00000030'} needs")
     assert "has 1.0 KiB free" in str(full.value)
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000001", "step-00000002"]
-    assert all(damage(ckpts / name) is None for name in ("step-00000001", "step-00000002"))
+    assert [p.name for p in step_dirs(ckpts)] == ["step-00000020", "step-00000010"]
+    assert not list(ckpts.glob("tmp-*"))
+    assert all(damage(ckpts / name) is None for name in ("step-00000010", "step-00000020"))
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    (ckpts / ".step-00000003.tmp").symlink_to(elsewhere)
+    (ckpts / "tmp-step-00000030").symlink_to(elsewhere)
     with pytest.raises(PipelineError, match="checkpoint directory") as planted:
         run_stage(spec, tmp_path / "full")
     assert "\n" not in str(planted.value) and list(elsewhere.iterdir()) == []
-    assert damage(ckpts / "step-00000002") is None
+    assert damage(ckpts / "step-00000020") is None
 
 
 # The task_spec curriculum's per-epoch losses. `none` (the paper configs' clipping) was
@@ -239,11 +303,7 @@ def layer1_attention_after_training(tmp_path: Path, *sets: str) -> torch.Tensor:
     )
     run_stage(spec, tmp_path / "out")
     model = spec.build_model(3, "add")
-    model.load_state_dict(
-        read_checkpoint_file(tmp_path / "out" / "checkpoints" / "step-00000001" / "state.pt")[
-            "model"
-        ]
-    )
+    assert load_model_weights(model, tmp_path / "out" / "checkpoints", print) == "step-00000010"
     seen = []  # the attention weights are what layer 1's attention dropout receives
     model.layers[0].attention.dropout.register_forward_hook(
         lambda mod, args, out: seen.append(args[0])

@@ -18,13 +18,14 @@ WARMUP, LOG_EVERY = 3, 3
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     from pipeline.spec import load_spec
+    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("syncs")
     cfg, pre = tiny_corpus(tmp)
     spec = load_spec(cfg, [f"train.log_every={LOG_EVERY}", "train.checkpoint_every=0"])
     assert spec.model["adaptive_span"] and spec.model["attn_dropout"] > 0
-    t = Trainer(spec, pre, tracker=NullStageTracker(), log=lambda _: None)
+    t = Trainer(spec, PreprocessedData(pre, spec.train.seq_len), NullStageTracker(), lambda _: None)
     assert t.accum == 2
     for _ in range(WARMUP):
         t.train_step()
@@ -46,7 +47,7 @@ def test_a_report_reads_the_device_once(trainer, tmp_path, monkeypatch):
     start = trainer.step
     assert start % LOG_EVERY == 0
     with HostSyncCounter() as counter:
-        trainer.fit(start + 2 * LOG_EVERY, lambda k: 0.01, tmp_path)
+        trainer.fit(start + 2 * LOG_EVERY, tmp_path)
     assert len(counter.syncs) == 2, "\n".join(counter.syncs)  # one per report
     assert all("pipeline/training/trainer.py" in s for s in counter.syncs)
     reports = [line for line in lines if "loss" in line]
@@ -57,6 +58,7 @@ def test_a_compiled_step_makes_no_host_sync(tmp_path, monkeypatch):
     """train.compile: true (aot_eager here: inductor takes minutes per graph on this CPU)."""
     from pipeline.models.allattn import AllAttnLM
     from pipeline.spec import load_spec
+    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
 
     compile_for_training = AllAttnLM.compile_for_training
@@ -66,9 +68,8 @@ def test_a_compiled_step_makes_no_host_sync(tmp_path, monkeypatch):
         lambda self, graphs=False: compile_for_training(self, backend="aot_eager", graphs=graphs),
     )
     cfg, pre = tiny_corpus(tmp_path)
-    t = Trainer(
-        load_spec(cfg, ["train.compile=true"]), pre, tracker=NullStageTracker(), log=lambda _: None
-    )
+    spec = load_spec(cfg, ["train.compile=true"])
+    t = Trainer(spec, PreprocessedData(pre, spec.train.seq_len), NullStageTracker(), lambda _: None)
     assert t.compiled and "compiled" in t.model.describe()
     for _ in range(WARMUP):
         t.train_step()

@@ -117,6 +117,7 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
     """bf16 Trainers (one process) under ZeRO 0, 1 and 2: what the forward sees of the spans,
     the losses; under ZeRO 1 also a save after 2 steps and a fresh Trainer resumed from it."""
     from pipeline.spec import load_spec
+    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
 
     def trainer(stage: int) -> Trainer:
@@ -129,7 +130,8 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
                 "model.span_loss_coef=0.01",
             ],
         )
-        return Trainer(spec, preprocess_dir, tracker=NullStageTracker(), log=print)
+        data = PreprocessedData(preprocess_dir, spec.train.seq_len)
+        return Trainer(spec, data, tracker=NullStageTracker(), log=print)
 
     def fracs(t: Trainer) -> list[list[float]]:
         return [layer.attn.adaptive_span.frac.tolist() for layer in t.model.layers]

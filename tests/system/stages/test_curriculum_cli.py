@@ -38,7 +38,7 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
         in whole.stdout
     )
     assert (
-        f"[evaluate] score {done['score']} (not, checkpoint curriculum/step-00000006)"
+        f"[evaluate] score {done['score']} (not, checkpoint curriculum/step-00000180)"
         in whole.stdout
     )
     results = json.loads(
@@ -78,7 +78,7 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
         stderr=subprocess.STDOUT,
     )
     deadline = time.time() + 300
-    while not (partial / "step-00000002").exists() and proc.poll() is None:
+    while not (partial / "step-00000060").exists() and proc.poll() is None:
         assert time.time() < deadline, "no second checkpoint within 300 s"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)

@@ -29,9 +29,12 @@ def _worker(cfg: Path, preprocess_dir: Path, ckpt: Path, resume: bool, out: Path
     import torch
 
     from pipeline.spec import load_spec
+    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
 
-    trainer = Trainer(load_spec(cfg), preprocess_dir, tracker=NullStageTracker(), log=print)
+    spec = load_spec(cfg)
+    data = PreprocessedData(preprocess_dir, spec.train.seq_len)
+    trainer = Trainer(spec, data, tracker=NullStageTracker(), log=print)
     seen: list[tuple[bool, list[int]]] = []
 
     def record(module, args):

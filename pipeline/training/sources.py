@@ -1,0 +1,76 @@
+"""What a `Trainer` trains on (`TrainingData`): the preprocess stage's shards
+(`PreprocessedData`), or the curriculum's generated task
+(pipeline.training.curriculum.LengthCurriculum)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from pipeline.data.documents import DocumentBatches, as_documents
+from pipeline.data.manifest import load_manifest, load_split
+from pipeline.errors import PipelineError
+
+
+class TrainingData(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def documents(self) -> dict | None:
+        """The manifest's documents; None: token streams."""
+
+    @property
+    def block_len(self) -> int:
+        """The tokens of one training row."""
+
+    @property
+    def origin(self) -> str:
+        """Where the vocabulary was read, for messages."""
+
+    def train_batches(self, rows: int, rank: int, world_size: int, seed: int) -> Any:
+        """This rank's batches: `batch(step)` gives update `step`'s rows (x, y, or
+        documents); for token streams `starts_epoch(step)` says when the streams restart."""
+
+    def valid_split(self) -> Any:
+        """What validation reads: tokens, or documents."""
+
+
+class PreprocessedData:
+    """The shards of a preprocess stage's output directory."""
+
+    def __init__(self, preprocess_dir: Path, seq_len: int | None):
+        self.dir = Path(preprocess_dir)
+        manifest = load_manifest(self.dir)
+        self.vocab_size: int = manifest["vocab_size"]
+        self.documents: dict | None = manifest.get("documents")  # None: a token stream
+        # a document less its last token, or train.seq_len
+        if self.documents is not None:
+            self.block_len: int = self.documents["length"] - 1
+        elif seq_len is not None:
+            self.block_len = seq_len
+        else:
+            raise PipelineError("train.seq_len: required to train on a token stream")
+        self.origin = f"{self.dir}/manifest.json"
+
+    def train_batches(self, rows: int, rank: int, world_size: int, seed: int):
+        """The train split's batches of `rows` rows for this rank: token streams, or whole
+        documents where the manifest has them."""
+        from pipeline.data import StreamBatches
+
+        tokens = load_split(self.dir, "train")
+        split = dict(rank=rank, world_size=world_size, seed=seed)
+        try:
+            if self.documents is None:
+                return StreamBatches(tokens, rows, self.block_len, **split)
+            docs = as_documents(tokens, self.documents, f"{self.dir}, train split")
+            return DocumentBatches(docs, rows, **split)
+        except ValueError as e:
+            raise PipelineError(f"train: {e}") from None
+
+    def valid_split(self):
+        """The valid split (read and checksummed): its tokens, or its documents."""
+        tokens = load_split(self.dir, "valid")
+        if self.documents is None:
+            return tokens
+        return as_documents(tokens, self.documents, f"{self.dir}, valid split")
