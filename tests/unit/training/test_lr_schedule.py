@@ -101,3 +101,29 @@ def test_transformer_schedule_needs_warmup():
 def test_the_lr_drop_refuses_a_decaying_schedule():
     with pytest.raises(SpecError, match="finetune stage divides a constant lr"):
         load_spec(ROOT / "configs/quickstart.yaml", ["train.optimizer.schedule=transformer"])
+
+
+def test_each_stage_takes_its_learning_rates_from_the_one_schedule():
+    """lr_schedule(spec, stage): train's warm-up over train.steps, finetune's lr /
+    lr_divisor at every update, the curriculum's cosine over all its epochs' updates, each
+    written out here from the schedules' definitions."""
+    from pipeline.training.optim import lr_schedule
+
+    train = load_spec(
+        ROOT / "configs" / "quickstart.yaml",
+        ["train.optimizer.lr=0.002", "train.optimizer.warmup_steps=4", "finetune.lr_divisor=8"],
+    )
+    at = lr_schedule(train, "train")
+    assert [at(k) for k in (1, 2, 4, 5, 400)] == [0.0005, 0.001, 0.002, 0.002, 0.002]
+    assert {lr_schedule(train, "finetune")(k) for k in (1, 7, 10**6)} == {0.002 / 8}
+
+    task = load_spec(
+        ROOT / "configs" / "active_memory" / "not.yaml",
+        [
+            "train.optimizer={type: adam, lr: 0.01, clip: none, schedule: cosine}",
+            "dataset.generator.algorithmic.curriculum={epochs: 3, steps_per_epoch: 5}",
+        ],
+    )
+    at = lr_schedule(task, "curriculum")
+    for k in range(1, 16):  # to 0 over the 15 updates of 3 epochs of 5
+        assert at(k) == pytest.approx(0.01 * (1 + math.cos(math.pi * (k - 1) / 15)) / 2)
