@@ -20,12 +20,17 @@ quickstart: $(VENV)/.installed
 # the loop to run while working; `make test-all` adds the system tier (Slurm, several
 # processes, kill -9, the fuzz campaigns, the quickstart's figures, the docs build): about half
 # an hour, what CI runs. DURATIONS=N prints the N slowest tests.
+# WORKERS test processes (pytest-xdist; 0: one process), each taking whole files, so that a
+# file's module fixtures (the real Slurm cluster) are built once: most tests wait on a child
+# process or a clock on one core, and two at a time keep both of CI's 2 cores busy.
+WORKERS ?= 2
 FAST_TIERS := -m "not system" tests/test_architecture.py tests/unit tests/integration
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile $(if $(DURATIONS),--durations=$(DURATIONS))
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q $(if $(DURATIONS),--durations=$(DURATIONS)) $(FAST_TIERS)
+	$(PYTEST) $(FAST_TIERS)
 
 test-all: $(VENV)/.installed
-	$(BIN)/python -m pytest -q $(if $(DURATIONS),--durations=$(DURATIONS))
+	$(PYTEST)
 
 install: $(VENV)/.installed
 
