@@ -79,7 +79,8 @@ class TrainingBackends:
 
     def cannot_train_on(self, device: torch.device) -> str | None:
         """Why this model cannot train on `device` (a backend that runs forward only there:
-        ``pipeline.ops.trains_on`` says which), said before the first step; None when it can."""
+        ``pipeline.ops.backend_cannot_train_on`` says which), said before the first step;
+        None when it can."""
         return None
 
 

@@ -21,11 +21,11 @@ from pipeline.ops.attention import (  # noqa: F401  (the package's public names)
     attend_persistent,
     attend_reference,
     attention_weights,
+    backend_cannot_train_on,
     backends_that_train_on,
     get_attention_impl,
     log_span_mask,
     skew,
-    trains_on,
     unskew,
 )
 from pipeline.ops.dropout import attention_dropout, draw_dropout_seed, flex_keep  # noqa: F401

@@ -68,7 +68,7 @@ __all__ = [
     "get_attention_impl",
     "log_span_mask",
     "skew",
-    "trains_on",
+    "backend_cannot_train_on",
     "unskew",
 ]
 
@@ -364,10 +364,10 @@ CANNOT_TRAIN: dict[tuple[str, str], str] = {
 }
 """(backend, device type): why that backend cannot train on that device; every pair not here
 trains. The one table spec validation, the models (``cannot_train_on``) and the ops consult,
-through ``trains_on``."""
+through ``backend_cannot_train_on``."""
 
 
-def trains_on(impl: str, device_type: str) -> str | None:
+def backend_cannot_train_on(impl: str, device_type: str) -> str | None:
     """Why attention backend ``impl`` cannot train on ``device_type`` (``"cpu"``, ``"cuda"``),
     in words that name the backend and the device; None when it can (or when ``impl`` is not
     one of these ops, a plugin's own). Callers add where the device came from and what to use
@@ -377,5 +377,5 @@ def trains_on(impl: str, device_type: str) -> str | None:
 
 def backends_that_train_on(device_type: str) -> str:
     """The backends that can train on ``device_type``, in words: "reference, sdpa or auto"."""
-    names = [name for name in ATTENTION_IMPLS if trains_on(name, device_type) is None]
+    names = [name for name in ATTENTION_IMPLS if backend_cannot_train_on(name, device_type) is None]
     return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]

@@ -38,11 +38,11 @@ from torch import Tensor
 
 from pipeline.ops.attention import (
     ATTENTION_IMPLS,
+    backend_cannot_train_on,
     backends_that_train_on,
     check_shapes,
     log_span_mask,
     skew,
-    trains_on,
 )
 from pipeline.ops.dropout import draw_dropout_seed, flex_keep, keep_threshold
 from pipeline.ops.triton_attention import attend_triton
@@ -248,8 +248,8 @@ def attend_flex(
         )
     ):
         raise ValueError(
-            f"attention impl {trains_on('flex', 'cpu')}, and this call needs gradients: use "
-            f"{backends_that_train_on('cpu')} to train on CPU"
+            f"attention impl {backend_cannot_train_on('flex', 'cpu')}, and this call needs "
+            f"gradients: use {backends_that_train_on('cpu')} to train on CPU"
         )
     return _attend_flex(
         q,

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pipeline.errors import shown as _shown
 from pipeline.models import MODELS
-from pipeline.ops import backends_that_train_on, trains_on
+from pipeline.ops import backend_cannot_train_on, backends_that_train_on
 from pipeline.spec.schema import VOCAB_LIMIT, Spec
 from pipeline.spec.sources import SpecError, dotted_path, short_repr, type_in_words
 
@@ -312,7 +312,8 @@ def _check_model_for_training(spec: Spec, params, where: dict, origin: str) -> l
         )
     train = spec.train
     if trains and train is not None and isinstance(impl, str) and train.device != "auto":
-        if why := trains_on(impl, train.device):  # train.device auto: the train stage asks
+        # train.device auto: the train stage asks, on the device it resolves
+        if why := backend_cannot_train_on(impl, train.device):
             errors.append(
                 f"{at_impl}: model.attention.impl: {why} and train.device is {train.device}: "
                 f"use {backends_that_train_on(train.device)} to train on {train.device.upper()}"

@@ -77,10 +77,10 @@ from pipeline.models.allattn.span_planner import SpanPlanner
 from pipeline.models.protocol import ModelOutput, SequenceModel, State, count_elements
 from pipeline.ops import (
     AttendFn,
+    backend_cannot_train_on,
     backends_that_train_on,
     describe_auto,
     get_attention_impl,
-    trains_on,
 )
 from pipeline.ops.triton_attention import RECOMPUTED_PRODUCTS
 
@@ -316,7 +316,7 @@ class AllAttnLM(SequenceModel):
         )
 
     def cannot_train_on(self, device: torch.device) -> str | None:
-        why = trains_on(self.attention_impl, device.type)
+        why = backend_cannot_train_on(self.attention_impl, device.type)
         if why is None:
             return None
         where = "the CPU" if device.type == "cpu" else device.type

@@ -1,6 +1,7 @@
-"""Which attention backend trains on which device: one table (``pipeline.ops.trains_on``), and
-the three places that refuse a backend that cannot train (spec validation, the model's
-``cannot_train_on``, the flex op itself) say its reason, word for word."""
+"""Which attention backend trains on which device: one table
+(``pipeline.ops.backend_cannot_train_on``), and the three places that refuse a backend that
+cannot train (spec validation, the model's ``cannot_train_on``, the flex op itself) say its
+reason, word for word."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import torch
 
 from pipeline.models.allattn.config import ATTENTION_IMPL_NAMES, AllAttnConfig, AttentionConfig
 from pipeline.models.allattn.model import AllAttnLM
-from pipeline.ops import ATTENTION_IMPLS, attend_flex, backends_that_train_on, trains_on
+from pipeline.ops import (
+    ATTENTION_IMPLS,
+    attend_flex,
+    backend_cannot_train_on,
+    backends_that_train_on,
+)
 from pipeline.spec import SpecError, load_spec
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
@@ -34,7 +40,7 @@ def test_every_backend_the_spec_accepts_is_an_op_the_table_answers_for():
 
 @pytest.mark.parametrize("impl,device", PAIRS)
 def test_the_table(impl, device):
-    assert trains_on(impl, device) == EXPECTED.get((impl, device))
+    assert backend_cannot_train_on(impl, device) == EXPECTED.get((impl, device))
 
 
 def test_what_to_use_instead_is_what_the_table_lets_train():
@@ -58,7 +64,7 @@ def validation_error(impl: str, device: str) -> str | None:
 
 @pytest.mark.parametrize("impl,device", PAIRS)
 def test_validation_and_the_model_quote_the_table(impl, device):
-    why = trains_on(impl, device)
+    why = backend_cannot_train_on(impl, device)
     from_model = tiny_model(impl).cannot_train_on(torch.device(device))
     from_spec = validation_error(impl, device)
     if why is None:
@@ -80,6 +86,6 @@ def test_the_flex_op_quotes_the_table_when_asked_for_gradients_on_the_cpu():
     with pytest.raises(ValueError) as info:
         attend_flex(q, k, v, torch.zeros(8, 4))
     assert str(info.value) == (
-        f"attention impl {trains_on('flex', 'cpu')}, and this call needs gradients: use "
-        f"{backends_that_train_on('cpu')} to train on CPU"
+        f"attention impl {backend_cannot_train_on('flex', 'cpu')}, and this call needs "
+        f"gradients: use {backends_that_train_on('cpu')} to train on CPU"
     )
