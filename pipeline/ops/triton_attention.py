@@ -21,6 +21,17 @@ gradients over its rows (reduced here, once); per key tile, dk and dv; per tile 
 persistent vectors, their gradients over the whole batch. No atomics, so a gradient is the
 same bits run to run.
 
+With persistent vectors the op splits them out by default (``SPLIT_PERSISTENT``,
+``persistent_split``): the kernels run the window alone, writing its output and log-sum-exp,
+and the persistent part, shared by the whole batch with neither positions nor mask, runs as
+one dense attention of the batch-folded queries [H, B·M, d_h] against [H, N, d_h]
+(``pipeline.ops.persistent_part``: torch's flash or memory-efficient op on CUDA). The two
+are merged by log-sum-exp, the joint denominator D = D_w + (1 + 1e-8) P (the guard's eps
+counts the persistent keys too), and each part's backward runs with the joint output and
+log-sum-exp, so its weights are the joint softmax's, its delta = dO . O the joint one's, and
+every gradient the unsplit op's. The persistent part's dropout is its backend's (on CUDA,
+torch's generator: other bits than the kernels' hash, the same law; on the CPU the hash).
+
 Where it runs: CUDA tensors, compiled by Triton; on a machine without CUDA, CPU tensors
 through Triton's interpreter (``TRITON_INTERPRET=1``, which pipeline.ops sets when it is
 imported before triton): the same kernels, exact, and far too slow to train with. That is
@@ -44,6 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipeline.ops import persistent_part
 from pipeline.ops.attention import RENORM_EPS, check_shapes
 from pipeline.ops.dropout import draw_dropout_seed, keep_threshold
 
@@ -54,6 +66,7 @@ __all__ = [
     "attend_triton",
     "compile_ahead",
     "forced_tile",
+    "persistent_split",
     "tiles_in_use",
 ]
 
@@ -76,9 +89,33 @@ INTERPRETER_TILE = {"T": 16}
 """The tile under Triton's interpreter: the smallest tl.dot takes, so the tests' small shapes
 still span several tiles."""
 
+SPLIT_PERSISTENT = True
+"""With persistent vectors, run the window in the kernels and the persistent part as a dense
+attention over the batch-folded queries (``pipeline.ops.persistent_part``), merged by
+log-sum-exp; False runs both in the kernels. ``persistent_split`` sets it for a block."""
+
+WINDOW_ONLY = " (window only)"
+"""The tile cache's name suffix of the kernels run for the split's window part: the fastest
+tile without the persistent tiles need not be the fastest with them."""
+
 _tiles: dict[tuple, dict] = {}
 _kernels: Any = None
 _forced: dict | None = None
+_split: tuple[bool, str | None] | None = None
+
+
+@contextlib.contextmanager
+def persistent_split(enabled: bool = True, backend: str | None = None):
+    """Inside, the op splits the persistent part out of the kernels (``enabled``) or not,
+    whatever ``SPLIT_PERSISTENT`` says, the persistent part through ``backend`` (one of
+    ``pipeline.ops.persistent_part.BACKENDS``; None: ``choose_backend``'s): how the tests
+    reach each path and the benchmark times split against unsplit."""
+    global _split
+    before, _split = _split, (enabled, backend)
+    try:
+        yield
+    finally:
+        _split = before
 
 
 @contextlib.contextmanager
@@ -284,6 +321,30 @@ def _constants(dtype: torch.dtype, head_dim: int, has_mask: bool, dropout: bool)
     )
 
 
+def _kernels_forward(
+    q, k, v, pos, pk, pv, mask, seed, dropout_p: float, out_dtype=None, split: bool = False
+) -> tuple[Tensor, Tensor]:
+    """The forward kernel: (out [B, H, M, d_h] in ``out_dtype`` (default: q's), lse
+    [B, H, M] float32: log2 of each row's denominator, plus its max). ``split``: the window
+    alone of the persistent split (pk None), timed as a kernel of its own."""
+    kernels = _load_kernels(q.device)
+    b, h, m, _ = q.shape
+    out = torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
+    lse = q.new_empty(b, h, m, dtype=torch.float32)
+    args = (
+        *_operands(q, k, v, pos, pk, pv, mask, seed, dropout_p),
+        out, lse, *out.stride()[:3],
+    )  # fmt: skip
+    constants = _constants(q.dtype, q.shape[-1], mask is not None, dropout_p > 0.0)
+    _launch(
+        "forward" + (WINDOW_ONLY if split else ""),
+        q,
+        lambda t: kernels.attention_fwd[(_cdiv(m, t["T"]), b * h)](*args, **constants, **t),
+        pos.shape[1],
+    )
+    return out, lse
+
+
 @torch.library.custom_op("allattn::triton_attention", mutates_args=())
 def _forward_op(
     q: Tensor,
@@ -298,22 +359,7 @@ def _forward_op(
 ) -> tuple[Tensor, Tensor]:
     """(out [B, H, M, d_h], lse [B, H, M] float32: log2 of each row's denominator, plus its
     max)."""
-    kernels = _load_kernels(q.device)
-    b, h, m, _ = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = q.new_empty(b, h, m, dtype=torch.float32)
-    args = (
-        *_operands(q, k, v, pos, pk, pv, mask, seed, dropout_p),
-        out, lse, *out.stride()[:3],
-    )  # fmt: skip
-    constants = _constants(q.dtype, q.shape[-1], mask is not None, dropout_p > 0.0)
-    _launch(
-        "forward",
-        q,
-        lambda t: kernels.attention_fwd[(_cdiv(m, t["T"]), b * h)](*args, **constants, **t),
-        pos.shape[1],
-    )
-    return out, lse
+    return _kernels_forward(q, k, v, pos, pk, pv, mask, seed, dropout_p)
 
 
 @_forward_op.register_fake
@@ -341,7 +387,17 @@ def _backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dpos, dpk, dpv, dmask); dpk, dpv and dmask are empty where there is no
     such input (a custom op returns tensors only)."""
+    return _kernels_backward(grad, q, k, v, pos, pk, pv, mask, seed, out, lse, dropout_p)
+
+
+def _kernels_backward(
+    grad, q, k, v, pos, pk, pv, mask, seed, out, lse, dropout_p: float, split: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernels (``_backward_op``'s result) from the op's output ``out`` and
+    log-sum-exp ``lse`` (log2), the joint op's in the persistent split (``split``: pk None,
+    the kernels timed as kernels of their own)."""
     kernels = _load_kernels(q.device)
+    suffix = WINDOW_ONLY if split else ""
     b, h, m, d = q.shape
     span_len, n = pos.shape[1], 0 if pk is None else pk.shape[1]
     grad = _rows_contiguous(grad)
@@ -369,7 +425,7 @@ def _backward_op(
             *ops, *rows, dq, du, dmask, width, **constants, **tile
         )
 
-    tile = _launch("backward dq", q, dq_pass, span_len)
+    tile = _launch("backward dq" + suffix, q, dq_pass, span_len)
     du, dmask_parts = partials[tile["T"]]
     scale = 1.0 / math.sqrt(d)
     # contiguous, as the fake kernel says: torch.compile checks the real strides against it
@@ -384,7 +440,7 @@ def _backward_op(
     dk = k.new_empty(b, h, span_len + m, d)
     dv = v.new_empty(b, h, span_len + m, d)
     _launch(
-        "backward dk dv",
+        "backward dk dv" + suffix,
         q,
         lambda t: kernels.attention_bwd_dkdv[(_cdiv(span_len + m, t["T"]), b * h)](
             *ops, *rows, dk, dv, **constants, **t
@@ -444,6 +500,152 @@ def _backward(ctx, grad, _grad_lse):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# --------------------------------------------------------------------------------------
+# the persistent split: the window in the kernels, the persistent part a dense attention
+# --------------------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634
+
+
+def _rows_of(x: Tensor, b: int) -> Tensor:
+    """[H, B·M] (the folded rows) -> [B, H, M]."""
+    return x.view(x.shape[0], b, -1).transpose(0, 1)
+
+
+def _merge(out_w, lse_w, out_p, lse_p, has_mask: bool) -> tuple[Tensor, Tensor]:
+    """The joint op's output (float32) and log-sum-exp (log2, float32, [B, H, M]) from the
+    window's part (out_w [B, H, M, d] and lse_w, log2 of D_w = sum(e m) + eps sum(e) plus the
+    max, as the kernel writes it) and the persistent part's (out_p [H, B·M, d], lse_p the
+    natural log of P = sum(e_n), [H, B·M]). The joint denominator is D = D_w + (1 + eps) P
+    (the guard's eps counts every key, the persistent ones included), the joint output
+    (out_w D_w + out_p P) / D: each part's share exp(lse_part - lse) is at most 1, so
+    nothing overflows whatever the gap between the parts."""
+    b = out_w.shape[0]
+    lse_p = _rows_of(lse_p, b) * _LOG2E
+    shifted = lse_p + math.log2(1.0 + RENORM_EPS) if has_mask else lse_p
+    lse = torch.logaddexp2(lse_w, shifted)
+    out_p = out_p.view(out_p.shape[0], b, -1, out_p.shape[-1]).transpose(0, 1)
+    out = out_w.float() * torch.exp2(lse_w - lse)[..., None]
+    out = out + out_p.float() * torch.exp2(lse_p - lse)[..., None]
+    return out, lse
+
+
+@torch.library.custom_op("allattn::triton_attention_split", mutates_args=())
+def _split_forward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    pk: Tensor,
+    pv: Tensor,
+    mask: Tensor | None,
+    seed: Tensor | None,
+    dropout_p: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The op with its persistent part split out: (out [B, H, M, d_h], lse [B, H, M]
+    float32, log2 of the joint denominator plus its max, as ``_forward_op``'s; and the
+    persistent part's dropout state for its backward, ``persistent_part.persistent_forward``).
+    """
+    m = q.shape[2]
+    out_w, lse_w = _kernels_forward(
+        q, k, v, pos, None, None, mask, seed, dropout_p, out_dtype=torch.float32, split=True
+    )
+    out_p, lse_p, rng_a, rng_b = persistent_part.persistent_forward(
+        persistent_part.fold(q), pk, pv, seed, dropout_p, backend, m
+    )
+    out, lse = _merge(out_w, lse_w, out_p, lse_p, mask is not None)
+    return out.to(q.dtype), lse.contiguous(), rng_a, rng_b
+
+
+@_split_forward_op.register_fake
+def _(q, k, v, pos, pk, pv, mask, seed, dropout_p, backend):
+    # the persistent part's own op on the fake tensors: the shapes of its dropout state
+    _, _, rng_a, rng_b = persistent_part.persistent_forward(
+        persistent_part.fold(q), pk, pv, seed, dropout_p, backend, q.shape[2]
+    )
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        q.new_empty(q.shape[:-1], dtype=torch.float32),
+        rng_a,
+        rng_b,
+    )
+
+
+@torch.library.custom_op("allattn::triton_attention_split_backward", mutates_args=())
+def _split_backward_op(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    pk: Tensor,
+    pv: Tensor,
+    mask: Tensor | None,
+    seed: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    rng_a: Tensor,
+    rng_b: Tensor,
+    dropout_p: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dpos, dpk, dpv, dmask; dmask empty without a mask): each part's backward
+    run with the joint output ``out`` and log-sum-exp ``lse``, so that its weights are the
+    joint softmax's and its delta = dO . O the joint one's, and the gradients are the
+    unsplit op's; dq is the sum of the two parts'."""
+    b, h, m, _ = q.shape
+    grad = _rows_contiguous(grad)
+    dq, dk, dv, dpos, _, _, dmask = _kernels_backward(
+        grad, q, k, v, pos, None, None, mask, seed, out, lse, dropout_p, split=True
+    )
+    fold = persistent_part.fold
+    lse_f = lse.transpose(0, 1).reshape(h, b * m) * (1.0 / _LOG2E)  # natural log, folded
+    dq_p, dpk, dpv = persistent_part.persistent_backward(
+        fold(grad), fold(q), pk, pv, seed, fold(out), lse_f, rng_a, rng_b, dropout_p, backend, m
+    )
+    dq = dq + dq_p.view(h, b, m, -1).transpose(0, 1).to(dq.dtype)
+    return dq, dk, dv, dpos, dpk.contiguous(), dpv.contiguous(), dmask
+
+
+@_split_backward_op.register_fake
+def _(grad, q, k, v, pos, pk, pv, mask, seed, out, lse, rng_a, rng_b, dropout_p, backend):
+    def like(x):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    dmask = lse.new_empty(0) if mask is None else like(mask)
+    return like(q), like(k), like(v), like(pos), like(pk), like(pv), dmask
+
+
+def _split_setup_context(ctx, inputs, output):
+    q, k, v, pos, pk, pv, mask, seed, dropout_p, backend = inputs
+    out, lse, rng_a, rng_b = output
+    ctx.save_for_backward(q, k, v, pos, pk, pv, mask, seed, out, lse, rng_a, rng_b)
+    ctx.dropout_p, ctx.backend = dropout_p, backend
+
+
+def _split_backward(ctx, grad, *_unused):
+    q, k, v, pos, pk, pv, mask, seed, out, lse, rng_a, rng_b = ctx.saved_tensors
+    dq, dk, dv, dpos, dpk, dpv, dmask = _split_backward_op(
+        grad, q, k, v, pos, pk, pv, mask, seed, out, lse, rng_a, rng_b, ctx.dropout_p,
+        ctx.backend,
+    )  # fmt: skip
+    return dq, dk, dv, dpos, dpk, dpv, None if mask is None else dmask, None, None, None
+
+
+_split_forward_op.register_autograd(_split_backward, setup_context=_split_setup_context)
+
+
+def _split_backend(q: Tensor, dropout: bool) -> str | None:
+    """The persistent part's backend when the op splits it out, else None."""
+    enabled, backend = (SPLIT_PERSISTENT, None) if _split is None else _split
+    if not enabled:
+        return None
+    if backend is None:
+        backend = persistent_part.choose_backend(q.device.type, q.dtype, q.shape[-1], dropout)
+    return backend
+
+
 def attend_triton(
     q: Tensor,
     k: Tensor,
@@ -477,6 +679,21 @@ def attend_triton(
     if drop:
         seed = draw_dropout_seed(q.device) if dropout_seed is None else dropout_seed
     dt = q.dtype
+    backend = None if persistent_k is None else _split_backend(q, drop)
+    if backend is not None and persistent_k is not None and persistent_v is not None:
+        out, *_ = _split_forward_op(
+            _rows_contiguous(q),
+            _rows_contiguous(k),
+            _rows_contiguous(v),
+            pos.to(dt),
+            _rows_contiguous(persistent_k.to(dt)),
+            _rows_contiguous(persistent_v.to(dt)),
+            None if span_mask is None else _rows_contiguous(span_mask.float()),
+            seed,
+            dropout_p if drop else 0.0,
+            backend,
+        )
+        return out
     out, _ = _forward_op(
         _rows_contiguous(q),
         _rows_contiguous(k),

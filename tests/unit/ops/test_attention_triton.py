@@ -18,6 +18,9 @@ gradient's largest entry, what the kernel's float32 reassociation gives (measure
 bf16 3e-2 as for flex. Where scores are tens of nats apart, the float32 rounding of the
 score itself (|s| * 2^-24 relative in e^s) sets the bound: 1.5e-6 per nat of the gap
 (measured: 6.9e-7 per nat at every tile).
+
+Every case runs the persistent vectors inside the kernels (``persistent_split(False)``); the
+default, the persistent part split out of them, is tested in test_attention_triton_split.py.
 """
 
 from __future__ import annotations
@@ -90,6 +93,14 @@ def one_tile(monkeypatch):
     """On CUDA, the first tile only: every tile tried is a compilation per case."""
     monkeypatch.setattr(triton_attention, "TILES", triton_attention.TILES[:1])
     monkeypatch.setattr(triton_attention, "_tiles", {})
+
+
+@pytest.fixture(autouse=True)
+def unsplit():
+    """The persistent vectors inside the kernels, which this file tests (the mutation check
+    included); the op splits them out by default, test_attention_triton_split.py's subject."""
+    with triton_attention.persistent_split(False):
+        yield
 
 
 def _close(got, want, tol, what):
