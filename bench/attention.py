@@ -4,6 +4,10 @@
                               [--batch 1] [--impls sdpa,flex,triton] [--dropout 0.4]
                               [--repeat 3]
 
+--impls triton-unsplit times triton with its persistent part in the kernels, as before the
+split (``pipeline.ops.triton_attention.persistent_split``); ``triton`` splits it out by
+default: ``--impls triton,triton-unsplit`` compares the two.
+
 Block of T = 512 queries, H = 8 heads of 64 (the paper's d = 512), spans L' and N persistent
 vectors per head, adaptive-span mask on, attention dropout --dropout (0: off). Forward +
 backward where the backend trains on this device (flex is forward-only on CPU: it is timed
@@ -43,9 +47,25 @@ def inputs(batch, span, n, device, dtype, grad):
     return (q, k, v, pos), dict(persistent_k=pk, persistent_v=pv), spans
 
 
+def attend_fn(impl: str):
+    """The op an --impls name stands for: a registered backend, or triton-unsplit (triton
+    with the persistent part in its kernels; the choice is made in the forward)."""
+    if impl != "triton-unsplit":
+        return get_attention_impl(impl)
+    from pipeline.ops.triton_attention import persistent_split
+
+    triton = get_attention_impl("triton")
+
+    def unsplit(*args, **kw):
+        with persistent_split(False):
+            return triton(*args, **kw)
+
+    return unsplit
+
+
 def measure(impl, batch, span, n, device, dtype, backward, repeat, dropout):
     """(ms per call, peak MiB above the inputs; NaN on CPU)."""
-    fn = get_attention_impl(impl)
+    fn = attend_fn(impl)
     args, kw, spans = inputs(batch, span, n, device, dtype, backward)
     kw |= dict(dropout_p=dropout, training=dropout > 0)
 
@@ -76,7 +96,7 @@ def measure(impl, batch, span, n, device, dtype, backward, repeat, dropout):
 def cannot_run(impl: str, device: torch.device, dropout: float) -> str | None:
     if impl == "sdpa" and dropout > 0:
         return "no attention dropout"
-    if impl == "triton" and device.type == "cpu":
+    if impl.startswith("triton") and device.type == "cpu":
         return "Triton's interpreter on a CPU machine (minutes a call at these shapes)"
     return None
 
@@ -118,7 +138,7 @@ def tiles(impls: list[str]) -> str:
             for (d, t, h), tile in fused.flex_tiles_in_use().items()
         }
         lines.append(f"flex forward tile (the first of FLEX_TILES that compiled): {kept}")
-    if "triton" in impls:
+    if any(impl.startswith("triton") for impl in impls):
         kept = {
             f"{k} {d} {t} d_h {h} L' <= {span} rows <= {rows}": tile
             for (k, d, t, h, span, rows), tile in triton_attention.tiles_in_use().items()
