@@ -1,7 +1,8 @@
 """The trained model a command works from (`sample`, `export`): the checkpoint that
 `--checkpoint latest|best|PATH` names, loaded into the spec's model, after checking that the
 preprocess stage's outputs (the vocabulary the prompt is encoded with, or that is exported)
-are what the model was trained on.
+are what the model was trained on: the files its record lists (`verify_published`), and the
+build the weights' own record names (`verify_trained_on`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,43 @@ def verify_published(spec, stage: str) -> None:
         )
 
 
+def verify_trained_on(spec, checkpoints: Path) -> None:
+    """Refuse (one line) weights whose stage record names another preprocess build than the
+    workspace's: preprocess was re-run (a vocabulary of the same size, other symbols, looks
+    the same to the model) and train was not. The record is the one beside `checkpoints`
+    (a published stage's stage.json, or an interrupted one's partial.json); a checkpoint
+    directory with neither is another program's, which nothing here can check."""
+    from pipeline.fsutil import read_json
+    from pipeline.workspace.layout import PARTIAL_RECORD, RECORD, Workspace
+
+    ws = Workspace(spec.workspace_dir)
+    current = ws.record("preprocess")
+    if current is None:
+        return
+    stage_dir = checkpoints.parent
+    for name in (RECORD, PARTIAL_RECORD):
+        try:
+            record = read_json(stage_dir / name)
+            break
+        except (OSError, ValueError, PipelineError):
+            continue
+    else:
+        return
+    built_from = (
+        (record.get("inputs") or {}).get("preprocess") if isinstance(record, dict) else None
+    )
+    if built_from is None or built_from == current.get("build"):
+        return
+    stage = record.get("stage") or stage_dir.name.removesuffix(".partial")
+    raise PipelineError(
+        f"{stage_dir}: {stage} was trained on preprocess build {built_from}, but the "
+        f"workspace's preprocess is build {current.get('build')} (finished "
+        f"{current.get('finished_at')}), whose vocabulary these weights never saw; nothing "
+        f"was read: run `allattn-pipe run {shown(spec.source)}` to re-run train and the "
+        f"stages after it on that build"
+    )
+
+
 def trained_model(spec, which: str, log):
     """The spec's model with the weights of checkpoint `which`, in eval mode, and the
     preprocess stage's directory (its vocabulary, its manifest)."""
@@ -87,6 +125,7 @@ def trained_model(spec, which: str, log):
     manifest = load_manifest(preprocess)
     model = spec.build_model(manifest["vocab_size"], str(preprocess / "manifest.json"))
     root, tag, description = checkpoint_of(spec, which, log)
+    verify_trained_on(spec, root)
     # the model section as the train stage records it, to compare with what made the weights
     tag = load_model_weights(model, root, log, tag, STAGES["train"].config(spec)["model"])
     return model.eval(), preprocess, f"{root}/{tag}"

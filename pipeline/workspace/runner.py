@@ -277,12 +277,13 @@ class Runner:
             )
 
     def _check_held_inputs(self, steps: list[Step]) -> None:
-        action = {s.stage: s.action for s in steps}
+        by_stage = {s.stage: s for s in steps}
         for s in steps:
             if s.action != "run":
                 continue
-            for i in resolve_inputs(STAGES[s.stage], self.spec.stages):
-                if action[i] != "hold":
+            inputs = resolve_inputs(STAGES[s.stage], self.spec.stages)
+            for i in inputs:
+                if by_stage[i].action != "hold":
                     continue
                 record = self.ws.record(i)
                 if record is None:
@@ -298,6 +299,30 @@ class Runner:
                         f"{self.ws.committed_dir(i)}); "
                         f"add it to --only to rebuild it, or drop --only"
                     )
+                self._check_paired(s.stage, i, record, inputs, by_stage)
+
+    def _check_paired(
+        self, name: str, held: str, record: dict, inputs: list[str], by_stage: dict[str, Step]
+    ) -> None:
+        """Refuse to run `name` on a held input built from another build of a stage `name`
+        also reads: evaluate scoring train's weights with the vocabulary of a preprocess
+        rebuilt since train ran (same size, other symbols: nothing else would notice)."""
+        for j, built_from in (record.get("inputs") or {}).items():
+            if j not in inputs:
+                continue
+            step = by_stage[j]
+            if step.action == "run" and not step.repair:
+                now = "being re-run now"
+            else:
+                current = self.ws.record(j)
+                if current is None or current.get("build") == built_from:
+                    continue
+                now = f"build {current.get('build')}, finished {current.get('finished_at')}"
+            raise PipelineError(
+                f"stage '{name}' reads '{held}' and '{j}', but {held} was built from "
+                f"{j} build {built_from} and {j} is {now}: {held}'s output does not go with "
+                f"it; add {held} to --only to re-run it on that build, or drop --only"
+            )
 
     def needs_launcher(self) -> bool:
         """True when a stage that trains will run and the spec asks for more processes than
