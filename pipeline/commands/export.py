@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import stat
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,14 +38,25 @@ WEIGHTS, CONFIG, VOCAB, SP_MODEL = (
 MARKER = ".allattn-export"
 MARKER_TEXT = '{"kind": "export", "format": 1}\n'
 FILES = (WEIGHTS, CONFIG, VOCAB, SP_MODEL, MARKER)
+# An export into an existing directory is written inside it: into a private directory of
+# this name (and mkdtemp's suffix) first, its files then renamed into place.
+STAGING = ".allattn-export-staging"
+_STAGING_NAME = re.compile(re.escape(STAGING) + r"\.[A-Za-z0-9_]+\.tmp")
 
 
-def marker_text(more_files: list[str]) -> str:
+def marker_text(more_files, complete: bool = True) -> str:
     """The marker; one that lists `more_files` (a Hugging Face folder's code and README) lets
-    a later export replace those too."""
-    if not more_files:
+    a later export replace those too. `complete=False`: the marker of an export whose files
+    are being renamed into an existing directory (`load_exported` refuses it), listing every
+    file the directory may hold meanwhile, so that exporting again replaces them."""
+    if not more_files and complete:
         return MARKER_TEXT
-    return json.dumps({"kind": "export", "format": 1, "files": sorted(more_files)}) + "\n"
+    fields: dict = {"kind": "export", "format": 1}
+    if more_files:
+        fields["files"] = sorted(more_files)
+    if not complete:
+        fields["complete"] = False
+    return json.dumps(fields) + "\n"
 
 
 def export_files(directory: Path) -> set[str]:
@@ -65,12 +78,14 @@ FORMATS = ("native", "hf")
 
 
 def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native") -> str:
-    """Write the export files into `out`, built in a private temporary directory beside it
-    and renamed into place. `out` is resolved first (`~`, `..`, symlinks, a trailing `/.`);
-    it may be new, an empty directory, or an earlier export (its marker file says so, and it
-    holds nothing but export files); anything else is refused, naming the path. Returns the
-    checkpoint exported (as config.json records it). `fmt`: native (the files above) or hf
-    (a Hugging Face folder, pipeline.commands.hf_export)."""
+    """Write the export files into `out`. `out` is resolved first (`~`, `..`, symlinks, a
+    trailing `/.`); it may be new, an empty directory, or an earlier export (its marker file
+    says so, and it holds nothing but export files); anything else is refused, naming the
+    path. A new `out` is built in a private temporary directory beside it and renamed into
+    place. An existing one is written inside (`_publish_inside`): it keeps its inode, mode,
+    owner and group (a team's setgid directory stays the team's), and a half-written export
+    in it never looks complete. Returns the checkpoint exported (as config.json records it).
+    `fmt`: native (the files above) or hf (a Hugging Face folder, pipeline.commands.hf_export)."""
     from safetensors.torch import save_model
 
     from pipeline.data.manifest import load_manifest
@@ -95,9 +110,16 @@ def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native
     model, preprocess, checkpoint = trained_model(spec, which, log)
     manifest = load_manifest(preprocess)
     vocab = manifest["vocab"]
-    writable_dir(out.parent, "--out")
+    in_place = out.is_dir()  # an empty directory or an earlier export: kept, written inside
+    if in_place:
+        _remove_staging(out)  # what an export killed while writing here left
+    writable_dir(out if in_place else out.parent, "--out")
     try:
-        tmp = private_temp_dir(out.parent, out.name)
+        tmp = (
+            private_temp_dir(out, STAGING.removeprefix("."))
+            if in_place
+            else private_temp_dir(out.parent, out.name)
+        )
     except OSError as e:
         raise PipelineError(
             f"--out {shown(given)}: cannot write there: {e.strerror or e}"
@@ -129,8 +151,13 @@ def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native
         # the umask asks for: the directory is there to be shared
         for path in tmp.iterdir():
             os.chmod(path, public_mode(), follow_symlinks=False)
-        os.chmod(tmp, public_mode(directory=True))
-        _replace(tmp, out, given)
+        if in_place:
+            _publish_inside(tmp, out, given, hf_names)
+        else:
+            # a setgid parent's bit, which new directories inherit, is kept
+            setgid = tmp.stat().st_mode & stat.S_ISGID
+            os.chmod(tmp, public_mode(directory=True) | setgid)
+            _replace(tmp, out, given)
     except OSError as e:
         raise PipelineError(
             f"--out {shown(given)}: cannot write the export: {e.strerror or e}"
@@ -159,7 +186,8 @@ def check_replaceable(out: Path, given) -> None:
             f"directory or an earlier export's"
         )
     try:
-        entries = sorted(p.name for p in out.iterdir())
+        # an export's staging directory (one writing here now, or killed while it did)
+        entries = sorted(p.name for p in out.iterdir() if not _is_staging(p))
     except OSError as e:
         raise PipelineError(f"--out {where}: cannot read it: {e.strerror or e}") from None
     if not entries:
@@ -192,26 +220,77 @@ def _is_marker(path: Path) -> bool:
         return False
 
 
-def _replace(tmp: Path, out: Path, given) -> None:
-    """Rename `tmp` to `out`; an earlier export at `out` (checked again now) is first renamed
-    to a private name and then emptied file by file, never removed as a tree."""
-    from pipeline.fsutil import private_temp_dir
+def _is_staging(path: Path) -> bool:
+    return bool(_STAGING_NAME.fullmatch(path.name)) and path.is_dir() and not path.is_symlink()
 
-    check_replaceable(out, given)
-    if not os.path.lexists(out):
-        tmp.rename(out)
-        return
-    trash = private_temp_dir(out.parent, out.name)
+
+def _remove_staging(out: Path) -> None:
+    """Remove the staging directories an export killed while writing into `out` left: only
+    their export files, then each directory if that emptied it."""
     try:
-        out.rename(trash / "old")
-        try:
-            tmp.rename(out)
-        except BaseException:
-            (trash / "old").rename(out)  # the earlier export stays where it was
-            raise
-    finally:
-        _remove_export(trash / "old")
-        _remove_export(trash)
+        entries = list(out.iterdir())
+    except OSError:
+        return  # refused in one line by the writes that follow
+    for path in entries:
+        if _is_staging(path):
+            _remove_export(path, _listed(path))
+
+
+def _listed(directory: Path) -> set[str]:
+    """Every plain file name in `directory` (a staging directory of ours: all of them are
+    export files, the Hugging Face folder's code among them)."""
+    try:
+        return {p.name for p in directory.iterdir() if p.is_file() and not p.is_symlink()}
+    except OSError:
+        return set()
+
+
+def _replace(tmp: Path, out: Path, given) -> None:
+    """Rename `tmp` to a new `out` (checked again now: still nothing there)."""
+    check_replaceable(out, given)
+    if os.path.lexists(out):
+        raise PipelineError(
+            f"--out {shown(given)}: appeared while the export was being written (another "
+            f"export to it at once?); nothing was replaced: export again"
+        )
+    tmp.rename(out)
+
+
+def _publish_inside(tmp: Path, out: Path, given, more_files: list[str]) -> None:
+    """Move the files built in `tmp` (a staging directory inside `out`) into the existing
+    directory `out`, which keeps its inode and attributes; the files' group is `out`'s where
+    it is a setgid directory, as they were made inside it. Each file is renamed into place,
+    so a reader never sees one half-written; the export as a whole: first the marker says
+    the export is incomplete (`load_exported` refuses it) and the earlier config.json is
+    removed (no loader takes a folder without one), then the other files, then config.json,
+    then the complete marker. An export killed on the way leaves a directory that loads
+    nowhere and that exporting again replaces."""
+    check_replaceable(out, given)  # again: nothing else moved in meanwhile
+    new = sorted(p.name for p in tmp.iterdir() if p.name != MARKER)
+    earlier = [n for n in export_files(out) if n != MARKER and os.path.lexists(out / n)]
+    listed = (set(earlier) | set(new)) - set(FILES)
+    _write_marker(tmp / MARKER, marker_text(listed, complete=False))
+    os.replace(tmp / MARKER, out / MARKER)
+    try:
+        (out / CONFIG).unlink()
+    except FileNotFoundError:
+        pass
+    for name in new:
+        if name != CONFIG:
+            os.replace(tmp / name, out / name)
+    for name in earlier:
+        if name not in new:  # an earlier export's file this one has not (an HF folder's code)
+            (out / name).unlink(missing_ok=True)
+    os.replace(tmp / CONFIG, out / CONFIG)
+    _write_marker(tmp / MARKER, marker_text(more_files))
+    os.replace(tmp / MARKER, out / MARKER)
+
+
+def _write_marker(path: Path, text: str) -> None:
+    from pipeline.fsutil import public_mode
+
+    path.write_text(text)
+    os.chmod(path, public_mode())
 
 
 def _remove_export(directory: Path, more_files=()) -> None:
@@ -241,6 +320,15 @@ def load_exported(directory, device="cpu"):
     from pipeline.models import build_model
 
     directory = Path(directory)
+    try:
+        marker = json.loads(read_text(directory / MARKER, "export file"))
+    except (FileNotFoundError, ValueError):
+        marker = {}
+    if isinstance(marker, dict) and marker.get("complete") is False:
+        raise PipelineError(
+            f"{directory}: an export still being written, or killed while it was (its "
+            f"{MARKER} says so); export it again"
+        )
     config = json.loads(read_text(directory / CONFIG, "export file"))
     model = build_model(config["kind"], config["model"], config["vocab_size"])
     refuse_special(directory / WEIGHTS, "export file")  # a FIFO would block safetensors
