@@ -6,13 +6,74 @@ optimizer step, by tokens seen and by wall-clock time, for `allattn-pipe compare
 
 from __future__ import annotations
 
+import gzip
+import io
+import os
+import stat
+import zlib
 from pathlib import Path
 
-from pipeline.training.head_maps import save
+from pipeline.errors import PipelineError, shown
+from pipeline.training.head_maps import image_format, save
 
 # metric -> the y-axis label; train and finetune log both under these names
 SERIES = {"loss": "train loss (nats)", "valid_bpc": "valid bpc"}
 AXES = (("step", "step"), ("tokens", "tokens seen"), ("minutes", "wall-clock (minutes)"))
+
+
+# The picture's own mark (its "Creator"), which `compare --plot` looks for before it replaces
+# a file: only a picture it drew is replaced, never a user's report.pdf, as `launch slurm
+# --output` replaces only a script holding its marker line (pipeline.cluster.slurm.MARKER).
+MARK = (
+    "allattn-pipe compare --plot drew these learning curves; drawing them again replaces this file"
+)
+# The formats whose files can carry the mark (matplotlib's metadata "Creator"); a file of any
+# other format (.jpg, .tif, .webp, ...) is never replaced.
+MARKED_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps")
+MAX_PICTURE_BYTES = 64 << 20  # a larger file is no learning-curve picture: not read
+
+
+def check_replaceable(path) -> None:
+    """Refuse (one line naming it) to replace anything at `path` but a regular file holding
+    MARK: a link, a directory, a FIFO, or a file this command did not draw (a user's
+    report.pdf, a picture of a format that cannot hold the mark)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise PipelineError(f"{shown(path)}: cannot read it: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        raise PipelineError(
+            f"{shown(path)}: not a regular file (a link, a directory, a FIFO); refusing to "
+            f"replace it with the picture: name a new file"
+        )
+    image = image_format(path)
+    if image not in MARKED_FORMATS:
+        raise PipelineError(
+            f"{shown(path)}: exists, and a .{image} picture cannot carry the mark that shows "
+            f"compare --plot drew it; refusing to replace it: name a new file, or remove "
+            f"this one (a .png, .pdf or .svg it drew, it replaces)"
+        )
+    if not _drawn_here(Path(path)):
+        raise PipelineError(
+            f"{shown(path)}: not a picture allattn-pipe compare --plot drew (no {MARK!r} "
+            f"in it); refusing to replace it: name a new file, or remove this one"
+        )
+
+
+def _drawn_here(path: Path) -> bool:
+    from pipeline.fsutil import read_bytes
+
+    try:
+        if path.stat().st_size > MAX_PICTURE_BYTES:
+            return False
+        data = read_bytes(path, "picture")
+        if data[:2] == b"\x1f\x8b":  # .svgz: read as far as a picture of ours can be
+            data = gzip.GzipFile(fileobj=io.BytesIO(data)).read(MAX_PICTURE_BYTES)
+    except (OSError, EOFError, zlib.error, PipelineError):
+        return False
+    return MARK.encode() in data
 
 
 def curves(client, row) -> dict[str, list[dict]]:
@@ -54,8 +115,11 @@ def curves(client, row) -> dict[str, list[dict]]:
 
 def learning_curves(data: dict[str, dict[str, list[dict]]], path) -> Path:
     """A PNG at `path`: one row of panels per metric of SERIES, one column per x-axis of
-    AXES, one line per run (`data`: run name -> `curves`)."""
+    AXES, one line per run (`data`: run name -> `curves`). A file already at `path` is
+    replaced only when it is a picture this drew (`check_replaceable`)."""
     import matplotlib
+
+    check_replaceable(path)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -90,4 +154,5 @@ def learning_curves(data: dict[str, dict[str, list[dict]]], path) -> Path:
     if handles:
         fig.legend(handles, labels, loc="upper center", ncol=min(4, len(labels)), fontsize="small")
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    return save(fig, path, dpi=100)
+    marked = image_format(path) in MARKED_FORMATS
+    return save(fig, path, dpi=100, **({"metadata": {"Creator": MARK}} if marked else {}))
