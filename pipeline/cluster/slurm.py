@@ -122,6 +122,14 @@ def plain(what: str, path: str | Path, used_by: str = "the Slurm script") -> str
     return text
 
 
+def directive_path(what: str, path: str | Path) -> str:
+    """`path` as an #SBATCH filename pattern names it: `plain`, with every `%` doubled. sbatch
+    expands `%j`, `%x`, `%A`... anywhere in an --output path, directories included, and
+    `%%` is its `%`: a project under `exp%j/` would otherwise log to `exp123/`, a directory
+    that does not exist (Slurm writes no log then)."""
+    return plain(what, path).replace("%", "%%")
+
+
 def _fill(template: str, values: dict[str, str]) -> str:
     # the command that rendered the script goes into a comment: one line, whatever it holds
     values = {**values, "marker": MARKER, "rendered_by": _comment(values["rendered_by"])}
@@ -381,7 +389,7 @@ def render_sbatch(
                 account=account,
                 qos=qos,
             ),
-            "log_dir": plain("log directory", slurm_dir(spec) / "logs"),
+            "log_dir": directive_path("log directory", slurm_dir(spec) / "logs"),
             "log_name": "%x-%j.out",
             "point_setup": "",
             "point_finish": "",
@@ -477,7 +485,7 @@ def render_sweep_array(
                 qos=qos,
                 extra=array,
             ),
-            "log_dir": plain("log directory", slurm_dir(base) / "logs"),
+            "log_dir": directive_path("log directory", slurm_dir(base) / "logs"),
             "log_name": "%x-%A_%a.out",
             "point_setup": setup,
             "point_finish": finish,
