@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from pipeline import fsutil
 from pipeline.errors import PipelineError
-from pipeline.redact import PLACEHOLDER
+from pipeline.redact import PLACEHOLDER, scrub
 
 CHUNK = 1 << 20  # bytes per read/write
 TIMEOUT_S = 60.0  # socket timeout: connect, and each read
@@ -364,7 +364,8 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
     """Download into `part`, appending to what is there when the server resumes (206).
     Returns the total size when the server said it; raises _Interrupted when it was cut."""
     have = part.stat().st_size if part.exists() else 0
-    target, auth = _basic_auth(expand_env(url))
+    full = expand_env(url)
+    target, auth = _basic_auth(full)
     request = urllib.request.Request(target, headers={"User-Agent": USER_AGENT})
     if auth:  # not copied onto a redirect's request: _Redirects decides
         request.add_unredirected_header("Authorization", auth)
@@ -376,8 +377,8 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
         response = opener.open(request, timeout=timeout)
     except _Redirected as e:
         raise PipelineError(
-            f"dataset.url {url}: the server redirected to {e.target}, a {e.scheme}:// URL, "
-            f"which the downloader does not fetch (only http:// and https://)"
+            f"dataset.url {url}: the server redirected to {scrub(e.target, full)}, a "
+            f"{e.scheme}:// URL, which the downloader does not fetch (only http:// and https://)"
         ) from None
     except urllib.error.HTTPError as e:
         e.close()
@@ -395,9 +396,12 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
             if e.code in (404, 410)
             else ""
         )
-        raise PipelineError(f"dataset.url {url}: HTTP {e.code} {e.reason}{hint}") from None
+        reason = scrub(str(e.reason), full)
+        raise PipelineError(f"dataset.url {url}: HTTP {e.code} {reason}{hint}") from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
-        reason = getattr(e, "reason", None) or e
+        # http.client quotes the request's path and query without the scheme (InvalidURL:
+        # a token holding a space): every secret value of the URL goes, wherever it stands
+        reason = scrub(str(getattr(e, "reason", None) or e), full)
         host = urllib.parse.urlsplit(redirects.url).netloc.rpartition("@")[2]  # the last asked
         raise PipelineError(
             f"dataset.url {url}: cannot reach {host} ({reason}); on a machine without "
@@ -437,7 +441,8 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
                         block = response.read(CHUNK)
                     except (OSError, http.client.HTTPException) as e:
                         out.flush()
-                        raise _Interrupted(f"{type(e).__name__}: {e}".rstrip(": ")) from None
+                        said = scrub(f"{type(e).__name__}: {e}".rstrip(": "), full)
+                        raise _Interrupted(said) from None
                     if not block:
                         break
                     out.write(block)

@@ -81,7 +81,7 @@ def flatten(data, prefix: str = "") -> dict[str, str]:
         for key, value in data.items():
             out.update(flatten(value, f"{prefix}{key}."))
     else:
-        out[prefix[:-1]] = str(data)[:_MAX_PARAM]
+        out[prefix[:-1]] = mask(str(data))[:_MAX_PARAM]  # masked whole, then cut
     return out
 
 
@@ -90,7 +90,9 @@ def environment_tags() -> dict[str, str]:
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "world_size": os.environ.get("WORLD_SIZE", "1"),
-        "argv": " ".join(sys.argv)[:_MAX_PARAM],
+        # masked before it is cut: a cut inside `user:password@` would hide the URL's shape
+        # from the masking and store the password
+        "argv": mask(" ".join(sys.argv))[:_MAX_PARAM],
     }
     for dist in ("allattn-pipe", "torch", "deepspeed", "mlflow", "webdataset", "numpy"):
         try:
