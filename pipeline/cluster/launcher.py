@@ -5,7 +5,6 @@ spec asks for several processes. What each launched process runs is
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 import signal
@@ -18,43 +17,61 @@ from pipeline.errors import PipelineError, Preempted
 
 ENTRY = Path(__file__).resolve().parents[2] / "launch" / "train.py"
 
-# With several nodes the deepspeed runner joins its command into one line that a remote shell
-# runs on every node (pdsh over ssh), and its own quoting only wraps an argument holding a
-# space in double quotes, where $( ), backticks and \" still act. So the pipeline's arguments
-# travel as one base64 word, which no shell changes; launch/train.py decodes them.
-ENCODED_ARGS = "--args-base64"
+# What a launched process is told on its command line besides the pipeline's arguments:
+# the directory the user ran `allattn-pipe run` in (the launcher itself runs in ENTRY's
+# directory, so that neither it nor the deepspeed runner puts that directory on sys.path or
+# into PYTHONPATH), and, with several nodes, the file holding the arguments and credentials.
+WORKDIR = "--workdir"
+ARGS_FILE = "--args-file"
 
-# Environment variables deepspeed's runner copies into that line (its EXPORT_ENVS and the CUDA
-# accelerator's), each as export NAME="VALUE": inside double quotes these still act.
+# Environment variables deepspeed's runner copies into the command line a remote shell runs on
+# every node (its EXPORT_ENVS and the CUDA accelerator's), each as export NAME="VALUE": inside
+# double quotes these still act.
 _EXPORTED_ENV = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 _ACTIVE_IN_DOUBLE_QUOTES = re.compile(r'[$`"\\\x00-\x1f\x7f]')
 
 
-def encode_args(args: list[str]) -> str:
-    """`args` as one word of [A-Za-z0-9+/=], characters no shell treats specially, byte for
-    byte (NUL cannot be in an argument)."""
-    # each argument ends in a NUL: [] and [""] stay apart
-    blob = b"".join(os.fsencode(a) + b"\0" for a in args)
-    return base64.b64encode(blob).decode("ascii")
+def python_module(module: str) -> list[str]:
+    """`python -m module` with the working directory off sys.path: `-P` (3.11+); before it,
+    a `-c` that drops sys.path[0] (the working directory) before importing anything."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module]
+    code = (
+        "import sys; del sys.path[0]; import runpy; "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code]
 
 
-def decode_args(word: str) -> list[str]:
-    try:
-        blob = base64.b64decode(word.encode("ascii"), validate=True)
-    except (ValueError, UnicodeEncodeError):
-        raise PipelineError(f"{ENCODED_ARGS}: not the launcher's encoding of arguments") from None
-    if blob and not blob.endswith(b"\0"):
-        raise PipelineError(f"{ENCODED_ARGS}: not the launcher's encoding of arguments")
-    return [os.fsdecode(a) for a in blob.split(b"\0")[:-1]]
+def safe_environment(env: dict[str, str], cwd: Path | None = None) -> dict[str, str]:
+    """`env` for a Python process we start: PYTHONSAFEPATH=1 (3.11+: no script's or working
+    directory on sys.path, in it and in every process it starts), and PYTHONPATH without an
+    entry that names the working directory (empty, relative, or `cwd` itself)."""
+    here = os.path.realpath(cwd or os.getcwd())
+    out = dict(env)
+    out["PYTHONSAFEPATH"] = "1"
+    entries = out.pop("PYTHONPATH", "").split(os.pathsep)
+    kept = [e for e in entries if os.path.isabs(e) and os.path.realpath(e) != here]
+    if kept:
+        out["PYTHONPATH"] = os.pathsep.join(kept)
+    return out
+
+
+def _carried_by_file(name: str, value: str) -> bool:
+    """Whether deepspeed would print a credential on every node's command line: MLflow's
+    variables (a tracking URI's password, a token) and any exported one holding a secret."""
+    from pipeline.redact import is_secret_name, mask
+
+    exported = name.startswith(_EXPORTED_ENV)
+    return exported and (name.startswith("MLFLOW") or is_secret_name(name) or mask(value) != value)
 
 
 def _remote_safe(env: dict[str, str]) -> None:
     """Refuse, in one line, what deepspeed would put raw into the remote command line: paths
-    (its `cd` and the interpreter) and the environment variables it exports."""
+    (its `cd`, the interpreter) and the environment variables it exports."""
     from pipeline.cluster.slurm import plain
 
     used_by = "a multi-node launch's remote command line"
-    plain("working directory", Path.cwd().resolve(), used_by)
     plain("python interpreter", sys.executable, used_by)
     plain("launch script", ENTRY, used_by)
     for name, value in env.items():
@@ -66,16 +83,46 @@ def _remote_safe(env: dict[str, str]) -> None:
             )
 
 
+def write_args_file(directory: Path, args: list[str], env: dict[str, str]) -> Path:
+    """A file only its owner reads (0600), in `directory` (the workspace: every node sees it),
+    holding a launched process's arguments and the environment variables that must not go on
+    a command line. launch/train.py reads it (`read_args_file`)."""
+    import json
+    import tempfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".launch-", suffix=".json", dir=directory)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump({"args": args, "env": env}, f)
+    return Path(name)
+
+
+def read_args_file(path: str) -> tuple[list[str], dict[str, str]]:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        args, env = data["args"], data["env"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PipelineError(
+            f"{ARGS_FILE} {path}: cannot read the launcher's arguments ({e})"
+        ) from None
+    return [str(a) for a in args], {str(k): str(v) for k, v in env.items()}
+
+
 def launcher_command(spec, pipeline_args: list[str], env=None) -> list[str]:
-    """The `deepspeed` command that runs this pipeline on `spec.train.launcher`'s processes
-    (`env`: the environment it will run in, default this process's)."""
+    """The `deepspeed` runner command that runs launch/train.py with `pipeline_args` on
+    `spec.train.launcher`'s processes (`env`: the environment it will run in, default this
+    process's). Several nodes: the arguments go to every node's shell as they are, so they
+    must be `[ARGS_FILE, PATH]` (`Launch` makes them so)."""
     launcher = spec.train.launcher
     if not ENTRY.is_file():
         raise PipelineError(
             f"{ENTRY} is missing: multi-process runs need the project's "
             f"launch/ directory (a source checkout)"
         )
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    cmd = python_module("deepspeed.launcher.runner")
     if launcher.nodes > 1 and not launcher.hostfile:
         raise PipelineError(
             f"train.launcher.nodes {launcher.nodes}: the deepspeed launcher "
@@ -85,10 +132,9 @@ def launcher_command(spec, pipeline_args: list[str], env=None) -> list[str]:
     if launcher.hostfile:
         if not Path(launcher.hostfile).is_file():
             raise PipelineError(f"train.launcher.hostfile {launcher.hostfile}: no such file")
-        cmd += ["--hostfile", launcher.hostfile]
+        cmd += ["--hostfile", os.path.abspath(launcher.hostfile)]
     if launcher.nodes > 1:
         _remote_safe(dict(os.environ) if env is None else env)
-        pipeline_args = [ENCODED_ARGS, encode_args(pipeline_args)]
     port = launcher.master_port or distributed.free_port()
     cmd += [
         "--num_nodes",
@@ -102,25 +148,98 @@ def launcher_command(spec, pipeline_args: list[str], env=None) -> list[str]:
     return cmd + pipeline_args
 
 
+class Launch:
+    """How `spec`'s processes are started: `cmd` run in `cwd` (ENTRY's directory, not the
+    user's) with `env`; `shown` is the line the user reads. With several nodes, the arguments
+    and the credentials in the environment travel in a 0600 file in the workspace, never on
+    the command line deepspeed prints and runs on every node; `close()` removes it."""
+
+    def __init__(self, spec, pipeline_args: list[str], env: dict[str, str] | None = None):
+        here = Path.cwd()
+        env = safe_environment(dict(os.environ) if env is None else env, here)
+        args = [WORKDIR, str(here), *pipeline_args]
+        self.file: Path | None = None
+        if spec.train.launcher.nodes > 1:
+            carried = {k: v for k, v in env.items() if _carried_by_file(k, v)}
+            env = {k: v for k, v in env.items() if k not in carried}
+            launcher_command(spec, [], env)  # refused before a file is written
+            self.file = write_args_file(spec.workspace_dir, args, carried)
+            args = [ARGS_FILE, str(self.file)]
+        self.cmd = launcher_command(spec, args, env)
+        self.env, self.cwd = env, ENTRY.parent
+        # the arguments as given, not the file's name: what the user reads
+        self.shown = " ".join([*self.cmd[: len(self.cmd) - len(args)], *pipeline_args])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.unlink(missing_ok=True)
+            self.file = None
+
+    def __enter__(self) -> Launch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _copy_masked(source, target) -> None:
+    """Copy the launcher's (and the ranks') output line by line with every URL's credentials
+    masked: deepspeed prints its command lines (`cmd = ...`, `spawned with command: ...`)."""
+    from pipeline.redact import mask_text
+
+    out = getattr(target, "buffer", None)
+    for raw in iter(source.readline, b""):
+        line = mask_text(raw.decode("utf-8", "surrogateescape"))
+        try:
+            if out is not None:
+                out.write(line.encode("utf-8", "surrogateescape"))
+            else:
+                target.write(line.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+            target.flush() if out is None else out.flush()
+        except (OSError, ValueError):  # our own output closed: keep draining the pipe
+            pass
+    source.close()
+
+
 def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
     """Start the launcher for `spec` and wait for it. SIGTERM / ctrl-C are passed on as
     SIGTERM to the ranks, which checkpoint together and exit 143 (`Preempted`); a second one
     as SIGINT, which stops them at once."""
-    import psutil
+    import threading
+
+    from pipeline.redact import mask
 
     env = dict(os.environ)
     if env.get("DS_ACCELERATOR") == "cpu" or not _has_cuda():
         # processes on one CPU host share its cores instead of each taking all of them
         per_proc = max(1, (os.cpu_count() or 1) // spec.train.launcher.procs_per_node)
         env.setdefault("OMP_NUM_THREADS", str(per_proc))
-    cmd = launcher_command(spec, pipeline_args, env)
-    # the arguments as given, not their encoded word: what the user reads (and what a log's
-    # masking of secrets can find)
-    shown = [*cmd[:-2], *pipeline_args] if cmd[-2:-1] == [ENCODED_ARGS] else cmd
-    log(f"starting {spec.train.launcher.world_size} processes: {' '.join(shown)}")
-    # Its own session (so its own process group): a ctrl-C in the terminal reaches only us,
-    # and we decide how the launcher's processes hear of it.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    with Launch(spec, pipeline_args, env) as launch:
+        log(f"starting {spec.train.launcher.world_size} processes: {mask(launch.shown)}")
+        # Its own session (so its own process group): a ctrl-C in the terminal reaches only
+        # us, and we decide how the launcher's processes hear of it. Its output (and the
+        # ranks') comes through us, masked.
+        proc = subprocess.Popen(
+            launch.cmd,
+            env=launch.env,
+            cwd=launch.cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        pumps = [
+            threading.Thread(target=_copy_masked, args=(pipe, stream), daemon=True)
+            for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+        ]
+        for pump in pumps:
+            pump.start()
+        _wait(proc, pumps)
+
+
+def _wait(proc, pumps) -> None:
+    """Wait for the launcher and its output, passing signals on to the ranks."""
+    import psutil
+
     stopped: list[str] = []
     signalled: list = []
 
@@ -141,6 +260,8 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
     try:
         code = proc.wait()
         psutil.wait_procs(signalled, timeout=600)  # the ranks finish saving
+        for pump in pumps:
+            pump.join(timeout=10)  # what they printed last
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -163,9 +284,9 @@ def _is_rank(process) -> bool:
         argv = process.cmdline()
     except psutil.Error:  # already gone
         return False
-    # `python -u launch/train.py ...`; the launchers run as `python -u -m deepspeed...` with
-    # the script among their arguments
-    return str(ENTRY) in argv and "-m" not in argv
+    # `python -u launch/train.py ...`: the script is the first argument that is no option;
+    # the launchers run as `python -u -m deepspeed...` with the script among their arguments
+    return next((a for a in argv[1:] if not a.startswith("-")), None) == str(ENTRY)
 
 
 def _has_cuda() -> bool:

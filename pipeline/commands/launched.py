@@ -7,30 +7,36 @@ single-process stages and the bookkeeping, all ranks train (see `Runner.run`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
 from pipeline.cluster import distributed
 from pipeline.errors import PipelineError, Preempted
+from pipeline.redact import mask
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import make_tracker
 from pipeline.workspace.runner import Runner
 
 
-def arguments(argv: list[str]) -> list[str]:
-    """`argv` with the launcher's encoded arguments (`--args-base64 WORD`, what a multi-node
-    launch sends through the remote shell) decoded in place."""
-    from pipeline.cluster.launcher import ENCODED_ARGS, decode_args
+def arguments(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`argv` with the launcher's arguments file (`--args-file PATH`, what a multi-node launch
+    names on every node's command line) read in place, and the environment variables that
+    file carries (credentials that never go on a command line)."""
+    from pipeline.cluster.launcher import ARGS_FILE, read_args_file
 
     out: list[str] = []
+    env: dict[str, str] = {}
     items = iter(argv)
     for item in items:
-        if item == ENCODED_ARGS:
-            out += decode_args(next(items, ""))
-        elif item.startswith(ENCODED_ARGS + "="):
-            out += decode_args(item.partition("=")[2])
+        if item == ARGS_FILE or item.startswith(ARGS_FILE + "="):
+            path = next(items, "") if item == ARGS_FILE else item.partition("=")[2]
+            args, carried = read_args_file(path)
+            out += args
+            env.update(carried)
         else:
             out.append(item)
-    return out
+    return out, env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,14 +52,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], metavar="STAGE")
     parser.add_argument("--force", action="append", default=[], metavar="STAGE")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # older launchers
+    # where `allattn-pipe run` was started: the launcher runs elsewhere (launch/), so that
+    # no process it starts has that directory on sys.path
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument(
         "--ranks-from-slurm",
         action="store_true",
         help="a task of an srun step: rank and world size from Slurm",
     )
-    args = parser.parse_args(arguments(sys.argv[1:] if argv is None else argv))
     rank = 0
     try:
+        given, env = arguments(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(given)
+        os.environ.update(env)
+        if args.workdir:
+            os.chdir(args.workdir)
         if args.ranks_from_slurm:
             distributed.take_rank_from_slurm()
         spec = load_spec(args.config, args.overrides)
@@ -68,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         runner.run(make_tracker(spec, rank=rank))
     except PipelineError as e:
         if rank == 0 or not isinstance(e, Preempted):  # every rank stops the same way
-            print(f"error (rank {rank}): {e}", file=sys.stderr)
+            # masked as a one-process run's error line is (a tracking URI's password)
+            print(f"error (rank {rank}): {mask(str(e))}", file=sys.stderr)
         return e.exit_code
+    except Exception:
+        # a traceback names what it was given (a URL): masked too, on this rank's own
+        # output, which a Slurm job's log keeps as it is
+        print(mask(traceback.format_exc()).rstrip(), file=sys.stderr)
+        return 1
     return 0

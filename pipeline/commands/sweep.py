@@ -25,7 +25,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -392,11 +391,12 @@ def run_shared_prefix(pts: list[Point], prefix: list[str], sweep: SweepRun, log)
 
 
 def point_command(config: str, point: Point) -> list[str]:
-    """The command that runs one point in its own process (tests put stand-ins here)."""
+    """The command that runs one point in its own process (tests put stand-ins here): the
+    installed package's CLI, the working directory off sys.path (`python_module`)."""
+    from pipeline.cluster.launcher import python_module
+
     return [
-        sys.executable,
-        "-m",
-        "pipeline.commands.cli",
+        *python_module("pipeline.commands.cli"),
         "run",
         config,
         *(["--smoke"] if point.smoke else []),
@@ -431,10 +431,12 @@ class ForwardSignals(SignalHandler):
 
 def _point_environment(sweep: SweepRun) -> dict[str, str]:
     """A point process's environment: a process group of its own, and the sweep's MLflow run
-    (its pipeline run is created as the sweep run's child, not only adopted when it ends)."""
+    (its pipeline run is created as the sweep run's child, not only adopted when it ends);
+    no PYTHONPATH entry naming the working directory, PYTHONSAFEPATH set (`safe_environment`)."""
+    from pipeline.cluster.launcher import safe_environment
     from pipeline.tracking.tracker import SWEEP_RUN_ENV
 
-    env = distributed.environment_for_new_group()
+    env = safe_environment(distributed.environment_for_new_group())
     env.pop(SWEEP_RUN_ENV, None)  # a sweep run inside another's point files under its own
     return env | ({SWEEP_RUN_ENV: sweep.run_id} if sweep.run_id else {})
 

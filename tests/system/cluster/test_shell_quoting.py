@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -296,7 +295,7 @@ def test_a_multi_node_launch_passes_every_argument_byte_for_byte(monkeypatch, tm
     spec = load_spec(
         CONFIG,
         ["train.launcher.nodes=2", "train.launcher.procs_per_node=1"]
-        + [f"train.launcher.hostfile={hostfile}"],
+        + [f"train.launcher.hostfile={hostfile}", f"workspace.root={tmp_path / 'runs'}"],
     )
     canary = tmp_path / "CANARY"
     args = ["--config", CONFIG]
@@ -307,22 +306,25 @@ def test_a_multi_node_launch_passes_every_argument_byte_for_byte(monkeypatch, tm
         args += ["--set", "y='\"", "--set", "z=\\$HOME\\\\", "--only", ""]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW", "NCCL", "PYTHON"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), DS_ACCELERATOR="cpu")
-    monkeypatch.setattr(os, "environ", env)  # launcher_command checks the env it runs in
-    cmd = launcher.launcher_command(spec, args)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert not canary.exists(), "an argument ran as shell on a node"
-    assert done.returncode == 0, done.stdout + done.stderr
+    monkeypatch.setattr(os, "environ", env)  # the launch checks the env it runs in
     from pipeline.commands.launched import arguments  # what launch/train.py reads
 
-    received = [json.loads(p.read_text()) for p in sorted(log.glob("node*.json"))]
-    assert len(received) == 2, (log / "pdsh.line").read_text()
-    for argv in received:
-        assert [a for a in arguments(argv) if not a.startswith("--local_rank")] == args
+    with launcher.Launch(spec, args) as launch:
+        done = subprocess.run(
+            launch.cmd, env=launch.env, cwd=launch.cwd, capture_output=True, text=True, timeout=120
+        )
+        assert not canary.exists(), "an argument ran as shell on a node"
+        assert done.returncode == 0, done.stdout + done.stderr
+        received = [json.loads(p.read_text()) for p in sorted(log.glob("node*.json"))]
+        assert len(received) == 2, (log / "pdsh.line").read_text()
+        for argv in received:
+            given = [a for a in arguments(argv)[0] if not a.startswith("--local_rank")]
+            assert given == ["--workdir", str(ROOT), *args]
 
 
 @pytest.mark.parametrize("name", ["MLFLOW_TRACKING_TOKEN", "NCCL_DEBUG", "PYTHONWARNINGS"])
 def test_an_exported_variable_that_a_remote_shell_would_run_is_refused(monkeypatch, tmp_path, name):
-    from pipeline.cluster.launcher import launcher_command
+    from pipeline.cluster.launcher import Launch, launcher_command, read_args_file
     from pipeline.errors import PipelineError
     from pipeline.spec import load_spec
 
@@ -332,16 +334,23 @@ def test_an_exported_variable_that_a_remote_shell_would_run_is_refused(monkeypat
     spec = load_spec(
         CONFIG,
         ["train.launcher.nodes=2", "train.launcher.procs_per_node=1"]
-        + [f"train.launcher.hostfile={hostfile}"],
+        + [f"train.launcher.hostfile={hostfile}", f"workspace.root={tmp_path}"],
     )
+    hostile = f"$(touch {tmp_path / 'C'})"
+    if name.startswith("MLFLOW"):  # a credential: in the arguments file, never on a line
+        with Launch(spec, [], env={name: hostile}) as launch:
+            assert name not in launch.env and launch.file is not None
+            assert read_args_file(str(launch.file))[1] == {name: hostile}
+        return
     with pytest.raises(PipelineError, match=f"^environment variable {name}: the deepspeed"):
-        launcher_command(spec, [], env={name: f"$(touch {tmp_path / 'C'})"})
+        launcher_command(spec, [], env={name: hostile})
     assert launcher_command(spec, [], env={name: "a b:c/d=e"})  # plain values pass
 
 
-def test_a_working_directory_a_remote_shell_would_split_is_refused(monkeypatch, tmp_path):
-    from pipeline.cluster.launcher import launcher_command
-    from pipeline.errors import PipelineError
+def test_a_working_directory_a_remote_shell_would_split_travels_in_the_arguments_file(
+    monkeypatch, tmp_path
+):
+    from pipeline.cluster.launcher import ENTRY, Launch, read_args_file
     from pipeline.spec import load_spec
 
     hostfile = tmp_path / "hosts"
@@ -349,27 +358,29 @@ def test_a_working_directory_a_remote_shell_would_split_is_refused(monkeypatch, 
     spec = load_spec(
         ROOT / CONFIG,
         ["train.launcher.nodes=2", "train.launcher.procs_per_node=1"]
-        + [f"train.launcher.hostfile={hostfile}"],
+        + [f"train.launcher.hostfile={hostfile}", f"workspace.root={tmp_path}"],
     )
     odd = tmp_path / "a b;$(x)"
     odd.mkdir()
     monkeypatch.chdir(odd)
-    with pytest.raises(PipelineError, match="^working directory .*: only letters, digits"):
-        launcher_command(spec, [], env={})
+    with Launch(spec, ["--config", "c.yaml"], env={}) as launch:
+        assert launch.cwd == ENTRY.parent and str(odd) not in " ".join(launch.cmd)
+        assert launch.file is not None
+        assert read_args_file(str(launch.file))[0] == ["--workdir", str(odd), "--config", "c.yaml"]
 
 
 @pytest.mark.parametrize(
     "args", [[], [""], ["a", ""], ["--set", "x=\udcff\xff é", "$(x)`y`'\"\\ \t\n;&|"]]
 )
-def test_the_launchers_encoding_gives_back_every_argument(args):
-    from pipeline.cluster.launcher import decode_args, encode_args
+def test_the_arguments_file_gives_back_every_argument(tmp_path, args):
+    from pipeline.cluster.launcher import read_args_file, write_args_file
 
-    word = encode_args(args)
-    assert re.fullmatch(r"[A-Za-z0-9+/=]*", word)
-    assert decode_args(word) == args
+    path = write_args_file(tmp_path, args, {"MLFLOW_TRACKING_TOKEN": "t"})
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert read_args_file(str(path)) == (args, {"MLFLOW_TRACKING_TOKEN": "t"})
 
 
-def test_the_launch_line_shows_the_arguments_not_their_encoding(monkeypatch, tmp_path):
+def test_the_launch_line_shows_the_arguments_not_their_file(monkeypatch, tmp_path):
     from pipeline.cluster import launcher
     from pipeline.spec import load_spec
 
@@ -378,7 +389,7 @@ def test_the_launch_line_shows_the_arguments_not_their_encoding(monkeypatch, tmp
     spec = load_spec(
         ROOT / CONFIG,
         ["train.launcher.nodes=2", "train.launcher.procs_per_node=1"]
-        + [f"train.launcher.hostfile={hostfile}"],
+        + [f"train.launcher.hostfile={hostfile}", f"workspace.root={tmp_path}"],
     )
     started: list[list[str]] = []
 
@@ -391,5 +402,5 @@ def test_the_launch_line_shows_the_arguments_not_their_encoding(monkeypatch, tmp
     lines: list[str] = []
     with pytest.raises(KeyboardInterrupt):
         launcher.run_under_launcher(spec, ["--config", CONFIG, "--set", "a=b c"], log=lines.append)
-    assert started[0][-2] == launcher.ENCODED_ARGS
+    assert started[0][-2] == launcher.ARGS_FILE
     assert lines[0].endswith(f" {launcher.ENTRY} --config {CONFIG} --set a=b c")
