@@ -147,6 +147,9 @@ def classes(name: str, cases: int, show_bad: int) -> int:
             extra = f" ({sum(o.ran for o in outcomes)} canaries)" if marker == "command ran" else ""
             print(f"  {label:<24} {n}{extra}")
     print(f"  {'bad cases':<24} {len(bad)}")
+    known = collections.Counter(k for o in outcomes if (k := getattr(o, "known", None)))
+    for what, n in sorted(known.items()):
+        print(f"  known, not counted: {what}: {n}")
     print(f"\n{'command':<58} {'cases':>6} {'exit 0':>7} {'exit 2':>7} {'bad':>4} {'max s':>6}")
     by_command = collections.defaultdict(list)
     for o in outcomes:

@@ -255,7 +255,11 @@ RECORDERS = {
     "sbatch": _RECORD + "echo 4242\n",
     "srun": _RECORD,
     "scancel": _RECORD,
-    "python": _RECORD,
+    # a launched rank's arguments file (`--args-file`, removed when the launch ends): kept
+    "python": _RECORD
+    + 'prev=\nfor a in "$@"; do\n'
+    + '  [ "$prev" = --args-file ] && cp "$a" "$RECORD_DIR/args-file.json"\n'
+    + "  prev=$a\ndone\n",
     "allattn-pipe": _RECORD,
     "deepspeed": _RECORD,
     "scontrol": _RECORD

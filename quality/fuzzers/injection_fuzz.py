@@ -24,7 +24,7 @@ Used by tests/system/commands/test_fuzz_classes.py and quality/fuzz.py --injecti
 
 from __future__ import annotations
 
-import base64
+import json
 import os
 import re
 import shutil
@@ -188,15 +188,17 @@ def _directives(script: str) -> str | None:
     return None
 
 
-def _after(argv: list[str], marker: str) -> list[str] | None:
-    """The arguments after `marker` (launch/train.py), `--args-base64` decoded."""
+def _after(argv: list[str], marker: str, records: Path) -> list[str] | None:
+    """The arguments after `marker` (launch/train.py), an `--args-file` read from the copy the
+    python recorder kept, and the launcher's `--workdir DIR` left out."""
     hits = [i for i, a in enumerate(argv) if a.endswith(marker)]
     if not hits:
         return None
     rest = argv[hits[0] + 1 :]
-    if rest[:1] == ["--args-base64"] and len(rest) == 2:
-        args = base64.b64decode(rest[1]).decode("utf-8", "surrogateescape").split("\0")
-        return args[:-1] if args[-1:] == [""] else args  # each argument ends in a NUL
+    if rest[:1] == ["--args-file"] and len(rest) == 2:
+        rest = json.loads((records / "args-file.json").read_text())["args"]
+    if rest[:1] == ["--workdir"]:
+        rest = rest[2:]
     return rest
 
 
@@ -264,7 +266,7 @@ def run_case(case: Case, world: World, tmp: Path, rec: Recorders) -> Outcome:
             if len(nodes) != 2:
                 problem = f"mangled: {len(nodes)} node(s) started launch/train.py, not 2"
             for call in nodes:
-                got = _after(call, "launch/train.py")
+                got = _after(call, "launch/train.py", rec.records)
                 if problem is None and got != want:
                     problem = f"mangled: a node got {got!r}, expected {want!r}"
         else:

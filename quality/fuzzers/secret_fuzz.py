@@ -1,7 +1,10 @@
 """The secret fuzzer: a canary secret put into every URL- and credential-valued place must
 never be recorded or printed.
 
-Each case makes a fresh canary (`CANARY-SECRET-<random hex>`) and puts it where a credential goes
+Each case makes a fresh canary (`CANARY-SECRET-<hex>`, then some of the characters the URL
+grammar allows in a password or a query value: `'`, `!`, `$`, `(`, `)`, `*`, `+`, `,`, `;`,
+`=`, `%XX`, and `&` where it stays inside a user's password, then `<hex>-END`; a leak is
+either half in clear) and puts it where a credential goes
 (never where a plain value goes: a path component is no secret): the password of
 `user:PASSWORD@` and a whole `TOKEN@` user name, and credential-like query and fragment
 parameters (token, sig, signature, api_key, password, client_secret, X-Amz-Signature /
@@ -14,12 +17,19 @@ serves a small corpus, refuses (401, 500, 404), redirects, at a port nobody list
 
 Commands: validate, show, run (the download stage, in a copy of the world), run --dry-run,
 compare, sweep --dry-run, sweep --slurm --dry-run, launch slurm (--dry-run and --output),
-export, sample, sync. After each, the canary must be in none of: the output (click's and
+export, sample, sync, and runs of several processes in a copy of the world: `run, 2
+processes` (the real deepspeed launcher and two ranks on this machine, download to train)
+and `run, 2 nodes` (a hostfile of two nodes: the real deepspeed runner renders the command
+line every node runs and hands it to the pdsh recorder, quality/fuzzers/fuzz_kit.py, which
+runs it with the interpreter a recorder too; its records are searched like any file).
+After each, the canary must be in none of: the output (click's and
 file descriptors 1 and 2), any file under the world (workspace, MLflow store, artifacts,
 logs, cache) or the case's directory (the configs the case wrote excepted). One exception,
 by design: a batch script is the job's input as the config is, so the script `launch slurm`
 / `sweep --slurm` renders (and prints with --dry-run) may hold a secret given with `--set`.
-A case also fails on a traceback, a refusal that is not one line, or a hang (30 s).
+A case also fails on a traceback, a refusal that is not one line, or a hang (30 s; 180 s for
+two processes). Known and counted apart, not a failure here (issue 45 item 7, not yet fixed):
+when rank 0 stops with its one error line before training, the other rank's gloo traceback.
 Used by tests/system/commands/test_fuzz_classes.py and quality/fuzz.py --secrets N.
 """
 
@@ -36,7 +46,7 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from quality.fuzzers.cli_fuzz import World, copy_world
-from quality.fuzzers.fuzz_kit import CORPUS, Server, derandomized, invoke
+from quality.fuzzers.fuzz_kit import CORPUS, Recorders, Server, derandomized, invoke
 
 CORPUS_SHA = hashlib.sha256(CORPUS).hexdigest()
 # {c}: the canary; {h}: 127.0.0.1:PORT of the server; {closed}, {silent}: ports
@@ -47,11 +57,12 @@ DATA_URLS = [
     "http://{h}/corpus.txt?v=1&sig={c}",
     "http://{h}/corpus.txt?api_key={c}",
     "http://{h}/corpus.txt?password={c}&x=1",
+    "http://{h}/corpus.txt?v=1;sig={c}",
     "http://{h}/corpus.txt?X-Goog-Signature={c}",
     "http://{h}/corpus.txt?client_secret={c}#access_token={c}",
-    "http://user:{c}@{h}/corpus.txt",
+    "http://user:{u}@{h}/corpus.txt",
     "http://{c}@{h}/corpus.txt",
-    "https://user:{c}@example.invalid/data.txt",
+    "https://user:{u}@example.invalid/data.txt",
     "http://{h}/denied?token={c}",
     "http://{h}/broken?Signature={c}",
     "http://{h}/missing.txt?AccessKey={c}",
@@ -63,12 +74,12 @@ DATA_URLS = [
     "ftp://user:{c}@127.0.0.1/corpus.txt",
     "file:///nonexistent/corpus.txt?token={c}",
     "builtin://python-docs?token={c}",
-    "http://user:{c}@{h}/corpus.txt?Token={c}",
+    "http://user:{u}@{h}/corpus.txt?Token={c}",
 ]
 TRACKING_URIS = [
-    "http://user:{c}@127.0.0.1:{closed}",
+    "http://user:{u}@127.0.0.1:{closed}",
     "http://user:{c}@127.0.0.1:{silent}",
-    "http://user:{c}@{h}",
+    "http://user:{u}@{h}",
     "https://{c}@127.0.0.1:{closed}",
     "http://{h}/?token={c}",
 ]
@@ -84,18 +95,31 @@ COMMANDS = (
     ["validate", "show", "run --dry-run", "compare", "sweep --dry-run", "sample", "sync"] * 2
     + ["run"] * 4
     + ["export", "sweep --slurm", "launch slurm", "launch slurm --output"]
+    + ["run, 2 nodes", "run, 2 processes"]
 )
+SEVERAL = ("run, 2 nodes", "run, 2 processes")
+# what a secret is made of between its two halves: the characters the URL grammar allows in
+# a password or a query value (`&` only in a password: in a query it starts the next one)
+GRAMMAR = ["'", "!", "$", "(", ")", "*", "+", ",", ";", "=", "%41", "%2F", "''"]
+# the other rank's words when rank 0 stopped before training (issue 45 item 7)
+KNOWN_GLOO = "Connection closed by peer"
+
+
+def quoted(value: str) -> str:
+    """`value` as a single-quoted YAML scalar."""
+    return "'" + value.replace("'", "''") + "'"
 
 
 @dataclass
 class Case:
     command: str
     args: list[str]
-    canary: str
+    canary: str  # the whole secret (the form in a query)
     env: dict[str, str | None] = field(default_factory=dict)
     copy: bool = False  # runs in a copy of the world (it writes)
     own: list[Path] = field(default_factory=list)  # files the case wrote (its configs)
     script: Path | None = None  # a rendered batch script: may hold a --set secret
+    halves: tuple[str, str] = ("", "")  # the secret's two ends: a leak is either one
 
 
 @dataclass
@@ -107,51 +131,60 @@ class Outcome:
     leaks: list[str]  # where the canary was found
     problem: str | None
     said: str = ""
+    known: str | None = None  # a known defect seen (KNOWN_GLOO), not counted as bad
 
 
 def draw_case(draw, world: World, tmp: Path, server: Server) -> Case:
     # random, not drawn: a draw repeats across cases, and a canary one case leaked into the
     # shared world would be found again in the next case that drew it
-    canary = f"CANARY-SECRET-{uuid.uuid4().hex}"
+    left, right = f"CANARY-SECRET-{uuid.uuid4().hex[:16]}", f"{uuid.uuid4().hex[:16]}-END"
+    middle = "".join(draw(st.lists(st.sampled_from(GRAMMAR), max_size=4)))
+    canary = f"{left}{middle}{right}"
+    in_password = f"{left}{middle}{draw(st.sampled_from(['', '&', '&a=b']))}{right}"
     server.secret = canary
     ports = {
         "c": canary,
+        "u": in_password,
         "h": f"127.0.0.1:{server.port}",
         "closed": server.closed_port,
         "silent": server.silent_port,
     }
     command = draw(st.sampled_from(COMMANDS))
-    copy = command == "run"
+    copy = command in ("run", *SEVERAL)
     root = tmp / "world" if copy else world.root
     values: dict[str, str] = {}
     if draw(st.integers(0, 3)):
         values["dataset.url"] = draw(st.sampled_from(DATA_URLS)).format(**ports)
         if draw(st.integers(0, 3)):
             values["dataset.sha256"] = CORPUS_SHA  # most downloads get through
-    if not values or draw(st.integers(0, 3)) == 0:
+    several = command in SEVERAL
+    if several and "dataset.url" not in values:  # the ranks meet it (rank 0 downloads)
+        values["dataset.url"] = draw(st.sampled_from(DATA_URLS)).format(**ports)
+    if not several and (not values or draw(st.integers(0, 3)) == 0):
+        # (a run of several processes starts only once its tracking server answered)
         values["tracking.uri"] = draw(st.sampled_from(TRACKING_URIS)).format(**ports)
     env: dict[str, str | None] = {
         k: ENV[k].format(**ports) for k in draw(st.lists(st.sampled_from(sorted(ENV)), max_size=3))
     }
-    if "MLFLOW_TRACKING_URI" not in env:
+    if "MLFLOW_TRACKING_URI" not in env or several:
         env["MLFLOW_TRACKING_URI"] = None
     config, own, sets = str(root / "tiny.yaml"), [], []
     if draw(st.integers(0, 2)) == 0:  # written in the config rather than given with --set
         written = tmp / "secret.yaml"
         lines = [f"extends: [{root / 'tiny.yaml'}]"]
         if "tracking.uri" in values:
-            lines.append(f"tracking: {{uri: '{values.pop('tracking.uri')}'}}")
+            lines.append(f"tracking: {{uri: {quoted(values.pop('tracking.uri'))}}}")
         if "dataset.url" in values:
             url, sha = values.pop("dataset.url"), values.pop("dataset.sha256", None)
             lines.append(
-                f"dataset: {{name: python_docs, url: '{url}', tokenizer: byte,"
+                f"dataset: {{name: python_docs, url: {quoted(url)}, tokenizer: byte,"
                 + (f" sha256: {sha}," if sha else "")
                 + " split: {kind: tail, valid: 0.05, test: 0.05}}"
             )
         written.write_text("\n".join(lines) + "\n")
         config, own = str(written), [written]
     sets = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
-    case = Case(command, [], canary, env, copy, own)
+    case = Case(command, [], canary, env, copy, own, halves=(left, right))
     if command in ("validate", "show", "sync", "sample", "export"):
         case.args = [command, config, *sets]
         if command == "sample":
@@ -159,6 +192,16 @@ def draw_case(draw, world: World, tmp: Path, server: Server) -> Case:
         if command == "export":
             case.args += ["--out", str(tmp / "export")]
             case.args += draw(st.sampled_from([[], ["--register", "fuzz-model"]]))
+    elif command == "run, 2 nodes":
+        hostfile = tmp / "hostfile"
+        hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+        case.args = ["run", config, *sets, "--set", "train.launcher.nodes=2"]
+        case.args += ["--set", f"train.launcher.hostfile={hostfile}"]
+        case.args += ["--set", f"train.seed={draw(st.integers(100, 10**6))}"]  # train runs
+    elif command == "run, 2 processes":
+        case.args = ["run", config, *sets, "--set", "train.launcher.procs_per_node=2"]
+        case.args += ["--set", f"train.seed={draw(st.integers(100, 10**6))}"]  # train runs
+        case.args += ["--only", "download", "--only", "preprocess", "--only", "train"]
     elif command in ("run", "run --dry-run"):
         case.args = ["run", config, *sets] + (["--only", "download"] if copy else ["--dry-run"])
     elif command == "compare":
@@ -193,29 +236,38 @@ def _files(top: Path):
 def leaks(case: Case, output: str, places: list[Path], scripts: bool) -> list[str]:
     """Where the canary is: 'output', or the files holding its bytes (`scripts`: but for
     rendered batch scripts)."""
-    secret = case.canary.encode()
-    found = ["output"] if case.canary in output else []
+    halves = [h for h in (case.canary, *case.halves) if h]
+    found = ["output"] if any(h in output for h in halves) else []
     allowed = [case.script] if case.script and scripts else []
     if scripts:
         allowed += [p for top in places for p in (top / "runs").glob("*/slurm/*.sbatch")]
     for top in places:
         for p in _files(top):
-            if p in case.own or p in allowed:
+            # the python recorder's copy of a rank's 0600 arguments file: the credentials
+            # a rank needs, by design (pipeline/cluster/launcher.py, Launch)
+            if p in case.own or p in allowed or p.name == "args-file.json":
                 continue
             try:
                 data = p.read_bytes()
             except OSError:
                 continue
-            if secret in data:
+            if any(h.encode() in data for h in halves):
                 found.append(str(p))
     return found
 
 
-def run_case(case: Case, world: World, tmp: Path) -> Outcome:
+def run_case(case: Case, world: World, tmp: Path, rec: Recorders | None = None) -> Outcome:
     root = world.root
     if case.copy:
         root = copy_world(world, tmp / "world").root
-    inv = invoke(case.args, root, case.env)
+    env = dict(case.env)
+    places = [root, tmp]
+    if case.command == "run, 2 nodes" and rec is not None:
+        rec.reset()
+        env.update(rec.env())
+        places.append(rec.records)  # the command line each node ran, and its arguments
+    timeout = 180 if case.command == "run, 2 processes" else 30
+    inv = invoke(case.args, root, env, timeout=timeout)
     output = inv.output
     # a secret given with --set may be in the batch script rendered (the module's docstring)
     scripts = case.command in ("sweep --slurm", "launch slurm", "launch slurm --output") and any(
@@ -223,14 +275,24 @@ def run_case(case: Case, world: World, tmp: Path) -> Outcome:
     )
     if scripts and inv.exit_code == 0 and "--dry-run" in case.args:
         output = output.replace(inv.stdout, "")  # the script
-    found = leaks(case, output, [root, tmp], scripts)
-    problem = inv.problem
+    found = leaks(case, output, places, scripts)
+    problem, known = inv.problem, None
+    if (
+        case.command == "run, 2 processes"
+        and problem is not None
+        and problem.startswith("traceback")
+        and KNOWN_GLOO in output
+        and "error (rank 0): " in output
+    ):
+        problem, known = None, "the other rank's gloo traceback (issue 45 item 7)"
     if found:
         problem = f"leak: the secret is in {', '.join(found[:4])}" + (
             f"; {problem}" if problem else ""
         )
-    said = (inv.stderr.strip().splitlines() or [""])[-1][:300].replace(case.canary, "CANARY")
-    return Outcome(case.command, case.args, inv.exit_code, inv.seconds, found, problem, said)
+    said = (inv.stderr.strip().splitlines() or [""])[-1][:300]
+    for h in (case.canary, *case.halves):
+        said = said.replace(h, "CANARY") if h else said
+    return Outcome(case.command, case.args, inv.exit_code, inv.seconds, found, problem, said, known)
 
 
 def fuzz_secrets(world: World, cases: int, on_outcome) -> None:
@@ -238,14 +300,18 @@ def fuzz_secrets(world: World, cases: int, on_outcome) -> None:
     `run` on a copy of it, each case with a temporary directory of its own."""
     import tempfile
 
+    from quality.fuzzers.fuzz_kit import make_recorders
+
     server = Server()
+    kit = tempfile.TemporaryDirectory()
+    rec = make_recorders(Path(kit.name))
     try:
 
         def one(draw):
             with tempfile.TemporaryDirectory() as tmp:
                 case = draw_case(draw, world, Path(tmp), server)
                 start = time.monotonic()
-                outcome = run_case(case, world, Path(tmp))
+                outcome = run_case(case, world, Path(tmp), rec)
                 outcome.seconds = time.monotonic() - start
             shutil.rmtree(world.root / "runs" / "tiny" / "slurm", ignore_errors=True)
             on_outcome(outcome)
@@ -253,3 +319,4 @@ def fuzz_secrets(world: World, cases: int, on_outcome) -> None:
         derandomized(cases, one)
     finally:
         server.close()
+        kit.cleanup()
