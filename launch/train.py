@@ -7,7 +7,10 @@ tracks and evaluates; all ranks train. `allattn-pipe run` starts this itself whe
 `train.launcher` asks for more than one process.
 
 It imports the installed package (`pip install -e .` in the checkout), never the folder it
-sits in: an interpreter without the package gets one line saying so, exit 2.
+sits in: an interpreter without the package gets one line saying so, exit 2. `run` starts
+the launcher in this folder with the working directory off `sys.path` and tells each rank
+where to work (`--workdir`); with several nodes the arguments and credentials come in a
+file (`--args-file`, see pipeline/cluster/launcher.py `Launch`).
 """
 
 import sys
