@@ -216,6 +216,8 @@ def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
         env.setdefault("OMP_NUM_THREADS", str(per_proc))
     with Launch(spec, pipeline_args, env) as launch:
         log(f"starting {spec.train.launcher.world_size} processes: {mask(launch.shown)}")
+        for stream in (sys.stdout, sys.stderr):  # ours first: the copies write below it
+            stream.flush()
         # Its own session (so its own process group): a ctrl-C in the terminal reaches only
         # us, and we decide how the launcher's processes hear of it. Its output (and the
         # ranks') comes through us, masked.
