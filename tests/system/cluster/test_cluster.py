@@ -530,3 +530,31 @@ def test_sbatch_accepts_every_rendered_script_and_refuses_what_rendering_refuses
         bad.write_text(text.replace(old, new))
         refused = cluster.run("sbatch", "--test-only", str(bad), check=False)
         assert refused.returncode != 0, (new, refused.stderr)
+
+
+def test_a_percent_in_the_project_path_stays_in_the_log_path(cluster, config, tmp_path):
+    """`%` in a path of an #SBATCH line (issue 45, item 6): Slurm reads --output as a filename
+    pattern, directories included, so a project under `exp%j/` used to log to `exp<job id>/`,
+    which does not exist: no log. sbatch takes the rendered script (--test-only), and a job
+    with its #SBATCH lines and a body that only prints logs where the script says."""
+    root = tmp_path / "exp%j" / "runs"
+    cpu = ["--gpus-per-node", "0", "--procs-per-node", "1"]
+    sets = ["--set", f"workspace.root={root}"]
+    cli("launch", "slurm", config, "--nodes", "2", *cpu, *sets, env=cluster.env)
+    slurm = root / "cluster" / "slurm"
+    done = cluster.run("sbatch", "--test-only", str(slurm / "cluster.sbatch"), check=False)
+    assert done.returncode == 0 and " to start at " in done.stderr, done.stderr
+    directives = [
+        line
+        for line in (slurm / "cluster.sbatch").read_text().splitlines()
+        if line.startswith("#SBATCH")
+    ]
+    assert f"#SBATCH --output={str(slurm).replace('%', '%%')}/logs/%x-%j.out" in directives
+    job_script = tmp_path / "prints.sbatch"
+    job_script.write_text("\n".join(["#!/bin/bash", *directives, 'echo "job $SLURM_JOB_ID"', ""]))
+    job = cluster.run("sbatch", "--parsable", str(job_script)).stdout.strip()
+    fields = cluster.wait_job(job, lambda f: f["JobState"] in FINISHED, 60, "finished")
+    log = slurm / "logs" / f"cluster-{job}.out"
+    assert fields["JobState"] == "COMPLETED", fields
+    assert log.read_text() == f"job {job}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp%j", "prints.sbatch"]
