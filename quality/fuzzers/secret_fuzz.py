@@ -270,9 +270,9 @@ def run_case(case: Case, world: World, tmp: Path, rec: Recorders | None = None) 
     inv = invoke(case.args, root, env, timeout=timeout)
     output = inv.output
     # a secret given with --set may be in the batch script rendered (the module's docstring)
-    scripts = case.command in ("sweep --slurm", "launch slurm", "launch slurm --output") and any(
-        case.canary in a for a in case.args
-    )
+    # (given in any of its forms: a password's may hold an `&` the query's does not)
+    given = any(h in a for h in (case.canary, *case.halves) if h for a in case.args)
+    scripts = case.command in ("sweep --slurm", "launch slurm", "launch slurm --output") and given
     if scripts and inv.exit_code == 0 and "--dry-run" in case.args:
         output = output.replace(inv.stdout, "")  # the script
     found = leaks(case, output, places, scripts)
