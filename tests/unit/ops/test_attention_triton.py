@@ -36,14 +36,16 @@ import pipeline.ops.triton_attention as triton_attention
 from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.ops import get_attention_impl
 from tests.fixtures.attention import (
+    NAMES,
     flex_mask,
     inputs,
     op_grads,
     reference_fn,
 )
+from tests.fixtures.attention import check_against_reference as _check_against_reference
+from tests.fixtures.attention import close as _close
 
 CUDA = torch.cuda.is_available()
-NAMES = ["q", "k", "v", "pos", "persistent_k", "persistent_v", "spans"]
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -101,31 +103,6 @@ def unsplit():
     included); the op splits them out by default, test_attention_triton_split.py's subject."""
     with triton_attention.persistent_split(False):
         yield
-
-
-def _close(got, want, tol, what):
-    assert torch.isfinite(got).all(), what
-    scale = max(1.0, want.abs().max().item())
-    # the reference runs on the CPU: assert_close also fails on a device mismatch alone
-    got = got.double().to(want.device)
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=what)
-
-
-def _check_against_reference(xs, spans, device, dtype, tol, tile=None, exercised=True, **kw):
-    """Output and every gradient of the kernels (inputs cast to dtype on device, in
-    ``tile``) against the reference in float64; ``exercised``: every gradient is non-zero."""
-    triton = get_attention_impl("triton")
-    with _in_tile(tile):
-        out, grads = op_grads(triton, [None if x is None else x.to(device, dtype) for x in xs],
-                            spans.to(device), **kw)  # fmt: skip
-    want, want_grads = op_grads(get_attention_impl("reference"), xs, spans, **kw)
-    _close(out, want, tol, "out")
-    for name, g, w in zip(NAMES, grads, want_grads, strict=True):
-        if w is None:
-            assert g is None, name
-            continue
-        assert w.abs().max() > 0 or not exercised, name  # every gradient really exercised
-        _close(g, w, tol, name)
 
 
 # shapes: odd M, L' and N (not multiples of the interpreter's tile of 16), L' < M, L' = 1,
