@@ -237,7 +237,7 @@ def check_script(case: Case, script: str, tmp: Path, rec: Recorders) -> str | No
     if array is None:
         launcher = re.findall(r"train\.launcher\.\w+=\d+", script)
         want = ["--ranks-from-slurm", "--config", case.config, *_expected_sets(case, launcher)]
-        got = [_after(call, "launch/train.py") for call in sruns]
+        got = [_after(call, "launch/train.py", rec.records) for call in sruns]
         if got[0] != want:
             return f"mangled: srun got {got[0]!r}, expected {want!r}"
         return None
