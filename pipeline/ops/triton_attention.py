@@ -21,16 +21,17 @@ gradients over its rows (reduced here, once); per key tile, dk and dv; per tile 
 persistent vectors, their gradients over the whole batch. No atomics, so a gradient is the
 same bits run to run.
 
-With persistent vectors the op splits them out by default (``SPLIT_PERSISTENT``,
-``persistent_split``): the kernels run the window alone, writing its output and log-sum-exp,
-and the persistent part, shared by the whole batch with neither positions nor mask, runs as
-one dense attention of the batch-folded queries [H, B·M, d_h] against [H, N, d_h]
-(``pipeline.ops.persistent_part``: torch's flash or memory-efficient op on CUDA). The two
-are merged by log-sum-exp, the joint denominator D = D_w + (1 + 1e-8) P (the guard's eps
-counts the persistent keys too), and each part's backward runs with the joint output and
-log-sum-exp, so its weights are the joint softmax's, its delta = dO . O the joint one's, and
-every gradient the unsplit op's. The persistent part's dropout is its backend's (on CUDA,
-torch's generator: other bits than the kernels' hash, the same law; on the CPU the hash).
+With persistent vectors the op can split them out (``SPLIT_PERSISTENT``,
+``persistent_split``; off by default until a GPU has run its CUDA path): the kernels run the
+window alone, writing its output and log-sum-exp, and the persistent part, shared by the
+whole batch with neither positions nor mask, runs as one dense attention of the
+batch-folded queries [H, B·M, d_h] against [H, N, d_h] (``pipeline.ops.persistent_part``:
+torch's flash or memory-efficient op on CUDA). The two are merged by log-sum-exp, the joint
+denominator D = D_w + (1 + 1e-8) P (the guard's eps counts the persistent keys too), and
+each part's backward runs with the joint output and log-sum-exp, so its weights are the
+joint softmax's, its delta = dO . O the joint one's, and every gradient the unsplit op's.
+The persistent part's dropout is its backend's (on CUDA, torch's generator: other bits than
+the kernels' hash, the same law; on the CPU the hash).
 
 Where it runs: CUDA tensors, compiled by Triton; on a machine without CUDA, CPU tensors
 through Triton's interpreter (``TRITON_INTERPRET=1``, which pipeline.ops sets when it is
@@ -89,10 +90,14 @@ INTERPRETER_TILE = {"T": 16}
 """The tile under Triton's interpreter: the smallest tl.dot takes, so the tests' small shapes
 still span several tiles."""
 
-SPLIT_PERSISTENT = True
+SPLIT_PERSISTENT = False
 """With persistent vectors, run the window in the kernels and the persistent part as a dense
 attention over the batch-folded queries (``pipeline.ops.persistent_part``), merged by
-log-sum-exp; False runs both in the kernels. ``persistent_split`` sets it for a block."""
+log-sum-exp; False runs both in the kernels. ``persistent_split`` sets it for a block.
+Off by default: the split is exact through the interpreter and torch on the CPU
+(tests/unit/ops/test_attention_triton_split.py), but its CUDA path (torch's flash and
+memory-efficient ops, their log-sum-exp layouts) has not yet run on a GPU: `make gpu-check`
+runs its CUDA tests and `bench.attention --impls triton,triton-unsplit` times it first."""
 
 WINDOW_ONLY = " (window only)"
 """The tile cache's name suffix of the kernels run for the split's window part: the fastest

@@ -251,8 +251,9 @@ def test_the_persistent_part_s_backend_is_flash_or_memory_efficient_on_cuda_wher
 @pytest.mark.parametrize(
     "device,dtype", [pytest.param("cpu", torch.float32, marks=on_cpu, id="interpreter-fp32")]
 )
-def test_the_split_is_on_by_default_and_can_be_switched_off(device, dtype, monkeypatch):
-    """``SPLIT_PERSISTENT`` (and ``persistent_split`` over it) decides which op runs."""
+def test_the_split_is_off_by_default_and_can_be_switched_on(device, dtype, monkeypatch):
+    """``SPLIT_PERSISTENT`` (and ``persistent_split`` over it) decides which op runs; off
+    until a GPU has run the split's CUDA path."""
     xs, spans = inputs(dtype=torch.float32, b=1, h=3, m=5, span=4, d=8, n=3)
     called = []
     for name in ("_split_forward_op", "_forward_op"):
@@ -262,16 +263,16 @@ def test_the_split_is_on_by_default_and_can_be_switched_off(device, dtype, monke
         )
     triton = get_attention_impl("triton")
     q, k, v, pos, pk, pv = xs
-    assert triton_attention.SPLIT_PERSISTENT
+    assert not triton_attention.SPLIT_PERSISTENT
     with torch.no_grad():
-        triton(q, k, v, pos, persistent_k=pk, persistent_v=pv)
-        with persistent_split(False):
-            triton(q, k, v, pos, persistent_k=pk, persistent_v=pv)
-        monkeypatch.setattr(triton_attention, "SPLIT_PERSISTENT", False)
         triton(q, k, v, pos, persistent_k=pk, persistent_v=pv)
         with persistent_split(True):
             triton(q, k, v, pos, persistent_k=pk, persistent_v=pv)
-    assert called == ["_split_forward_op", "_forward_op", "_forward_op", "_split_forward_op"]
+        monkeypatch.setattr(triton_attention, "SPLIT_PERSISTENT", True)
+        triton(q, k, v, pos, persistent_k=pk, persistent_v=pv)
+        with persistent_split(False):
+            triton(q, k, v, pos, persistent_k=pk, persistent_v=pv)
+    assert called == ["_forward_op", "_split_forward_op", "_split_forward_op", "_forward_op"]
 
 
 @pytest.mark.parametrize(
