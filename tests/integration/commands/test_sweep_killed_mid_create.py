@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.runs import five_stage_config
+
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "tests" / "fixtures" / "workers" / "sweep_worker.py"
 NAMES = ["pipe-lr0.001-seed1", "pipe-lr0.002-seed1"]
@@ -24,19 +26,7 @@ NAMES = ["pipe-lr0.001-seed1", "pipe-lr0.002-seed1"]
 
 @pytest.fixture
 def cfg(tmp_path):
-    path = tmp_path / "pipe.yaml"
-    path.write_text(f"""\
-name: pipe
-dataset: python_docs
-model: {{kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 64}}
-train: {{steps: 2, batch_size: 2, seq_len: 8,
-        optimizer: {{type: adam, lr: 1.0e-3, clip: global, clip_norm: 1.0}}}}
-finetune: {{steps: 1}}
-tracking: {{uri: "{(tmp_path / "store").as_uri()}"}}
-workspace: {{root: {tmp_path / "runs"}}}
-stages: [download, preprocess, train, finetune, evaluate]
-""")
-    return path
+    return five_stage_config(tmp_path, steps=2, tracking=True)
 
 
 def sweep(cfg, tmp_path, **env) -> subprocess.CompletedProcess:

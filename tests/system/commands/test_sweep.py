@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.runs import five_stage_config
+
 ROOT = Path(__file__).resolve().parents[3]
 
 GRID = [
@@ -32,19 +34,7 @@ NAMES = [
 
 @pytest.fixture
 def cfg(tmp_path):
-    path = tmp_path / "pipe.yaml"
-    path.write_text(f"""\
-name: pipe
-dataset: python_docs
-model: {{kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 4, max_span: 64}}
-train: {{steps: 4, batch_size: 2, seq_len: 8,
-        optimizer: {{type: adam, lr: 1.0e-3, clip: global, clip_norm: 1.0}}}}
-finetune: {{steps: 1}}
-tracking: {{uri: "{(tmp_path / "store").as_uri()}"}}
-workspace: {{root: {tmp_path / "runs"}}}
-stages: [download, preprocess, train, finetune, evaluate]
-""")
-    return path
+    return five_stage_config(tmp_path, steps=4, tracking=True)
 
 
 def sweep(cfg, *args, env=None):
