@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.cluster.launcher import python_module
 from pipeline.errors import PipelineError, shown
 from pipeline.spec import PROJECT_ROOT, load_spec
 from pipeline.spec.schema import Spec
@@ -432,7 +433,9 @@ def render_sweep_array(
             )
         load_spec(config_path, [*p.overrides, *launcher_sets])  # the batch splits over them
     base = load_spec(config_path, overrides)
-    python = plain("python interpreter", sys.executable)
+    plain("python interpreter", sys.executable)
+    # the working directory off sys.path, as for every Python process a run starts
+    cli = " ".join(shlex.quote(a) for a in python_module("pipeline.commands.cli"))
     sweep_args = " ".join(
         shlex.quote(a)
         for a in [
@@ -452,12 +455,12 @@ def render_sweep_array(
         f"# first task to get here, and linked into the point's workspace.\n"
         f'case "$SLURM_ARRAY_TASK_ID" in\n{cases}'
         f'    *) echo "no sweep point $SLURM_ARRAY_TASK_ID" >&2; exit 1 ;;\nesac\n'
-        f"{python} -m pipeline.commands.cli sweep {sweep_args} --array-task-prepare {task}\n"
+        f"{cli} sweep {sweep_args} --array-task-prepare {task}\n"
     )
     finish = (
         f"# The point's runs under the sweep's MLflow run.\n"
         f'if [ "$status" -eq 0 ]; then\n'
-        f"    {python} -m pipeline.commands.cli sweep {sweep_args} --array-task-finish {task}\n"
+        f"    {cli} sweep {sweep_args} --array-task-finish {task}\n"
         f"fi\n"
     )
     limit = f"%{max_parallel}" if max_parallel else ""

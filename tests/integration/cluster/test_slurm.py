@@ -441,6 +441,9 @@ def test_sweep_slurm_dry_run_is_one_array_of_the_points(project, tmp_path):
     )
     assert '--array-task-prepare "$SLURM_ARRAY_TASK_ID"' in script
     assert '--array-task-finish "$SLURM_ARRAY_TASK_ID"' in script
+    # the job's working directory off sys.path: no module planted there is imported
+    steps = [line for line in script.splitlines() if "pipeline.commands.cli sweep" in line]
+    assert len(steps) == 2 and all(f"{sys.executable} -P -m pipeline" in s for s in steps)
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
