@@ -221,12 +221,16 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     from pipeline.tracking.store import open_existing_store
 
     if plot:
+        from pipeline.commands.plots import check_replaceable
         from pipeline.fsutil import user_path
         from pipeline.training.head_maps import image_format
 
         plot = str(user_path(plot))  # `..` resolved: nothing made beside the picture
-        with _flag("--plot"):  # a name no picture can have is refused before the queries
+        # a name no picture can have, or a file compare did not draw, is refused before the
+        # queries (and checked again when the picture is written)
+        with _flag("--plot"):
             image_format(plot)
+            check_replaceable(plot)
     specs, experiments, run_ids = [], [], []
     for target in targets:
         if _is_file(target):

@@ -37,6 +37,8 @@ def test_plot_refuses_to_replace_a_users_file_and_replaces_its_own(store):
         f"{MARK!r} in it); refusing to replace it: name a new file, or remove this one\n",
     )
     assert report.read_bytes() == b"%PDF-1.7 the user's report"
+    # refused before the store is read: no table printed above the error
+    assert CliRunner().invoke(main, ["compare", "--plot", str(report)]).stdout == ""
     # its own picture it draws again in place
     curves = store / "curves.png"
     for _ in range(2):
