@@ -43,8 +43,10 @@ def _read(path: Path) -> dict | None:
         if path.stat().st_size > SCAN_BYTES:
             return None
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None  # not a config: it extends nothing
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, ArithmeticError):
+        # not a config: it extends nothing (a tag's constructor raises ValueError on
+        # `!!int abc`; the config being run gets its own one-line error from the spec)
+        return None
     return data if isinstance(data, dict) else None
 
 

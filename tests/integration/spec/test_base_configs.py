@@ -72,3 +72,17 @@ def test_a_config_that_forgot_its_name_is_still_told_so(tmp_path):
         assert "a base for" not in result.output, result.output
     result = CliRunner().invoke(main, ["validate", str(tmp_path / "noname.yaml")])
     assert "name: required key is missing" in result.output, result.output
+
+
+def test_a_neighbour_whose_tag_cannot_be_built_is_passed_over(tmp_path):
+    """Looking for what extends a config reads the YAML files beside it: one whose tag's
+    constructor fails (`!!int abc`: a ValueError, not a YAML error) is not a config to read,
+    and each file gets its own one-line error (the CLI fuzzer's case: a traceback)."""
+    (tmp_path / "bad.yaml").write_text("name: !!int abc\n")
+    (tmp_path / "shared.yaml").write_text("model: {kind: allattn, d_model: 32}\n")
+    (tmp_path / "mine.yaml").write_text("extends: [shared.yaml]\nname: mine\n")
+    line = refusal("validate", str(tmp_path / "shared.yaml"))
+    assert line.startswith(f"{tmp_path / 'shared.yaml'}: a base for `extends`"), line
+    assert refusal("validate", str(tmp_path / "bad.yaml")) == (
+        f"{tmp_path / 'bad.yaml'}:1: name: 'abc' is not a valid !!int"
+    )
