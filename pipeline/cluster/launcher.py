@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from pipeline.cluster import distributed
+from pipeline.cluster.interpreter import python_module, safe_environment
 from pipeline.errors import PipelineError, Preempted
 
 ENTRY = Path(__file__).resolve().parents[2] / "launch" / "train.py"
@@ -29,32 +30,6 @@ ARGS_FILE = "--args-file"
 # double quotes these still act.
 _EXPORTED_ENV = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 _ACTIVE_IN_DOUBLE_QUOTES = re.compile(r'[$`"\\\x00-\x1f\x7f]')
-
-
-def python_module(module: str) -> list[str]:
-    """`python -m module` with the working directory off sys.path: `-P` (3.11+); before it,
-    a `-c` that drops sys.path[0] (the working directory) before importing anything."""
-    if sys.version_info >= (3, 11):
-        return [sys.executable, "-P", "-m", module]
-    code = (
-        "import sys; del sys.path[0]; import runpy; "
-        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
-    )
-    return [sys.executable, "-c", code]
-
-
-def safe_environment(env: dict[str, str], cwd: Path | None = None) -> dict[str, str]:
-    """`env` for a Python process we start: PYTHONSAFEPATH=1 (3.11+: no script's or working
-    directory on sys.path, in it and in every process it starts), and PYTHONPATH without an
-    entry that names the working directory (empty, relative, or `cwd` itself)."""
-    here = os.path.realpath(cwd or os.getcwd())
-    out = dict(env)
-    out["PYTHONSAFEPATH"] = "1"
-    entries = out.pop("PYTHONPATH", "").split(os.pathsep)
-    kept = [e for e in entries if os.path.isabs(e) and os.path.realpath(e) != here]
-    if kept:
-        out["PYTHONPATH"] = os.pathsep.join(kept)
-    return out
 
 
 def _carried_by_file(name: str, value: str) -> bool:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.cluster.launcher import python_module
+from pipeline.cluster.interpreter import python_module
 from pipeline.errors import PipelineError, shown
 from pipeline.spec import PROJECT_ROOT, load_spec
 from pipeline.spec.schema import Spec

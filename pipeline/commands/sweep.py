@@ -393,7 +393,7 @@ def run_shared_prefix(pts: list[Point], prefix: list[str], sweep: SweepRun, log)
 def point_command(config: str, point: Point) -> list[str]:
     """The command that runs one point in its own process (tests put stand-ins here): the
     installed package's CLI, the working directory off sys.path (`python_module`)."""
-    from pipeline.cluster.launcher import python_module
+    from pipeline.cluster.interpreter import python_module
 
     return [
         *python_module("pipeline.commands.cli"),
@@ -433,7 +433,7 @@ def _point_environment(sweep: SweepRun) -> dict[str, str]:
     """A point process's environment: a process group of its own, and the sweep's MLflow run
     (its pipeline run is created as the sweep run's child, not only adopted when it ends);
     no PYTHONPATH entry naming the working directory, PYTHONSAFEPATH set (`safe_environment`)."""
-    from pipeline.cluster.launcher import safe_environment
+    from pipeline.cluster.interpreter import safe_environment
     from pipeline.tracking.tracker import SWEEP_RUN_ENV
 
     env = safe_environment(distributed.environment_for_new_group())
