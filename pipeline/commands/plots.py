@@ -39,8 +39,8 @@ def check_replaceable(path) -> None:
     report.pdf, a picture of a format that cannot hold the mark)."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
+    except (FileNotFoundError, NotADirectoryError):
+        return  # nothing there to replace (where the picture cannot go, its writer says)
     except OSError as e:
         raise PipelineError(f"{shown(path)}: cannot read it: {e.strerror or e}") from None
     if not stat.S_ISREG(mode):
