@@ -82,9 +82,7 @@ def run(ctx: StageContext) -> dict:
         log_every=0, eval_every=0, checkpoint_every=cur.steps_per_epoch, keep_checkpoints=KEEP
     )
     summary = trainer.fit(curriculum.updates, root, cadence=epochs)
-    result = curriculum.result()
-    result = {k: result[k] for k in ("problem", "score", "next_length", "final_length", "epochs")}
-    result |= {"parameters": trainer.params, "history": curriculum.history}
+    result = curriculum.result(trainer.params)
     atomic_write_json(ctx.out_dir / RESULT, result)
     ctx.tracker.log_artifact(ctx.out_dir / RESULT)
     ctx.tracker.log_metrics(
@@ -94,10 +92,9 @@ def run(ctx: StageContext) -> dict:
         f"score {result['score']} (the longest length solved in {result['epochs']} epochs); "
         f"next length {result['next_length']} (the authors' script's reading)"
     )
-    return {
-        key: result[key]
-        for key in ("problem", "score", "next_length", "final_length", "epochs", "parameters")
-    } | {key: summary[key] for key in ("nonfinite_skipped",) if key in summary}
+    # the trainer's count of skipped updates (train.nonfinite: skip) goes on the record too
+    skipped = {k: v for k, v in summary.items() if k == "nonfinite_skipped"}
+    return {key: value for key, value in result.items() if key != "history"} | skipped
 
 
 def evaluate_task(ctx: StageContext) -> dict:

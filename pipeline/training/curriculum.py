@@ -124,11 +124,11 @@ class LengthCurriculum:
         self.stream = torch.Generator().manual_seed(stream_seed(self.data_seed, "train", epoch))
         self.loss_sum, self.applied = torch.zeros((), device=trainer.device), 0
 
-    def after_update(self, trainer, loss, log: Callable[[str], None]) -> None:
+    def after_update(self, trainer, losses, log: Callable[[str], None]) -> None:
         assert self.loss_sum is not None
         if not trainer.guard.skipped_last:
             self.loss_sum = self.loss_sum.to(trainer.device)  # as saved, after a resume
-            self.loss_sum += loss.objective
+            self.loss_sum += torch.stack([loss.objective for loss in losses]).mean()
             self.applied += 1
         if trainer.step % self.cur.steps_per_epoch:
             return
@@ -187,15 +187,17 @@ class LengthCurriculum:
         if state["loss_sum"] is not None:
             self.loss_sum = state["loss_sum"]  # on the host, until the next update adds to it
 
-    def result(self) -> dict:
-        """curriculum.json's readings: `score`, the longest length solved (0 if none), the
-        paper's; `next_length`, what the curriculum would train next, the authors' script's
-        "Maximum Sequence Size"; `final_length`, the last epoch's."""
+    def result(self, parameters: int) -> dict:
+        """curriculum.json: `score`, the longest length solved (0 if none), the paper's;
+        `next_length`, what the curriculum would train next, the authors' script's "Maximum
+        Sequence Size"; `final_length`, the last epoch's; the model's `parameters`; the
+        per-epoch history."""
         return {
             "problem": self.problem,
             "score": best_length(self.history),
             "next_length": self.length,
             "final_length": self.history[-1]["length"],
             "epochs": self.epoch,
+            "parameters": parameters,
             "history": self.history,
         }

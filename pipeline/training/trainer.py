@@ -67,9 +67,9 @@ class MicroBatchLoss(NamedTuple):
     state: State  # the model's state after the micro-batch
 
 
-class UpdateLoss(NamedTuple):
-    nll: torch.Tensor  # this rank's mean token nll over the update's micro-batches
-    objective: torch.Tensor  # the mean of what was minimised (nll + the model's aux_loss())
+def mean_nll(losses: list[MicroBatchLoss]) -> torch.Tensor:
+    """An update's mean token nll over its micro-batches, on the device."""
+    return torch.stack([loss.nll for loss in losses]).mean()
 
 
 class TrainingHook(Protocol):
@@ -81,9 +81,12 @@ class TrainingHook(Protocol):
     def before_update(self, trainer: Trainer, update: int) -> None:
         """Before update number `update` (1-based) draws its batch."""
 
-    def after_update(self, trainer: Trainer, loss: UpdateLoss, log: Callable[[str], None]):
-        """After the update (trainer.step is its number), before the loop reports,
-        validates or checkpoints it; `log` prints above the progress bar."""
+    def after_update(
+        self, trainer: Trainer, losses: list[MicroBatchLoss], log: Callable[[str], None]
+    ):
+        """After the update (trainer.step is its number; `losses`, its micro-batches'),
+        before the loop reports, validates or checkpoints it; `log` prints above the
+        progress bar."""
 
     def state_dict(self) -> dict: ...
 
@@ -233,7 +236,7 @@ class Trainer:
                 for hook in self.hooks:
                     hook.before_update(self, self.step + 1)
                 try:
-                    loss = self.update()
+                    losses = self.update()
                 except PipelineError:
                     raise
                 except Exception:
@@ -242,7 +245,7 @@ class Trainer:
                     # view: the others are not here to agree)
                     self.guard.read_and_check(self.model.parameters(), self.step, agree=False)
                     raise
-                window.add(loss.nll)
+                window.add(mean_nll(losses))
                 progress.advance()
                 if (
                     expect_lr is not None
@@ -255,7 +258,7 @@ class Trainer:
                         f"the LR drop did not take"
                     )
                 for hook in self.hooks:
-                    hook.after_update(self, loss, lambda line: progress.log(self.log, line))
+                    hook.after_update(self, losses, lambda line: progress.log(self.log, line))
                 if every.log_every and (self.step % every.log_every == 0 or self.step == until):
                     self._report(window, until, progress)
                 if every.eval_every and self.step % every.eval_every == 0:
@@ -310,18 +313,15 @@ class Trainer:
         stays on the device until a report reads it, and a model with value-dependent shapes
         plans them ahead (``planned_update`` / ``request_plan``, pipeline.models.protocol).
         ``float()`` of the result waits for the step to finish."""
-        return self.update().nll
+        return mean_nll(self.update())
 
-    def update(self) -> UpdateLoss:
-        """train_step, with the mean objective too (on the device, as the nll)."""
+    def update(self) -> list[MicroBatchLoss]:
+        """train_step, returning each micro-batch's losses (on the device)."""
         losses = self.updates.run(
             self._stream_updates if self.documents is None else self._document_updates
         )
         self.step += 1
-        return UpdateLoss(
-            torch.stack([loss.nll for loss in losses]).mean(),
-            torch.stack([loss.objective for loss in losses]).mean(),
-        )
+        return losses
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host batch to the device without waiting for it: pinned and non-blocking on
