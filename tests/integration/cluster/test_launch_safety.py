@@ -14,20 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.planted import plant
+
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "configs" / "enwik8_large.yaml"
 SECRET = "SeCrEt-pa'ss!$w(o)rd"
-PLANTED = ("mlflow", "yaml", "json")
-
-
-def plant(where: Path) -> Path:
-    marker = where / "IMPORTED-FROM-CWD"
-    for name in PLANTED:
-        (where / f"{name}.py").write_text(
-            f"open({str(marker)!r}, 'a').write({name!r} + '\\n')\n"
-            f"raise ImportError('the planted {name}.py was imported')\n"
-        )
-    return marker
 
 
 @pytest.mark.parametrize("error", ["PipelineError", "RuntimeError"])

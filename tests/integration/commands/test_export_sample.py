@@ -228,15 +228,18 @@ def test_a_checkpoint_that_does_not_fit_the_config_names_the_difference(trained)
 def test_another_stage_kinds_checkpoint_is_one_line(trained, tmp_path):
     from pipeline.training.checkpoints import write_checksums
 
+    def sample_from(ckpt) -> str:
+        write_checksums(ckpt)
+        result = CliRunner().invoke(
+            main, ["sample", str(trained), "--prompt", "x", "--checkpoint", str(ckpt)]
+        )
+        assert result.exit_code == 2, result.output
+        return result.output
+
     ckpt = tmp_path / "checkpoints" / "step-00000001"
     ckpt.mkdir(parents=True)
     (ckpt / "notes.txt").write_text("not weights\n")  # another program's directory
-    write_checksums(ckpt)
-    result = CliRunner().invoke(
-        main, ["sample", str(trained), "--prompt", "x", "--checkpoint", str(ckpt)]
-    )
-    assert result.exit_code == 2, result.output
-    assert result.output == (
+    assert sample_from(ckpt) == (
         f"error: checkpoint {ckpt}: not a checkpoint of the trainer "
         f"(no model states; it holds checksums.json, notes.txt)\n"
     )
@@ -244,12 +247,7 @@ def test_another_stage_kinds_checkpoint_is_one_line(trained, tmp_path):
     ckpt = tmp_path / "curriculum" / "checkpoints" / "step-00000001"
     ckpt.mkdir(parents=True)
     torch.save({"model": {}, "epoch": 1}, ckpt / "state.pt")
-    write_checksums(ckpt)
-    result = CliRunner().invoke(
-        main, ["sample", str(trained), "--prompt", "x", "--checkpoint", str(ckpt)]
-    )
-    assert result.exit_code == 2, result.output
-    assert result.output == (
+    assert sample_from(ckpt) == (
         f"error: checkpoint {ckpt}: a curriculum checkpoint of the old format (state.pt), "
         f"which this version cannot read: train the curriculum again (allattn-pipe run "
         f"CONFIG --force curriculum)\n"

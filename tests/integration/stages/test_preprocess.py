@@ -14,10 +14,7 @@ import collections
 import gzip
 import hashlib
 import json
-import os
 import re
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from pipeline.data.manifest import load_manifest, load_split, load_tokenizer
 from pipeline.errors import PipelineError
 from pipeline.spec import SpecError, load_spec
 from stages.preprocess import SPLITS, preprocess
+from tests.fixtures.runs import cli
 from tests.fixtures.shared_data import shared_data
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -100,21 +98,6 @@ workspace: {{root: {tmp / "runs"}}}
 stages: [download, preprocess]
 """)
     return path
-
-
-def cli(*args, check: bool = True):
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    result = subprocess.run(
-        [sys.executable, "-m", "pipeline.commands.cli", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result
 
 
 def run_pipeline(cfg: Path, *sets: str, force: str | None = None, check: bool = True):

@@ -14,21 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.fixtures.planted import plant
+
 ROOT = Path(__file__).resolve().parents[3]
 CLI = Path(sys.executable).parent / "allattn-pipe"  # the console script a user runs
 CANARY = "CANARY-pa'ss!$(w)*+,;=%41rd"
-PLANTED = ("mlflow", "yaml", "json")
-
-
-def plant(where: Path) -> Path:
-    """The three modules in `where`; the marker file any of them writes when imported."""
-    marker = where / "IMPORTED-FROM-CWD"
-    for name in PLANTED:
-        (where / f"{name}.py").write_text(
-            f"open({str(marker)!r}, 'a').write({name!r} + '\\n')\n"
-            f"raise ImportError('the planted {name}.py was imported')\n"
-        )
-    return marker
 
 
 def allattn(where: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -37,6 +37,7 @@ from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.ops import get_attention_impl
 from tests.fixtures.attention import (
     NAMES,
+    assert_traced_triton_gives_the_eager_bits,
     flex_mask,
     inputs,
     op_grads,
@@ -346,26 +347,7 @@ def test_triton_traces_into_one_graph_with_its_backward_and_gives_the_eager_bits
     the mask's log, the custom forward and backward ops) with no graph break, and the
     traced forward and backward (AOT autograd, eager kernels) give the eager op's bits."""
     xs, spans = inputs(dtype=torch.float32, b=1, h=3, m=16, span=20, d=8, n=4)
-    triton = get_attention_impl("triton")
-
-    def attend(q, k, v, pos, pk, pv, spans, seed):
-        mask = attention_mod.adaptive_span_mask(spans, 3, pos.shape[1])
-        return triton(
-            q, k, v, pos, persistent_k=pk, persistent_v=pv, span_mask=mask,
-            dropout_p=0.3, training=True, dropout_seed=seed,
-        )  # fmt: skip
-
-    def run(fn):
-        leaves = [x.to(device, dtype).requires_grad_() for x in xs]
-        leaves.append(spans.to(device).requires_grad_())
-        out = fn(*leaves, torch.tensor(3, dtype=torch.int32, device=device))
-        out.float().sum().backward()
-        return [out.detach()] + [x.grad for x in leaves]
-
-    eager = run(attend)
-    traced = run(torch.compile(attend, backend="aot_eager", fullgraph=True))
-    for name, a, b in zip(["out", *NAMES], eager, traced, strict=True):
-        assert torch.equal(a, b), name
+    assert_traced_triton_gives_the_eager_bits(xs, spans, device, dtype)
 
 
 @pytest.mark.parametrize("device,dtype,tol,tile", _devices())

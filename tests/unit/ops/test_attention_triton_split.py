@@ -23,6 +23,7 @@ from pipeline.ops import adaptive_span_mask, get_attention_impl, persistent_part
 from pipeline.ops.triton_attention import persistent_split
 from tests.fixtures.attention import (
     NAMES,
+    assert_traced_triton_gives_the_eager_bits,
     check_against_reference,
     close,
     flex_mask,
@@ -290,25 +291,6 @@ def test_the_split_traces_into_one_graph_with_its_backward_and_gives_the_eager_b
     backward give the eager op's bits (torch's generator seeded alike for the CUDA ops'
     dropout)."""
     xs, spans = inputs(dtype=torch.float32, b=2, h=3, m=5, span=6, d=8, n=3)
-    triton = get_attention_impl("triton")
-
-    def attend(q, k, v, pos, pk, pv, spans, seed):
-        mask = adaptive_span_mask(spans, 3, pos.shape[1])
-        return triton(
-            q, k, v, pos, persistent_k=pk, persistent_v=pv, span_mask=mask,
-            dropout_p=0.3, training=True, dropout_seed=seed,
-        )  # fmt: skip
-
-    def run(fn):
-        torch.manual_seed(0)
-        leaves = [x.to(device, dtype).requires_grad_() for x in xs]
-        leaves.append(spans.to(device).requires_grad_())
-        with persistent_split(True, backend):
-            out = fn(*leaves, torch.tensor(3, dtype=torch.int32, device=device))
-        out.float().sum().backward()
-        return [out.detach()] + [x.grad for x in leaves]
-
-    eager = run(attend)
-    traced = run(torch.compile(attend, backend="aot_eager", fullgraph=True))
-    for name, a, b in zip(["out", *NAMES], eager, traced, strict=True):
-        assert torch.equal(a, b), name
+    assert_traced_triton_gives_the_eager_bits(
+        xs, spans, device, dtype, around=lambda: persistent_split(True, backend)
+    )
