@@ -165,12 +165,14 @@ def _copy_masked(source, target) -> None:
     out = getattr(target, "buffer", None)
     for raw in iter(source.readline, b""):
         line = mask_text(raw.decode("utf-8", "surrogateescape"))
+        data = line.encode("utf-8", "surrogateescape")
         try:
-            if out is not None:
-                out.write(line.encode("utf-8", "surrogateescape"))
-            else:
-                target.write(line.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
-            target.flush() if out is None else out.flush()
+            if out is not None:  # the raw bytes through the binary buffer
+                out.write(data)
+                out.flush()
+            else:  # a text stream (a test's capture): undecodable bytes as U+FFFD
+                target.write(data.decode("utf-8", "replace"))
+                target.flush()
         except (OSError, ValueError):  # our own output closed: keep draining the pipe
             pass
     source.close()
