@@ -375,7 +375,10 @@ def layout_findings(root: Path) -> list[str]:
 
 
 def test_no_test_imports_another_and_unit_tests_start_nothing():
-    assert {p.name for p in TESTS.iterdir() if p.is_dir()} >= {*TIERS, "fixtures"}
+    # a folder beside the tiers is a layout nobody runs on purpose (the empty packages the
+    # move to tiers left behind were one)
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == {*TIERS, "fixtures"}
     assert layout_findings(TESTS) == []
 
 

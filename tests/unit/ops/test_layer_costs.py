@@ -1,7 +1,7 @@
 """What one all-attention layer keeps for backward and how many aten ops it runs, against
 the authors' code (facebookresearch/adaptive-span) at the same shape. The authors' numbers
-come from ``python -m tests.ops.layer_costs --reference-code DIR`` (their code is never copied
-here); see tests/ops/layer_costs.py."""
+come from ``python -m tests.fixtures.layer_costs --reference-code DIR`` (their code is never copied
+here); see tests/fixtures/layer_costs.py."""
 
 from __future__ import annotations
 

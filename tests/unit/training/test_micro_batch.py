@@ -5,7 +5,7 @@ The search is Composer's auto micro-batching done once: the largest divisor of t
 batch whose forward and backward does not raise CUDA's out-of-memory error. It is tested here
 with a step function that raises torch.cuda.OutOfMemoryError above a size (the error is
 constructible without a GPU); the record and resume end to end in
-tests/stages/test_micro_batch_record.py.
+tests/system/workspace/test_micro_batch_resume.py.
 """
 
 from __future__ import annotations
