@@ -95,7 +95,10 @@ def generate(
             if temperature == 0:
                 nxt = int(scores.argmax())
             else:
-                scores = scores / temperature
+                # shifted so the best score is 0 before dividing, in float64 (where any
+                # temperature > 0 is > 0): a tiny temperature then sends the others to -inf,
+                # greedy with ties shared, instead of every score to +-inf and softmax to NaN
+                scores = (scores - scores.max()).double() / temperature
                 if top_k:
                     kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
                     scores = scores.masked_fill(scores < kth, float("-inf"))
