@@ -16,6 +16,7 @@ config's own dataset.
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import MISSING, dataclass, field, fields
 
 from pipeline.models import MODELS
@@ -114,10 +115,10 @@ def smoke_data(data: dict, builtin_card: dict, keep_dataset: bool = False) -> Sm
             put(path, limit)
 
     if isinstance(d.get("name"), str):
-        put(("name",), d["name"][: NAME_LIMIT - len(SUFFIX)] + SUFFIX)
+        put(("name",), smoke_name(d["name"]))
     tracking = d.get("tracking")
     if isinstance(tracking, dict) and isinstance(tracking.get("experiment"), str):
-        put(("tracking", "experiment"), tracking["experiment"] + SUFFIX)
+        put(("tracking", "experiment"), smoke_name(tracking["experiment"]))
 
     stages = d["stages"] if isinstance(d.get("stages"), list) else []
     vocab = _smoke_dataset(d, out, put, cap, builtin_card, keep_dataset)
@@ -148,6 +149,16 @@ def smoke_data(data: dict, builtin_card: dict, keep_dataset: bool = False) -> Sm
         for key, limit in EVALUATE_CAPS.items():
             cap(("evaluate", key), limit)
     return out
+
+
+def smoke_name(name: str) -> str:
+    """`name` with SUFFIX, inside NAME_LIMIT (the rule of `name` and tracking.experiment);
+    a name too long for it is cut and keeps a hash of the whole, so two long names that
+    differ only past the cut still get different workspaces and experiments."""
+    if len(name) + len(SUFFIX) <= NAME_LIMIT:
+        return name + SUFFIX
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[: NAME_LIMIT - len(SUFFIX) - len(digest) - 1]}-{digest}{SUFFIX}"
 
 
 def _smoke_model(d: dict, put, cap, vocab: int | None) -> None:
