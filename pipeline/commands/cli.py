@@ -62,15 +62,23 @@ def run(config, overrides, start_from, only, force, dry_run, smoke):
     """Run the pipeline CONFIG, skipping stages whose outputs are up to date."""
     from pipeline.spec import load_spec
     from pipeline.tracking.tracker import make_tracker
+    from pipeline.workspace.lock import busy_message, holder
     from pipeline.workspace.runner import Runner
 
     spec = load_spec(config, list(overrides), smoke=smoke, log=_echo)
     runner = Runner(spec, force=list(force), start_from=start_from, only=list(only))
+    # asked before anything slow (MLflow's store, the launcher's processes), which a run on a
+    # busy workspace would only sit through to be refused by the lock
+    busy = holder(spec.workspace_dir)
     if dry_run:
         click.echo(f"workspace {spec.workspace_dir}")
+        if busy is not None:
+            click.echo(f"  in use by another run ({busy}): a run now would be refused")
         for step in runner.plan():
             click.echo(f"  {step.stage:<11} {step.action:<5} {step.describe()}")
         return
+    if busy is not None:
+        raise PipelineError(busy_message(spec.workspace_dir, busy))
     from pipeline.fsutil import writable_dir
 
     writable_dir(spec.workspace_dir, "workspace")  # before MLflow's store is made in it

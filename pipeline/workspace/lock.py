@@ -3,6 +3,8 @@ readers such as `compare` to ask whether a run still holds it."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -36,17 +38,25 @@ class WorkspaceLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            holder = _holder_line(fd)
             os.close(fd)
-            raise PipelineError(
-                f"workspace {self.path.parent} is in use by another run "
-                f"({holder}); wait for it to finish or stop it"
-            ) from None
-        os.ftruncate(fd, 0)
+            raise PipelineError(busy_message(self.path.parent, holder)) from None
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        os.pwrite(
-            fd, f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n".encode(), 0
-        )
+        line = f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n".encode()
+        try:
+            os.ftruncate(fd, 0)
+            written = os.pwrite(fd, line, 0)
+            if written != len(line):  # a short write is what a full disk can also do
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            # no half-written holder left for the next run to show, and no lock held
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)  # releases the flock
+            raise PipelineError(
+                f"workspace {self.path.parent}: cannot write its lock file {self.path}: "
+                f"{e.strerror or e}"
+            ) from None
         self._fd = fd
         return self
 
@@ -58,19 +68,39 @@ class WorkspaceLock:
             self._fd = None
 
 
-def lock_is_free(workspace: Path) -> bool:
-    """True when no run holds `workspace`'s lock (on this host); creates nothing."""
+def busy_message(workspace: Path, holder: str) -> str:
+    """The one line a run on a workspace another run holds is refused with."""
+    return (
+        f"workspace {workspace} is in use by another run ({holder}); "
+        f"wait for it to finish or stop it"
+    )
+
+
+def _holder_line(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "holder unknown"
+
+
+def holder(workspace: Path) -> str | None:
+    """Who holds `workspace`'s lock ("pid N on host H since T"), or None when no run holds it
+    (on this host); creates nothing, waits on nothing. A run asks this before its slow
+    start (MLflow's store, the launcher's processes) so that a busy workspace is refused at
+    once; the lock itself is still what keeps two runs apart."""
     from pipeline.fsutil import open_regular_fd
 
     try:
         # a FIFO planted there is refused, not waited on
         fd = open_regular_fd(Path(workspace) / ".lock", "workspace lock file")
     except FileNotFoundError:
-        return True
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
+        return None
     except BlockingIOError:
-        return False
+        return _holder_line(fd)
     finally:
         os.close(fd)  # releases the shared lock at once
+
+
+def lock_is_free(workspace: Path) -> bool:
+    """True when no run holds `workspace`'s lock (on this host); creates nothing."""
+    return holder(workspace) is None
