@@ -25,7 +25,8 @@ import torch
 from pipeline.cluster import distributed
 from pipeline.errors import PipelineError
 
-HINT = "lower train.optimizer.lr (or clip the gradients), or set train.nonfinite: skip"
+LOWER_LR = "lower train.optimizer.lr (or clip the gradients)"
+HINT = f"{LOWER_LR}, or set train.nonfinite: skip"
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -64,6 +65,11 @@ class NonfiniteGuard:
         self._first = torch.full((), -1, dtype=torch.int64, device=device)
         self._update = torch.zeros((), dtype=torch.int64, device=device)
         self.step = 0  # the host's count of updates, for skip mode's messages
+
+    @property
+    def hint(self) -> str:
+        """What a stop message advises: skip mode is not advised to a run already in it."""
+        return LOWER_LR if self.mode == "skip" else HINT
 
     def start(self, step: int) -> None:
         """The loop is at `step` updates (a fresh start, or a resumed checkpoint's)."""
@@ -113,7 +119,7 @@ class NonfiniteGuard:
                         f"{self.stage}: a non-finite gradient (NaN or inf) at step {self.step}, "
                         f"found after part of the update was applied (ZeRO 3 steps its "
                         f"sub-groups one by one): training stopped; the last checkpoint is "
-                        f"kept; {HINT}"
+                        f"kept; {self.hint}"
                     )
                 return not self.skipped_last
             self.skipped_last = bad
@@ -126,7 +132,7 @@ class NonfiniteGuard:
                         f"{self.stage}: a non-finite loss or gradient (NaN or inf) at step "
                         f"{self.step}: {self.skipped} updates skipped, more than "
                         f"train.nonfinite_limit ({self.limit}): training stopped; the last "
-                        f"checkpoint is kept; lower train.optimizer.lr (or clip the gradients)"
+                        f"checkpoint is kept; {self.hint}"
                     )
             return not self.skipped_last
         if ok is None:
@@ -150,7 +156,7 @@ class NonfiniteGuard:
             at = f"step {first}" if bad else "a step on another rank"
             raise PipelineError(
                 f"{self.stage}: a non-finite loss or gradient (NaN or inf) at {at}: training "
-                f"stopped; the last checkpoint saved before it is kept; {HINT}"
+                f"stopped; the last checkpoint saved before it is kept; {self.hint}"
             )
 
     def read_and_check(
@@ -170,5 +176,5 @@ class NonfiniteGuard:
         if distributed.any_rank(not weights_finite) if agree else not weights_finite:
             raise PipelineError(
                 f"{self.stage}: the weights at step {step} are not finite (NaN or inf): "
-                f"nothing saved; the last checkpoint saved before it is kept; {HINT}"
+                f"nothing saved; the last checkpoint saved before it is kept; {self.hint}"
             )

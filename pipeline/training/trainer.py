@@ -49,7 +49,7 @@ from pipeline.training.engine import (
 )
 from pipeline.training.evaluation import LN2, evaluate_nll
 from pipeline.training.micro_batch import resolve
-from pipeline.training.nonfinite import HINT, NonfiniteGuard
+from pipeline.training.nonfinite import NonfiniteGuard
 from pipeline.training.optim import build_optimizer, lr_schedule
 from pipeline.training.progress import LossWindow, Progress, gpu_memory_text
 
@@ -427,7 +427,7 @@ class Trainer:
         if not math.isfinite(valid):  # never the best, never saved
             raise PipelineError(
                 f"{self.stage}: the validation at step {self.step} is not finite ({valid}): "
-                f"training stopped; the last checkpoint saved before it is kept; {HINT}"
+                f"training stopped; the last checkpoint saved before it is kept; {self.guard.hint}"
             )
         improved = self.best_valid is None or valid < self.best_valid
         if improved:
