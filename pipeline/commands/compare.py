@@ -330,7 +330,19 @@ def _fmt_wall(seconds: float) -> str:
 
 
 def _fmt_size(n) -> str:
-    return "-" if n is None else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n:,}"
+    """A parameter count: whole below 100,000, else three significant figures in k, M or B
+    (113,775 and 146,543 are 114k and 147k; one decimal of millions made both 0.1M)."""
+    if n is None:
+        return "-"
+    if n < 100_000:
+        return f"{n:,}"
+    scale, unit = 1e3, "k"
+    for bigger, name in ((1e6, "M"), (1e9, "B")):
+        if float(f"{n / scale:.3g}") < 1000:  # rounded first: 999,600 is 1.00M, not 1000k
+            break
+        scale, unit = bigger, name
+    value = float(f"{n / scale:.3g}")
+    return f"{value:.{max(0, 2 - math.floor(math.log10(value)))}f}{unit}"
 
 
 def _tokens(row: RunRow) -> int | None:
