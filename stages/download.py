@@ -1,6 +1,7 @@
 """download: get the dataset's source onto the machine, verify it, extract its files.
 
-Sources: `builtin://NAME` (built here, no network), `file:///path` (a local mirror, read in
+Sources: `builtin://NAME` (built here with no network, once per machine and then read from
+the user's cache: `pipeline.data.corpus.cached`), `file:///path` (a local mirror, read in
 place) and `http(s)://...` (resumable, cached by sha256 in `workspace.cache`). The work is
 in `pipeline.data.fetch`; this stage decides names and writes the record.
 
@@ -29,7 +30,7 @@ from stages.base import Stage, StageContext
 
 
 def _builtin(ds, files_dir, log) -> tuple[str, dict]:
-    from pipeline.data.corpus import build
+    from pipeline.data.corpus import cached
 
     name = ds.url.split("://", 1)[1]
     if "?" in name or "#" in name:  # nothing reads one, and it could hold a secret
@@ -52,9 +53,8 @@ def _builtin(ds, files_dir, log) -> tuple[str, dict]:
             f"dataset.url {ds.url}: dataset.files.{role}.path '{shown(text)}' names a "
             f"parent directory or an absolute path; give a file name, e.g. {name}.txt"
         )
-    log(f"building the built-in corpus '{name}' (no network)")
     try:
-        data = build(name)
+        data = cached(name, log)  # built once per machine, then reused by every workspace
     except ValueError as e:
         raise PipelineError(f"dataset.url {ds.url}: {e}") from None
     sha = hashlib.sha256(data).hexdigest()

@@ -1,6 +1,6 @@
-"""The tests' one environment fixture (tests/fixtures/environment.py), run on two tests of its own
-in a pytest of their own: what the first sets is gone for the second, and a user's tracking server
-never reaches either."""
+"""The tests' one environment fixture (tests/fixtures/environment.py), run on three tests of its
+own in a pytest of their own: what the first sets is gone for the second, and neither a user's
+tracking server nor a user's cache directory reaches any."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def test_the_next_test_starts_without_it():
                           "MLFLOW_TRACKING_URI") if k in os.environ}
     assert not leaked
     assert os.environ["KEPT"] == "yes"      # the session's own variables stay
+
+def test_the_user_cache_is_the_sessions_own(tmp_path_factory):
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    assert cache.startswith(str(tmp_path_factory.getbasetemp())), cache
 """
 
 
@@ -30,7 +34,11 @@ def test_a_variable_one_test_sets_never_reaches_the_next(tmp_path):
     (tmp_path / "conftest.py").write_text(ENVIRONMENT.read_text())
     (tmp_path / "test_pair.py").write_text(TESTS)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_PORT")}
-    env.update(MLFLOW_TRACKING_URI="http://a-users-server:5000", KEPT="yes")
+    env.update(
+        MLFLOW_TRACKING_URI="http://a-users-server:5000",
+        KEPT="yes",
+        XDG_CACHE_HOME=str(Path.home() / ".cache"),
+    )
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path,
@@ -40,4 +48,4 @@ def test_a_variable_one_test_sets_never_reaches_the_next(tmp_path):
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 passed" in result.stdout
+    assert "3 passed" in result.stdout
