@@ -32,6 +32,7 @@ def run(ctx: StageContext) -> dict:
 
     from pipeline.cluster.device import resolve_device
     from pipeline.data.manifest import load_manifest, load_split
+    from pipeline.data.vocab import bits_name
     from pipeline.training.checkpoints import load_model_weights
     from pipeline.training.evaluation import LN2, evaluate_nll
     from pipeline.training.paper_loss import line_losses
@@ -49,6 +50,7 @@ def run(ctx: StageContext) -> dict:
     results = {
         "checkpoint": f"{source}/{tag}",
         "unigram_entropy_bits": manifest["unigram_entropy_bits"],
+        "tokenizer": manifest.get("tokenizer"),  # what result_lines calls the bits per token
     }
     if manifest.get("documents"):
         return _evaluate_documents(ctx, model, seq_len, device, manifest["documents"], results)
@@ -57,7 +59,8 @@ def run(ctx: StageContext) -> dict:
         tokens = loaded[split] = load_split(ctx.inputs["preprocess"], split)
         with (
             torch.no_grad(),
-            ScoringProgress(f"evaluate {split}", max(len(tokens) - 1, 0), ctx.log) as shown,
+            # the log line's prefix already says [evaluate]
+            ScoringProgress(split, max(len(tokens) - 1, 0), ctx.log) as shown,
         ):
             total, count = evaluate_nll(
                 model, tokens, ev.batch_size, seq_len, device, progress=shown
@@ -66,7 +69,8 @@ def run(ctx: StageContext) -> dict:
         _refuse_nonfinite(f"the {split} split's loss", nats, results["checkpoint"])
         if count < FEW_TOKENS:
             ctx.log(
-                f"warning: the {split} split has only {count:,} scored tokens: its bpc is "
+                f"warning: the {split} split has only {count:,} scored tokens: its "
+                f"{bits_name(manifest.get('tokenizer'))} is "
                 f"a rough estimate (make dataset.split.{split} larger)"
             )
         results[split] = {"tokens": count, "loss": nats, "bpc": nats / LN2, "ppl": math.exp(nats)}
@@ -117,9 +121,14 @@ def result_lines(results: dict) -> list[str]:
         f"checkpoint {results['checkpoint']}; unigram entropy of the train split "
         f"{results['unigram_entropy_bits']:.3f} bits"
     ]
+    from pipeline.data.vocab import bits_name
+
+    bits = bits_name(results.get("tokenizer"))
     for split in splits:
         r = results[split]
-        out.append(f"{split:<5} bpc {r['bpc']:.3f}   ppl {r['ppl']:.2f}   ({r['tokens']:,} tokens)")
+        out.append(
+            f"{split:<5} {bits} {r['bpc']:.3f}   ppl {r['ppl']:.2f}   ({r['tokens']:,} tokens)"
+        )
         if "lines" in r:
             lines = r["lines"]
             out.append(

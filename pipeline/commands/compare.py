@@ -33,6 +33,7 @@ from pipeline.errors import PipelineError, shown
 # parameters that name where a run lived rather than what it computed
 _PLACE = ("name", "workspace.", "tracking.", "paper.")
 SEED = "train.seed"
+TOKENIZER = "dataset.tokenizer.kind"
 # the metrics shown by default, in this order, when a run logged them
 METRICS = ("valid_bpc", "test_bpc", "valid_ppl", "test_ppl")
 STATUS = {
@@ -359,13 +360,24 @@ def _mean_of(values):
     return round(statistics.fmean(values)) if values else None
 
 
+def _metric_header(metric: str, groups: list[Group]) -> str:
+    """A metric's column: `*_bpc` (evaluate's bits per token) is `*_bits/token` unless every
+    run's tokens are characters or bytes, where bits per token are bits per character."""
+    from pipeline.data.vocab import bits_name
+
+    if not metric.endswith("_bpc"):
+        return metric
+    names = {bits_name(g.rows[0].params.get(TOKENIZER)) for g in groups}
+    return metric if names == {"bpc"} else f"{metric.removesuffix('_bpc')}_bits/token"
+
+
 def table_rows(groups: list[Group], metrics: list[str]) -> tuple[list[str], list[list[str]]]:
     """The header and the cells of every row (paper rows included), nothing folded yet."""
     params = _varying_params(groups)
     header = (
         ["name", "status", "n", "seeds", "model", "parameters", "steps", "tokens", "wall"]
         + params
-        + metrics
+        + [_metric_header(m, groups) for m in metrics]
     )
     cells = []
     for g in groups:

@@ -208,6 +208,14 @@ def vocab_from_json(d: dict) -> Vocab | WordVocab:
     return Vocab.from_json(d)
 
 
+def bits_name(tokenizer: str | None) -> str:
+    """What a line calls bits per token: bpc where a token is a character or a byte (the
+    name the character-level papers use), bits/token for words and sentencepiece pieces,
+    whose bits per token are no bits per character. None (a result recorded before its
+    tokenizer was) is bpc, as it was printed then."""
+    return "bpc" if tokenizer in (None, "byte", "char") else "bits/token"
+
+
 def unigram_entropy_bits(ids, vocab_size: int) -> float:
     """Entropy in bits per symbol of the empirical symbol distribution of ``ids``.
 

@@ -32,6 +32,7 @@ from pipeline.cluster import distributed
 from pipeline.cluster.device import dense_peak_tflops, peak_memory_mb, resolve_device
 from pipeline.cluster.signals import StopSignal
 from pipeline.data.documents import DocumentBatches
+from pipeline.data.vocab import bits_name
 from pipeline.errors import PipelineError, Preempted
 from pipeline.models.protocol import SequenceModel, State
 from pipeline.ops import compile_count
@@ -172,6 +173,8 @@ class Trainer:
         self.device = build_device(train)
         self.vocab_size, self.documents = data.vocab_size, data.documents
         self.block_len = data.block_len  # the tokens of one training row
+        # what the lines call bits per token: bpc for characters and bytes only
+        self.bits = bits_name(getattr(getattr(spec.dataset, "tokenizer", None), "kind", None))
         self.lr_at = lr_schedule(spec, stage)  # the lr of update k; the only writer of lr
         model = build_model(spec, self.vocab_size, data.origin, self.device, self.rank)
         self.resolved, self.ds_config = build_ds_config(self, model, recorded)
@@ -445,7 +448,7 @@ class Trainer:
                     f"documents)"
                 )
             else:
-                line = f"valid bpc {valid:.3f} ({scope}, {metrics['tokens']:,} tokens)"
+                line = f"valid {self.bits} {valid:.3f} ({scope}, {metrics['tokens']:,} tokens)"
             progress.log(self.log, f"step {self.step:>6}  {line}{'  (best)' if improved else ''}")
         return improved
 
@@ -486,7 +489,7 @@ class Trainer:
         # documents: the loss is over the sorted targets, not bits per character of a text
         if not self.documents:
             metrics["bpc"] = mean / LN2
-        bpc = f"bpc {metrics['bpc']:.3f}  " if "bpc" in metrics else ""
+        bpc = f"{self.bits} {metrics['bpc']:.3f}  " if "bpc" in metrics else ""
         mfu = ""
         if self.peak_tflops is not None:
             # per GPU: tokens_per_s counts every rank's tokens (the window's step is

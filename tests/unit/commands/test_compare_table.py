@@ -1,5 +1,6 @@
-"""`compare`'s parameters column: counts that differ by a quarter are told apart (one decimal
-of millions printed 113,775 and 146,543 both as 0.1M)."""
+"""`compare`'s table: parameter counts that differ by a quarter are told apart (one decimal
+of millions printed 113,775 and 146,543 both as 0.1M), and bits per token are called bpc
+only where every run's tokens are characters or bytes."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import pytest
 from pipeline.commands.compare import Group, RunRow, table_rows
 
 
-def group(name: str, parameters: int | None) -> Group:
+def group(name: str, parameters: int | None = 1000, tokenizer: str | None = None) -> Group:
     row = RunRow(
         run_id=name,
         run_ids=[name],
         name=name,
         status="finished",
-        params={"model.kind": "allattn", "name": name},
-        metrics={},
+        params={"model.kind": "allattn", "name": name}
+        | ({"dataset.tokenizer.kind": tokenizer} if tokenizer else {}),
+        metrics={"valid_bpc": 2.5, "valid_ppl": 5.6},
         steps=10,
         parameters=parameters,
         wall_s=1.0,
@@ -49,3 +51,19 @@ def test_two_small_models_are_told_apart():
 )
 def test_three_significant_figures_past_a_hundred_thousand(count, shown):
     assert parameters_column(count) == [shown]
+
+
+@pytest.mark.parametrize(
+    "tokenizers, column",
+    [
+        (["byte", "char"], "valid_bpc"),
+        ([None], "valid_bpc"),  # a run logged without its tokenizer: as it was shown
+        (["sentencepiece"], "valid_bits/token"),
+        (["word", "word"], "valid_bits/token"),
+        (["byte", "sentencepiece"], "valid_bits/token"),  # a character is a token too
+    ],
+)
+def test_bits_per_token_are_bpc_only_for_characters_and_bytes(tokenizers, column):
+    groups = [group(f"run{i}", tokenizer=t) for i, t in enumerate(tokenizers)]
+    header, _ = table_rows(groups, ["valid_bpc", "valid_ppl"])
+    assert header[-2:] == [column, "valid_ppl"]
