@@ -371,8 +371,9 @@ class ActiveMemoryModel(SequenceModel):
         parts = [
             f"active memory: {c.mixer}",
             "causal" if c.causal else "bidirectional",
-            f"kernel {c.kernel_size}",
         ]
+        if c.operator is not None:  # self-attention alone has no convolution (inert_keys)
+            parts.append(f"kernel {c.kernel_size}")
         if c.operator in ("conv", "persistent_conv"):
             parts.append(f"conv {c.conv_activation}")
         if c.operator == "cgru":

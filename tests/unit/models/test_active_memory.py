@@ -407,3 +407,12 @@ def test_a_setting_the_mixer_does_not_use_is_refused(tmp_path, mixer, override, 
     assert result.exit_code == 2
     key = override.split("=")[0]
     assert f"{key}: does nothing here ({why}); remove it" in result.output, result.output
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_the_description_names_a_kernel_only_where_the_mixer_convolves(mixer):
+    """The smoke self-attention point was described with "kernel 5": a convolution's
+    setting, which self-attention alone does not have."""
+    described = tiny_model(mixer, causal=True).describe()
+    assert described.startswith(f"active memory: {mixer}, causal")
+    assert ("kernel 4" in described) == (mixer != "self_attention"), described
