@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -96,7 +96,9 @@ def init_process_group() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        _load_comm_op()
+        alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+        if not alone:
+            _load_comm_op()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             # our own group, bound to the local rank's GPU; DeepSpeed adopts an initialised one
@@ -107,7 +109,8 @@ def init_process_group() -> tuple[int, int]:
                 timeout=TIMEOUT,
                 **nccl_group_kwargs(int(os.environ.get("WORLD_SIZE", "1")), local_rank),
             )
-        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=TIMEOUT)
+        with _without_comm_op() if alone else nullcontext():
+            deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=TIMEOUT)
         _unlink_shm_buffer(dist.get_rank())
         atexit.register(_destroy_process_group)
         global _group_started
@@ -211,11 +214,36 @@ def _op_build_lock(extensions: Path):
         yield
 
 
+@contextmanager
+def _without_comm_op():
+    """deepspeed.init_distributed with no shared-memory comm op: DeepSpeed builds it on CPU
+    (a C++ build of ~4 minutes the first time) for every group, but uses it only in
+    `inference_all_reduce` between several ranks, which returns its tensor untouched in a
+    group of one: a single process trains the same without it. Where DeepSpeed has no
+    `build_shm_op` to stand in for, the op is built as for several ranks."""
+    import importlib
+
+    # by its full name: `import deepspeed.comm.torch as m` gives torch itself, which
+    # deepspeed.comm's namespace holds under that name
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if not hasattr(ds_torch, "build_shm_op"):
+        _load_comm_op()
+        yield
+        return
+    build = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = build
+
+
 def _load_comm_op() -> None:
     """Build (or load) the shared-memory comm op that deepspeed.init_distributed loads on CPU,
     the same op on the same condition, but under OP_BUILD_LOCK; init_distributed then finds
     it loaded. While we hold the lock no other process is building, so a torch `lock` file in
-    the op's build directory is what a killed build left: torch would wait on it forever."""
+    the op's build directory is what a killed build left: torch would wait on it forever.
+    A build takes minutes and prints nothing until it is done: said before it starts."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
@@ -224,6 +252,13 @@ def _load_comm_op() -> None:
         return
     extensions = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     with _op_build_lock(extensions):
+        if not (extensions / builder.name / f"{builder.name}.so").exists():
+            print(
+                f"building DeepSpeed's CPU communication op {builder.name} in {extensions} "
+                f"(once per virtualenv, ~4 min)",
+                file=sys.stderr,
+                flush=True,
+            )
         stale = extensions / builder.name / "lock"
         if stale.exists():
             print(

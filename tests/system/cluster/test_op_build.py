@@ -1,7 +1,9 @@
 """DeepSpeed's shared-memory comm op, which `distributed.init_process_group` builds on first use
-on CPU: built once per environment whichever `ninja` comes first on PATH, and never stuck
-behind the `lock` file a killed build leaves. Each test starts a fresh process that calls
-init_process_group (what every run does before training) on a copy of the built op."""
+on CPU for a rank of several (one process goes without it: tests/integration/cluster/
+test_comm_op.py): built once per environment whichever `ninja` comes first on PATH, and never
+stuck behind the `lock` file a killed build leaves. Each test starts a fresh process that loads
+the op as such a rank does (`_load_comm_op`, then init_process_group) on a copy of the built
+op."""
 
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ ROOT = Path(__file__).resolve().parents[3]
 OP = "deepspeed_shm_comm"
 # The torch `lock` a build holds in the op's directory (torch.utils.file_baton.FileBaton).
 TORCH_LOCK = Path(OP, "lock")
-START = "from pipeline.cluster import distributed; print(distributed.init_process_group())"
+START = (
+    "from pipeline.cluster import distributed; distributed.prepare_environment(); "
+    "distributed._load_comm_op(); print(distributed.init_process_group())"
+)
 
 
 def start_env(extensions: Path, **extra) -> dict[str, str]:
