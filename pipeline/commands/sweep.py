@@ -384,9 +384,11 @@ def run_shared_prefix(pts: list[Point], prefix: list[str], sweep: SweepRun, log)
         if s.stage in prefix
     ):
         log(f"[{first.name}] running what every point shares: {', '.join(prefix)}")
-        Runner(first.spec, only=prefix, log=lambda m: log(f"[{first.name}] {m}")).run(
-            make_tracker(first.spec, sweep_run_id=sweep.run_id)
+        # the stages after the prefix are the points' own runs: not "held by --only"
+        shared = Runner(
+            first.spec, only=prefix, log=lambda m: log(f"[{first.name}] {m}"), say_held=False
         )
+        shared.run(make_tracker(first.spec, sweep_run_id=sweep.run_id))
         sweep.adopt([first.spec.workspace_dir])
 
 

@@ -148,8 +148,12 @@ class Runner:
         start_from: str | None = None,
         only: list[str] | None = None,
         log=print,
+        say_held: bool = True,
     ):
+        """`say_held`: False where --only is the caller's, not the user's (a sweep building
+        the stages its points share): a held stage is then not reported."""
         self.spec = spec
+        self.say_held = say_held
         self.ws = Workspace(spec.workspace_dir)
         self.force = set(_parse_selection(force, spec, "--force"))
         self.only = set(_parse_selection(only, spec, "--only"))
@@ -412,7 +416,9 @@ class Runner:
         name = step.stage
         stage = STAGES[name]
         if step.action != "run":
-            self.log(f"[{name}] {'skipped' if step.action == 'skip' else 'held'}: {step.reason}")
+            if step.action == "skip" or self.say_held:
+                said = "skipped" if step.action == "skip" else "held"
+                self.log(f"[{name}] {said}: {step.reason}")
             return self.ws.record(name)
         # every input ran or was skipped/held with a record before this stage (plan() checks)
         input_records = {i: cast(dict, records[i]) for i in resolve_inputs(stage, self.spec.stages)}
