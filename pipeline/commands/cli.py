@@ -26,6 +26,25 @@ SMOKE = click.option(
     "dataset becomes the built-in corpus (--set dataset=NAME keeps it).",
 )
 
+POINT = click.option(
+    "--point",
+    metavar="NAME",
+    help="A point of a sweep of CONFIG, named as the sweep printed it (or by the end of "
+    "that name, e.g. mixerconv): its --set and --smoke, which the sweep recorded in the "
+    "point's workspace, come before these --set.",
+)
+
+
+def _point_sets(config, overrides, point, smoke=False) -> tuple[list[str], bool]:
+    """The --set and --smoke of CONFIG's sweep point `point` (if one is named), then
+    `overrides`."""
+    if point is None:
+        return list(overrides), smoke
+    from pipeline.commands.sweep import point_overrides
+
+    sets, recorded_smoke = point_overrides(config, point, list(overrides), smoke)
+    return sets, smoke or recorded_smoke
+
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
@@ -58,13 +77,15 @@ def main(debug: bool) -> None:
 )
 @click.option("--dry-run", is_flag=True, help="Print what would run and why; run nothing.")
 @SMOKE
-def run(config, overrides, start_from, only, force, dry_run, smoke):
+@POINT
+def run(config, overrides, start_from, only, force, dry_run, smoke, point):
     """Run the pipeline CONFIG, skipping stages whose outputs are up to date."""
     from pipeline.spec import load_spec
     from pipeline.tracking.tracker import make_tracker
     from pipeline.workspace.lock import busy_message, holder
     from pipeline.workspace.runner import Runner
 
+    overrides, smoke = _point_sets(config, overrides, point, smoke)
     spec = load_spec(config, list(overrides), smoke=smoke, log=_echo)
     runner = Runner(spec, force=list(force), start_from=start_from, only=list(only))
     # asked before anything slow (MLflow's store, the launcher's processes), which a run on a
@@ -218,7 +239,15 @@ def show(config, overrides, smoke, estimate):
     help="Also draw the runs' learning curves (train loss, valid bpc by step, "
     "tokens and wall-clock) into FILE.png, and log it to their sweep's run.",
 )
-def compare(targets, overrides, metrics, filter_string, fmt, plot):
+@click.option(
+    "--point",
+    "points",
+    multiple=True,
+    metavar="NAME",
+    help="Only this point of a sweep of the CONFIG given, named as the sweep printed it "
+    "(or by the end of that name); repeatable.",
+)
+def compare(targets, overrides, metrics, filter_string, fmt, plot, points):
     """Pipeline runs side by side from the MLflow store: seeds grouped (mean ± std, n),
     published results beside ours, columns equal in every row folded into a header line."""
     import re
@@ -239,9 +268,23 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
         with _flag("--plot"):
             image_format(plot)
             check_replaceable(plot)
+    configs = [t for t in targets if _is_file(t)]
+    if points and len(configs) != 1:
+        raise PipelineError(
+            f"--point names a point of the sweep of one CONFIG argument; {len(configs)} given"
+        )
     specs, experiments, run_ids = [], [], []
+    matched = list(overrides)  # the keys whose values a run must have: the points' too
     for target in targets:
-        if _is_file(target):
+        if _is_file(target) and points:
+            for name in points:
+                sets, smoke = _point_sets(target, overrides, name)
+                specs.append(load_spec(target, sets, smoke=smoke))
+                # `~KEY` removes rather than sets; the name is matched as the run's name
+                matched += [
+                    o for o in sets if not o.startswith(("~", "name=")) and o not in matched
+                ]
+        elif _is_file(target):
             specs.append(load_spec(target, list(overrides)))
         elif re.fullmatch(r"[0-9a-f]{32}", target):
             run_ids.append(target)
@@ -250,7 +293,7 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot):
     if overrides and not specs:
         raise PipelineError("--set applies to a CONFIG argument; none was given")
     client = open_existing_store(cmp.store_uri(specs))
-    rows = cmp.collect(client, specs, experiments, run_ids, filter_string, overrides)
+    rows = cmp.collect(client, specs, experiments, run_ids, filter_string, matched)
     groups = cmp.group(rows)
     # runs recorded before URLs were masked still hold their secrets: never printed
     click.echo(mask(cmp.render(groups, cmp.metric_names(groups, metrics), fmt)))
@@ -512,12 +555,14 @@ CHECKPOINT = click.option(
     default=0,
     show_default=True,
 )
-def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, seed):
+@POINT
+def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, seed, point):
     """Continue PROMPT with CONFIG's trained language model (through its cache)."""
     from pipeline.commands.sample import sample as generate_text
     from pipeline.spec import load_spec
 
-    spec = load_spec(config, list(overrides))
+    overrides, smoke = _point_sets(config, overrides, point)
+    spec = load_spec(config, overrides, smoke=smoke, log=lambda m: _echo(m, err=True))
     for text in generate_text(
         spec,
         checkpoint,
@@ -561,13 +606,15 @@ def sample(config, overrides, checkpoint, prompt, tokens, temperature, top_k, se
     "the resolved config and evaluate's results; the version is tagged with "
     "the checkpoint and the headline numbers.",
 )
-def export(config, overrides, checkpoint, out, fmt, register):
+@POINT
+def export(config, overrides, checkpoint, out, fmt, register, point):
     """Write CONFIG's trained weights as safetensors, with the model config and vocabulary
     as JSON: `pipeline.commands.export.load_exported(DIR)` loads them into the plain torch model."""
     from pipeline.commands.export import export as write_export
     from pipeline.spec import load_spec
 
-    spec = load_spec(config, list(overrides))
+    overrides, smoke = _point_sets(config, overrides, point)
+    spec = load_spec(config, overrides, smoke=smoke, log=_echo)
     client = None
     if register is not None:  # refused before anything is written
         from pipeline.tracking.registry import check_registrable

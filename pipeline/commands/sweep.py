@@ -14,6 +14,9 @@ workspace under the same root has already built with the same fingerprint is lin
 Re-running the same sweep skips the points whose stages are all up to date, and resumes an
 interrupted one from its workspace (the runner's own resume: train from its newest intact
 checkpoint).
+
+Each point's workspace holds `sweep-point.json`, the config and the --set that make it:
+`export`, `sample`, `compare` and `run` take `--point NAME` and load the point from it.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ from typing import IO, TYPE_CHECKING, Any
 from pipeline.cluster import distributed
 from pipeline.cluster.signals import SignalHandler
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
-from pipeline.fsutil import open_for_write
+from pipeline.fsutil import atomic_write_json, open_for_write, read_json
 from pipeline.redact import mask
-from pipeline.spec import SpecError, load_spec
+from pipeline.spec import ALL, SpecError, inert_on_its_own, load_spec
 from pipeline.spec.validation import InertKey, InertKeysError
 from pipeline.tracking.sweep_run import SweepRun
 from pipeline.workspace.layout import Workspace, fingerprint
@@ -102,6 +105,24 @@ def parse_seeds(text: str | None) -> list[str]:
     return seeds
 
 
+NOT_IN_NAME = r"[^A-Za-z0-9_.+-]"
+"""What a point's name spells as `_`: a value's `sa+conv` stays itself (a directory, an
+MLflow run name, a shell word and a Slurm path alike take `+`), a URL's `/` or `:` does not."""
+
+OLD_NOT_IN_NAME = r"[^A-Za-z0-9_.-]"
+"""The same before names kept `+` (`sa+conv` was `sa_conv`)."""
+
+
+def kept_spelling(root: Path, name: str) -> str:
+    """`name`, or its spelling from before names kept `+` where a workspace of that name is
+    under `root` and none of this one: a sweep run before then goes on in its workspace
+    rather than training the point again under a new name."""
+    old = re.sub(OLD_NOT_IN_NAME, "_", name)
+    if old != name and (root / old).is_dir() and not (root / name).exists():
+        return old
+    return name
+
+
 def _label(key: str, keys: list[str]) -> str:
     """The part of a run name a grid key contributes: its last component, or the whole key
     (dots as underscores) when two keys end alike."""
@@ -121,7 +142,7 @@ def load_dropping_inert(
     while True:
         sets = sets_for(chosen, removals)
         try:
-            spec = load_spec(config, sets, smoke=smoke, log=log)
+            spec = load_spec(config, sets, smoke=smoke, log=log, strict=True)
             return spec, chosen, sets, list(dropped.values())
         except InertKeysError as e:
             if all(f"~{k.key}" in removals for k in e.keys):
@@ -157,13 +178,14 @@ def points(
             "would run under two names; give the seeds once"
         )
     experiment = base.tracking.experiment or base.name
+    root = base.workspace_dir.parent
 
     def point_name(chosen, seed) -> str:
         # a name is a directory, a run name and a line of output: no URL's secret in it
         parts = [f"{_label(k, keys)}{mask(v)}" for k, v in chosen]
         if seed is not None:
             parts.append(f"seed{seed}")
-        return re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join([base.name, *parts]))
+        return kept_spelling(root, re.sub(NOT_IN_NAME, "_", "-".join([base.name, *parts])))
 
     out: list[Point] = []
     names = set()
@@ -194,14 +216,23 @@ def points(
             )
         names.add(name)
         out.append(Point(name, sets, spec, dropped, smoke))
-    refuse_inert_everywhere(out, grid)
+    refuse_inert_everywhere(out, grid, inert_on_its_own(config, smoke))
     return out
 
 
-def refuse_inert_everywhere(pts: list[Point], grid: list[tuple[str, list[str]]]) -> None:
+def refuse_inert_everywhere(
+    pts: list[Point], grid: list[tuple[str, list[str]]], alone: frozenset[str] = ALL
+) -> None:
     """A key dropped at every point does nothing in this sweep (a typo, most likely): refused
-    where it was written, as `run` refuses it."""
+    where it was written, as `run` refuses it; as there, one the config file writes that acts
+    in the file on its own (not in `alone`) is left to the --set and --grid that switch it off."""
     everywhere = set.intersection(*({k.key for k in p.dropped} for p in pts)) if pts else set()
+    if alone is not ALL:
+        everywhere -= {
+            k.key
+            for k in (pts[0].dropped if pts else [])
+            if not k.origin.startswith("--set ") and k.key not in alone
+        }
     if not everywhere:
         return
     grid_items = {k: f"--grid {k}={','.join(values)}" for k, values in grid}
@@ -258,6 +289,105 @@ def reuse_outputs(spec, log) -> list[str]:
             break
         builds[name] = record["build"]
     return linked
+
+
+POINT_RECORD = "sweep-point.json"
+"""In each point's workspace: the config and the --set that make the point, which
+`export`, `sample`, `compare` and `run` read back for `--point NAME` (`point_overrides`)."""
+
+
+def record_points(config: str, pts: list[Point]) -> None:
+    """Write each point's record: its --set with a URL's credentials masked, as every record
+    of the workspace has them, and the keys of those (`withheld`), which `--point` asks for."""
+    for p in pts:
+        p.spec.workspace_dir.mkdir(parents=True, exist_ok=True)
+        record = {
+            "config": str(Path(config).resolve()),
+            "name": p.name,
+            "overrides": [mask(o) for o in p.overrides],
+            "withheld": [o.partition("=")[0].strip() for o in p.overrides if mask(o) != o],
+            "smoke": p.smoke,
+        }
+        atomic_write_json(p.spec.workspace_dir / POINT_RECORD, record, private=True)
+
+
+def recorded_points(config: str, root: Path) -> list[dict]:
+    """The point records under `root` that sweeps of `config` wrote."""
+    target = str(Path(config).resolve())
+    found = []
+    for path in sorted(root.glob(f"*/{POINT_RECORD}")):
+        try:
+            record = read_json(path, "sweep point record")
+        except (PipelineError, OSError, ValueError):
+            continue  # not a record this package wrote: not a point
+        if isinstance(record, dict) and record.get("config") == target:
+            found.append(record)
+    return found
+
+
+def point_overrides(
+    config: str, name: str, overrides: list[str], smoke: bool = False
+) -> tuple[list[str], bool]:
+    """The --set (then `overrides`) and --smoke of the point `name` of a sweep of `config`,
+    as its sweep recorded them under the config's workspace root. `name` is the point's
+    name as the sweep printed it, or its end (`mixerconv`, `seed2`) where only one point's
+    name ends so, an old name (`sa_conv` for `sa+conv`), or one of its --set (`mixer=conv`,
+    `model.mixer=conv`) that only one point has."""
+    base = load_spec(config, overrides, smoke=smoke)
+    root = base.workspace_dir.parent
+    records = {
+        r["name"]: r for r in recorded_points(config, root) if isinstance(r.get("name"), str)
+    }
+    if not records:
+        raise PipelineError(
+            f"--point {shown(name)}: no sweep of {shown(config)} has recorded its points "
+            f"under {root}; a sweep run before points were recorded records them when it "
+            f"runs again (it skips the points that are done)"
+        )
+
+    def old(n: str) -> str:
+        return re.sub(OLD_NOT_IN_NAME, "_", n)
+
+    def ends(full: str, given: str) -> bool:
+        return full == given or full.endswith(f"-{given}")
+
+    # the whole name, else its end; each as written, else as names were spelled before `+`
+    matches = (
+        [n for n in records if n == name]
+        or [n for n in records if ends(n, name)]
+        or [n for n in records if ends(old(n), old(name))]
+        or [n for n in records if name in _settings(records[n])]
+    )
+    if len(matches) != 1:
+        which = "names several points" if matches else "is not a point of its sweeps"
+        raise PipelineError(
+            f"--point {shown(name)} {which} (under {root}); the points: "
+            f"{', '.join(matches or sorted(records))}"
+        )
+    record = records[matches[0]]
+    sets, withheld = record.get("overrides"), record.get("withheld") or []
+    if (
+        not isinstance(sets, list)
+        or not isinstance(withheld, list)
+        or not all(isinstance(o, str) for o in [*sets, *withheld])
+    ):
+        raise PipelineError(f"{root / matches[0] / POINT_RECORD}: not a sweep point record")
+    given = [o.partition("=")[0].strip() for o in overrides]
+    missing = [k for k in withheld if not any(overlapping(k, g) for g in given)]
+    if missing:
+        raise PipelineError(
+            f"--point {matches[0]}: its {', '.join(f'--set {k}' for k in missing)} held a "
+            f"credential, which the sweep did not record; give it again (--set {missing[0]}=...)"
+        )
+    return [*sets, *overrides], bool(record.get("smoke"))
+
+
+def _settings(record: dict) -> set[str]:
+    """A point's grid and seed settings as `--point` takes them: `model.mixer=conv`, and
+    `mixer=conv` as its name spells the key."""
+    sets = [o for o in record.get("overrides") or [] if isinstance(o, str) and "=" in o]
+    pairs = [o.split("=", 1) for o in sets if o.split("=", 1)[0] not in SWEEP_SETS]
+    return {f"{k}={v}" for k, v in pairs} | {f"{k.rsplit('.', 1)[-1]}={v}" for k, v in pairs}
 
 
 def is_done(spec) -> bool:
@@ -323,6 +453,7 @@ def run_sweep(
     first = pts[0].spec
     if first.tracking.enabled and is_remote(tracking_uri(first)):
         make_tracker(first).check(first)  # as `run` does: one line now, not one per point
+    record_points(config, pts)
     sweep = _sweep_run(pts, ident, log)
     workspaces = [p.spec.workspace_dir for p in pts]
     failed: list[str] = []
@@ -540,6 +671,7 @@ def prepare_array_task(
                 list({id(p): p for p in (pts[0], point)}.values()), prefix, sweep, log
             )
         reuse_outputs(point.spec, log)
+    record_points(config, [point])
     log(f"[{point.name}] sweep point {index + 1} of {len(pts)}")
 
 

@@ -23,7 +23,7 @@ from pipeline.spec.sources import (
     parse_override,
     resolve_dataset_card,
 )
-from pipeline.spec.validation import refuse_inert_keys, validate_spec
+from pipeline.spec.validation import InertKeysError, refuse_inert_keys, validate_spec
 
 __all__ = ["PROJECT_ROOT", "Spec", "SpecError", "load_spec", "parse_override"]
 
@@ -33,12 +33,52 @@ def load_spec(
     overrides: Sequence[str] = (),
     smoke: bool = False,
     log: Callable[[str], None] | None = None,
+    strict: bool = False,
 ) -> Spec:
     """Read, merge, override and validate a pipeline spec; SpecError on any mistake.
     `smoke`: the config shrunk to a tiny model and a few steps (pipeline.spec.smoke), before
     the other `--set` overrides; `log` is told what it put in place of a downloaded dataset.
     An override `~KEY` removes KEY (it takes its default): how a sweep point drops a key
-    that does nothing there."""
+    that does nothing there. A key the file writes that only a --set switches off (the
+    file's n_heads under --set model.mixer=conv) is dropped so, and `log` told; `strict`
+    refuses it as any other key that does nothing (a sweep drops such keys itself)."""
+    try:
+        return _load_spec(path, overrides, smoke, log)
+    except InertKeysError as e:
+        if strict or not any(not text.startswith("~") for text in overrides):
+            raise
+        # the file's keys that act in the file on its own: the --set switched them off
+        alone = inert_on_its_own(path, smoke)
+        if alone is ALL:
+            raise
+        kept = [k for k in e.keys if k.origin.startswith("--set ") or k.key in alone]
+        if kept:
+            raise InertKeysError(kept) from None
+        # no `log`: what it had to say, the first load said
+        spec = _load_spec(path, [*overrides, *(f"~{k.key}" for k in e.keys)], smoke, None)
+        if log is not None:
+            for k in e.keys:
+                log(f"{k.origin}: {k.key}: dropped, it does nothing with these --set ({k.why})")
+        return spec
+
+
+ALL = frozenset({"*"})
+"""`inert_on_its_own` where the file does not load without its --set: every key counts."""
+
+
+def inert_on_its_own(path: str | Path, smoke: bool = False) -> frozenset[str]:
+    """The dotted keys that do nothing in the file `path` itself, without --set (`ALL` where
+    it does not load on its own, so that nothing is taken for a --set's doing)."""
+    try:
+        _load_spec(path, (), smoke, None)
+    except InertKeysError as e:
+        return frozenset(k.key for k in e.keys)
+    except SpecError:
+        return ALL
+    return frozenset()
+
+
+def _load_spec(path, overrides, smoke, log) -> Spec:
     path = Path(path)
     origin = shown(path)  # where an error without a line of its own points
     where: dict = {}

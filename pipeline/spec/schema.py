@@ -952,9 +952,10 @@ class PaperSpec(Section):
 
 
 class Spec(Section):
-    # the workspace directory's name: a file name has at most 255 bytes
+    # the workspace directory's name: a file name has at most 255 bytes; `+` for a sweep
+    # point's value (mixersa+conv), which a directory, a run name and a shell word all take
     name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$",
         max_length=100,
         description="the run's name: its workspace <workspace.root>/<name> and "
         "default MLflow experiment",

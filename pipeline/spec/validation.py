@@ -200,7 +200,7 @@ def check_warmup_fits_steps(spec: Spec, where: dict, origin: str) -> list[str]:
 
 
 # a name that becomes one path component: the rule `name` has in the schema
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 NAME_MAX = 100
 
 
@@ -219,7 +219,7 @@ def _check_names(spec: Spec, where: dict, origin: str) -> list[str]:
     return [
         f"{at}: tracking.experiment: becomes a directory name under "
         f"{{workspace.root}}/mlartifacts, so it is held to the rule `name` has: letters, "
-        f"digits, '_', '.', '-', starting with a letter or digit, at most {NAME_MAX} "
+        f"digits, '_', '.', '+', '-', starting with a letter or digit, at most {NAME_MAX} "
         f"characters; found {short_repr(experiment)}"
     ]
 

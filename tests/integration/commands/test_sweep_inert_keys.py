@@ -1,7 +1,9 @@
 """A sweep over a structural key (model.mixer): a key the config writes that does nothing at
 some points (n_heads, head_dim without self-attention) is dropped there, one line per point
-says so, and the point's name, spec and fingerprints no longer depend on it; a key that does
-nothing at every point is refused as in a single run, whose error names the way out."""
+says so, and the point's name, spec and fingerprints no longer depend on it. A single run
+whose --set switches off a key of the file drops it the same way; a key that does nothing in
+the file on its own, or that a --set itself writes, is refused (at every point of a sweep, or
+in a single run), and the error names the way out."""
 
 from __future__ import annotations
 
@@ -20,14 +22,14 @@ BASE = PROJECT_ROOT / "configs" / "base" / "active_memory_lm.yaml"
 WHY = "mixer conv has no self-attention"
 
 
-def own_config(tmp_path, n_heads=4, head_dim=32, name="mine"):
+def own_config(tmp_path, n_heads=4, head_dim=32, name="mine", mixer="self_attention"):
     """A user's own active-memory config: the attention sizes in the file itself, not a base."""
     path = tmp_path / f"{name}.yaml"
     path.write_text(f"""\
 name: {name}
 extends: [{BASE}]
 model:
-  mixer: self_attention
+  mixer: {mixer}
   n_heads: {n_heads}
   head_dim: {head_dim}
 workspace: {{root: {tmp_path / "runs"}}}
@@ -100,28 +102,66 @@ def test_a_grid_key_dropped_at_a_point_leaves_one_point_for_its_values(tmp_path)
 
 
 @pytest.mark.parametrize(
-    "args, at",
+    "args", [["--grid", "model.mixer=conv,cgru"], ["--set", "model.mixer=conv", "--seeds", "1,2"]]
+)
+def test_a_key_of_the_file_that_the_sets_switch_off_everywhere_is_dropped_everywhere(
+    tmp_path, args
+):
+    result = invoke("sweep", own_config(tmp_path), "--dry-run", *args)
+    assert result.exit_code == 0, result.output
+    dropped = [line for line in result.output.splitlines() if line.startswith("point ")]
+    assert len(dropped) == 2, result.output
+    assert all(": dropped model.n_heads, model.head_dim (mixer c" in line for line in dropped)
+
+
+@pytest.mark.parametrize(
+    "args, at, mixer",
     [
-        (["--grid", "model.mixer=conv,cgru"], "FILE:5"),
-        (["--set", "model.mixer=conv", "--seeds", "1,2"], "FILE:5"),
-        (["--grid", "model.mixer=conv,cgru", "--set", "model.n_heads=2"], "--set model.n_heads=2"),
+        # written by --set: the user's own doing
+        (
+            ["--grid", "model.mixer=conv,cgru", "--set", "model.n_heads=2"],
+            "--set model.n_heads=2",
+            "self_attention",
+        ),
+        # doing nothing in the file on its own: no --set switched it off
+        (["--grid", "train.seed=1,2"], "FILE:5", "conv"),
     ],
 )
-def test_a_key_that_does_nothing_at_every_point_is_refused(tmp_path, args, at):
-    cfg = own_config(tmp_path)
+def test_a_key_that_does_nothing_at_every_point_is_refused(tmp_path, args, at, mixer):
+    cfg = own_config(tmp_path, mixer=mixer)
     result = invoke("sweep", cfg, "--dry-run", *args)
     assert result.exit_code == 2, result.output
     at = at.replace("FILE", str(cfg))
-    assert f"{at}: model.n_heads: does nothing at any point of the sweep ({WHY}" in result.output
-    assert "model.head_dim: does nothing at any point of the sweep" in result.output
+    assert f"{at}: model.n_heads: does nothing at any point of the sweep (mixer c" in result.output
 
 
-def test_a_single_run_refuses_it_and_names_the_way_out(tmp_path):
+def test_a_single_run_drops_a_key_of_the_file_that_its_set_switches_off(tmp_path):
     cfg = own_config(tmp_path)
     result = invoke("validate", cfg, "--set", "model.mixer=conv")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[:2] == [
+        f"{cfg}:5: model.n_heads: dropped, it does nothing with these --set ({WHY})",
+        f"{cfg}:6: model.head_dim: dropped, it does nothing with these --set ({WHY})",
+    ]
+    # the spec a sweep point with the same value runs
+    point = load_spec(cfg, ["model.mixer=conv", "~model.n_heads", "~model.head_dim"])
+    assert load_spec(cfg, ["model.mixer=conv"]).resolved() == point.resolved()
+
+
+def test_a_single_run_refuses_a_key_that_does_nothing_in_the_file_itself(tmp_path):
+    cfg = own_config(tmp_path, mixer="conv")
+    result = invoke("validate", cfg, "--set", "train.seed=3")
     assert result.exit_code == 2, result.output
     assert f"{cfg}:5: model.n_heads: does nothing here ({WHY}); remove it" in result.output
     assert "`extends`" in result.output and "sweep" in result.output
+
+
+def test_a_single_run_refuses_a_key_its_set_writes_that_does_nothing(tmp_path):
+    cfg = own_config(tmp_path)
+    result = invoke("validate", cfg, "--set", "model.mixer=conv", "--set", "model.n_heads=2")
+    assert result.exit_code == 2, result.output
+    assert f"--set model.n_heads=2: model.n_heads: does nothing here ({WHY})" in result.output
+    assert "head_dim" not in result.output  # the file's: the --set switched it off
 
 
 def test_a_set_that_removes_a_key_the_config_does_not_set_is_refused(tmp_path):
