@@ -51,3 +51,30 @@ def test_a_stub_carries_the_constants_it_names_with_the_module_s_values():
         real = importlib.import_module(module)
         for constant in constants:
             assert namespace[constant] == getattr(real, constant)
+
+
+def test_the_remote_code_templates_are_python_that_imports_no_pipeline():
+    """The tokenizer and the model written into the folder parse, import nothing of this
+    package, and are named where transformers looks for them (auto_map)."""
+    from pipeline.commands.hf_export import CONFIG_PY, MODELING_PY, imports_pipeline
+    from pipeline.commands.hf_modeling import CONFIGURATION_TEMPLATE, MODELING_TEMPLATE
+    from pipeline.commands.hf_tokenizer import (
+        TOKENIZER_CLASS,
+        TOKENIZER_PY,
+        TOKENIZER_SOURCE,
+        tokenizer_config,
+    )
+
+    fields = dict(config_module=CONFIG_PY[:-3], module="m", model_class="M", config_file="c")
+    sources = {
+        CONFIG_PY: CONFIGURATION_TEMPLATE.format(model_type="t"),
+        MODELING_PY: MODELING_TEMPLATE.format(**fields, config_class="C"),
+        TOKENIZER_PY: TOKENIZER_SOURCE,
+    }
+    for name, source in sources.items():
+        assert not imports_pipeline(source), name
+    assert TOKENIZER_CLASS in top_level_names(TOKENIZER_SOURCE)
+    module, cls = tokenizer_config()["auto_map"]["AutoTokenizer"][0].split(".")
+    assert (f"{module}.py", cls) == (TOKENIZER_PY, TOKENIZER_CLASS)
+    # generate's cache: the model's own, passed back by prepare_inputs_for_generation
+    assert {"AllAttnPipeCache", "AllAttnPipeForCausalLM"} <= top_level_names(sources[MODELING_PY])
