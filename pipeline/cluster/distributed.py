@@ -302,6 +302,27 @@ def _several() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+# how gloo's transport reports a peer that is gone (pair.cc): its socket closed or reset
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective of this rank failing because another rank left the
+    group (it failed, printed its own error and exited): a torch DistError (NCCL), or gloo's
+    RuntimeError naming the closed connection. Such a rank's traceback says nothing of why."""
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _PEER_GONE)
+
+
+def stopped_line(rank: int, world_size: int) -> str:
+    """What a rank prints instead of its traceback when another rank failed first."""
+    other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+    return f"rank {rank}: stopped because {other} failed"
+
+
 def broadcast_object(obj=None, src: int = 0):
     """`obj` from rank `src` on every rank (a no-op in one process)."""
     import torch.distributed as dist

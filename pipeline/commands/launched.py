@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a task of an srun step: rank and world size from Slurm",
     )
-    rank = 0
+    rank, world_size = 0, 1
     try:
         given, env = arguments(sys.argv[1:] if argv is None else argv)
         args = parser.parse_args(given)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ranks_from_slurm:
             distributed.take_rank_from_slurm()
         spec = load_spec(args.config, args.overrides)
-        rank, _ = distributed.init_process_group()
+        rank, world_size = distributed.init_process_group()
         runner = Runner(
             spec,
             force=args.force,
@@ -84,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             # masked as a one-process run's error line is (a tracking URI's password)
             print(f"error (rank {rank}): {mask(str(e))}", file=sys.stderr)
         return e.exit_code
-    except Exception:
+    except Exception as e:
+        if world_size > 1 and distributed.lost_peer(e):
+            # another rank failed and left: its own line says why; this rank's collective
+            # only saw the connection close (gloo's 20-line traceback said nothing more)
+            print(distributed.stopped_line(rank, world_size), file=sys.stderr)
+            return 1
         # a traceback names what it was given (a URL): masked too, on this rank's own
         # output, which a Slurm job's log keeps as it is
         print(mask(traceback.format_exc()).rstrip(), file=sys.stderr)
