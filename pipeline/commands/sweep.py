@@ -40,6 +40,7 @@ from pipeline.fsutil import atomic_write_json, open_for_write, read_json
 from pipeline.redact import mask
 from pipeline.spec import ALL, SpecError, inert_on_its_own, load_spec
 from pipeline.spec.validation import InertKey, InertKeysError
+from pipeline.tracking.store import ServerNotAnswering
 from pipeline.tracking.sweep_run import SweepRun
 from pipeline.workspace.layout import Workspace, fingerprint
 from pipeline.workspace.runner import Runner
@@ -476,8 +477,10 @@ def run_sweep(
                     Runner(p.spec, log=lambda m, p=p: log(f"[{p.name}] {m}")).run(
                         make_tracker(p.spec, sweep_run_id=sweep.run_id)
                     )
-                except Preempted:
-                    raise  # a signal stops the whole sweep
+                except (Preempted, ServerNotAnswering):
+                    # a signal stops the whole sweep, and so does a tracking server that
+                    # does not answer: every later point would wait on it, and fail
+                    raise
                 except Exception as e:  # the other points still run
                     log(f"[{p.name}] failed: {e}")
                     failed.append(p.name)
@@ -485,6 +488,8 @@ def run_sweep(
         status = "FINISHED" if not failed else "FAILED"
     except BaseException as e:
         status = "KILLED" if isinstance(e, (KeyboardInterrupt, Preempted)) else "FAILED"
+        if isinstance(e, ServerNotAnswering):
+            sweep.forget()  # its last requests would wait on the same silence
         raise
     finally:
         sweep.adopt(workspaces)

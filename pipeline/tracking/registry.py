@@ -56,7 +56,7 @@ def check_name(name: str) -> None:
 def check_registrable(spec, name: str):
     """Before exporting: the name is valid, tracking is on, and the store answers and holds
     a model registry. Returns the MLflow client to register with."""
-    from pipeline.tracking.store import open_store, quick_requests
+    from pipeline.tracking.store import bound_requests, open_store
     from pipeline.tracking.tracker import tracking_uri
 
     check_name(name)
@@ -69,21 +69,21 @@ def check_registrable(spec, name: str):
     uri = tracking_uri(spec)
     registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
     try:
+        # every request to a server, here and in `register`, is bounded (`bound_requests`)
         client = open_store(uri, make_parent=True)
     except Exception as e:  # MLflow opens a local store as it makes the client
         raise PipelineError(_unusable(uri, "tracking store", e)) from None
-    with quick_requests(uri):
-        try:
-            client.search_experiments(max_results=1)
-        except Exception as e:
-            raise PipelineError(
-                f"--register: the tracking store {uri} is not answering ({_reason(e)})"
-            ) from None
-    with quick_requests(registry):
-        try:
-            client.search_registered_models(max_results=1)
-        except Exception as e:
-            raise PipelineError(_unusable(registry, "model registry", e)) from None
+    bound_requests(registry)
+    try:
+        client.search_experiments(max_results=1)
+    except Exception as e:
+        raise PipelineError(
+            f"--register: the tracking store {uri} is not answering ({_reason(e)})"
+        ) from None
+    try:
+        client.search_registered_models(max_results=1)
+    except Exception as e:
+        raise PipelineError(_unusable(registry, "model registry", e)) from None
     return client
 
 
@@ -239,15 +239,18 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
         )
         client.set_terminated(run_id, "FINISHED")
     except (MlflowException, OSError) as e:
-        if run_id is not None:
+        from pipeline.tracking.sender import is_transient
+
+        stalled = is_transient(e)
+        if run_id is not None and not stalled:  # a server not answering: one wait is enough
             try:
                 client.set_terminated(run_id, "FAILED")
             except (MlflowException, OSError):
                 pass
         raise PipelineError(
-            f"--register '{shown(name)}': MLflow ({uri}) refused "
-            f"({_reason(e)}); the export in {out} is written, run the command "
-            f"again to register it"
+            f"--register '{shown(name)}': MLflow ({uri}) "
+            f"{'is not answering' if stalled else 'refused'} ({_reason(e)}); the export in "
+            f"{out} is written, run the command again to register it"
         ) from None
     log(
         f"{out}: registered as model '{name}' version {version.version} in {uri} "

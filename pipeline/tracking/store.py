@@ -4,8 +4,10 @@ A store is a local sqlite database (the default, `<workspace root>/mlflow.db`), 
 store, or a tracking server (`http(s)://`). `open_store` opens one to record in (`run`,
 `sweep`, `export --register`): a local store is created on first use, one process at a
 time. `open_existing_store` opens one to read (`compare`): a local store must already hold
-MLflow's tables. A server gets one quick request (`check_server`) instead of MLflow's
-minutes of retries. Every refusal is one line, a URI's password masked (pipeline.redact).
+MLflow's tables. Every request to a server, from the first (`check_server`) to the last,
+gets one try answered within seconds (`bound_requests`), not MLflow's minutes of retries,
+and a command stops at the first one that gets no answer (`answering`). Every refusal is
+one line, a URI's password masked (pipeline.redact).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pipeline.errors import PipelineError, shown
 from pipeline.redact import mask
 from pipeline.tracking.sender import is_transient, reason
 
-# one try per request, answered or given up within seconds (see MlflowTracker.__init__)
+# one try per request, answered or given up within seconds; MLflow's defaults (120 s a try,
+# 7 retries with backoff) hold a command for 16 minutes and more on a server that hangs
 HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 STORE_WAIT_S = 60.0  # a run waits this long for another process to free a local store
 # what to do when the server that should hold the runs does not answer
@@ -35,20 +38,44 @@ def is_remote(uri: str) -> bool:
     return uri.split(":", 1)[0].lower() in ("http", "https")
 
 
+class ServerNotAnswering(PipelineError):
+    """A tracking server that did not answer a request in time (or said to come back
+    later): every request after it would wait the same, so a command stops here."""
+
+
+def bound_requests(uri: str) -> None:
+    """From here to the end of the process, every request to a tracking server gets one
+    try, answered or given up within MLFLOW_HTTP_REQUEST_TIMEOUT seconds (HTTP_LIMITS):
+    MLflow reads both variables at each request. A user's own settings stand."""
+    if is_remote(uri):
+        for name, value in HTTP_LIMITS.items():
+            os.environ.setdefault(name, value)
+        # MLflow ends each run with one more request, to print the run's link on stdout:
+        # a URL that holds the URI's password, after a wait on a server that hangs
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
+
+def request_limit_s() -> float:
+    """The longest one request to a tracking server waits once `bound_requests` ran: its
+    tries times the wait for each (retries' backoff aside)."""
+    limits = {name: os.environ.get(name) or value for name, value in HTTP_LIMITS.items()}
+    tries = int(limits["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) + 1
+    return float(limits["MLFLOW_HTTP_REQUEST_TIMEOUT"]) * tries
+
+
 @contextmanager
-def quick_requests(uri: str):
-    """Requests to a tracking server within get one try, answered or given up in seconds
-    (MLflow's defaults retry for minutes); a user's own settings stand."""
-    if not is_remote(uri):
-        yield
-        return
-    added = [k for k in HTTP_LIMITS if k not in os.environ]
-    os.environ.update({k: HTTP_LIMITS[k] for k in added})
+def answering(uri: str, hint: str = SERVER_HINT):
+    """Within, a request the server at `uri` does not answer ends the command: one line
+    naming the server (its password masked), after one request's wait. MLflow's other
+    errors are the caller's."""
     try:
         yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
+    except Exception as e:
+        if isinstance(e, PipelineError) or not is_remote(uri) or not is_transient(e):
+            raise
+        raise ServerNotAnswering(
+            f"tracking server {mask(uri)} is not answering ({mask(reason(e))}); {hint}"
+        ) from None
 
 
 def check_server(client, uri: str, hint: str) -> None:
@@ -57,17 +84,15 @@ def check_server(client, uri: str, hint: str) -> None:
     password is masked. Nothing to do for a local store."""
     if not is_remote(uri):
         return
-    with quick_requests(uri):
+    bound_requests(uri)
+    with answering(uri, hint):
         try:
             client.search_experiments(max_results=1)
         except Exception as e:
-            why = mask(reason(e))
-            if not is_transient(e):
-                raise PipelineError(
-                    f"tracking server {mask(uri)} refused a request ({why})"
-                ) from None
+            if is_transient(e):
+                raise
             raise PipelineError(
-                f"tracking server {mask(uri)} is not answering ({why}); {hint}"
+                f"tracking server {mask(uri)} refused a request ({mask(reason(e))})"
             ) from None
 
 
@@ -157,11 +182,13 @@ def open_store(uri: str, warn=None, make_parent: bool = False):
     """An MlflowClient to record in: a local sqlite store is created on first use, under
     `store_lock` (its creation is not safe to race), with its directory when `make_parent`;
     its refusals are one line (`_on_local_store`). A server is not asked anything here: the
-    caller decides when `check_server` runs."""
+    caller decides when `check_server` runs; every request it gets is bounded
+    (`bound_requests`)."""
     from mlflow.tracking import MlflowClient
 
     warn = warn or _warn_on_stderr
     _quiet_mlflow()
+    bound_requests(uri)
     path = sqlite_path(uri)
     if make_parent and path is not None:
         try:
@@ -183,6 +210,7 @@ def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
 
     warn = warn or _warn_on_stderr
     _quiet_mlflow()
+    bound_requests(uri)
     path = sqlite_path(uri)
     if path is not None:
         if not path.is_file():
@@ -193,7 +221,28 @@ def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
         _check_mlflow_database(path)
     client = _on_local_store(lambda: MlflowClient(tracking_uri=mlflow_uri(uri)), uri, warn)
     check_server(client, uri, hint)
-    return client
+    return _Answering(client, uri, hint) if is_remote(uri) else client
+
+
+class _Answering:
+    """An MlflowClient whose every call is made `answering`: a reader (`compare`) stops at
+    the first request its server does not answer, in one line. The errors it raises are no
+    MlflowException, so a caller's `except MlflowException` (a run that is not there, a
+    filter MLflow refuses) does not word a silence as one of those."""
+
+    def __init__(self, client, uri: str, hint: str):
+        self._client, self._uri, self._hint = client, uri, hint
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            with answering(self._uri, self._hint):
+                return attribute(*args, **kwargs)
+
+        return call
 
 
 def check_writable(uri: str, warn) -> None:

@@ -3,7 +3,8 @@
 A sweep's points are pipeline runs of their own (`tracker.MlflowTracker`); this run groups
 them. It is found again by its `sweep.id` tag when the same sweep runs again, and a Slurm
 array's tasks each open it. Like every tracking record, it never stops the sweep: a store
-that refuses is one warning, and the points' own runs are still recorded.
+that refuses, or a server that does not answer a request in time (store.bound_requests), is
+one warning, and the points' own runs are still recorded.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.redact import mask
-from pipeline.tracking.sender import experiment_id
+from pipeline.tracking.sender import experiment_id, is_transient, reason
 from pipeline.tracking.store import SERVER_HINT, check_server, open_store
 from pipeline.tracking.tracker import artifact_location, experiment_name, tracking_uri
 
@@ -50,10 +51,13 @@ class SweepRun:
             self._give_up(e)
 
     def _give_up(self, e: Exception) -> None:
-        self.warn(
-            f"the sweep's MLflow run is not recorded ({type(e).__name__}: {mask(str(e))}); "
-            f"the points' own runs are"
-        )
+        # once: a server that does not answer is not asked again (each request waits)
+        why = mask(reason(e)) if is_transient(e) else f"{type(e).__name__}: {mask(str(e))}"
+        self.warn(f"the sweep's MLflow run is not recorded ({why}); the points' own runs are")
+        self.forget()
+
+    def forget(self) -> None:
+        """Record nothing more in the sweep's run (its server stopped answering)."""
         self.client = self.run_id = None
 
     def adopt(self, workspaces: list[Path]) -> None:

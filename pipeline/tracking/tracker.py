@@ -32,11 +32,11 @@ from pipeline.redact import mask
 from pipeline.spec import PROJECT_ROOT
 from pipeline.tracking.sender import RETRY_SECONDS, Delivery, Sender, reason, replay
 from pipeline.tracking.store import (
-    HTTP_LIMITS,
+    bound_requests,
     check_server,
     check_writable,
-    is_remote,
     open_store,
+    request_limit_s,
     sqlite_path,
 )
 from stages.base import NullStageTracker
@@ -230,11 +230,9 @@ class MlflowTracker:
         warn=None,
         sweep_run_id: str | None = None,
     ):
-        if is_remote(uri):
-            # MLflow's defaults (7 retries with backoff, 120 s per request) block for minutes
-            # on a dead server; the Sender retries by itself, so one short try per call
-            for name, value in HTTP_LIMITS.items():
-                os.environ.setdefault(name, value)
+        # one short try per request (MLflow's defaults wait minutes on a dead server): the
+        # Sender retries by itself
+        bound_requests(uri)
         self.uri, self.flush_s = uri, flush_s
         said = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
         self.warn = lambda message: said(mask(message))  # a URI's password, MLflow's words
@@ -397,11 +395,7 @@ class MlflowTracker:
 
     @staticmethod
     def _request_timeout() -> float:
-        return float(
-            os.environ.get(
-                "MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_LIMITS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
-            )
-        )
+        return request_limit_s()
 
     def _settle(self) -> None:
         """Give the queued records `flush_s` seconds; write what is left to the backlog."""
