@@ -86,10 +86,11 @@ def _differences(kept: dict, config: dict, input_builds: dict) -> list[str]:
     ]
 
 
-def _best_validation(summary: dict) -> str:
-    """ ", best valid bpc estimate 2.246" from a training stage's summary, if it has one."""
+def _best_validation(summary: dict, bits: str = "bpc") -> str:
+    """ ", best valid bpc estimate 2.246" from a training stage's summary, if it has one;
+    `bits`: what the bits per token are called (pipeline.data.vocab.bits_name)."""
     for key, what, digits in (
-        ("best_valid_bpc_estimate", "best valid bpc estimate", 3),
+        ("best_valid_bpc_estimate", f"best valid {bits} estimate", 3),
         ("best_valid_loss", "best valid loss", 4),
     ):
         if summary.get(key) is not None:
@@ -384,6 +385,7 @@ class Runner:
     def _reprint_results(self, steps: list[Step], records: dict[str, dict | None]) -> None:
         """Nothing ran: say that nothing was recorded, and print the results the records
         hold (training's last step and best validation, evaluate's lines as it printed them)."""
+        from pipeline.data.vocab import bits_name
         from stages.evaluate import result_lines
 
         done = (
@@ -395,7 +397,9 @@ class Runner:
         for name, record in records.items():
             summary = (record or {}).get("summary") or {}
             if name in ("train", "finetune") and "step" in summary:
-                lines = [f"step {summary['step']}" + _best_validation(summary)]
+                tokenizer = getattr(getattr(self.spec.dataset, "tokenizer", None), "kind", None)
+                best = _best_validation(summary, bits_name(tokenizer))
+                lines = [f"step {summary['step']}{best}"]
             elif name == "evaluate" and "checkpoint" in summary:
                 # stage.json keeps keys sorted: the splits in the order evaluate scores them
                 splits = self.spec.evaluate.splits

@@ -1,6 +1,7 @@
 """What train and evaluate print of a run whose tokens are sentencepiece pieces: bits per
 token named as such ("bpc" is bits per character, which these are not), and evaluate's
-progress line named by its split once ("[evaluate] valid: ...", not "evaluate valid")."""
+progress line named by its split once ("[evaluate] valid: ...", not "evaluate valid"); a
+re-run with nothing to do reprints the recorded results in the same words."""
 
 from __future__ import annotations
 
@@ -35,9 +36,8 @@ stages: [download, preprocess, train, evaluate]
 
 
 def test_a_sentencepiece_run_prints_bits_per_token_and_the_split_once(tmp_path):
-    lines = run_lines(
-        tmp_path, "{kind: sentencepiece, vocab_size: 300, sample_sentences: 2000, num_threads: 1}"
-    )
+    tokenizer = "{kind: sentencepiece, vocab_size: 300, sample_sentences: 2000, num_threads: 1}"
+    lines = run_lines(tmp_path, tokenizer)
     text = "\n".join(lines)
     assert " bpc " not in text, text
     assert "[train] step      2/2  loss" in text and "  bits/token " in text, text
@@ -45,6 +45,11 @@ def test_a_sentencepiece_run_prints_bits_per_token_and_the_split_once(tmp_path):
     assert any(line.startswith("[evaluate] valid bits/token ") for line in lines), text
     assert any(line.startswith("[evaluate] valid: ") for line in lines), text
     assert "evaluate valid" not in text, text
+    # a re-run with nothing to do reprints the recorded results in the same words
+    again = "\n".join(run_lines(tmp_path, tokenizer))
+    assert "nothing to run" in again and " bpc " not in again, again
+    assert "best valid bits/token estimate " in again, again
+    assert "[evaluate] valid bits/token " in again, again
 
 
 @pytest.mark.parametrize(
