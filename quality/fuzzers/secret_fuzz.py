@@ -28,8 +28,8 @@ logs, cache) or the case's directory (the configs the case wrote excepted). One 
 by design: a batch script is the job's input as the config is, so the script `launch slurm`
 / `sweep --slurm` renders (and prints with --dry-run) may hold a secret given with `--set`.
 A case also fails on a traceback, a refusal that is not one line, or a hang (30 s; 180 s for
-two processes). Known and counted apart, not a failure here (issue 45 item 7, not yet fixed):
-when rank 0 stops with its one error line before training, the other rank's gloo traceback.
+two processes); when rank 0 stops with its one error line before training, the other rank
+says so in one line too (issue 45 item 7): its gloo traceback is a failure like any other.
 Used by tests/system/commands/test_fuzz_classes.py and quality/fuzz.py --secrets N.
 """
 
@@ -101,8 +101,6 @@ SEVERAL = ("run, 2 nodes", "run, 2 processes")
 # what a secret is made of between its two halves: the characters the URL grammar allows in
 # a password or a query value (`&` only in a password: in a query it starts the next one)
 GRAMMAR = ["'", "!", "$", "(", ")", "*", "+", ",", ";", "=", "%41", "%2F", "''"]
-# the other rank's words when rank 0 stopped before training (issue 45 item 7)
-KNOWN_GLOO = "Connection closed by peer"
 
 
 def quoted(value: str) -> str:
@@ -131,7 +129,7 @@ class Outcome:
     leaks: list[str]  # where the canary was found
     problem: str | None
     said: str = ""
-    known: str | None = None  # a known defect seen (KNOWN_GLOO), not counted as bad
+    known: str | None = None  # a known defect seen, not counted as bad (none at present)
 
 
 def draw_case(draw, world: World, tmp: Path, server: Server) -> Case:
@@ -277,14 +275,6 @@ def run_case(case: Case, world: World, tmp: Path, rec: Recorders | None = None) 
         output = output.replace(inv.stdout, "")  # the script
     found = leaks(case, output, places, scripts)
     problem, known = inv.problem, None
-    if (
-        case.command == "run, 2 processes"
-        and problem is not None
-        and problem.startswith("traceback")
-        and KNOWN_GLOO in output
-        and "error (rank 0): " in output
-    ):
-        problem, known = None, "the other rank's gloo traceback (issue 45 item 7)"
     if found:
         problem = f"leak: the secret is in {', '.join(found[:4])}" + (
             f"; {problem}" if problem else ""
