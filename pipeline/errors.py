@@ -1,5 +1,8 @@
 """Errors that are the user's to fix: the CLI prints them as one clear message, no traceback."""
 
+import errno
+import os
+
 
 class PipelineError(Exception):
     """Bad input or a refused action; the message says what and where."""
@@ -35,3 +38,44 @@ def shown(value) -> str:
     characters escaped, so that one holding a newline never breaks the one-line error."""
     text = str(value)
     return text if text.isprintable() else repr(text)[1:-1]
+
+
+# A write that did not fit, by errno: the cause as every error line words it, and what the
+# user can do. EFBIG is a file past `ulimit -f` (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the
+# write fails instead of killing the process) or past the filesystem's largest file (FAT32's
+# 4 GiB).
+WRITE_FAILURES = {
+    errno.ENOSPC: ("disk full", "free space"),
+    errno.EDQUOT: ("disk quota exceeded", "free space within your quota"),
+    errno.EFBIG: (
+        "file larger than this filesystem or ulimit -f allows",
+        "raise `ulimit -f` or use a filesystem that takes larger files",
+    ),
+}
+
+
+def write_cause(error: BaseException) -> str | None:
+    """The cause in words when `error` is a write that did not fit (disk full, quota, file
+    too large); None for any other error."""
+    if isinstance(error, OSError) and error.errno in WRITE_FAILURES:
+        return WRITE_FAILURES[error.errno][0]
+    return None
+
+
+def write_hint(error: OSError) -> str:
+    """What to do about a write `write_cause` named."""
+    return WRITE_FAILURES[error.errno or 0][1]
+
+
+def did_not_fit(error: OSError, path=None) -> PipelineError:
+    """The one line for a write that did not fit: the file (`path`, else the one the error
+    names), the cause, and that nothing published was replaced by a part of it. Every file
+    the pipeline publishes is written whole to a temporary name and renamed into place, so
+    what was there before is as it was."""
+    where = path if path is not None else error.filename
+    strerror = error.strerror or os.strerror(error.errno or 0)
+    return PipelineError(
+        f"cannot write {shown(where) if where is not None else 'a file'}: "
+        f"{write_cause(error)} ({strerror}); nothing already written was replaced: "
+        f"{write_hint(error)} and run again"
+    )

@@ -199,11 +199,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = Fal
     """`data` published at `path`: written to a mkstemp name beside it (never reopened by
     name, so nothing can be swapped in), given the umask's mode unless `private`, and
     renamed over `path` (which replaces a symlink there, never writing through it)."""
+    from pipeline.errors import write_cause
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(name)
+    tmp = None
     try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
         with os.fdopen(fd, "wb") as f:
             if not private:
                 os.fchmod(f.fileno(), public_mode())
@@ -211,8 +214,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = Fal
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if write_cause(e):  # full, or too large: named as the file it was for, not the temporary
+            assert isinstance(e, OSError)
+            raise OSError(e.errno, e.strerror, os.fspath(path)) from None
         raise
 
 

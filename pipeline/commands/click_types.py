@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, cast
 
 import click
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, did_not_fit, write_cause
 from pipeline.redact import mask
 
 
@@ -106,6 +106,13 @@ class Main(Group):
                 raise
             click.echo(f"error: {mask(str(e))}", err=True)  # a URL's secret never shown
             sys.exit(e.exit_code)
+        except OSError as e:
+            # a write that did not fit (disk full, quota, past `ulimit -f`) wherever it was
+            # made: one line naming the file; any other OSError is a bug with its traceback
+            if ctx.params.get("debug") or write_cause(e) is None:
+                raise
+            click.echo(f"error: {mask(str(did_not_fit(e)))}", err=True)
+            sys.exit(PipelineError.exit_code)
         except KeyboardInterrupt:  # a second ctrl-C, or one outside `run`'s stages
             if ctx.params.get("debug"):
                 raise

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.commands.trained import trained_model
-from pipeline.errors import PipelineError, shown
+from pipeline.errors import PipelineError, shown, write_cause, write_hint
 
 WEIGHTS, CONFIG, VOCAB, SP_MODEL = (
     "model.safetensors",
@@ -86,6 +86,7 @@ def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native
     owner and group (a team's setgid directory stays the team's), and a half-written export
     in it never looks complete. Returns the checkpoint exported (as config.json records it).
     `fmt`: native (the files above) or hf (a Hugging Face folder, pipeline.commands.hf_export)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_model
 
     from pipeline.data.manifest import load_manifest
@@ -130,7 +131,10 @@ def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native
 
             write_hf_files(tmp, spec, model, vocab, manifest["vocab_size"], checkpoint)
         else:  # the weights, and this package's own config (load_exported reads it)
-            save_model(model, str(tmp / WEIGHTS))
+            try:
+                save_model(model, str(tmp / WEIGHTS))
+            except SafetensorError as e:
+                raise _os_error(e, tmp / WEIGHTS) from None
             (tmp / CONFIG).write_text(
                 json.dumps(
                     {
@@ -159,6 +163,12 @@ def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native
             os.chmod(tmp, public_mode(directory=True) | setgid)
             _replace(tmp, out, given)
     except OSError as e:
+        cause = write_cause(e)
+        if cause:  # the export is published whole or not at all: an earlier one stays
+            raise PipelineError(
+                f"--out {shown(given)}: cannot write the export: {cause} ({e.strerror}); "
+                f"what was there before is as it was: {write_hint(e)} and run again"
+            ) from None
         raise PipelineError(
             f"--out {shown(given)}: cannot write the export: {e.strerror or e}"
         ) from None
@@ -284,6 +294,17 @@ def _publish_inside(tmp: Path, out: Path, given, more_files: list[str]) -> None:
     os.replace(tmp / CONFIG, out / CONFIG)
     _write_marker(tmp / MARKER, marker_text(more_files))
     os.replace(tmp / MARKER, out / MARKER)
+
+
+def _os_error(error: Exception, path: Path) -> Exception:
+    """safetensors' writer reports a failed write (a full disk, a file past `ulimit -f`) only
+    in its text, "I/O error: File too large (os error 27)": the OSError it stands for, so that
+    it is worded as every other failed write; any other error as it is."""
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    if not found:
+        return error
+    number = int(found.group(1))
+    return OSError(number, os.strerror(number), str(path))
 
 
 def _write_marker(path: Path, text: str) -> None:

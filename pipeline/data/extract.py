@@ -29,7 +29,7 @@ from pipeline.data.fetch import (
     check_hex,
     open_for_write,
 )
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, write_cause, write_hint
 from pipeline.fsutil import public_mode
 
 ZIP_JUNK = ("__MACOSX/",)  # resource forks in zips made on a Mac
@@ -232,14 +232,18 @@ def write_verified(
                 out.flush()
                 os.fsync(out.fileno())
         except OSError as e:
-            if e.errno in DISK_FULL:
+            cause = write_cause(e)
+            if cause:
                 needed = (
                     f"; {size - n:,} more bytes were needed ({size:,} in all)"
+                    if size is not None and e.errno in DISK_FULL
+                    else f" ({size:,} bytes in all)"
                     if size is not None
                     else ""
                 )
                 raise PipelineError(
-                    f"{label}: disk full writing {target} ({e.strerror}){needed}"
+                    f"{label}: {cause} writing {target} ({e.strerror}){needed}; "
+                    f"{write_hint(e)} and run again"
                 ) from None
             raise
         sha256_found = h.hexdigest()

@@ -35,8 +35,8 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from pipeline import fsutil
-from pipeline.errors import PipelineError
-from pipeline.redact import PLACEHOLDER, scrub
+from pipeline.errors import PipelineError, shown, write_cause, write_hint
+from pipeline.redact import PLACEHOLDER, mask, scrub
 
 CHUNK = 1 << 20  # bytes per read/write
 TIMEOUT_S = 60.0  # socket timeout: connect, and each read
@@ -96,6 +96,68 @@ def digests(path: str | os.PathLike, md5: bool = False) -> tuple[str, str | None
     return h.hexdigest(), m.hexdigest() if m else None, n
 
 
+# ---------------------------------------------------------------- a URL that can never be fetched
+
+FETCHED_SCHEMES = ("builtin", "file", "http", "https")
+SCHEMES_HINT = "use builtin://NAME, file:///path or http(s)://..."
+
+
+def url_problem(url: str, schemes: tuple[str, ...] = FETCHED_SCHEMES) -> str | None:
+    """What makes `url` one that no request can be made with, in words, or None.
+
+    urllib.parse accepts a port that is no number or past 65535, an unbalanced `[`, an empty
+    host and a host name with an empty label; it raises only when the request is made, deep
+    in a run. Spec validation asks this first, and so does `fetch`. A host and port written
+    as an `${env:NAME}` placeholder are checked after it is filled in, by `fetch`."""
+    if not isinstance(url, str):
+        return None
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as e:
+        if str(e) == "Invalid IPv6 URL":
+            return "unbalanced [ ] around the host (an IPv6 address is written http://[::1]:80/)"
+        if "[" in url:
+            return f"the host in [ ] is not an IPv6 address ({e})"
+        return f"not a URL that can be read ({e})"
+    scheme = parts.scheme.lower()
+    if scheme not in schemes:
+        said = f"unsupported scheme '{scheme}'" if scheme else "no scheme"
+        hint = SCHEMES_HINT if schemes == FETCHED_SCHEMES else "use " + " or ".join(schemes)
+        return f"{said} ({hint})"
+    if scheme not in ("http", "https"):
+        return None
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "it holds a space or a control character (percent-encode it, e.g. %20)"
+    host_port = parts.netloc.rpartition("@")[2]
+    if PLACEHOLDER.search(host_port):
+        return None
+    if not parts.hostname:
+        return f"no host name ({scheme}://HOST/...)"
+    try:
+        port = parts.port
+    except ValueError:
+        given = host_port.rpartition("]")[2] if host_port.startswith("[") else host_port
+        return f"port '{given.partition(':')[2]}' is not a number from 1 to 65535"
+    if port == 0:
+        return "port 0 is not a port a server listens on (1 to 65535)"
+    if not host_port.startswith("["):
+        try:
+            parts.hostname.encode("idna")
+        except UnicodeError:
+            return (
+                f"host name '{parts.hostname}' is not valid (an empty label, or one longer "
+                f"than 63 characters)"
+            )
+    return None
+
+
+def check_url(url: str, key: str = "dataset.url") -> None:
+    """`url_problem` as a one-line PipelineError naming `key`; the URL's secrets masked."""
+    problem = url_problem(url)
+    if problem:
+        raise PipelineError(f"{key} {shown(mask(url))}: {problem}")
+
+
 # ---------------------------------------------------------------- fetch
 
 
@@ -116,14 +178,15 @@ def fetch(
     `sha256` when given. `mismatch_hint` is appended to a sha256 mismatch message, with
     "{found}" replaced by the sha256 found.
     """
+    check_url(url)
     scheme = urllib.parse.urlparse(url).scheme.lower()
     if scheme == "file":
         return _fetch_file(url, sha256, mismatch_hint)
     if scheme not in ("http", "https"):
-        raise PipelineError(
-            f"dataset.url {url}: unsupported scheme '{scheme}' "
-            f"(use builtin://NAME, file:///path or http(s)://...)"
-        )
+        raise PipelineError(f"dataset.url {url}: unsupported scheme '{scheme}' ({SCHEMES_HINT})")
+    filled = url_problem(expand_env(url))
+    if filled:  # a host or port given as ${env:NAME}: its value is not shown
+        raise PipelineError(f"dataset.url {url}: with its ${{env:...}} values filled in, {filled}")
     if not sha256:
         raise PipelineError(
             f"dataset.url {url}: an http(s) download needs the file's sha256 (the integrity "
@@ -451,13 +514,18 @@ def _transfer(url: str, part: Path, key: str, log: Log, timeout: float) -> int |
                 out.flush()
                 os.fsync(out.fileno())
         except OSError as e:
-            if e.errno in DISK_FULL:
+            cause = write_cause(e)
+            if cause:
                 kept = part.stat().st_size if part.exists() else 0  # what reached the disk
                 needed = f"; {total - kept:,} more bytes were needed" if total else ""
+                hint = (
+                    "free space (or set workspace.cache elsewhere)"
+                    if e.errno in DISK_FULL
+                    else f"{write_hint(e)} (or set workspace.cache elsewhere)"
+                )
                 raise PipelineError(
-                    f"dataset.url {url}: disk full writing {part} ({e.strerror}){needed}; "
-                    f"free space (or set workspace.cache elsewhere) and run again to resume "
-                    f"from the {kept:,} bytes kept"
+                    f"dataset.url {url}: {cause} writing {part} ({e.strerror}){needed}; "
+                    f"{hint} and run again to resume from the {kept:,} bytes kept"
                 ) from None
             raise
     if total is not None and have < total:

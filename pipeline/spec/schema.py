@@ -460,6 +460,18 @@ class DatasetSpec(Section):
             out["split"] = {"kind": "files"}
         return out
 
+    @field_validator("url")
+    @classmethod
+    def _fetchable(cls, value: str | None) -> str | None:
+        """A URL urllib.parse accepts but no request can be made with (a port that is no
+        number, an unbalanced `[`, no host) is refused here, not by a traceback mid-run."""
+        from pipeline.data.fetch import url_problem
+
+        problem = url_problem(value) if value is not None else None
+        if problem:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _tokenizer_shorthand(cls, data):
@@ -901,6 +913,21 @@ class TrackingSpec(Section):
         None,
         description="the MLflow experiment the runs are recorded in; defaults to the spec's name",
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _reachable(cls, value: str | None) -> str | None:
+        """An http(s) server's URI with a port that is no number, an unbalanced `[` or no
+        host is refused here; MLflow would fail on it only once a run starts. A store
+        (sqlite:, file:, a path) is its own scheme's to check."""
+        from pipeline.data.fetch import url_problem
+
+        if not value or "://" not in value:
+            return value
+        problem = url_problem(value, schemes=("http", "https"))
+        if problem and not problem.startswith(("unsupported scheme", "no scheme")):
+            raise ValueError(problem)
+        return value
 
 
 class WorkspaceSpec(Section):

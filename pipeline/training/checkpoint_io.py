@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.cluster import distributed
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, did_not_fit, write_cause
 from pipeline.fsutil import atomic_write_text, refuse_link
 from pipeline.models.protocol import State
 from pipeline.training import reshard
@@ -26,6 +26,7 @@ from pipeline.training.checkpoints import (
     CHECKSUMS,
     checkpoint_bytes,
     disk_full,
+    file_too_large,
     has_room,
     newest_intact,
     not_a_trainer_checkpoint,
@@ -36,6 +37,7 @@ from pipeline.training.checkpoints import (
     set_rng_state,
     step_dirs,
     step_of,
+    too_large,
     write_checksums,
 )
 from pipeline.training.engine import before_save_checkpoint, quiet_failed_save
@@ -80,6 +82,9 @@ def cannot_write(path: Path, failure: BaseException) -> PipelineError | None:
     bug, whose traceback is the message)."""
     import tempfile
 
+    if write_cause(failure):  # full, or too large: not a directory's refusal
+        assert isinstance(failure, OSError)
+        return did_not_fit(failure, path)
     root = path.parent
     try:
         tempfile.TemporaryFile(dir=root).close()
@@ -186,13 +191,17 @@ class CheckpointIO:
         """Raise on every rank if writing failed on any. The half-written `tmp` goes first:
         on a full disk that frees the room MLflow's store needs to record the failure."""
         full = failure is not None and out_of_space(failure, tmp.parent, needed)
+        large = failure is not None and not full and too_large(failure, tmp)
         if not distributed.any_rank(failure is not None):
             return
         full = distributed.any_rank(full)
+        large = distributed.any_rank(large)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if full:
             raise disk_full(tmp.parent / tmp.name.removeprefix("tmp-"), needed) from None
+        if large:
+            raise file_too_large(tmp.parent / tmp.name.removeprefix("tmp-")) from None
         if failure is not None:
             refused = cannot_write(tmp.parent / tmp.name.removeprefix("tmp-"), failure)
             if refused is None:

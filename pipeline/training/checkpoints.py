@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.errors import PipelineError
+from pipeline.errors import WRITE_FAILURES, PipelineError
 from pipeline.fsutil import (
     atomic_write_json,
     file_checksum,
@@ -289,6 +289,34 @@ def out_of_space(error: BaseException, root: Path, needed: int) -> bool:
             s in str(error) for s in ("iostream error", "PytorchStreamWriter", "inline_container")
         )
         and not has_room(root, needed)
+    )
+
+
+def too_large(error: BaseException, tmp: Path) -> bool:
+    """Whether a failed checkpoint write made a file larger than the filesystem or `ulimit -f`
+    allows (EFBIG). An OSError says so itself; torch's zip writer only says its stream
+    failed, so then a file in `tmp` must have reached the limit: RLIMIT_FSIZE's (a write
+    past it stops there) or FAT32's 4 GiB - 1."""
+    if isinstance(error, OSError):
+        return error.errno == errno.EFBIG
+    if not isinstance(error, RuntimeError) or not any(
+        s in str(error) for s in ("iostream error", "PytorchStreamWriter", "inline_container")
+    ):
+        return False
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    ceiling = min(2**32 - 1, limit) if limit != resource.RLIM_INFINITY else 2**32 - 1
+    return any(f.is_file() and f.stat().st_size >= ceiling for f in Path(tmp).rglob("*"))
+
+
+def file_too_large(path: Path) -> PipelineError:
+    """The one-line error for a checkpoint `path` with a file past the filesystem's or
+    `ulimit -f`'s largest file."""
+    return PipelineError(
+        f"checkpoint {path}: {WRITE_FAILURES[errno.EFBIG][0]} (File too large); the "
+        f"checkpoints already there are as they were: {WRITE_FAILURES[errno.EFBIG][1]}, "
+        f"and run again to resume from the newest one"
     )
 
 

@@ -1,0 +1,70 @@
+"""A write that does not fit (disk full, over quota, past `ulimit -f` or the filesystem's
+largest file) is one line naming the file and the cause, and what was published before is
+kept whole (issue 45, item 7): the errno mapping in pipeline/errors.py, reached by every
+atomic write (fsutil) and so by the shards, manifests, records and pointers."""
+
+from __future__ import annotations
+
+import errno
+import signal
+
+import numpy as np
+import pytest
+
+from pipeline.data.shards import write_shards
+from pipeline.errors import did_not_fit, write_cause
+from pipeline.fsutil import atomic_write_bytes
+from tests.fixtures.file_limits import file_size_limit
+
+
+def test_python_ignores_sigxfsz_so_a_write_past_the_limit_raises():
+    """What the mapping relies on: without SIG_IGN the process would be killed by SIGXFSZ."""
+    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
+
+
+@pytest.mark.parametrize(
+    ("number", "cause", "hint"),
+    [
+        (errno.ENOSPC, "disk full", "free space and run again"),
+        (errno.EDQUOT, "disk quota exceeded", "free space within your quota"),
+        (
+            errno.EFBIG,
+            "file larger than this filesystem or ulimit -f allows",
+            "raise `ulimit -f` or use a filesystem that takes larger files",
+        ),
+    ],
+)
+def test_each_write_failure_is_one_line_naming_the_file_and_the_cause(number, cause, hint):
+    error = OSError(number, "strerror", "/w/x\ny.tar")
+    assert write_cause(error) == cause
+    line = str(did_not_fit(error))
+    assert line.startswith(f"cannot write /w/x\\ny.tar: {cause} (strerror); ")
+    assert hint in line and "\n" not in line
+
+
+def test_other_errors_are_not_write_failures():
+    assert write_cause(OSError(errno.EACCES, "Permission denied")) is None
+    assert write_cause(ValueError("x")) is None
+
+
+def test_an_atomic_write_past_the_limit_names_the_file_and_keeps_the_old_one(tmp_path):
+    target = tmp_path / "manifest.json"
+    target.write_bytes(b"the earlier manifest\n")
+    with file_size_limit(4096), pytest.raises(OSError) as e:
+        atomic_write_bytes(target, b"x" * 100_000)
+    assert e.value.errno == errno.EFBIG
+    assert e.value.filename == str(target)  # the file it was for, not the temporary
+    assert target.read_bytes() == b"the earlier manifest\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temporary left
+
+
+def test_a_shard_past_the_limit_leaves_the_earlier_shards_and_no_partial_one(tmp_path):
+    tokens = np.arange(60_000, dtype=np.uint16) % 256
+    # blocks of 1,000 tokens (2,000 bytes): 5 a shard is a 20,480-byte tar, 10 one of 40,960
+    earlier = write_shards(tokens[:5_000], tmp_path, "train", 1_000, 5)
+    before = (tmp_path / "train-000000.tar").read_bytes()
+    with file_size_limit(30_000), pytest.raises(OSError) as e:
+        write_shards(tokens, tmp_path, "train", 1_000, 10)
+    assert e.value.errno == errno.EFBIG and e.value.filename == str(tmp_path / "train-000000.tar")
+    assert [p.name for p in tmp_path.iterdir()] == [earlier[0]["name"]]
+    assert (tmp_path / "train-000000.tar").read_bytes() == before
