@@ -80,12 +80,19 @@ def main(debug: bool) -> None:
 @POINT
 def run(config, overrides, start_from, only, force, dry_run, smoke, point):
     """Run the pipeline CONFIG, skipping stages whose outputs are up to date."""
-    from pipeline.spec import load_spec
-    from pipeline.tracking.tracker import make_tracker
+    from pipeline.spec.quick import workspace_of
     from pipeline.workspace.lock import busy_message, holder
-    from pipeline.workspace.runner import Runner
 
     overrides, smoke = _point_sets(config, overrides, point, smoke)
+    # the workspace read off the file before the spec's validation imports torch, so that a
+    # second run on a busy workspace is refused within a fraction of a second of starting
+    named = workspace_of(config, overrides, smoke)
+    if not dry_run and named is not None and (busy := holder(named)) is not None:
+        raise PipelineError(busy_message(named, busy))
+    from pipeline.spec import load_spec
+    from pipeline.tracking.tracker import make_tracker
+    from pipeline.workspace.runner import Runner
+
     spec = load_spec(config, list(overrides), smoke=smoke, log=_echo)
     runner = Runner(spec, force=list(force), start_from=start_from, only=list(only))
     # asked before anything slow (MLflow's store, the launcher's processes), which a run on a

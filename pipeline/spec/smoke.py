@@ -16,14 +16,12 @@ config's own dataset.
 from __future__ import annotations
 
 import copy
-import hashlib
 from dataclasses import MISSING, dataclass, field, fields
 
 from pipeline.models import MODELS
+from pipeline.spec.names import smoke_name
 from pipeline.spec.schema import CURRICULUM_UNUSED_TRAIN
 
-SUFFIX = "-smoke"
-NAME_LIMIT = 100  # Spec.name's max_length
 BUILTIN_CARD = "python_docs"
 
 # Each model kind's sizes and their smoke caps: a value above its cap becomes the cap, a
@@ -149,16 +147,6 @@ def smoke_data(data: dict, builtin_card: dict, keep_dataset: bool = False) -> Sm
         for key, limit in EVALUATE_CAPS.items():
             cap(("evaluate", key), limit)
     return out
-
-
-def smoke_name(name: str) -> str:
-    """`name` with SUFFIX, inside NAME_LIMIT (the rule of `name` and tracking.experiment);
-    a name too long for it is cut and keeps a hash of the whole, so two long names that
-    differ only past the cut still get different workspaces and experiments."""
-    if len(name) + len(SUFFIX) <= NAME_LIMIT:
-        return name + SUFFIX
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[: NAME_LIMIT - len(SUFFIX) - len(digest) - 1]}-{digest}{SUFFIX}"
 
 
 def _smoke_model(d: dict, put, cap, vocab: int | None) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -70,3 +72,28 @@ def test_a_full_disk_while_writing_the_lock_is_one_line_and_leaves_no_lock(tmp_p
     assert (ws / ".lock").read_bytes() == b""  # no holder line, whole or partial
     with WorkspaceLock(ws):  # the next run takes it
         assert "pid " in (ws / ".lock").read_text()
+
+
+def test_a_fresh_process_is_refused_before_it_imports_torch(tmp_path):
+    """The refusal in a new `allattn-pipe run` comes before the spec's validation, which
+    imports the models and torch (most of a fresh process's start): the busy check reads
+    the workspace off the file (pipeline/spec/quick.py)."""
+    cfg = five_stage_config(tmp_path)
+    ws = load_spec(str(cfg)).workspace_dir
+    probe = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+        "from pipeline.commands.cli import main\n"
+        "main(['run', sys.argv[1]])\n"
+    )
+    with WorkspaceLock(ws):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, str(cfg)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2, done.stderr
+    assert "is in use by another run (pid" in done.stderr
+    assert "torch imported: False" in done.stdout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.spec import PROJECT_ROOT, load_spec
-from pipeline.spec.smoke import smoke_name
+from pipeline.spec.names import smoke_name
 
 LIMIT = 100
 
