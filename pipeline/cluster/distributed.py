@@ -11,7 +11,7 @@ import threading
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pipeline.errors import PipelineError
 
@@ -225,7 +225,7 @@ def _without_comm_op():
 
     # by its full name: `import deepspeed.comm.torch as m` gives torch itself, which
     # deepspeed.comm's namespace holds under that name
-    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    ds_torch: Any = importlib.import_module("deepspeed.comm.torch")
     if not hasattr(ds_torch, "build_shm_op"):
         _load_comm_op()
         yield
