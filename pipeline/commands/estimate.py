@@ -1,12 +1,11 @@
 """`allattn-pipe show CFG --estimate`: what a config costs before it runs. Tokens to train
-per stage (arithmetic on the spec), evaluate's tokens, a step timed on this machine, and H100
-/ H200 hours from the model's FLOPs per token and the MFU the GPU check recorded
-(pipeline/commands/recorded_gpu.py). Every number is printed with where it came from."""
+per stage (arithmetic on the spec), evaluate's tokens, the run's update timed on this machine
+(pipeline/commands/update_timing.py), and H100 / H200 time from the model's FLOPs per token
+and the MFU the GPU check recorded (pipeline/commands/recorded_gpu.py). Every number is
+printed with where it came from, in the unit its size reads best in."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 from pipeline.commands import recorded_gpu
@@ -206,82 +205,6 @@ def gpu_estimates(spec, stages: list[StageTokens] | None = None) -> list[GpuEsti
     return out
 
 
-@dataclass(frozen=True)
-class StepTime:
-    seconds: float  # per update, extrapolated to the update's rows
-    measured: str  # how
-
-
-def measure_step(spec, budget_s: float = 60.0) -> StepTime:
-    """One update of the spec's model and optimizer on its device, timed: 1 warm-up, then up
-    to 3 timed updates while they stay within `budget_s`, at micro-batch 1 (a paper-size
-    model would not fit or would take minutes at its full batch on a CPU), extrapolated
-    linearly to the update's rows. The spans are the config's initial ones (span_init), as
-    a run's first updates have them: at the full span a paper model's update takes minutes
-    and gigabytes on a CPU (the H100 figures give both ends)."""
-    import torch
-
-    from pipeline.cluster.device import resolve_device
-    from pipeline.training.optim import build_optimizer
-
-    device = resolve_device(spec.train.device)
-    dtype = torch.float32
-    ds = spec.train.deepspeed
-    if device.type == "cuda" and ds.fp16:
-        dtype = torch.float16
-    elif device.type == "cuda" and ds.bf16 is not False and torch.cuda.is_bf16_supported():
-        dtype = torch.bfloat16
-    if "curriculum" in spec.stages:
-        seq = spec.dataset.generator.algorithmic.curriculum.start_length
-    else:
-        seq = spec.train.seq_len
-    vocab, origin = vocab_size_for(spec)
-    if vocab is None:
-        raise PipelineError(f"{spec.source}: the vocabulary size is unknown until preprocess")
-    torch.manual_seed(0)
-    model = spec.build_model(vocab, origin).to(device, dtype)
-    optimizer = build_optimizer(model.parameters(), spec.train.optimizer)
-    x = torch.randint(vocab, (1, seq), device=device)
-    state = [model.init_state(1, device=device)]
-
-    def update() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        with model.planned_update():
-            out = model(x, x, state[0])
-            loss = out.nll.float().mean() + model.aux_loss()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        model.after_step()
-        model.request_plan()
-        state[0] = out.state
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    warmup = update()
-    timed: list[float] = []
-    while len(timed) < 3 and sum(timed) + (timed[-1] if timed else warmup) <= budget_s:
-        timed.append(update())
-    per_row = statistics.median(timed) if timed else warmup
-    rows = spec.train.batch_size
-    what = (
-        f"median of {len(timed)} timed"
-        if timed
-        else "the warm-up alone, over the budget (with its first-call costs: high)"
-    )
-    measured = (
-        f"{device.type}, {str(dtype).removeprefix('torch.')}: 1 warm-up + {len(timed)} timed "
-        f"updates of micro-batch 1 x {seq} tokens, {what}: {per_row:.3f} s, x {rows} rows "
-        f"(train.batch_size) extrapolated linearly"
-    )
-    if spans := getattr(model, "span_lens", None):
-        measured += f"; the initial spans (L' up to {max(spans())})"
-    return StepTime(per_row * rows, measured)
-
-
 def estimate_report(spec, measure: bool = True, progress=None) -> str:
     """The lines `show --estimate` prints."""
     stages = training_tokens(spec)
@@ -307,32 +230,19 @@ def estimate_report(spec, measure: bool = True, progress=None) -> str:
             f"(the model's train_flops_per_token())"
         )
     if measure:  # gpu_estimates has refused a vocabulary unknown before preprocess
-        if progress is not None:
-            progress(
-                f"timing updates of {spec.name}'s model here (1 warm-up, then up to 3 "
-                f"within 60 s)..."
-            )
-        step = measure_step(spec)
-        lines.append(
-            f"  step time here: {step.seconds:,.2f} s per update (measured: {step.measured})"
-        )
-        here = {s.stage: s.updates * step.seconds / 3600 for s in stages}
-        lines.append(f"  hours here: {_hours_line(here)} (updates x the step time here)")
+        lines += _time_here(spec, stages, progress)
     for est in estimates:
-        r = est.record
         where = f" at {est.span}" if est.span else ""
         lines.append(
-            f"  H100 hours{where}: {_hours_line(est.hours)} (tokens x FLOPs per token / "
-            f"(MFU {r['mfu']:.1%} x {recorded_gpu.H100_BF16_PEAK_TFLOPS:.0f} TFLOP/s); MFU "
-            f"recorded {r['date']} on {r['machine']}, torch {r['torch']}, {r['config']}'s model, "
-            f"bf16, {r['code']} (micro-batch {r['micro_batch']}), span {_frac(r['span_frac'])}: "
-            f"{r['tokens_s']:,} tok/s; {r['source']})"
+            f"  H100 time{where}: {_times_line(est.hours)} (tokens x FLOPs per token / "
+            f"(MFU {est.record['mfu']:.1%} x {recorded_gpu.H100_BF16_PEAK_TFLOPS:.0f} "
+            f"TFLOP/s); {mfu_source(spec, est.record)})"
         )
     peak = recorded_gpu.H100_BF16_PEAK_TFLOPS
     for est in estimates:
         where = f" at {est.span}" if est.span else ""
         lines.append(
-            f"  H200 hours{where}: {_hours_line(est.hours)} (H200: not measured; H100's MFU "
+            f"  H200 time{where}: {_times_line(est.hours)} (H200: not measured; H100's MFU "
             f"assumed: the same {peak:.0f} TFLOP/s dense bf16 peak, its faster memory not counted)"
         )
     if any(s.at_least for s in stages):
@@ -349,10 +259,61 @@ def estimate_report(spec, measure: bool = True, progress=None) -> str:
     return "\n".join(lines)
 
 
-def _hours_line(hours: dict[str, float]) -> str:
-    parts = [f"{stage} {format_hours(h)}" for stage, h in hours.items()]
+def _time_here(spec, stages: list[StageTokens], progress) -> list[str]:
+    """The update timed here and the stages' time at it; or, where this machine has not
+    the memory to time it, one line saying so (the GPU time needs no timing)."""
+    from pipeline.commands.update_timing import BUDGET_S, TIMED, out_of_memory, time_updates
+
+    if progress is not None:
+        progress(
+            f"timing updates of {spec.name}'s model here (1 warm-up, then up to {TIMED} "
+            f"within {BUDGET_S:.0f} s)..."
+        )
+    try:
+        step = time_updates(spec)
+    except (RuntimeError, MemoryError, PipelineError) as e:
+        if not out_of_memory(e):
+            raise
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        return [f"  time here: not timed: this machine ran out of memory for an update ({why})"]
+    here = {s.stage: s.updates * step.seconds / 3600 for s in stages}
+    return [
+        f"  update time here: {format_duration(step.seconds / 3600)} (measured: {step.measured})",
+        f"  time here: {_times_line(here)} (updates x the update time here)",
+    ]
+
+
+def mfu_source(spec, record: dict) -> str:
+    """Where the MFU comes from, said beside it: whose model it was measured for."""
+    config = record["config"]
+    name = config.removeprefix("configs/").removesuffix(".yaml")
+    whose = "this config" if str(spec.source).endswith(config) else f"{name}, not this config"
+    return (
+        f"MFU {record['mfu']:.1%} measured for {whose}, on an H100, {record['source']}: "
+        f"{record['date']}, {record['machine']}, torch {record['torch']}, bf16, "
+        f"{record['code']} (micro-batch {record['micro_batch']}), span "
+        f"{_frac(record['span_frac'])}, {record['tokens_s']:,} tok/s"
+    )
+
+
+def format_duration(hours: float) -> str:
+    """A duration in the unit its size reads best in, labelled: h, min or s."""
+    if hours >= 100:
+        return f"{hours:,.0f} h"
+    if hours >= 1:
+        return f"{hours:.1f} h"
+    if hours * 60 >= 1:
+        return f"{hours * 60:.0f} min" if hours * 60 >= 10 else f"{hours * 60:.1f} min"
+    seconds = hours * 3600
+    if seconds >= 10:
+        return f"{seconds:.0f} s"
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.2g} s"
+
+
+def _times_line(hours: dict[str, float]) -> str:
+    parts = [f"{stage} {format_duration(h)}" for stage, h in hours.items()]
     if len(hours) > 1:
-        parts.append(f"total {format_hours(sum(hours.values()))}")
+        parts.append(f"total {format_duration(sum(hours.values()))}")
     return ", ".join(parts)
 
 

@@ -116,8 +116,12 @@ def test_show_estimate_prints_tokens_a_measured_step_and_gpu_hours_with_sources(
     out = result.output
     assert "train      1,280 tokens = 10 updates (train.steps) x 4 sequences" in out
     assert "finetune   640 tokens = 5 updates (finetune.steps)" in out
-    assert "step time here:" in out and "1 warm-up + 3 timed updates of micro-batch 1" in out
-    assert "hours here: train" in out
-    assert "H100 hours at the full span: train" in out
-    assert "MFU 6.9% x 989 TFLOP/s" in out and "docs/benchmarks.md#triton" in out
+    # the run's own update: train.batch_size 4 in one micro-batch on a CPU
+    assert "update time here:" in out and "updates of 1 micro-batch(es) of 4 x 32 tokens" in out
+    assert "1 warm-up + 5 timed" in out
+    assert "time here: train" in out
+    assert "H100 time at the full span: train" in out
+    assert "MFU 6.9% x 989 TFLOP/s" in out
+    assert "MFU 6.9% measured for enwik8_large, not this config" in out
+    assert "docs/benchmarks.md#triton" in out
     assert "H200: not measured; H100's MFU assumed" in out

@@ -1,0 +1,171 @@
+"""The update time `show --estimate` prints: the run's own update, timed here.
+
+A real `Trainer` (pipeline.training.trainer) is built from the spec, so the micro-batch,
+gradient accumulation, precision and DeepSpeed engine are the ones the run resolves, and its
+`update()` is what is timed; only the data differs: random tokens of the run's shape (the
+estimate runs before preprocess), or the curriculum's own generated cases. Timing one
+micro-batch row and multiplying by the batch, as this did before, overstated a small
+model's update 6 to 13 times (its fixed costs were paid once per row)."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.commands.report import vocab_size_for
+from pipeline.errors import PipelineError
+
+BUDGET_S = 60.0
+TIMED = 5  # timed updates at most, after the warm-up
+
+
+@dataclass(frozen=True)
+class UpdateTime:
+    seconds: float  # per optimizer update, the median of the timed ones
+    measured: str  # how
+
+
+class RandomStreams:
+    """TrainingData of token streams: random rows of the run's shape, one stream."""
+
+    documents = None
+
+    def __init__(self, vocab_size: int, block_len: int, origin: str):
+        self.vocab_size, self.block_len, self.origin = vocab_size, block_len, origin
+        self.rows = 0
+        self.generator = torch.Generator().manual_seed(0)
+
+    def train_batches(self, rows: int, rank: int, world_size: int, seed: int):
+        self.rows = rows
+        return self
+
+    def starts_epoch(self, step: int) -> bool:
+        return False
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.rows, self.block_len)
+        x = torch.randint(self.vocab_size, shape, generator=self.generator)
+        return x, torch.randint(self.vocab_size, shape, generator=self.generator)
+
+    def valid_split(self):
+        raise PipelineError("the update timing does not validate")
+
+
+class RandomDocuments(RandomStreams):
+    """TrainingData of whole documents (the frequency-sort task's layout), random tokens."""
+
+    def __init__(self, vocab_size: int, layout: dict, origin: str):
+        super().__init__(vocab_size, layout["length"] - 1, origin)
+        self.documents = layout  # type: ignore[assignment]
+
+    def batch(self, step: int) -> torch.Tensor:  # type: ignore[override]
+        shape = (self.rows, self.block_len + 1)
+        return torch.randint(self.vocab_size, shape, generator=self.generator)
+
+
+def training_data(spec):
+    """What the run's first training stage trains on, in its shape, without preprocess."""
+    if "curriculum" in spec.stages:
+        from pipeline.training.curriculum import LengthCurriculum
+
+        return LengthCurriculum(spec)  # generated cases: the real data, at start_length
+    vocab, origin = vocab_size_for(spec)
+    if vocab is None:
+        raise PipelineError(f"{spec.source}: the vocabulary size is unknown until preprocess")
+    generator = spec.dataset.generator
+    if generator is not None and (task := generator.frequency_sort) is not None:
+        # preprocess's layout (stages/preprocess.py): input, separator, sorted vocabulary
+        layout = {"length": task.length + 1 + task.vocab, "input_length": task.length}
+        return RandomDocuments(vocab, layout, origin)
+    return RandomStreams(vocab, spec.train.seq_len, origin)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is the device or the host running out of memory (the CPU allocator
+    raises a plain RuntimeError; the micro-batch search a PipelineError when none fits)."""
+    if isinstance(error, MemoryError | torch.OutOfMemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError | PipelineError) and any(
+        k in text for k in ("out of memory", "allocate memory", "allocation", "no micro-batch fits")
+    )
+
+
+class UpdateTimer:
+    """The run's `Trainer`, built as the run builds it, on data of the run's shape: `time(n)`
+    times its next `n` updates. Call `close()` when done (the engine's memory)."""
+
+    def __init__(self, spec, log: Callable[[str], None] = lambda line: None):
+        from pipeline.training.trainer import Trainer
+        from stages.base import NullStageTracker
+
+        data = training_data(spec)
+        curriculum = "curriculum" in spec.stages
+        stage = "curriculum" if curriculum else "train"
+        hooks = [data] if curriculum else []
+        self.trainer = Trainer(spec, data, NullStageTracker(), log, stage=stage, hooks=hooks)
+        if curriculum:
+            data.before_update(self.trainer, 1)  # the epoch's stream of cases
+
+    def time(self, n: int) -> list[float]:
+        """Seconds of each of the next `n` updates, each waited for."""
+        device, out = self.trainer.device, []
+        for _ in range(n):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            # the run's learning rate at this update (its warm-up): at a larger one the
+            # adaptive spans would grow faster than the run's, and the updates with them
+            self.trainer.set_lr(self.trainer.lr_at(self.trainer.step + 1))
+            start = time.perf_counter()
+            float(self.trainer.train_step())  # waits for the update
+            out.append(time.perf_counter() - start)
+        return out
+
+    def describe(self) -> str:
+        t = self.trainer
+        bf16 = "bf16" if t.resolved["bf16"] else "float32"
+        what = (
+            f"{t.device.type}, {bf16}, one process: updates of {t.accum} micro-batch(es) of "
+            f"{t.micro_batch} x {t.block_len} tokens ({t.micro_batch * t.accum} rows, the "
+            f"run's own update)"
+        )
+        if spans := getattr(t.model, "span_lens", None):
+            what += f"; the initial spans (L' up to {max(spans())})"
+        return what
+
+    def close(self) -> None:
+        del self.trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def time_updates(
+    spec,
+    budget_s: float = BUDGET_S,
+    timed: int = TIMED,
+    log: Callable[[str], None] = lambda line: None,
+) -> UpdateTime:
+    """The run's update on its device: 1 warm-up, then up to `timed` updates while they stay
+    within `budget_s`; the median. The spans are the initial ones (span_init), as a run's
+    first updates have them. One process: a multi-process run's per-rank batch is smaller."""
+    timer = UpdateTimer(spec, log)
+    try:
+        [warmup] = timer.time(1)
+        times: list[float] = []
+        while len(times) < timed and sum(times) + (times[-1] if times else warmup) <= budget_s:
+            times += timer.time(1)
+        seconds = statistics.median(times) if times else warmup
+        what = (
+            f"median of {len(times)} timed"
+            if times
+            else "the warm-up alone, over the budget (with its first-call costs: high)"
+        )
+        return UpdateTime(seconds, f"{timer.describe()}: 1 warm-up + {len(times)} timed, {what}")
+    finally:
+        timer.close()
