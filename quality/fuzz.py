@@ -6,12 +6,15 @@ bad one); here every case runs and the bad ones are listed.
     .venv/bin/python -m quality.fuzz --paths 1000   # the path fuzzer (quality/fuzzers/path_fuzz.py)
     .venv/bin/python -m quality.fuzz --secrets 1000 --injection 1000 --links 1000
         # issue 35's classes: secret_fuzz.py, injection_fuzz.py, link_fuzz.py (quality/fuzzers/)
+    .venv/bin/python -m quality.fuzz --writes 60   # EFBIG and ENOSPC at every write site
+        # (quality/fuzzers/write_fuzz.py; ENOSPC needs root or user namespaces for a tmpfs)
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 import tempfile
 import time
@@ -22,6 +25,7 @@ from quality.fuzzers.injection_fuzz import fuzz_injection
 from quality.fuzzers.link_fuzz import fuzz_links
 from quality.fuzzers.path_fuzz import fuzz_paths
 from quality.fuzzers.secret_fuzz import fuzz_secrets
+from quality.fuzzers.write_fuzz import fuzz_writes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,9 +52,15 @@ def main() -> None:
     )
     for flag in ("secrets", "injection", "links"):
         parser.add_argument(f"--{flag}", type=int, metavar="N", help=f"run N {flag} cases instead")
+    parser.add_argument(
+        "--writes", type=int, metavar="N", help="run N write-failure (EFBIG, ENOSPC) cases instead"
+    )
     args = parser.parse_args()
     if args.paths:
         paths(args.paths, args.show_bad)
+        return
+    if args.writes:
+        writes(args.writes, args.show_bad)
         return
     chosen = [(f, n) for f in ("secrets", "injection", "links") if (n := getattr(args, f))]
     if chosen:
@@ -115,6 +125,46 @@ def paths(cases: int, show_bad: int) -> None:
         )
     for o in bad[:show_bad]:
         print(f"\n{o.args!r}\n  {o.problem}")
+    sys.exit(1 if bad else 0)
+
+
+NOT_ONE_LINE = "not one 'error"
+
+
+def writes(cases: int, show_bad: int) -> None:
+    """The write-failure fuzzer's figure: cases by command and failure kind, the ones that
+    went wrong (a traceback, not one error line, earlier files changed, a partial file)."""
+    outcomes, built, seconds = timed(fuzz_writes, cases)
+    ran = [o for o in outcomes if not o.skipped]
+    bad = [o for o in ran if o.problem]
+    kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
+    print(
+        f"write cases      {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
+        f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s"
+    )
+    print(f"skipped          {len(outcomes) - len(ran)} (ENOSPC: no tmpfs can be mounted here)")
+    print(f"tracebacks       {kinds['traceback']}")
+    print(f"not one line     {kinds[NOT_ONE_LINE]}")
+    print(f"bad cases        {len(bad)}")
+    print(f"\n{'command':<16} {'failure':<7} {'cases':>6} {'exit 0':>7} {'exit 2':>7} {'bad':>4}")
+    groups = collections.defaultdict(list)
+    for o in ran:
+        groups[(o.command, o.failure.split()[0])].append(o)
+    for (command, kind), group in sorted(groups.items()):
+        print(
+            f"{command:<16} {kind:<7} {len(group):>6} {sum(o.exit_code == 0 for o in group):>7} "
+            f"{sum(o.exit_code == 2 for o in group):>7} {sum(bool(o.problem) for o in group):>4}"
+        )
+    said = collections.Counter(
+        " ".join(re.sub(r"(/[^\s:;,()]+)+", "PATH", o.said).split()[:9])
+        for o in ran
+        if o.exit_code == 2
+    )
+    print("\nerror lines, by their first words (paths as PATH):")
+    for words, n in said.most_common():
+        print(f"  {n:>4}  {words}")
+    for o in bad[:show_bad]:
+        print(f"\n{o.command} {o.failure}\n  {o.problem}\n  said: {o.said}")
     sys.exit(1 if bad else 0)
 
 
