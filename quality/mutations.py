@@ -734,21 +734,27 @@ FAMILIES: dict[str, tuple[list[str], list[tuple[str, str, str, str]]]] = {
             ),
             (
                 KERNELS,
-                "p = tl.where(_keep(seed, b, h, rows[:, None], key, threshold), p, 0.0)",
-                "p = tl.where(_keep(seed, b, h, rows[:, None], key + 1, threshold), p, 0.0)",
+                "p = tl.where(_keep(seed, b, h, rows[:, None], key, threshold, T), p, 0.0)",
+                "p = tl.where(_keep(seed, b, h, rows[:, None], key + 1, threshold, T), p, 0.0)",
                 "forward: dropout drawn at the wrong key coordinate",
             ),
             (
                 KERNELS,
-                "return L - k * T - tl.arange(0, T)[None, :] + tl.arange(0, T)[:, None]",
-                "return L - k * T - tl.arange(0, T)[None, :] + tl.arange(0, T)[:, None] + 1",
-                "dropout's distance coordinate one off",
+                "return i0 + k * T + tl.arange(0, T)[None, :]",
+                "return i0 + k * T + tl.arange(0, T)[None, :] + 1",
+                "dropout's key coordinate one off",
             ),
             (
                 KERNELS,
                 "x = (x ^ (x >> 13)) * 0xC2B2AE35",
                 "x = (x ^ (x >> 12)) * 0xC2B2AE35",
                 "dropout hash: a finaliser shift changed",
+            ),
+            (
+                KERNELS,
+                "bits = tl.where((c & 1) == 1, both >> 16, both & 0xFFFF)",
+                "bits = both & 0xFFFF",
+                "dropout: both keys of a pair read the same 16 bits of their hash",
             ),
             # gradients
             (

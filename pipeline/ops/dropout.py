@@ -21,8 +21,18 @@ The hash uses int32 arithmetic with wrap-around multiplication; right shifts are
 they are logical shifts on negative values too. Only the low 32 bits of any intermediate
 matter, so it gives the same bits when the kernel's indices are int64 (eager FlexAttention)
 or int32 (the compiled kernel). The key coordinate does not depend on how a backend pads or
-lays out its keys: context key at distance x (1..L') has c = x, persistent vector n has
-c = -1 - n.
+lays out its keys: the context key at distance x (1..L') of query q has c = q + L' - x (its
+index in the key sequence of L' + M keys), persistent vector n has c = -1 - n.
+
+Two weights per hash: the weights of keys c = 2s and 2s + 1 of one (b, h, q) share the hash
+of the pair index c >> 1 (arithmetic shift: persistent vectors 2s and 2s + 1 pair up too),
+the even key drawing the hash's low 16 bits, the odd key its high 16 bits (murmur3's
+finaliser mixes every output bit with every input bit, so the halves are independent
+draws). A kernel's key tile starts at an even c, so it hashes [T, T / 2] pairs: half a hash
+per score. The price is the threshold's resolution: 16 bits quantise p to a multiple of
+2**-16 (``keep_threshold``), at most 2**-17 = 7.6e-6 off; p = 0.4 is kept as 26214 / 65536
+= 0.3999939, 6.1e-6 (1.5e-5 relative) below 0.4. Eight bits (4 weights per hash) would
+quantise p = 0.4 to 102 / 256 = 0.3984, 0.39% off: too coarse.
 """
 
 from __future__ import annotations
@@ -41,20 +51,27 @@ def _shr(x: Tensor, n: int) -> Tensor:
     return (x >> n) & ((1 << (32 - n)) - 1)
 
 
+KEEP_BITS = 16
+"""Bits of the uniform draw a weight's keep decision reads: two weights per 32-bit hash.
+p is quantised to a multiple of 2**-16 (at most 2**-17 = 7.6e-6 off; p = 0.4: 1.5e-5
+relative); 8 bits (four weights per hash) would be 0.39% off at p = 0.4."""
+
+
 def keep_threshold(p: float) -> int:
-    """A weight is kept when its 24-bit uniform draw is >= this (keep probability 1 - p to
-    within 2**-24)."""
-    return round(p * (1 << 24))
+    """A weight is kept when its 16-bit uniform draw is >= this (keep probability 1 - p to
+    within 2**-17)."""
+    return round(p * (1 << KEEP_BITS))
 
 
 def flex_keep(seed: Tensor, b: Tensor, h: Tensor, q: Tensor, c: Tensor, threshold: int) -> Tensor:
     """Keep (True) or drop the attention weight (b, h, q, c): int tensors, broadcast together;
-    ``seed`` an int32 scalar tensor. About twenty integer operations per weight."""
-    x = seed ^ (b * _B) ^ (h * _H) ^ (q * _Q) ^ (c * _C)
+    ``seed`` an int32 scalar tensor. Keys c = 2s and 2s + 1 share the hash of s = c >> 1, the
+    even one reading its low 16 bits, the odd one its high 16 bits."""
+    x = seed ^ (b * _B) ^ (h * _H) ^ (q * _Q) ^ ((c >> 1) * _C)
     x = (x ^ _shr(x, 16)) * _F1
     x = (x ^ _shr(x, 13)) * _F2
     x = x ^ _shr(x, 16)
-    return _shr(x, 8) >= threshold
+    return torch.where((c & 1) == 1, _shr(x, 16), x & 0xFFFF) >= threshold
 
 
 def draw_dropout_seed(device) -> Tensor:

@@ -321,8 +321,9 @@ def _attend_flex(
     threshold = keep_threshold(dropout_p)
 
     def add_position_and_drop(score, bi, hi, qi, kv):
-        # key coordinate of pipeline.ops.dropout: distance for context, -1 - n for persistent
-        c = torch.where(kv < ctx_end, ctx_end - kv + qi - m, ctx_end - 1 - kv)
+        # key coordinate of pipeline.ops.dropout: the key's index in k for context (kv less
+        # the padding), -1 - n for persistent
+        c = torch.where(kv < ctx_end, kv - pad, ctx_end - 1 - kv)
         keep = flex_keep(seed, bi, hi, qi, c, threshold)
         return torch.where(keep, add_position(score, bi, hi, qi, kv), float("-inf"))
 

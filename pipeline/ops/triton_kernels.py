@@ -36,10 +36,13 @@ m's gradient (the column sums of dm by distance) is gathered the same way: per-b
 partial sums that the caller reduces once, with no atomics.
 
 The N persistent keys follow the window as dense key tiles in the same online softmax, with
-no position term and no mask. Dropout keeps weight (b, h, i, key) when a 32-bit hash of (seed,
-b, h, i, key coordinate) passes ``threshold`` (``pipeline.ops.dropout.flex_keep``: the same
-bits as the flex backend; key coordinate: distance L' - j, or -1 - n for persistent vector n),
-so the backward regenerates the mask and nothing is stored. Gradients accumulate in float32
+no position term and no mask. Dropout keeps weight (b, h, i, key) when 16 bits of a 32-bit
+hash of (seed, b, h, i, key coordinate >> 1) pass ``threshold``
+(``pipeline.ops.dropout.flex_keep``: the same bits as the flex backend; key coordinate: the
+key index c = i + j, or -1 - n for persistent vector n): a tile's keys start at an even
+coordinate, so one hash of each pair of columns gives both keep decisions (the low half for
+the even key, the high half for the odd one), [T, T / 2] hashes per tile of T x T scores.
+The backward regenerates the mask and nothing is stored. Gradients accumulate in float32
 and are stored scaled, in the dtype of the output tensors (the inputs').
 """
 
@@ -50,17 +53,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _keep(seed, b, h, qi, c, threshold):
-    """flex_keep's hash in uint32 arithmetic (wrap-around products, logical shifts)."""
+def _keep(seed, b, h, qi, c, threshold, T: tl.constexpr):
+    """flex_keep's hash in uint32 arithmetic (wrap-around products, logical shifts) for a
+    [T, T] tile of weights: rows ``qi`` ([T, 1]), key coordinates ``c`` ([1, T] or [T, T],
+    columns 2s and 2s + 1 of one pair c >> 1). One hash per pair of columns ([T, T / 2]),
+    its low 16 bits for the even key, its high 16 bits for the odd one."""
+    pairs = tl.reshape((c + tl.zeros([T, T], tl.int32)) >> 1, [T, T // 2, 2])
+    pair, _ = tl.split(pairs)  # [T, T / 2]: both columns of a pair hold the same c >> 1
     x = tl.cast(seed, tl.uint32, bitcast=True)
     x = x ^ (tl.cast(b, tl.uint32, bitcast=True) * 0x9E3779B1)
     x = x ^ (tl.cast(h, tl.uint32, bitcast=True) * 0x85EBCA77)
     x = x ^ (tl.cast(qi, tl.uint32, bitcast=True) * 0xC2B2AE3D)
-    x = x ^ (tl.cast(c, tl.uint32, bitcast=True) * 0x27D4EB2F)
+    x = x ^ (tl.cast(pair, tl.uint32, bitcast=True) * 0x27D4EB2F)
     x = (x ^ (x >> 16)) * 0x85EBCA6B
     x = (x ^ (x >> 13)) * 0xC2B2AE35
     x = x ^ (x >> 16)
-    return (x >> 8).to(tl.int32) >= threshold
+    both = tl.reshape(tl.join(x, x), [T, T])  # each pair's hash at both of its columns
+    bits = tl.where((c & 1) == 1, both >> 16, both & 0xFFFF)
+    return bits.to(tl.int32) >= threshold
 
 
 @triton.jit
@@ -109,15 +119,17 @@ def _persistent_logits(q, pk, pers, N, qk_scale2, PREC: tl.constexpr):
 
 
 @triton.jit
-def _distance(L, k, T: tl.constexpr):
-    """The dropout's key coordinate of window tile k's scores: the distance L' - j."""
-    return L - k * T - tl.arange(0, T)[None, :] + tl.arange(0, T)[:, None]
+def _key_index(i0, k, T: tl.constexpr):
+    """The dropout's key coordinate of window tile k's scores: the key index c = i + j (even
+    at the tile's first column: i0 and T are even)."""
+    return i0 + k * T + tl.arange(0, T)[None, :]
 
 
 @triton.jit
 def _accumulate(
     s2, mask, values, m_i, e_i, l_i, acc, seed, b, h, rows, key, threshold,
-    HAS_MASK: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """One step of the online softmax over a tile of logits s2 (log2 units), all relative
     to the running row max m: e, the sum of exp2 over every key (kept only with a span mask:
@@ -133,7 +145,7 @@ def _accumulate(
         p = p * mask
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        p = tl.where(_keep(seed, b, h, rows[:, None], key, threshold), p, 0.0)
+        p = tl.where(_keep(seed, b, h, rows[:, None], key, threshold, T), p, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PREC)
     return m_new, e_i, l_i, acc
 
@@ -211,8 +223,8 @@ def attention_fwd(
         s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
         mask = _window_mask(mask_ptr + h * slh, k, L, HAS_MASK, T)
         m_i, e_i, l_i, acc = _accumulate(
-            s2, mask, v_tile, m_i, e_i, l_i, acc, seed, b, h, rows, _distance(L, k, T),
-            threshold, HAS_MASK, HAS_MASK, DROPOUT, PREC,
+            s2, mask, v_tile, m_i, e_i, l_i, acc, seed, b, h, rows, _key_index(i0, k, T),
+            threshold, HAS_MASK, HAS_MASK, DROPOUT, T, PREC,
         )  # fmt: skip
         bias_prev = bias_cur
     for n0 in range(0, N, T):
@@ -221,7 +233,7 @@ def attention_fwd(
         s2 = _persistent_logits(q, pk, pers, N, qk_scale2, PREC)
         m_i, e_i, l_i, acc = _accumulate(
             s2, 1.0, pv, m_i, e_i, l_i, acc, seed, b, h, rows, -1 - pers[None, :], threshold,
-            HAS_MASK, False, DROPOUT, PREC,
+            HAS_MASK, False, DROPOUT, T, PREC,
         )  # fmt: skip
     denominator = l_i
     if HAS_MASK:
@@ -256,7 +268,8 @@ def _bwd_rows(
 @triton.jit
 def _scores_grad(
     s2, mask, lse, delta, do, v_tile, seed, b, h, rows, key, threshold, keep_scale, renorm_eps,
-    HAS_MASK: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, T: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     """One tile's weights after dropout (what multiplied the values), dS = dL/ds and dm =
     dL/dm (meaningful for MASKED tiles), from its logits s2 and its mask (MASKED); ``key``:
@@ -267,7 +280,7 @@ def _scores_grad(
         p = e * mask
     dp = tl.dot(do, tl.trans(v_tile), input_precision=PREC)
     if DROPOUT:
-        keep = _keep(seed, b, h, rows[:, None], key, threshold)
+        keep = _keep(seed, b, h, rows[:, None], key, threshold, T)
         dp = tl.where(keep, dp * keep_scale, 0.0)
         p_dropped = tl.where(keep, p * keep_scale, 0.0)
     else:
@@ -281,8 +294,8 @@ def _scores_grad(
 
 @triton.jit
 def _window_tile_grad(
-    q, do, lse, delta, k_tile, v_tile, u_prev, u, mask_row, k, L, qk_scale2, seed, b, h, rows,
-    threshold, keep_scale, renorm_eps, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    q, do, lse, delta, k_tile, v_tile, u_prev, u, mask_row, i0, k, L, qk_scale2, seed, b, h,
+    rows, threshold, keep_scale, renorm_eps, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
     T: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Window tile k of one query block, recomputed for the backward from u's chunks k - 1
@@ -292,8 +305,8 @@ def _window_tile_grad(
     s2 = _window_logits(q, k_tile, bias_prev, bias_cur, qk_scale2, T, PREC)
     mask = _window_mask(mask_row, k, L, HAS_MASK, T)
     return _scores_grad(
-        s2, mask, lse, delta, do, v_tile, seed, b, h, rows, _distance(L, k, T), threshold,
-        keep_scale, renorm_eps, HAS_MASK, HAS_MASK, DROPOUT, PREC,
+        s2, mask, lse, delta, do, v_tile, seed, b, h, rows, _key_index(i0, k, T), threshold,
+        keep_scale, renorm_eps, HAS_MASK, HAS_MASK, DROPOUT, T, PREC,
     )  # fmt: skip
 
 
@@ -342,8 +355,8 @@ def attention_bwd_dq(
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
         # chunk k - 1's bias recomputed from the u kept for dq, not carried ([T, T] float32)
         _, ds, dm = _window_tile_grad(
-            q, do, lse, delta, k_tile, v_tile, u_prev, u, mask_row, k, L, qk_scale2, seed, b,
-            h, rows, threshold, keep_scale, renorm_eps, HAS_MASK, DROPOUT, T, PREC,
+            q, do, lse, delta, k_tile, v_tile, u_prev, u, mask_row, i0, k, L, qk_scale2, seed,
+            b, h, rows, threshold, keep_scale, renorm_eps, HAS_MASK, DROPOUT, T, PREC,
         )  # fmt: skip
         dq += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PREC)
         by_distance = tl.gather(ds, at, 1)
@@ -366,7 +379,7 @@ def attention_bwd_dq(
         s2 = _persistent_logits(q, pk, pers, N, qk_scale2, PREC)
         _, ds, _ = _scores_grad(
             s2, 1.0, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
-            keep_scale, renorm_eps, HAS_MASK, False, DROPOUT, PREC,
+            keep_scale, renorm_eps, HAS_MASK, False, DROPOUT, T, PREC,
         )  # fmt: skip
         dq += tl.dot(ds.to(pk.dtype), pk, input_precision=PREC)
     tl.store(
@@ -430,8 +443,8 @@ def attention_bwd_dkdv(
         u_prev = _pos_chunk(pos_ptr, stride_pd, stride_pj, k - 1, L, D, T, DP)
         u = _pos_chunk(pos_ptr, stride_pd, stride_pj, k, L, D, T, DP)
         p, ds, _ = _window_tile_grad(
-            q, do, lse, delta, k_tile, v_tile, u_prev, u, mask_row, k, L, qk_scale2, seed, b,
-            h, rows, threshold, keep_scale, renorm_eps, HAS_MASK, DROPOUT, T, PREC,
+            q, do, lse, delta, k_tile, v_tile, u_prev, u, mask_row, i0, k, L, qk_scale2, seed,
+            b, h, rows, threshold, keep_scale, renorm_eps, HAS_MASK, DROPOUT, T, PREC,
         )  # fmt: skip
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
@@ -473,7 +486,7 @@ def attention_bwd_persistent(
             s2 = _persistent_logits(q, pk, pers, N, qk_scale2, PREC)
             p, ds, _ = _scores_grad(
                 s2, 1.0, lse, delta, do, pv, seed, b, h, rows, -1 - pers[None, :], threshold,
-                keep_scale, renorm_eps, HAS_MASK, False, DROPOUT, PREC,
+                keep_scale, renorm_eps, HAS_MASK, False, DROPOUT, T, PREC,
             )  # fmt: skip
             dpv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
             dpk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)

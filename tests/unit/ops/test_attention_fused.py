@@ -24,6 +24,7 @@ from pipeline.ops import (
     flex_keep,
     get_attention_impl,
 )
+from pipeline.ops.dropout import KEEP_BITS, keep_threshold
 from pipeline.ops.fused import flex_bucket, pick_attention_impl
 from tests.fixtures.attention import (
     DT,
@@ -65,8 +66,39 @@ def test_flex_keep_is_the_hash_computed_independently_with_int32_or_int64_counte
     want = keep_np(seed, b, h, q, c, 0.3)
     for dt in (torch.int32, torch.int64):  # the compiled kernel's / eager flex's indices
         t = [torch.from_numpy(x).to(dt) for x in counters]
-        got = flex_keep(t[0].to(torch.int32), *t[1:], threshold=round(0.3 * 2**24))
+        got = flex_keep(t[0].to(torch.int32), *t[1:], threshold=round(0.3 * 2**16))
         assert np.array_equal(got.numpy(), want), dt
+
+
+@pytest.mark.parametrize("p", [0.1, 0.4, 0.9])
+def test_the_keep_fraction_over_a_million_draws_is_1_minus_p_within_4_sigma(p):
+    """A million weights (250 queries x 4000 consecutive key coordinates, so 500,000 hashes of
+    two draws each, negative coordinates included), their keep bits computed by numpy
+    (``keep_np``), the op's hash equal to them; the keep fraction within 4 binomial standard
+    deviations of 1 - p, and the two halves of a hash (keys 2s and 2s + 1) uncorrelated."""
+    q, c = np.meshgrid(np.arange(250), np.arange(-2000, 2000), indexing="ij")
+    keep = keep_np(12345, 1, 2, q, c, p)
+    got = flex_keep(
+        torch.tensor(12345, dtype=torch.int32), torch.tensor(1), torch.tensor(2),
+        torch.from_numpy(q), torch.from_numpy(c), keep_threshold(p),
+    )  # fmt: skip
+    assert np.array_equal(got.numpy(), keep)
+    n = keep.size
+    assert n == 1_000_000
+    assert abs(keep.mean() - (1 - p)) < 4 * (p * (1 - p) / n) ** 0.5
+    even, odd = keep[:, 0::2].ravel().astype(float), keep[:, 1::2].ravel().astype(float)
+    assert abs(np.corrcoef(even, odd)[0, 1]) < 4 / even.size**0.5
+
+
+def test_the_keep_threshold_s_16_bits_quantise_p_by_less_than_1e_4_relative():
+    """Two draws of 16 bits per 32-bit hash: p is kept as a multiple of 2**-16, at most 2**-17
+    off; at p = 0.4, 26214 / 65536 = 0.3999939 (1.5e-5 relative; 8 bits would give 102 / 256,
+    0.39% off)."""
+    assert KEEP_BITS == 16
+    assert keep_threshold(0.4) == 26214
+    assert abs(keep_threshold(0.4) / 2**16 - 0.4) / 0.4 < 1e-4
+    for p in np.linspace(0.0, 0.99, 199):
+        assert abs(keep_threshold(p) / 2**16 - p) <= 2**-17
 
 
 def test_flex_mask_statistics():

@@ -462,3 +462,41 @@ def test_the_tile_is_the_fastest_that_fits_kept_per_kernel_and_chosen_untimed_in
     ms.update({64: None, 32: None, 16: None})
     with pytest.raises(RuntimeError, match="no tile of TILES fits"):
         triton_attention._launch("backward dk dv", q, launch, 300)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's run of the hash; CUDA runs it in every op")
+@pytest.mark.parametrize("T", [16, 32])
+def test_the_kernels_keep_draws_two_weights_per_hash_as_the_numpy_definition(T, monkeypatch):
+    """``_keep`` of the kernels on a window tile (key coordinates i0 + kT + t, even at the
+    tile's first column) and on a tile of persistent vectors (-1 - n), against the numpy
+    definition (``keep_np``): keys 2s and 2s + 1 read the low and high 16 bits of one hash,
+    so a tile of T x T weights takes T x T / 2 hashes."""
+    import numpy as np
+    import triton
+    import triton.language as tl
+
+    from pipeline.ops import triton_kernels
+    from pipeline.ops.dropout import keep_threshold
+    from tests.fixtures.attention import keep_np
+
+    # the interpreter resolves a kernel's names in its module's globals
+    monkeypatch.setitem(globals(), "tl", tl)
+    monkeypatch.setitem(globals(), "triton_kernels", triton_kernels)
+
+    @triton.jit
+    def tile(out_ptr, seed, b, h, i0, c0, threshold, T: tl.constexpr):
+        r, t = tl.arange(0, T)[:, None], tl.arange(0, T)[None, :]
+        c = c0 + t
+        if c0 < 0:
+            c = c0 - t
+        keep = triton_kernels._keep(seed, b, h, i0 + r, c, threshold, T)
+        tl.store(out_ptr + r * T + t, keep.to(tl.int32))
+
+    p, seed, b, h, i0 = 0.4, 987, 1, 2, 3 * T
+    for c0 in (i0 + 2 * T, -1 - T):  # window tile k = 2; persistent vectors T .. 2T - 1
+        out = torch.empty(T, T, dtype=torch.int32)
+        tile[(1,)](out, seed, b, h, i0, c0, keep_threshold(p), T)
+        rows = np.arange(i0, i0 + T)[:, None]
+        cols = c0 + np.arange(T)[None, :] if c0 >= 0 else c0 - np.arange(T)[None, :]
+        want = keep_np(seed, b, h, rows, cols, p)
+        assert np.array_equal(out.numpy().astype(bool), want), c0
