@@ -57,7 +57,7 @@ def test_quickstart_is_valid_and_resolves_its_card():
     assert spec.dataset.name == "python_docs"
     assert spec.dataset.url == "builtin://python-docs"
     assert spec.model_kind == "allattn"
-    assert spec.model_params.n_persistent == 64
+    assert spec.model_params.n_persistent == 32
     assert spec.stages == ["download", "preprocess", "train", "finetune", "evaluate"]
 
 
