@@ -24,7 +24,7 @@ quickstart: $(VENV)/.installed
 # file's module fixtures (the real Slurm cluster) are built once: most tests wait on a child
 # process or a clock on one core, and two at a time keep both of CI's 2 cores busy. Files are
 # handed out in collection order (tests/conftest.py puts the longest first), not xdist's
-# most-tests-first, which left the 13-minute quickstart file (3 tests) to run last, alone.
+# most-tests-first, which once left the quickstart figures file (then 13 minutes) to run last, alone.
 WORKERS ?= 2
 FAST_TIERS := -m "not system" tests/test_architecture.py tests/unit tests/integration
 PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder \

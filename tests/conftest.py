@@ -49,12 +49,12 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{tier}: set by the test's folder (tests/{tier}/)")
 
 
-# The longest files (about 13, 3 and 7 minutes on CI's 2 cores) run first: with two test
+# The longest files (about 7, 4 and 3 minutes on CI's 2 cores) run first: with two test
 # processes (make test-all), each one taken last kept one core idle for its whole length.
 LONGEST_FIRST = (
+    "system/cluster/test_cluster.py",
     "system/stages/test_quickstart_figures.py",
     "system/commands/test_cli_fuzz.py",
-    "system/cluster/test_cluster.py",
 )
 
 

@@ -101,7 +101,8 @@ def test_the_pages_quickstart_excerpt_is_a_real_run(pipeline_runs, page):
         line.strip()
         for line in pipeline_runs["first"].stdout.splitlines()
         if line.startswith("[evaluate] ")
-        and re.match(r"\[evaluate\] (checkpoint|valid|test)", line)
+        # the result lines, not the progress lines ("[evaluate] valid: 8,704/...")
+        and re.match(r"\[evaluate\] (checkpoint|valid|test)\s", line)
     ]
     assert [_shape(line) for line in shown] == [_shape(line) for line in real]
 
