@@ -9,10 +9,10 @@ The band is measured, not guessed: configs/quickstart.yaml as of issue 46 (2 lay
 excerpt), 2.512 / 2.375 (AVX-512, 1 thread), 2.508 / 2.370 (ATEN_CPU_CAPABILITY=avx2, 2
 threads), 2.507 / 2.366 (avx2, 1 thread) and 2.508 / 2.365 (ATEN_CPU_CAPABILITY=default, 1
 thread): the kernels and the thread count change how sums round, and 1,200 updates carry
-the difference into the third decimal. The pages widen that spread to 0.015 either side of its middle for CPUs not
-measured (the previous config spread by 0.012 over four machines) and round it outwards
-(valid 2.49-2.53, test 2.35-2.39); a change in what training computes moves the figures
-further (a tenth of the steps, another learning rate: by 0.1 and more).
+the difference into the third decimal. The pages widen that spread to 0.015 either side of
+its middle for CPUs not measured (the previous config spread by 0.012 over four machines)
+and round it outwards (valid 2.49-2.53, test 2.35-2.39); a change in what training computes
+moves the figures further (a tenth of the steps, another learning rate: by 0.1 and more).
 
 The figures hold for the machine the pages name ("2 CPU cores, CPython 3.11, torch 2.13"):
 the built-in corpus is made from the running Python's own files, and torch's kernels may
