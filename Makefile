@@ -18,8 +18,8 @@ quickstart: $(VENV)/.installed
 
 # The tiers (tests/conftest.py): `make test` runs unit + integration, a few minutes on 2 cores,
 # the loop to run while working; `make test-all` adds the system tier (Slurm, several
-# processes, kill -9, the fuzz campaigns, the quickstart's figures, the docs build): about half
-# an hour, what CI runs. DURATIONS=N prints the N slowest tests.
+# processes, kill -9, the fuzz campaigns, the quickstart's figures, the docs build): about 25
+# minutes, what CI runs. DURATIONS=N prints the N slowest tests.
 # WORKERS test processes (pytest-xdist; 0: one process), each taking whole files, so that a
 # file's module fixtures (the real Slurm cluster) are built once: most tests wait on a child
 # process or a clock on one core, and two at a time keep both of CI's 2 cores busy. Files are

@@ -19,9 +19,9 @@ the built-in corpus is made from the running Python's own files, and torch's ker
 round differently from one version to the next. On another CPython or torch minor the test
 skips saying so; CI sets $ALLATTN_REQUIRE_QUICKSTART_FIGURES (.ci/run), which turns that skip
 into a failure, so a CI that moves to another Python or torch is told to refresh the figures.
-The run uses 2 threads, as on the 2 cores the pages name. It takes about 3 minutes on 2 idle
-cores (python -m bench.quickstart): the check the pages' promise needs, and the only one that
-can catch a change in what training computes.
+The run uses 2 threads, as on the 2 cores the pages name. It takes about 2 minutes on 2 idle
+cores (python -m bench.quickstart: median 114 s): the check the pages' promise needs, and the
+only one that can catch a change in what training computes.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def printed(tmp_path_factory) -> list[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=3 * 3600,  # ~3 minutes on 2 idle cores; far longer when other work shares them
+        timeout=3 * 3600,  # ~2 minutes on 2 idle cores; far longer when other work shares them
     )
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return [
