@@ -12,6 +12,7 @@ one line, a URI's password masked (pipeline.redact).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -19,7 +20,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.errors import PipelineError, shown
+from pipeline.errors import WRITE_FAILURES, PipelineError, shown
 from pipeline.redact import mask
 from pipeline.tracking.sender import is_transient, reason
 
@@ -301,11 +302,27 @@ def _probe_write(uri: str) -> None:
             try:  # a write: a read-only store refuses only those
                 cursor.execute("CREATE TABLE allattn_write_probe (x)")
             finally:
-                cursor.execute("ROLLBACK")
+                # sqlite ends the transaction itself when a write fails on I/O (a journal
+                # past `ulimit -f`): a ROLLBACK then fails, and its error would hide the cause
+                if getattr(raw.driver_connection, "in_transaction", True):
+                    cursor.execute("ROLLBACK")
         finally:
             raw.close()
     finally:
         engine.dispose()
+
+
+def _file_size_limit(path: Path) -> int | None:
+    """The largest file this process may write where the store at `path` may have met it:
+    sqlite words a write past `ulimit -f` (or FAT32's 4 GiB) as a bare "disk I/O error",
+    its errno lost. None where no such limit is near."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if soft != resource.RLIM_INFINITY:
+        return soft
+    fat32 = 2**32 - 1
+    return fat32 if path.is_file() and path.stat().st_size >= fat32 else None
 
 
 def _on_local_store(action, uri: str, warn):
@@ -337,11 +354,15 @@ def _on_local_store(action, uri: str, warn):
                 )
             time.sleep(0.5)
             continue
+        if "disk I/O error" in why and (limit := _file_size_limit(path)) is not None:
+            why = f"{why}, most likely a {WRITE_FAILURES[errno.EFBIG][0]} ({limit:,} bytes)"
         hint = (
             "another process holds it (an sqlite3 shell, a stuck process?): close it and run again"
             if "locked" in why
             else "free space and run again"
             if "full" in why
+            else f"{WRITE_FAILURES[errno.EFBIG][1]}, and run again"
+            if "ulimit" in why
             else "make it and its directory writable, or point tracking.uri elsewhere, or "
             "set tracking.enabled: false"
         )

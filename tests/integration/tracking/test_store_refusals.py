@@ -16,6 +16,7 @@ from pipeline.errors import PipelineError
 from pipeline.tracking import sender as sender_module
 from pipeline.tracking import store as store_module
 from pipeline.tracking.tracker import MlflowTracker, default_tracking_uri
+from tests.fixtures.file_limits import file_size_limit
 
 CONFIG = """\
 name: tiny
@@ -105,6 +106,22 @@ def test_a_read_only_store_is_refused_before_anything_runs(tmp_path, monkeypatch
     assert "not answering" not in result.output
     assert not (root / "tiny" / "download").exists()
     assert list(cwd.iterdir()) == []
+
+
+def test_a_store_past_the_file_size_limit_names_that_cause(tmp_path):
+    # before: sqlite ended the probe's transaction itself on the failed journal write, the
+    # probe's own ROLLBACK then failed, and the line read "cannot rollback - no transaction is
+    # active; make it and its directory writable" (the write-failure fuzzer's 3 of 80 cases)
+    uri = default_tracking_uri(tmp_path)
+    MlflowTracker(uri, warn=lambda m: None)
+    with file_size_limit(4096), pytest.raises(PipelineError) as info:
+        store_module.check_writable(uri, warn=lambda m: None)
+    line = str(info.value)
+    assert "\n" not in line
+    assert line.startswith(f"tracking store {tmp_path / 'mlflow.db'}: disk I/O error, most likely")
+    assert "ulimit -f allows (4,096 bytes); raise `ulimit -f`" in line
+    assert "rollback" not in line
+    store_module.check_writable(uri, warn=lambda m: None)  # the limit gone, the store takes writes
 
 
 def test_a_store_named_by_a_file_uri_records_and_makes_nothing_in_the_working_directory(
