@@ -14,26 +14,22 @@ default bound.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
-import stages
 from pipeline.commands.cli import main
 from pipeline.spec import load_spec
 from pipeline.tracking.sender import append_records, read_records
 from pipeline.tracking.tracker import BACKLOG
 from tests.fixtures.stalling_server import serve
+from tests.fixtures.stand_in_stages import ORDER, logging_stand_ins
 
 CANARY = "Canary-pw-77"  # the URI's password: in no line a command prints
-ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
 STEPS = 8
 WITHIN_S = 45  # "one line within about 30 s", with room for a busy test machine
 TEST_TIMEOUT = "3"  # seconds a request waits in the tests that set their own bound
@@ -59,29 +55,7 @@ def stalling(server, monkeypatch):
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """Stages that log params, a loss per step, an artifact and a tag; `actions[stage](step)`
-    runs before each of the stage's steps."""
-    actions: dict[str, Callable[[int], object]] = {}
-
-    def make(name):
-        def run(ctx):
-            ctx.tracker.log_params({"stand_in": name})
-            for step in range(1, STEPS + 1):
-                if name in actions:
-                    actions[name](step)
-                ctx.tracker.log_metrics({"loss": 1.0 / step}, step=step)
-            (ctx.out_dir / "result.json").write_text(json.dumps({"stage": name}))
-            ctx.tracker.log_artifact(ctx.out_dir / "result.json")
-            ctx.tracker.set_tags({"done": "yes"})
-            return {"ok": name}
-
-        return run
-
-    for name in ORDER:
-        monkeypatch.setitem(
-            stages.STAGES, name, dataclasses.replace(stages.STAGES[name], run=make(name))
-        )
-    return actions
+    return logging_stand_ins(monkeypatch, STEPS)
 
 
 def uri(server) -> str:
@@ -171,7 +145,7 @@ def test_run_trains_on_and_keeps_what_the_hung_server_did_not_take(tmp_path, sta
     """The server hangs from step 3 of train: the run finishes every stage, within the
     bound; what the server did not take is in the backlog, which sync sends once it
     answers again, every step of every stage."""
-    stand_ins["train"] = lambda step: step == 3 and stalling.answer(0)
+    stand_ins["train"] = lambda ctx, step: step == 3 and stalling.answer(0)
     cfg = config(tmp_path, stalling, "stall-run")
     backlog = tmp_path / "runs" / "stall-run" / BACKLOG
     result, elapsed = timed("run", cfg)
@@ -239,7 +213,7 @@ def test_sweep_ends_at_the_first_point_whose_server_hangs(tmp_path, stalling, st
     """The server hangs during the first point's training: that point finishes (its
     records in its backlog); the next point's first request is not answered, and the sweep
     ends there in one line, the third point not started."""
-    stand_ins["train"] = lambda step: step == 3 and stalling.answer(0)
+    stand_ins["train"] = lambda ctx, step: step == 3 and stalling.answer(0)
     cfg = config(tmp_path, stalling, "stall-sweep")
     result, elapsed = timed("sweep", cfg, "--seeds", "1,2,3")
     assert_one_error_line(

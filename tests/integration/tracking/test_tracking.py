@@ -8,7 +8,6 @@ The stages are stand-ins (as in test_runner.py) that log like the real ones.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import socket
@@ -19,13 +18,12 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-import stages
 from pipeline.commands.cli import main
 from pipeline.spec import PROJECT_ROOT, load_spec
 from pipeline.tracking.tracker import BACKLOG, MlflowTracker
 from pipeline.workspace.runner import Runner
+from tests.fixtures.stand_in_stages import ORDER, logging_stand_ins
 
-ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
 STEPS = 12
 
 
@@ -81,29 +79,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """Stages that log a few records each; `actions[stage](ctx, step)` runs before each of
-    the stage's metric steps."""
-    actions = {}
-
-    def make(name):
-        def run(ctx):
-            ctx.tracker.log_params({"stand_in": name})
-            for step in range(1, STEPS + 1):
-                if name in actions:
-                    actions[name](ctx, step)
-                ctx.tracker.log_metrics({"loss": 1.0 / step}, step=step)
-            (ctx.out_dir / "result.json").write_text(json.dumps({"stage": name}))
-            ctx.tracker.log_artifact(ctx.out_dir / "result.json")
-            ctx.tracker.set_tags({"done": "yes"})
-            return {"ok": name}
-
-        return run
-
-    for name in ORDER:
-        monkeypatch.setitem(
-            stages.STAGES, name, dataclasses.replace(stages.STAGES[name], run=make(name))
-        )
-    return actions
+    return logging_stand_ins(monkeypatch, STEPS)
 
 
 def config(tmp_path, uri: str, name: str = "pipe"):
