@@ -40,7 +40,7 @@ def _point_sets(config, overrides, point, smoke=False) -> tuple[list[str], bool]
     `overrides`."""
     if point is None:
         return list(overrides), smoke
-    from pipeline.commands.sweep import point_overrides
+    from pipeline.commands.sweep_points import point_overrides
 
     sets, recorded_smoke = point_overrides(config, point, list(overrides), smoke)
     return sets, smoke or recorded_smoke

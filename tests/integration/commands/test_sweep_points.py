@@ -139,7 +139,8 @@ def test_a_sweep_goes_on_in_a_workspace_named_before_plus_was_kept(tmp_path):
 
 
 def test_a_credential_in_a_points_set_is_not_recorded_and_is_asked_for(tmp_path):
-    from pipeline.commands.sweep import point_overrides, record_points
+    from pipeline.commands.sweep import record_points
+    from pipeline.commands.sweep_points import point_overrides
     from pipeline.errors import PipelineError
 
     cfg = config(tmp_path)
