@@ -17,6 +17,7 @@ import yaml
 
 from pipeline.errors import PipelineError
 from pipeline.errors import shown as _shown
+from pipeline.redact import mask_text
 from pipeline.spec.bases import base_config_problem
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -351,6 +352,7 @@ def type_in_words(value) -> str:
 
 
 def short_repr(value) -> str:
-    """repr(value), cut to 60 characters for an error message."""
-    text = repr(value)
+    """repr(value), cut to 60 characters for an error message; a URL's credentials in it
+    masked first (a value refused for its scheme or its port still holds its password)."""
+    text = repr(mask_text(value)) if isinstance(value, str) else mask_text(repr(value))
     return text if len(text) <= 60 else text[:57] + "..."
