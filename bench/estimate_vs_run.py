@@ -19,6 +19,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 TURN = 4
 
@@ -42,12 +43,14 @@ def overrides(spec, updates: int) -> list[str]:
     ]
 
 
-def in_turns(spec, turn: int = TURN) -> tuple[float, float]:
+def in_turns(
+    spec, turn: int = TURN, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
     """(predicted, measured) seconds per update: the estimate's (UpdateTimer, the update
     `show --estimate` times) and the run's (each update its loop calls, the stage's own
     Trainer on the stage's data), taken in turns under the same load: after every `turn` of
     the run's updates, `turn` of the estimate's. Each's first turn (first calls) is dropped;
-    then each is the median over the turns of its mean update."""
+    then each is the median over the turns of its mean update. Both are timed on `clock`."""
     from pipeline.commands.update_timing import UpdateTimer
     from pipeline.tracking.tracker import NullTracker
     from pipeline.training.trainer import Trainer
@@ -61,12 +64,12 @@ def in_turns(spec, turn: int = TURN) -> tuple[float, float]:
     def timed_update(self):
         if timer and self is timer[0].trainer:
             return update(self)
-        start = time.perf_counter()
+        start = clock()
         out = update(self)
-        run.append(time.perf_counter() - start)
+        run.append(clock() - start)
         if len(run) % turn == 0:
             if not timer:
-                timer.append(UpdateTimer(spec))
+                timer.append(UpdateTimer(spec, clock=clock))
             turns.append(statistics.mean(timer[0].time(turn)))
         return out
 

@@ -98,12 +98,20 @@ def out_of_memory(error: BaseException) -> bool:
 
 class UpdateTimer:
     """The run's `Trainer`, built as the run builds it, on data of the run's shape: `time(n)`
-    times its next `n` updates. Call `close()` when done (the engine's memory)."""
+    times its next `n` updates on `clock`: wall time, or in a test the thread's CPU time,
+    which other processes' load moves far less. Call `close()` when done (the engine's
+    memory)."""
 
-    def __init__(self, spec, log: Callable[[str], None] = lambda line: None):
+    def __init__(
+        self,
+        spec,
+        log: Callable[[str], None] = lambda line: None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         from pipeline.training.trainer import Trainer
         from stages.base import NullStageTracker
 
+        self.clock = clock
         data = training_data(spec)
         curriculum = "curriculum" in spec.stages
         stage = "curriculum" if curriculum else "train"
@@ -121,9 +129,9 @@ class UpdateTimer:
             # the run's learning rate at this update (its warm-up): at a larger one the
             # adaptive spans would grow faster than the run's, and the updates with them
             self.trainer.set_lr(self.trainer.lr_at(self.trainer.step + 1))
-            start = time.perf_counter()
+            start = self.clock()
             float(self.trainer.train_step())  # waits for the update
-            out.append(time.perf_counter() - start)
+            out.append(self.clock() - start)
         return out
 
     def describe(self) -> str:

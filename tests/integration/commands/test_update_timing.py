@@ -5,6 +5,8 @@ machine has not the memory to time an update (issue 45)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from click.testing import CliRunner
 
@@ -97,8 +99,10 @@ def test_the_estimated_update_time_is_within_30_percent_of_the_runs(
 ):
     path = write_config(tmp_path, config)
     spec = load_spec(path, [*COMMON, *sets, f"workspace.root={tmp_path / 'runs'}"])
-    # the two in turns (bench/estimate_vs_run.py), each update of the run counted
-    predicted, measured = in_turns(spec, TURN)
+    # the two in turns (bench/estimate_vs_run.py), each update of the run counted, on the
+    # thread's CPU time: CI's other worker (a Slurm cluster, several trainings) preempts this
+    # one, and on wall time moved the ratio to 0.69 and 1.31 in one run
+    predicted, measured = in_turns(spec, TURN, clock=time.thread_time)
     print(f"predicted {predicted:.4f} s, measured {measured:.4f} s per update")
     assert 0.7 <= predicted / measured <= 1.3, (predicted, measured)
 
