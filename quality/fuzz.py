@@ -82,16 +82,7 @@ def main() -> None:
             f"{code}: {n}" for code, n in sorted(exits.items(), key=lambda item: str(item[0]))
         )
     )
-    print(f"\n{'command':<24} {'cases':>6} {'exit 0':>7} {'exit 2':>7} {'bad':>4} {'max s':>6}")
-    by_command = collections.defaultdict(list)
-    for o in outcomes:
-        by_command[o.command].append(o)
-    for command, group in sorted(by_command.items()):
-        print(
-            f"{command:<24} {len(group):>6} {sum(o.exit_code == 0 for o in group):>7} "
-            f"{sum(o.exit_code == 2 for o in group):>7} {sum(bool(o.problem) for o in group):>4} "
-            f"{max(o.seconds for o in group):>6.1f}"
-        )
+    print_table(by_command(outcomes), "command", 24)
     for o in bad[: args.show_bad]:
         print(f"\n{o.args!r}\n  {o.problem}")
     sys.exit(1 if bad else 0)
@@ -114,18 +105,37 @@ def paths(cases: int, show_bad: int) -> None:
     print(f"other bad cases  {len(bad) - named}")
     exits = collections.Counter(str(c) for o in outcomes for c in o.exit_codes)
     print("exit codes       " + ", ".join(f"{code}: {n}" for code, n in sorted(exits.items())))
-    print(f"\n{'command':<24} {'cases':>6} {'bad':>4} {'max s':>6}")
-    by_command = collections.defaultdict(list)
-    for o in outcomes:
-        by_command[o.command].append(o)
-    for command, group in sorted(by_command.items()):
-        print(
-            f"{command:<24} {len(group):>6} {sum(bool(o.problem) for o in group):>4} "
-            f"{max(o.seconds for o in group):>6.1f}"
-        )
+    print_table(by_command(outcomes), "command", 24, exits=False)
     for o in bad[:show_bad]:
         print(f"\n{o.args!r}\n  {o.problem}")
     sys.exit(1 if bad else 0)
+
+
+def by_command(outcomes) -> dict[str, list]:
+    groups = collections.defaultdict(list)
+    for o in outcomes:
+        groups[o.command].append(o)
+    return groups
+
+
+def print_table(
+    groups: dict[str, list], label: str, width: int, exits=True, seconds=True, cut=False
+):
+    """One row per group of cases: how many, how many exited 0 and 2, how many went wrong,
+    the slowest case's seconds; with `cut`, a label longer than `width` is cut to it."""
+    columns = [("cases", 6, len)]
+    if exits:
+        columns += [
+            ("exit 0", 7, lambda g: sum(o.exit_code == 0 for o in g)),
+            ("exit 2", 7, lambda g: sum(o.exit_code == 2 for o in g)),
+        ]
+    columns += [("bad", 4, lambda g: sum(bool(o.problem) for o in g))]
+    print(f"\n{label:<{width}} " + " ".join(f"{name:>{w}}" for name, w, _ in columns), end="")
+    print(f" {'max s':>6}" if seconds else "")
+    for key, group in sorted(groups.items()):
+        row = " ".join(f"{count(group):>{w}}" for _, w, count in columns)
+        slowest = f" {max(o.seconds for o in group):>6.1f}" if seconds else ""
+        print(f"{key[:width] if cut else key:<{width}} {row}{slowest}")
 
 
 NOT_ONE_LINE = "not one 'error"
@@ -146,15 +156,10 @@ def writes(cases: int, show_bad: int) -> None:
     print(f"tracebacks       {kinds['traceback']}")
     print(f"not one line     {kinds[NOT_ONE_LINE]}")
     print(f"bad cases        {len(bad)}")
-    print(f"\n{'command':<16} {'failure':<7} {'cases':>6} {'exit 0':>7} {'exit 2':>7} {'bad':>4}")
     groups = collections.defaultdict(list)
     for o in ran:
-        groups[(o.command, o.failure.split()[0])].append(o)
-    for (command, kind), group in sorted(groups.items()):
-        print(
-            f"{command:<16} {kind:<7} {len(group):>6} {sum(o.exit_code == 0 for o in group):>7} "
-            f"{sum(o.exit_code == 2 for o in group):>7} {sum(bool(o.problem) for o in group):>4}"
-        )
+        groups[f"{o.command:<16} {o.failure.split()[0]:<7}"].append(o)
+    print_table(groups, f"{'command':<16} failure", 24, seconds=False)
     said = collections.Counter(
         " ".join(re.sub(r"(/[^\s:;,()]+)+", "PATH", o.said).split()[:9])
         for o in ran
@@ -200,16 +205,7 @@ def classes(name: str, cases: int, show_bad: int) -> int:
     known = collections.Counter(k for o in outcomes if (k := getattr(o, "known", None)))
     for what, n in sorted(known.items()):
         print(f"  known, not counted: {what}: {n}")
-    print(f"\n{'command':<58} {'cases':>6} {'exit 0':>7} {'exit 2':>7} {'bad':>4} {'max s':>6}")
-    by_command = collections.defaultdict(list)
-    for o in outcomes:
-        by_command[o.command].append(o)
-    for command, group in sorted(by_command.items()):
-        print(
-            f"{command[:58]:<58} {len(group):>6} {sum(o.exit_code == 0 for o in group):>7} "
-            f"{sum(o.exit_code == 2 for o in group):>7} {sum(bool(o.problem) for o in group):>4} "
-            f"{max(o.seconds for o in group):>6.1f}"
-        )
+    print_table(by_command(outcomes), "command", 58, cut=True)
     for o in bad[:show_bad]:
         print(f"\n{o.args!r}\n  {o.problem}\n  said: {o.said}")
     print()
