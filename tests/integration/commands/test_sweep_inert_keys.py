@@ -17,24 +17,9 @@ from pipeline.spec import load_spec
 from pipeline.spec.sources import PROJECT_ROOT
 from stages import STAGES
 from tests.fixtures.docs_pages import PAGES, PLACEHOLDER, commands
+from tests.fixtures.runs import own_mixer_config
 
-BASE = PROJECT_ROOT / "configs" / "base" / "active_memory_lm.yaml"
 WHY = "mixer conv has no self-attention"
-
-
-def own_config(tmp_path, n_heads=4, head_dim=32, name="mine", mixer="self_attention"):
-    """A user's own active-memory config: the attention sizes in the file itself, not a base."""
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(f"""\
-name: {name}
-extends: [{BASE}]
-model:
-  mixer: {mixer}
-  n_heads: {n_heads}
-  head_dim: {head_dim}
-workspace: {{root: {tmp_path / "runs"}}}
-""")
-    return path
 
 
 def invoke(*args):
@@ -42,7 +27,7 @@ def invoke(*args):
 
 
 def test_a_mixer_sweep_drops_the_attention_keys_where_they_do_nothing(tmp_path):
-    cfg = own_config(tmp_path)
+    cfg = own_mixer_config(tmp_path)
     result = invoke("sweep", cfg, "--dry-run", "--grid", "model.mixer=self_attention,conv,sa+conv")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
@@ -73,7 +58,7 @@ def test_a_dropped_key_changes_no_fingerprint_and_no_name(tmp_path):
 
     specs = []
     for n_heads in (4, 8):
-        cfg = own_config(tmp_path, n_heads=n_heads, name=f"mine{n_heads}")
+        cfg = own_mixer_config(tmp_path, n_heads=n_heads, name=f"mine{n_heads}")
         pts, _, _ = plan_sweep(str(cfg), ["name=mine"], ["model.mixer=conv,self_attention"], None)
         specs.append({p.name: p.spec for p in pts})
     assert list(specs[0]) == list(specs[1]) == ["mine-mixerconv", "mine-mixerself_attention"]
@@ -84,7 +69,7 @@ def test_a_dropped_key_changes_no_fingerprint_and_no_name(tmp_path):
 
 
 def test_a_grid_key_dropped_at_a_point_leaves_one_point_for_its_values(tmp_path):
-    cfg = own_config(tmp_path)
+    cfg = own_mixer_config(tmp_path)
     result = invoke(
         "sweep", cfg, "--dry-run", "--grid", "model.mixer=self_attention,conv",
         "--grid", "model.n_heads=2,4",
@@ -107,7 +92,7 @@ def test_a_grid_key_dropped_at_a_point_leaves_one_point_for_its_values(tmp_path)
 def test_a_key_of_the_file_that_the_sets_switch_off_everywhere_is_dropped_everywhere(
     tmp_path, args
 ):
-    result = invoke("sweep", own_config(tmp_path), "--dry-run", *args)
+    result = invoke("sweep", own_mixer_config(tmp_path), "--dry-run", *args)
     assert result.exit_code == 0, result.output
     dropped = [line for line in result.output.splitlines() if line.startswith("point ")]
     assert len(dropped) == 2, result.output
@@ -128,7 +113,7 @@ def test_a_key_of_the_file_that_the_sets_switch_off_everywhere_is_dropped_everyw
     ],
 )
 def test_a_key_that_does_nothing_at_every_point_is_refused(tmp_path, args, at, mixer):
-    cfg = own_config(tmp_path, mixer=mixer)
+    cfg = own_mixer_config(tmp_path, mixer=mixer)
     result = invoke("sweep", cfg, "--dry-run", *args)
     assert result.exit_code == 2, result.output
     at = at.replace("FILE", str(cfg))
@@ -136,7 +121,7 @@ def test_a_key_that_does_nothing_at_every_point_is_refused(tmp_path, args, at, m
 
 
 def test_a_single_run_drops_a_key_of_the_file_that_its_set_switches_off(tmp_path):
-    cfg = own_config(tmp_path)
+    cfg = own_mixer_config(tmp_path)
     result = invoke("validate", cfg, "--set", "model.mixer=conv")
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[:2] == [
@@ -149,7 +134,7 @@ def test_a_single_run_drops_a_key_of_the_file_that_its_set_switches_off(tmp_path
 
 
 def test_a_single_run_refuses_a_key_that_does_nothing_in_the_file_itself(tmp_path):
-    cfg = own_config(tmp_path, mixer="conv")
+    cfg = own_mixer_config(tmp_path, mixer="conv")
     result = invoke("validate", cfg, "--set", "train.seed=3")
     assert result.exit_code == 2, result.output
     assert f"{cfg}:5: model.n_heads: does nothing here ({WHY}); remove it" in result.output
@@ -157,7 +142,7 @@ def test_a_single_run_refuses_a_key_that_does_nothing_in_the_file_itself(tmp_pat
 
 
 def test_a_single_run_refuses_a_key_its_set_writes_that_does_nothing(tmp_path):
-    cfg = own_config(tmp_path)
+    cfg = own_mixer_config(tmp_path)
     result = invoke("validate", cfg, "--set", "model.mixer=conv", "--set", "model.n_heads=2")
     assert result.exit_code == 2, result.output
     assert f"--set model.n_heads=2: model.n_heads: does nothing here ({WHY})" in result.output
@@ -165,7 +150,7 @@ def test_a_single_run_refuses_a_key_its_set_writes_that_does_nothing(tmp_path):
 
 
 def test_a_set_that_removes_a_key_the_config_does_not_set_is_refused(tmp_path):
-    cfg = own_config(tmp_path)
+    cfg = own_mixer_config(tmp_path)
     with pytest.raises(Exception, match=r"~model.cgru_gate: .*not set"):
         load_spec(cfg, ["~model.cgru_gate"])
 

@@ -7,21 +7,12 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
-from pipeline.spec.sources import PROJECT_ROOT
 from tests.fixtures.environment import restored_environment
-
-BASE = PROJECT_ROOT / "configs" / "base" / "active_memory_lm.yaml"
+from tests.fixtures.runs import own_mixer_config
 
 
 def test_a_smoke_sweep_says_nothing_of_only_and_no_kernel_for_self_attention(tmp_path):
-    cfg = tmp_path / "mine.yaml"
-    cfg.write_text(f"""\
-name: mine
-extends: [{BASE}]
-model: {{mixer: self_attention, n_heads: 4, head_dim: 32}}
-workspace: {{root: {tmp_path / "runs"}}}
-tracking: {{enabled: false}}
-""")
+    cfg = own_mixer_config(tmp_path, tracking=False)
     with restored_environment():
         result = CliRunner().invoke(
             main,

@@ -14,22 +14,10 @@ from click.testing import CliRunner
 from pipeline.commands.cli import main
 from pipeline.commands.sweep import plan_sweep
 from pipeline.spec import load_spec
-from pipeline.spec.sources import PROJECT_ROOT
 from tests.fixtures.environment import restored_environment
+from tests.fixtures.runs import own_mixer_config
 
-BASE = PROJECT_ROOT / "configs" / "base" / "active_memory_lm.yaml"
 NAMES = ["mine-smoke-mixerconv", "mine-smoke-mixersa+conv"]
-
-
-def config(tmp_path):
-    path = tmp_path / "mine.yaml"
-    path.write_text(f"""\
-name: mine
-extends: [{BASE}]
-model: {{mixer: self_attention, n_heads: 4, head_dim: 32}}
-workspace: {{root: {tmp_path / "runs"}}}
-""")
-    return path
 
 
 def invoke(*args):
@@ -40,7 +28,7 @@ def invoke(*args):
 def swept(tmp_path_factory):
     """Two points (mixer conv and sa+conv) of a smoke sweep trained 2 steps, tracked to the
     embedded store: the config's path."""
-    cfg = config(tmp_path_factory.mktemp("points"))
+    cfg = own_mixer_config(tmp_path_factory.mktemp("points"))
     # module-scoped: the in-process run's RANK, MASTER_PORT... undone here (`trained` says why)
     with restored_environment():
         result = invoke(
@@ -114,21 +102,21 @@ def test_a_name_spells_the_value_that_set_takes_back(swept):
 
 
 def test_a_config_no_sweep_recorded_says_what_to_do(tmp_path):
-    result = invoke("sample", config(tmp_path), "--point", "mixerconv", "--prompt", "x")
+    result = invoke("sample", own_mixer_config(tmp_path), "--point", "mixerconv", "--prompt", "x")
     assert result.exit_code != 0
     assert len(result.output.splitlines()) == 1, result.output
     assert "no sweep of" in result.output and "runs again" in result.output
 
 
 def test_compare_takes_points_of_one_config_only(swept, tmp_path):
-    other = config(tmp_path)
+    other = own_mixer_config(tmp_path)
     result = invoke("compare", swept, other, "--point", "mixerconv")
     assert result.exit_code != 0
     assert "--point names a point of the sweep of one CONFIG argument; 2 given" in result.output
 
 
 def test_a_sweep_goes_on_in_a_workspace_named_before_plus_was_kept(tmp_path):
-    cfg = config(tmp_path)
+    cfg = own_mixer_config(tmp_path)
     grid = ["model.mixer=conv,sa+conv"]
     pts, _, _ = plan_sweep(str(cfg), [], grid, None)
     assert [p.name for p in pts] == ["mine-mixerconv", "mine-mixersa+conv"]
@@ -143,7 +131,7 @@ def test_a_credential_in_a_points_set_is_not_recorded_and_is_asked_for(tmp_path)
     from pipeline.commands.sweep_points import point_overrides
     from pipeline.errors import PipelineError
 
-    cfg = config(tmp_path)
+    cfg = own_mixer_config(tmp_path)
     server = "tracking.uri=http://bob:s3cret@127.0.0.1:9"
     pts, _, _ = plan_sweep(str(cfg), [server], ["model.mixer=conv,sa+conv"], None)
     record_points(str(cfg), pts)
