@@ -1,10 +1,11 @@
 """The configuration reference, docs/reference.md, generated from the schema itself.
 
-Every key a spec accepts comes from the classes that validate it: the pydantic sections of
-pipeline/spec/schema.py (type, default, constraints, `Field(description=...)`, a section's class
-docstring) and each model family's config dataclass (type, default, the attribute docstring
-under each field, the size limits of `MODEL_LIMITS`). What a model config's `__post_init__`
-checks cannot be read from it: `MODEL_CHECKS` below states it, and tests/unit/spec/test_reference.py
+Every key a spec accepts comes from the classes that validate it: the pydantic sections in
+pipeline/spec/ (schema.py, dataset_schema.py, training_schema.py: type, default, constraints,
+`Field(description=...)`, a section's class docstring) and each model family's config
+dataclass (type, default, the attribute docstring under each field, the size limits of
+`MODEL_LIMITS`). What a model config's `__post_init__` checks cannot be read from it:
+`MODEL_CHECKS` below states it, and tests/unit/spec/test_reference.py
 proves every entry against the dataclass, so neither can drift from the other.
 
     python -m pipeline.spec.reference            # the page on stdout
@@ -42,7 +43,8 @@ from pipeline.models.allattn.config import (
 from pipeline.models.infinity_former import InfinityFormerConfig
 from pipeline.plugins import MODEL_GROUP, PROJECT, STAGE_GROUP, providers
 from pipeline.spec import PROJECT_ROOT, load_spec
-from pipeline.spec.schema import TASK_SYMBOLS_LIMIT, Spec, check_task_symbols
+from pipeline.spec.schema import Spec
+from pipeline.spec.sections import TASK_SYMBOLS_LIMIT, check_task_symbols
 from pipeline.spec.validation import MODEL_LIMITS
 
 # how this module is run, for the messages that say how to regenerate the page

@@ -20,7 +20,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from pipeline.models import MODELS
 from pipeline.spec.names import smoke_name
-from pipeline.spec.schema import CURRICULUM_UNUSED_TRAIN
+from pipeline.spec.training_schema import CURRICULUM_UNUSED_TRAIN
 
 BUILTIN_CARD = "python_docs"
 

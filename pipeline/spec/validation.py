@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict
 from pipeline.errors import shown as _shown
 from pipeline.models import MODELS
 from pipeline.ops import backend_cannot_train_on, backends_that_train_on
-from pipeline.spec.schema import VOCAB_LIMIT, Spec
+from pipeline.spec.schema import Spec
+from pipeline.spec.sections import VOCAB_LIMIT
 from pipeline.spec.sources import SpecError, dotted_path, short_repr, type_in_words
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from pipeline.data.fetch import fetch, url_problem
 from pipeline.errors import PipelineError
-from pipeline.spec.schema import DatasetSpec, TrackingSpec
+from pipeline.spec.dataset_schema import DatasetSpec
+from pipeline.spec.schema import TrackingSpec
 
 MALFORMED = [
     ("http://h:abc/x", "port 'abc' is not a number from 1 to 65535"),
