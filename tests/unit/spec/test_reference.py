@@ -206,7 +206,11 @@ def test_defaults_are_what_load_spec_gives(page):
         ("train.eval_batches", "Type", 'int or `"all"`'),
         ("train.eval_batches", "Allowed", "0 < value ≤ 10^12 or `all`"),
         ("train.launcher.master_port", "Allowed", "0 < value < 2^16"),
-        ("train.launcher.nodes", "Defined by", "`LauncherSpec.nodes` in `pipeline/spec/training_schema.py`"),
+        (
+            "train.launcher.nodes",
+            "Defined by",
+            "`LauncherSpec.nodes` in `pipeline/spec/training_schema.py`",
+        ),
         ("tracking.uri", "Type", "string or null"),
         ("evaluate.splits", "Default", '`["valid", "test"]`'),
         ("dataset.generator.frequency_sort.vocab", "Allowed", "1 < value ≤ 16,777,214"),
