@@ -321,10 +321,10 @@ def _frequency_sort(ds, out_dir: Path, log) -> dict:
     import numpy as np
 
     from pipeline.data import WordVocab, unigram_entropy_bits, write_shards
-    from pipeline.data.frequency_sort import padding, separator, split_documents
+    from pipeline.data.frequency_sort import document_length, padding, separator, split_documents
 
     task, seed = ds.generator.frequency_sort, ds.generator.seed
-    doc_len = task.length + 1 + task.vocab
+    doc_len = document_length(task.vocab, task.length)
     vocab = WordVocab([str(s) for s in range(task.vocab)] + ["<sep>", "<pad>"], eos=None)
     shard_dir = out_dir / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)

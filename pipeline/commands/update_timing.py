@@ -79,8 +79,10 @@ def training_data(spec):
         raise PipelineError(f"{spec.source}: the vocabulary size is unknown until preprocess")
     generator = spec.dataset.generator
     if generator is not None and (task := generator.frequency_sort) is not None:
+        from pipeline.data.frequency_sort import document_length
+
         # preprocess's layout (stages/preprocess.py): input, separator, sorted vocabulary
-        layout = {"length": task.length + 1 + task.vocab, "input_length": task.length}
+        layout = {"length": document_length(task.vocab, task.length), "input_length": task.length}
         return RandomDocuments(vocab, layout, origin)
     return RandomStreams(vocab, spec.train.seq_len, origin)
 

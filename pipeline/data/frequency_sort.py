@@ -30,6 +30,11 @@ def padding(vocab: int) -> int:
     return vocab + 1
 
 
+def document_length(vocab: int, length: int) -> int:
+    """Tokens of a document: the `length` input tokens, the separator, the `vocab` targets."""
+    return length + 1 + vocab
+
+
 def mixture_ends(
     rng: np.random.Generator, vocab: int, weight_range: tuple[int, int]
 ) -> tuple[np.ndarray, np.ndarray]:
