@@ -354,15 +354,16 @@ def _on_local_store(action, uri: str, warn):
                 )
             time.sleep(0.5)
             continue
-        if "disk I/O error" in why and (limit := _file_size_limit(path)) is not None:
+        limit = _file_size_limit(path) if "disk I/O error" in why else None
+        if limit is not None:
             why = f"{why}, most likely a {WRITE_FAILURES[errno.EFBIG][0]} ({limit:,} bytes)"
         hint = (
             "another process holds it (an sqlite3 shell, a stuck process?): close it and run again"
             if "locked" in why
-            else "free space and run again"
+            else f"{WRITE_FAILURES[errno.ENOSPC][1]} and run again"
             if "full" in why
             else f"{WRITE_FAILURES[errno.EFBIG][1]}, and run again"
-            if "ulimit" in why
+            if limit is not None
             else "make it and its directory writable, or point tracking.uri elsewhere, or "
             "set tracking.enabled: false"
         )
