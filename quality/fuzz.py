@@ -43,6 +43,14 @@ def timed(run_fuzzer, cases: int) -> tuple[list, float, float]:
         return outcomes, built, time.monotonic() - start
 
 
+def print_headline(label: str, outcomes: list, built: float, seconds: float) -> None:
+    """A campaign's first line: its cases, their time and the world's, the slowest case."""
+    print(
+        f"{label}{len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train the tiny "
+        f"pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=2000)
@@ -68,10 +76,7 @@ def main() -> None:
     outcomes, built, seconds = timed(fuzz, args.cases)
     bad = [o for o in outcomes if o.problem]
     kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
-    print(
-        f"cases            {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
-        f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s"
-    )
+    print_headline(f"{'cases':<17}", outcomes, built, seconds)
     print(f"tracebacks       {kinds['traceback']}")
     print(f"hangs (> 30 s)   {kinds['hang']}")
     print(f"other bad cases  {len(bad) - kinds['traceback'] - kinds['hang']}")
@@ -94,10 +99,7 @@ def paths(cases: int, show_bad: int) -> None:
     outcomes, built, seconds = timed(fuzz_paths, cases)
     bad = [o for o in outcomes if o.problem]
     kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
-    print(
-        f"path cases       {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
-        f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s"
-    )
+    print_headline(f"{'path cases':<17}", outcomes, built, seconds)
     print(f"changed files outside what the command owns  {kinds['changed what it does not own']}")
     print(f"tracebacks       {kinds['traceback']}")
     print(f"hangs            {kinds['hang']}")
@@ -148,10 +150,7 @@ def writes(cases: int, show_bad: int) -> None:
     ran = [o for o in outcomes if not o.skipped]
     bad = [o for o in ran if o.problem]
     kinds = collections.Counter(o.problem.split(":")[0] for o in bad)
-    print(
-        f"write cases      {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train "
-        f"the tiny pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s"
-    )
+    print_headline(f"{'write cases':<17}", outcomes, built, seconds)
     print(f"skipped          {len(outcomes) - len(ran)} (ENOSPC: no tmpfs can be mounted here)")
     print(f"tracebacks       {kinds['traceback']}")
     print(f"not one line     {kinds[NOT_ONE_LINE]}")
@@ -184,7 +183,7 @@ FIGURES = [
     ("files changed outside", "changed outside", "links"),
     ("tracebacks", "traceback", None),
     ("hangs (> 30 s)", "hang", None),
-    ("not one error line", "not one 'error", None),
+    ("not one error line", NOT_ONE_LINE, None),
 ]
 
 
@@ -192,10 +191,7 @@ def classes(name: str, cases: int, show_bad: int) -> int:
     """One of issue 35's fuzzers: its figures, cases by command, the bad cases; 1 if any."""
     outcomes, built, seconds = timed(CLASS_FUZZERS[name], cases)
     bad = [o for o in outcomes if o.problem]
-    print(
-        f"{name} cases  {len(outcomes):,} in {seconds:.0f} s (+ {built:.0f} s to train the tiny "
-        f"pipeline); slowest case {max(o.seconds for o in outcomes):.1f} s"
-    )
+    print_headline(f"{name} cases  ", outcomes, built, seconds)
     for label, marker, only in FIGURES:
         if only in (None, name):
             n = sum(marker in o.problem for o in bad)
