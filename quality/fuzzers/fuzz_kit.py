@@ -8,6 +8,7 @@ The tiny trained pipeline they run on is quality/fuzzers/cli_fuzz.py's `World`.
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import os
 import socket
@@ -175,6 +176,7 @@ def invoke(
 # ---------------------------------------------------------------- a local HTTP server
 
 CORPUS = b"".join(b"line %d of a tiny corpus, served over HTTP\n" % i for i in range(200))
+CORPUS_SHA256 = hashlib.sha256(CORPUS).hexdigest()  # the dataset.sha256 that lets it through
 
 
 class Server:

@@ -27,7 +27,6 @@ tests/system/commands/test_fuzz_classes.py and quality/fuzz.py --links N.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import time
@@ -37,10 +36,9 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from quality.fuzzers.cli_fuzz import World, copy_world
-from quality.fuzzers.fuzz_kit import CORPUS, Server, derandomized, invoke
+from quality.fuzzers.fuzz_kit import CORPUS_SHA256, Server, derandomized, invoke
 from quality.fuzzers.path_fuzz import snapshot
 
-SHA = hashlib.sha256(CORPUS).hexdigest()
 KINDS = [
     "link to a file",
     "link to a link to a file",
@@ -51,7 +49,7 @@ KINDS = [
     "dangling link",
 ]
 DOWNLOAD = ["--only", "download", "--set", "dataset.url=http://{h}/corpus.txt"]
-DOWNLOAD += ["--set", f"dataset.sha256={SHA}"]
+DOWNLOAD += ["--set", f"dataset.sha256={CORPUS_SHA256}"]
 STEP = "step-00000006"
 # (path planted, relative to the case's directory; the command, {t} the copied tiny.yaml,
 # {d} the case's directory, {h} the local server)
@@ -62,9 +60,9 @@ TARGETS = [
     ("world/runs/tiny/.lock", ["run", "{t}", "--only", "evaluate", "--force", "evaluate"]),
     ("world/runs/tiny/download/download.json", ["run", "{t}", *DOWNLOAD]),
     ("world/runs/tiny/download/stage.json", ["run", "{t}", *DOWNLOAD]),
-    ("world/runs/cache/downloads/" + SHA, ["run", "{t}", *DOWNLOAD]),
-    ("world/runs/cache/downloads/" + SHA + ".part", ["run", "{t}", *DOWNLOAD]),
-    ("world/runs/cache/downloads/" + SHA + ".lock", ["run", "{t}", *DOWNLOAD]),
+    ("world/runs/cache/downloads/" + CORPUS_SHA256, ["run", "{t}", *DOWNLOAD]),
+    ("world/runs/cache/downloads/" + CORPUS_SHA256 + ".part", ["run", "{t}", *DOWNLOAD]),
+    ("world/runs/cache/downloads/" + CORPUS_SHA256 + ".lock", ["run", "{t}", *DOWNLOAD]),
     (
         "world/runs/tiny/evaluate/results.json",
         ["run", "{t}", "--only", "evaluate", "--force", "evaluate"],
@@ -148,7 +146,7 @@ class Case:
 
     @property
     def command(self) -> str:
-        where = self.planted.replace(SHA, "<sha256>").replace("world/runs/", "runs/")
+        where = self.planted.replace(CORPUS_SHA256, "<sha256>").replace("world/runs/", "runs/")
         return f"{' '.join(a for a in self.args[:2] if '/' not in a)} @ {where}"
 
 

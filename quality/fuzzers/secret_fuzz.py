@@ -35,7 +35,6 @@ Used by tests/system/commands/test_fuzz_classes.py and quality/fuzz.py --secrets
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import time
@@ -46,9 +45,8 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from quality.fuzzers.cli_fuzz import World, copy_world
-from quality.fuzzers.fuzz_kit import CORPUS, Recorders, Server, derandomized, invoke
+from quality.fuzzers.fuzz_kit import CORPUS_SHA256, Recorders, Server, derandomized, invoke
 
-CORPUS_SHA = hashlib.sha256(CORPUS).hexdigest()
 # {c}: the canary; {h}: 127.0.0.1:PORT of the server; {closed}, {silent}: ports
 DATA_URLS = [
     "http://{h}/corpus.txt?token={c}",
@@ -154,7 +152,7 @@ def draw_case(draw, world: World, tmp: Path, server: Server) -> Case:
     if draw(st.integers(0, 3)):
         values["dataset.url"] = draw(st.sampled_from(DATA_URLS)).format(**ports)
         if draw(st.integers(0, 3)):
-            values["dataset.sha256"] = CORPUS_SHA  # most downloads get through
+            values["dataset.sha256"] = CORPUS_SHA256  # most downloads get through
     several = command in SEVERAL
     if several and "dataset.url" not in values:  # the ranks meet it (rank 0 downloads)
         values["dataset.url"] = draw(st.sampled_from(DATA_URLS)).format(**ports)

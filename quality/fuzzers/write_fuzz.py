@@ -41,13 +41,14 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from quality.fuzzers.cli_fuzz import TINY, World
+from quality.fuzzers.cli_fuzz import World, copy_world
+from quality.fuzzers.fuzz_kit import CORPUS_SHA256
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_SECONDS = 300
 PAGE = 4096
 
-# command -> the stage it re-runs (None: not a stage) and the world's files it writes anew
+# command -> the stage it re-runs (None: not a stage)
 COMMANDS = {
     "download": "download",
     "download http": "download",
@@ -113,7 +114,7 @@ def args_for(command: str, world: Path, server_url: str | None, tracked: bool) -
         out += ["--set", "tracking.enabled=false"]
     if command == "download http":
         assert server_url is not None
-        out += ["--set", f"dataset.url={server_url}", "--set", f"dataset.sha256={CORPUS_SHA}"]
+        out += ["--set", f"dataset.url={server_url}", "--set", f"dataset.sha256={CORPUS_SHA256}"]
     return out
 
 
@@ -138,12 +139,6 @@ def draw_case(draw, world: World) -> tuple[str, bool, str, int]:
 # ---------------------------------------------------------------- one case
 
 
-def copy_world(world: World, to: Path) -> Path:
-    shutil.copytree(world.root, to, symlinks=True)
-    (to / "tiny.yaml").write_text(TINY.format(root=to / "runs"))
-    return to
-
-
 def snapshot(root: Path) -> dict[str, str]:
     out = {}
     for f in sorted(root.rglob("*")):
@@ -158,8 +153,8 @@ def owned(name: str, command: str) -> bool:
     if any(part.startswith(MUTABLE) for part in parts):
         return True
     stage = COMMANDS[command]
-    if stage is None:
-        return parts[:1] == ("exported",) or name.startswith("exported")
+    if stage is None:  # export: its --out, and the staging beside it
+        return name.startswith("exported")
     # the stage's own directories: done, in progress, being replaced
     return len(parts) > 2 and parts[2] in (stage, f"{stage}.partial", f"{stage}.old")
 
@@ -227,11 +222,29 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def run_cli(args: list[str], cwd: Path, timeout: float, **popen) -> tuple[int | None, str, str]:
+    """`allattn-pipe ARGS` in a child process: its exit code (None: still running after
+    `timeout`, then killed), stdout and stderr."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeline.commands.cli", *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            **popen,
+        )
+    except subprocess.TimeoutExpired as e:
+        return None, str(e.stdout or ""), str(e.stderr or "")
+    return done.returncode, done.stdout, done.stderr
+
+
 def run_efbig(
     world: World, command: str, limit: int, server_url: str | None, tracked: bool = True
 ) -> Outcome:
     with tempfile.TemporaryDirectory() as tmp:
-        copy = copy_world(world, Path(tmp) / "world")
+        copy = copy_world(world, Path(tmp) / "world").root
         before = snapshot(copy)
 
         def limited():  # in the child, before exec: its files may grow to `limit` bytes
@@ -239,25 +252,13 @@ def run_efbig(
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
 
         start = time.monotonic()
-        try:
-            done = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pipeline.commands.cli",
-                    *args_for(command, copy, server_url, tracked),
-                ],
-                cwd=copy,
-                env=_child_env(),
-                preexec_fn=limited,
-                capture_output=True,
-                text=True,
-                timeout=HANG_SECONDS,
-                check=False,
-            )
-            code, out, err = done.returncode, done.stdout, done.stderr
-        except subprocess.TimeoutExpired as e:
-            code, out, err = None, str(e.stdout or ""), str(e.stderr or "")
+        code, out, err = run_cli(
+            args_for(command, copy, server_url, tracked),
+            copy,
+            HANG_SECONDS,
+            env=_child_env(),
+            preexec_fn=limited,
+        )
         seconds = time.monotonic() - start
         said, problem = judged(code, out, err)
         problem = problem or damage(copy, before, command)
@@ -337,18 +338,7 @@ def inside(case_file: Path) -> None:
     used = (st_.f_blocks - st_.f_bfree) * st_.f_frsize
     size = used + max(-(-case["free"] // PAGE) * PAGE, PAGE)
     subprocess.run(["mount", "-o", f"remount,size={size}", str(copy.parent)], check=True)
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "pipeline.commands.cli", *case["args"]],
-            cwd=copy,
-            capture_output=True,
-            text=True,
-            timeout=HANG_SECONDS - 30,
-            check=False,
-        )
-        code, out, err = done.returncode, done.stdout, done.stderr
-    except subprocess.TimeoutExpired as e:
-        code, out, err = None, str(e.stdout or ""), str(e.stderr or "")
+    code, out, err = run_cli(case["args"], copy, HANG_SECONDS - 30)
     said, problem = judged(code, out, err)
     # room to read back what is there
     subprocess.run(["mount", "-o", "remount,size=1g", str(copy.parent)], check=True)
@@ -358,16 +348,12 @@ def inside(case_file: Path) -> None:
 
 # ---------------------------------------------------------------- the campaign
 
-CORPUS_SHA = ""  # set by fuzz_writes: the local server's corpus
-
 
 def fuzz_writes(world: World, cases: int, on_outcome) -> None:
     """`cases` derandomized cases against copies of the trained `world`."""
-    global CORPUS_SHA
-    from quality.fuzzers.fuzz_kit import CORPUS, Server, derandomized
+    from quality.fuzzers.fuzz_kit import Server, derandomized
 
     can_fill = can_fill_a_disk()
-    CORPUS_SHA = hashlib.sha256(CORPUS).hexdigest()
     server = Server()
     url = f"http://127.0.0.1:{server.port}/corpus.txt"
     try:
