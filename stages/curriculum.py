@@ -22,14 +22,15 @@ resumes from the newest intact checkpoint and ends exactly as an uninterrupted r
 Outputs: `checkpoints/`, `resolved.json` (the precision it trains in) and `curriculum.json`
 (score, next_length, final_length: the last epoch's length, the per-epoch history).
 `evaluate_task` is the evaluate stage for these pipelines: token accuracy at the final
-length and longer ones.
+length and longer ones, its results naming the weights they are of by content (`weights`, as
+evaluate's do: a re-run curriculum makes them stale).
 """
 
 from __future__ import annotations
 
 from pipeline.fsutil import atomic_write_json, read_json
 from stages.base import Stage, StageContext
-from stages.train import record_resolved
+from stages.train import record_resolved, tag_weights
 
 CHECKPOINTS = "checkpoints"
 RESULT = "curriculum.json"
@@ -82,6 +83,7 @@ def run(ctx: StageContext) -> dict:
         log_every=0, eval_every=0, checkpoint_every=cur.steps_per_epoch, keep_checkpoints=KEEP
     )
     summary = trainer.fit(curriculum.updates, root, cadence=epochs)
+    tag_weights(ctx, trainer, summary)
     result = curriculum.result(trainer.params)
     atomic_write_json(ctx.out_dir / RESULT, result)
     ctx.tracker.log_artifact(ctx.out_dir / RESULT)
@@ -106,7 +108,7 @@ def evaluate_task(ctx: StageContext) -> dict:
 
     from pipeline.cluster.device import resolve_device
     from pipeline.data.algorithmic import length_step, vocab_size
-    from pipeline.training.checkpoints import load_model_weights
+    from pipeline.training.checkpoints import WEIGHTS, load_model_weights, weights_id
     from pipeline.training.curriculum import score, stream_seed
 
     spec = ctx.spec
@@ -125,12 +127,18 @@ def evaluate_task(ctx: StageContext) -> dict:
     lengths = sorted({final, *(on_grid(n) for n in (final + 2, final + 5, final + 10, 2 * final))})
     results = {
         "checkpoint": f"curriculum/{tag}",
+        WEIGHTS: weights_id(source / CHECKPOINTS / tag),
         "problem": task.problem,
         "score": trained["score"],
         "final_length": final,
         "cases": EVAL_CASES,
         "lengths": {},
     }
+    # as evaluate tags its run (stages.evaluate.tag_scored), before the scores
+    ctx.tracker.set_tags(
+        {"checkpoint": results["checkpoint"]}
+        | ({WEIGHTS: results[WEIGHTS]} if results[WEIGHTS] else {})
+    )
     for length in lengths:
         cases = torch.Generator().manual_seed(stream_seed(data_seed, "evaluate", length))
         correct, total, exact = score(

@@ -8,6 +8,11 @@ or per 30 s in a log).
 A dataset of documents (the sorting task) is scored document by document instead, on the
 targets after each separator: loss per scored target, token accuracy and exact match
 (pipeline.training.document_passes).
+
+The results name the weights they are of by content, not by path: `weights` is the scored
+checkpoint's id (pipeline.training.checkpoints.weights_id), in results.json and as a tag of
+the stage's MLflow run, so that whatever shows them later shows them beside those weights only
+(pipeline.workspace.scores, `compare`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import math
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
+from pipeline.training.checkpoints import WEIGHTS
 from stages.base import Stage, StageContext
 
 # below this many tokens a split's bpc is too noisy to compare runs on (its standard error
@@ -33,14 +39,14 @@ def run(ctx: StageContext) -> dict:
     from pipeline.cluster.device import resolve_device
     from pipeline.data.manifest import load_manifest, load_split
     from pipeline.data.vocab import bits_name
-    from pipeline.training.checkpoints import load_model_weights
+    from pipeline.training.checkpoints import load_model_weights, weights_id
     from pipeline.training.evaluation import LN2, evaluate_nll
     from pipeline.training.paper_loss import line_losses
     from pipeline.training.progress import ScoringProgress
 
     spec, ev = ctx.spec, ctx.spec.evaluate
     manifest = load_manifest(ctx.inputs["preprocess"])
-    source, tag = _checkpoint(ctx)
+    source, tag = checkpoint_source(spec, ctx.inputs)
     device = resolve_device(spec.train.device if spec.train else "auto")
     model = spec.build_model(manifest["vocab_size"], f"{ctx.inputs['preprocess']}/manifest.json")
     tag = load_model_weights(model, ctx.inputs[source] / "checkpoints", ctx.log, tag)
@@ -49,9 +55,11 @@ def run(ctx: StageContext) -> dict:
     seq_len = ev.seq_len or spec.train.seq_len
     results = {
         "checkpoint": f"{source}/{tag}",
+        WEIGHTS: weights_id(ctx.inputs[source] / "checkpoints" / tag),
         "unigram_entropy_bits": manifest["unigram_entropy_bits"],
         "tokenizer": manifest.get("tokenizer"),  # what result_lines calls the bits per token
     }
+    tag_scored(ctx, results)
     if manifest.get("documents"):
         return _evaluate_documents(ctx, model, seq_len, device, manifest["documents"], results)
     loaded = {}  # split -> tokens: the persistent share reads valid again
@@ -238,21 +246,32 @@ def _eos_id(ctx: StageContext) -> int:
     return eos
 
 
-def _checkpoint(ctx: StageContext) -> tuple[str, str | None]:
-    """The stage whose checkpoint is scored, and its tag (None: the newest intact one).
-    `best`: finetune starts from train's best validation and points its own `best` only at
-    a checkpoint that beats it, so finetune's pointer if it has one, else train's."""
+def tag_scored(ctx: StageContext, results: dict) -> None:
+    """Tag the stage's MLflow run with the checkpoint scored and its weights' id, before the
+    scores: `compare` shows a score only beside the weights it names (an algorithmic task's
+    evaluation, stages.curriculum.evaluate_task, tags its run so too)."""
+    ctx.tracker.set_tags(
+        {"checkpoint": results["checkpoint"]}
+        | ({WEIGHTS: results[WEIGHTS]} if results[WEIGHTS] else {})
+    )
+
+
+def checkpoint_source(spec, inputs: dict) -> tuple[str, str | None]:
+    """The stage whose checkpoint is scored, and its tag (None: the newest intact one), with
+    `inputs` the directories of evaluate's inputs. `best`: finetune starts from train's best
+    validation and points its own `best` only at a checkpoint that beats it, so finetune's
+    pointer if it has one, else train's. An algorithmic task: the curriculum's newest."""
     from pipeline.training.checkpoints import read_pointer
 
-    if ctx.spec.evaluate.checkpoint == "latest":
-        return ("finetune" if "finetune" in ctx.inputs else "train"), None
+    if "curriculum" in inputs:
+        return "curriculum", None
+    if spec.evaluate.checkpoint == "latest":
+        return ("finetune" if "finetune" in inputs else "train"), None
     for source in ("finetune", "train"):
-        if source in ctx.inputs and (
-            tag := read_pointer(ctx.inputs[source] / "checkpoints" / "best")
-        ):
+        if source in inputs and (tag := read_pointer(inputs[source] / "checkpoints" / "best")):
             return source, tag
     searched = ", ".join(
-        str(ctx.inputs[s] / "checkpoints") for s in ("finetune", "train") if s in ctx.inputs
+        str(inputs[s] / "checkpoints") for s in ("finetune", "train") if s in inputs
     )
     raise PipelineError(
         f"evaluate.checkpoint is best, but no checkpoint is marked best under "

@@ -10,7 +10,7 @@ from train's, in the checkpoints and in MLflow.
 from __future__ import annotations
 
 from stages.base import Stage, StageContext
-from stages.train import log_head_tables, record_resolved, resolved_summary
+from stages.train import log_head_tables, record_resolved, resolved_summary, tag_weights
 
 
 def run(ctx: StageContext) -> dict:
@@ -52,7 +52,7 @@ def run(ctx: StageContext) -> dict:
     summary = trainer.fit(
         begin + ft.steps, ckpt_root, expect_lr=lr if trainer.step == begin else None
     )
-    ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
+    tag_weights(ctx, trainer, summary)
     log_head_tables(ctx, trainer, "finetune")
     return summary | {"lr": lr, "from_step": begin} | resolved_summary(trainer)
 

@@ -62,7 +62,7 @@ def run(ctx: StageContext) -> dict:
         f"{trainer.model.describe()}"
     )
     summary = trainer.fit(train.steps, ckpt_root, patience=patience(ctx.spec))
-    ctx.tracker.set_tags({"checkpoint": summary["checkpoint"]})
+    tag_weights(ctx, trainer, summary)
     log_head_tables(ctx, trainer, "train")
     return summary | resolved_summary(trainer)
 
@@ -77,6 +77,28 @@ def record_resolved(ctx: StageContext, trainer) -> None:
     atomic_write_json(ctx.out_dir / RECORD, trainer.resolved)
     ctx.tracker.log_params(
         {f"resolved.{key}": value for key, value in resolved_summary(trainer).items()}
+    )
+
+
+def tag_weights(ctx: StageContext, trainer, summary: dict) -> None:
+    """Tag the stage's MLflow run with the checkpoint it ended with, and the ids of its
+    weights and of the checkpoint its validations marked best
+    (pipeline.training.checkpoints.weights_id): what `compare` binds evaluate's scores to, by
+    content. Rank 0 only."""
+    from pathlib import Path
+
+    from pipeline.training.checkpoints import BEST_WEIGHTS, WEIGHTS, read_pointer, weights_id
+
+    if trainer.rank != 0:
+        return
+    final = Path(summary["checkpoint"])
+    best = read_pointer(final.parent / "best")
+    ids = {
+        WEIGHTS: weights_id(final),
+        BEST_WEIGHTS: weights_id(final.parent / best) if best else None,
+    }
+    ctx.tracker.set_tags(
+        {"checkpoint": str(final)} | {key: value for key, value in ids.items() if value}
     )
 
 

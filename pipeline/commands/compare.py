@@ -10,6 +10,13 @@ the group gets that row beneath it, with our mean minus the published value.
 
 Columns equal in every row are folded into one header line, so the table shows what differs;
 `csv` and `json` keep every column (they are for programs, not eyes).
+
+A row's scores are shown only beside the weights they scored: evaluate's run names them by
+content (its `weights` tag), and so does each training stage's run (the weights it ended with,
+and its best validation's). Where the row's latest training run ended with other weights (train
+re-run without evaluate), or a run does not say (an older allattn-pipe, a training run killed),
+each score cell reads `stale`, such rows are grouped apart, and a line below the table says why
+and to re-run evaluate.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ class RunRow:
     parameters: int | None  # the model's size, as train logged it
     wall_s: float
     sweep: str | None  # the run of the sweep it belongs to, if any
+    stale: str | None = None  # why `metrics` are not the scores of the weights shown, if not
 
 
 @dataclass
@@ -68,6 +76,12 @@ class Group:
     rows: list[RunRow]
     paper: dict | None = None  # {"table", "parameters", "results": {metric: value}}
     key: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stale(self) -> str | None:
+        """Why the group's scores are not of the weights its rows show (its rows are all
+        stale or none is: `group`), or None."""
+        return next((r.stale for r in self.rows if r.stale), None)
 
     @property
     def name(self) -> str:
@@ -83,8 +97,9 @@ class Group:
         return ",".join(sorted({r.params.get(SEED, "?") for r in self.rows}, key=_natural))
 
     def metric(self, name: str) -> tuple[float, float | None, int] | None:
-        """(mean, sample std or None for one value, n) of `name` over the group's rows."""
-        values = [r.metrics[name] for r in self.rows if name in r.metrics]
+        """(mean, sample std or None for one value, n) of `name` over the group's rows; None
+        for stale scores, which are never shown as numbers."""
+        values = [r.metrics[name] for r in self.rows if name in r.metrics and not r.stale]
         if not values:
             return None
         if not all(math.isfinite(v) for v in values):
@@ -225,6 +240,8 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
     if status == "running" and _died(latest):
         status = "killed"
     metrics: dict[str, float] = {}
+    evaluated = None  # the evaluate run whose numbers `metrics` are
+    trained: dict[str, Any] = {}  # training stage -> its latest run
     steps = parameters = None
     wall = 0.0
     for parent in invocations:
@@ -237,8 +254,11 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
         for child in sorted(children.get(info.run_id, []), key=lambda c: c.info.start_time or 0):
             stage = child.data.tags.get("stage")
             if stage == "evaluate" and child.data.metrics:
-                metrics = dict(child.data.metrics)
+                metrics, evaluated = dict(child.data.metrics), child
+            elif stage == "curriculum":
+                trained[stage] = child
             elif stage in ("train", "finetune"):
+                trained[stage] = child
                 history = client.get_metric_history(child.info.run_id, "loss")
                 if history:
                     steps = max(steps or 0, max(m.step for m in history))
@@ -256,7 +276,41 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
         parameters=parameters,
         wall_s=wall,
         sweep=latest.data.tags.get("mlflow.parentRunId"),
+        stale=_stale(evaluated, trained, latest.data.params) if evaluated else None,
     )
+
+
+def _stale(evaluated, trained: dict[str, Any], params: dict[str, str]) -> str | None:
+    """Why the scores of evaluate's run `evaluated` are not of the weights the row shows,
+    its training stages' latest runs (`trained`, by stage), or None when they are: the
+    weights evaluate would score, the latest training run's last or its best (finetune's
+    best, else train's), must have the id evaluate's run names. With no training run in the
+    row (a sweep's point that reused another's), nothing it shows is other weights."""
+    from pipeline.training.checkpoints import BEST_WEIGHTS, WEIGHTS
+
+    scored = evaluated.data.tags.get(WEIGHTS)
+    if not scored:
+        return "evaluate's run does not name the weights it scored (an older allattn-pipe ran it)"
+    if not trained:
+        return None
+    run = max(trained.values(), key=lambda r: r.info.start_time or 0)
+    stage = run.data.tags.get("stage")
+    key = (
+        BEST_WEIGHTS
+        if stage != "curriculum" and params.get("evaluate.checkpoint") == "best"
+        else WEIGHTS
+    )
+    current = run.data.tags.get(key)
+    if current is None and key == BEST_WEIGHTS and stage == "finetune" and "train" in trained:
+        current = trained["train"].data.tags.get(key)  # finetune never beat train's best
+    if current is None:
+        return (
+            f"{stage}'s latest run does not name the weights it ended with (it was killed or "
+            f"failed, or an older allattn-pipe ran it)"
+        )
+    if current != scored:
+        return f"evaluate scored other weights than {stage}'s latest run ended with"
+    return None
 
 
 def _died(run) -> bool:
@@ -277,7 +331,13 @@ def group(rows: list[RunRow]) -> list[Group]:
     groups: dict[tuple, Group] = {}
     for row in rows:
         key = {k: v for k, v in row.params.items() if k != SEED and not k.startswith(_PLACE)}
-        ident = (tuple(sorted(key.items())), row.status, re.sub(r"-seed[^-]*", "", row.name))
+        # stale scores apart: a mean never mixes them in, and their cells read `stale`
+        ident = (
+            tuple(sorted(key.items())),
+            row.status,
+            re.sub(r"-seed[^-]*", "", row.name),
+            row.stale is not None,
+        )
         if ident not in groups:
             groups[ident] = Group([], paper=_paper(row.params), key=key)
         groups[ident].rows.append(row)
@@ -317,6 +377,12 @@ def _varying_params(groups: list[Group]) -> list[str]:
 
 def _fmt_number(value: float) -> str:
     return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+STALE = "stale"
+"""What a score cell reads in place of a number that is not the score of the weights its row
+shows (and what the line below the table begins with)."""
+RERUN = "re-run evaluate (`allattn-pipe run` its config with --force evaluate)"
 
 
 def _fmt_metric(stat) -> str:
@@ -396,7 +462,12 @@ def table_rows(groups: list[Group], metrics: list[str]) -> tuple[list[str], list
                 _fmt_wall(statistics.fmean(r.wall_s for r in g.rows)),
             ]
             + [g.key.get(p, "-") for p in params]
-            + [_fmt_metric(g.metric(m)) for m in metrics]
+            + [
+                STALE
+                if g.stale and any(m in r.metrics for r in g.rows)
+                else _fmt_metric(g.metric(m))
+                for m in metrics
+            ]
         )
         if g.paper:
             label = f"  published: {g.paper['table']}"
@@ -433,6 +504,11 @@ def _fold(
     return notes, [header[i] for i in keep], [[c[i] for i in keep] for c in cells]
 
 
+def stale_lines(groups: list[Group]) -> list[str]:
+    """One line for each group whose score cells read `stale`: why, and what to re-run."""
+    return [f"{STALE}: {g.name}: {g.stale}; {RERUN}" for g in groups if g.stale]
+
+
 def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
     if not groups:
         return "no pipeline runs found"
@@ -452,12 +528,14 @@ def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
         lines = [f"*equal in every row:* {'; '.join(notes)}", ""] if notes else []
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
-        return "\n".join(lines)
+        return "\n".join(
+            lines + ["", *stale_lines(groups)] if any(g.stale for g in groups) else lines
+        )
     widths = [max(len(r[i]) for r in [header] + cells) for i in range(len(header))]
     lines = [f"equal in every row: {'; '.join(notes)}"] if notes else []
     for row in [header] + cells:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
-    return "\n".join(lines)
+    return "\n".join(lines + stale_lines(groups))
 
 
 def _finite_or_null(value):
@@ -486,13 +564,17 @@ def _as_json(g: Group, metrics: list[str]) -> dict:
                 "tokens": _tokens(r),
                 "parameters": r.parameters,
                 "wall_s": r.wall_s,
-                "metrics": r.metrics,
+                # stale scores are no run's numbers: none are given, `stale` says why
+                "metrics": {} if r.stale else r.metrics,
+                "stale": r.stale,
             }
             for r in g.rows
         ],
         "params": g.key,
         "metrics": {},
     }
+    if g.stale:
+        out["stale"] = f"{g.stale}; {RERUN}"
     for m in metrics:
         stat = g.metric(m)
         if stat is not None:

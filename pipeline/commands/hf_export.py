@@ -286,8 +286,30 @@ def write_hf_files(tmp: Path, spec, model, vocab: dict, vocab_size: int, checkpo
     write_tokenizer_files(tmp)  # tokenizer.model, for sentencepiece, is export's to copy
     (tmp / README).write_text(
         readme(spec, vocab, checkpoint).replace("{block_len}", str(config["block_len"]))
+        + scores_section(spec, checkpoint)
     )
     return hf_file_names(spec)
+
+
+def scores_section(spec, checkpoint: str) -> str:
+    """The model card's scores: evaluate's lines when its results are of these very weights
+    (bound by content, pipeline.workspace.scores); when they are of other weights, the word
+    stale and what to re-run, never their numbers."""
+    from pipeline.workspace.scores import rerun, scores_of
+    from stages.evaluate import result_lines
+
+    found = scores_of(spec, Path(checkpoint))
+    if found.results is not None:
+        lines = "\n".join(result_lines(found.results))
+        return (
+            f"\n## Scores\n\nallattn-pipe's evaluate scored these weights:\n\n```\n{lines}\n```\n"
+        )
+    if found.stale:
+        return (
+            f"\n## Scores\n\nstale: {found.problem}, so none are given here; "
+            f"{rerun(spec)} and export again.\n"
+        )
+    return f"\n## Scores\n\nNone for these weights: {found.problem}.\n"
 
 
 def hf_file_names(spec) -> list[str]:

@@ -5,15 +5,16 @@ registry is that store's own, or MLFLOW_REGISTRY_URI's).
 The exported files are logged as the artifacts (under `model/`) of an `export` run, nested
 under the workspace's latest pipeline run, with the resolved spec (`spec.resolved.yaml`),
 its values as params, and evaluate's `results.json` and numbers as metrics when evaluate
-scored the very checkpoint exported. The version's source is that run's `model/`; its tags
-name the checkpoint and the spec and carry the headline numbers. The files are the plain
-export (no MLflow flavour): `mlflow.artifacts.download_artifacts("models:/NAME/VERSION")`
-fetches them and `pipeline.commands.export.load_exported` loads them.
+scored the very weights exported, which its results name by content
+(pipeline.workspace.scores): stale scores are never attached. The version's source is that
+run's `model/`; its tags name the checkpoint and the spec and carry the headline numbers.
+The files are the plain export (no MLflow flavour):
+`mlflow.artifacts.download_artifacts("models:/NAME/VERSION")` fetches them and
+`pipeline.commands.export.load_exported` loads them.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import posixpath
@@ -24,7 +25,6 @@ import yaml
 
 from pipeline.errors import PipelineError, shown
 
-RESULTS = "results.json"
 # the numbers of evaluate's results that a model version carries as tags
 HEADLINE = ("bpc", "ppl", "loss", "paper_loss", "token_accuracy", "exact_match")
 _NAME_LIMIT = 256  # MLflow's database column for a registered model's name
@@ -107,32 +107,34 @@ def _reason(error: Exception) -> str:
 
 
 def evaluation(spec, checkpoint: str) -> tuple[Path | None, dict[str, float], str]:
-    """(evaluate's results.json, its numbers as metrics, a note) when evaluate finished
-    on `checkpoint` (a checkpoint directory); (None, {}, why not) otherwise."""
-    ws = spec.workspace_dir
-    path = ws / "evaluate" / RESULTS
-    if (
-        "evaluate" not in spec.stages
-        or not (ws / "evaluate" / "stage.json").is_file()
-        or not path.is_file()
-    ):
-        return None, {}, "no evaluate results in the workspace: registered without metrics"
-    try:
-        results = json.loads(path.read_text())
-        scored = str(results["checkpoint"])
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        return None, {}, f"{path} is unreadable ({e}): registered without metrics"
-    stage, _, tag = scored.partition("/")
-    if Path(checkpoint).resolve() != (ws / stage / "checkpoints" / tag).resolve():
+    """(evaluate's results.json, its numbers as metrics, a note) when evaluate's results are
+    the scores of the weights in `checkpoint` (a checkpoint directory), bound by their
+    content (pipeline.workspace.scores); (None, {}, why not) otherwise: stale scores are
+    never attached, and the note says `stale` and to re-run evaluate."""
+    from pipeline.workspace.scores import rerun, scores_of
+
+    found = scores_of(spec, Path(checkpoint))
+    if found.stale:
+        return (
+            None,
+            {},
+            f"evaluate's numbers are stale ({found.problem}): registered without score "
+            f"tags; {rerun(spec)} and register again",
+        )
+    if found.results is None and found.scored is not None:
+        stage, _, tag = found.scored.partition("/")
         return (
             None,
             {},
             (
-                f"evaluate scored {scored}, not the checkpoint exported: registered "
-                f"without metrics (--checkpoint {ws / stage / 'checkpoints' / tag} "
+                f"evaluate scored {found.scored}, not the checkpoint exported: registered "
+                f"without metrics (--checkpoint {spec.workspace_dir / stage / 'checkpoints' / tag} "
                 f"exports the one it scored)"
             ),
         )
+    if found.results is None:
+        return None, {}, f"{found.problem}: registered without metrics"
+    results, path, scored = found.results, found.path, found.scored
     metrics = {}
     for split, values in results.items():
         if isinstance(values, dict):

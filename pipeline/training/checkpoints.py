@@ -13,6 +13,7 @@ intact one and says in one line which newer ones it passed over and why.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import pickle
 import random
@@ -34,6 +35,11 @@ from pipeline.fsutil import (
 )
 
 CHECKSUMS = "checksums.json"
+WEIGHTS = "weights"
+"""The key of evaluate's results.json, and the tag of its MLflow run, that holds the id of the
+weights scored (`weights_id`); a training stage's run tags so the weights it ended with."""
+BEST_WEIGHTS = "weights.best"
+"""A training stage's MLflow tag: the id of the checkpoint its validations marked best."""
 HASH_BLOCK = 4 << 20  # bytes read at a time: a 114M-parameter model's checkpoint is ~2 GB
 
 
@@ -195,6 +201,31 @@ def write_checksums(path: Path) -> int:
     }
     atomic_write_json(path / CHECKSUMS, {"files": files})
     return sum(f["bytes"] for f in files.values())
+
+
+def weights_id(path: Path) -> str | None:
+    """The id of checkpoint directory `path` by its content, that a score names the weights it
+    scored by: the sha256 (16 hex digits) of every file's sha256 by name, as its
+    checksums.json lists them, so reading it costs one small file; a checkpoint written before
+    checksums has its files hashed here. Any change to any file, the weights' first, changes
+    it; a copy or a hard link of the checkpoint elsewhere has the same one. None when it
+    cannot be read (no such checkpoint, its list unreadable): nothing is bound to it."""
+    try:
+        try:
+            listed = json.loads(read_text(path / CHECKSUMS, "checkpoint checksums"))["files"]
+            digests = {name: entry["sha256"] for name, entry in listed.items()}
+        except FileNotFoundError:
+            files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+            if not files:
+                return None
+            digests = {
+                f.relative_to(path).as_posix(): file_checksum(f, HASH_BLOCK)["sha256"]
+                for f in files
+            }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PipelineError):
+        return None
+    blob = json.dumps(digests, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def damage(path: Path) -> str | None:

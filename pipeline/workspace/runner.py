@@ -384,8 +384,11 @@ class Runner:
 
     def _reprint_results(self, steps: list[Step], records: dict[str, dict | None]) -> None:
         """Nothing ran: say that nothing was recorded, and print the results the records
-        hold (training's last step and best validation, evaluate's lines as it printed them)."""
+        hold (training's last step and best validation, evaluate's lines as it printed them).
+        evaluate's are printed only while they are the scores of the weights it would score
+        now (pipeline.workspace.scores); else one line says they are stale."""
         from pipeline.data.vocab import bits_name
+        from pipeline.workspace.scores import reprint_stale
         from stages.evaluate import result_lines
 
         done = (
@@ -401,9 +404,16 @@ class Runner:
                 best = _best_validation(summary, bits_name(tokenizer))
                 lines = [f"step {summary['step']}{best}"]
             elif name == "evaluate" and "checkpoint" in summary:
+                stale = reprint_stale(self.spec, self.ws.path, summary)
                 # stage.json keeps keys sorted: the splits in the order evaluate scores them
                 splits = self.spec.evaluate.splits
-                lines = result_lines({**{k: summary[k] for k in splits if k in summary}, **summary})
+                lines = (
+                    [stale]
+                    if stale
+                    else result_lines(
+                        {**{k: summary[k] for k in splits if k in summary}, **summary}
+                    )
+                )
             else:
                 continue
             assert record is not None  # a summary came from it
