@@ -37,11 +37,18 @@ def test_bpc(seed: int, lr: float) -> float:
 test_bpc.__test__ = False  # a helper, not a test
 
 
+def weights(spec, stage: str) -> str:
+    """The id a stand-in training stage tags its weights with, and its evaluate the weights it
+    scored with (finetune's, the last stage that trains)."""
+    return f"{stage}-{spec.train.seed}-{spec.train.optimizer.lr}-{spec.train.steps}"
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
     """train logs its loss at steps 1..train.steps and `parameters`, finetune continues the
-    steps, evaluate logs valid/test bpc computed from the seed and the lr; a stage named in
-    `fail` raises (RuntimeError, or KeyboardInterrupt for 'kill')."""
+    steps, evaluate logs valid/test bpc computed from the seed and the lr; each names the
+    weights it ended with or scored (`weights`) as the real ones do; a stage named in `fail`
+    raises (RuntimeError, or KeyboardInterrupt for 'kill')."""
     fail: dict[str, BaseException] = {}
 
     def make(name):
@@ -49,6 +56,10 @@ def stand_ins(monkeypatch):
             spec = ctx.spec
             if name in fail:
                 raise fail[name]
+            if name in ("train", "finetune", "evaluate"):
+                # the weights it ended with, or evaluate the weights it scored: finetune's
+                scored = "finetune" if name == "evaluate" else name
+                ctx.tracker.set_tags({"weights": weights(spec, scored)})
             if name == "train":
                 ctx.tracker.log_params({"parameters": 12345})
                 for step in range(1, spec.train.steps + 1):

@@ -15,6 +15,7 @@ import stages
 from pipeline.commands.cli import main
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import experiment_name, tracking_uri
+from pipeline.training.checkpoints import weights_id, write_checksums
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
 RESULTS = {
@@ -27,11 +28,20 @@ RESULTS = {
 
 @pytest.fixture
 def stand_ins(monkeypatch):
+    """Each stage writes a file; finetune a checkpoint too, and evaluate returns RESULTS,
+    naming that checkpoint's weights as the real stage does (else they read as stale)."""
+
     def make(name):
         def run(ctx):
             (ctx.out_dir / "output.txt").write_text(name)
             if name == "evaluate":
-                return RESULTS
+                scored = ctx.inputs["finetune"] / "checkpoints" / "step-00000003"
+                return RESULTS | {"weights": weights_id(scored)}
+            if name == "finetune":
+                checkpoint = ctx.out_dir / "checkpoints" / "step-00000003"
+                checkpoint.mkdir(parents=True)
+                (checkpoint / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+                write_checksums(checkpoint)
             if name in ("train", "finetune"):
                 return {"step": 3, "checkpoint": "x", "best_valid_bpc_estimate": 2.5}
             return {"ok": name}
