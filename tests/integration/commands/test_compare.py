@@ -47,8 +47,8 @@ def weights(spec, stage: str) -> str:
 def stand_ins(monkeypatch):
     """train logs its loss at steps 1..train.steps and `parameters`, finetune continues the
     steps, evaluate logs valid/test bpc computed from the seed and the lr; each names the
-    weights it ended with or scored (`weights`) as the real ones do; a stage named in `fail`
-    raises (RuntimeError, or KeyboardInterrupt for 'kill')."""
+    weights it ended with or scored (`weights`, and train its best's) as the real ones do; a
+    stage named in `fail` raises (RuntimeError, or KeyboardInterrupt for 'kill')."""
     fail: dict[str, BaseException] = {}
 
     def make(name):
@@ -56,10 +56,15 @@ def stand_ins(monkeypatch):
             spec = ctx.spec
             if name in fail:
                 raise fail[name]
-            if name in ("train", "finetune", "evaluate"):
-                # the weights it ended with, or evaluate the weights it scored: finetune's
-                scored = "finetune" if name == "evaluate" else name
-                ctx.tracker.set_tags({"weights": weights(spec, scored)})
+            if name in ("train", "finetune"):
+                ctx.tracker.set_tags({"weights": weights(spec, name)})
+            if name == "train":  # finetune never beats train's best here
+                ctx.tracker.set_tags({"weights.best": weights(spec, "train-best")})
+            if name == "evaluate":  # the weights it scored: finetune's last, or train's best
+                best = spec.evaluate.checkpoint == "best"
+                ctx.tracker.set_tags(
+                    {"weights": weights(spec, "train-best" if best else "finetune")}
+                )
             if name == "train":
                 ctx.tracker.log_params({"parameters": 12345})
                 for step in range(1, spec.train.steps + 1):
@@ -260,6 +265,76 @@ def test_failed_and_killed_runs_show_as_such(cfg, stand_ins, tmp_path, monkeypat
         (g["status"], len(g["runs"][0]["run_ids"]), g["metrics"]["test_bpc"]["mean"])
         for g in groups
     ] == [("finished", 2, test_bpc(3, 0.001))]
+
+
+BEST = ("evaluate.checkpoint=best", "train.eval_every=3")
+
+
+def test_scores_of_other_weights_read_stale_and_are_never_averaged_in(
+    cfg, stand_ins, tmp_path, monkeypatch
+):
+    """A row whose evaluate scored other weights than its latest training run ended with (a
+    train re-run killed; an evaluate run of an older allattn-pipe, which named none) reads
+    `stale` in its score cells, apart from the rows that are not, with a line below the
+    table; with evaluate.checkpoint best, the best of train is the weights evaluate scores."""
+    from mlflow.tracking import MlflowClient
+
+    for seed in (1, 2, 3):
+        pipeline(cfg, f"train.seed={seed}", *BEST)
+    stand_ins["train"] = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):  # seed 2's train again, killed: no weights named
+        pipeline(cfg, "train.seed=2", *BEST, "train.steps=9")
+    stand_ins.clear()
+    client = MlflowClient((tmp_path / "store").as_uri())
+    experiment = client.get_experiment_by_name("pipe").experiment_id
+    [older] = [
+        r
+        for r in client.search_runs([experiment], "tags.stage = 'evaluate'")
+        if client.get_run(r.data.tags["mlflow.parentRunId"]).data.params["train.seed"] == "3"
+    ]
+    client.delete_tag(older.info.run_id, "weights")  # as an older allattn-pipe left it
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    groups = json.loads(compare(["compare", "--format", "json"]))
+    assert [(g["name"], g["status"], g["metrics"], g.get("stale")) for g in groups] == [
+        (
+            "pipe-seed1-lr0.001",
+            "finished",
+            {
+                m: dict(mean=pytest.approx(v), std=None, n=1)
+                for m, v in (
+                    ("test_bpc", test_bpc(1, 0.001)),
+                    ("valid_bpc", test_bpc(1, 0.001) - 0.1),
+                )
+            },
+            None,
+        ),
+        (
+            "pipe-seed2-lr0.001",
+            "killed",
+            {},
+            "train's latest run does not name the weights it ended with (it was killed or "
+            "failed, or an older allattn-pipe ran it); re-run evaluate (`allattn-pipe run` "
+            "its config with --force evaluate)",
+        ),
+        (
+            "pipe-seed3-lr0.001",
+            "finished",
+            {},
+            "evaluate's run does not name the weights it scored (an older allattn-pipe ran "
+            "it); re-run evaluate (`allattn-pipe run` its config with --force evaluate)",
+        ),
+    ]
+    table = compare(["compare", "--metric", "test_bpc"]).splitlines()
+    # each row's score cell, the paper's row beneath it comparing ours only where it is not
+    assert [line.rsplit("  ", 1)[-1].strip() for line in table[2:8]] == [
+        f"{test_bpc(1, 0.001):.4g}",
+        f"1.05 ({test_bpc(1, 0.001) - 1.05:+.3g})",
+        "stale",
+        "1.05",
+        "stale",
+        "1.05",
+    ]
+    assert table[8:] == [f"stale: {g['name']}: {g['stale']}" for g in groups[1:]]
 
 
 def test_a_config_names_its_runs_and_a_missing_store_is_one_line(cfg, stand_ins, tmp_path):
