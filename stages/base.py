@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.redact import mask
+from pipeline.training.settings import with_values
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Stage:
     def fingerprinted(self, spec) -> dict:
         """The config less its runtime-only keys, and less the added keys that hold their
         earlier value, with every key that takes no effect under the others (Spec.inert_keys)
-        at its default: what decides whether outputs are reusable."""
+        at its default, as a Trainer reads it (pipeline.training.settings.as_trained): what
+        decides whether outputs are reusable."""
         # credentials masked: the config is recorded in the workspace, and a rotated token
         # (a new pre-signed URL) fetches the same data, which dataset.sha256 pins
         config = mask(self.config(spec))
@@ -73,20 +75,6 @@ def _lookup(config: dict, path: str):
 
 
 _ABSENT = object()
-
-
-def with_values(config: dict, values: Mapping[str, object]) -> dict:
-    """A copy of `config` with the dotted key paths of `values` that it has set to theirs."""
-    out = dict(config)
-    for path, value in values.items():
-        head, _, rest = path.partition(".")
-        if head not in out:
-            continue
-        if not rest:
-            out[head] = value
-        elif isinstance(out[head], dict):
-            out[head] = with_values(out[head], {rest: value})
-    return out
 
 
 class NullStageTracker:

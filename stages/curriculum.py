@@ -29,8 +29,10 @@ evaluate's do: a re-run curriculum makes them stale).
 from __future__ import annotations
 
 from pipeline.fsutil import atomic_write_json, read_json
-from stages.base import Stage, StageContext
-from stages.train import record_resolved, tag_weights
+from pipeline.spec.training_schema import CURRICULUM_ENGINE_TRAIN, CURRICULUM_UNUSED_TRAIN
+from pipeline.training.settings import trains_with
+from stages.base import Stage, StageContext, without
+from stages.train import RUNTIME_ONLY, record_resolved, tag_weights
 
 CHECKPOINTS = "checkpoints"
 RESULT = "curriculum.json"
@@ -171,18 +173,13 @@ def _build(spec, vocab: int, device):
 
 
 def config(spec) -> dict:
-    train = spec.train
-    return {
-        "model": spec.resolved()["model"],
-        "task": spec.dataset.generator.model_dump(mode="json"),
-        "train": {
-            "seed": train.seed,
-            "device": train.device,
-            "batch_size": train.batch_size,
-            "optimizer": train.optimizer.model_dump(mode="json"),
-            "nonfinite": train.nonfinite,
-            "nonfinite_limit": train.nonfinite_limit,
-        },
+    """What the trainer trains with (pipeline.training.settings.trains_with: a train.* key
+    added to the schema counts here unless declared below), less the keys a curriculum has no
+    use for, which the trainer reads at their defaults under it (Spec.inert_keys), and the
+    generated task."""
+    unused = [*CURRICULUM_UNUSED_TRAIN, *CURRICULUM_ENGINE_TRAIN]
+    return without(trains_with(spec), unused) | {
+        "task": spec.dataset.generator.model_dump(mode="json")
     }
 
 
@@ -193,6 +190,7 @@ STAGE = Stage(
     section_key="train",
     config=config,
     run=run,
+    runtime_only={"train.compile": RUNTIME_ONLY["train.compile"]},
     # nonfinite stop: a run it lets finish is the run before the key existed
     added_keys={"train.nonfinite": "stop", "train.nonfinite_limit": 100},
 )

@@ -13,6 +13,7 @@ stage takes over from there.
 from __future__ import annotations
 
 from pipeline.fsutil import atomic_write_json
+from pipeline.training.settings import trains_with
 from stages.base import Stage, StageContext
 
 
@@ -134,15 +135,12 @@ VALIDATION = ("eval_every", "eval_batches", "eval_batch_size", "eval_seq_len")
 
 
 def config(spec) -> dict:
-    train = spec.train
-    out = {
-        "model": spec.resolved()["model"],
-        "train": train.model_dump(mode="json"),
-        "finetune": {"patience": patience(spec)},
-    }
+    """What the trainer trains with (pipeline.training.settings.trains_with: every train.*
+    key, less RUNTIME_ONLY's), and what decides when it stops."""
+    out = trains_with(spec) | {"finetune": {"patience": patience(spec)}}
     if patience(spec) is not None:
         # the validations decide when train stops: here their settings change the result
-        out["validation"] = {key: getattr(train, key) for key in VALIDATION}
+        out["validation"] = {key: getattr(spec.train, key) for key in VALIDATION}
     return out
 
 

@@ -21,6 +21,7 @@ from pipeline.redact import mask
 from pipeline.spec.dataset_schema import DatasetSpec
 from pipeline.spec.sections import Section
 from pipeline.spec.training_schema import (
+    CURRICULUM_ENGINE_TRAIN,
     CURRICULUM_UNUSED_TRAIN,
     EvaluateSpec,
     FinetuneSpec,
@@ -229,7 +230,7 @@ class Spec(Section):
             ),
             (
                 curriculum,
-                ("train.deepspeed", "train.launcher"),
+                CURRICULUM_ENGINE_TRAIN,
                 "the curriculum stage trains in one process on a float32 engine without ZeRO",
             ),
             (

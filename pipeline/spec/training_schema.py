@@ -146,8 +146,9 @@ class LauncherSpec(Section):
 
 class TrainSpec(Section):
     """The train stage's settings. finetune runs with them too (its own steps and lr),
-    evaluate takes device and the default seq_len, the curriculum stage seed, device,
-    batch_size, optimizer and nonfinite."""
+    evaluate takes device and the default seq_len, the curriculum stage all but deepspeed,
+    launcher, micro_batch_size, steps, seq_len and the cadence of logs, validations and
+    checkpoints."""
 
     # numpy seeds each rank with seed + rank, and takes only seeds below 2^32
     seed: int = Field(
@@ -358,6 +359,9 @@ class EvaluateSpec(Section):
         "of those lines (pipeline/training/paper_loss.py); needs an eos token",
     )
 
+
+# the engine settings a curriculum does without: it trains in one process, float32, no ZeRO
+CURRICULUM_ENGINE_TRAIN = ("train.deepspeed", "train.launcher")
 
 # the train.* keys of a language-model run that a curriculum has no use for
 CURRICULUM_UNUSED_TRAIN = tuple(

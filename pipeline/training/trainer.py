@@ -53,6 +53,7 @@ from pipeline.training.micro_batch import resolve
 from pipeline.training.nonfinite import NonfiniteGuard
 from pipeline.training.optim import build_optimizer, lr_schedule
 from pipeline.training.progress import LossWindow, Progress, gpu_memory_text
+from pipeline.training.settings import as_trained
 
 if TYPE_CHECKING:  # the two kinds of batches the sources give
     from pipeline.data import StreamBatches
@@ -155,7 +156,10 @@ class EngineUpdates:
 
 class Trainer:
     """The one training loop: train, finetune and the curriculum each build one, from the
-    spec, the data (pipeline.training.sources) and their hooks."""
+    spec, the data (pipeline.training.sources) and their hooks. It reads the spec as trained
+    (pipeline.training.settings.as_trained): a key that does nothing under the other settings
+    (a curriculum's train.deepspeed from a base) at its default, as every fingerprint counts
+    it."""
 
     def __init__(
         self,
@@ -167,16 +171,16 @@ class Trainer:
         stage: str = "train",
         hooks: Sequence[TrainingHook] = (),
     ):
-        self.spec, self.tracker, self.log, self.stage = spec, tracker, log, stage
-        self.data, self.hooks, train = data, list(hooks), spec.train
+        self.spec, self.tracker, self.log, self.stage = as_trained(spec), tracker, log, stage
+        self.data, self.hooks, train = data, list(hooks), self.spec.train
         self.rank, self.world_size = distributed.init_process_group()
         self.device = build_device(train)
         self.vocab_size, self.documents = data.vocab_size, data.documents
         self.block_len = data.block_len  # the tokens of one training row
         # what the lines call bits per token: bpc for characters and bytes only
-        self.bits = bits_name(getattr(getattr(spec.dataset, "tokenizer", None), "kind", None))
-        self.lr_at = lr_schedule(spec, stage)  # the lr of update k; the only writer of lr
-        model = build_model(spec, self.vocab_size, data.origin, self.device, self.rank)
+        self.bits = bits_name(getattr(getattr(self.spec.dataset, "tokenizer", None), "kind", None))
+        self.lr_at = lr_schedule(self.spec, stage)  # the lr of update k; the only writer of lr
+        model = build_model(self.spec, self.vocab_size, data.origin, self.device, self.rank)
         self.resolved, self.ds_config = build_ds_config(self, model, recorded)
         self.peak_tflops = dense_peak_tflops(self.device, matmul_dtype(self.ds_config))
         bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]

@@ -8,8 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.commands.cli import main
+from pipeline.spec import PROJECT_ROOT
 
-QUICKSTART = "configs/quickstart.yaml"
+QUICKSTART = str(PROJECT_ROOT / "configs" / "quickstart.yaml")
 
 
 @pytest.mark.parametrize(

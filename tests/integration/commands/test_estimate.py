@@ -16,8 +16,9 @@ from pipeline.commands.estimate import (
     training_tokens,
     unknown_stages,
 )
-from pipeline.spec import load_spec
+from pipeline.spec import PROJECT_ROOT, load_spec
 
+CONFIGS = PROJECT_ROOT / "configs"
 SMALL = [
     "train.steps=10",
     "train.batch_size=4",
@@ -30,14 +31,14 @@ SMALL = [
 
 
 def test_tokens_per_stage_are_updates_times_sequences_times_tokens(tmp_path):
-    spec = load_spec("configs/quickstart.yaml", [*SMALL, f"workspace.root={tmp_path}"])
+    spec = load_spec(CONFIGS / "quickstart.yaml", [*SMALL, f"workspace.root={tmp_path}"])
     got = {s.stage: (s.updates, s.tokens, s.at_least) for s in training_tokens(spec)}
     assert got == {"train": (10, 10 * 4 * 32, False), "finetune": (5, 5 * 4 * 32, False)}
 
 
 def test_a_curriculum_counts_cases_at_its_start_length_as_a_lower_bound():
     spec = load_spec(
-        "configs/active_memory/add.yaml",
+        CONFIGS / "active_memory" / "add.yaml",
         [
             "dataset.generator.algorithmic.curriculum.epochs=3",
             "dataset.generator.algorithmic.curriculum.steps_per_epoch=2",
@@ -56,7 +57,7 @@ def test_a_curriculum_counts_cases_at_its_start_length_as_a_lower_bound():
 def test_an_update_of_the_sorting_task_reads_whole_documents():
     # sort_16k: 20,000 updates x 8 documents of 16,000 tokens, the separator and 20 sorted
     # symbols (its segments of 1,024 are how a document is read, not what an update costs)
-    [train] = training_tokens(load_spec("configs/infinity_former/sort_16k.yaml"))
+    [train] = training_tokens(load_spec(CONFIGS / "infinity_former" / "sort_16k.yaml"))
     assert train.tokens == 20_000 * 8 * (16_000 + 1 + 20)
     assert "whole document" in train.how
 
@@ -65,7 +66,7 @@ def test_an_update_of_the_sorting_task_reads_whole_documents():
 def test_h100_hours_of_the_measured_config_give_back_its_recorded_tokens_per_second(frac):
     """enwik8_large is the model the GPU check timed: its estimate must reproduce the
     recorded tokens/s at each span (the FLOP count and L' plan the MFU was computed with)."""
-    spec = load_spec("configs/enwik8_large.yaml", [])
+    spec = load_spec(CONFIGS / "enwik8_large.yaml", [])
     stages = training_tokens(spec)
     est = next(e for e in gpu_estimates(spec, stages) if e.record["span_frac"] == frac)
     tokens_s = stages[0].tokens / (est.hours["train"] * 3600)
@@ -75,12 +76,12 @@ def test_h100_hours_of_the_measured_config_give_back_its_recorded_tokens_per_sec
 
 def test_evaluate_tokens_come_from_the_card_or_are_unknown_until_preprocess(tmp_path):
     where = f"workspace.root={tmp_path}"
-    enwik8 = load_spec("configs/enwik8_small.yaml", [where])
+    enwik8 = load_spec(CONFIGS / "enwik8_small.yaml", [where])
     assert evaluate_tokens(enwik8) == (
         "evaluate: valid 5,000,000 tokens, test 5,000,000 tokens (dataset card 'enwik8': "
         "split sizes in bytes, one token each)"
     )
-    wt103 = load_spec("configs/wt103.yaml", [where])
+    wt103 = load_spec(CONFIGS / "wt103.yaml", [where])
     assert "unknown until preprocess" in evaluate_tokens(wt103)
 
 
@@ -96,7 +97,7 @@ def test_show_estimate_without_a_training_stage_says_so(tmp_path):
         main,
         [
             "show",
-            "configs/quickstart.yaml",
+            str(CONFIGS / "quickstart.yaml"),
             "--estimate",
             "--set",
             "stages=[download, preprocess]",
@@ -111,7 +112,9 @@ def test_show_estimate_without_a_training_stage_says_so(tmp_path):
 
 def test_show_estimate_prints_tokens_a_measured_step_and_gpu_hours_with_sources(tmp_path):
     args = [a for s in [*SMALL, f"workspace.root={tmp_path}"] for a in ("--set", s)]
-    result = CliRunner().invoke(main, ["show", "configs/quickstart.yaml", "--estimate", *args])
+    result = CliRunner().invoke(
+        main, ["show", str(CONFIGS / "quickstart.yaml"), "--estimate", *args]
+    )
     assert result.exit_code == 0, result.output
     out = result.output
     assert "train      1,280 tokens = 10 updates (train.steps) x 4 sequences" in out

@@ -42,7 +42,7 @@ def sweep(cfg, tmp_path, **env) -> subprocess.CompletedProcess:
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             **env,
         },
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from bench.estimate_vs_run import in_turns
 from pipeline.commands.cli import main
 from pipeline.commands.estimate import format_duration
 from pipeline.commands.update_timing import out_of_memory
-from pipeline.spec import load_spec
+from pipeline.spec import PROJECT_ROOT, load_spec
 
 STEPS, TURN = 32, 4  # 8 turns each: the first (first calls) dropped, the median of 7
 
@@ -119,7 +119,8 @@ def test_without_the_memory_to_time_an_update_the_gpu_time_is_still_printed(tmp_
     monkeypatch.setattr(trainer, "build_model", too_large)
     result = CliRunner().invoke(
         main,
-        ["show", "configs/quickstart.yaml", "--estimate", "--set", f"workspace.root={tmp_path}"],
+        ["show", str(PROJECT_ROOT / "configs" / "quickstart.yaml"), "--estimate"]
+        + ["--set", f"workspace.root={tmp_path}"],
     )
     assert result.exit_code == 0, result.output
     out = result.output

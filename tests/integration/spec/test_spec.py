@@ -237,7 +237,7 @@ def test_duplicate_key_is_an_error(tmp_path):
     assert "name: key given twice" in error_of(bad)
 
 
-def cli(*args, cwd=ROOT):
+def cli(*args, cwd=None):
     return subprocess.run(
         [sys.executable, "-m", "pipeline.commands.cli", *args],
         cwd=cwd,
@@ -258,7 +258,7 @@ def test_cli_validate_reports_without_traceback(tmp_path):
 
 
 def test_cli_show_prints_resolved_spec_and_parameter_count():
-    result = cli("show", "configs/quickstart.yaml", "--set", "model.n_layers=2")
+    result = cli("show", str(ROOT / "configs" / "quickstart.yaml"), "--set", "model.n_layers=2")
     assert result.returncode == 0, result.stderr
     assert "n_layers: 2" in result.stdout
     assert "url: builtin://python-docs" in result.stdout

@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import subprocess
+import time
 import zipfile
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 
 from pipeline.data import corpus, extract, fetch
 from pipeline.errors import PipelineError
+from tests.fixtures import download_server
 from tests.fixtures.download_server import (
     config,
     listing,
@@ -141,6 +143,39 @@ def test_interrupted_download_resumes_with_range_on_the_next_run(server, tmp_pat
     second = server.requests[1]
     assert (second["range"], second["status"], second["sent"]) == ("bytes=120000-", 206, 180_000)
     assert got.path == final and final.read_bytes() == data and not part.exists()
+
+
+class LingeringWriter:
+    """A handler's socket writer that lingers after each write: the client has every byte
+    while the handler that sent them has not yet counted them (what load once did)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def write(self, data):
+        written = self.raw.write(data)
+        time.sleep(0.5)
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
+def test_the_servers_counts_are_final_once_the_client_has_its_bytes(server, tmp_path, monkeypatch):
+    """The resume test once read the second request's count of bytes sent as 0 under load:
+    the client had the response's last byte before the handler counted it."""
+    setup = download_server._Handler.setup
+
+    def lingering(handler):
+        setup(handler)
+        handler.wfile = LingeringWriter(handler.wfile)
+
+    monkeypatch.setattr(download_server._Handler, "setup", lingering)
+    data = payload(50_000)
+    server.files["enwik8"] = data
+    got = fetch.fetch(server.url("enwik8"), tmp_path, sha256=sha(data), log=print, retries=0)
+    assert got.path.read_bytes() == data
+    assert [(r["status"], r["sent"]) for r in server.requests] == [(200, 50_000)]
 
 
 def test_stage_resumes_a_dropped_connection_in_process(server, tmp_path):

@@ -27,7 +27,6 @@ stages: [download, preprocess, train]
 """)
     done = subprocess.run(
         [sys.executable, "-m", "pipeline.commands.cli", "run", str(cfg)],
-        cwd=PROJECT_ROOT,
         env=dict(os.environ, DS_ACCELERATOR="cpu"),
         capture_output=True,
         text=True,

@@ -77,7 +77,6 @@ def run(cfg: Path, *sets: str) -> subprocess.CompletedProcess:
         args += ["--set", s]
     result = subprocess.run(
         args,
-        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,

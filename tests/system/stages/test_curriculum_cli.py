@@ -27,7 +27,7 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cfg, _ = task_spec(tmp_path)
     whole = subprocess.run(
-        cli_command(cfg, *CLI_SETS), cwd=ROOT, env=env, text=True, capture_output=True, timeout=600
+        cli_command(cfg, *CLI_SETS), env=env, text=True, capture_output=True, timeout=600
     )
     assert whole.returncode == 0, whole.stderr
     done = json.loads(
@@ -71,7 +71,6 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
     partial = tmp_path / "runs" / "cut" / "curriculum.partial" / "checkpoints"
     proc = subprocess.Popen(
         cli_command(cut, *CLI_SETS),
-        cwd=ROOT,
         env=env,
         text=True,
         stdout=subprocess.PIPE,
@@ -85,7 +84,7 @@ def test_cli_runs_the_curriculum_and_a_killed_run_resumes_to_the_same_result(tmp
     proc.wait()
     assert not (tmp_path / "runs" / "cut" / "curriculum").exists()  # killed mid-curriculum
     again = subprocess.run(
-        cli_command(cut, *CLI_SETS), cwd=ROOT, env=env, text=True, capture_output=True, timeout=600
+        cli_command(cut, *CLI_SETS), env=env, text=True, capture_output=True, timeout=600
     )
     assert again.returncode == 0, again.stderr
     assert "[curriculum] resuming after epoch" in again.stdout

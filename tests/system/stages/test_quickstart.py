@@ -229,7 +229,6 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, sig):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline.commands.cli", "run", str(killed), "--only", "train"],
-        cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

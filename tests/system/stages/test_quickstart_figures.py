@@ -102,9 +102,14 @@ def printed(tmp_path_factory) -> list[str]:
     runs = tmp_path_factory.mktemp("quickstart-figures") / "runs"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(THREADS))
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.commands.cli", "run", "configs/quickstart.yaml"]
+        [
+            sys.executable,
+            "-m",
+            "pipeline.commands.cli",
+            "run",
+            str(ROOT / "configs" / "quickstart.yaml"),
+        ]
         + ["--set", f"workspace.root={runs}"],
-        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
