@@ -19,7 +19,7 @@ from pipeline.cluster import distributed
 from pipeline.errors import PipelineError, Preempted
 from pipeline.redact import mask
 from pipeline.spec import load_spec
-from pipeline.spec.catalog import find_config
+from pipeline.spec.catalog import config_file
 from pipeline.tracking.tracker import make_tracker
 from pipeline.workspace.runner import Runner
 
@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ranks_from_slurm:
             distributed.take_rank_from_slurm()
         # a config's path, or the name of one of the package's (as `allattn-pipe run` reads it)
-        config = find_config(args.config).path
-        spec = load_spec(config, args.overrides, smoke=args.smoke)
+        spec = load_spec(config_file(args.config), args.overrides, smoke=args.smoke)
         rank, world_size = distributed.init_process_group()
         runner = Runner(
             spec,

@@ -98,6 +98,14 @@ def find_config(given: str) -> Found:
     )
 
 
+def config_file(given: str) -> str:
+    """The file to load for `given` without a word to say: the package's config where `given`
+    is its name and no file (a launched rank: the run that started it has said which), else
+    `given` itself, whose loading says what is wrong with it."""
+    packaged = configs().get(given)
+    return str(packaged) if packaged is not None and not _is_file(given) else given
+
+
 def near_names(given: str, known: dict[str, Path]) -> list[str]:
     """The names of `known` closest to `given`, read as a name: without a leading `configs/`
     or `./` and a `.yaml` ending, and by its last part too (`text8_n0` for ablations/)."""
