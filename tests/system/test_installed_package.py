@@ -9,9 +9,11 @@ environment gets its dependencies from this one's site-packages through a path i
 without this project's editable finder: `import pipeline` there is the wheel's, which the
 first test checks.
 
-Cost: about 2 minutes on 2 cores (the wheel ~10 s, the environment ~5 s, a smoke run ~35 s, a
-two-process run ~60 s), plus DeepSpeed's CPU comm op build (~4 min, once per environment)
-where no test built it before: it shares this environment's TORCH_EXTENSIONS_DIR.
+Cost: about a minute of CPU on 2 cores (57 s measured; 173 s of wall time at a load average of
+11 on 2 cores): the wheel, the environment, a smoke run and a two-process run. DeepSpeed's CPU
+comm op is this environment's (its TORCH_EXTENSIONS_DIR, built with its ninja, the sources
+at the same paths), so it is built at most once, by whichever test of several processes runs
+first (~4 min).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class Installed:
         # wheel's (importlib.metadata takes the first of a name). The real path, not links to
         # it: DeepSpeed rebuilds its C++ op whenever the include paths it was built with change.
         (self.purelib / "dependencies.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n")
+        # and the dependencies' console script that builds DeepSpeed's op: an environment with
+        # them installed has it in its bin/, and another ninja (the system's) rebuilds the op
+        ninja = Path(sys.executable).parent / "ninja"
+        if ninja.exists():
+            (self.bin / "ninja").symlink_to(ninja)
 
     @staticmethod
     def _build(root: Path) -> Path:
