@@ -1,16 +1,15 @@
-"""The distributed entry point: one launched process of a pipeline.
+"""The checkout's distributed entry point, kept so that a launch written by hand goes on
+working:
 
     deepspeed --hostfile hosts launch/train.py --config configs/enwik8_large.yaml
 
-Every process runs the pipeline of --config as one rank: rank 0 downloads, preprocesses,
-tracks and evaluates; all ranks train. `allattn-pipe run` starts this itself when the spec's
-`train.launcher` asks for more than one process.
+It runs the rank's entry point of the installed package, `pipeline.commands.launched`, which
+`allattn-pipe run` and the Slurm script start as a module (`deepspeed --module
+pipeline.commands.launched ...`, `python -m pipeline.commands.launched ...`), so that an
+installed package needs no checkout: see that module for the arguments.
 
 It imports the installed package (`pip install -e .` in the checkout), never the folder it
-sits in: an interpreter without the package gets one line saying so, exit 2. `run` starts
-the launcher in this folder with the working directory off `sys.path` and tells each rank
-where to work (`--workdir`); with several nodes the arguments and credentials come in a
-file (`--args-file`, see pipeline/cluster/launcher.py `Launch`).
+sits in: an interpreter without the package gets one line saying so, exit 2.
 """
 
 import sys

@@ -8,6 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+RANK_MODULE = "pipeline.commands.launched"
+"""What each process of a multi-process run executes (as `python -m`, or deepspeed's
+`--module`), from the installed package: the launcher and the Slurm script both start it."""
+
 
 def python_module(module: str) -> list[str]:
     """`python -m module` with the working directory off sys.path: `-P` (3.11+); before it,

@@ -1,6 +1,7 @@
 """Many processes: the `deepspeed` launcher command that `allattn-pipe run` starts when the
-spec asks for several processes. What each launched process runs is
-`pipeline.commands.launched` (`launch/train.py` calls it).
+spec asks for several processes. Each launched process runs the module
+`pipeline.commands.launched` (deepspeed's `--module`), from the installed package: no file of
+a checkout is needed (the checkout's `launch/train.py` runs the same `main`).
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ import sys
 from pathlib import Path
 
 from pipeline.cluster import distributed
-from pipeline.cluster.interpreter import python_module, safe_environment
+from pipeline.cluster.interpreter import RANK_MODULE, python_module, safe_environment
 from pipeline.errors import PipelineError, Preempted
-
-ENTRY = Path(__file__).resolve().parents[2] / "launch" / "train.py"
+from pipeline.resources import project_dir
 
 # What a launched process is told on its command line besides the pipeline's arguments:
-# the directory the user ran `allattn-pipe run` in (the launcher itself runs in ENTRY's
-# directory, so that neither it nor the deepspeed runner puts that directory on sys.path or
-# into PYTHONPATH), and, with several nodes, the file holding the arguments and credentials.
+# the directory the user ran `allattn-pipe run` in (the launcher itself runs in `launch_dir()`,
+# so that neither it nor the deepspeed runner puts that directory on sys.path or into
+# PYTHONPATH), and, with several nodes, the file holding the arguments and credentials.
 WORKDIR = "--workdir"
 ARGS_FILE = "--args-file"
 
@@ -48,7 +48,7 @@ def _remote_safe(env: dict[str, str]) -> None:
 
     used_by = "a multi-node launch's remote command line"
     plain("python interpreter", sys.executable, used_by)
-    plain("launch script", ENTRY, used_by)
+    plain("launcher directory", launch_dir(), used_by)  # its `cd` on every node
     for name, value in env.items():
         if name.startswith(_EXPORTED_ENV) and _ACTIVE_IN_DOUBLE_QUOTES.search(value):
             raise PipelineError(
@@ -61,7 +61,7 @@ def _remote_safe(env: dict[str, str]) -> None:
 def write_args_file(directory: Path, args: list[str], env: dict[str, str]) -> Path:
     """A file only its owner reads (0600), in `directory` (the workspace: every node sees it),
     holding a launched process's arguments and the environment variables that must not go on
-    a command line. launch/train.py reads it (`read_args_file`)."""
+    a command line. The launched process reads it (`read_args_file`)."""
     import json
     import tempfile
 
@@ -87,16 +87,11 @@ def read_args_file(path: str) -> tuple[list[str], dict[str, str]]:
 
 
 def launcher_command(spec, pipeline_args: list[str], env=None) -> list[str]:
-    """The `deepspeed` runner command that runs launch/train.py with `pipeline_args` on
+    """The `deepspeed` runner command that runs RANK_MODULE with `pipeline_args` on
     `spec.train.launcher`'s processes (`env`: the environment it will run in, default this
     process's). Several nodes: the arguments go to every node's shell as they are, so they
     must be `[ARGS_FILE, PATH]` (`Launch` makes them so)."""
     launcher = spec.train.launcher
-    if not ENTRY.is_file():
-        raise PipelineError(
-            f"{ENTRY} is missing: multi-process runs need the project's "
-            f"launch/ directory (a source checkout)"
-        )
     cmd = python_module("deepspeed.launcher.runner")
     if launcher.nodes > 1 and not launcher.hostfile:
         raise PipelineError(
@@ -118,16 +113,25 @@ def launcher_command(spec, pipeline_args: list[str], env=None) -> list[str]:
         str(launcher.procs_per_node),
         "--master_port",
         str(port),
-        str(ENTRY),
+        "--module",
+        RANK_MODULE,
     ]
     return cmd + pipeline_args
 
 
+def launch_dir() -> Path:
+    """Where the launcher starts: the package's launch/ folder, which holds no Python package
+    (deepspeed's runner puts its working directory into the ranks' PYTHONPATH, and a node
+    `cd`s there) and is where the package is, on every node that has it."""
+    return project_dir("launch")
+
+
 class Launch:
-    """How `spec`'s processes are started: `cmd` run in `cwd` (ENTRY's directory, not the
-    user's) with `env`; `shown` is the line the user reads. With several nodes, the arguments
-    and the credentials in the environment travel in a 0600 file in the workspace, never on
-    the command line deepspeed prints and runs on every node; `close()` removes it."""
+    """How `spec`'s processes are started: `cmd` run in `cwd` (`launch_dir()`, not the
+    user's directory) with `env`; `shown` is the line the user reads. With several nodes,
+    the arguments and the credentials in the environment travel in a 0600 file in the
+    workspace, never on the command line deepspeed prints and runs on every node; `close()`
+    removes it."""
 
     def __init__(self, spec, pipeline_args: list[str], env: dict[str, str] | None = None):
         here = Path.cwd()
@@ -141,7 +145,7 @@ class Launch:
             self.file = write_args_file(spec.workspace_dir, args, carried)
             args = [ARGS_FILE, str(self.file)]
         self.cmd = launcher_command(spec, args, env)
-        self.env, self.cwd = env, ENTRY.parent
+        self.env, self.cwd = env, launch_dir()
         # the arguments as given, not the file's name: what the user reads
         self.shown = " ".join([*self.cmd[: len(self.cmd) - len(args)], *pipeline_args])
 
@@ -263,9 +267,9 @@ def _is_rank(process) -> bool:
         argv = process.cmdline()
     except psutil.Error:  # already gone
         return False
-    # `python -u launch/train.py ...`: the script is the first argument that is no option;
-    # the launchers run as `python -u -m deepspeed...` with the script among their arguments
-    return next((a for a in argv[1:] if not a.startswith("-")), None) == str(ENTRY)
+    # `python -u -m pipeline.commands.launched ...`; the launchers run as
+    # `python -u -m deepspeed.launcher...` with the module among their arguments
+    return "-m" in argv and argv[argv.index("-m") + 1 :][:1] == [RANK_MODULE]
 
 
 def _has_cuda() -> bool:

@@ -1,12 +1,13 @@
-"""Slurm batch scripts for multi-node training: `launch/slurm.sbatch` with its blanks filled.
+"""Slurm batch scripts for multi-node training: `launch/slurm.sbatch` with its blanks filled
+(the template ships inside the package: `pipeline.resources`).
 
-The script starts every rank with srun (the contract of `launch/train.py`):
+The script starts every rank with srun, from the installed package (the contract of
+`pipeline.commands.launched`), with the job's directory off sys.path:
 
-    srun python launch/train.py --ranks-from-slurm --config CFG [--set KEY=VALUE ...]
+    srun python -P -m pipeline.commands.launched --ranks-from-slurm --config CFG [--set ...]
 
 It lives next to `pipeline.spec` rather than under `launch/` because it is engine code the CLI
-calls (validation against the spec, errors as `PipelineError`); `launch/` holds what runs on
-the cluster.
+calls (validation against the spec, errors as `PipelineError`); `launch/` holds the template.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.cluster.interpreter import python_module
+from pipeline.cluster.interpreter import RANK_MODULE, python_module
 from pipeline.errors import PipelineError, shown
-from pipeline.spec import PROJECT_ROOT, load_spec
+from pipeline.resources import project_dir
+from pipeline.spec import load_spec
 from pipeline.spec.schema import Spec
 
-TEMPLATE = PROJECT_ROOT / "launch" / "slurm.sbatch"
+
+def template_path() -> Path:
+    """The batch script's template: the package's launch/slurm.sbatch."""
+    return project_dir("launch") / "slurm.sbatch"
+
 
 # Seconds between Slurm's time-limit warning (USR1) and the limit: a step to finish, a
 # checkpoint to write (rank 0 writes the whole model and optimizer state with ZeRO stage 0).
@@ -140,7 +146,7 @@ def _fill(template: str, values: dict[str, str]) -> str:
 
     missing = set(re.findall(r"{{ (\w+) }}", template)) - values.keys()
     if missing:
-        raise PipelineError(f"{TEMPLATE}: no value for {', '.join(sorted(missing))}")
+        raise PipelineError(f"{template_path()}: no value for {', '.join(sorted(missing))}")
     return re.sub(r"{{ (\w+) }}", value, template)
 
 
@@ -336,8 +342,15 @@ def _common_values(
         "workdir": plain("working directory", Path.cwd().resolve()),
         "environment": _environment(gpus_per_node),
         "master_port": str(master_port) if master_port else PORT_FROM_JOB_ID,
-        "python": plain("python interpreter", sys.executable),
+        "rank_command": _command(RANK_MODULE),
     }
+
+
+def _command(module: str) -> str:
+    """`python -m module` as a line of the script: this interpreter (a path no shell or
+    #SBATCH line splits), the job's directory off sys.path (`python_module`)."""
+    plain("python interpreter", sys.executable)
+    return " ".join(shlex.quote(a) for a in python_module(module))
 
 
 def render_sbatch(
@@ -375,7 +388,7 @@ def render_sbatch(
         + (f" --procs-per-node {procs}" if not gpus_per_node else "")
     )
     return _fill(
-        TEMPLATE.read_text(encoding="utf-8"),
+        template_path().read_text(encoding="utf-8"),
         {
             **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
             "name": job_spec.name,
@@ -433,9 +446,8 @@ def render_sweep_array(
             )
         load_spec(config_path, [*p.overrides, *launcher_sets])  # the batch splits over them
     base = load_spec(config_path, overrides)
-    plain("python interpreter", sys.executable)
     # the working directory off sys.path, as for every Python process a run starts
-    cli = " ".join(shlex.quote(a) for a in python_module("pipeline.commands.cli"))
+    cli = _command("pipeline.commands.cli")
     sweep_args = " ".join(
         shlex.quote(a)
         for a in [
@@ -472,7 +484,7 @@ def render_sweep_array(
     )
     port = base.train.launcher.master_port if base.train else None
     script = _fill(
-        TEMPLATE.read_text(encoding="utf-8"),
+        template_path().read_text(encoding="utf-8"),
         {
             **_common_values(config_path, nodes, procs, gpus_per_node, signal_lead, port),
             "name": f"{base.name}-sweep",

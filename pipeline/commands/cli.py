@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from pipeline.commands.catalog_commands import copy, list_
 from pipeline.commands.click_types import FilePath, Main
 from pipeline.commands.cluster_commands import launch, sweep
 from pipeline.commands.options import CONFIG, POINT, SET, SMOKE, about_option, echo, point_sets
@@ -82,6 +83,7 @@ def run(config, overrides, start_from, only, force, dry_run, smoke, point):
         args = [
             "--config",
             config,
+            *(["--smoke"] if smoke else []),  # each rank loads the spec this process loaded
             *_repeat("--set", overrides),
             *_repeat("--only", only),
             *_repeat("--force", force),
@@ -385,6 +387,8 @@ def stages():
 
 main.add_command(sweep)
 main.add_command(launch)
+main.add_command(list_)
+main.add_command(copy)
 
 
 def entry() -> None:

@@ -37,6 +37,26 @@ class FilePath(click.Path):
         return super().convert(value, param, ctx)
 
 
+class ConfigArgument(FilePath):
+    """A config's path, or the name of a config that ships with the package (`enwik8_large`,
+    `ablations/text8_n0`), from any directory: a file at the path wins, and where the other
+    reading exists too, one line on stderr says which was taken
+    (`pipeline.spec.catalog.find_config`). A name not known is one line with the near ones."""
+
+    def convert(self, value, param, ctx):
+        from pipeline.spec.catalog import configs, find_config
+
+        if isinstance(value, str) and value.startswith("~"):
+            value = os.path.expanduser(value)
+        named = isinstance(value, str) and value in configs() and not os.path.isfile(value)
+        if not named:  # a path: FilePath's refusals (a NUL byte, too long, a directory) first
+            value = super().convert(value, param, ctx)
+        found = find_config(str(value))
+        if found.note:
+            click.echo(f"note: {mask(found.note)}", err=True)
+        return found.path
+
+
 class OneLineUsageError(click.UsageError):
     """A mistake on the command line (a missing argument, an unknown option, a value click
     cannot convert), shown as the one line every other error is, not click's usage block."""

@@ -1,7 +1,11 @@
-"""What each process of a multi-process launch runs (`launch/train.py` calls `main`).
+"""What each process of a multi-process launch runs, from the installed package:
 
-Every launched process runs the same pipeline through the same `Runner`; rank 0 does the
-single-process stages and the bookkeeping, all ranks train (see `Runner.run`).
+    deepspeed --hostfile hosts --module pipeline.commands.launched --config CFG
+    srun python -m pipeline.commands.launched --ranks-from-slurm --config CFG
+
+(`allattn-pipe run` and the Slurm script start it so; the checkout's `launch/train.py` runs the
+same `main`). Every launched process runs the same pipeline through the same `Runner`; rank 0
+does the single-process stages and the bookkeeping, all ranks train (see `Runner.run`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pipeline.cluster import distributed
 from pipeline.errors import PipelineError, Preempted
 from pipeline.redact import mask
 from pipeline.spec import load_spec
+from pipeline.spec.catalog import config_file
 from pipeline.tracking.tracker import make_tracker
 from pipeline.workspace.runner import Runner
 
@@ -42,18 +47,19 @@ def arguments(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     """One launched process: the pipeline of --config, this process being one rank."""
     parser = argparse.ArgumentParser(
-        prog="launch/train.py",
-        description="Run a pipeline as one rank of a multi-process "
-        "launch: deepspeed --hostfile hosts launch/train.py --config CFG",
+        prog="python -m pipeline.commands.launched",
+        description="Run a pipeline as one rank of a multi-process launch: deepspeed "
+        "--hostfile hosts --module pipeline.commands.launched --config CFG",
     )
     parser.add_argument("--config", required=True)
+    parser.add_argument("--smoke", action="store_true", help="as `allattn-pipe run --smoke`")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--from", dest="start_from", metavar="STAGE")
     parser.add_argument("--only", action="append", default=[], metavar="STAGE")
     parser.add_argument("--force", action="append", default=[], metavar="STAGE")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # older launchers
-    # where `allattn-pipe run` was started: the launcher runs elsewhere (launch/), so that
-    # no process it starts has that directory on sys.path
+    # where `allattn-pipe run` was started: the launcher runs elsewhere (the package's
+    # launch/ folder), so that no process it starts has that directory on sys.path
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument(
         "--ranks-from-slurm",
@@ -69,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             os.chdir(args.workdir)
         if args.ranks_from_slurm:
             distributed.take_rank_from_slurm()
-        spec = load_spec(args.config, args.overrides)
+        # a config's path, or the name of one of the package's (as `allattn-pipe run` reads it)
+        spec = load_spec(config_file(args.config), args.overrides, smoke=args.smoke)
         rank, world_size = distributed.init_process_group()
         runner = Runner(
             spec,
@@ -95,3 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(mask(traceback.format_exc()).rstrip(), file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":  # deepspeed --module, srun python -m: the rank's exit code
+    distributed.exit_process(main())

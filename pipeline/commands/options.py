@@ -7,10 +7,11 @@ import contextlib
 
 import click
 
-from pipeline.commands.click_types import FilePath
+from pipeline.commands.click_types import ConfigArgument
 from pipeline.errors import PipelineError
 
-CONFIG = click.argument("config", type=FilePath(dir_okay=False))
+# a config's path, or the name of one the package ships (`allattn-pipe list`)
+CONFIG = click.argument("config", type=ConfigArgument(dir_okay=False))
 SET = click.option(
     "--set",
     "overrides",

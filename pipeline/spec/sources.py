@@ -18,6 +18,7 @@ import yaml
 from pipeline.errors import PipelineError
 from pipeline.errors import shown as _shown
 from pipeline.redact import mask_text
+from pipeline.resources import project_dir
 from pipeline.spec.bases import base_config_problem
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -256,13 +257,16 @@ CARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 
 def dataset_card_dirs(spec_path: Path) -> list[Path]:
-    dirs = [spec_path.resolve().parent.parent / "datasets", PROJECT_ROOT / "datasets"]
+    """Where a card named by string is looked for: a datasets/ folder beside the spec's
+    folder (a project laid out as configs/ and datasets/), then the package's cards (the
+    installed wheel's copy, or the checkout's datasets/: pipeline.resources)."""
+    dirs = [spec_path.resolve().parent.parent / "datasets", project_dir("datasets")]
     return list(dict.fromkeys(dirs))
 
 
 def resolve_dataset_card(name: str, spec_path: Path, where: dict, at: str) -> dict:
     """The contents of the dataset card `name` (datasets/NAME.yaml beside the spec, then the
-    project's); its keys' origins go in `where` under `dataset`."""
+    package's); its keys' origins go in `where` under `dataset`."""
     if not CARD_NAME.fullmatch(name):
         raise SpecError(
             f"{at}: dataset: {short_repr(name)} is not a dataset card's name (letters, "

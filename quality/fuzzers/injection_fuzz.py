@@ -16,7 +16,7 @@ that validate, and others), a `--grid` value, `--seeds`, `launch slurm`'s and `s
   for each node as a remote shell would (the project's interpreter on it a recorder).
 
 A case fails when a canary ran ("command ran"), when a value did not arrive byte for byte
-at srun, at the sweep's task step or at each node's launch/train.py ("mangled"), when an
+at srun, at the sweep's task step or at each node's rank module ("mangled"), when an
 `#SBATCH` line sits below the first command or was injected ("directives"), when a rendered
 script fails under the recorders, on a traceback, a refusal that is not one line, or a hang.
 Used by tests/system/commands/test_fuzz_classes.py and quality/fuzz.py --injection N.
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
+from pipeline.cluster.interpreter import RANK_MODULE
 from quality.fuzzers.cli_fuzz import World
 from quality.fuzzers.fuzz_kit import (
     CANARY_WORD,
@@ -189,9 +190,10 @@ def _directives(script: str) -> str | None:
 
 
 def _after(argv: list[str], marker: str, records: Path) -> list[str] | None:
-    """The arguments after `marker` (launch/train.py), an `--args-file` read from the copy the
+    """The arguments after `marker` (the rank's module), an `--args-file` read from the copy the
     python recorder kept, and the launcher's `--workdir DIR` left out."""
-    hits = [i for i, a in enumerate(argv) if a.endswith(marker)]
+    # `-m MODULE` (`python -c "...run_module('MODULE'...)"` before 3.11: the code holds it)
+    hits = [i for i, a in enumerate(argv) if a == marker or f"'{marker}'" in a]
     if not hits:
         return None
     rest = argv[hits[0] + 1 :]
@@ -237,7 +239,7 @@ def check_script(case: Case, script: str, tmp: Path, rec: Recorders) -> str | No
     if array is None:
         launcher = re.findall(r"train\.launcher\.\w+=\d+", script)
         want = ["--ranks-from-slurm", "--config", case.config, *_expected_sets(case, launcher)]
-        got = [_after(call, "launch/train.py", rec.records) for call in sruns]
+        got = [_after(call, RANK_MODULE, rec.records) for call in sruns]
         if got[0] != want:
             return f"mangled: srun got {got[0]!r}, expected {want!r}"
         return None
@@ -264,9 +266,9 @@ def run_case(case: Case, world: World, tmp: Path, rec: Recorders) -> Outcome:
             nodes = [c for c in rec.calls("python") if "deepspeed.launcher.launch" in c]
             want = ["--config", case.config, *_expected_sets(case, [])]
             if len(nodes) != 2:
-                problem = f"mangled: {len(nodes)} node(s) started launch/train.py, not 2"
+                problem = f"mangled: {len(nodes)} node(s) started {RANK_MODULE}, not 2"
             for call in nodes:
-                got = _after(call, "launch/train.py", rec.records)
+                got = _after(call, RANK_MODULE, rec.records)
                 if problem is None and got != want:
                     problem = f"mangled: a node got {got!r}, expected {want!r}"
         else:

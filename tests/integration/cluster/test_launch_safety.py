@@ -54,6 +54,45 @@ def test_a_ranks_error_line_masks_the_url_it_names(monkeypatch, capsys, error):
         assert code == 1 and "Traceback" in err
 
 
+def test_each_rank_loads_the_spec_its_run_loaded(monkeypatch, tmp_path):
+    """`run --smoke` on several processes: the ranks train the smoke model too, not the whole
+    config (they were given the --set but not --smoke, and trained 1000 steps of the full
+    quickstart where the run had planned 4 of a tiny model)."""
+    from click.testing import CliRunner
+
+    from pipeline.cluster import launcher
+    from pipeline.commands import launched
+    from pipeline.commands.cli import main
+
+    sent: list[list[str]] = []
+    monkeypatch.setattr(launcher, "run_under_launcher", lambda spec, args: sent.append(args))
+    sets = ["--set", "train.launcher.procs_per_node=2", "--set", f"workspace.root={tmp_path}"]
+    sets += ["--set", "tracking.enabled=false"]
+    config = str(ROOT / "configs" / "quickstart.yaml")
+    result = CliRunner().invoke(main, ["run", config, "--smoke", *sets])
+    assert result.exit_code == 0, result.output
+    planned = []
+
+    class Recording:
+        def __init__(self, spec, **kw):
+            planned.append(spec)
+
+        def run(self, tracker):
+            pass
+
+    monkeypatch.setattr(launched.distributed, "init_process_group", lambda: (0, 2))
+    monkeypatch.setattr(launched, "make_tracker", lambda spec, rank: None)
+    monkeypatch.setattr(launched, "Runner", Recording)
+    assert launched.main(sent[0]) == 0
+    (spec,) = planned
+    assert (spec.name, spec.train.steps, spec.model_params.d_model) == ("quickstart-smoke", 4, 64)
+    assert spec.train.launcher.procs_per_node == 2
+    # a rank started by hand (deepspeed --module ... --config NAME) finds a config by name too
+    monkeypatch.chdir(tmp_path)
+    assert launched.main(["--config", "quickstart", "--smoke"]) == 0
+    assert planned[1].name == "quickstart-smoke"
+
+
 RECORDERS = {
     # pdsh -S -f N -w hosts WORD...: records the line each node's shell would run, and the
     # file that line names (read while the launch runs); runs nothing

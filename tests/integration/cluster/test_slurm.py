@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from pipeline.cluster.interpreter import python_module
 from pipeline.commands.cli import main
 from tests.fixtures.fake_slurm import FAKES
 
@@ -210,10 +211,11 @@ def test_script_starts_every_rank_with_srun(project, tmp_path, cluster):
     assert done.returncode == 0, done.stderr
 
     argv = (log / "srun.argv").read_text().splitlines()
+    # the rank's module of the installed package, the job's directory off sys.path: no file
+    # of a checkout is needed on the nodes
     assert argv == [
         "--kill-on-bad-exit=1",
-        sys.executable,
-        "launch/train.py",
+        *python_module("pipeline.commands.launched"),
         "--ranks-from-slurm",
         "--config",
         CONFIG,
@@ -237,7 +239,7 @@ def test_spec_the_job_runs_records_its_world_size(project, tmp_path, cluster):
     script = acceptance_script(tmp_path)
     subprocess.run(["bash", "-c", script], env=env, check=True, timeout=20, capture_output=True)
     argv = (log / "srun.argv").read_text().splitlines()
-    user_args = argv[argv.index("launch/train.py") + 1 :]
+    user_args = argv[argv.index("--ranks-from-slurm") + 1 :]
     config = user_args[user_args.index("--config") + 1]
     sets = [user_args[i + 1] for i, a in enumerate(user_args) if a == "--set"]
     launcher = load_spec(config, sets).train.launcher
@@ -383,10 +385,13 @@ def test_refuses_with_a_clear_message(project, args, message):
     assert message in result.stderr
 
 
-def test_missing_config_fails_with_the_spec_loader_message(project):
+def test_missing_config_fails_in_one_line(project):
     result = render("configs/nope.yaml", "--nodes", "2", "--gpus-per-node", "8", "--dry-run")
     assert result.exit_code == 2
-    assert result.stderr == "error: configs/nope.yaml: no such file\n"
+    assert result.stderr == (
+        "error: configs/nope.yaml: no such file, nor a config of the package by that name "
+        "(`allattn-pipe list` names them all)\n"
+    )
 
 
 @pytest.mark.parametrize(

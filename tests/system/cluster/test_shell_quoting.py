@@ -287,9 +287,10 @@ def test_a_multi_node_launch_passes_every_argument_byte_for_byte(monkeypatch, tm
     for name, body in REMOTE.items():
         (bin_dir / name).write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
         (bin_dir / name).chmod(0o755)
-    entry = tmp_path / "recorder.py"
-    entry.write_text(RECORDER)
-    monkeypatch.setattr(launcher, "ENTRY", entry)
+    modules = tmp_path / "modules"  # each node's rank: the recorder, run as deepspeed --module
+    modules.mkdir()
+    (modules / "rank_recorder.py").write_text(RECORDER)
+    monkeypatch.setattr(launcher, "RANK_MODULE", "rank_recorder")
     hostfile = tmp_path / "hosts"
     hostfile.write_text("nodeA slots=1\nnodeB slots=1\n")
     spec = load_spec(
@@ -306,8 +307,9 @@ def test_a_multi_node_launch_passes_every_argument_byte_for_byte(monkeypatch, tm
         args += ["--set", "y='\"", "--set", "z=\\$HOME\\\\", "--only", ""]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW", "NCCL", "PYTHON"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), DS_ACCELERATOR="cpu")
+    env.update(PYTHONPATH=str(modules))
     monkeypatch.setattr(os, "environ", env)  # the launch checks the env it runs in
-    from pipeline.commands.launched import arguments  # what launch/train.py reads
+    from pipeline.commands.launched import arguments  # what a launched rank reads
 
     with launcher.Launch(spec, args) as launch:
         done = subprocess.run(
@@ -350,7 +352,7 @@ def test_an_exported_variable_that_a_remote_shell_would_run_is_refused(monkeypat
 def test_a_working_directory_a_remote_shell_would_split_travels_in_the_arguments_file(
     monkeypatch, tmp_path
 ):
-    from pipeline.cluster.launcher import ENTRY, Launch, read_args_file
+    from pipeline.cluster.launcher import Launch, launch_dir, read_args_file
     from pipeline.spec import load_spec
 
     hostfile = tmp_path / "hosts"
@@ -364,7 +366,7 @@ def test_a_working_directory_a_remote_shell_would_split_travels_in_the_arguments
     odd.mkdir()
     monkeypatch.chdir(odd)
     with Launch(spec, ["--config", "c.yaml"], env={}) as launch:
-        assert launch.cwd == ENTRY.parent and str(odd) not in " ".join(launch.cmd)
+        assert launch.cwd == launch_dir() and str(odd) not in " ".join(launch.cmd)
         assert launch.file is not None
         assert read_args_file(str(launch.file))[0] == ["--workdir", str(odd), "--config", "c.yaml"]
 
@@ -403,4 +405,4 @@ def test_the_launch_line_shows_the_arguments_not_their_file(monkeypatch, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         launcher.run_under_launcher(spec, ["--config", CONFIG, "--set", "a=b c"], log=lines.append)
     assert started[0][-2] == launcher.ARGS_FILE
-    assert lines[0].endswith(f" {launcher.ENTRY} --config {CONFIG} --set a=b c")
+    assert lines[0].endswith(f" --module {launcher.RANK_MODULE} --config {CONFIG} --set a=b c")

@@ -47,7 +47,7 @@ def rank_one_of_two(monkeypatch, error: Exception) -> None:
             raise error
 
     monkeypatch.setattr(launched.distributed, "init_process_group", lambda: (1, 2))
-    monkeypatch.setattr(launched, "load_spec", lambda *args: object())
+    monkeypatch.setattr(launched, "load_spec", lambda *args, **kwargs: object())
     monkeypatch.setattr(launched, "make_tracker", lambda *args, **kwargs: None)
     monkeypatch.setattr(launched, "Runner", Failing)
 
