@@ -13,6 +13,7 @@ fetches them and `pipeline.commands.export.load_exported` loads them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.errors import PipelineError, shown
+from pipeline.errors import Interrupted, PipelineError, shown
 
 RESULTS = "results.json"
 # the numbers of evaluate's results that a model version carries as tags
@@ -68,6 +69,7 @@ def check_registrable(spec, name: str):
         )
     uri = tracking_uri(spec)
     registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
+    bound_requests(uri)  # a tracking variable MLflow cannot read: named, not the store blamed
     try:
         # every request to a server, here and in `register`, is bounded (`bound_requests`)
         client = open_store(uri, make_parent=True)
@@ -238,6 +240,11 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
             + "".join(f"; {k} {v}" for k, v in headline.items()),
         )
         client.set_terminated(run_id, "FINISHED")
+    except Interrupted:  # a signal: the export run ends KILLED (one request), not RUNNING
+        if run_id is not None:
+            with contextlib.suppress(Exception):
+                client.set_terminated(run_id, "KILLED")
+        raise
     except (MlflowException, OSError) as e:
         from pipeline.tracking.sender import is_transient
 
