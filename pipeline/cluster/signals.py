@@ -44,6 +44,10 @@ import time
 from pipeline.errors import Interrupted
 
 DUPLICATE_WINDOW_S = 5.0
+# The longest a main thread waits at once for another thread (a tracking request, the
+# sender): the OS may hand a process's signal to any of its threads, and Python runs the
+# handler only once the main thread wakes, so a longer wait would hold the signal back.
+WAKE_S = 0.1
 
 
 class SignalHandler:

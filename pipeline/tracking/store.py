@@ -24,6 +24,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.cluster.signals import WAKE_S
 from pipeline.errors import WRITE_FAILURES, PipelineError, shown
 from pipeline.redact import mask
 from pipeline.tracking.sender import is_transient, reason
@@ -115,8 +116,10 @@ def within_deadline(seconds: float, call, *args, **kwargs):
             done.set()
 
     threading.Thread(target=request, name="mlflow-request", daemon=True).start()
-    if not done.wait(seconds):
-        raise RequestDeadline(seconds)
+    deadline = time.monotonic() + seconds
+    while not done.wait(min(WAKE_S, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            raise RequestDeadline(seconds)
     answered, value = outcome[0]
     if answered:
         return value
