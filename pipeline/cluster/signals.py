@@ -115,11 +115,11 @@ class HoldSignals(SignalHandler):
     def _first(self, signum) -> None:
         self._held = signum
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if self.received is not None:
-            signal.raise_signal(self._held)
+        if self.received is not None and not (exc_type and issubclass(exc_type, Interrupted)):
+            signal.raise_signal(self._held)  # unless a second one already stopped everything
 
 
 class StopSignal(SignalHandler):
