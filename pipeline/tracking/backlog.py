@@ -23,6 +23,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 RECORD_OPS = ("create", "batch", "artifact", "end")
 OPS = (*RECORD_OPS, "bind", "sent")
@@ -168,7 +169,7 @@ class Marks:
 
     def __init__(self, path: Path):
         self.path = path
-        self._file = None
+        self._file: IO[str] | None = None
 
     def __enter__(self):
         from pipeline.fsutil import open_for_write
