@@ -16,20 +16,31 @@ class Preempted(PipelineError):
     exit_code = 143  # 128 + SIGTERM, what a scheduler expects of a job it terminated
 
 
-class Interrupted(Preempted):
-    """A stage stopped on SIGTERM / SIGINT outside the training loop, with nothing saved
-    mid-stage (or, `at_once`, any stage on a second signal): a re-run redoes the stage, or
-    resumes training from its last checkpoint. Exits 128 + the signal's number, as a shell
-    does."""
+class Interrupted(BaseException):
+    """A command stopped by SIGTERM / SIGINT / SIGHUP outside the training loop (or, `at_once`,
+    anywhere on a second signal): raised where the program is, with nothing saved mid-way.
+    Exits 128 + the signal's number, as a shell does (pipeline.cluster.signals says when).
 
-    def __init__(self, signal_name: str, signal_number: int, at_once: bool = False):
-        super().__init__(
-            f"stopped at once by a second signal ({signal_name}): nothing more was saved; run "
-            f"the pipeline again to resume from the last checkpoint or redo the stage"
-            if at_once
-            else f"stopped by {signal_name}: the stage that was running is left unfinished; run "
-            f"the pipeline again to redo it"
-        )
+    A BaseException, as KeyboardInterrupt is: it arrives between any two lines, so a handler
+    written for the errors of what it wraps (`except Exception`: a request that failed, a
+    file that did not parse) must never take it for one of those and carry on. `after`: what
+    the command that stopped left, and what to do now."""
+
+    def __init__(
+        self, signal_name: str, signal_number: int, at_once: bool = False, after: str | None = None
+    ):
+        if at_once:
+            after = after or (
+                "run the pipeline again to resume from the last checkpoint or redo the stage"
+            )
+            message = f"stopped at once by a second signal ({signal_name}): nothing more was saved"
+        else:
+            after = after or (
+                "the stage that was running is left unfinished; run the pipeline again to redo it"
+            )
+            message = f"stopped by {signal_name}"
+        super().__init__(f"{message}; {after}" if at_once else f"{message}: {after}")
+        self.signal_name = signal_name
         self.exit_code = 128 + signal_number
 
 

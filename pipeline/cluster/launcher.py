@@ -183,7 +183,7 @@ def _copy_masked(source, target) -> None:
 
 
 def run_under_launcher(spec, pipeline_args: list[str], log=print) -> None:
-    """Start the launcher for `spec` and wait for it. SIGTERM / ctrl-C are passed on as
+    """Start the launcher for `spec` and wait for it. SIGTERM / ctrl-C / SIGHUP are passed on as
     SIGTERM to the ranks, which checkpoint together and exit 143 (`Preempted`); a second one
     as SIGINT, which stops them at once."""
     import threading
@@ -239,7 +239,11 @@ def _wait(proc, pumps) -> None:
             rank.send_signal(to_ranks)
         signalled.extend(ranks)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    # SIGHUP too (a closed terminal), as every command takes it, unless `nohup` ignores it
+    taken = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        taken.append(signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in taken}
     try:
         code = proc.wait()
         psutil.wait_procs(signalled, timeout=600)  # the ranks finish saving

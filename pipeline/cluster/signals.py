@@ -1,22 +1,38 @@
-"""SIGTERM / SIGINT / SIGHUP: what the pipeline does on the first one and on a second.
+"""SIGTERM / SIGINT / SIGHUP: the one rule for every command, and how it is kept.
 
-SIGHUP (the terminal closed, an ssh session dropped) is taken as SIGTERM is, unless the
-process was started with it ignored (`nohup`): then it stays ignored.
+The rule, as docs/running.md#signals states it for users:
 
-- Inside the training loop (`StopSignal`) the first signal becomes a flag: the loop finishes
-  the update, every rank saves a checkpoint, and the run exits 143 (`Preempted`).
-- Outside it (`RaiseOnSignal`: download, preprocess, evaluate, bookkeeping) the first signal
-  raises `Interrupted` where the program is, so the stage and the pipeline unwind through their
-  normal failure path (MLflow runs marked KILLED) and the command exits 143 / 130 with one line.
-  The training loop installs its handler while it runs and restores this one after.
-- A second signal stops at once (no checkpoint, no cleanup), as the README promises, with
-  one exception: a SIGTERM within `DUPLICATE_WINDOW_S` of the first is the same request
-  delivered twice (a preemption reaches the ranks from Slurm and, near a time limit, from the
-  job script's `scancel --signal=TERM` too), not impatience. A launcher that is asked twice
-  escalates to SIGINT.
-- A signal the training loop took is handed to the handler it restores: the preemption's
-  duplicate that reaches the bookkeeping after the checkpoint is still the same request, not
-  a new one that would replace the `Preempted` exit with `Interrupted`.
+- A first signal inside the training loop (train, finetune, curriculum) becomes a flag: the
+  loop finishes the update, every rank saves a checkpoint, and the command exits 143
+  (`Preempted`) whichever of the three it was; a requeued job resumes from it.
+- A first signal anywhere else, in any command (a stage outside training, a tracking
+  request, the replay of a backlog, `sync`, `export`, `compare`, a command's start and its
+  bookkeeping), ends the command where it is: it unwinds through its failure path (MLflow runs
+  marked KILLED, temporary files removed, nothing half-published) and exits 128 + the
+  signal's number, SIGHUP 129, SIGINT 130, SIGTERM 143, with one line `error: stopped by
+  SIGNAL: ...`. What a short section that publishes (`HoldSignals`: an export's renames) has
+  begun, it finishes first.
+- A second signal stops at once, with 128 + its own number (`error: stopped at once by a
+  second signal ...`), no checkpoint and no cleanup beyond what is atomic anyway; except
+  that a SIGTERM or SIGHUP within `DUPLICATE_WINDOW_S` of the first is the same request
+  delivered twice (a preemption reaches the ranks from Slurm and, near a time limit, from
+  the job script's `scancel --signal=TERM` too), not impatience, and is ignored.
+- SIGHUP (a closed terminal, a dropped ssh session) is taken as SIGTERM is, unless the
+  process was started with it ignored (`nohup`): then it stays ignored.
+- `sweep --parallel` and a `run` under DeepSpeed's launcher pass the signal on to their
+  processes (a second one as SIGINT, which stops them at once) and exit as above.
+- Before a command's handler is in place (the interpreter starting, the CLI's imports: a few
+  tenths of a second) and after the command returned, a signal has the system's default
+  effect: SIGTERM and SIGHUP end the process by that signal (a shell's status 143 / 129),
+  SIGINT is Python's KeyboardInterrupt (130).
+
+How: the CLI (pipeline.commands.click_types.Main) runs every command under `RaiseOnSignal`,
+whose first signal raises `Interrupted` (a BaseException: no `except Exception` takes it for
+a failed request or a bad file); the runner nests its own for the stage wording, the training
+loop `StopSignal`, a sweep and the launcher their forwarding handlers. A handler that exits
+hands the signal it took to the one it restores, so the preemption's duplicate that reaches
+the bookkeeping after the checkpoint is still the same request, not a new one that would
+replace the `Preempted` exit with `Interrupted`.
 """
 
 from __future__ import annotations
@@ -28,11 +44,17 @@ import time
 from pipeline.errors import Interrupted
 
 DUPLICATE_WINDOW_S = 5.0
+# The longest a main thread waits at once for another thread (a tracking request, the
+# sender): the OS may hand a process's signal to any of its threads, and Python runs the
+# handler only once the main thread wakes, so a longer wait would hold the signal back.
+WAKE_S = 0.1
 
 
 class SignalHandler:
     """Installs `_first` / `_again` for SIGTERM, SIGINT and SIGHUP (main thread only) and restores
     the previous handlers on exit."""
+
+    after: str | None = None  # `Interrupted`'s words on what was left: the runner's by default
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
         self.signals, self._previous = signals, {}
@@ -47,7 +69,7 @@ class SignalHandler:
             signum in (signal.SIGTERM, signal.SIGHUP)
             and time.monotonic() - self._first_at < DUPLICATE_WINDOW_S
         ):
-            raise Interrupted(signal.Signals(signum).name, signum, at_once=True)
+            raise Interrupted(signal.Signals(signum).name, signum, at_once=True, after=self.after)
 
     def _first(self, signum) -> None:
         """What the first signal does beyond recording itself in `received`."""
@@ -69,8 +91,35 @@ class SignalHandler:
 
 
 class RaiseOnSignal(SignalHandler):
+    """The first signal raises `Interrupted` where the program is; `after`: its words on what
+    the command left and what to do now (the runner's, about a stage, by default)."""
+
+    def __init__(self, after: str | None = None):
+        super().__init__()
+        self.after = after
+
     def _first(self, signum) -> None:
-        raise Interrupted(signal.Signals(signum).name, signum)
+        raise Interrupted(signal.Signals(signum).name, signum, after=self.after)
+
+
+class HoldSignals(SignalHandler):
+    """A short section that must not be cut in the middle (a few renames that publish): a
+    first signal within is held and delivered to the handler outside when the section ends,
+    which acts on it as it would have; a second one within stops at once, as anywhere."""
+
+    def __enter__(self):
+        outer = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+        self.after = outer.after if isinstance(outer, SignalHandler) else None
+        return super().__enter__()
+
+    def _first(self, signum) -> None:
+        self._held = signum
+
+    def __exit__(self, exc_type, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self.received is not None and not (exc_type and issubclass(exc_type, Interrupted)):
+            signal.raise_signal(self._held)  # unless a second one already stopped everything
 
 
 class StopSignal(SignalHandler):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, cast
 
 import click
 
-from pipeline.errors import PipelineError, did_not_fit, write_cause
+from pipeline.errors import Interrupted, PipelineError, did_not_fit, write_cause
 from pipeline.redact import mask
 
 
@@ -113,10 +113,29 @@ class Group(OneLineErrors, click.Group):
 Group.group_class = Group  # `launch` and its commands too
 
 
+# what a command stopped by a signal outside a pipeline's stages says it left (`Interrupted`)
+STOPPED = "the command did not finish; run it again"
+
+
 class Main(Group):
-    """Prints a user's mistake as one line; `--debug` shows the traceback instead."""
+    """Prints a user's mistake as one line; `--debug` shows the traceback instead. Every
+    command runs under `RaiseOnSignal`: a signal ends it with 128 + its number and one line
+    (the rule: pipeline.cluster.signals)."""
 
     def invoke(self, ctx):
+        from pipeline.cluster.signals import RaiseOnSignal
+
+        try:
+            # the handler stays while an error line is printed: a signal then still wins
+            with RaiseOnSignal(after=STOPPED):
+                return self._one_line_errors(ctx)
+        except Interrupted as e:
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"error: {mask(str(e))}", err=True)
+            sys.exit(e.exit_code)
+
+    def _one_line_errors(self, ctx):
         try:
             return super().invoke(ctx)
         except click.UsageError as e:  # `allattn-pipe --`: no command after the options
@@ -133,7 +152,7 @@ class Main(Group):
                 raise
             click.echo(f"error: {mask(str(did_not_fit(e)))}", err=True)
             sys.exit(PipelineError.exit_code)
-        except KeyboardInterrupt:  # a second ctrl-C, or one outside `run`'s stages
+        except KeyboardInterrupt:  # a ctrl-C in a thread of its own (a test's), or a handler's
             if ctx.params.get("debug"):
                 raise
             click.echo("error: interrupted (SIGINT)", err=True)

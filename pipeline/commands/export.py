@@ -24,6 +24,15 @@ import stat
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline.cluster.signals import HoldSignals
+from pipeline.commands.export_dirs import (
+    LOCK,
+    make_claimed,
+    partial_name,
+    release,
+    remove_abandoned,
+    take_abandoned,
+)
 from pipeline.commands.trained import trained_model
 from pipeline.errors import PipelineError, shown, write_cause, write_hint
 
@@ -90,7 +99,7 @@ def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native
     from safetensors.torch import save_model
 
     from pipeline.data.manifest import load_manifest
-    from pipeline.fsutil import private_temp_dir, public_mode, real_destination, writable_dir
+    from pipeline.fsutil import public_mode, real_destination, writable_dir
 
     given = out
     out = real_destination(out)
@@ -114,12 +123,13 @@ def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native
     in_place = out.is_dir()  # an empty directory or an earlier export: kept, written inside
     if in_place:
         _remove_staging(out)  # what an export killed while writing here left
+    remove_abandoned(out.parent, lambda d: _remove_export(d, _listed(d)))  # and beside it
     writable_dir(out if in_place else out.parent, "--out")
     try:
-        tmp = (
-            private_temp_dir(out, STAGING.removeprefix("."))
+        tmp, lock = (
+            make_claimed(out, STAGING.removeprefix("."))
             if in_place
-            else private_temp_dir(out.parent, out.name)
+            else make_claimed(out.parent, partial_name(out.name))
         )
     except OSError as e:
         raise PipelineError(
@@ -156,11 +166,13 @@ def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native
         for path in tmp.iterdir():
             os.chmod(path, public_mode(), follow_symlinks=False)
         if in_place:
-            _publish_inside(tmp, out, given, hf_names)
+            with HoldSignals():  # a signal waits for the renames: never half an export
+                _publish_inside(tmp, out, given, hf_names)
         else:
             # a setgid parent's bit, which new directories inherit, is kept
             setgid = tmp.stat().st_mode & stat.S_ISGID
             os.chmod(tmp, public_mode(directory=True) | setgid)
+            (tmp / LOCK).unlink()  # not published; the descriptor keeps the lock meanwhile
             _replace(tmp, out, given)
     except OSError as e:
         cause = write_cause(e)
@@ -173,7 +185,9 @@ def export(spec, out: Path, which: str = "latest", log=print, fmt: str = "native
             f"--out {shown(given)}: cannot write the export: {e.strerror or e}"
         ) from None
     finally:
-        _remove_export(tmp, hf_names)  # ours (mkdtemp): gone once renamed, else half-written
+        # ours (mkdtemp): gone once renamed, else half-written (a signal's Interrupted too)
+        _remove_export(tmp, [*hf_names, LOCK])
+        release(lock)
     if fmt == "hf":
         log(
             f"{out}: {checkpoint} exported in Hugging Face format ({len(hf_names)} files; "
@@ -235,15 +249,19 @@ def _is_staging(path: Path) -> bool:
 
 
 def _remove_staging(out: Path) -> None:
-    """Remove the staging directories an export killed while writing into `out` left: only
-    their export files, then each directory if that emptied it."""
+    """Remove the staging directories an export killed while writing into `out` left (those
+    no live export holds, pipeline.commands.export_dirs): only their export files, then each
+    directory if that emptied it."""
     try:
         entries = list(out.iterdir())
     except OSError:
         return  # refused in one line by the writes that follow
     for path in entries:
-        if _is_staging(path):
-            _remove_export(path, _listed(path))
+        if _is_staging(path) and (lock := take_abandoned(path)) is not None:
+            try:
+                _remove_export(path, _listed(path))
+            finally:
+                release(lock)
 
 
 def _listed(directory: Path) -> set[str]:
@@ -276,7 +294,7 @@ def _publish_inside(tmp: Path, out: Path, given, more_files: list[str]) -> None:
     then the complete marker. An export killed on the way leaves a directory that loads
     nowhere and that exporting again replaces."""
     check_replaceable(out, given)  # again: nothing else moved in meanwhile
-    new = sorted(p.name for p in tmp.iterdir() if p.name != MARKER)
+    new = sorted(p.name for p in tmp.iterdir() if p.name not in (MARKER, LOCK))
     earlier = [n for n in export_files(out) if n != MARKER and os.path.lexists(out / n)]
     listed = (set(earlier) | set(new)) - set(FILES)
     _write_marker(tmp / MARKER, marker_text(listed, complete=False))

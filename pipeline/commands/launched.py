@@ -16,7 +16,7 @@ import sys
 import traceback
 
 from pipeline.cluster import distributed
-from pipeline.errors import PipelineError, Preempted
+from pipeline.errors import Interrupted, PipelineError, Preempted
 from pipeline.redact import mask
 from pipeline.spec import load_spec
 from pipeline.spec.catalog import config_file
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             log=print if rank == 0 else (lambda m: None),
         )
         runner.run(make_tracker(spec, rank=rank))
-    except PipelineError as e:
+    except (PipelineError, Interrupted) as e:
         if rank == 0 or not isinstance(e, Preempted):  # every rank stops the same way
             # masked as a one-process run's error line is (a tracking URI's password)
             print(f"error (rank {rank}): {mask(str(e))}", file=sys.stderr)

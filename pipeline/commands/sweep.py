@@ -408,7 +408,8 @@ def run_sweep(
                 sweep.adopt([p.spec.workspace_dir])
         status = "FINISHED" if not failed else "FAILED"
     except BaseException as e:
-        status = "KILLED" if isinstance(e, (KeyboardInterrupt, Preempted)) else "FAILED"
+        killed = isinstance(e, (KeyboardInterrupt, Preempted, Interrupted))
+        status = "KILLED" if killed else "FAILED"
         if isinstance(e, ServerNotAnswering):
             sweep.forget()  # its last requests would wait on the same silence
         raise

@@ -15,6 +15,7 @@ The files are the plain export (no MLflow flavour):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import posixpath
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.errors import PipelineError, shown
+from pipeline.errors import Interrupted, PipelineError, shown
 
 # the numbers of evaluate's results that a model version carries as tags
 HEADLINE = ("bpc", "ppl", "loss", "paper_loss", "token_accuracy", "exact_match")
@@ -68,6 +69,7 @@ def check_registrable(spec, name: str):
         )
     uri = tracking_uri(spec)
     registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
+    bound_requests(uri)  # a tracking variable MLflow cannot read: named, not the store blamed
     try:
         # every request to a server, here and in `register`, is bounded (`bound_requests`)
         client = open_store(uri, make_parent=True)
@@ -240,6 +242,11 @@ def register(spec, out: Path, name: str, checkpoint: str, client=None, log=print
             + "".join(f"; {k} {v}" for k, v in headline.items()),
         )
         client.set_terminated(run_id, "FINISHED")
+    except Interrupted:  # a signal: the export run ends KILLED (one request), not RUNNING
+        if run_id is not None:
+            with contextlib.suppress(Exception):
+                client.set_terminated(run_id, "KILLED")
+        raise
     except (MlflowException, OSError) as e:
         from pipeline.tracking.sender import is_transient
 

@@ -11,8 +11,6 @@ timely one would have.
 from __future__ import annotations
 
 import base64
-import json
-import os
 import re
 import tempfile
 import threading
@@ -20,6 +18,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+
+from pipeline.cluster.signals import WAKE_S
+from pipeline.tracking.backlog import Marks, append_records, compact, read_backlog
 
 RETRY_SECONDS = 10.0  # between attempts while the server is not answering
 
@@ -68,6 +69,15 @@ def is_transient(error: BaseException) -> bool:
     return (status or error.get_http_status_code()) in (429, 502, 503, 504)
 
 
+def never_sent(error: BaseException) -> bool:
+    """True when a request failed before it reached the server: no connection was made
+    (refused, no route, a name that does not resolve)."""
+    text = str(error)
+    return isinstance(error, ConnectionRefusedError) or any(
+        words in text for words in ("NewConnectionError", "Failed to establish a new connection")
+    )
+
+
 # MLflow's words for a request that got no usable answer; with MLFLOW_HTTP_REQUEST_MAX_RETRIES
 # at 0, an error status MLflow would retry arrives the same way, as "too many N error responses"
 _NO_ANSWER = "failed with exception"
@@ -78,12 +88,25 @@ def _answered_status(error: BaseException) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# The tag that carries a run's key (the name tracking records give it before MLflow has made
+# it): a `create` whose answer was lost (a deadline, a signal, a kill) finds its run by it
+# instead of making a second one.
+RUN_KEY_TAG = "allattn.run_key"
+_KEY = re.compile(r"[0-9a-f]{32}")  # the keys the tracker makes (uuid4().hex)
+
+
 class Delivery:
-    """Performs records against one MLflow client; remembers which run each key became."""
+    """Performs records against one MLflow client; remembers which run each key became.
+
+    Sending a record again does no harm: a `create` whose key may already have a run
+    (`unsure`: one whose request got no answer, or any that a backlog holds) looks for it
+    first; a metric's exact point (key, value, time, step) is kept once by MLflow's database
+    stores; params of the same value, tags, artifacts and a run's end are written over."""
 
     def __init__(self, client, run_ids: dict[str, str] | None = None):
         self.client = client
         self.run_ids: dict[str, str] = dict(run_ids or {})
+        self.unsure: set[str] = set()
         self._experiments: dict[str, str] = {}
 
     def send(self, record: dict) -> None:
@@ -91,15 +114,7 @@ class Delivery:
 
         op = record["op"]
         if op == "create":
-            tags = dict(record["tags"])
-            if record["parent"] is not None:
-                tags["mlflow.parentRunId"] = self.run_ids[record["parent"]]
-            run = self.client.create_run(
-                self._experiment(record["experiment"], record["artifact_location"]),
-                start_time=record["time"],
-                tags=tags,
-            )
-            self.run_ids[record["key"]] = run.info.run_id
+            self._create(record)
         elif op == "batch":
             self.client.log_batch(
                 self.run_ids[record["key"]],
@@ -120,6 +135,35 @@ class Delivery:
             )
         else:
             raise ValueError(f"unknown tracking record {op!r}")
+
+    def _create(self, record: dict) -> None:
+        key = record["key"]
+        if key in self.run_ids:
+            return  # made already (a replay's bind says so)
+        experiment = self._experiment(record["experiment"], record["artifact_location"])
+        if key in self.unsure and (found := self._find(experiment, key)) is not None:
+            self.run_ids[key] = found
+            self.unsure.discard(key)
+            return
+        tags = {**record["tags"], RUN_KEY_TAG: key}
+        if record["parent"] is not None:
+            tags["mlflow.parentRunId"] = self.run_ids[record["parent"]]
+        self.unsure.add(key)  # from here until the answer, the run may exist unknown to us
+        try:
+            run = self.client.create_run(experiment, start_time=record["time"], tags=tags)
+        except Exception as e:
+            if never_sent(e):
+                self.unsure.discard(key)
+            raise
+        self.run_ids[key] = run.info.run_id
+        self.unsure.discard(key)
+
+    def _find(self, experiment: str, key: str) -> str | None:
+        """The run made for `key` by an earlier request whose answer was lost, if any."""
+        if not _KEY.fullmatch(key):
+            return None  # no key the tracker made: no filter to quote it in
+        runs = self.client.search_runs([experiment], f"tags.`{RUN_KEY_TAG}` = '{key}'")
+        return runs[0].info.run_id if runs else None
 
     def _experiment(self, name: str, artifact_location: str | None) -> str:
         if name not in self._experiments:
@@ -178,7 +222,7 @@ class Sender:
             self._hurry = True
             self._cond.notify_all()
             while self.pending and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
+                self._cond.wait(min(left, WAKE_S))  # a signal to another thread: see WAKE_S
             self._hurry = False
             return not self.pending
 
@@ -189,7 +233,9 @@ class Sender:
             self._stopped = True
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(join_s)
+            deadline = time.monotonic() + join_s
+            while self._thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+                self._thread.join(min(left, WAKE_S))
 
     def spill(self, path: Path, join_s: float) -> int:
         """Stop sending and append what is left to `path`, after the run ids known so far;
@@ -274,113 +320,42 @@ class Sender:
             self._hurry = False
 
 
-def append_records(path: Path, records: list[dict]) -> None:
-    """Append `records` a line each. After a line torn by a kill during an earlier append,
-    start on a new line, so that the torn one stays alone and the new ones whole. Private
-    (0600): it holds every record bound for the tracking store, whose readers may not be
-    the workspace's; never written through a link planted at its name."""
-    from pipeline.fsutil import open_for_write
-
-    with open_for_write(path, "tracking backlog", append=True, private=True, text=True) as f:
-        f.write(
-            ("" if _ends_a_line(path) else "\n") + "".join(json.dumps(r) + "\n" for r in records)
-        )
-        f.flush()
-
-
-def _ends_a_line(path: Path) -> bool:
-    """True for an empty or absent file, or one whose last byte ends a line."""
-    from pipeline.fsutil import open_regular_for_read
-
-    try:
-        with open_regular_for_read(path, "tracking backlog") as f:
-            if f.seek(0, os.SEEK_END) == 0:
-                return True
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) == b"\n"
-    except FileNotFoundError:
-        return True
-
-
-OPS = ("create", "batch", "artifact", "end", "bind")
-
-
-def read_records(path: Path) -> tuple[list[dict], list[str]]:
-    """The whole records of a backlog file, and its lines that are not one: torn (what a
-    kill during an append leaves), or JSON that no tracker wrote (no known `op`, no run
-    `key`: an edited or foreign file)."""
-    from pipeline.fsutil import read_bytes
-
-    records, torn = [], []
-    text = read_bytes(path, "tracking backlog").decode("utf-8", errors="replace")
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            torn.append(line)
-            continue
-        if (
-            isinstance(record, dict)
-            and record.get("op") in OPS
-            and isinstance(record.get("key"), str)
-            and (record["op"] != "bind" or isinstance(record.get("run_id"), str))
-        ):
-            records.append(record)
-        else:
-            torn.append(line)
-    return records, torn
-
-
-def torn_path(path: Path) -> Path:
-    return path.with_name(path.name + ".torn")
-
-
-def _rewrite(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    append_records(tmp, records)
-    tmp.replace(path)
-
-
 def replay(path: Path, delivery: Delivery, warn: Callable[[str], None]) -> tuple[int, int]:
-    """Send the records of a backlog file in order. Stops at the first failure that a later
-    try could fix, and leaves exactly what was not sent in the file (with the run ids
-    learnt, so nothing is created or logged twice); removes the file when all went. Torn
-    lines go aside first, to `torn_path(path)`, named in a warning: every whole record is
-    sent. Returns (records sent, records left)."""
-    records, torn = read_records(path)
-    if torn:
-        aside = torn_path(path)
-        from pipeline.fsutil import open_for_write
-
-        with open_for_write(aside, "tracking backlog", append=True, private=True, text=True) as f:
-            f.write("".join(line + "\n" for line in torn))
-        _rewrite(path, records)
-        warn(
-            f"{len(torn)} line(s) of {path} are not tracking records (torn by a kill "
-            f"during a write, or edited); set aside in {aside}"
-        )
-    sent, lost = 0, set()
-    for i, record in enumerate(records):
-        if record["op"] == "bind":
-            delivery.run_ids[record["key"]] = record["run_id"]
-            continue
-        if record["key"] in lost:
-            continue
-        try:
-            delivery.send(record)
-        except Exception as e:
-            if is_transient(e):
-                binds = [{"op": "bind", "key": k, "run_id": v} for k, v in delivery.run_ids.items()]
-                _rewrite(path, binds + records[i:])
-                return sent, sum(r["op"] != "bind" for r in records[i:])
-            warn(f"MLflow refused a {describe(record)} ({reason(e)}); dropped it")
+    """Send the records waiting in a backlog file (pipeline.tracking.backlog) in order, and
+    mark each in the file as it goes: a `create` by the run id it got (`bind`), any other
+    record `sent`. A replay stopped anywhere, by a failure a later try could fix (it returns
+    then), a signal or a kill, leaves the file so that the next sends only the rest; a record
+    is sent again only when the stop fell between its request and its mark, and then MLflow
+    takes it without a copy (`Delivery`: a run is found by its key before it is made again,
+    a metric's point is kept once). A record MLflow refuses is reported, dropped and marked.
+    Torn lines go aside first, to `torn_path(path)`, named in a warning; what was sent is
+    dropped from the file then too. Removes the file when all went. Returns (records sent,
+    records left)."""
+    backlog = compact(path, read_backlog(path), warn)
+    delivery.run_ids.update(backlog.run_ids)
+    # a `create` in a backlog may have reached the store without its answer (the request a
+    # kill, a signal or a deadline cut short): looked for before it is made
+    delivery.unsure.update(r["key"] for _, r in backlog.waiting if r["op"] == "create")
+    sent, refused = 0, set()
+    with Marks(path) as marks:
+        for done, (line, record) in enumerate(backlog.waiting):
+            if record["key"] in refused:
+                continue  # its run was never made: the next replay drops it too
+            try:
+                delivery.send(record)
+            except Exception as e:
+                if is_transient(e):
+                    return sent, backlog.count() - done
+                warn(f"MLflow refused a {describe(record)} ({reason(e)}); dropped it")
+                if record["op"] == "create":
+                    refused.add(record["key"])
+                marks.sent(line)
+                continue
             if record["op"] == "create":
-                lost.add(record["key"])
-            continue
-        sent += 1
+                marks.bound(record["key"], delivery.run_ids[record["key"]])
+            else:
+                marks.sent(line)
+            sent += 1
     path.unlink()
     return sent, 0
 

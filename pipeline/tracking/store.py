@@ -5,21 +5,26 @@ store, or a tracking server (`http(s)://`). `open_store` opens one to record in 
 `sweep`, `export --register`): a local store is created on first use, one process at a
 time. `open_existing_store` opens one to read (`compare`): a local store must already hold
 MLflow's tables. Every request to a server, from the first (`check_server`) to the last,
-gets one try answered within seconds (`bound_requests`), not MLflow's minutes of retries,
-and a command stops at the first one that gets no answer (`answering`). Every refusal is
-one line, a URI's password masked (pipeline.redact).
+gets one try that ends, answered or not, within seconds (`bound_requests`, `request_limit_s`:
+a deadline for the whole request, not MLflow's minutes of retries nor `requests`' wait
+between two bytes), and a command stops at the first one that gets no answer (`answering`).
+A tracking variable MLflow cannot read is named before any request (`check_environment`).
+Every refusal is one line, a URI's password masked (pipeline.redact).
 """
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import logging
 import os
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline.cluster.signals import WAKE_S
 from pipeline.errors import WRITE_FAILURES, PipelineError, shown
 from pipeline.redact import mask
 from pipeline.tracking.sender import is_transient, reason
@@ -46,8 +51,12 @@ class ServerNotAnswering(PipelineError):
 
 def bound_requests(uri: str) -> None:
     """From here to the end of the process, every request to a tracking server gets one
-    try, answered or given up within MLFLOW_HTTP_REQUEST_TIMEOUT seconds (HTTP_LIMITS):
-    MLflow reads both variables at each request. A user's own settings stand."""
+    try (HTTP_LIMITS): MLflow reads both variables at each request; a user's own settings
+    stand. MLflow's timeout is a wait between two bytes: the whole request's deadline is
+    `request_limit_s`, which the client `open_store` and `open_existing_store` give holds
+    every call to. First, the tracking variables the user set are checked
+    (`check_environment`)."""
+    check_environment(uri)
     if is_remote(uri):
         for name, value in HTTP_LIMITS.items():
             os.environ.setdefault(name, value)
@@ -56,12 +65,182 @@ def bound_requests(uri: str) -> None:
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
-def request_limit_s() -> float:
-    """The longest one request to a tracking server waits once `bound_requests` ran: its
-    tries times the wait for each (retries' backoff aside)."""
+MIB = 2**20
+
+
+def request_limit_s(upload_bytes: int = 0) -> float:
+    """The deadline of one request to a tracking server once `bound_requests` ran, whole:
+    its tries times MLFLOW_HTTP_REQUEST_TIMEOUT, the backoff MLflow sleeps between them, and
+    for an upload the same again per MiB it carries (a transfer slower than 1 MiB a try's
+    wait is taken for a server that does not answer)."""
+    from mlflow.environment_variables import (
+        MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR,
+        MLFLOW_HTTP_REQUEST_BACKOFF_JITTER,
+    )
+
     limits = {name: os.environ.get(name) or value for name, value in HTTP_LIMITS.items()}
-    tries = int(limits["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) + 1
-    return float(limits["MLFLOW_HTTP_REQUEST_TIMEOUT"]) * tries
+    retries = int(limits["MLFLOW_HTTP_REQUEST_MAX_RETRIES"])
+    wait = float(limits["MLFLOW_HTTP_REQUEST_TIMEOUT"]) * (retries + 1)
+    # urllib3 sleeps factor * 2^(n-1) before the n-th retry after the first (at most 120 s)
+    factor = MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR.get()
+    backoff = sum(min(factor * 2 ** (n - 1), 120) for n in range(2, retries + 1))
+    return (
+        wait * (1 + upload_bytes / MIB)
+        + backoff
+        + retries * MLFLOW_HTTP_REQUEST_BACKOFF_JITTER.get()
+    )
+
+
+class RequestDeadline(TimeoutError):
+    """A request to a tracking server that was not answered, whole, by its deadline."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"request timed out: no whole answer within {seconds:g} s")
+
+
+def within_deadline(seconds: float, call, *args, **kwargs):
+    """`call(*args, **kwargs)`, or RequestDeadline once `seconds` have passed without its
+    return. It runs in a thread of its own (in this thread's context), which is left to
+    finish or fail by itself after the deadline: a request has no other way to be cut
+    short. What it sent may still reach the server then; the records (sender.py) are made
+    so that sending one again does no harm."""
+    done, outcome = threading.Event(), []
+    context = contextvars.copy_context()
+
+    def request() -> None:
+        try:
+            outcome.append((True, context.run(call, *args, **kwargs)))
+        except BaseException as e:  # handed to the caller, who decides
+            outcome.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=request, name="mlflow-request", daemon=True).start()
+    deadline = time.monotonic() + seconds
+    while not done.wait(min(WAKE_S, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            raise RequestDeadline(seconds)
+    answered, value = outcome[0]
+    if answered:
+        return value
+    raise value
+
+
+class _WithinDeadline:
+    """An MlflowClient whose every call ends within `request_limit_s` (`within_deadline`):
+    `requests` waits MLFLOW_HTTP_REQUEST_TIMEOUT between two bytes, so a server that
+    trickles one every few seconds held a command for as long as it liked."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args, **kwargs):
+            limit = request_limit_s(_upload_bytes(name, args, kwargs))
+            return within_deadline(limit, attribute, *args, **kwargs)
+
+        return call
+
+
+def _upload_bytes(method: str, args, kwargs) -> int:
+    """The bytes a `log_artifact(s)` call uploads (its local file or directory), else 0."""
+    if method not in ("log_artifact", "log_artifacts"):
+        return 0
+    local = kwargs.get("local_path", kwargs.get("local_dir", args[1] if len(args) > 1 else None))
+    if local is None:
+        return 0
+    root = Path(local)
+    try:
+        if root.is_file():
+            return root.stat().st_size
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
+def _bounded(client, uri: str):
+    """`client` as every command gets it: for a tracking server (or a registry at one),
+    every call within its deadline."""
+    registry = os.environ.get("MLFLOW_REGISTRY_URI") or ""
+    return _WithinDeadline(client) if is_remote(uri) or is_remote(registry) else client
+
+
+def check_environment(uri: str) -> None:
+    """Refuse, in one line naming it, a tracking variable the user set that MLflow cannot
+    read (a number that is none, a boolean that is neither) and, for a server, one that it
+    would refuse at the first request or take for a silence (a timeout of 0, more retries
+    than it allows, a certificate that is not there, a URI no request can use). MLflow's
+    error for those arrives as a failed request: it was reported as the server's."""
+    import mlflow.environment_variables as variables
+
+    remote = is_remote(uri)
+    for variable in vars(variables).values():
+        name = getattr(variable, "name", None)
+        if not (isinstance(name, str) and hasattr(variable, "get_raw")):
+            continue  # not one of MLflow's variables
+        raw = variable.get_raw()
+        if raw is None:
+            continue
+        try:
+            value = variable.get()
+        except Exception:
+            _refuse(name, raw, _EXPECTED.get(variable.type, "another value"))
+        expected = _http_expectation(name, value) if remote else None
+        if expected:
+            _refuse(name, raw, expected)
+    for name, given in (("MLFLOW_REGISTRY_URI", os.environ.get("MLFLOW_REGISTRY_URI")), ("", uri)):
+        if given and is_remote(given) and (why := _unusable_url(given)):
+            if not name:  # the tracking URI: the variable's, or the config's tracking.uri
+                from_variable = os.environ.get("MLFLOW_TRACKING_URI") == given
+                name = "MLFLOW_TRACKING_URI" if from_variable else "tracking.uri"
+            raise PipelineError(
+                f"{name} {shown(mask(given))}: not a URL a request can use ({why}); fix it"
+            )
+
+
+_EXPECTED = {int: "a whole number", float: "a number", bool: "true, false, 1 or 0"}
+
+
+def _http_expectation(name: str, value) -> str | None:
+    """What a request to a server needs of MLflow variable `name` that `value` is not."""
+    from mlflow.environment_variables import _MLFLOW_HTTP_REQUEST_MAX_RETRIES_LIMIT
+
+    if name == "MLFLOW_HTTP_REQUEST_TIMEOUT" and value <= 0:
+        return "a number of seconds above 0"
+    if name == "MLFLOW_HTTP_REQUEST_MAX_RETRIES":
+        limit = _MLFLOW_HTTP_REQUEST_MAX_RETRIES_LIMIT.get()
+        if not 0 <= value <= limit:
+            return f"a number of retries from 0 to MLflow's limit, {limit}"
+    if name == "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR" and not 0 <= value <= 120:
+        return "a number of seconds from 0 to 120"
+    if name == "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER" and value < 0:
+        return "a number of seconds from 0 up"
+    if name.endswith("_CERT_PATH") and value and not os.path.isfile(value):
+        return "a certificate file; there is none at that path"
+    return None
+
+
+def _refuse(name: str, raw: str, expected: str):
+    raise PipelineError(
+        f"{name}={shown(mask(raw))}: MLflow cannot use this value (expected {expected}); "
+        f"fix or unset it"
+    )
+
+
+def _unusable_url(uri: str) -> str | None:
+    """Why a server's URI cannot be requested (no host, a port that is no number), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri)
+        parts.port  # noqa: B018 (raises for a port that is no number, or out of range)
+    except ValueError as e:
+        return str(e)
+    return None if parts.hostname else "no host in it"
 
 
 @contextmanager
@@ -199,7 +378,8 @@ def open_store(uri: str, warn=None, make_parent: bool = False):
                 f"tracking store {shown(path)}: cannot make its directory: {e.strerror or e}"
             ) from None
     with store_lock(uri, warn):
-        return _on_local_store(lambda: MlflowClient(tracking_uri=mlflow_uri(uri)), uri, warn)
+        client = _on_local_store(lambda: MlflowClient(tracking_uri=mlflow_uri(uri)), uri, warn)
+    return _bounded(client, uri)
 
 
 def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
@@ -220,7 +400,9 @@ def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
                 f"(name a CONFIG, or set MLFLOW_TRACKING_URI)"
             )
         _check_mlflow_database(path)
-    client = _on_local_store(lambda: MlflowClient(tracking_uri=mlflow_uri(uri)), uri, warn)
+    client = _bounded(
+        _on_local_store(lambda: MlflowClient(tracking_uri=mlflow_uri(uri)), uri, warn), uri
+    )
     check_server(client, uri, hint)
     return _Answering(client, uri, hint) if is_remote(uri) else client
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.errors import PipelineError, Preempted, shown
+from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.fsutil import read_bytes
 from pipeline.redact import mask
 from pipeline.spec import PROJECT_ROOT
@@ -432,7 +432,8 @@ class MlflowTracker:
         try:
             yield tracker
         except BaseException as e:
-            tracker.end("KILLED" if isinstance(e, (KeyboardInterrupt, Preempted)) else "FAILED")
+            stopped = isinstance(e, (KeyboardInterrupt, Preempted, Interrupted))
+            tracker.end("KILLED" if stopped else "FAILED")
             self._settle()
             raise
         tracker.end("FINISHED")

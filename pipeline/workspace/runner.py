@@ -105,7 +105,7 @@ def _checkpointed_stop(error: BaseException) -> Preempted | None:
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, Preempted) and not isinstance(current, Interrupted):
+        if isinstance(current, Preempted):
             return current
         seen.add(id(current))
         current = current.__context__
@@ -368,7 +368,7 @@ class Runner:
                     if together and step is together[-1]:
                         distributed.broadcast_object(None)  # let them go; evaluate is ours
             except BaseException as e:
-                killed = isinstance(e, (KeyboardInterrupt, Preempted))
+                killed = isinstance(e, (KeyboardInterrupt, Preempted, Interrupted))
                 saved = _checkpointed_stop(e)
                 try:
                     tracker.finish("KILLED" if killed else "FAILED")

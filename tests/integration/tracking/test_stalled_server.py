@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from pipeline.commands.cli import main
 from pipeline.spec import load_spec
-from pipeline.tracking.sender import append_records, read_records
+from pipeline.tracking.backlog import append_records, read_records
 from pipeline.tracking.tracker import BACKLOG
 from tests.fixtures.stalling_server import serve
 from tests.fixtures.stand_in_stages import ORDER, logging_stand_ins

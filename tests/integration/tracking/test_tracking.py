@@ -165,7 +165,9 @@ def test_server_down_mid_train_and_back_later_gets_the_kept_records(tmp_path, se
 
     stand_ins["train"] = outage
     warnings: list[str] = []
-    run_pipeline(config(tmp_path, server.url, "outage"), warnings)
+    # 5 s: a create that the shutdown cut off after it was sent is looked for before it is
+    # made again (tracking.sender.Delivery), a search of the file store, slow on a busy machine
+    run_pipeline(config(tmp_path, server.url, "outage"), warnings, flush_s=5.0)
     url = server.url
     assert [w.split(" (")[0] for w in warnings] == [
         f"MLflow {url}: tracking server not answering",
@@ -320,7 +322,8 @@ class FlakyClient:
 def test_sync_cut_short_keeps_exactly_what_was_not_sent(tmp_path):
     """A replay that loses the server half-way leaves the rest, and the run ids it learnt, in
     the file; the next replay sends only that: no run created twice, no metric twice."""
-    from pipeline.tracking.sender import Delivery, append_records, replay
+    from pipeline.tracking.backlog import append_records
+    from pipeline.tracking.sender import Delivery, replay
 
     def create(key, name, parent=None):
         return {
@@ -363,7 +366,8 @@ def test_sync_cut_short_keeps_exactly_what_was_not_sent(tmp_path):
 def test_a_torn_last_line_is_set_aside_and_every_whole_record_sent(tmp_path):
     """A kill during an append tears the backlog's last line; a later append starts on a new
     line. The replay sends every whole record and keeps the torn ones aside, named."""
-    from pipeline.tracking.sender import Delivery, append_records, replay, torn_path
+    from pipeline.tracking.backlog import append_records, torn_path
+    from pipeline.tracking.sender import Delivery, replay
 
     backlog = tmp_path / BACKLOG
     create = {
@@ -406,7 +410,8 @@ def test_a_torn_last_line_is_set_aside_and_every_whole_record_sent(tmp_path):
 def test_json_lines_no_tracker_wrote_are_set_aside_like_torn_ones(tmp_path, foreign):
     """A backlog line that is JSON but no record (no op, no run key, an op the tracker
     never writes: an edited file) is set aside, named, and the records around it sent."""
-    from pipeline.tracking.sender import Delivery, append_records, replay, torn_path
+    from pipeline.tracking.backlog import append_records, torn_path
+    from pipeline.tracking.sender import Delivery, replay
 
     backlog = tmp_path / BACKLOG
     create = {

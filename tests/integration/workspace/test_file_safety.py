@@ -320,7 +320,7 @@ def test_under_umask_077_published_files_stay_0600(tmp_path):
 
 
 def test_the_tracking_backlog_is_private_whatever_the_umask(tmp_path):
-    from pipeline.tracking.sender import append_records
+    from pipeline.tracking.backlog import append_records
 
     with umask(0o022):
         append_records(tmp_path / "tracking-backlog.jsonl", [{"op": "end", "key": "k"}])
