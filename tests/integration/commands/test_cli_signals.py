@@ -15,8 +15,9 @@ from click.testing import CliRunner
 
 import pipeline.spec
 from pipeline.commands.cli import main
+from pipeline.spec import PROJECT_ROOT
 
-QUICKSTART = "configs/quickstart.yaml"
+QUICKSTART = str(PROJECT_ROOT / "configs" / "quickstart.yaml")
 
 
 @pytest.fixture
