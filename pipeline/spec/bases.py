@@ -16,7 +16,7 @@ import os
 from collections import deque
 from pathlib import Path
 
-from pipeline.spec.sources import SpecError, _load_yaml
+from pipeline.spec.sources import SpecError, read_yaml
 
 BASE_FOLDER = "base"
 SCAN_DEPTH = 2  # folders below the scanned one: configs/active_memory/add.yaml from configs/
@@ -43,7 +43,7 @@ def _read(path: Path) -> dict | None:
     """The YAML mapping in `path`, read as a spec is (a regular file, opened without waiting
     on a FIFO, bounded in size, nesting and values), or None where it is not one."""
     try:
-        data = _load_yaml(path, {})
+        data = read_yaml(path)
     except SpecError:
         # not a config: it extends nothing (the config being run gets its own one-line
         # error from the spec)

@@ -191,6 +191,12 @@ def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
     return _Builder(name, where).build(node, prefix)
 
 
+def read_yaml(path: Path) -> Any:
+    """The data in the YAML file `path`, read as a spec file is (a regular file, bounded in
+    size, nesting and values); SpecError, one line, for anything else."""
+    return _load_yaml(path, {})
+
+
 def _yaml_problem(e: yaml.YAMLError) -> str:
     # a ReaderError (a control character) has a reason instead of a problem
     return getattr(e, "problem", None) or getattr(e, "reason", None) or str(e).splitlines()[0]
