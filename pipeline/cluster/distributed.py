@@ -40,6 +40,18 @@ GROUP_VARIABLES = (
 )
 
 
+def drop_inherited_group() -> dict[str, str]:
+    """Make this process, a command of its own (not a rank a launcher started), a group of
+    one: the process-group variables it inherited (a torchrun step's, a Kubernetes training
+    pod's RANK, WORLD_SIZE, MASTER_*) describe another launch, which it would wait to join
+    for hours (or fail on its busy MASTER_PORT). They are taken out of the environment and
+    returned; `prepare_environment` then gives the process a group of its own on a free
+    port. Once this process's own group is started, the variables are its own and stay."""
+    if _group_started:
+        return {}
+    return {name: os.environ.pop(name) for name in GROUP_VARIABLES if name in os.environ}
+
+
 def environment_for_new_group() -> dict[str, str]:
     """This process's environment less its process-group variables: for a child that is a run
     of its own. A child inheriting them would rendezvous at this process's MASTER_PORT (two
