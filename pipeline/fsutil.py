@@ -347,6 +347,40 @@ def file_mismatch(
     return None
 
 
+# What no path on Linux can hold: the kernel refuses a path of PATH_MAX bytes or more, and
+# every common file system a file or folder name past 255 bytes.
+PATH_MAX = 4096
+NAME_MAX = 255
+
+
+def path_problem(text: str) -> str | None:
+    """What makes `text` a path that no file system can hold, in words ("it holds a NUL
+    byte"), or None: checked when a config is validated, before anything is written."""
+    import sys
+
+    from pipeline.errors import shown
+
+    if "\x00" in text:
+        return "it holds a NUL byte, which no path can hold"
+    try:
+        raw = os.fsencode(text)
+    except UnicodeEncodeError as e:
+        return (
+            f"it holds {text[e.start]!r}, which no path can hold in this system's "
+            f"encoding ({sys.getfilesystemencoding()})"
+        )
+    if len(raw) >= PATH_MAX:
+        return f"it is {len(raw):,} bytes long; a path has fewer than {PATH_MAX:,}"
+    part = next((p for p in raw.split(b"/") if len(p) > NAME_MAX), None)
+    if part is not None:
+        start = shown(part[:20].decode("utf-8", "replace"))
+        return (
+            f"its part '{start}...' is {len(part):,} bytes long; a file or folder name has "
+            f"at most {NAME_MAX}"
+        )
+    return None
+
+
 def user_path(value: str | os.PathLike) -> Path:
     """A path the user gave (a CLI argument, workspace.root, workspace.cache), read the one
     way every command reads them: `~` expanded; `..` resolved against the real directories
