@@ -119,7 +119,17 @@ def prepare_environment() -> None:
 def init_process_group() -> tuple[int, int]:
     """(rank, world size), the group initialised with nccl on CUDA and gloo on CPU."""
     prepare_environment()
-    import deepspeed
+    try:
+        import deepspeed
+    except ValueError as e:  # DeepSpeed picks its accelerator when imported
+        if "DS_ACCELERATOR" not in str(e):
+            raise
+        from pipeline.errors import shown
+
+        raise PipelineError(
+            f"environment variable DS_ACCELERATOR {shown(os.environ.get('DS_ACCELERATOR', ''))}: "
+            f"{shown(str(e))}; unset it to let DeepSpeed choose"
+        ) from None
     import torch
     import torch.distributed as dist
 
