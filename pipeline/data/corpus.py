@@ -70,7 +70,7 @@ def build(name: str) -> bytes:
 def cache_dir() -> Path:
     """Where built corpora are kept for every workspace of this user: $XDG_CACHE_HOME (an
     absolute path, as the XDG spec asks; a relative one is ignored) or ~/.cache, then
-    allattn-pipe/corpora."""
+    allattn-pipe/corpora. RuntimeError where there is neither (no HOME, no passwd entry)."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
     return root / "allattn-pipe" / "corpora"
@@ -130,7 +130,14 @@ def cached(name: str, log: Callable[[str], None]) -> bytes:
 
     if name not in BUILTIN:
         build(name)  # raises, naming the known ones
-    path = _cache_path(name)
+    try:
+        path = _cache_path(name)
+    except RuntimeError:  # no home directory: a container's user with no passwd entry
+        log(
+            f"building the built-in corpus '{name}' (no network; reads the standard library, "
+            f"10-30 s); not cached: neither XDG_CACHE_HOME nor a home directory is set"
+        )
+        return build(name)
     foreign = _foreign_cache(path.parent)
     if foreign:
         log(

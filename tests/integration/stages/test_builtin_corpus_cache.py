@@ -192,3 +192,21 @@ def test_a_group_of_ones_own_may_write_to_the_cache(tmp_path, builds):
     path.chmod(0o664)
     _, _, logs = download(tmp_path / "b")
     assert f"reused cached corpus {path} (sha256 ok)" in logs and builds == ["built"]
+
+
+def test_a_user_without_a_home_directory_builds_the_corpus(tmp_path, builds, monkeypatch):
+    """A container's user with no HOME and no passwd entry (an arbitrary uid): Path.home()
+    raised RuntimeError, a traceback in the download stage."""
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    logs: list[str] = []
+    assert corpus.cached("python-docs", logs.append) == TEXT
+    assert logs == [
+        "building the built-in corpus 'python-docs' (no network; reads the standard library, "
+        "10-30 s); not cached: neither XDG_CACHE_HOME nor a home directory is set"
+    ]
