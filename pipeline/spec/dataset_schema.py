@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from pipeline.errors import shown
 from pipeline.spec.sections import (
     MAX_STEPS,
     VOCAB_LIMIT,
@@ -366,20 +365,16 @@ class FileSpec(Section):
 
 
 def _source_path_problem(url: str) -> str | None:
-    """What no download can be made of: a built-in corpus that does not exist, a file://
+    """What no download can be made of: a file:// URL without an absolute path, or a file://
     path or a file name (an http(s) URL's last part, which the download is saved as) that no
     path can hold."""
     import urllib.parse
 
-    from pipeline.data.corpus import BUILTIN
     from pipeline.data.fetch import file_name
     from pipeline.fsutil import path_problem
 
     scheme = urllib.parse.urlsplit(url).scheme.lower()
-    if scheme == "builtin":
-        name = url.split("://", 1)[1].split("?")[0].split("#")[0]
-        if name not in BUILTIN:
-            return f"no built-in corpus '{shown(name)}'; known: {', '.join(BUILTIN)}"
+    if scheme == "builtin":  # a name, which the download stage checks
         return None
     if scheme == "file":
         parts = urllib.parse.urlsplit(url)

@@ -1,8 +1,8 @@
 """Every field that names a file, a folder or a URL's file is refused at `validate` where no
 path can hold its value: a NUL byte, a name past 255 bytes, a path of 4096 bytes or more, a
-character the file system's encoding cannot write; a built-in corpus that does not exist and
-a file URL without an absolute path too. They passed `validate` and ended `run` in a
-ValueError traceback (embedded null byte) or a failure deep in a stage."""
+character the file system's encoding cannot write; a file URL without an absolute path too.
+They passed `validate` and ended `run` in a ValueError traceback (embedded null byte) or a
+failure deep in a stage."""
 
 from __future__ import annotations
 
@@ -53,7 +53,6 @@ def refusal(key: str, value: str) -> str:
             "file://data/corpus.txt",
             "a file URL names an absolute path, with three slashes: file:///path/to/file",
         ),
-        ("dataset.url", "builtin://nosuch", "no built-in corpus 'nosuch'; known: python-docs"),
     ],
 )  # fmt: skip
 def test_a_path_no_file_system_can_hold_is_refused_at_validate(key, value, problem):
