@@ -6,6 +6,7 @@ temporary name in the same directory and renamed into place, which POSIX makes a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -195,6 +196,85 @@ def refuse_special(path: str | os.PathLike, what: str) -> None:
         raise _refusal(path, what, st_mode, writing=False)
 
 
+# what flock fails with where the file system has no locks: Lustre mounted `noflock` (ENOSYS),
+# FUSE and some NFS mounts (EOPNOTSUPP / ENOTSUP), NFS without its lock manager (ENOLCK)
+NO_FLOCK = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK})
+
+
+# ---------------------------------------------------------------- what another user wrote
+#
+# A cache or a workspace root may be shared (a group's project space, $XDG_CACHE_HOME under
+# /tmp). What is read back from one as our own (a cached corpus, a sweep's point records) is
+# read only where no other user can have written it, the rule ssh keeps for authorized_keys
+# and git for safe.directory: owned by this user or root, and writable by no one else.
+
+
+def not_ours(target: str | os.PathLike | int) -> str | None:
+    """Why the file or directory `target` (a path, links followed, or an open descriptor,
+    whose fstat cannot be raced) may hold what another user wrote, in words that follow its
+    name ("owned by uid 65534 (nobody), not by this user"), or None where only this user or
+    root can have written it. Group-writable is this user's alone where the group is the
+    user's private group (named after the user, no other member), as a umask of 002 makes it
+    on distributions that give each user one. OSError (missing, no permission) is the
+    caller's."""
+    st = os.fstat(target) if isinstance(target, int) else os.stat(target)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        return f"owned by uid {st.st_uid}{_account(st.st_uid)}, not by this user"
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}"
+    if st.st_mode & stat.S_IWOTH:
+        return f"writable by every user ({mode})"
+    if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
+        return f"writable by group {_group_name(st.st_gid)} ({mode})"
+    return None
+
+
+def _account(uid: int) -> str:
+    import pwd
+
+    try:
+        return f" ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return ""
+
+
+def _group_name(gid: int) -> str:
+    import grp
+
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether `gid` is the private group of the user `uid`: that user's primary group,
+    named after them, with no one else listed in it."""
+    import grp
+    import pwd
+
+    try:
+        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return (
+        user.pw_gid == gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
+    )
+
+
+def read_ours(path: str | os.PathLike, what: str) -> bytes:
+    """The bytes of the regular file `path`, where `not_ours` finds nothing against it (on
+    the descriptor read, so that nothing swapped in between is read); else a one-line
+    PipelineError naming the file and why. OSError is the caller's."""
+    from pipeline.errors import PipelineError, shown
+
+    fd = open_regular_fd(path, what)
+    with os.fdopen(fd, "rb") as f:
+        if why := not_ours(fd):
+            raise PipelineError(f"{what} {shown(os.fspath(path))} is {why}")
+        return f.read()
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = False) -> None:
     """`data` published at `path`: written to a mkstemp name beside it (never reopened by
     name, so nothing can be swapped in), given the umask's mode unless `private`, and
@@ -264,6 +344,40 @@ def file_mismatch(
         return f"{name} has {size:,} bytes, {expected['bytes']:,} were written"
     if read and sha256_file(path, chunk) != expected["sha256"]:
         return f"{name} does not match its checksum"
+    return None
+
+
+# What no path on Linux can hold: the kernel refuses a path of PATH_MAX bytes or more, and
+# every common file system a file or folder name past 255 bytes.
+PATH_MAX = 4096
+NAME_MAX = 255
+
+
+def path_problem(text: str) -> str | None:
+    """What makes `text` a path that no file system can hold, in words ("it holds a NUL
+    byte"), or None: checked when a config is validated, before anything is written."""
+    import sys
+
+    from pipeline.errors import shown
+
+    if "\x00" in text:
+        return "it holds a NUL byte, which no path can hold"
+    try:
+        raw = os.fsencode(text)
+    except UnicodeEncodeError as e:
+        return (
+            f"it holds {text[e.start]!r}, which no path can hold in this system's "
+            f"encoding ({sys.getfilesystemencoding()})"
+        )
+    if len(raw) >= PATH_MAX:
+        return f"it is {len(raw):,} bytes long; a path has fewer than {PATH_MAX:,}"
+    part = next((p for p in raw.split(b"/") if len(p) > NAME_MAX), None)
+    if part is not None:
+        start = shown(part[:20].decode("utf-8", "replace"))
+        return (
+            f"its part '{start}...' is {len(part):,} bytes long; a file or folder name has "
+            f"at most {NAME_MAX}"
+        )
     return None
 
 

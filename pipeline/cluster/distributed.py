@@ -17,7 +17,23 @@ from pipeline.errors import PipelineError
 
 # Ranks other than 0 wait in a collective while rank 0 downloads and preprocesses (minutes to
 # an hour for the large corpora); the default 30-minute collective timeout would kill them.
-TIMEOUT = timedelta(minutes=int(os.environ.get("ALLATTN_DIST_TIMEOUT_MIN", "180")))
+TIMEOUT_VARIABLE = "ALLATTN_DIST_TIMEOUT_MIN"
+DEFAULT_TIMEOUT_MIN = 180
+
+
+def collective_timeout() -> timedelta:
+    """How long a rank waits in a collective: $ALLATTN_DIST_TIMEOUT_MIN minutes (default 180),
+    read when a group starts; a value that is no whole number of minutes is one line."""
+    text = os.environ.get(TIMEOUT_VARIABLE, "").strip() or str(DEFAULT_TIMEOUT_MIN)
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) <= 10**6:
+        from pipeline.errors import shown
+
+        raise PipelineError(
+            f"environment variable {TIMEOUT_VARIABLE} {shown(text)}: not a whole number of "
+            f"minutes from 1 to 1000000 (how long the other ranks wait while rank 0 downloads "
+            f"and preprocesses; default {DEFAULT_TIMEOUT_MIN})"
+        )
+    return timedelta(minutes=int(text))
 
 
 def free_port() -> int:
@@ -38,6 +54,18 @@ GROUP_VARIABLES = (
     "CROSS_RANK",
     "CROSS_SIZE",
 )
+
+
+def drop_inherited_group() -> dict[str, str]:
+    """Make this process, a command of its own (not a rank a launcher started), a group of
+    one: the process-group variables it inherited (a torchrun step's, a Kubernetes training
+    pod's RANK, WORLD_SIZE, MASTER_*) describe another launch, which it would wait to join
+    for hours (or fail on its busy MASTER_PORT). They are taken out of the environment and
+    returned; `prepare_environment` then gives the process a group of its own on a free
+    port. Once this process's own group is started, the variables are its own and stay."""
+    if _group_started:
+        return {}
+    return {name: os.environ.pop(name) for name in GROUP_VARIABLES if name in os.environ}
 
 
 def environment_for_new_group() -> dict[str, str]:
@@ -91,11 +119,22 @@ def prepare_environment() -> None:
 def init_process_group() -> tuple[int, int]:
     """(rank, world size), the group initialised with nccl on CUDA and gloo on CPU."""
     prepare_environment()
-    import deepspeed
+    try:
+        import deepspeed
+    except ValueError as e:  # DeepSpeed picks its accelerator when imported
+        if "DS_ACCELERATOR" not in str(e):
+            raise
+        from pipeline.errors import shown
+
+        raise PipelineError(
+            f"environment variable DS_ACCELERATOR {shown(os.environ.get('DS_ACCELERATOR', ''))}: "
+            f"{shown(str(e))}; unset it to let DeepSpeed choose"
+        ) from None
     import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        timeout = collective_timeout()
         alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
         if not alone:
             _load_comm_op()
@@ -106,11 +145,11 @@ def init_process_group() -> tuple[int, int]:
             torch.cuda.set_device(local_rank)
             dist.init_process_group(
                 backend,
-                timeout=TIMEOUT,
+                timeout=timeout,
                 **nccl_group_kwargs(int(os.environ.get("WORLD_SIZE", "1")), local_rank),
             )
         with _without_comm_op() if alone else nullcontext():
-            deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=TIMEOUT)
+            deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
         _unlink_shm_buffer(dist.get_rank())
         atexit.register(_destroy_process_group)
         global _group_started

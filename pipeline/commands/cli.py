@@ -16,6 +16,19 @@ from pipeline.errors import PipelineError
 def main(debug: bool) -> None:
     """Staged YAML pipelines for long-context attention language models:
     download -> preprocess -> train -> finetune -> evaluate, tracked in MLflow."""
+    from pipeline.cluster.distributed import drop_inherited_group
+
+    # a command is one process, never a rank of the launch its environment may describe (a
+    # torchrun step, a training pod): it would wait at that launch's rendezvous for hours
+    inherited = drop_inherited_group()
+    size = inherited.get("WORLD_SIZE", "")
+    if size.isdigit() and int(size) > 1:
+        echo(
+            f"note: ignoring {', '.join(sorted(inherited))} from the environment (a launch of "
+            f"{int(size)} processes): allattn-pipe runs as one process and starts the ranks "
+            f"that train.launcher asks for itself (`allattn-pipe launch slurm` on Slurm)",
+            err=True,
+        )
 
 
 @main.command()

@@ -3,27 +3,47 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from pipeline.commands.sweep import OLD_NOT_IN_NAME, POINT_RECORD, SWEEP_SETS, overlapping
-from pipeline.errors import PipelineError, shown
-from pipeline.fsutil import read_json
+from pipeline.errors import PipelineError, Preempted, shown
+from pipeline.fsutil import not_ours, read_ours
 from pipeline.spec import load_spec
 
 
-def recorded_points(config: str, root: Path) -> list[dict]:
-    """The point records under `root` that sweeps of `config` wrote."""
+def recorded_points(config: str, root: Path) -> tuple[list[dict], list[str]]:
+    """The point records under `root` that sweeps of `config` wrote, and why each record
+    that another user could have written was not read. A workspace root may be shared: a
+    record counts only where its workspace and the file are this user's (or root's) and no
+    one else can write them (fsutil.not_ours), or a planted one would name the point."""
     target = str(Path(config).resolve())
-    found = []
+    found, refused = [], []
     for path in sorted(root.glob(f"*/{POINT_RECORD}")):
         try:
-            record = read_json(path, "sweep point record")
-        except (PipelineError, OSError, ValueError):
+            if why := not_ours(path.parent):
+                refused.append(f"{shown(str(path.parent))} is {why}")
+                continue
+            record = json.loads(read_ours(path, "sweep point record"))
+        except Preempted:  # a signal, not the record
+            raise
+        except PipelineError as e:
+            refused.append(str(e))
+            continue
+        except (OSError, ValueError):
             continue  # not a record this package wrote: not a point
         if isinstance(record, dict) and record.get("config") == target:
             found.append(record)
-    return found
+    return found, refused
+
+
+def _not_read(refused: list[str]) -> str:
+    """What an error about a point adds where records were passed over as not this user's."""
+    if not refused:
+        return ""
+    more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
+    return f" (not read, as another user could have written it: {refused[0]}{more})"
 
 
 def point_overrides(
@@ -36,14 +56,13 @@ def point_overrides(
     `model.mixer=conv`) that only one point has."""
     base = load_spec(config, overrides, smoke=smoke)
     root = base.workspace_dir.parent
-    records = {
-        r["name"]: r for r in recorded_points(config, root) if isinstance(r.get("name"), str)
-    }
+    found, refused = recorded_points(config, root)
+    records = {r["name"]: r for r in found if isinstance(r.get("name"), str)}
     if not records:
         raise PipelineError(
             f"--point {shown(name)}: no sweep of {shown(config)} has recorded its points "
-            f"under {root}; a sweep run before points were recorded records them when it "
-            f"runs again (it skips the points that are done)"
+            f"under {root}{_not_read(refused)}; a sweep run before points were recorded "
+            f"records them when it runs again (it skips the points that are done)"
         )
 
     def old(n: str) -> str:
@@ -63,7 +82,7 @@ def point_overrides(
         which = "names several points" if matches else "is not a point of its sweeps"
         raise PipelineError(
             f"--point {shown(name)} {which} (under {root}); the points: "
-            f"{', '.join(matches or sorted(records))}"
+            f"{', '.join(matches or sorted(records))}{_not_read(refused)}"
         )
     record = records[matches[0]]
     sets, withheld = record.get("overrides"), record.get("withheld") or []

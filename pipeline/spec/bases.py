@@ -5,7 +5,9 @@ configs that extend it, instead of "name: required key is missing".
 A file without a name is a base when it lies in a folder named base/ (the project's
 configs/base/) or when a config near it extends it: in its own folder or, for a file in a
 base/ folder, in the folder above, a few levels deep (a user's own bases are found the
-same way).
+same way). The files near it are read only to word that refusal, for a config that has no
+name once its --set are applied, and each is read as a spec is (regular files only, bounded):
+loading a config never depends on what lies beside it.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ import os
 from collections import deque
 from pathlib import Path
 
-import yaml
+from pipeline.spec.sources import SpecError, read_yaml
 
 BASE_FOLDER = "base"
 SCAN_DEPTH = 2  # folders below the scanned one: configs/active_memory/add.yaml from configs/
 SCAN_FILES = 2000  # the YAML files read at most, so a base in a large folder costs little
-SCAN_BYTES = 1 << 20
 EXAMPLES = 2
 
 
@@ -39,13 +40,13 @@ def _yaml_files(root: Path):
 
 
 def _read(path: Path) -> dict | None:
+    """The YAML mapping in `path`, read as a spec is (a regular file, opened without waiting
+    on a FIFO, bounded in size, nesting and values), or None where it is not one."""
     try:
-        if path.stat().st_size > SCAN_BYTES:
-            return None
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, ArithmeticError):
-        # not a config: it extends nothing (a tag's constructor raises ValueError on
-        # `!!int abc`; the config being run gets its own one-line error from the spec)
+        data = read_yaml(path)
+    except SpecError:
+        # not a config: it extends nothing (the config being run gets its own one-line
+        # error from the spec)
         return None
     return data if isinstance(data, dict) else None
 

@@ -7,7 +7,13 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from pipeline.spec.sections import MAX_STEPS, VOCAB_LIMIT, Section, check_task_symbols
+from pipeline.spec.sections import (
+    MAX_STEPS,
+    VOCAB_LIMIT,
+    Section,
+    check_path,
+    check_task_symbols,
+)
 
 
 class SplitSpec(Section):
@@ -347,6 +353,7 @@ class FileSpec(Section):
     """One data file the dataset is made of, checked after download and extraction."""
 
     path: str = Field(description="path inside the archive (the file's name if none)")
+    _a_path = field_validator("path")(check_path)
     sha256: str | None = Field(
         None, description="the extracted file's expected sha256 (hex), checked when it is extracted"
     )
@@ -355,6 +362,29 @@ class FileSpec(Section):
         description="the extracted file's expected md5 (hex), "
         "where the publisher gives only an md5",
     )
+
+
+def _source_path_problem(url: str) -> str | None:
+    """What no download can be made of: a file:// URL without an absolute path, or a file://
+    path or a file name (an http(s) URL's last part, which the download is saved as) that no
+    path can hold."""
+    import urllib.parse
+
+    from pipeline.data.fetch import file_name
+    from pipeline.fsutil import path_problem
+
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme == "builtin":  # a name, which the download stage checks
+        return None
+    if scheme == "file":
+        parts = urllib.parse.urlsplit(url)
+        path = urllib.parse.unquote(parts.path)
+        if parts.netloc not in ("", "localhost") or not path.startswith("/"):
+            return "a file URL names an absolute path, with three slashes: file:///path/to/file"
+        problem = path_problem(path)
+        return f"its path: {problem}" if problem else None
+    problem = path_problem(file_name(url))
+    return f"the file name it is saved as: {problem}" if problem else None
 
 
 # what a generated dataset has no use for
@@ -423,6 +453,8 @@ class DatasetSpec(Section):
 
         problem = url_problem(value) if value is not None else None
         if problem:
+            raise ValueError(problem)
+        if value is not None and (problem := _source_path_problem(value)):
             raise ValueError(problem)
         return value
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline.errors import shown
+from pipeline.spec.bases import base_config_problem
 from pipeline.spec.schema import Spec
 from pipeline.spec.smoke import BUILTIN_CARD, smoke_data
 from pipeline.spec.sources import (
@@ -96,6 +97,9 @@ def _load_spec(path, overrides, smoke, log) -> Spec:
         )
     for text in removals:  # after every --set: `~KEY` removes KEY whatever set it
         remove_key(data, where, text)
+    if "name" not in data and (problem := base_config_problem(path, origin)):
+        # only a config refused anyway is compared with the files near it
+        raise SpecError(problem)
     spec = validate_spec(data, where, origin)
     spec._source = str(path)
     refuse_inert_keys(spec, where, origin)

@@ -17,9 +17,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
+from pipeline.fsutil import path_problem
 from pipeline.redact import mask
 from pipeline.spec.dataset_schema import DatasetSpec
-from pipeline.spec.sections import Section
+from pipeline.spec.sections import Section, check_path
 from pipeline.spec.training_schema import (
     CURRICULUM_ENGINE_TRAIN,
     CURRICULUM_UNUSED_TRAIN,
@@ -52,12 +53,30 @@ class TrackingSpec(Section):
         (sqlite:, file:, a path) is its own scheme's to check."""
         from pipeline.data.fetch import url_problem
 
-        if not value or "://" not in value:
+        if not value:
+            return value
+        if store := store_path(value):  # a store here: sqlite:, file:, a plain path
+            if problem := path_problem(store):
+                raise ValueError(f"the store's path: {problem}")
             return value
         problem = url_problem(value, schemes=("http", "https"))
         if problem and not problem.startswith(("unsupported scheme", "no scheme")):
             raise ValueError(problem)
         return value
+
+
+def store_path(uri: str) -> str | None:
+    """The path of the local MLflow store that a tracking URI names (sqlite:///PATH,
+    file:PATH, or a plain path), or None for a server or another kind of store."""
+    import urllib.parse
+
+    scheme = uri.partition(":")[0].lower() if ":" in uri else ""
+    if scheme in ("sqlite", "file"):
+        return urllib.parse.unquote(urllib.parse.urlsplit(uri).path)
+    # a plain path (a drive letter is no scheme); anything else names a kind of server
+    if not scheme or len(scheme) == 1 or not scheme.isidentifier():
+        return uri
+    return None
 
 
 class WorkspaceSpec(Section):
@@ -79,6 +98,7 @@ class WorkspaceSpec(Section):
         """A directory, or one that can be made: its nearest existing ancestor is one."""
         if value is None:
             return value
+        check_path(value)
         path = Path(value)
         try:
             existing = next(p for p in (path, *path.parents) if p.exists())

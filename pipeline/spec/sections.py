@@ -31,6 +31,16 @@ MAX_ROWS = 2**20
 MAX_SEQ_LEN = 2**20
 
 
+def check_path(value: str | None) -> str | None:
+    """The validator of a field that names a file or folder: a value no path can hold (a NUL
+    byte, a name or path too long for any file system) is refused at `validate`."""
+    from pipeline.fsutil import path_problem
+
+    if value is not None and (problem := path_problem(value)):
+        raise ValueError(problem)
+    return value
+
+
 class Section(BaseModel):
     # Unknown keys are errors; "12" is not an int. YAML already gives us real types.
     # No setting means infinity, and NaN would pass no check (.inf and .nan are YAML floats).

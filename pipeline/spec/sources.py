@@ -9,17 +9,18 @@ located error rather than a silently different spec.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, Preempted
 from pipeline.errors import shown as _shown
+from pipeline.fsutil import open_regular_fd
 from pipeline.redact import mask_text
 from pipeline.resources import project_dir
-from pipeline.spec.bases import base_config_problem
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -158,11 +159,16 @@ def _tag_name(tag: str) -> str:
 def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
     name = _shown(path)  # as given on the command line, where it may hold a newline
     try:
-        # a device or a pipe (/dev/zero, /dev/stdin) never ends: only regular files, read
-        # no further than a spec can be long
-        if path.exists() and not path.is_file():
-            raise SpecError(f"{name}: not a file")
-        with path.open("rb") as f:
+        # a device or a pipe (/dev/zero, /dev/stdin) never ends, and a FIFO blocks its
+        # opener: only regular files, opened without waiting, read no further than a spec
+        # can be long
+        try:
+            fd = open_regular_fd(path, "spec")
+        except PipelineError as e:
+            if isinstance(e, Preempted):  # a signal, not the file
+                raise
+            raise SpecError(f"{name}: not a file") from None
+        with os.fdopen(fd, "rb") as f:
             data = f.read(MAX_SPEC_BYTES + 1)
         if len(data) > MAX_SPEC_BYTES:
             raise SpecError(f"{name}: over {MAX_SPEC_BYTES // 2**20} MiB; a spec is a few KiB")
@@ -184,6 +190,12 @@ def _load_yaml(path: Path, where: dict, prefix: tuple = ()) -> Any:
     if node is None:
         return {}
     return _Builder(name, where).build(node, prefix)
+
+
+def read_yaml(path: Path) -> Any:
+    """The data in the YAML file `path`, read as a spec file is (a regular file, bounded in
+    size, nesting and values); SpecError, one line, for anything else."""
+    return _load_yaml(path, {})
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -235,12 +247,7 @@ def load_with_extends(path: Path, where: dict, chain: tuple[Path, ...] = ()) -> 
         merged = _merge(merged, load_with_extends(parent_path, where, chain + (path.resolve(),)))
     # The file's own keys win, and so do their locations.
     where.update({k: v for k, v in own_where.items() if k and k[0] != "extends"})
-    merged = _merge(merged, data)
-    if not chain and "name" not in merged:  # the file run or validated has no name
-        problem = base_config_problem(path, _shown(path))
-        if problem:
-            raise SpecError(problem)
-    return merged
+    return _merge(merged, data)
 
 
 def _is_file(path: Path, at: str | None) -> bool:

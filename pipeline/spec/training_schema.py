@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from pipeline.spec.sections import MAX_ROWS, MAX_SEQ_LEN, MAX_STEPS, Section
+from pipeline.spec.sections import MAX_ROWS, MAX_SEQ_LEN, MAX_STEPS, Section, check_path
 
 
 class OptimizerSpec(Section):
@@ -138,6 +138,8 @@ class LauncherSpec(Section):
     master_port: int | None = Field(
         None, gt=0, lt=65536, description="rendezvous port; default: a free one"
     )
+
+    _hostfile_is_a_path = field_validator("hostfile")(check_path)
 
     @property
     def world_size(self) -> int:

@@ -5,6 +5,7 @@ run; this module is how every command reads and writes a workspace.
 Layout (one per run name, `<workspace.root>/<name>/`):
 
     .lock                       held (flock) while a `run` is active; names its holder
+    .lock.soft                  held instead where the file system has no flock (lock.py)
     <stage>/                    a completed stage's outputs
     <stage>/stage.json          its record: fingerprint, config, build id, summary, timings,
                                 and the sha256 and size of each output file (`outputs`)

@@ -1,5 +1,13 @@
 """The workspace's lock: one `run` (or `sync`) at a time per workspace, and a way for
-readers such as `compare` to ask whether a run still holds it."""
+readers such as `compare` to ask whether a run still holds it.
+
+The lock is a flock on `<workspace>/.lock`, which the kernel releases however its holder
+dies. Some cluster file systems have no flock (Lustre mounted `noflock`, some FUSE and NFS
+mounts: the call fails with ENOSYS, EOPNOTSUPP or ENOLCK); there a lock file stands in
+(`SOFT_LOCK`, filelock's SoftFileLock: created exclusively, removed on release), which a
+later run on the same host takes over when its holder is gone, and which a run killed on
+another host leaves behind until it is removed.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +15,26 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import socket
 from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline.errors import PipelineError
+from pipeline.fsutil import NO_FLOCK
+
+SOFT_LOCK = ".lock.soft"
+"""In the workspace, where its file system has no flock: held while a run is active."""
 
 
 class WorkspaceLock:
-    """An exclusive flock on `<workspace>/.lock`; released by the kernel if we die."""
+    """An exclusive flock on `<workspace>/.lock`, released by the kernel if we die; where the
+    file system has no flock, the lock file `SOFT_LOCK` instead. `.lock` names the holder."""
 
     def __init__(self, workspace: Path):
         self.path = Path(workspace) / ".lock"
         self._fd: int | None = None
+        self._soft = None  # the SoftFileLock held, where there is no flock
 
     def __enter__(self):
         from pipeline.fsutil import open_lock_file, writable_dir
@@ -41,6 +56,12 @@ class WorkspaceLock:
             holder = _holder_line(fd)
             os.close(fd)
             raise PipelineError(busy_message(self.path.parent, holder)) from None
+        except OSError as e:
+            try:
+                self._soft = self._soft_lock(fd, e)
+            except BaseException:
+                os.close(fd)
+                raise
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
         line = f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n".encode()
         try:
@@ -53,6 +74,9 @@ class WorkspaceLock:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
             os.close(fd)  # releases the flock
+            if self._soft is not None:
+                self._soft.release()
+                self._soft = None
             raise PipelineError(
                 f"workspace {self.path.parent}: cannot write its lock file {self.path}: "
                 f"{e.strerror or e}"
@@ -60,20 +84,77 @@ class WorkspaceLock:
         self._fd = fd
         return self
 
+    def _soft_lock(self, fd: int, error: OSError):
+        """The lock file that stands in for flock where `error` says the file system has
+        none; a PipelineError where another run holds it, or flock failed otherwise."""
+        from filelock import SoftFileLock, Timeout
+
+        workspace = self.path.parent
+        if error.errno not in NO_FLOCK:
+            raise PipelineError(
+                f"workspace {workspace}: cannot lock {self.path}: {error.strerror or error}"
+            ) from None
+        soft = SoftFileLock(workspace / SOFT_LOCK, timeout=0, is_singleton=False)
+        try:
+            soft.acquire()
+        except Timeout:
+            raise PipelineError(busy_message(workspace, _holder_line(fd))) from None
+        except OSError as e:
+            raise PipelineError(
+                f"workspace {workspace}: its file system ({filesystem_type(workspace)}) has no "
+                f"flock, and its lock file {workspace / SOFT_LOCK} cannot be made: "
+                f"{e.strerror or e}"
+            ) from None
+        return soft
+
     def __exit__(self, *exc):
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            if self._soft is not None:
+                self._soft.release()
+                self._soft = None
+            else:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
 
 
 def busy_message(workspace: Path, holder: str) -> str:
-    """The one line a run on a workspace another run holds is refused with."""
-    return (
+    """The one line a run on a workspace another run holds is refused with. Where the lock is
+    the file `SOFT_LOCK` (no flock there), which a run killed on another host leaves behind,
+    it says how to be rid of it."""
+    line = (
         f"workspace {workspace} is in use by another run ({holder}); "
         f"wait for it to finish or stop it"
     )
+    soft = Path(workspace) / SOFT_LOCK
+    if not soft.exists():
+        return line
+    return (
+        f"{line}; its file system ({filesystem_type(Path(workspace))}) has no flock, so the "
+        f"lock is the file {soft}: if that run is gone (killed on another host), remove it"
+    )
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the file system `path` is on, as the kernel's mount table names it
+    ("lustre", "nfs4", "fuse.sshfs"), or "unknown" where that table cannot be read."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return "unknown"
+    target = os.path.realpath(path)
+    best, kind = "", "unknown"
+    for fields in mounts:
+        # ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER
+        if "-" not in fields or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[fields.index("-") + 1]
+    return kind
 
 
 def _holder_line(fd: int) -> str:
@@ -97,8 +178,36 @@ def holder(workspace: Path) -> str | None:
         return None
     except BlockingIOError:
         return _holder_line(fd)
+    except OSError as e:
+        if e.errno not in NO_FLOCK:
+            raise PipelineError(
+                f"workspace {workspace}: cannot tell whether a run holds it: {e.strerror or e}"
+            ) from None
+        return _soft_holder(Path(workspace), fd)
     finally:
         os.close(fd)  # releases the shared lock at once
+
+
+def _soft_holder(workspace: Path, fd: int) -> str | None:
+    """`holder` where the file system has no flock: the lock file's run, unless that run
+    was on this host and is gone (the next run takes its lock over)."""
+    if not (workspace / SOFT_LOCK).exists():
+        return None
+    line = _holder_line(fd)
+    found = re.match(r"pid (\d+) on host (\S+) ", line)
+    if found and found[2] == socket.gethostname() and not _alive(int(found[1])):
+        return None
+    return line
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def lock_is_free(workspace: Path) -> bool:

@@ -47,7 +47,7 @@ def test_nccl_group_is_bound_to_the_local_rank_gpu(calls, monkeypatch, world, lo
     backend, kwargs = calls["init_process_group"]
     assert backend == "nccl" and calls["deepspeed"] == "nccl"
     assert calls["set_device"] == local_rank
-    assert kwargs["timeout"] == distributed.TIMEOUT
+    assert kwargs["timeout"] == distributed.collective_timeout()
     if bound:
         assert kwargs["device_id"] == torch.device("cuda", local_rank)
     else:  # a group of one stays unbound (deepspeedai/DeepSpeed#8248)

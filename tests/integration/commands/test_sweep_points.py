@@ -7,6 +7,8 @@ name spells a value as `--set` takes it (`mixersa+conv`), and a workspace named 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -140,3 +142,95 @@ def test_a_credential_in_a_points_set_is_not_recorded_and_is_asked_for(tmp_path)
         point_overrides(str(cfg), "mixerconv", [])
     sets, _ = point_overrides(str(cfg), "mixerconv", [server])
     assert load_spec(cfg, sets).tracking.uri == server.partition("=")[2]
+
+
+# ---------------------------------------------------------------- records another user wrote
+#
+# A workspace root may be shared: a record planted there must never name a point. Another
+# user is drawn for real (chown to uid 65534, nobody), which needs root, as CI runs.
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="giving a file to another user (chown) needs root"
+)
+
+
+def recorded_sweep(tmp_path):
+    """A sweep's two points recorded (nothing trained): the config's path."""
+    from pipeline.commands.sweep import record_points
+
+    cfg = own_mixer_config(tmp_path, tracking=False)
+    pts, _, _ = plan_sweep(str(cfg), [], ["model.mixer=conv,sa+conv"], None)
+    record_points(str(cfg), pts)
+    return cfg
+
+
+def plant(cfg, folder: str, name: str) -> Path:
+    """A record of the point `name` of `cfg`'s sweep, in a workspace `folder` of the root
+    (sorted after the sweep's own), that sets a learning rate of its planter's choosing."""
+    path = cfg.parent / "runs" / folder / "sweep-point.json"
+    path.parent.mkdir(parents=True)
+    sets = ["model.mixer=conv", f"name={name}", "train.optimizer.lr=0.9"]
+    path.write_text(json.dumps({"config": str(cfg.resolve()), "name": name, "overrides": sets}))
+    return path
+
+
+def planted_lr(cfg, point: str) -> float:
+    from pipeline.commands.sweep_points import point_overrides
+
+    sets, _ = point_overrides(str(cfg), point, [])
+    return load_spec(cfg, sets).train.optimizer.lr
+
+
+@needs_root
+def test_a_record_another_user_planted_in_a_shared_root_does_not_name_the_point(tmp_path):
+    cfg = recorded_sweep(tmp_path)
+    mine = planted_lr(cfg, "mine-mixerconv")
+    path = plant(cfg, "zz-planted", "mine-mixerconv")
+    os.chown(path.parent, NOBODY, NOBODY)
+    os.chown(path, NOBODY, NOBODY)
+    assert mine != 0.9 and planted_lr(cfg, "mine-mixerconv") == mine
+    result = invoke("run", cfg, "--point", "mine-mixerconv", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert f"workspace {tmp_path / 'runs' / 'mine-mixerconv'}" in result.output.splitlines()
+
+
+@needs_root
+def test_a_record_another_user_owns_in_ones_own_workspace_is_not_read(tmp_path):
+    cfg = recorded_sweep(tmp_path)
+    path = plant(cfg, "zz-planted", "mine-mixerconv")
+    os.chown(path, NOBODY, NOBODY)
+    assert planted_lr(cfg, "mine-mixerconv") != 0.9
+
+
+@needs_root
+def test_a_workspace_another_group_can_write_holds_no_record(tmp_path):
+    cfg = recorded_sweep(tmp_path)
+    path = plant(cfg, "zz-planted", "mine-mixerconv")
+    os.chown(path.parent, 0, NOBODY)
+    path.parent.chmod(0o775)
+    assert planted_lr(cfg, "mine-mixerconv") != 0.9
+
+
+def test_a_workspace_every_user_can_write_holds_no_record(tmp_path):
+    cfg = recorded_sweep(tmp_path)
+    path = plant(cfg, "zz-planted", "mine-mixerconv")
+    path.parent.chmod(0o777)
+    assert planted_lr(cfg, "mine-mixerconv") != 0.9
+
+
+@needs_root
+def test_a_point_only_another_user_recorded_is_not_found_saying_why(tmp_path):
+    cfg = own_mixer_config(tmp_path, tracking=False)
+    path = plant(cfg, "mine-mixerconv", "mine-mixerconv")
+    os.chown(path.parent, NOBODY, NOBODY)
+    result = invoke("export", cfg, "--point", "mixerconv", "--out", tmp_path / "x")
+    assert result.exit_code == 2
+    assert result.output == (
+        f"error: --point mixerconv: no sweep of {cfg} has recorded its points under "
+        f"{tmp_path / 'runs'} (not read, as another user could have written it: "
+        f"{path.parent} is owned by uid 65534 (nobody), not by this user); a sweep run "
+        f"before points were recorded records them when it runs again (it skips the points "
+        f"that are done)\n"
+    )
+    assert not (tmp_path / "x").exists()

@@ -6,6 +6,7 @@ config near it extends."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 from click.testing import CliRunner
@@ -86,3 +87,59 @@ def test_a_neighbour_whose_tag_cannot_be_built_is_passed_over(tmp_path):
     assert refusal("validate", str(tmp_path / "bad.yaml")) == (
         f"{tmp_path / 'bad.yaml'}:1: name: 'abc' is not a valid !!int"
     )
+
+
+class Hung(BaseException):
+    """Raised in a test still waiting after 20 s: no handler of the code under test takes
+    it for a failed read (TimeoutError is an OSError)."""
+
+
+@pytest.fixture
+def deadline():
+    """A test that would hang fails instead, after 20 s (a FIFO's open waits for a writer)."""
+
+    def expired(signum, frame):
+        raise Hung("still waiting after 20 s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_beside_a_config_without_a_name_is_not_waited_on(tmp_path, deadline):
+    """Nothing writes to a FIFO among the YAML files near a config: the search for what
+    extends the config passes it over (it waited on it for ever)."""
+    os.mkfifo(tmp_path / "pipe.yaml")
+    (tmp_path / "noname.yaml").write_text("model: {kind: allattn}\nstages: [train]\n")
+    result = CliRunner().invoke(main, ["validate", str(tmp_path / "noname.yaml")])
+    assert result.exit_code == 2
+    assert result.output.startswith(f"error: {tmp_path / 'noname.yaml'}: name: required key")
+    line = refusal("validate", str(tmp_path / "pipe.yaml"))
+    assert line == f"{tmp_path / 'pipe.yaml'}: not a file"
+
+
+def test_a_deeply_nested_file_beside_a_config_is_passed_over(tmp_path):
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 3000 + "]" * 3000 + "\n")
+    (tmp_path / "shared.yaml").write_text("model: {kind: allattn, d_model: 32}\n")
+    (tmp_path / "mine.yaml").write_text("extends: [shared.yaml]\nname: mine\n")
+    line = refusal("validate", str(tmp_path / "shared.yaml"))
+    assert line.startswith(f"{tmp_path / 'shared.yaml'}: a base for `extends`"), line
+    assert refusal("validate", str(tmp_path / "deep.yaml")) == (
+        f"{tmp_path / 'deep.yaml'}:1: not valid YAML: nested more than 64 levels deep"
+    )
+
+
+def test_a_config_named_by_its_set_reads_nothing_beside_it(tmp_path, deadline):
+    """The files near a config are read only to word the refusal of a config without a
+    name: one named by --set loads whatever lies beside it."""
+    os.mkfifo(tmp_path / "pipe.yaml")
+    (tmp_path / "noname.yaml").write_text(
+        "model: {kind: allattn, d_model: 32, n_layers: 1, n_heads: 2, n_persistent: 8}\n"
+        "dataset: python_docs\nstages: [download]\n"
+    )
+    result = CliRunner().invoke(
+        main, ["validate", str(tmp_path / "noname.yaml"), "--set", "name=named"]
+    )
+    assert result.exit_code == 0, result.output

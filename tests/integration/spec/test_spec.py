@@ -506,7 +506,8 @@ def test_show_with_a_workspace_root_too_long_for_the_filesystem_is_one_line(tmp_
         result = CliRunner().invoke(main, [command, str(path), "--set", f"workspace.root={root}"])
         assert result.exit_code == 2
         assert result.stderr.startswith(
-            f"error: --set workspace.root={root}: workspace.root: File name too long; found 'www"
+            f"error: --set workspace.root={root}: workspace.root: its part '{'w' * 20}...' is "
+            f"300 bytes long; a file or folder name has at most 255; found 'www"
         )
         assert result.stderr.count("\n") == 1
 
