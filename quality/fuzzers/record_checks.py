@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections import Counter
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +83,7 @@ class Store:
     runs: dict[str, dict] = field(default_factory=dict)  # run id -> status, start, tags
 
     def __post_init__(self):
-        with self._connect() as conn:
+        with closing(self._connect()) as conn:
             for run_id, status, start, end in conn.execute(
                 "SELECT run_uuid, status, start_time, end_time FROM runs "
                 "WHERE lifecycle_stage = 'active'"
@@ -101,13 +102,15 @@ class Store:
                 "GROUP BY t.value, m.key, m.step HAVING COUNT(DISTINCT m.run_uuid) > 1"
             ).fetchall()
 
-    def _connect(self):
-        conn = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=60)
-        return conn
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=60)
 
     def identity(self, run_id: str) -> tuple[int, str | None, str | None]:
         run = self.runs[run_id]
         return run["start"], run["tags"].get("mlflow.runName"), run["tags"].get("stage")
+
+    def name(self, run_id: str) -> str:
+        return self.runs.get(run_id, {}).get("tags", {}).get("mlflow.runName", run_id)
 
     def duplicates(self) -> list[str]:
         """Runs created twice, metrics logged twice at one step (in a run, or in two
@@ -119,13 +122,17 @@ class Store:
             for (start, name, stage), n in counts.items()
             if n > 1
         ]
+        by_run = Counter(run for run, _key, _step, _n in self.metric_repeats)
         found += [
-            f"duplicated: metric {key} at step {step} logged {n} times in run {run}"
-            for run, key, step, n in self.metric_repeats
+            f"duplicated: {n} metric values of run {self.name(run)} logged more than once at "
+            f"one step"
+            for run, n in by_run.items()
         ]
+        by_series = Counter(series for series, _key, _step, _n in self.series_repeats)
         found += [
-            f"duplicated: metric {key} at step {step} logged by {n} attempts of series {s}"
-            for s, key, step, n in self.series_repeats
+            f"duplicated: {n} metric values logged at the same step by two attempts of one "
+            f"stage output (series {series})"
+            for series, n in by_series.items()
         ]
         return found
 
@@ -163,13 +170,13 @@ class Store:
         return found
 
     def missing_creates(self, creates: list[tuple[int, str, str | None]]) -> list[str]:
-        """The runs a backlog held that the store lacks or holds twice."""
+        """The runs a backlog held that the store lacks (twice: `duplicates`)."""
         counts = Counter(self.identity(r) for r in self.runs)
         return [
-            f"lost: run {name}{f' ({stage})' if stage else ''} started at {start} from a "
-            f"backlog is in the store {counts[(start, name, stage)]} times"
+            f"lost: run {name}{f' ({stage})' if stage else ''} started at {start}, from a "
+            f"backlog, is not in the store"
             for start, name, stage in creates
-            if counts[(start, name, stage)] != 1
+            if counts[(start, name, stage)] == 0
         ]
 
     def running(self, workspace: Path, since_ms: int) -> list[str]:
@@ -191,7 +198,7 @@ class Store:
         """Model versions registered since `since_ms`: name, version, source, run, tags,
         description, the export run's metrics."""
         out = []
-        with self._connect() as conn:
+        with closing(self._connect()) as conn:
             rows = conn.execute(
                 "SELECT name, version, source, run_id, description FROM model_versions "
                 "WHERE creation_time >= ?",

@@ -51,16 +51,16 @@ COMMANDS = {
     "run, replaying a backlog": Command(
         "backlog", ("run", "{config}", "--only", "evaluate", "--force", "evaluate"), 3.0
     ),
-    "sync": Command("backlog", ("sync", "{config}"), 1.5),
-    "compare": Command("clean", ("compare", "{config}"), 1.5),
-    "export": Command("clean", ("export", "{config}", "--out", "{exports}/e0"), 1.5),
+    "sync": Command("backlog", ("sync", "{config}"), 1.2),
+    "compare": Command("clean", ("compare", "{config}"), 0.6),
+    "export": Command("clean", ("export", "{config}", "--out", "{exports}/e0"), 0.6),
     "export --format hf": Command(
-        "clean", ("export", "{config}", "--out", "{exports}/e0", "--format", "hf"), 1.5
+        "clean", ("export", "{config}", "--out", "{exports}/e0", "--format", "hf"), 1.0
     ),
     "export --register": Command(
-        "clean", ("export", "{config}", "--out", "{exports}/e0", "--register", "fuzz-model"), 2.5
+        "clean", ("export", "{config}", "--out", "{exports}/e0", "--register", "fuzz-model"), 1.5
     ),
-    "sample": Command("clean", ("sample", "{config}", "--prompt", "the ", "--tokens", "40"), 1.5),
+    "sample": Command("clean", ("sample", "{config}", "--prompt", "the ", "--tokens", "40"), 0.6),
     "show --estimate": Command("clean", ("show", "{config}", "--estimate"), 6.0),
     "sweep": Command(
         "clean",
@@ -72,7 +72,7 @@ COMMANDS = {
         ("sweep", "{config}", "--grid", "train.optimizer.lr=0.04,0.05", "--parallel", "2"),
         30.0,
     ),
-    "validate": Command("clean", ("validate", "{config}"), 0.5),
+    "validate": Command("clean", ("validate", "{config}"), 0.3),
 }
 # how often each is drawn: the commands with more places to stop, more often
 WEIGHTS = {

@@ -38,7 +38,7 @@ from quality.fuzzers.tracked_world import NAME, World
 SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 POINTS = {"lr0.02": "tiny-lr0.02", "lr0.03": "tiny-lr0.03"}
 # how long a step takes on 2 busy cores: a signal or an outage is drawn within it
-TYPICAL_S = {"run": 6.0, "evaluate": 2.0, "compare": 0.8, "export": 1.0, "sync": 0.8}
+TYPICAL_S = {"run": 4.0, "evaluate": 1.5, "compare": 0.5, "export": 0.6, "sync": 0.6}
 KINDS = ["run"] * 6 + ["evaluate"] * 3 + ["compare"] * 5 + ["export"] * 4 + ["sync"] * 2
 HANG_S = 300
 REGISTERED = "fuzz-model"
@@ -74,7 +74,7 @@ class Sequence:
 def draw_sets(draw: random.Random) -> list[str]:
     sets = []
     if draw.random() < 0.4:
-        sets.append(f"train.steps={draw.choice(['2', '4', '6'])}")
+        sets.append(f"train.steps={draw.choice(['2', '4', '6', '6'])}")
     if draw.random() < 0.4:
         sets.append(f"train.optimizer.lr={draw.choice(['0.005', '0.01', '0.02'])}")
     if draw.random() < 0.1:
@@ -90,7 +90,7 @@ def draw_step(draw: random.Random, exports: list[str]) -> Step:
     step = Step(kind, [], workspace)
     if kind == "run":
         only = draw.choice([None, "train", "train", "evaluate", "train,evaluate", "preprocess"])
-        force = draw.choice([None, None, None, "train", "evaluate", "preprocess", "download"])
+        force = draw.choice([None, None, "train", "train", "evaluate", "preprocess", "download"])
         step.args = [
             "run",
             "{config}",
