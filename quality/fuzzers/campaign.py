@@ -10,11 +10,13 @@ from __future__ import annotations
 import multiprocessing
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from quality.fuzzers import signal_fuzz, state_fuzz
+from quality.fuzzers.signal_checks import NAMES
 from quality.fuzzers.tracked_world import NAME, World, build_world
 from quality.fuzzers.true_scores import Scorer
 
@@ -38,16 +40,44 @@ def worker_world(base: Path, jobs: int) -> tuple[World, Scorer]:
 def _sequence(job: tuple) -> tuple[state_fuzz.SequenceOutcome, float]:
     base, jobs, seed, index, length = job
     world, scorer = worker_world(base, jobs)
-    outcome = state_fuzz.run_sequence(world, scorer, state_fuzz.draw_sequence(seed, index, length))
+    seq = state_fuzz.draw_sequence(seed, index, length)
+    try:
+        outcome = state_fuzz.run_sequence(world, scorer, seq)
+    except Exception:  # the fuzzer's own failure: reported as the sequence's, the rest go on
+        outcome = state_fuzz.SequenceOutcome(index, seq.template)
+        outcome.steps.append(
+            state_fuzz.StepOutcome(
+                "fuzzer", "(the fuzzer)", None, 0, 0, None, [f"the fuzzer failed: {_last_lines()}"]
+            )
+        )
     return outcome, _worker.pop("built", 0.0)
 
 
 def _signal_case(job: tuple) -> tuple[signal_fuzz.SignalOutcome, float]:
     base, jobs, seed, index = job
     world, _ = worker_world(base, jobs)
-    return signal_fuzz.run_case(world, signal_fuzz.draw_case(seed, index)), _worker.pop(
-        "built", 0.0
-    )
+    case = signal_fuzz.draw_case(seed, index)
+    try:
+        outcome = signal_fuzz.run_case(world, case)
+    except Exception:
+        outcome = signal_fuzz.SignalOutcome(
+            index,
+            case.command,
+            case.text(),
+            NAMES[case.signum],
+            False,
+            None,
+            0,
+            0,
+            [f"the fuzzer failed: {_last_lines()}"],
+        )
+    return outcome, _worker.pop("built", 0.0)
+
+
+def _last_lines() -> str:
+    import traceback
+
+    return " | ".join(traceback.format_exc().strip().splitlines()[-3:])
 
 
 def run_campaign(
@@ -62,17 +92,24 @@ def run_campaign(
         if kind == "stateful"
         else (_signal_case, lambda i: (base, jobs, seed, i))
     )
+    done = 0
+
+    def take(outcome, built: float) -> None:
+        nonlocal done
+        done += 1
+        builds.extend([built] if built else [])
+        on_outcome(outcome)
+        if done % max(1, len(indices) // 10) == 0:
+            print(f"  ... {kind}: {done}/{len(indices)}", file=sys.stderr, flush=True)
+
     try:
         if jobs == 1:
-            results = (work(jobs_of(i)) for i in indices)
-            for outcome, built in results:
-                builds += [built] if built else []
-                on_outcome(outcome)
+            for i in indices:
+                take(*work(jobs_of(i)))
         else:
             with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-                for outcome, built in pool.imap_unordered(work, [jobs_of(i) for i in indices]):
-                    builds += [built] if built else []
-                    on_outcome(outcome)
+                for result in pool.imap_unordered(work, [jobs_of(i) for i in indices]):
+                    take(*result)
     finally:
         if "world" in _worker:
             _worker.pop("world").close()
@@ -178,6 +215,8 @@ def stateful_campaign(args) -> int:
             print(f"  {'>' if s.problems else ' '} {n:>2} exit {s.exit_code}  {s.text}")
             for p in s.problems:
                 print(f"         {p}")
+            if s.said:
+                print(_indented(s.said, "         | "))
     return 1 if bad else 0
 
 
@@ -216,7 +255,14 @@ def signal_campaign(args) -> int:
         )
         for p in o.problems:
             print(f"    {p}")
+        print(_indented(o.said, "    | "))
     return 1 if bad else 0
+
+
+def _indented(text: str, prefix: str) -> str:
+    """The last lines of a command's output, progress lines left out."""
+    lines = [line for line in text.splitlines() if "tok/s" not in line and line.strip()]
+    return "\n".join(prefix + line for line in lines[-8:])
 
 
 def _columns(*cells) -> str:

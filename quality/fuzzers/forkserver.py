@@ -10,8 +10,8 @@ what lets the stateful and signal fuzzers run hundreds of sequences.
 The zygote never runs a torch operation (so no thread pool exists to be lost in a fork) and
 no thread of its own. `ZYGOTE_MODULES` are what it imports before forking.
 
-The child reports two moments on a pipe of its own, relayed by the zygote with the monotonic
-clock's time (the same clock in every process of the machine):
+The child reports two moments on a pipe of its own, each with its time on the monotonic clock
+(the same clock in every process of the machine), relayed by the zygote:
 - `ready`: just before the command's function is called (signals are drawn from there);
 - `ending`: when the command has decided its exit code (`distributed.exit_process` is
   called); a signal sent before `ending` was sent to a running command, one sent after it
@@ -28,6 +28,7 @@ import json
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+MARK = struct.Struct("=cd")  # a child's mark: r(eady) or e(nding), and its monotonic time
 # what the commands import lazily that takes seconds: torch's compiler stack (the optimizer
 # imports torch._dynamo), matplotlib (evaluate's heat map), sympy; and every module of the
 # project (`_project_modules`)
@@ -86,6 +88,7 @@ class Zygote:
     every command inherits."""
 
     def __init__(self, env: dict[str, str]):
+        self.env = env
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "quality.fuzzers.forkserver"],
             cwd=ROOT,
@@ -230,11 +233,11 @@ def _child(request: dict, marks: int) -> None:
         exit_process = distributed.exit_process
 
         def ending(code=0):
-            os.write(marks, b"e")
+            os.write(marks, MARK.pack(b"e", time.monotonic()))
             exit_process(code)
 
         distributed.exit_process = ending  # type: ignore[assignment]
-        os.write(marks, b"r")
+        os.write(marks, MARK.pack(b"r", time.monotonic()))
         cli.entry()
         code = 0
     except SystemExit as e:  # as the interpreter ends a program: exit handlers, streams
@@ -301,23 +304,39 @@ def serve() -> None:
             answers.close()
             _child(request, write_end)
         os.close(write_end)
-        ready_sent = False
-        while True:
-            mark = os.read(read_end, 1)
-            now = time.monotonic()
-            if mark == b"r" and not ready_sent:
-                answers.write(json.dumps({"pid": pid, "ready": now}) + "\n")
-                ready_sent = True
-            elif mark == b"e":
-                answers.write(json.dumps({"ending": now}) + "\n")
-            elif not mark:
-                break
+        _report(answers, pid, read_end)
         os.close(read_end)
-        _, status, usage = os.wait4(pid, 0)
-        if not ready_sent:
-            answers.write(json.dumps({"pid": pid, "ready": time.monotonic()}) + "\n")
-        cpu = usage.ru_utime + usage.ru_stime  # with the processes it waited for (points)
-        answers.write(json.dumps({"status": status, "cpu": cpu}) + "\n")
+
+
+def _report(answers, pid: int, marks: int) -> None:
+    """Relay the child's marks as they come, then its status once it is gone. The marks'
+    pipe is watched, not read to its end: a process the child left behind may hold it."""
+    ready_sent, open_pipe = False, True
+    while True:
+        if open_pipe and select.select([marks], [], [], 0.05)[0]:
+            mark = os.read(marks, MARK.size)
+            if len(mark) < MARK.size:
+                open_pipe = False
+                continue
+            tag, when = MARK.unpack(mark)
+            if tag == b"r" and not ready_sent:
+                answers.write(json.dumps({"pid": pid, "ready": when}) + "\n")
+                ready_sent = True
+            elif tag == b"e":
+                answers.write(json.dumps({"ending": when}) + "\n")
+            continue
+        done, status, usage = os.wait4(pid, os.WNOHANG if open_pipe else 0)
+        if done:
+            break
+    while open_pipe and select.select([marks], [], [], 0)[0]:  # written before the exit
+        mark = os.read(marks, MARK.size)
+        open_pipe = len(mark) == MARK.size
+        if open_pipe and MARK.unpack(mark)[0] == b"e":
+            answers.write(json.dumps({"ending": MARK.unpack(mark)[1]}) + "\n")
+    if not ready_sent:
+        answers.write(json.dumps({"pid": pid, "ready": time.monotonic()}) + "\n")
+    cpu = usage.ru_utime + usage.ru_stime  # with the processes it waited for (points)
+    answers.write(json.dumps({"status": status, "cpu": cpu}) + "\n")
 
 
 if __name__ == "__main__":

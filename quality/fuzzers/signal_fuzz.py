@@ -30,7 +30,7 @@ from quality.fuzzers.signal_checks import NAMES, ending_problem, leftovers, was_
 from quality.fuzzers.tracked_world import World
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-HANG_S = 300
+HANG_S = 300  # a sweep of 2 points as processes of their own: 60 s on 2 busy cores
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,7 @@ class SignalOutcome:
     seconds: float
     cpu: float
     problems: list[str] = field(default_factory=list)
+    said: str = ""  # for a bad case: the end of what it printed
 
 
 def stopped_stage(stdout: str) -> str | None:

@@ -40,7 +40,7 @@ POINTS = {"lr0.02": "tiny-lr0.02", "lr0.03": "tiny-lr0.03"}
 # how long a step takes on 2 busy cores: a signal or an outage is drawn within it
 TYPICAL_S = {"run": 4.0, "evaluate": 1.5, "compare": 0.5, "export": 0.6, "sync": 0.6}
 KINDS = ["run"] * 6 + ["evaluate"] * 3 + ["compare"] * 5 + ["export"] * 4 + ["sync"] * 2
-HANG_S = 300
+HANG_S = 180  # the slowest step takes 20 s on 2 busy cores
 REGISTERED = "fuzz-model"
 
 
@@ -155,6 +155,7 @@ class StepOutcome:
     signal: str | None  # "SIGTERM", "SIGTERM late" (after the command had ended), None
     problems: list[str]
     scores_checked: int = 0
+    said: str = ""  # for a bad step: the end of what it printed
 
 
 @dataclass

@@ -197,8 +197,10 @@ class World:
 
     def restore(self, name: str) -> None:
         """Template `name` back at runs/, its store a new file served from a new directory;
-        the last case's store and outputs removed."""
+        the last case's store and outputs removed (and a fork server that died, replaced)."""
         self.server.stop()
+        if self.zygote.proc.poll() is not None:
+            self.zygote = Zygote(self.zygote.env)
         old = self.server.root
         shutil.rmtree(self.runs, ignore_errors=True)
         shutil.rmtree(self.exports, ignore_errors=True)  # what the last case exported

@@ -51,9 +51,16 @@ class TrackingServer:
 
     def start(self) -> None:
         """Serve the store in `root` (made on the first start)."""
-        import mlflow.server.handlers as handlers
-        from mlflow.server import app
+        import logging
+        import warnings
+
+        with warnings.catch_warnings():  # starlette's, about a module MLflow imports
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import mlflow.server.handlers as handlers
+            from mlflow.server import app
         from werkzeug.serving import WSGIRequestHandler, make_server
+
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating tables"
 
         class Quiet(WSGIRequestHandler):
             def log(self, *args) -> None: ...
