@@ -131,7 +131,8 @@ CLASSES = [
     (r"^signal: .* swallowed", "signal: swallowed (exit 0)"),
     (r"^signal:", "signal: another exit or more lines"),
     (r"^duplicated: run", "tracking: a run created twice"),
-    (r"^duplicated: metric", "tracking: a metric logged twice at a step"),
+    (r"^duplicated: \d+ metric values", "tracking: a metric logged twice at a step"),
+    (r"^duplicated: the", "tracking: a run created twice"),
     (r"^lost:", "tracking: a record lost"),
     (r"^half-written: run", "tracking: a run left RUNNING after a handled signal"),
     (r"^(leftover|half-published|half-written)", "files: left half-done"),
@@ -158,12 +159,14 @@ def _headline(label: str, n: int, args, seconds: float, builds: list[float], cpu
     )
 
 
-def _classes(problems: list[str]) -> None:
+def _classes(cases: list[list[str]], unit: str) -> None:
+    """How many steps (or cases) had a problem of each class."""
     counts: dict[str, int] = {}
-    for p in problems:
-        counts[problem_class(p)] = counts.get(problem_class(p), 0) + 1
+    for problems in cases:
+        for label in {problem_class(p) for p in problems}:
+            counts[label] = counts.get(label, 0) + 1
     if counts:
-        print("problems by class:")
+        print(f"{unit} with a problem, by class:")
         for label, n in sorted(counts.items(), key=lambda item: -item[1]):
             print(f"  {n:>5}  {label}")
 
@@ -191,7 +194,7 @@ def stateful_campaign(args) -> int:
     )
     bad = [o for o in outcomes if o.problems]
     print(f"  bad sequences {len(bad)}, bad steps {sum(bool(s.problems) for s in steps)}")
-    _classes([p for s in steps for p in s.problems])
+    _classes([s.problems for s in steps], "steps")
     print(f"\n{'step':<10}" + _columns("steps", "exit 0", "exit 2", "128+n", "bad", "max s"))
     for kind in sorted({s.kind for s in steps}):
         group = [s for s in steps if s.kind == kind]
@@ -231,7 +234,7 @@ def signal_campaign(args) -> int:
     _headline("signal cases", len(outcomes), args, seconds, builds, sum(o.cpu for o in outcomes))
     bad = [o for o in outcomes if o.problems]
     print(f"  late {sum(o.late for o in outcomes)} (the command had ended), bad {len(bad)}")
-    _classes([p for o in outcomes for p in o.problems])
+    _classes([o.problems for o in outcomes], "cases")
     width = max(len(o.command) for o in outcomes)
     print(f"\n{'command':<{width}}" + _columns("cases", "late", "128+n", "143", "bad", "max s"))
     for command in sorted({o.command for o in outcomes}):
@@ -255,7 +258,8 @@ def signal_campaign(args) -> int:
         )
         for p in o.problems:
             print(f"    {p}")
-        print(_indented(o.said, "    | "))
+        if o.said.strip():
+            print(_indented(o.said, "    | "))
     return 1 if bad else 0
 
 

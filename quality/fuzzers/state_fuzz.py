@@ -136,10 +136,19 @@ def draw_step(draw: random.Random, exports: list[str]) -> Step:
 
 
 def draw_sequence(seed: int, index: int, length: int) -> Sequence:
+    """`length` steps; now and then one repeats the last `run` as it was given (what a user
+    does to see the results again: a run with nothing to do reprints them)."""
     draw = random.Random(f"state:{seed}:{index}")
     template = "backlog" if draw.random() < 0.3 else "clean"
     exports: list[str] = []
-    return Sequence(index, template, [draw_step(draw, exports) for _ in range(length)])
+    steps: list[Step] = []
+    for _ in range(length):
+        runs = [s for s in steps if s.kind in ("run", "evaluate")]
+        if runs and draw.random() < 0.12:
+            steps.append(Step(runs[-1].kind, list(runs[-1].args), runs[-1].workspace))
+        else:
+            steps.append(draw_step(draw, exports))
+    return Sequence(index, template, steps)
 
 
 # ---------------------------------------------------------------- running one
@@ -179,7 +188,7 @@ class SequenceOutcome:
 @dataclass
 class Memory:
     """What a sequence has seen so far: the runs it tracked, the runs its backlogs held,
-    the problems already reported (each is reported at the step that showed it first)."""
+    the problems of the world already reported (each at the step that showed it first)."""
 
     invocations: list[Invocation] = field(default_factory=list)
     creates: set[tuple[str, tuple]] = field(default_factory=set)  # (workspace, identity)
@@ -232,24 +241,59 @@ def _remember_backlogs(world: World, memory: Memory) -> None:
 
 
 def judge_step(world: World, scorer, memory: Memory, index: int, step: Step, driven) -> StepOutcome:
+    """The step's own problems (its ending, the scores it showed), every time; then the
+    world's (leftovers, the store's records), each the first time it is seen."""
     ended = driven.ended
     late = was_late(ended, driven.sent)
     signum = step.signum if driven.sent is not None and not late else None
     label = None
     if step.signum is not None:
         label = NAMES[step.signum] + (" late" if late or driven.sent is None else "")
-    problems = []
-    if why := ending_problem(ended, signum, driven.sent):
-        problems.append(why)
-    problems += leftovers([world.runs, world.exports])
+    own = [why] if (why := ending_problem(ended, signum, driven.sent)) else []
+    store = Store(world.server.root / "server.db")
+    shown = _scores_shown(world, step, driven, store, signum, own)
+    own += [p for s in shown if (p := score_checks.problem(s, scorer))]
+    _remember_backlogs(world, memory)
+    if step.kind in ("run", "evaluate"):
+        inv = record_checks.invocation(
+            index,
+            world.runs / step.workspace,
+            (driven.start, driven.end),
+            ended.stdout,
+            signum is not None,
+        )
+        if inv is not None:
+            memory.invocations.append(inv)
+    seen = leftovers([world.runs, world.exports]) + _record_problems(world, memory, store)
+    if signum is not None and ended.killed_by is None and step.down_at is None:
+        seen += store.running(world.runs / step.workspace, int(driven.start * 1000))
+    new = [p for p in dict.fromkeys(seen) if p not in memory.reported]
+    memory.reported.update(new)
+    problems = own + new
+    said = f"{ended.stdout[-400:]}{ended.stderr[-600:]}" if problems else ""
+    return StepOutcome(
+        step.kind,
+        step.text(),
+        ended.shell_code,
+        ended.seconds,
+        ended.cpu,
+        label,
+        problems,
+        len(shown),
+        said,
+    )
+
+
+def _scores_shown(world: World, step: Step, driven, store: Store, signum, own: list[str]):
+    """The scores the step showed: evaluate's lines, compare's rows, a registered version
+    and an export's card (and, into `own`, a registration counted wrong)."""
+    ended = driven.ended
     workspace = world.runs / step.workspace
     shown: list[score_checks.Shown] = []
     if step.kind in ("run", "evaluate"):
         shown += score_checks.evaluate_lines(ended.stdout, workspace, "evaluate's lines")
     if step.kind == "compare" and ended.exit_code == 0:
         shown += score_checks.compare_output(ended.stdout, step.fmt, world.runs)
-    _remember_backlogs(world, memory)
-    store = Store(world.server.root / "server.db")
     if step.kind == "export":
         out = world.exports / (step.out or "")
         versions = store.versions(int(driven.start * 1000) - 5)
@@ -260,36 +304,21 @@ def judge_step(world: World, scorer, memory: Memory, index: int, step: Step, dri
         if "--register" in step.args:
             wanted = (1,) if ended.exit_code == 0 and signum is None else (0, 1)
             if len(versions) not in wanted:
-                problems.append(f"registered {len(versions)} versions (expected {wanted})")
-    problems += [p for s in shown if (p := score_checks.problem(s, scorer))]
-    problems += store.duplicates()
-    if step.kind in ("run", "evaluate"):
-        inv = record_checks.invocation(
-            index, workspace, (driven.start, driven.end), ended.stdout, signum is not None
-        )
-        if inv is not None:
-            memory.invocations.append(inv)
+                own.append(f"registered {len(versions)} versions (expected {wanted})")
+    return shown
+
+
+def _record_problems(world: World, memory: Memory, store: Store) -> list[str]:
+    """Runs or metrics doubled; and, for each workspace with nothing left to send, the runs
+    the sequence tracked or its backlogs held that the store lacks."""
     settled = {
         ws.name for ws in world.runs.iterdir() if not (ws / "tracking-backlog.jsonl").exists()
     }
+    found = store.duplicates()
     for inv in memory.invocations:
         if Path(inv.workspace).name in settled:
-            problems += store.lost(inv)
-    problems += store.missing_creates([create for ws, create in memory.creates if ws in settled])
-    if signum is not None and ended.killed_by is None and step.down_at is None:
-        problems += store.running(workspace, int(driven.start * 1000))
-    new = [p for p in dict.fromkeys(problems) if p not in memory.reported]
-    memory.reported.update(new)
-    return StepOutcome(
-        step.kind,
-        step.text(),
-        ended.shell_code,
-        ended.seconds,
-        ended.cpu,
-        label,
-        new,
-        len(shown),
-    )
+            found += store.lost(inv)
+    return found + store.missing_creates([create for ws, create in memory.creates if ws in settled])
 
 
 def fuzz_state(world: World, scorer, seed: int, indices, length: int, on_outcome) -> None:
