@@ -132,6 +132,8 @@ def leftovers(places: list[Path]) -> list[str]:
                     found.append(f"half-written: {backlog.relative_to(top)} line {n}")
                     break
         for marker in sorted(top.glob("*/.allattn-export")):
+            if marker.parent.name.startswith("."):  # a staging directory: a leftover above
+                continue
             try:
                 complete = json.loads(marker.read_text()).get("complete", True)
             except (OSError, ValueError, AttributeError):

@@ -52,12 +52,9 @@ class Scorer:
     model of `config`."""
 
     def __init__(self, config: Path, preprocess: Path):
-        import torch
-
         from pipeline.data.manifest import load_manifest, load_split
         from pipeline.spec import load_spec
 
-        torch.set_num_threads(1)
         spec = load_spec(config, [])
         manifest = load_manifest(preprocess)
         self.model = spec.build_model(manifest["vocab_size"], str(preprocess)).eval()
