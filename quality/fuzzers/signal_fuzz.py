@@ -53,7 +53,7 @@ COMMANDS = {
     ),
     "sync": Command("backlog", ("sync", "{config}"), 1.2),
     "compare": Command("clean", ("compare", "{config}"), 0.6),
-    "export": Command("clean", ("export", "{config}", "--out", "{exports}/e0"), 0.4),
+    "export": Command("clean", ("export", "{config}", "--out", "{exports}/e0"), 0.2),
     "export --format hf": Command(
         "clean", ("export", "{config}", "--out", "{exports}/e0", "--format", "hf"), 1.0
     ),
@@ -184,6 +184,8 @@ def run_case(world: World, case: Case) -> SignalOutcome:
     if case.command in REPLAYS:
         problems += _sync_again(world, creates)
     cpu = time.process_time() - cpu + ended.cpu
+    problems = list(dict.fromkeys(problems))
+    said = f"{ended.stdout[-400:]}{ended.stderr[-600:]}" if problems else ""
     return SignalOutcome(
         case.index,
         label,
@@ -193,7 +195,8 @@ def run_case(world: World, case: Case) -> SignalOutcome:
         ended.shell_code,
         ended.seconds,
         cpu,
-        list(dict.fromkeys(problems)),
+        problems,
+        said,
     )
 
 

@@ -11,9 +11,10 @@ as real processes by a fork server:
   moment in a command; its exit, its one line, nothing half-done, nothing sent twice.
 
 Each test runs every case and fails listing all the bad ones, with the line that replays
-each. `quality/fuzz.py --stateful N --signals N` prints the full figures. The sequences and
-cases are the first of seed 51: among them a train re-run without evaluate followed by a
-compare and an export --register, signals during a backlog's replay and during export.
+each. `quality/fuzz.py --stateful N --signals N` prints the full figures. The drawn sequences
+are two of seed 51 that show a score beside other weights on the code of issue 51 (compare
+after a train re-run, a re-run's reprint), with the issue's own two examples as a sequence;
+the signal cases are seed 51's first ten (signals in export, sync, a backlog's replay).
 """
 
 from __future__ import annotations
@@ -21,13 +22,40 @@ from __future__ import annotations
 import pytest
 
 from quality.fuzzers.signal_fuzz import fuzz_signals
-from quality.fuzzers.state_fuzz import fuzz_state
+from quality.fuzzers.state_fuzz import Sequence, Step, fuzz_state, run_sequence
 from quality.fuzzers.tracked_world import NAME, build_world
 from quality.fuzzers.true_scores import Scorer
 
 SEED = 51
-SEQUENCES = range(2)  # of 8 drawn steps each
-SIGNAL_CASES = range(12)
+SEQUENCES = (0, 19)  # of 8 drawn steps each
+SIGNAL_CASES = range(10)
+# issue 51's examples: compare after `run --only train` with more steps; export --register
+# after train re-ran with another learning rate (the same steps), evaluate not re-run
+CONFIG = "{config}"
+ISSUE_EXAMPLES = Sequence(
+    -1,
+    "clean",
+    [
+        Step("run", ["run", CONFIG, "--only", "train", "--set", "train.steps=6"], NAME),
+        Step("compare", ["compare", CONFIG, "--format", "table"], NAME),
+        Step("run", ["run", CONFIG, "--only", "train", "--set", "train.optimizer.lr=0.02"], NAME),
+        Step(
+            "export",
+            [
+                "export",
+                CONFIG,
+                "--out",
+                "{exports}/e0",
+                "--register",
+                "fuzz-model",
+                "--set",
+                "train.optimizer.lr=0.02",
+            ],
+            NAME,
+            out="e0",
+        ),
+    ],
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +67,7 @@ def world(tmp_path_factory):
 
 def test_every_score_shown_is_its_weights_and_no_record_is_lost_or_doubled(world):
     scorer = Scorer(world.config, world.templates["clean"] / "runs" / NAME / "preprocess")
-    outcomes: list = []
+    outcomes: list = [run_sequence(world, scorer, ISSUE_EXAMPLES)]
     fuzz_state(world, scorer, SEED, SEQUENCES, 8, outcomes.append)
     bad = [o for o in outcomes if o.problems]
     assert not bad, "\n".join(
