@@ -55,7 +55,7 @@ class TrackingServer:
         import warnings
 
         with warnings.catch_warnings():  # starlette's, about a module MLflow imports
-            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore")
             import mlflow.server.handlers as handlers
             from mlflow.server import app
         from werkzeug.serving import WSGIRequestHandler, make_server
