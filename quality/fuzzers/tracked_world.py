@@ -65,7 +65,11 @@ def command_env(jobs: int) -> dict[str, str]:
 
     env = environment_for_new_group()
     for var in list(env):
-        if var.startswith("MLFLOW_") or var.lower() in ("http_proxy", "https_proxy", "all_proxy"):
+        if var.startswith(("MLFLOW_", "_MLFLOW_")) or var.lower() in (
+            "http_proxy",
+            "https_proxy",
+            "all_proxy",
+        ):
             del env[var]
     env.update(DS_ACCELERATOR="cpu", no_proxy="127.0.0.1,localhost", NO_PROXY="127.0.0.1")
     if jobs > 1:
