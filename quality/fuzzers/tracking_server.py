@@ -56,6 +56,7 @@ class TrackingServer:
 
         with warnings.catch_warnings():  # starlette's, about a module MLflow imports
             warnings.simplefilter("ignore")
+            import mlflow.server.fastapi_app  # noqa: F401  (imported later otherwise, on a request)
             import mlflow.server.handlers as handlers
             from mlflow.server import app
         from werkzeug.serving import WSGIRequestHandler, make_server
