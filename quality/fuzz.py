@@ -8,6 +8,9 @@ bad one); here every case runs and the bad ones are listed.
         # issue 35's classes: secret_fuzz.py, injection_fuzz.py, link_fuzz.py (quality/fuzzers/)
     .venv/bin/python -m quality.fuzz --writes 60   # EFBIG and ENOSPC at every write site
         # (quality/fuzzers/write_fuzz.py; ENOSPC needs root or user namespaces for a tmpfs)
+    .venv/bin/python -m quality.fuzz --stateful 300 --signals 200 [-j 2] [--seed 51]
+        # issue 51's: sequences of commands, scores against their weights, records, signals
+        # (quality/fuzzers/state_fuzz.py, signal_fuzz.py); --first I replays case I
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def print_headline(label: str, outcomes: list, built: float, seconds: float) -> 
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=2000)
     parser.add_argument("--show-bad", type=int, default=20, help="bad cases to print")
@@ -63,7 +66,26 @@ def main() -> None:
     parser.add_argument(
         "--writes", type=int, metavar="N", help="run N write-failure (EFBIG, ENOSPC) cases instead"
     )
-    args = parser.parse_args()
+    parser.add_argument("--stateful", type=int, metavar="N", help="run N command sequences")
+    parser.add_argument("--signals", type=int, metavar="N", help="run N signal cases")
+    parser.add_argument("--steps", type=int, default=8, help="drawn steps per sequence")
+    parser.add_argument("-j", "--jobs", type=int, default=2, help="workers (each a world)")
+    parser.add_argument("--seed", type=int, default=51)
+    parser.add_argument("--first", type=int, default=0, help="the first case's index")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.stateful or args.signals:
+        from quality.fuzzers.campaign import signal_campaign, stateful_campaign
+
+        bad = 0
+        if args.stateful:
+            bad |= stateful_campaign(args)
+        if args.signals:
+            bad |= signal_campaign(args)
+        sys.exit(bad)
     if args.paths:
         paths(args.paths, args.show_bad)
         return
