@@ -296,10 +296,10 @@ argument; its `loglikelihood_rolling` tasks give bits per byte.
 - The harness's window: config.json's n_ctx,
   {window}.
   The model reads a sequence of any length in blocks, but the harness starts each window
-  with an empty memory, so the tokens at a window's start see less than in training: its
-  bits per byte come out a little above those of `allattn-pipe evaluate`, which reads a
-  split in one pass (and does not score its first token, which the harness scores after the
-  declared token).
+  with an empty memory, so the tokens at a window's start see less than in training. Its
+  bits per byte on a split differ from `allattn-pipe evaluate`'s by that: evaluate starts
+  from an empty memory only at the start of each of its evaluate.batch_size streams (and
+  does not score the split's first token, which the harness scores after the declared one).
 """
 
 
