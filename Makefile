@@ -11,7 +11,7 @@ ifeq ($(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 
 export DS_ACCELERATOR ?= cpu
 endif
 
-.PHONY: quickstart test test-all install lint format clean gpu-check gpu-wheels cluster-deps
+.PHONY: quickstart test test-all install lint format clean gpu-check gpu-wheels cluster-deps harness-deps
 
 quickstart: $(VENV)/.installed
 	$(BIN)/allattn-pipe run configs/quickstart.yaml
@@ -84,6 +84,11 @@ gpu-wheels: $(VENV)/.installed
 # namespaces); as root. Without them those tests skip, naming what is missing.
 cluster-deps:
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+
+# lm-evaluation-harness (the `harness` extra) for tests/system/commands/test_lm_eval.py, which
+# .ci/run installs; `make test` never needs it (the test is in the system tier).
+harness-deps: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[harness]"
 
 # torch: an interpreter that already has torch (a cluster's CUDA build) lends it to the venv;
 # with an NVIDIA GPU and no torch, pip picks its default (CUDA) build; otherwise the CPU

@@ -34,6 +34,7 @@ from pipeline.commands.hf_modeling import CONFIGURATION_TEMPLATE, MODELING_TEMPL
 from pipeline.commands.hf_tokenizer import (
     TOKENIZER_CONFIG,
     TOKENIZER_PY,
+    separator,
     tokenizer_file_names,
     write_tokenizer_files,
 )
@@ -204,9 +205,25 @@ def hf_config(spec, vocab_size: int, checkpoint: str) -> dict:
         "model": model,
         "vocab_size": vocab_size,
         "block_len": spec.train.eval_seq_len or spec.train.seq_len,
+        "n_ctx": harness_window(spec),
         "use_cache": True,
         "source": {"spec": str(spec.source), "checkpoint": checkpoint},
     }
+
+
+HARNESS_SPANS = 16
+"""An evaluation harness's window holds this many attention spans: after each restart of the
+window (an empty memory) the tokens read with less than a span before them are at most
+1/16 of it."""
+
+
+def harness_window(spec) -> int:
+    """config.json's `n_ctx`: the tokens an evaluation harness scores in one forward before it
+    restarts with an empty memory (lm-evaluation-harness reads it as the model's maximum
+    length; its own default is 2,048). The model reads a sequence of any length, in blocks;
+    a longer window costs the harness only the logits it holds. Not max_position_embeddings,
+    which transformers' `generate` would take for a limit on the sequence."""
+    return max(2048, HARNESS_SPANS * spec.model_params.max_span)
 
 
 def readme(spec, vocab: dict, checkpoint: str) -> str:
@@ -245,8 +262,8 @@ print(tokenizer.decode(model.generate(ids, max_new_tokens=100, do_sample=False)[
   .py files are the model's code, copied from allattn-pipe.
 - model.safetensors: the weights.
 - {TOKENIZER_CONFIG}, {TOKENIZER_PY}, {files}: the tokenizer, the {vocab["kind"]}
-  vocabulary the model was trained on. {unknown} There are no special
-  tokens: generation runs to max_new_tokens.
+  vocabulary the model was trained on. {unknown} Encoding adds no special
+  token, and generation runs to max_new_tokens (config.json names no end of sequence).
 
 The model reads a sequence in blocks of {{block_len}} tokens (config.json), each carrying the
 memory of the one before. `generate` keeps that memory as its cache (no padding, batches of
@@ -255,6 +272,34 @@ greedy decoding gives what `allattn-pipe sample --temperature 0` gives. (On one 
 a 1.9M-parameter model of 6 layers: 60 new tokens in 1.5 s after a 128-token prompt, 3.0 s
 after 4,096, 16-25 ms a token either way, as `sample`; `use_cache=False` reads the whole
 sequence again for each token: 5.7 s after 128, 14.3 s after 512.)
+"""
+
+
+def harness_readme(config: dict, vocab: dict) -> str:
+    """The README's section on evaluation harnesses: the tokens and the window they read."""
+    _, why = separator(vocab)
+    window = (
+        f"{config['n_ctx']:,} tokens, the larger of 2,048 and {HARNESS_SPANS} attention spans "
+        f"of {config['model']['max_span']:,}"
+    )
+    return f"""
+## lm-evaluation-harness
+
+`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` needs no other model
+argument; its `loglikelihood_rolling` tasks give bits per byte.
+
+- The token a harness reads a document's first token after: tokenizer_config.json declares
+  one as the BOS, EOS and pad token,
+  {why}.
+  It is text like any other token: encoding adds it nowhere, decoding keeps it (with
+  skip_special_tokens too), and the harness's generation tasks stop at it.
+- The harness's window: config.json's n_ctx,
+  {window}.
+  The model reads a sequence of any length in blocks, but the harness starts each window
+  with an empty memory, so the tokens at a window's start see less than in training. Its
+  bits per byte on a split differ from `allattn-pipe evaluate`'s by that: evaluate starts
+  from an empty memory only at the start of each of its evaluate.batch_size streams (and
+  does not score the split's first token, which the harness scores after the declared one).
 """
 
 
@@ -283,9 +328,10 @@ def write_hf_files(tmp: Path, spec, model, vocab: dict, vocab_size: int, checkpo
     if stray := [name for name, text in code.items() if imports_pipeline(text)]:
         raise PipelineError(f"export --format hf: {stray[0]} still imports pipeline")
     (tmp / "vocab.json").write_text(json.dumps(vocab, indent=1) + "\n")
-    write_tokenizer_files(tmp)  # tokenizer.model, for sentencepiece, is export's to copy
+    write_tokenizer_files(tmp, vocab)  # tokenizer.model, for sentencepiece, is export's to copy
     (tmp / README).write_text(
         readme(spec, vocab, checkpoint).replace("{block_len}", str(config["block_len"]))
+        + harness_readme(config, vocab)
         + scores_section(spec, checkpoint)
     )
     return hf_file_names(spec)

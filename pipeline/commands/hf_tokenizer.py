@@ -14,6 +14,11 @@ not have is refused as the training vocabulary refuses it (ValueError naming it 
 position); sentencepiece maps it to <unk> (or its bytes, with byte_fallback) as it did in
 training. The code is a template, never imported here: it imports transformers, which this
 package does not need.
+
+Evaluation harnesses (lm-evaluation-harness's `hf` model) read a document's first token after
+a token the tokenizer declares (its BOS, else its EOS), pad with the pad token, and stop
+generating at the EOS. The folder declares one token as all three: the vocabulary's
+separator (`separator`), which is text, never dropped from decoded text.
 """
 
 from __future__ import annotations
@@ -32,20 +37,54 @@ def tokenizer_file_names() -> list[str]:
     return [TOKENIZER_PY, TOKENIZER_CONFIG]
 
 
-def tokenizer_config() -> dict:
+def separator(vocab: dict) -> tuple[str, str]:
+    """(the token, as the folder's tokenizer spells it, that an evaluation harness reads a
+    document's first token after, why that one: a line of README). The end of a line where
+    the vocabulary has one: WikiText's word and sentencepiece vocabularies end every line with
+    their end-of-line token, and a newline ends every line of the byte corpora (python_docs
+    separates its documents with a blank line), so training read every line after one.
+    Else the space (text8: a-z and the space, one line), else the first symbol."""
+    kind, eol = vocab["kind"], vocab.get("eos")
+    read_after = "so training read every line after one"
+    if kind in ("word", "sentencepiece") and eol is not None:
+        return eol, f"`{eol}`, the end-of-line token: it ends every line of the text, {read_after}"
+    symbols = vocab.get("symbols") or []
+    if kind in ("byte", "char"):
+        text = [chr(s) for s in symbols] if kind == "byte" else list(symbols)
+        if "\n" in text:
+            return "\n", (
+                f"`'\\n'`, the newline: it ends every line of the text, {read_after} (and "
+                f"every document)"
+            )
+        if " " in text:
+            return " ", "`' '`, the space: the vocabulary has no newline; the space separates words"
+        return text[0], f"`{text[0]!r}`, the vocabulary's first symbol: it has no newline or space"
+    if kind == "word":
+        return symbols[0], f"`{symbols[0]}`, the most frequent word: there is no end-of-line token"
+    return "<unk>", "`<unk>` (piece 0): the sentencepiece model has no end-of-line piece"
+
+
+def tokenizer_config(vocab: dict) -> dict:
+    token, _ = separator(vocab)
     return {
         "tokenizer_class": TOKENIZER_CLASS,
         "auto_map": {"AutoTokenizer": [f"{TOKENIZER_PY[:-3]}.{TOKENIZER_CLASS}", None]},
         # the default clean-up rewrites " ." as "." and such: the text would not round-trip
         "clean_up_tokenization_spaces": False,
-        # no special tokens: the end-of-line token is text (a newline), not an end of sequence
+        # what an evaluation harness reads a document's first token after, pads with and stops
+        # at; encoding adds none of them (the class's build_inputs_with_special_tokens), and
+        # text that spells one is tokenized as training did, not matched as a special token
+        "bos_token": token,
+        "eos_token": token,
+        "pad_token": token,
+        "split_special_tokens": True,
         "model_input_names": ["input_ids", "attention_mask"],
     }
 
 
-def write_tokenizer_files(tmp: Path) -> list[str]:
+def write_tokenizer_files(tmp: Path, vocab: dict) -> list[str]:
     (tmp / TOKENIZER_PY).write_text(TOKENIZER_SOURCE)
-    (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(vocab), indent=2) + "\n")
     return tokenizer_file_names()
 
 
@@ -54,7 +93,10 @@ TOKENIZER_SOURCE = '''\
 tokenizer. vocab.json names the kind: byte (the UTF-8 bytes of the text), char, word
 (`line.split()` and an end-of-line token per line) or sentencepiece (tokenizer.model, one
 line at a time, each ended by its end-of-line piece). Text with a symbol the vocabulary lacks
-is refused, as in training; sentencepiece gives it <unk> (or its bytes) as it did there."""
+is refused, as in training; sentencepiece gives it <unk> (or its bytes) as it did there.
+tokenizer_config.json declares the vocabulary's separator (the newline, or the end-of-line
+token) as the BOS, EOS and pad token, for evaluation harnesses: it is text all the same, so
+encoding adds it nowhere and decoding keeps it, skip_special_tokens or not."""
 
 import json
 import os
@@ -143,6 +185,13 @@ class AllAttnPipeTokenizer(PreTrainedTokenizer):
 
     def _convert_id_to_token(self, index):
         return self.symbols[index]
+
+    def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None):
+        return token_ids_0 + (token_ids_1 or [])  # the text's tokens alone, as in training
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
+        # the declared tokens are the text's own separator: never skipped (a newline would be)
+        return super().convert_ids_to_tokens(ids, skip_special_tokens=False)
 
     def convert_tokens_to_string(self, tokens):
         if self.kind == "byte":  # a character cut in two reads as U+FFFD, as sample shows it
