@@ -32,12 +32,16 @@ a failed request or a bad file); the runner nests its own for the stage wording,
 loop `StopSignal`, a sweep and the launcher their forwarding handlers. A handler that exits
 hands the signal it took to the one it restores, so the preemption's duplicate that reaches
 the bookkeeping after the checkpoint is still the same request, not a new one that would
-replace the `Preempted` exit with `Interrupted`.
+replace the `Preempted` exit with `Interrupted`. An `Interrupted` that Python drops because the
+signal came while a finalizer ran (a weakref callback, a `__del__`) is raised again where the
+main thread goes on (`RaiseOnSignal._redeliver_swallowed`).
 """
 
 from __future__ import annotations
 
+import _thread
 import signal
+import sys
 import threading
 import time
 
@@ -60,8 +64,15 @@ class SignalHandler:
         self.signals, self._previous = signals, {}
         self.received: str | None = None  # the first signal's name
         self._first_at = 0.0
+        self._swallowed: Interrupted | None = None
 
     def _handle(self, signum, frame) -> None:
+        if self._swallowed is not None:  # delivered again: see `RaiseOnSignal`
+            if _in_unraisable_hook:  # it would be dropped again: later
+                _deliver_later(signum)
+                return
+            swallowed, self._swallowed = self._swallowed, None
+            raise swallowed
         if self.received is None:
             self.received, self._first_at = signal.Signals(signum).name, time.monotonic()
             self._first(signum)
@@ -100,6 +111,55 @@ class RaiseOnSignal(SignalHandler):
 
     def _first(self, signum) -> None:
         raise Interrupted(signal.Signals(signum).name, signum, after=self.after)
+
+    def __enter__(self):
+        self._hook = sys.unraisablehook
+        sys.unraisablehook = self._redeliver_swallowed
+        return super().__enter__()
+
+    def __exit__(self, exc_type, *exc):
+        sys.unraisablehook = self._hook
+        super().__exit__(exc_type, *exc)
+        if self._swallowed is not None and exc_type is None:  # not yet raised again: now
+            swallowed, self._swallowed = self._swallowed, None
+            raise swallowed
+
+    def _redeliver_swallowed(self, unraisable) -> None:
+        """Python runs a signal's handler wherever the main thread is, a finalizer included
+        (a weakref callback, a `__del__`, a generator closed by the collector); an exception
+        raised there cannot propagate, the interpreter prints it and carries on, and the
+        command would end as if no signal had come (the signal fuzzer caught `show
+        --estimate` exiting 0 so). The `Interrupted` is raised again where the main thread
+        is next, once the finalizer has returned."""
+        global _in_unraisable_hook
+        exc = unraisable.exc_value
+        signum = signal.Signals(exc.exit_code - 128) if isinstance(exc, Interrupted) else None
+        handler = getattr(signal.getsignal(signum), "__self__", None) if signum else None
+        if signum is None or not isinstance(handler, SignalHandler):
+            self._hook(unraisable)
+            return
+        _in_unraisable_hook = True  # an exception raised in the hook itself is dropped too
+        try:
+            handler._swallowed = exc  # the handler in place now: a nested one may have raised it
+            _deliver_later(signum)
+        finally:
+            _in_unraisable_hook = False
+
+
+_in_unraisable_hook = False
+REDELIVER_S = 0.005
+
+
+def _deliver_later(signum: signal.Signals) -> None:
+    """Run the Python handler of `signum` in the main thread a moment from now: once the
+    finalizer that dropped its exception has returned (a signal sent from here would be
+    handled here, inside the hook)."""
+
+    def deliver():
+        time.sleep(REDELIVER_S)
+        _thread.interrupt_main(signum)
+
+    threading.Thread(target=deliver, name="signal-redelivery", daemon=True).start()
 
 
 class HoldSignals(SignalHandler):
