@@ -6,13 +6,17 @@ temporary name in the same directory and renamed into place, which POSIX makes a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
+import secrets
 import stat
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -275,30 +279,48 @@ def read_ours(path: str | os.PathLike, what: str) -> bytes:
         return f.read()
 
 
+@contextmanager
+def temporary_beside(path: Path, suffix: str = ".tmp") -> Iterator[tuple[int, Path]]:
+    """A new file in `path`'s directory, opened for writing (0600) under a name no one can
+    guess (as mkstemp's), and removed on the way out unless it was renamed by then. The name
+    is chosen before the file is made, so a signal that stops the command between the two
+    still finds it removed (with mkstemp the name reaches the caller only once the file
+    exists: the signal fuzzer found temporaries left in a stopped stage's directory)."""
+    tmp = None
+    try:
+        while True:
+            tmp = path.parent / f".{path.name[:64]}.{secrets.token_hex(6)}{suffix}"
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(tmp, flags, 0o600)
+                break
+            except FileExistsError:
+                tmp = None  # another's: never removed
+        yield fd, tmp
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = False) -> None:
-    """`data` published at `path`: written to a mkstemp name beside it (never reopened by
-    name, so nothing can be swapped in), given the umask's mode unless `private`, and
+    """`data` published at `path`: written to an unguessable name beside it (never reopened
+    by name, so nothing can be swapped in), given the umask's mode unless `private`, and
     renamed over `path` (which replaces a symlink there, never writing through it)."""
     from pipeline.errors import write_cause
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = None
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(name)
-        with os.fdopen(fd, "wb") as f:
+        with temporary_beside(path) as (fd, tmp), os.fdopen(fd, "wb") as f:
             if not private:
                 os.fchmod(f.fileno(), public_mode())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+            os.replace(tmp, path)
+    except OSError as e:
         if write_cause(e):  # full, or too large: named as the file it was for, not the temporary
-            assert isinstance(e, OSError)
             raise OSError(e.errno, e.strerror, os.fspath(path)) from None
         raise
 

@@ -34,7 +34,7 @@ hands the signal it took to the one it restores, so the preemption's duplicate t
 the bookkeeping after the checkpoint is still the same request, not a new one that would
 replace the `Preempted` exit with `Interrupted`. An `Interrupted` that Python drops because the
 signal came while a finalizer ran (a weakref callback, a `__del__`) is raised again where the
-main thread goes on (`RaiseOnSignal._redeliver_swallowed`).
+main thread goes on (`REDELIVERY`).
 """
 
 from __future__ import annotations
@@ -64,15 +64,8 @@ class SignalHandler:
         self.signals, self._previous = signals, {}
         self.received: str | None = None  # the first signal's name
         self._first_at = 0.0
-        self._swallowed: Interrupted | None = None
 
     def _handle(self, signum, frame) -> None:
-        if self._swallowed is not None:  # delivered again: see `RaiseOnSignal`
-            if _in_unraisable_hook:  # it would be dropped again: later
-                _deliver_later(signum)
-                return
-            swallowed, self._swallowed = self._swallowed, None
-            raise swallowed
         if self.received is None:
             self.received, self._first_at = signal.Signals(signum).name, time.monotonic()
             self._first(signum)
@@ -113,51 +106,67 @@ class RaiseOnSignal(SignalHandler):
         raise Interrupted(signal.Signals(signum).name, signum, after=self.after)
 
     def __enter__(self):
-        self._hook = sys.unraisablehook
-        sys.unraisablehook = self._redeliver_swallowed
+        if threading.current_thread() is threading.main_thread():
+            self._hook = sys.unraisablehook
+            sys.unraisablehook = _keep_dropped_interrupt
+            self._previous[REDELIVERY] = signal.signal(REDELIVERY, _raise_dropped_interrupt)
         return super().__enter__()
 
     def __exit__(self, exc_type, *exc):
-        sys.unraisablehook = self._hook
+        global _dropped
+        if hasattr(self, "_hook"):
+            sys.unraisablehook = self._hook
         super().__exit__(exc_type, *exc)
-        if self._swallowed is not None and exc_type is None:  # not yet raised again: now
-            swallowed, self._swallowed = self._swallowed, None
-            raise swallowed
-
-    def _redeliver_swallowed(self, unraisable) -> None:
-        """Python runs a signal's handler wherever the main thread is, a finalizer included
-        (a weakref callback, a `__del__`, a generator closed by the collector); an exception
-        raised there cannot propagate, the interpreter prints it and carries on, and the
-        command would end as if no signal had come (the signal fuzzer caught `show
-        --estimate` exiting 0 so). The `Interrupted` is raised again where the main thread
-        is next, once the finalizer has returned."""
-        global _in_unraisable_hook
-        exc = unraisable.exc_value
-        signum = signal.Signals(exc.exit_code - 128) if isinstance(exc, Interrupted) else None
-        handler = getattr(signal.getsignal(signum), "__self__", None) if signum else None
-        if signum is None or not isinstance(handler, SignalHandler):
-            self._hook(unraisable)
-            return
-        _in_unraisable_hook = True  # an exception raised in the hook itself is dropped too
-        try:
-            handler._swallowed = exc  # the handler in place now: a nested one may have raised it
-            _deliver_later(signum)
-        finally:
-            _in_unraisable_hook = False
+        if _dropped is not None and exc_type is None:  # not yet raised again: now
+            dropped, _dropped = _dropped, None
+            raise dropped
 
 
-_in_unraisable_hook = False
+# Python runs a signal's handler wherever the main thread is, a finalizer included (a weakref
+# callback, a `__del__`, a generator closed by the collector). An exception raised there
+# cannot propagate: the interpreter prints it and carries on, and the command would end as if
+# no signal had come (the signal fuzzer caught `show --estimate` exiting 0 so). While a
+# `RaiseOnSignal` is in place, such an `Interrupted` is kept and raised again a moment later
+# where the main thread is then, through a handler of its own for REDELIVERY: a signal that
+# nothing else here uses, whose default (once the handler is gone) is to do nothing, so a
+# redelivery that comes late is dropped harmlessly.
+REDELIVERY = signal.SIGURG
 REDELIVER_S = 0.005
+_dropped: Interrupted | None = None
+_in_unraisable_hook = False
 
 
-def _deliver_later(signum: signal.Signals) -> None:
-    """Run the Python handler of `signum` in the main thread a moment from now: once the
-    finalizer that dropped its exception has returned (a signal sent from here would be
-    handled here, inside the hook)."""
+def _keep_dropped_interrupt(unraisable) -> None:
+    global _dropped, _in_unraisable_hook
+    if not isinstance(unraisable.exc_value, Interrupted):
+        sys.__unraisablehook__(unraisable)
+        return
+    _in_unraisable_hook = True  # what the hook itself raises is dropped as well
+    try:
+        _dropped = _dropped or unraisable.exc_value
+        _deliver_later()
+    finally:
+        _in_unraisable_hook = False
+
+
+def _raise_dropped_interrupt(signum, frame) -> None:
+    global _dropped
+    if _dropped is None:
+        return  # raised already (a command's end), or a real SIGURG
+    if _in_unraisable_hook:
+        _deliver_later()
+        return
+    dropped, _dropped = _dropped, None
+    raise dropped
+
+
+def _deliver_later() -> None:
+    """Run REDELIVERY's handler in the main thread a moment from now, once the finalizer that
+    dropped the exception has returned (sent from here, it would run here, in the hook)."""
 
     def deliver():
         time.sleep(REDELIVER_S)
-        _thread.interrupt_main(signum)
+        _thread.interrupt_main(REDELIVERY)
 
     threading.Thread(target=deliver, name="signal-redelivery", daemon=True).start()
 

@@ -177,3 +177,19 @@ def test_a_signal_dropped_by_a_finalizer_at_the_commands_end_is_raised_as_it_ret
         weakref.finalize(held, signal.raise_signal, signal.SIGTERM)
         del held  # the last line of the command: no time for the signal to come back
     assert stopped.value.exit_code == 143
+
+
+def test_a_redelivery_that_comes_after_the_command_ended_does_nothing():
+    """The dropped signal was raised as the block ended; the redelivery already on its way
+    reaches a process whose handlers are restored (ctrl-C's included) and must do nothing."""
+
+    class Held:
+        pass
+
+    with pytest.raises(Interrupted), RaiseOnSignal():
+        held = Held()
+        weakref.finalize(held, signal.raise_signal, signal.SIGINT)
+        del held
+    deadline = time.monotonic() + 0.2
+    while time.monotonic() < deadline:  # where a late redelivery lands
+        pass
