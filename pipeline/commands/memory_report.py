@@ -20,9 +20,11 @@ from pipeline.training.memory_plan import (
 )
 from pipeline.training.micro_batch import divisors_largest_first, fixed_micro_batch
 
-SAFETY = 1.25
-"""The timed update is planned at this many times its count: the CPU allocator's free lists
-and fragments keep more resident than torch's tensors hold (docs/benchmarks.md#memory-plan)."""
+SAFETY, SLACK = 1.2, 128 * 2**20
+"""The timed update is planned at SAFETY times its count and SLACK bytes more: glibc's free
+lists and fragments keep more resident than torch's tensors hold, and the first calls fill
+the libraries' caches (measured: up to 1.2 times and tens of MiB more,
+docs/benchmarks.md#memory-plan)."""
 
 
 def gpu_plan_lines(spec, model) -> list[str]:
@@ -128,28 +130,28 @@ def timing_shape(spec, model) -> TimedShape:
     budget = (room + rss) // 2 - rss  # the process at most half of what was available
     cpu = planner(spec, model, "cpu", 1, rows, uniform_tokens=True)
     plan = cpu.at(fixed_micro_batch(spec.train, 1) or rows)
-    if plan is None or _needed(plan) <= budget:  # not counted, or it fits: the run's own
+    if plan is None or needed_here(plan) <= budget:  # not counted, or it fits: the run's own
         return TimedShape(rows, rows, "")
     half = f"half of the {gib(room + rss)} this process had ({source})"
     low, high = 0, rows - 1  # the most rows in one micro-batch that fit; the need grows
     while low < high:
         mid = (low + high + 1) // 2
         smaller = cpu.at(mid, rows=mid)
-        low, high = (mid, high) if smaller and _needed(smaller) <= budget else (low, mid - 1)
+        low, high = (mid, high) if smaller and needed_here(smaller) <= budget else (low, mid - 1)
     if not low:
         one = cpu.at(1, rows=1)
         return TimedShape(
             None,
             rows,
             f"  time here: not timed: one row of the update would take "
-            f"{gib(_needed(one) if one else 0)} here (the memory plan on the CPU, float32), "
+            f"{gib(needed_here(one) if one else 0)} here (the memory plan on the CPU, float32), "
             f"over {half}",
         )
     return TimedShape(
         low,
         rows,
         f"timing {low} of the update's {rows} rows in one micro-batch and scaling the time "
-        f"by {rows}/{low}: the whole update would take {gib(_needed(plan))} here, over {half}",
+        f"by {rows}/{low}: the whole update would take {gib(needed_here(plan))} here, over {half}",
     )
 
 
@@ -162,5 +164,6 @@ def timed_update_bytes(plan: StepPlan) -> int:
     return max(plan.peak, building)
 
 
-def _needed(plan: StepPlan) -> int:
-    return int(SAFETY * timed_update_bytes(plan))
+def needed_here(plan: StepPlan) -> int:
+    """What the timed update of `plan` is taken to add here, with the margins."""
+    return int(SAFETY * timed_update_bytes(plan)) + SLACK

@@ -10,9 +10,10 @@ Per process, for Ψ weights over N processes at ZeRO stage z, in the training dt
 - optimizer states: the optimizer's float32 moments (adam 2, adagrad 1 a weight) and, where
   DeepSpeed keeps them, float32 masters of the weights (bf16 / fp16; every ZeRO stage copies
   them in float32 too), 4 (masters + moments) Ψ, over N from ZeRO 1;
-- gradients, at the optimizer step: e Ψ (ZeRO 2 and 3: over N) and the float32 copy of the
+- gradients, at the optimizer step: e Ψ (ZeRO 2 and 3: over N), the float32 copy of the
   partition the optimizer steps (ZeRO 1 to 3, and bf16 / fp16 without ZeRO: DeepSpeed's
-  flat float32 gradients);
+  flat float32 gradients) and the step's own float32 temporary of that partition (Adam's and
+  Adagrad's square root of the second moment);
 - DeepSpeed's gradient bucket (ZeRO 1 and 2): reduce_bucket_size (5e8) elements of e bytes,
   allocated at every backward: memory on a GPU, untouched pages on the CPU; ZeRO 3's gathered
   layers and prefetch buckets are not counted;
@@ -112,10 +113,12 @@ def model_states(
     )
     grads = e * params // (world if zero >= 2 else 1)
     copy = 4 * params // sharded if (zero >= 1 or low) else 0
+    temporary = 4 * params // sharded  # the step's square root of its moment (adam, adagrad)
     gradients = Part(
-        grads + copy,
+        grads + copy + temporary,
         f"{e} bytes a weight ({dt}){over if zero >= 2 else ''}"
-        + (f" + DeepSpeed's float32 copy{over if zero >= 1 else ''} at the step" if copy else ""),
+        + (f" + DeepSpeed's float32 copy{over if zero >= 1 else ''}" if copy else "")
+        + " + the step's float32 temporary",
     )
     on_gpu = device_type == "cuda" and zero in (1, 2)
     bucket = Part(

@@ -11,7 +11,6 @@ from click.testing import CliRunner
 from pipeline.commands import memory_report, update_timing
 from pipeline.commands.cli import main
 from pipeline.commands.estimate import estimate_report, meta_model
-from pipeline.commands.memory_report import timed_update_bytes
 from pipeline.spec import load_spec
 from pipeline.training.memory_plan import planner
 from tests.fixtures.runs import ROOT
@@ -62,7 +61,7 @@ def room_for(tmp_path, rows: int) -> int:
     rows of quickstart's (its plan with the estimate's margin), and not of rows + 1."""
     spec = load_spec(QUICKSTART, [*SMALL, f"workspace.root={tmp_path}"])
     cpu = planner(spec, meta_model(spec), "cpu", 1, rows, uniform_tokens=True)
-    need = [memory_report.SAFETY * timed_update_bytes(cpu.at(r, rows=r)) for r in (rows, rows + 1)]
+    need = [memory_report.needed_here(cpu.at(r, rows=r)) for r in (rows, rows + 1)]
     return int(need[0] + need[1])  # its half lies between the two
 
 
@@ -79,7 +78,7 @@ def test_an_update_over_half_the_memory_is_timed_on_fewer_rows_and_scaled(tmp_pa
     out = result.output
     assert "timing 5 of the update's 32 rows in one micro-batch and scaling the time by 32/5" in out
     assert "over half of the" in out and "(a test's room)" in out
-    assert "updates of 1 micro-batch(es) of 5 x 64 tokens (5 rows): 1 warm-up + 1 timed" in out
+    assert "updates of 1 micro-batch(es) of 5 x 64 tokens (5 rows); the initial spans" in out
     assert "5 of the update's 32 rows (the whole would not fit in half of this machine's " in out
     assert "H100 time at the full span: train" in out and "memory plan per GPU" in out
 
