@@ -204,9 +204,9 @@ def smaller_update(spec, rows: int):
 
 
 class Heartbeat:
-    """``with Heartbeat(progress) as beat:`` says ``beat.doing`` (what is being timed) with
-    its seconds so far whenever `every` seconds pass without a line, from a thread: one
-    update of a large model can take minutes, and a silent terminal looks hung."""
+    """``with Heartbeat(progress) as beat:`` says ``beat.doing`` (what is being timed) and
+    the seconds so far every `every` seconds until the block ends, from a thread: one update
+    of a large model can take minutes, and a silent terminal looks hung."""
 
     def __init__(self, progress: Callable[[str], None] | None, every: float = HEARTBEAT_S):
         self.progress, self.every = progress, every
