@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -52,12 +53,10 @@ def what_was_timed(text: str) -> str:
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("time here: not timed"):
-            return "not timed: " + line.split("not timed: ", 1)[1][:60]
+            return "not timed: " + line.split("not timed: ", 1)[1][:70]
         if line.startswith("update time here:"):
-            if "rows (the whole" in line:
-                part = line.split("; ")[-2] if "; " in line else line
-                return part.split(" (the whole")[0].strip()[:40]
-            return "the run's update"
+            rows = re.search(r"(\d+) of the update's (\d+) rows", line)
+            return f"{rows[1]} of {rows[2]} rows, scaled" if rows else "the run's update"
     return ""
 
 

@@ -379,7 +379,8 @@ class ActiveMemoryModel(SequenceModel):
         convolution's padded input and its gates' activations; self-attention's copied
         heads, its [B, H, M, M] weights and their dropout), the dropouts' masks (bool on a
         GPU, the dtype on the CPU) and the feed-forward's hidden units; then the final norm,
-        the output layer's input and its float32 log-softmax [tokens, V]. No state."""
+        the output layer's input, its float32 log-softmax [tokens, V] and the logits, which
+        the caller holds through the backward. No state."""
         c, e = self.cfg, torch.empty((), dtype=dtype).element_size()
         tokens, d = rows * block_len, c.d_model
         mask = (1 if device_type == "cuda" else e) if c.dropout > 0 else 0
@@ -401,7 +402,7 @@ class ActiveMemoryModel(SequenceModel):
             weights = rows * c.n_heads * block_len * block_len
             layer += e * tokens * (d + 4 * inner) + (e + mask + dropped) * weights
             working = max(working, 2 * e * weights)
-        out = 4 * tokens * self.output.out_features
+        out = (4 + e) * tokens * self.output.out_features  # log-softmax; the logits returned
         saved = c.n_layers * layer + mask * tokens * d + e * tokens * 2 * d + 8 * tokens + out
         return ActivationMemory(saved, max(working, (4 + e) * tokens * self.output.out_features), 0)
 

@@ -328,7 +328,8 @@ class AllAttnLM(SequenceModel):
         """Counted at the L' in force (``hold_shapes_at``; max_span before any plan): each
         layer's (``AllAttnLayer.activation_memory``, the attention backend's part from
         pipeline.ops.memory), the embedding and output dropouts' masks, the output layer's
-        input and its float32 log-softmax [tokens, V] (or the adaptive softmax's bands), and
+        input, its float32 log-softmax [tokens, V] and the logits, which the caller holds
+        through the backward (or the adaptive softmax's bands), and
         the cache: L' + 64 hidden states a layer (``cache_len``) a row."""
         e = dtype_bytes(dtype)
         tokens, d = rows * block_len, self.cfg.d_model
@@ -345,10 +346,9 @@ class AllAttnLM(SequenceModel):
                 tokens, dtype, uniform_tokens
             )
         else:
-            out_saved, out_working = (
-                4 * tokens * self.vocab_size,
-                (4 + e) * tokens * self.vocab_size,
-            )
+            # the float32 log-softmax, and the logits the caller holds (ModelOutput)
+            out_saved = (4 + e) * tokens * self.vocab_size
+            out_working = (4 + e) * tokens * self.vocab_size
         state = sum(rows * cache_len(span, self.cfg.max_span) * d * e for span in spans)
         return ActivationMemory(
             saved + out_saved, max([out_working, *(c.working for c in counts)]), state

@@ -662,7 +662,7 @@ class InfinityFormerLM(SequenceModel):
         if c.dropout > 0:
             layer += (e + mask) * tokens * c.ff_dim + mask * tokens * d
         vocab = self.head.out_features
-        saved = c.n_layers * layer + 4 * tokens * vocab + e * tokens * d
+        saved = c.n_layers * layer + (4 + e) * tokens * vocab + e * tokens * d  # + the logits
         if c.dropout > 0:
             saved += 2 * mask * tokens * d
         per_layer = rows * d * e * (self._cache_len() + (c.n_basis if c.ltm else 0))

@@ -1,6 +1,7 @@
 """Each family's ``activation_memory`` count (pipeline/models/capabilities.py) against what
 autograd itself keeps for backward in a real training forward on the CPU (``SavedBytes``:
-``saved_tensors_hooks``, each storage once, the weights left out), at small shapes with
+``saved_tensors_hooks``, each storage once, the weights left out) and the logits the forward
+returns, which the trainer holds through the backward, at small shapes with
 every size distinct, for every mode that keeps something of its own: the all-attention's
 persistent modes, feed-forward kinds, dropout and fixed spans, the adaptive softmax; every
 active-memory mixer; the ∞-former with and without its long-term memory."""
@@ -20,13 +21,15 @@ WITHIN = 0.05  # the counts leave out tensors of a few elements (LayerNorm weigh
 
 
 def traced_saved(model, tokens, state) -> int:
-    """Bytes autograd keeps for backward over one training forward and loss."""
+    """Bytes autograd keeps for backward over one training forward and loss, and the logits
+    the forward returns (the trainer holds its output through the backward)."""
     model.train()
     with SavedBytes(exclude=[*model.parameters(), *state]) as saved:
         out = model(tokens, tokens, state)
         loss = out.nll.float().mean() + model.aux_loss()
     del loss
-    return saved.bytes
+    logits = 0 if out.logits is None else out.logits.numel() * out.logits.element_size()
+    return saved.bytes + logits
 
 
 ALLATTN = dict(d_model=48, n_heads=4, max_span=96, span_ramp=8, span_init=0.3, n_layers=2)
