@@ -1,6 +1,6 @@
 """The memory lines of `show --estimate`: the plan per GPU of the run (an H100 and an H200),
 and the shape of the update the estimate times on this machine, sized so that the estimate
-never takes more than half of the memory available. The arithmetic is
+never takes half of the memory available. The arithmetic is
 pipeline/training/memory_plan.py's; this module chooses the shapes and words the lines."""
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ from pipeline.training.memory_plan import (
 )
 from pipeline.training.micro_batch import divisors_largest_first, fixed_micro_batch
 
+SHARE = 0.45
+"""Of the memory available, what the estimate plans to hold at most: under half, with room
+for what the machine's other jobs take while it runs (a shared machine's available memory
+moves by a gigabyte in seconds)."""
 SAFETY, SLACK = 1.2, 128 * 2**20
 """The timed update is planned at SAFETY times its count and SLACK bytes more: glibc's free
 lists and fragments keep more resident than torch's tensors hold, and the first calls fill
@@ -121,18 +125,19 @@ class TimedShape:
 
 def timing_shape(spec, model) -> TimedShape:
     """How many rows of the run's update to time here: the whole update where its plan (on
-    this CPU's dtype, at the initial spans, times SAFETY) keeps this process under half of
-    the memory available, else the most rows in one micro-batch that do, else none."""
+    this CPU's dtype, at the initial spans, with SAFETY and SLACK) keeps this process within
+    SHARE of the memory available, else the most rows in one micro-batch that do, else
+    none."""
     rows = spec.train.batch_size  # the estimate times the whole batch in one process
     model.hold_shapes_at(None)
     room, source = available_memory()
     rss = resident_memory()
-    budget = (room + rss) // 2 - rss  # the process at most half of what was available
+    budget = int(SHARE * (room + rss)) - rss  # the process under half of what was available
     cpu = planner(spec, model, "cpu", 1, rows, uniform_tokens=True)
     plan = cpu.at(fixed_micro_batch(spec.train, 1) or rows)
     if plan is None or needed_here(plan) <= budget:  # not counted, or it fits: the run's own
         return TimedShape(rows, rows, "")
-    half = f"half of the {gib(room + rss)} this process had ({source})"
+    half = f"{SHARE:.0%} of the {gib(room + rss)} this process had ({source})"
     low, high = 0, rows - 1  # the most rows in one micro-batch that fit; the need grows
     while low < high:
         mid = (low + high + 1) // 2

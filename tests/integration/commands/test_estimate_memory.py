@@ -57,12 +57,12 @@ def test_the_paper_models_plan_says_what_auto_takes_on_each_gpu(tmp_path):
 
 
 def room_for(tmp_path, rows: int) -> int:
-    """Bytes of available memory whose half holds the estimate's timed update of `rows`
-    rows of quickstart's (its plan with the estimate's margin), and not of rows + 1."""
+    """Bytes of available memory whose share (SHARE) holds the estimate's timed update of
+    `rows` rows of quickstart's (its plan with the estimate's margins), and not of rows + 1."""
     spec = load_spec(QUICKSTART, [*SMALL, f"workspace.root={tmp_path}"])
     cpu = planner(spec, meta_model(spec), "cpu", 1, rows, uniform_tokens=True)
     need = [memory_report.needed_here(cpu.at(r, rows=r)) for r in (rows, rows + 1)]
-    return int(need[0] + need[1])  # its half lies between the two
+    return int((need[0] + need[1]) / 2 / memory_report.SHARE)  # its share: between the two
 
 
 def test_an_update_over_half_the_memory_is_timed_on_fewer_rows_and_scaled(tmp_path, monkeypatch):
@@ -77,7 +77,7 @@ def test_an_update_over_half_the_memory_is_timed_on_fewer_rows_and_scaled(tmp_pa
     assert result.exit_code == 0, result.output
     out = result.output
     assert "timing 5 of the update's 32 rows in one micro-batch and scaling the time by 32/5" in out
-    assert "over half of the" in out and "(a test's room)" in out
+    assert "over 45% of the" in out and "(a test's room)" in out
     assert "updates of 1 micro-batch(es) of 5 x 64 tokens (5 rows); the initial spans" in out
     assert "5 of the update's 32 rows (the whole would not fit in half of this machine's " in out
     assert "H100 time at the full span: train" in out and "memory plan per GPU" in out
@@ -92,7 +92,7 @@ def test_an_update_over_half_the_memory_even_at_one_row_is_not_timed(tmp_path, m
     line = next(x for x in out.splitlines() if "time here" in x)
     assert re.fullmatch(
         r"  time here: not timed: one row of the update would take \d+(\.\d)? MiB here \(the "
-        r"memory plan on the CPU, float32\), over half of the 1\.0 MiB this process had "
+        r"memory plan on the CPU, float32\), over 45% of the 1\.0 MiB this process had "
         r"\(a test's room\)",
         line,
     ), line
