@@ -136,18 +136,11 @@ def adaptive_span(model) -> bool:
 
 
 def flops_per_token(model, span_frac: float) -> tuple[float, str]:
-    """Training FLOPs per token (the model's ``train_flops_per_token()``) with every layer's
-    span at ``span_frac`` of max_span, L' planned as the trainer plans it, and what L' was."""
-    planner = getattr(model, "span_planner", None)
-    if planner is None:
-        return model.train_flops_per_token(), ""
-    from pipeline.models.allattn.layers import planned_span_len
-
-    span = planner.max_span
-    if planner.adaptive:
-        span = planned_span_len(span_frac, planner.max_span, planner.ramp)
-    planner.planned = [span] * planner.n_layers
-    return model.train_flops_per_token(), f"L' {span}"
+    """Training FLOPs per token (the model's ``train_flops_per_token()``) with its shapes
+    held at ``span_frac`` (``hold_shapes_at``: every layer's span at that fraction of
+    max_span, L' planned as the trainer plans it), and what that set ("L' 8192", or "")."""
+    held = model.hold_shapes_at(span_frac)
+    return model.train_flops_per_token(), held
 
 
 def counts_weights_only(model) -> bool:
