@@ -6,7 +6,6 @@ temporary name in the same directory and renamed into place, which POSIX makes a
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -194,11 +193,6 @@ def refuse_special(path: str | os.PathLike, what: str) -> None:
         return  # the reader's own error names what is missing
     if not stat.S_ISREG(st_mode):
         raise _refusal(path, what, st_mode, writing=False)
-
-
-# what flock fails with where the file system has no locks: Lustre mounted `noflock` (ENOSYS),
-# FUSE and some NFS mounts (EOPNOTSUPP / ENOTSUP), NFS without its lock manager (ENOLCK)
-NO_FLOCK = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK})
 
 
 # ---------------------------------------------------------------- what another user wrote

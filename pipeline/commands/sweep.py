@@ -21,7 +21,6 @@ Each point's workspace holds `sweep-point.json`, the config and the --set that m
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import itertools
 import json
@@ -37,6 +36,7 @@ from pipeline.cluster import distributed
 from pipeline.cluster.signals import SignalHandler
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.fsutil import atomic_write_json, open_for_write
+from pipeline.locks import holding, stale_hint
 from pipeline.redact import mask
 from pipeline.spec import ALL, SpecError, inert_on_its_own, load_spec
 from pipeline.spec.validation import InertKey, InertKeysError
@@ -587,8 +587,19 @@ def prepare_array_task(
     point = _point(pts, index)
     root = point.spec.workspace_dir.parent
     root.mkdir(parents=True, exist_ok=True)
-    with open_for_write(root / f".sweep-{ident}.lock", "sweep lock file", append=True) as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    path = root / f".sweep-{ident}.lock"
+
+    def waiting() -> None:
+        hint = stale_hint(path, "task")
+        log(
+            f"[{point.name}] waiting for another task of the sweep, which holds {path}"
+            + (f"; {hint}" if hint else "")
+        )
+
+    with (
+        open_for_write(path, "sweep lock file", append=True) as lock,
+        holding(lock.fileno(), path, f"sweep task {index}", waiting),
+    ):
         # inside the lock: the first task creates the tracking store, and two creating one
         # at once both fail
         sweep = _sweep_run(pts, ident, log)
