@@ -64,7 +64,9 @@ class Fetched:
 def cache_dir(spec) -> Path:
     """The download cache of a `pipeline.spec.Spec`: workspace.cache, else <root>/cache."""
     ws = spec.workspace
-    return Path(ws.cache).expanduser() if ws.cache else Path(ws.root) / "cache"
+    # validate expanded a `~` (refusing one that names no directory); a spec built otherwise
+    # gets the same one line, not Path.expanduser's RuntimeError
+    return fsutil.user_path(ws.cache) if ws.cache else Path(ws.root) / "cache"
 
 
 def cache_path(cache: str | os.PathLike, sha256: str) -> Path:

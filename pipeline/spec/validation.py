@@ -175,6 +175,7 @@ def validate_spec(data: dict, where: dict, origin: str) -> Spec:
             )
     if spec is not None and not errors:
         errors += _check_names(spec, where, origin)
+        errors += _check_home(spec, where, origin)
     if errors:
         raise SpecError("\n".join(errors))
     assert spec is not None  # a spec pydantic refused left its errors above
@@ -223,6 +224,21 @@ def _check_names(spec: Spec, where: dict, origin: str) -> list[str]:
         f"digits, '_', '.', '+', '-', starting with a letter or digit, at most {NAME_MAX} "
         f"characters; found {short_repr(experiment)}"
     ]
+
+
+def _check_home(spec: Spec, where: dict, origin: str) -> list[str]:
+    """workspace.root and workspace.cache starting with a `~` that names no directory (a
+    container's user with no HOME and no passwd entry): refused here, before `run` would make
+    a directory named `~` or fail on it with a traceback."""
+    from pipeline.fsutil import home_problem
+
+    errors = []
+    for key in ("root", "cache"):
+        value = getattr(spec.workspace, key)
+        if value is not None and (problem := home_problem(value)):
+            at = _locate(where, ("workspace", key), origin)
+            errors.append(f"{at}: workspace.{key}: {problem}; found {short_repr(value)}")
+    return errors
 
 
 def _normalise_paths(spec: Spec) -> None:
