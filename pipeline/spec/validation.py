@@ -511,12 +511,23 @@ class InertKeysError(SpecError):
 
 def refuse_inert_keys(spec: Spec, where: dict, top: str) -> None:
     """Every key acts or is refused: one that does nothing under the other settings is an
-    error where the user wrote it (this file, or --set). From an `extends` base it is
-    accepted: a shared base sets what some of its variants switch off."""
+    error where the user wrote it (this file, or --set), and so is any key under it
+    (`--set train.deepspeed.bf16=true` where train.deepspeed does nothing). From an `extends`
+    base it is accepted: a shared base sets what some of its variants switch off."""
+
+    def by_user(origin) -> bool:
+        return bool(origin) and (
+            str(origin).startswith("--set ") or str(origin).rsplit(":", 1)[0] == top
+        )
+
     keys = []
     for key, why in spec.inert_keys():
-        origin = where.get(key)
-        if origin and (origin.startswith("--set ") or origin.rsplit(":", 1)[0] == top):
-            keys.append(InertKey(dotted_path(key), str(origin), why))
+        written = sorted(
+            path for path, origin in where.items() if path[: len(key)] == key and by_user(origin)
+        )
+        # the outermost the user wrote: the section, else each key under it once
+        for path in written:
+            if not any(path[: len(other)] == other for other in written if other != path):
+                keys.append(InertKey(dotted_path(path), str(where[path]), why))
     if keys:
         raise InertKeysError(keys)
