@@ -7,7 +7,6 @@ temporary name in the same directory and renamed into place, which POSIX makes a
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -198,11 +197,6 @@ def refuse_special(path: str | os.PathLike, what: str) -> None:
         return  # the reader's own error names what is missing
     if not stat.S_ISREG(st_mode):
         raise _refusal(path, what, st_mode, writing=False)
-
-
-# what flock fails with where the file system has no locks: Lustre mounted `noflock` (ENOSYS),
-# FUSE and some NFS mounts (EOPNOTSUPP / ENOTSUP), NFS without its lock manager (ENOLCK)
-NO_FLOCK = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK})
 
 
 # ---------------------------------------------------------------- what another user wrote
@@ -403,12 +397,41 @@ def path_problem(text: str) -> str | None:
     return None
 
 
+def home_problem(text: str) -> str | None:
+    """Why the `~` or `~user` that `text` begins with names no directory (a container's user
+    with no HOME and no passwd entry, a user that does not exist), in words; None where it
+    does, or `text` has none. os.path.expanduser leaves such a `~` as it is, which would make
+    a directory named `~` here, and Path.expanduser raises RuntimeError."""
+    if not text.startswith("~") or not os.path.expanduser(text).startswith("~"):
+        return None
+    head = text.split("/", 1)[0]
+    if head == "~":
+        return (
+            f"`~` stands for the home directory, and this user has none (HOME is unset and "
+            f"uid {os.getuid()} has no passwd entry): give the full path"
+        )
+    return (
+        f"`{head}` stands for the home directory of the user {head[1:]}, and there is no such "
+        f"user: give the full path"
+    )
+
+
+def expand_home(text: str) -> str:
+    """`text` with the `~` or `~user` it begins with expanded; one line (PipelineError) where
+    that names no directory (`home_problem`)."""
+    if problem := home_problem(text):
+        from pipeline.errors import PipelineError, shown
+
+        raise PipelineError(f"{shown(text)}: {problem}")
+    return os.path.expanduser(text)
+
+
 def user_path(value: str | os.PathLike) -> Path:
     """A path the user gave (a CLI argument, workspace.root, workspace.cache), read the one
-    way every command reads them: `~` expanded; `..` resolved against the real directories
-    (so `typo/../x` is `x`, and no stray `typo` is ever created); `.` and repeated slashes
-    dropped. A path without `..` keeps its form (relative stays relative)."""
-    text = os.path.expanduser(os.fspath(value))
+    way every command reads them: `~` expanded (`expand_home`); `..` resolved against the
+    real directories (so `typo/../x` is `x`, and no stray `typo` is ever created); `.` and
+    repeated slashes dropped. A path without `..` keeps its form (relative stays relative)."""
+    text = expand_home(os.fspath(value))
     if ".." in Path(text).parts:
         return Path(os.path.realpath(text))
     return Path(os.path.normpath(text)) if text else Path(text)
@@ -418,7 +441,7 @@ def real_destination(value: str | os.PathLike) -> Path:
     """A destination the command will replace, fully resolved: `~`, `..`, `.` and symlinks
     (a symlink to a directory names that directory), so the checks of what is there and the
     replacement act on the same directory."""
-    return Path(os.path.realpath(os.path.expanduser(os.fspath(value))))
+    return Path(os.path.realpath(expand_home(os.fspath(value))))
 
 
 def private_temp_dir(parent: Path, name: str) -> Path:
