@@ -21,6 +21,7 @@ Each point's workspace holds `sweep-point.json`, the config and the --set that m
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -289,7 +290,7 @@ def reuse_outputs(spec, log, told: set[str] | None = None) -> list[str]:
         fp = fingerprint(stage.fingerprinted(spec), {i: builds[i] for i in inputs})
         record = ws.record(name)
         if record is None and not ws.partial_dir(name).exists():
-            source = ws.built_elsewhere(name, fp, lambda why, name=name: passed_over(name, why))
+            source = ws.built_elsewhere(name, fp, functools.partial(passed_over, name))
             if source is not None and ws.link_build(name, source):
                 log(f"[{spec.name}] {name}: reusing {source}")
                 linked.append(name)
