@@ -407,13 +407,28 @@ main.add_command(copy)
 
 def entry() -> None:
     """The console script: `main`, then `distributed.exit_process` with its exit code (tests
-    call `main` in-process, where exiting the interpreter is not ours to do)."""
-    from pipeline.cluster import distributed
+    call `main` in-process, where exiting the interpreter is not ours to do). A signal is
+    handled from here on, not only once `Main.invoke` has begun: one that came while click
+    read the arguments ended the command without a word."""
+    import sys
 
+    from pipeline.cluster import distributed
+    from pipeline.cluster.signals import RaiseOnSignal
+    from pipeline.commands.click_types import STOPPED
+    from pipeline.errors import Interrupted
+
+    code: object = 0
     try:
-        main()
+        with RaiseOnSignal(after=STOPPED):
+            main()
     except SystemExit as e:
-        distributed.exit_process(e.code)
+        code = e.code
+    except Interrupted as e:
+        if sys.argv[1:2] == ["--debug"]:
+            raise
+        echo(f"error: {e}", err=True)
+        code = e.exit_code
+    distributed.exit_process(code)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,41 @@ def test_a_signal_in_any_command_ends_it_with_128_plus_its_number_and_one_line(
     assert result.stderr == (
         f"error: stopped by {sig.name}: the command did not finish; run it again\n"
     )
+
+
+# A signal while click is still reading the arguments, before any command's code runs: the
+# console script handles it from its first line (it had the interpreter's default, and the
+# command ended killed by the signal without a word)
+SIGNAL_WHILE_PARSING = """
+import os, signal, sys
+from pipeline.commands import cli
+
+for s in (signal.SIGTERM, signal.SIGHUP):  # as a fresh shell's child has them
+    signal.signal(s, signal.SIG_DFL)
+parse = cli.main.make_context
+def signalled(*args, **kwargs):
+    os.kill(os.getpid(), signal.{name})
+    return parse(*args, **kwargs)
+cli.main.make_context = signalled
+sys.argv = ["allattn-pipe", "list"]
+cli.entry()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_before_the_command_starts_is_one_line_and_128_plus_its_number(sig, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_WHILE_PARSING.format(name=sig.name)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 128 + sig, done.stderr
+    assert done.stdout == ""
+    assert done.stderr == (
+        f"error: stopped by {sig.name}: the command did not finish; run it again\n"
+    )
