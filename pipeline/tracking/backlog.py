@@ -156,10 +156,12 @@ def compact(path: Path, backlog: Backlog, warn) -> Backlog:
             f"{len(backlog.torn)} line(s) of {path} are not tracking records (torn by a kill "
             f"during a write, or edited); set aside in {aside}"
         )
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    append_records(tmp, _kept(backlog))
-    tmp.replace(path)
+    from pipeline.fsutil import atomic_write_bytes
+
+    # a temporary of its own (`atomic_write_bytes`), never a fixed name that a second
+    # compaction would truncate or a stopped one leave behind
+    kept = "".join(json.dumps(r) + "\n" for r in _kept(backlog))
+    atomic_write_bytes(path, kept.encode(), private=True)
     return read_backlog(path)
 
 
