@@ -12,7 +12,8 @@ no thread of its own. `ZYGOTE_MODULES` are what it imports before forking.
 
 The child reports two moments on a pipe of its own, each with its time on the monotonic clock
 (the same clock in every process of the machine), relayed by the zygote:
-- `ready`: just before the command's function is called (signals are drawn from there);
+- `ready`: once the console script's signal handler is in place, its first step (signals
+  are drawn from there);
 - `ending`: when the command has decided its exit code (`distributed.exit_process` is
   called); a signal sent before `ending` was sent to a running command, one sent after it
   arrived at a command that had already finished (the fuzzers count it apart).
@@ -237,7 +238,7 @@ def _child(request: dict, marks: int) -> None:
             exit_process(code)
 
         distributed.exit_process = ending  # type: ignore[assignment]
-        os.write(marks, MARK.pack(b"r", time.monotonic()))
+        _mark_ready_once_handled(marks)
         cli.entry()
         code = 0
     except SystemExit as e:  # as the interpreter ends a program: exit handlers, streams
@@ -257,6 +258,25 @@ def _child(request: dict, marks: int) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _mark_ready_once_handled(marks: int) -> None:
+    """Mark `ready` as the console script's signal handler is first put in place: a signal
+    before it (a child the scheduler had not yet run on, 2 busy cores) would meet the
+    interpreter's default action, as in any program that is still starting, and no handler
+    could be judged by it."""
+    from pipeline.cluster import signals
+
+    enter = signals.RaiseOnSignal.__enter__
+
+    def enter_and_mark(handler):
+        entered = enter(handler)
+        if signals.RaiseOnSignal.__enter__ is enter_and_mark:  # the first one only
+            signals.RaiseOnSignal.__enter__ = enter  # type: ignore[method-assign]
+            os.write(marks, MARK.pack(b"r", time.monotonic()))
+        return entered
+
+    signals.RaiseOnSignal.__enter__ = enter_and_mark  # type: ignore[method-assign]
 
 
 def _project_modules() -> list[str]:
