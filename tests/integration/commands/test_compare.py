@@ -50,7 +50,8 @@ def stand_ins(monkeypatch):
     ones do, and leaves their id in its output. evaluate, as the real one, scores what its
     input holds (finetune's last, or train's best): it names those weights and logs valid/test
     bpc computed from the seed and the lr that trained them. A stage named in `fail` raises
-    (RuntimeError, or KeyboardInterrupt for 'kill')."""
+    (RuntimeError, or KeyboardInterrupt for 'kill'); 'evaluate:test', evaluate between its
+    valid and test splits."""
     fail: dict[str, BaseException] = {}
     trained_with: dict[str, tuple[int, float]] = {}  # weights id -> (seed, lr) behind them
 
@@ -84,7 +85,10 @@ def stand_ins(monkeypatch):
                     ctx.tracker.log_metrics({"loss": 0.5}, step=step)
             if name == "evaluate":
                 bpc = test_bpc(*trained_with[scored])
-                ctx.tracker.log_metrics({"valid_bpc": bpc - 0.1, "test_bpc": bpc}, step=0)
+                ctx.tracker.log_metrics({"valid_bpc": bpc - 0.1}, step=0)
+                if "evaluate:test" in fail:  # stopped between the splits
+                    raise fail["evaluate:test"]
+                ctx.tracker.log_metrics({"test_bpc": bpc}, step=0)
             return {}
 
         return run
@@ -418,6 +422,14 @@ def test_a_row_describes_the_weights_it_shows_not_the_largest_of_its_history(
         scored["metrics"]["test_bpc"],
     ) == ("0.001", 8, None, test_bpc(2, 0.001))
     assert scored["wall_s"] == pytest.approx(wall(scored["run_ids"]), abs=1e-6)
+    # evaluate again, stopped after the valid split: the row keeps the numbers of the one
+    # that finished (its results are the workspace's), not the half the killed one logged
+    stand_ins["evaluate:test"] = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        _selected(cfg, "train.seed=2", only=["evaluate"], force=["evaluate"])
+    killed = row(2)
+    assert (killed["metrics"], killed["stale"]) == (scored["metrics"], None)
+    assert set(scored["metrics"]) == {"valid_bpc", "test_bpc"}
 
 
 def test_a_config_names_its_runs_and_a_missing_store_is_one_line(cfg, stand_ins, tmp_path):
