@@ -6,13 +6,16 @@ temporary name in the same directory and renamed into place, which POSIX makes a
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import hashlib
 import json
 import os
+import secrets
 import stat
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -196,11 +199,6 @@ def refuse_special(path: str | os.PathLike, what: str) -> None:
         raise _refusal(path, what, st_mode, writing=False)
 
 
-# what flock fails with where the file system has no locks: Lustre mounted `noflock` (ENOSYS),
-# FUSE and some NFS mounts (EOPNOTSUPP / ENOTSUP), NFS without its lock manager (ENOLCK)
-NO_FLOCK = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK})
-
-
 # ---------------------------------------------------------------- what another user wrote
 #
 # A cache or a workspace root may be shared (a group's project space, $XDG_CACHE_HOME under
@@ -275,30 +273,48 @@ def read_ours(path: str | os.PathLike, what: str) -> bytes:
         return f.read()
 
 
+@contextmanager
+def temporary_beside(path: Path, suffix: str = ".tmp") -> Iterator[tuple[int, Path]]:
+    """A new file in `path`'s directory, opened for writing (0600) under a name no one can
+    guess (as mkstemp's), and removed on the way out unless it was renamed by then. The name
+    is chosen before the file is made, so a signal that stops the command between the two
+    still finds it removed (with mkstemp the name reaches the caller only once the file
+    exists: the signal fuzzer found temporaries left in a stopped stage's directory)."""
+    tmp = None
+    try:
+        while True:
+            tmp = path.parent / f".{path.name[:64]}.{secrets.token_hex(6)}{suffix}"
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(tmp, flags, 0o600)
+                break
+            except FileExistsError:
+                tmp = None  # another's: never removed
+        yield fd, tmp
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = False) -> None:
-    """`data` published at `path`: written to a mkstemp name beside it (never reopened by
-    name, so nothing can be swapped in), given the umask's mode unless `private`, and
+    """`data` published at `path`: written to an unguessable name beside it (never reopened
+    by name, so nothing can be swapped in), given the umask's mode unless `private`, and
     renamed over `path` (which replaces a symlink there, never writing through it)."""
     from pipeline.errors import write_cause
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = None
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(name)
-        with os.fdopen(fd, "wb") as f:
+        with temporary_beside(path) as (fd, tmp), os.fdopen(fd, "wb") as f:
             if not private:
                 os.fchmod(f.fileno(), public_mode())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+            os.replace(tmp, path)
+    except OSError as e:
         if write_cause(e):  # full, or too large: named as the file it was for, not the temporary
-            assert isinstance(e, OSError)
             raise OSError(e.errno, e.strerror, os.fspath(path)) from None
         raise
 
@@ -381,12 +397,41 @@ def path_problem(text: str) -> str | None:
     return None
 
 
+def home_problem(text: str) -> str | None:
+    """Why the `~` or `~user` that `text` begins with names no directory (a container's user
+    with no HOME and no passwd entry, a user that does not exist), in words; None where it
+    does, or `text` has none. os.path.expanduser leaves such a `~` as it is, which would make
+    a directory named `~` here, and Path.expanduser raises RuntimeError."""
+    if not text.startswith("~") or not os.path.expanduser(text).startswith("~"):
+        return None
+    head = text.split("/", 1)[0]
+    if head == "~":
+        return (
+            f"`~` stands for the home directory, and this user has none (HOME is unset and "
+            f"uid {os.getuid()} has no passwd entry): give the full path"
+        )
+    return (
+        f"`{head}` stands for the home directory of the user {head[1:]}, and there is no such "
+        f"user: give the full path"
+    )
+
+
+def expand_home(text: str) -> str:
+    """`text` with the `~` or `~user` it begins with expanded; one line (PipelineError) where
+    that names no directory (`home_problem`)."""
+    if problem := home_problem(text):
+        from pipeline.errors import PipelineError, shown
+
+        raise PipelineError(f"{shown(text)}: {problem}")
+    return os.path.expanduser(text)
+
+
 def user_path(value: str | os.PathLike) -> Path:
     """A path the user gave (a CLI argument, workspace.root, workspace.cache), read the one
-    way every command reads them: `~` expanded; `..` resolved against the real directories
-    (so `typo/../x` is `x`, and no stray `typo` is ever created); `.` and repeated slashes
-    dropped. A path without `..` keeps its form (relative stays relative)."""
-    text = os.path.expanduser(os.fspath(value))
+    way every command reads them: `~` expanded (`expand_home`); `..` resolved against the
+    real directories (so `typo/../x` is `x`, and no stray `typo` is ever created); `.` and
+    repeated slashes dropped. A path without `..` keeps its form (relative stays relative)."""
+    text = expand_home(os.fspath(value))
     if ".." in Path(text).parts:
         return Path(os.path.realpath(text))
     return Path(os.path.normpath(text)) if text else Path(text)
@@ -396,7 +441,7 @@ def real_destination(value: str | os.PathLike) -> Path:
     """A destination the command will replace, fully resolved: `~`, `..`, `.` and symlinks
     (a symlink to a directory names that directory), so the checks of what is there and the
     replacement act on the same directory."""
-    return Path(os.path.realpath(os.path.expanduser(os.fspath(value))))
+    return Path(os.path.realpath(expand_home(os.fspath(value))))
 
 
 def private_temp_dir(parent: Path, name: str) -> Path:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import fcntl
 import os
 import socket
 import sys
@@ -234,23 +233,35 @@ QUIET_WAIT_S = 3.0
 @contextmanager
 def _op_build_lock(extensions: Path):
     """Exclusive hold of `extensions` for one process. A flock, so the kernel releases it when
-    its holder dies, however it dies (torch's own `lock` file stays behind a killed build)."""
+    its holder dies, however it dies (torch's own `lock` file stays behind a killed build);
+    where the file system has no flock, a lock file (pipeline.locks)."""
     extensions.mkdir(parents=True, exist_ok=True)
     from pipeline.fsutil import open_for_write
+    from pipeline.locks import stale_hint, wait_lock
 
-    with open_for_write(extensions / OP_BUILD_LOCK, "op build lock file", append=True) as f:
-        notice = threading.Timer(
-            QUIET_WAIT_S,
-            print,
-            [f"waiting for another process building DeepSpeed's C++ ops in {extensions}"],
-            {"file": sys.stderr, "flush": True},
+    path = extensions / OP_BUILD_LOCK
+
+    def notice() -> None:
+        hint = stale_hint(path, "build")
+        print(
+            f"waiting for another process building DeepSpeed's C++ ops in {extensions}"
+            + (f"; {hint}" if hint else ""),
+            file=sys.stderr,
+            flush=True,
         )
-        notice.start()
+
+    with open_for_write(path, "op build lock file", append=True) as f:
+        timer = threading.Timer(QUIET_WAIT_S, notice)
+        timer.start()
         try:
-            fcntl.flock(f, fcntl.LOCK_EX)
+            held = wait_lock(f.fileno(), path, f"DeepSpeed's op builds in {extensions}")
         finally:
-            notice.cancel()
-        yield
+            timer.cancel()
+        assert held is not None  # no deadline: it returns once the lock is held
+        try:
+            yield
+        finally:
+            held.release()
 
 
 @contextmanager

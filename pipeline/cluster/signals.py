@@ -32,12 +32,16 @@ a failed request or a bad file); the runner nests its own for the stage wording,
 loop `StopSignal`, a sweep and the launcher their forwarding handlers. A handler that exits
 hands the signal it took to the one it restores, so the preemption's duplicate that reaches
 the bookkeeping after the checkpoint is still the same request, not a new one that would
-replace the `Preempted` exit with `Interrupted`.
+replace the `Preempted` exit with `Interrupted`. An `Interrupted` that Python drops because the
+signal came while a finalizer ran (a weakref callback, a `__del__`) is raised again where the
+main thread goes on (`REDELIVERY`).
 """
 
 from __future__ import annotations
 
+import _thread
 import signal
+import sys
 import threading
 import time
 
@@ -100,6 +104,71 @@ class RaiseOnSignal(SignalHandler):
 
     def _first(self, signum) -> None:
         raise Interrupted(signal.Signals(signum).name, signum, after=self.after)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._hook = sys.unraisablehook
+            sys.unraisablehook = _keep_dropped_interrupt
+            self._previous[REDELIVERY] = signal.signal(REDELIVERY, _raise_dropped_interrupt)
+        return super().__enter__()
+
+    def __exit__(self, exc_type, *exc):
+        global _dropped
+        if hasattr(self, "_hook"):
+            sys.unraisablehook = self._hook
+        super().__exit__(exc_type, *exc)
+        if _dropped is not None and exc_type is None:  # not yet raised again: now
+            dropped, _dropped = _dropped, None
+            raise dropped
+
+
+# Python runs a signal's handler wherever the main thread is, a finalizer included (a weakref
+# callback, a `__del__`, a generator closed by the collector). An exception raised there
+# cannot propagate: the interpreter prints it and carries on, and the command would end as if
+# no signal had come (the signal fuzzer caught `show --estimate` exiting 0 so). While a
+# `RaiseOnSignal` is in place, such an `Interrupted` is kept and raised again a moment later
+# where the main thread is then, through a handler of its own for REDELIVERY: a signal that
+# nothing else here uses, whose default (once the handler is gone) is to do nothing, so a
+# redelivery that comes late is dropped harmlessly.
+REDELIVERY = signal.SIGURG
+REDELIVER_S = 0.005
+_dropped: Interrupted | None = None
+_in_unraisable_hook = False
+
+
+def _keep_dropped_interrupt(unraisable) -> None:
+    global _dropped, _in_unraisable_hook
+    if not isinstance(unraisable.exc_value, Interrupted):
+        sys.__unraisablehook__(unraisable)
+        return
+    _in_unraisable_hook = True  # what the hook itself raises is dropped as well
+    try:
+        _dropped = _dropped or unraisable.exc_value
+        _deliver_later()
+    finally:
+        _in_unraisable_hook = False
+
+
+def _raise_dropped_interrupt(signum, frame) -> None:
+    global _dropped
+    if _dropped is None:
+        return  # raised already (a command's end), or a real SIGURG
+    if _in_unraisable_hook:
+        _deliver_later()
+        return
+    dropped, _dropped = _dropped, None
+    raise dropped
+
+
+def _deliver_later() -> None:
+    """Run REDELIVERY's handler in the main thread a moment from now, once the finalizer that
+    dropped the exception has returned (sent from here, it would run here, in the hook)."""
+
+    def deliver():
+        time.sleep(REDELIVER_S)
+        _thread.interrupt_main(REDELIVERY)
+
+    threading.Thread(target=deliver, name="signal-redelivery", daemon=True).start()
 
 
 class HoldSignals(SignalHandler):

@@ -151,7 +151,8 @@ def validate(config, overrides, smoke):
 @click.option(
     "--estimate",
     is_flag=True,
-    help="Also print the cost: tokens per stage, a step timed here, H100 / H200 hours.",
+    help="Also print the cost: tokens per stage, the memory per GPU, a step timed here, "
+    "H100 / H200 hours.",
 )
 def show(config, overrides, smoke, estimate):
     """Print the fully resolved spec and the model's parameter count."""

@@ -1,7 +1,9 @@
 """`allattn-pipe show CFG --estimate`: what a config costs before it runs. Tokens to train
-per stage (arithmetic on the spec), evaluate's tokens, the run's update timed on this machine
-(pipeline/commands/update_timing.py), and H100 / H200 time from the model's FLOPs per token
-and the MFU the GPU check recorded (pipeline/commands/recorded_gpu.py). Every number is
+per stage (arithmetic on the spec), evaluate's tokens, the memory plan per GPU
+(pipeline/commands/memory_report.py), the run's update timed on this machine
+(pipeline/commands/update_timing.py; fewer of its rows where the whole update would take
+more than half of this machine's memory), and H100 / H200 time from the model's FLOPs per
+token and the MFU the GPU check recorded (pipeline/commands/recorded_gpu.py). Every number is
 printed with where it came from, in the unit its size reads best in."""
 
 from __future__ import annotations
@@ -134,18 +136,11 @@ def adaptive_span(model) -> bool:
 
 
 def flops_per_token(model, span_frac: float) -> tuple[float, str]:
-    """Training FLOPs per token (the model's ``train_flops_per_token()``) with every layer's
-    span at ``span_frac`` of max_span, L' planned as the trainer plans it, and what L' was."""
-    planner = getattr(model, "span_planner", None)
-    if planner is None:
-        return model.train_flops_per_token(), ""
-    from pipeline.models.allattn.layers import planned_span_len
-
-    span = planner.max_span
-    if planner.adaptive:
-        span = planned_span_len(span_frac, planner.max_span, planner.ramp)
-    planner.planned = [span] * planner.n_layers
-    return model.train_flops_per_token(), f"L' {span}"
+    """Training FLOPs per token (the model's ``train_flops_per_token()``) with its shapes
+    held at ``span_frac`` (``hold_shapes_at``: every layer's span at that fraction of
+    max_span, L' planned as the trainer plans it), and what that set ("L' 8192", or "")."""
+    held = model.hold_shapes_at(span_frac)
+    return model.train_flops_per_token(), held
 
 
 def counts_weights_only(model) -> bool:
@@ -229,6 +224,9 @@ def estimate_report(spec, measure: bool = True, progress=None) -> str:
             f"  model FLOPs per token (forward + backward){where}: {est.flops / 1e9:.3f} GFLOP "
             f"(the model's train_flops_per_token())"
         )
+    from pipeline.commands.memory_report import gpu_plan_lines
+
+    lines += gpu_plan_lines(spec, meta_model(spec))
     if measure:  # gpu_estimates has refused a vocabulary unknown before preprocess
         lines += _time_here(spec, stages, progress)
     for est in estimates:
@@ -260,25 +258,52 @@ def estimate_report(spec, measure: bool = True, progress=None) -> str:
 
 
 def _time_here(spec, stages: list[StageTokens], progress) -> list[str]:
-    """The update timed here and the stages' time at it; or, where this machine has not
-    the memory to time it, one line saying so (the GPU time needs no timing)."""
-    from pipeline.commands.update_timing import BUDGET_S, TIMED, out_of_memory, time_updates
+    """The update timed here and the stages' time at it: the run's own update, or fewer of
+    its rows where the memory plan says the whole would take more than half of this
+    machine's memory (its time scaled by the rows), or one line saying why it was not timed
+    (too large even at one row, out of memory after all, or diverged: the GPU time and the
+    memory plan need no timing)."""
+    from pipeline.commands.memory_report import timing_shape
+    from pipeline.commands.update_timing import (
+        BUDGET_S,
+        TIMED,
+        Diverged,
+        out_of_memory,
+        smaller_update,
+        time_updates,
+    )
 
-    if progress is not None:
-        progress(
-            f"timing updates of {spec.name}'s model here (1 warm-up, then up to {TIMED} "
-            f"within {BUDGET_S:.0f} s)..."
-        )
+    shape = timing_shape(spec, meta_model(spec))
+    if shape.rows is None:
+        return [shape.line]
+    say = progress if progress is not None else (lambda line: None)
+    if shape.line:
+        say(shape.line)
+    say(
+        f"timing updates of {spec.name}'s model here (1 warm-up, then up to {TIMED} "
+        f"within {BUDGET_S:.0f} s)..."
+    )
+    timed = spec if shape.rows == shape.run_rows else smaller_update(spec, shape.rows)
     try:
-        step = time_updates(spec)
+        step = time_updates(timed, progress=say)
+    except Diverged as e:
+        return [f"  time here: not timed: {e}"]
     except (RuntimeError, MemoryError, PipelineError) as e:
         if not out_of_memory(e):
             raise
         why = " ".join(str(e).split())[:200] or type(e).__name__
         return [f"  time here: not timed: this machine ran out of memory for an update ({why})"]
-    here = {s.stage: s.updates * step.seconds / 3600 for s in stages}
+    seconds, measured = step.seconds, step.measured + "; the run's own update"
+    if shape.rows != shape.run_rows:
+        seconds *= shape.run_rows / shape.rows
+        measured = (
+            f"{step.measured}; {shape.rows} of the update's {shape.run_rows} rows (the whole "
+            f"would not fit in half of this machine's memory), scaled by "
+            f"{shape.run_rows}/{shape.rows}"
+        )
+    here = {s.stage: s.updates * seconds / 3600 for s in stages}
     return [
-        f"  update time here: {format_duration(step.seconds / 3600)} (measured: {step.measured})",
+        f"  update time here: {format_duration(seconds / 3600)} (measured: {measured})",
         f"  time here: {_times_line(here)} (updates x the update time here)",
     ]
 

@@ -21,7 +21,7 @@ Each point's workspace holds `sweep-point.json`, the config and the --set that m
 
 from __future__ import annotations
 
-import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -37,6 +37,7 @@ from pipeline.cluster import distributed
 from pipeline.cluster.signals import SignalHandler
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.fsutil import atomic_write_json, open_for_write
+from pipeline.locks import holding, stale_hint
 from pipeline.redact import mask
 from pipeline.spec import ALL, SpecError, inert_on_its_own, load_spec
 from pipeline.spec.validation import InertKey, InertKeysError
@@ -266,11 +267,19 @@ def shared_prefix(pts: list[Point]) -> list[str]:
     return prefix
 
 
-def reuse_outputs(spec, log) -> list[str]:
+def reuse_outputs(spec, log, told: set[str] | None = None) -> list[str]:
     """Link into `spec`'s workspace each stage, in order, that another workspace under the
     same root built with the fingerprint this one would compute; stop at the first stage
-    neither built here nor there. Returns the stages linked in."""
+    neither built here nor there. Returns the stages linked in. A build another user could
+    have written is passed over, said once per entry of `told` (the sweep's calls share it)."""
     ws = Workspace(spec.workspace_dir)
+    told = set() if told is None else told
+
+    def passed_over(name: str, why: str) -> None:
+        if why not in told:
+            told.add(why)
+            log(f"[{spec.name}] {name}: not reusing a build another user could have written: {why}")
+
     builds: dict[str, str] = {}
     linked = []
     for name in spec.stages:
@@ -281,7 +290,7 @@ def reuse_outputs(spec, log) -> list[str]:
         fp = fingerprint(stage.fingerprinted(spec), {i: builds[i] for i in inputs})
         record = ws.record(name)
         if record is None and not ws.partial_dir(name).exists():
-            source = ws.built_elsewhere(name, fp)
+            source = ws.built_elsewhere(name, fp, functools.partial(passed_over, name))
             if source is not None and ws.link_build(name, source):
                 log(f"[{spec.name}] {name}: reusing {source}")
                 linked.append(name)
@@ -380,12 +389,13 @@ def run_sweep(
     workspaces = [p.spec.workspace_dir for p in pts]
     failed: list[str] = []
     status = "FAILED"
+    told: set[str] = set()  # builds passed over as another user's, said once
     try:
         if prefix and not all(is_done(p.spec) for p in pts):
-            run_shared_prefix(pts, prefix, sweep, log)
+            run_shared_prefix(pts, prefix, sweep, log, told)
         todo = []
         for p in pts:
-            reuse_outputs(p.spec, log)
+            reuse_outputs(p.spec, log, told)
             if is_done(p.spec):
                 log(f"[{p.name}] done")
             else:
@@ -428,13 +438,16 @@ def _sweep_run(pts: list[Point], ident: str, log) -> SweepRun:
     return SweepRun(pts[0].spec, ident, description[:5000], warn=lambda m: log(f"warning: {m}"))
 
 
-def run_shared_prefix(pts: list[Point], prefix: list[str], sweep: SweepRun, log) -> None:
+def run_shared_prefix(
+    pts: list[Point], prefix: list[str], sweep: SweepRun, log, told: set[str] | None = None
+) -> None:
     """Build the stages every point shares once, in the first point's workspace (unless a
     workspace already holds them), and link them into every point's."""
     from pipeline.tracking.tracker import make_tracker
 
+    told = set() if told is None else told
     for p in pts:
-        reuse_outputs(p.spec, log)
+        reuse_outputs(p.spec, log, told)
     first = pts[0]
     if not all(
         s.action == "skip"
@@ -587,17 +600,29 @@ def prepare_array_task(
     point = _point(pts, index)
     root = point.spec.workspace_dir.parent
     root.mkdir(parents=True, exist_ok=True)
-    with open_for_write(root / f".sweep-{ident}.lock", "sweep lock file", append=True) as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    path = root / f".sweep-{ident}.lock"
+
+    def waiting() -> None:
+        hint = stale_hint(path, "task")
+        log(
+            f"[{point.name}] waiting for another task of the sweep, which holds {path}"
+            + (f"; {hint}" if hint else "")
+        )
+
+    with (
+        open_for_write(path, "sweep lock file", append=True) as lock,
+        holding(lock.fileno(), path, f"sweep task {index}", waiting),
+    ):
         # inside the lock: the first task creates the tracking store, and two creating one
         # at once both fail
         sweep = _sweep_run(pts, ident, log)
+        told: set[str] = set()
         if prefix and not is_done(point.spec):
             # built in the first point's workspace, linked into this one
             run_shared_prefix(
-                list({id(p): p for p in (pts[0], point)}.values()), prefix, sweep, log
+                list({id(p): p for p in (pts[0], point)}.values()), prefix, sweep, log, told
             )
-        reuse_outputs(point.spec, log)
+        reuse_outputs(point.spec, log, told)
     record_points(config, [point])
     log(f"[{point.name}] sweep point {index + 1} of {len(pts)}")
 

@@ -7,9 +7,11 @@ build the weights' own record names (`verify_trained_on`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pipeline.errors import PipelineError, shown
+from pipeline.fsutil import home_problem
 
 
 def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
@@ -43,7 +45,9 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
         )
     if not which.strip():  # Path("") is the current directory
         raise PipelineError("--checkpoint is empty: give latest, best, or a checkpoint directory")
-    path = Path(which).expanduser()
+    if problem := home_problem(which):  # Path.expanduser would raise RuntimeError
+        raise PipelineError(f"--checkpoint {shown(which)}: {problem}")
+    path = Path(os.path.expanduser(which))
     try:  # is_file / is_dir answer False for a missing path, but raise for one too long
         if (path / "mp_rank_00_model_states.pt").is_file() or path.name.startswith("step-"):
             return path.parent, path.name, str(path)

@@ -5,12 +5,20 @@ gradient accumulation, precision and DeepSpeed engine are the ones the run resol
 `update()` is what is timed; only the data differs: random tokens of the run's shape (the
 estimate runs before preprocess), or the curriculum's own generated cases. Timing one
 micro-batch row and multiplying by the batch, as this did before, overstated a small
-model's update 6 to 13 times (its fixed costs were paid once per row)."""
+model's update 6 to 13 times (its fixed costs were paid once per row).
+
+Where the run's update would not fit in this machine's memory, the estimate times fewer rows
+of it (``smaller_update``: one micro-batch of that many rows) and scales the time by the
+rows (pipeline/commands/estimate.py plans that from the memory plan). A timed update that
+diverges stops the timing as `run` stops (``Diverged``), and a ``Heartbeat`` says what is
+being timed at least every ``HEARTBEAT_S`` seconds, however long one update takes."""
 
 from __future__ import annotations
 
 import gc
+import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +30,11 @@ from pipeline.errors import PipelineError
 
 BUDGET_S = 60.0
 TIMED = 5  # timed updates at most, after the warm-up
+HEARTBEAT_S = 30.0  # the longest the estimate stays silent while it times
+
+
+class Diverged(PipelineError):
+    """A timed update's loss, gradients or weights were not finite (NaN or inf)."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +136,9 @@ class UpdateTimer:
             data.before_update(self.trainer, 1)  # the epoch's stream of cases
 
     def time(self, n: int) -> list[float]:
-        """Seconds of each of the next `n` updates, each waited for."""
+        """Seconds of each of the next `n` updates, each waited for; `Diverged` at an
+        update whose loss, gradients or new weights are not finite (the next would fail on
+        them, the all-attention spans' plan first)."""
         device, out = self.trainer.device, []
         for _ in range(n):
             if device.type == "cuda":
@@ -132,17 +147,38 @@ class UpdateTimer:
             # adaptive spans would grow faster than the run's, and the updates with them
             self.trainer.set_lr(self.trainer.lr_at(self.trainer.step + 1))
             start = self.clock()
-            float(self.trainer.train_step())  # waits for the update
+            loss = float(self.trainer.train_step())  # waits for the update
             out.append(self.clock() - start)
+            self.check_finite(loss)
         return out
+
+    def check_finite(self, loss: float) -> None:
+        """`Diverged`, in the words `run` stops with (pipeline.training.nonfinite), where the
+        update just timed was not finite: its loss, what the non-finite guard counted (the
+        gradients), or the weights it left."""
+        from pipeline.training.nonfinite import all_finite
+
+        t = self.trainer
+        if t.guard.mode == "skip":  # the run skips such an update and goes on: so does this
+            return
+        counted = float(t.guard.tensors()["nonfinite_updates"])
+        if not math.isfinite(loss) or counted > 0:
+            raise Diverged(
+                f"{t.stage}: a non-finite loss or gradient (NaN or inf) at step {t.step}: "
+                f"the timing stopped there, as `run` stops training; {t.guard.hint}"
+            )
+        if not bool(all_finite([p.detach() for p in t.model.parameters() if p.numel()])):
+            raise Diverged(
+                f"{t.stage}: the weights at step {t.step} are not finite (NaN or inf): the "
+                f"timing stopped there, as `run` stops training; {t.guard.hint}"
+            )
 
     def describe(self) -> str:
         t = self.trainer
         bf16 = "bf16" if t.resolved["bf16"] else "float32"
         what = (
             f"{t.device.type}, {bf16}, one process: updates of {t.accum} micro-batch(es) of "
-            f"{t.micro_batch} x {t.block_len} tokens ({t.micro_batch * t.accum} rows, the "
-            f"run's own update)"
+            f"{t.micro_batch} x {t.block_len} tokens ({t.micro_batch * t.accum} rows)"
         )
         if spans := getattr(t.model, "span_lens", None):
             what += f"; the initial spans (L' up to {max(spans())})"
@@ -155,27 +191,73 @@ class UpdateTimer:
             torch.cuda.empty_cache()
 
 
+def smaller_update(spec, rows: int):
+    """`spec` with an update of `rows` rows in one micro-batch (train.batch_size and
+    train.micro_batch_size `rows`, no accumulation): the shape the estimate times where the
+    run's update would not fit in this machine's memory. The rest of the spec is the run's."""
+    train = spec.train
+    deepspeed = train.deepspeed.model_copy(update={"gradient_accumulation_steps": 1})
+    smaller = train.model_copy(
+        update={"batch_size": rows, "micro_batch_size": rows, "deepspeed": deepspeed}
+    )
+    return spec.model_copy(update={"train": smaller})
+
+
+class Heartbeat:
+    """``with Heartbeat(progress) as beat:`` says ``beat.doing`` (what is being timed) and
+    the seconds so far every `every` seconds until the block ends, from a thread: one update
+    of a large model can take minutes, and a silent terminal looks hung."""
+
+    def __init__(self, progress: Callable[[str], None] | None, every: float = HEARTBEAT_S):
+        self.progress, self.every = progress, every
+        self.doing = "building the run's trainer"
+        self._done = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every):
+            if self.progress is not None:
+                seconds = time.monotonic() - self._start
+                self.progress(f"  ... still timing: {self.doing} ({seconds:.0f} s so far)")
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def time_updates(
     spec,
     budget_s: float = BUDGET_S,
     timed: int = TIMED,
     log: Callable[[str], None] = lambda line: None,
+    progress: Callable[[str], None] | None = None,
 ) -> UpdateTime:
     """The run's update on its device: 1 warm-up, then up to `timed` updates while they stay
     within `budget_s`; the median. The spans are the initial ones (span_init), as a run's
-    first updates have them. One process: a multi-process run's per-rank batch is smaller."""
-    timer = UpdateTimer(spec, log)
-    try:
-        [warmup] = timer.time(1)
-        times: list[float] = []
-        while len(times) < timed and sum(times) + (times[-1] if times else warmup) <= budget_s:
-            times += timer.time(1)
-        seconds = statistics.median(times) if times else warmup
-        what = (
-            f"median of {len(times)} timed"
-            if times
-            else "the warm-up alone, over the budget (with its first-call costs: high)"
-        )
-        return UpdateTime(seconds, f"{timer.describe()}: 1 warm-up + {len(times)} timed, {what}")
-    finally:
-        timer.close()
+    first updates have them. One process: a multi-process run's per-rank batch is smaller.
+    `progress` hears what is being timed at least every HEARTBEAT_S seconds."""
+    with Heartbeat(progress) as beat:
+        timer = UpdateTimer(spec, log)
+        try:
+            beat.doing = "the warm-up update"
+            [warmup] = timer.time(1)
+            times: list[float] = []
+            while len(times) < timed and sum(times) + (times[-1] if times else warmup) <= budget_s:
+                beat.doing = f"update {len(times) + 1} of at most {timed}"
+                times += timer.time(1)
+            seconds = statistics.median(times) if times else warmup
+            what = (
+                f"median of {len(times)} timed"
+                if times
+                else "the warm-up alone, over the budget (with its first-call costs: high)"
+            )
+            return UpdateTime(
+                seconds, f"{timer.describe()}: 1 warm-up + {len(times)} timed, {what}"
+            )
+        finally:
+            timer.close()

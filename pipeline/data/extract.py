@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
-import tempfile
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -30,7 +29,7 @@ from pipeline.data.fetch import (
     open_for_write,
 )
 from pipeline.errors import PipelineError, write_cause, write_hint
-from pipeline.fsutil import public_mode
+from pipeline.fsutil import public_mode, temporary_beside
 
 ZIP_JUNK = ("__MACOSX/",)  # resource forks in zips made on a Mac
 
@@ -206,15 +205,13 @@ def write_verified(
         check_hex(sha256, SHA256_HEX, f"dataset.files.{role}.sha256", "sha256") if sha256 else None
     )
     expect_md5 = check_hex(md5, MD5_HEX, f"dataset.files.{role}.md5", "md5") if md5 else None
-    # an unguessable name (mkstemp), never one a member of the archive can have: a member
+    # an unguessable name, never one a member of the archive can have: a member
     # named like a fixed temporary would be truncated by, or renamed over, another's
-    fd, name = tempfile.mkstemp(prefix=f".{target.name[:64]}.", suffix=".part", dir=target.parent)
-    os.fchmod(fd, public_mode())  # published as the umask says, not mkstemp's 0600
-    os.close(fd)
-    tmp = Path(name)
-    h, m, n = hashlib.sha256(), hashlib.md5() if expect_md5 else None, 0
-    what = f"{source} -> {target.name}" if source and source != target.name else target.name
-    try:
+    with temporary_beside(target, ".part") as (fd, tmp):  # removed unless renamed
+        os.fchmod(fd, public_mode())  # published as the umask says, not 0600
+        os.close(fd)
+        h, m, n = hashlib.sha256(), hashlib.md5() if expect_md5 else None, 0
+        what = f"{source} -> {target.name}" if source and source != target.name else target.name
         try:
             with open_for_write(tmp, "wb") as out:
                 while True:
@@ -257,9 +254,6 @@ def write_verified(
                     f"the file differs from the one the dataset lists"
                 )
         os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return Extracted(target, sha256_found, n, source or target.name)
 
 

@@ -64,7 +64,9 @@ class Fetched:
 def cache_dir(spec) -> Path:
     """The download cache of a `pipeline.spec.Spec`: workspace.cache, else <root>/cache."""
     ws = spec.workspace
-    return Path(ws.cache).expanduser() if ws.cache else Path(ws.root) / "cache"
+    # validate expanded a `~` (refusing one that names no directory); a spec built otherwise
+    # gets the same one line, not Path.expanduser's RuntimeError
+    return fsutil.user_path(ws.cache) if ws.cache else Path(ws.root) / "cache"
 
 
 def cache_path(cache: str | os.PathLike, sha256: str) -> Path:
@@ -322,21 +324,23 @@ def _cache_hit(final: Path, key: str, url: str, log: Log) -> Fetched | None:
 @contextlib.contextmanager
 def _locked(path: Path, log: Log):
     """One downloader per cache entry (two jobs of an array starting together): the second
-    waits, then finds the file in the cache. Where the filesystem has no locks, no lock."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
+    waits, then finds the file in the cache. Where the file system has no flock, the lock is
+    a lock file (pipeline.locks), which a download killed on another host leaves behind: the
+    line that says a download waits names it."""
+    from pipeline.locks import holding, stale_hint
+
+    def waiting() -> None:
+        hint = stale_hint(path, "download")
+        log(
+            f"another process is downloading into {path.parent}; waiting for it"
+            + (f" ({hint})" if hint else "")
+        )
+
     # never through a link planted there (it would create or lock the file it names)
-    with fsutil.open_for_write(path, "download lock file", append=True) as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"another process is downloading into {path.parent}; waiting for it")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:
-            pass
+    with (
+        fsutil.open_for_write(path, "download lock file", append=True) as handle,
+        holding(handle.fileno(), path, f"download cache {path.parent}", waiting),
+    ):
         yield
 
 

@@ -36,6 +36,7 @@ initialised rows, so they are the same model.
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import torch
 import torch.nn as nn
@@ -213,6 +214,34 @@ class AdaptiveLogSoftmax(nn.Module):
             tail_lp = F.log_softmax(self._band_logits(h, i).to(head_lp.dtype), dim=-1)
             parts.append(head_lp[:, self.shortlist + i - 1, None] + tail_lp)
         return torch.cat(parts, dim=-1).view(*lead, self.vocab_size)
+
+    def band_shares(self, uniform_tokens: bool) -> list[float]:
+        """The share of tokens in each band: by the band's size for uniformly drawn tokens,
+        else as text's words fall under Zipf's law (the frequency of rank r ~ 1 / r, so the
+        ids below k take H(k) / H(V) of the tokens, H the harmonic number ~ ln k + 0.577)."""
+        if uniform_tokens:
+            return [(hi - lo) / self.vocab_size for lo, hi in pairwise(self.bounds)]
+        harmonic = [math.log(b) + 0.5772 if b else 0.0 for b in self.bounds]
+        return [(hi - lo) / harmonic[-1] for lo, hi in pairwise(harmonic)]
+
+    def activation_memory(self, tokens: int, dtype: torch.dtype, uniform_tokens: bool):
+        """(saved, working) bytes of ``nll`` on ``tokens`` hidden states: the head's float32
+        log-probabilities [n, c_1 + K] for every token, and each tail band's [n_i, V_i] for
+        the n_i tokens that fall in it (``band_shares``), with the rows of h its projection
+        reads; the backward's largest moment holds about two of the largest."""
+        e = torch.empty((), dtype=dtype).element_size()
+        head = tokens * (self.shortlist + self.n_clusters)
+        saved, largest = 4 * head, head
+        for share, (lo, hi), di in zip(
+            self.band_shares(uniform_tokens)[1:],
+            pairwise(self.bounds[1:]),
+            self.dims[1:],
+            strict=True,
+        ):
+            rows = math.ceil(tokens * share)
+            saved += 4 * rows * (hi - lo) + e * rows * (self.d_model + di)
+            largest = max(largest, rows * (hi - lo))
+        return saved, (4 + e) * largest
 
     def extra_repr(self) -> str:
         return f"bounds={self.bounds}, dims={self.dims}"

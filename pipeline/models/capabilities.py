@@ -11,12 +11,15 @@ capability overrides the group's hooks. Which built-in family implements which g
 - `TrainingMetrics`: all-attention (spans, plan overflows), ∞-former (its memory's KL and
   variance).
 - `HeadReports`: all-attention (learned spans, the persistent vectors' share of attention).
+- `MemoryCounts`: every built-in family (what a training step keeps for backward, counted
+  from the shapes, for the memory plan of `show --estimate`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -129,3 +132,42 @@ class HeadReports:
         vectors. Yields None for a model with nothing to measure (the default), so that the
         caller can skip the pass."""
         yield None
+
+
+class ActivationMemory(NamedTuple):
+    """Bytes one training micro-batch takes beyond the weights, gradients and optimizer."""
+
+    saved: int
+    """What autograd keeps for backward at the end of the micro-batch's forward."""
+    working: int
+    """The most the backward holds at once beyond ``saved`` (its largest gradients)."""
+    state: int
+    """The state carried to the next block (``init_state``'s tensors), for these rows."""
+
+
+class MemoryCounts:
+    """What a training step of the model keeps in memory, counted from its shapes, so that
+    the memory plan (pipeline/training/memory_plan.py) never runs or inspects the model."""
+
+    def activation_memory(
+        self,
+        rows: int,
+        block_len: int,
+        dtype: torch.dtype,
+        device_type: str,
+        uniform_tokens: bool = False,
+    ) -> ActivationMemory | None:
+        """The memory of one training forward and backward of ``rows`` x ``block_len``
+        tokens (a document-trained model: ``rows`` documents read in segments of
+        ``block_len``) in ``dtype`` on ``device_type`` ("cpu", "cuda"), at the shapes in
+        force (``hold_shapes_at``). ``uniform_tokens``: the tokens are drawn uniformly (the
+        estimate's timing) rather than text, whose words follow Zipf's law (what an adaptive
+        softmax's bands cost depends on it). None: not counted (the default)."""
+        return None
+
+    def hold_shapes_at(self, fraction: float | None) -> str:
+        """Size the shapes that depend on learned values (the all-attention spans) as if
+        every such value were at ``fraction`` of its range (None: at its initial value), for
+        the FLOP and memory counts of the estimate, whatever the device holds; returns what
+        that sets, in words ("L' 8192"), or "" for a model without such shapes."""
+        return ""

@@ -25,9 +25,9 @@ resumes on another number of processes, without knowing what it holds.
 The protocol is a small core, which every family provides (``forward``; ``init_state`` for
 a model with a state; the rest has defaults that fit most models), and optional
 capabilities in small groups (pipeline.models.capabilities: bounded parameters, shapes
-planned ahead, training backends, training metrics, per-head reports), whose hooks do
-nothing by default. `SequenceModel` inherits every capability, so a caller calls any hook on
-any model; a family that has one overrides its hooks.
+planned ahead, training backends, training metrics, per-head reports, memory counts), whose
+hooks do nothing by default. `SequenceModel` inherits every capability, so a caller calls any
+hook on any model; a family that has one overrides its hooks.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torch import Tensor
 from pipeline.models.capabilities import (
     BoundedParameters,
     HeadReports,
+    MemoryCounts,
     PlannedShapes,
     TrainingBackends,
     TrainingMetrics,
@@ -66,6 +67,7 @@ class SequenceModel(
     TrainingBackends,
     TrainingMetrics,
     HeadReports,
+    MemoryCounts,
     nn.Module,
 ):
     """Base class of every model family: the core of the protocol. Subclasses implement

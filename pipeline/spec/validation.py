@@ -175,6 +175,7 @@ def validate_spec(data: dict, where: dict, origin: str) -> Spec:
             )
     if spec is not None and not errors:
         errors += _check_names(spec, where, origin)
+        errors += _check_home(spec, where, origin)
     if errors:
         raise SpecError("\n".join(errors))
     assert spec is not None  # a spec pydantic refused left its errors above
@@ -223,6 +224,21 @@ def _check_names(spec: Spec, where: dict, origin: str) -> list[str]:
         f"digits, '_', '.', '+', '-', starting with a letter or digit, at most {NAME_MAX} "
         f"characters; found {short_repr(experiment)}"
     ]
+
+
+def _check_home(spec: Spec, where: dict, origin: str) -> list[str]:
+    """workspace.root and workspace.cache starting with a `~` that names no directory (a
+    container's user with no HOME and no passwd entry): refused here, before `run` would make
+    a directory named `~` or fail on it with a traceback."""
+    from pipeline.fsutil import home_problem
+
+    errors = []
+    for key in ("root", "cache"):
+        value = getattr(spec.workspace, key)
+        if value is not None and (problem := home_problem(value)):
+            at = _locate(where, ("workspace", key), origin)
+            errors.append(f"{at}: workspace.{key}: {problem}; found {short_repr(value)}")
+    return errors
 
 
 def _normalise_paths(spec: Spec) -> None:
@@ -495,12 +511,23 @@ class InertKeysError(SpecError):
 
 def refuse_inert_keys(spec: Spec, where: dict, top: str) -> None:
     """Every key acts or is refused: one that does nothing under the other settings is an
-    error where the user wrote it (this file, or --set). From an `extends` base it is
-    accepted: a shared base sets what some of its variants switch off."""
+    error where the user wrote it (this file, or --set), and so is any key under it
+    (`--set train.deepspeed.bf16=true` where train.deepspeed does nothing). From an `extends`
+    base it is accepted: a shared base sets what some of its variants switch off."""
+
+    def by_user(origin) -> bool:
+        return bool(origin) and (
+            str(origin).startswith("--set ") or str(origin).rsplit(":", 1)[0] == top
+        )
+
     keys = []
     for key, why in spec.inert_keys():
-        origin = where.get(key)
-        if origin and (origin.startswith("--set ") or origin.rsplit(":", 1)[0] == top):
-            keys.append(InertKey(dotted_path(key), str(origin), why))
+        written = sorted(
+            path for path, origin in where.items() if path[: len(key)] == key and by_user(origin)
+        )
+        # the outermost the user wrote: the section, else each key under it once
+        for path in written:
+            if not any(path[: len(other)] == other for other in written if other != path):
+                keys.append(InertKey(dotted_path(path), str(where[path]), why))
     if keys:
         raise InertKeysError(keys)

@@ -320,8 +320,10 @@ def store_lock(uri: str, warn):
     """Opening a local sqlite store, one process at a time: on first use MLflow creates the
     store's tables and runs its migrations, and two processes doing that at once break each
     other (two `run`s started together on a new workspace). The lock is a file beside the
-    store; a process that finds it held waits, saying so, up to STORE_WAIT_S."""
-    import fcntl
+    store (pipeline.locks: a flock, or where there is none a lock file); a process that finds
+    it held waits, saying so, up to STORE_WAIT_S. Where the file system has no flock, the
+    store is refused unless it has the POSIX locks sqlite itself keeps the store whole with."""
+    from pipeline.locks import stale_hint, wait_lock
 
     path = sqlite_path(uri)
     if path is None or not path.parent.is_dir():
@@ -338,24 +340,51 @@ def store_lock(uri: str, warn):
             f"{shown(lock)}: {e.strerror or e}"
         ) from None
     try:
-        deadline, said = time.monotonic() + STORE_WAIT_S, False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not said:
-                    warn(f"waiting for another process that is opening the tracking store {path}")
-                    said = True
-                if time.monotonic() > deadline:
-                    raise PipelineError(
-                        f"tracking store {shown(path)}: another process has held {lock} for "
-                        f"{STORE_WAIT_S:g} s; let it finish, or stop it, and run again"
-                    ) from None
-                time.sleep(0.2)
-        yield
+        held = wait_lock(
+            fd,
+            lock,
+            f"tracking store {shown(path)}",
+            STORE_WAIT_S,
+            lambda: warn(f"waiting for another process that is opening the tracking store {path}"),
+        )
+        if held is None:
+            hint = stale_hint(lock, "process")
+            raise PipelineError(
+                f"tracking store {shown(path)}: another process has held {lock} for "
+                f"{STORE_WAIT_S:g} s; let it finish, or stop it, and run again"
+                + (f"; {hint}" if hint else "")
+            )
+        try:
+            if held.soft is not None:
+                _refuse_without_posix_locks(fd, path)
+            yield
+        finally:
+            held.release()
     finally:
-        os.close(fd)  # and with it the lock
+        os.close(fd)  # and with it a flock
+
+
+def _refuse_without_posix_locks(fd: int, path: Path) -> None:
+    """Where flock is missing, sqlite may lack the POSIX locks it keeps a store whole with
+    (Lustre `noflock` and NFS without its lock manager have neither): it would then call
+    every open "disk I/O error" or "database is locked". One line naming the file system
+    instead. The lock tried is on the store's lock file (open as `fd`), never on the store."""
+    import fcntl
+
+    from pipeline.locks import NO_FLOCK, filesystem_type
+
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in NO_FLOCK:
+            raise PipelineError(
+                f"tracking store {shown(path)}: its file system ({filesystem_type(path.parent)}) "
+                f"has no file locks, which sqlite needs to keep the store whole; point "
+                f"tracking.uri at a tracking server or at a store on a local disk "
+                f"(sqlite:////tmp/me/mlflow.db), or set tracking.enabled: false"
+            ) from None
+        return  # held by another process: the file system has them
+    fcntl.lockf(fd, fcntl.LOCK_UN)
 
 
 def open_store(uri: str, warn=None, make_parent: bool = False):

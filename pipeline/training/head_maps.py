@@ -8,10 +8,8 @@ drawn can be checked without looking at pixels.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -38,33 +36,32 @@ def save(fig, path, **savefig_args) -> Path:
     cannot be written is one line naming it, and no half-written picture is left there."""
     import matplotlib.pyplot as plt
 
-    from pipeline.fsutil import public_mode
+    from pipeline.fsutil import public_mode, temporary_beside
 
     path = Path(path)
-    tmp = None
     try:
         image = image_format(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # a name of our own (mkstemp), written through the descriptor it gave: a link
-        # planted at a fixed temporary name would be written through; the rename replaces a
-        # link at `path` itself, never what it names
-        fd, name = tempfile.mkstemp(prefix=f".{path.name[:64]}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(name)
-        with os.fdopen(fd, "wb") as f:
+        # a name of our own, written through the descriptor it gave: a link planted at a
+        # fixed temporary name would be written through; the rename replaces a link at
+        # `path` itself, never what it names; a half-written picture is removed
+        with temporary_beside(path) as (fd, tmp), os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), public_mode())
             fig.savefig(f, format=image, **savefig_args)
-        os.replace(tmp, path)
+            f.flush()
+            os.replace(tmp, path)
     except OSError as e:
-        blocker = f" ({e.filename})" if e.filename not in (None, str(tmp)) else ""
+        blocker = f" ({e.filename})" if e.filename and not _temporary_of(e.filename, path) else ""
         raise PipelineError(
             f"{shown(path)}: cannot write the picture: {e.strerror or e}{blocker}"
         ) from None
     finally:
         plt.close(fig)
-        if tmp is not None:  # gone once renamed; else a half-written picture
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
     return path
+
+
+def _temporary_of(name, path: Path) -> bool:
+    return Path(name).parent == path.parent and Path(name).name.startswith(f".{path.name[:64]}.")
 
 
 HEAT_MAP_KEY = "head_table"

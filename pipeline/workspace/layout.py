@@ -24,8 +24,8 @@ it into place are finished by the next run if the process dies between them
 checksums its record holds (`Workspace.output_damage`).
 
 Workspaces under one root can share builds: `Workspace.built_elsewhere` finds a sibling's
-completed stage with a given fingerprint and `Workspace.link_build` hard-links it in (a sweep's
-points share their common stages this way).
+completed stage with a given fingerprint, where no other user can have written it, and
+`Workspace.link_build` hard-links it in (a sweep's points share their common stages this way).
 """
 
 from __future__ import annotations
@@ -35,13 +35,15 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, shown
 from pipeline.fsutil import (
     atomic_write_json,
     file_checksum,
     file_mismatch,
+    not_ours,
     read_json,
     read_text,
     refuse_link,
@@ -206,16 +208,26 @@ class Workspace:
         interrupted, the next plain run resumes it instead of keeping the old output."""
         (self.done_dir(stage) / RECORD).unlink(missing_ok=True)
 
-    def built_elsewhere(self, stage: str, fp: str) -> Path | None:
-        """A completed `stage` with fingerprint `fp` in another workspace under the same root."""
+    def built_elsewhere(
+        self, stage: str, fp: str, passed_over: Callable[[str], None] | None = None
+    ) -> Path | None:
+        """A completed `stage` with fingerprint `fp` in another workspace under the same root,
+        where only this user (or root) can have written it: a root may be shared, and a build
+        planted there with the fingerprint would become this workspace's data or weights.
+        `passed_over(why)` is told of each build with the fingerprint that is not (`_foreign`)."""
         for record_path in sorted(self.path.parent.glob(f"*/{stage}/{RECORD}")):
             if record_path.parent.parent == self.path:
                 continue
             try:
-                if json.loads(read_text(record_path, "stage record")).get("fingerprint") == fp:
-                    return record_path.parent
+                if json.loads(read_text(record_path, "stage record")).get("fingerprint") != fp:
+                    continue
+                why = _foreign(record_path.parent)
             except (OSError, ValueError, PipelineError):  # a FIFO, an edit: not a build
                 continue
+            if why is None:
+                return record_path.parent
+            if passed_over is not None:
+                passed_over(why)
         return None
 
     def link_build(self, stage: str, source: Path) -> bool:
@@ -238,6 +250,22 @@ class Workspace:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
             return False
+
+
+def _foreign(build: Path) -> str | None:
+    """Why another user could have written the build `build` (a stage's output directory):
+    its workspace, or a directory or file in it, is not this user's (or root's) or is
+    writable by others (fsutil.not_ours), or is a link, which no stage makes; in words that
+    name it. None where no one else can have written any of it."""
+    paths = [build.parent, build]
+    for top, dirs, files in os.walk(build):
+        paths += [Path(top, name) for name in (*dirs, *files)]
+    for path in paths:
+        if path.is_symlink():
+            return f"{shown(str(path))} is a symbolic link"
+        if why := not_ours(path):
+            return f"{shown(str(path))} is {why}"
+    return None
 
 
 def output_checksums(out_dir: Path) -> dict[str, dict]:

@@ -1,12 +1,10 @@
 """The workspace's lock: one `run` (or `sync`) at a time per workspace, and a way for
 readers such as `compare` to ask whether a run still holds it.
 
-The lock is a flock on `<workspace>/.lock`, which the kernel releases however its holder
-dies. Some cluster file systems have no flock (Lustre mounted `noflock`, some FUSE and NFS
-mounts: the call fails with ENOSYS, EOPNOTSUPP or ENOLCK); there a lock file stands in
-(`SOFT_LOCK`, filelock's SoftFileLock: created exclusively, removed on release), which a
+The lock is `<workspace>/.lock` taken with pipeline.locks: a flock, which the kernel releases
+however its holder dies, or on a file system without flock the lock file `SOFT_LOCK`, which a
 later run on the same host takes over when its holder is gone, and which a run killed on
-another host leaves behind until it is removed.
+another host leaves behind until it is removed. `.lock` names the holder either way.
 """
 
 from __future__ import annotations
@@ -21,20 +19,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.fsutil import NO_FLOCK
+from pipeline.locks import NO_FLOCK, Held, soft_path, stale_hint, try_lock
 
-SOFT_LOCK = ".lock.soft"
+SOFT_LOCK = soft_path(Path(".lock")).name
 """In the workspace, where its file system has no flock: held while a run is active."""
 
 
 class WorkspaceLock:
-    """An exclusive flock on `<workspace>/.lock`, released by the kernel if we die; where the
-    file system has no flock, the lock file `SOFT_LOCK` instead. `.lock` names the holder."""
+    """The exclusive lock of `<workspace>/.lock` (pipeline.locks: a flock, released by the
+    kernel if we die, or the lock file `SOFT_LOCK` where there is none). `.lock` names the
+    holder."""
 
     def __init__(self, workspace: Path):
         self.path = Path(workspace) / ".lock"
         self._fd: int | None = None
-        self._soft = None  # the SoftFileLock held, where there is no flock
+        self._held: Held | None = None
 
     def __enter__(self):
         from pipeline.fsutil import open_lock_file, writable_dir
@@ -51,17 +50,14 @@ class WorkspaceLock:
                 f"{self.path}: {e.strerror or e}"
             ) from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            held = try_lock(fd, self.path, f"workspace {self.path.parent}")
+        except BaseException:
+            os.close(fd)
+            raise
+        if held is None:
             holder = _holder_line(fd)
             os.close(fd)
-            raise PipelineError(busy_message(self.path.parent, holder)) from None
-        except OSError as e:
-            try:
-                self._soft = self._soft_lock(fd, e)
-            except BaseException:
-                os.close(fd)
-                raise
+            raise PipelineError(busy_message(self.path.parent, holder))
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
         line = f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n".encode()
         try:
@@ -73,50 +69,21 @@ class WorkspaceLock:
             # no half-written holder left for the next run to show, and no lock held
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
-            os.close(fd)  # releases the flock
-            if self._soft is not None:
-                self._soft.release()
-                self._soft = None
+            held.release()
+            os.close(fd)
             raise PipelineError(
                 f"workspace {self.path.parent}: cannot write its lock file {self.path}: "
                 f"{e.strerror or e}"
             ) from None
-        self._fd = fd
+        self._fd, self._held = fd, held
         return self
 
-    def _soft_lock(self, fd: int, error: OSError):
-        """The lock file that stands in for flock where `error` says the file system has
-        none; a PipelineError where another run holds it, or flock failed otherwise."""
-        from filelock import SoftFileLock, Timeout
-
-        workspace = self.path.parent
-        if error.errno not in NO_FLOCK:
-            raise PipelineError(
-                f"workspace {workspace}: cannot lock {self.path}: {error.strerror or error}"
-            ) from None
-        soft = SoftFileLock(workspace / SOFT_LOCK, timeout=0, is_singleton=False)
-        try:
-            soft.acquire()
-        except Timeout:
-            raise PipelineError(busy_message(workspace, _holder_line(fd))) from None
-        except OSError as e:
-            raise PipelineError(
-                f"workspace {workspace}: its file system ({filesystem_type(workspace)}) has no "
-                f"flock, and its lock file {workspace / SOFT_LOCK} cannot be made: "
-                f"{e.strerror or e}"
-            ) from None
-        return soft
-
     def __exit__(self, *exc):
-        if self._fd is not None:
+        if self._fd is not None and self._held is not None:
             os.ftruncate(self._fd, 0)
-            if self._soft is not None:
-                self._soft.release()
-                self._soft = None
-            else:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._held.release()
             os.close(self._fd)
-            self._fd = None
+            self._fd = self._held = None
 
 
 def busy_message(workspace: Path, holder: str) -> str:
@@ -127,34 +94,8 @@ def busy_message(workspace: Path, holder: str) -> str:
         f"workspace {workspace} is in use by another run ({holder}); "
         f"wait for it to finish or stop it"
     )
-    soft = Path(workspace) / SOFT_LOCK
-    if not soft.exists():
-        return line
-    return (
-        f"{line}; its file system ({filesystem_type(Path(workspace))}) has no flock, so the "
-        f"lock is the file {soft}: if that run is gone (killed on another host), remove it"
-    )
-
-
-def filesystem_type(path: Path) -> str:
-    """The type of the file system `path` is on, as the kernel's mount table names it
-    ("lustre", "nfs4", "fuse.sshfs"), or "unknown" where that table cannot be read."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return "unknown"
-    target = os.path.realpath(path)
-    best, kind = "", "unknown"
-    for fields in mounts:
-        # ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER
-        if "-" not in fields or len(fields) < 5:
-            continue
-        point = fields[4].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fields[fields.index("-") + 1]
-    return kind
+    hint = stale_hint(Path(workspace) / ".lock", "run")
+    return f"{line}; {hint}" if hint else line
 
 
 def _holder_line(fd: int) -> str:

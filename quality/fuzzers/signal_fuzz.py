@@ -6,8 +6,9 @@ commands' real processes (quality/fuzzers/forkserver.py): `run` through its stag
 (points in this process, or 2 at once as processes of their own) and `validate`.
 
 Each case is one command and one signal, drawn at a fraction of the command's usual time;
-a signal that reaches the command after it decided its exit is counted as late, not
-judged. The checks (signal_checks.py, record_checks.py):
+where the command ended first, the moment is drawn again inside the time it took (up to
+LATE_TRIES draws), and a signal that still reaches it after it decided its exit is counted
+as late, not judged. The checks (signal_checks.py, record_checks.py):
 - the exit is 128 + the signal's number (143 for a training stop, which saves a
   checkpoint), with one `error:` line, no traceback, not a death by the signal itself;
 - nothing half-published or left behind (temporaries, partial exports, stage files that
@@ -22,7 +23,7 @@ from __future__ import annotations
 import random
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from quality.fuzzers import record_checks
 from quality.fuzzers.record_checks import Store
@@ -94,6 +95,7 @@ WEIGHTS = {
     "validate": 1,
 }
 REPLAYS = ("sync", "run, replaying a backlog")  # a plain sync follows: nothing sent twice
+LATE_TRIES = 3  # draws of a case's moment, the later ones inside the time the command took
 
 
 @dataclass
@@ -149,12 +151,20 @@ def stopped_stage(stdout: str) -> str | None:
 def run_case(world: World, case: Case) -> SignalOutcome:
     command = COMMANDS[case.command]
     cpu = time.process_time()
-    world.restore(command.template)
-    creates = record_checks.backlog_creates(world.workspace)
     args = [a.format(config=world.config, exports=world.exports) for a in command.args]
-    driven = world.drive(args, case.command, case.signum, case.at, None, HANG_S)
-    ended = driven.ended
-    late = driven.sent is None or was_late(ended, driven.sent)
+    # The usual times are a guess: on an idle machine a command often ends before the drawn
+    # moment. Such a case is drawn again inside the time the command took, so that most
+    # cases judge a signal that reached a running command, not one that came too late.
+    redraw = random.Random(f"late:{case.index}:{case.at}")
+    for attempt in range(LATE_TRIES):
+        world.restore(command.template)
+        creates = record_checks.backlog_creates(world.workspace)
+        driven = world.drive(args, case.command, case.signum, case.at, None, HANG_S)
+        ended = driven.ended
+        late = driven.sent is None or was_late(ended, driven.sent)
+        if not late or ended.ending is None or attempt == LATE_TRIES - 1:
+            break
+        case = replace(case, at=round(redraw.random() * max(ended.ending - driven.ready, 0), 3))
     signum = None if late else case.signum
     label = case.command
     if command.args[0] == "run":

@@ -80,12 +80,14 @@ def command_env(jobs: int) -> dict[str, str]:
 @dataclass
 class Driven:
     """A command driven by `World.drive`: how it ended, when the signal was sent (monotonic;
-    None: not sent, the command had ended first), its window (wall clock, seconds)."""
+    None: not sent, the command had ended first), its window (wall clock, seconds), and when
+    it was ready (monotonic: the signal's time is counted from there)."""
 
     ended: Ended
     sent: float | None
     start: float
     end: float
+    ready: float
 
 
 @dataclass
@@ -159,7 +161,7 @@ class World:
         end = time.time()
         if not self.server.up:
             self.server.start()
-        return Driven(ended, sent, start, end)
+        return Driven(ended, sent, start, end, command.ready)
 
     def down_once(self, command: Command, printed: str, timeout: float = 300) -> None:
         """Stop the server once `command` has printed `printed` (or ended)."""

@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.models.capabilities import ActivationMemory
 from pipeline.models.checks import check_at_least, check_scalar_types
 from pipeline.models.protocol import ModelOutput, SequenceModel, State
 
@@ -365,6 +366,45 @@ class ActiveMemoryModel(SequenceModel):
                 logits.float().flatten(0, 1), targets.flatten(), reduction="none"
             ).view(targets.shape)
         return ModelOutput(logits, nll, [])
+
+    def activation_memory(
+        self,
+        rows: int,
+        block_len: int,
+        dtype: torch.dtype,
+        device_type: str,
+        uniform_tokens: bool = False,
+    ) -> ActivationMemory:
+        """Per layer: the LayerNorms' inputs and float32 statistics, the mixer's (each
+        convolution's padded input and its gates' activations; self-attention's copied
+        heads, its [B, H, M, M] weights and their dropout), the dropouts' masks (bool on a
+        GPU, the dtype on the CPU) and the feed-forward's hidden units; then the final norm,
+        the output layer's input, its float32 log-softmax [tokens, V] and the logits, which
+        the caller holds through the backward. No state."""
+        c, e = self.cfg, torch.empty((), dtype=dtype).element_size()
+        tokens, d = rows * block_len, c.d_model
+        mask = (1 if device_type == "cuda" else e) if c.dropout > 0 else 0
+        dropped = e if c.dropout > 0 else 0  # a dropout's output, where a product reads it
+        padded = e * rows * (block_len + c.kernel_size - 1) * d  # a convolution's input
+        # [B, M, d] tensors the mixer keeps, and its convolutions, by operator
+        kept, convs = {
+            None: (0, 0),
+            "conv": (1, 1),
+            "persistent_conv": (1, 1),
+            "highway_conv": (6, 2),
+            "cgru": (9, 3),
+        }[c.operator]
+        layer = e * tokens * (3 + kept) * d + convs * padded + 16 * tokens  # 3: the norms' in
+        layer += 2 * mask * tokens * d + (2 * e + mask) * tokens * c.ff_dim
+        working = 2 * e * tokens * max(c.ff_dim, d)
+        if c.uses_attention:
+            inner = c.n_heads * c.head_dim
+            weights = rows * c.n_heads * block_len * block_len
+            layer += e * tokens * (d + 4 * inner) + (e + mask + dropped) * weights
+            working = max(working, 2 * e * weights)
+        out = (4 + e) * tokens * self.output.out_features  # log-softmax; the logits returned
+        saved = c.n_layers * layer + mask * tokens * d + e * tokens * 2 * d + 8 * tokens + out
+        return ActivationMemory(saved, max(working, (4 + e) * tokens * self.output.out_features), 0)
 
     def describe(self) -> str:
         c = self.cfg

@@ -6,7 +6,7 @@ What each ablation means is written out in pipeline/models/allattn/model.py's do
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,7 @@ from pipeline.ops.attention import (
     attention_weights,
     get_attention_impl,
 )
+from pipeline.ops.memory import OpMemory, attention_memory, dtype_bytes, persistent_memory
 
 SPAN_GRANULARITY = 64
 """Attention spans are trimmed in steps of this many tokens, and the cache keeps this many
@@ -185,6 +186,51 @@ class AllAttention(nn.Module):
             self.persistent_v * math.sqrt(self.n_persistent),
         )
 
+    def activation_memory(
+        self, rows: int, m: int, span_len: int, dtype: torch.dtype, device_type: str, impl: str
+    ) -> OpMemory:
+        """What ``forward`` keeps for backward on ``rows`` x ``m`` queries at L' = ``span_len``
+        with backend ``impl`` (pipeline.ops.memory): the op's or ops' count for this
+        ``persistent_mode``, and the rows of context and block the K / V projections read
+        and the heads' output the output projection reads."""
+        d, h, hc, n = (
+            self.n_heads * self.head_dim,
+            self.n_heads,
+            self.n_ctx_heads,
+            self.n_persistent,
+        )
+        e = dtype_bytes(dtype)
+        shape: dict[str, Any] = dict(
+            batch=rows, queries=m, span=span_len, head_dim=self.head_dim, dropout=self.dropout_p > 0
+        )
+        masked = self.adaptive_span is not None
+        own = e * (rows * (span_len + m) * d + rows * m * d)  # K / V input, o_proj input
+        if self.mode == "all_attn":
+            parts = [
+                attention_memory(
+                    impl, device_type, dtype, heads=h, persistent=n, span_mask=masked, **shape
+                )
+            ]
+        else:
+            ctx = attention_memory(
+                impl, device_type, dtype, heads=hc, persistent=0, span_mask=masked, **shape
+            )
+            # attn_split: every head; head_split: the other half; single_head: one group of d
+            groups = {"attn_split": h, "head_split": h - hc, "single_head": 1}[self.mode]
+            pers = persistent_memory(
+                device_type,
+                dtype,
+                batch=rows,
+                groups=groups,
+                queries=m,
+                persistent=n,
+                dim=d if self.mode == "single_head" else self.head_dim,
+                dropout=self.dropout_p > 0,
+                copies_query=self.mode != "single_head",  # a head view, or the whole query
+            )
+            parts = [ctx, pers]
+        return OpMemory(own + sum(p.saved for p in parts), max(p.working for p in parts))
+
     def forward(
         self, h: Tensor, context: Tensor, pos_table: Tensor, span_len: int | None = None
     ) -> Tensor:
@@ -314,6 +360,41 @@ class AllAttnLayer(nn.Module):
         else:
             self.ff = None
             self.norm2 = None
+
+    def activation_memory(
+        self, rows: int, m: int, span_len: int, dtype: torch.dtype, device_type: str, impl: str
+    ) -> OpMemory:
+        """What ``forward`` keeps for backward (see ``AllAttention.activation_memory``): its
+        input (read by the query projection), each LayerNorm's input and float32 statistics,
+        and the feed-forward sublayer's hidden units (a dropout mask is bool on a GPU, of the
+        dtype on the CPU, where torch's dropout keeps its scaled noise)."""
+        e = dtype_bytes(dtype)
+        tokens, d = rows * m, self.norm1.normalized_shape[0]
+        attn = self.attn.activation_memory(rows, m, span_len, dtype, device_type, impl)
+        norms = 1 if self.ff is None else 2
+        saved = attn.saved + e * tokens * d * (1 + norms) + 8 * tokens * norms
+        working = attn.working
+        if isinstance(self.ff, AttnFeedForward):
+            ff = persistent_memory(
+                device_type,
+                dtype,
+                batch=rows,
+                groups=1,
+                queries=m,
+                persistent=self.ff.n,
+                dim=d,
+                dropout=self.ff.dropout_p > 0,
+                copies_query=False,
+            )
+            saved += ff.saved + 3 * e * tokens * d  # q_proj's input and output, o_proj's input
+            working = max(working, ff.working)
+        elif self.ff is not None:  # relu / softmax: fc1's input, its activation, fc2's input
+            hidden = tokens * cast(nn.Linear, self.ff.fc1).out_features
+            saved += e * (tokens * d + hidden)
+            if cast(nn.Dropout, self.ff.dropout).p > 0:
+                saved += hidden * (e + (1 if device_type == "cuda" else e))
+            working = max(working, 2 * e * hidden)
+        return OpMemory(saved, working)
 
     def forward(
         self, x: Tensor, context: Tensor, pos_table: Tensor, span_len: int | None = None

@@ -72,8 +72,10 @@ from pipeline.models.allattn.layers import (
     PersistentShareSum,
     attn_span_len,
     cache_len,
+    planned_span_len,
 )
 from pipeline.models.allattn.span_planner import SpanPlanner
+from pipeline.models.capabilities import ActivationMemory
 from pipeline.models.protocol import ModelOutput, SequenceModel, State, count_elements
 from pipeline.ops import (
     AttendFn,
@@ -82,6 +84,7 @@ from pipeline.ops import (
     describe_auto,
     get_attention_impl,
 )
+from pipeline.ops.memory import dtype_bytes
 from pipeline.ops.triton_attention import RECOMPUTED_PRODUCTS
 
 # --------------------------------------------------------------------------------------
@@ -301,6 +304,55 @@ class AllAttnLM(SequenceModel):
                     pers = RECOMPUTED_PRODUCTS["persistent"] * attn.head_dim * attn.n_persistent
                     flops += 2 * pers * attn.n_heads
         return flops
+
+    def hold_shapes_at(self, fraction: float | None) -> str:
+        """Every layer's L' planned as the trainer plans it from span fraction ``fraction``
+        (None: span_init, where training starts), for the estimate's counts; max_span with
+        fixed spans."""
+        planner = self.span_planner
+        span = self.cfg.max_span
+        if planner.adaptive:
+            frac = self.cfg.span_init if fraction is None else fraction
+            span = planned_span_len(frac, self.cfg.max_span, self.cfg.span_ramp)
+        planner.planned = [span] * self.cfg.n_layers
+        return f"L' {span}"
+
+    def activation_memory(
+        self,
+        rows: int,
+        block_len: int,
+        dtype: torch.dtype,
+        device_type: str,
+        uniform_tokens: bool = False,
+    ) -> ActivationMemory:
+        """Counted at the L' in force (``hold_shapes_at``; max_span before any plan): each
+        layer's (``AllAttnLayer.activation_memory``, the attention backend's part from
+        pipeline.ops.memory), the embedding and output dropouts' masks, the output layer's
+        input, its float32 log-softmax [tokens, V] and the logits, which the caller holds
+        through the backward (or the adaptive softmax's bands), and
+        the cache: L' + 64 hidden states a layer (``cache_len``) a row."""
+        e = dtype_bytes(dtype)
+        tokens, d = rows * block_len, self.cfg.d_model
+        spans = self.span_planner.planned or [self.cfg.max_span] * len(self.layers)
+        counts = [
+            layer.activation_memory(rows, block_len, span, dtype, device_type, self.attention_impl)
+            for layer, span in zip(self.layers, spans, strict=True)
+        ]
+        mask = 1 if device_type == "cuda" else e  # torch's dropout mask (bool on a GPU)
+        saved = sum(c.saved for c in counts) + e * tokens * d  # the output layer's input
+        saved += mask * tokens * d * ((self.cfg.emb_dropout > 0) + (self.cfg.out_dropout > 0))
+        if self.cfg.adaptive_io:
+            out_saved, out_working = cast(AdaptiveLogSoftmax, self.out).activation_memory(
+                tokens, dtype, uniform_tokens
+            )
+        else:
+            # the float32 log-softmax, and the logits the caller holds (ModelOutput)
+            out_saved = (4 + e) * tokens * self.vocab_size
+            out_working = (4 + e) * tokens * self.vocab_size
+        state = sum(rows * cache_len(span, self.cfg.max_span) * d * e for span in spans)
+        return ActivationMemory(
+            saved + out_saved, max([out_working, *(c.working for c in counts)]), state
+        )
 
     def describe(self) -> str:
         """The attention backend; for ``auto``, what it picks on the model's current device

@@ -60,6 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.models.capabilities import ActivationMemory
 from pipeline.models.checks import check_at_least, check_scalar_types
 from pipeline.models.protocol import ModelOutput, SequenceModel, State
 
@@ -623,6 +624,51 @@ class InfinityFormerLM(SequenceModel):
         if targets is not None:
             nll = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
         return ModelOutput(logits=logits, nll=nll, state=new_state)
+
+    def activation_memory(
+        self,
+        rows: int,
+        block_len: int,
+        dtype: torch.dtype,
+        device_type: str,
+        uniform_tokens: bool = False,
+    ) -> ActivationMemory:
+        """A block with a graph, the LTM reading (the most a block keeps). Per layer: the
+        projections' inputs ([cache; block] and the output's), the heads the products copy
+        (queries with each bias, keys, values, the relative positions over the batch), the
+        softmax over the mem_len + M keys and its dropout; with the LTM the gated intake and
+        the refit's input, the coefficients, and seven float32 [B, H, M, N] tensors of the
+        closed-form read (the scores, its variance, difference, square and exponential) with
+        the read weights; the LayerNorms and the feed-forward. Then the output's float32
+        log-softmax, and the state: the cache, with the LTM its coefficients."""
+        c, e = self.cfg, torch.empty((), dtype=dtype).element_size()
+        tokens, d, h = rows * block_len, c.d_model, c.n_heads
+        keys = c.mem_len + block_len
+        mask = 1 if device_type == "cuda" else e  # torch's dropout mask (bool on a GPU)
+        scores = rows * h * block_len * keys
+        # [cache; block], the keys, values and positions copied; the output's input, the
+        # queries with each bias; the scores by distance (the gather's input) and the softmax
+        layer = e * (rows * keys * d * 4 + tokens * d * 3 + 2 * scores) + 8 * block_len * keys
+        if c.attn_dropout > 0:
+            layer += (e + mask) * scores
+        working = 6 * e * scores  # the softmax, scores, by-distance and gather gradients
+        if c.ltm:
+            read = rows * h * block_len * c.n_basis
+            intake = rows * (c.n_samples + block_len) * d
+            layer += e * (3 * tokens * d + intake + rows * c.n_basis * d * 3)
+            layer += (7 * 4 + e) * read
+            working = max(working, 3 * 4 * read)
+        layer += e * tokens * d * 3 + 16 * tokens + e * tokens * c.ff_dim  # norms, ff input
+        if c.dropout > 0:
+            layer += (e + mask) * tokens * c.ff_dim + mask * tokens * d
+        vocab = self.head.out_features
+        saved = c.n_layers * layer + (4 + e) * tokens * vocab + e * tokens * d  # + the logits
+        if c.dropout > 0:
+            saved += 2 * mask * tokens * d
+        per_layer = rows * d * e * (self._cache_len() + (c.n_basis if c.ltm else 0))
+        return ActivationMemory(
+            saved, max(working, (4 + e) * tokens * vocab), c.n_layers * per_layer
+        )
 
     def aux_loss(self) -> Tensor:
         """kl_weight · Σ_layers mean KL of the last forward's LTM reads (0 without reads)."""

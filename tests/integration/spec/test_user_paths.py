@@ -3,6 +3,7 @@ resolved, and a name that becomes a path component held to `name`'s rule."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,66 @@ def test_a_workspace_that_cannot_be_made_is_one_line_from_sync(tmp_path, shape):
     line = result.output.strip()
     assert line.startswith("error: ") and "\n" not in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling"]
+
+
+@pytest.fixture
+def no_home(monkeypatch):
+    """A container's user: no HOME, and no entry in the passwd database for its uid."""
+    import pwd
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+
+
+NO_HOME = "`~` stands for the home directory, and this user has none (HOME is unset and uid"
+
+
+@pytest.mark.parametrize("key", ["root", "cache"])
+def test_a_workspace_path_under_a_home_that_is_not_there_is_one_line(tmp_path, no_home, key):
+    # before: accepted as the relative path `~/dl`, and a download into the cache ended in
+    # Path.expanduser's RuntimeError
+    root = [] if key == "root" else ["--set", f"workspace.root={tmp_path}"]
+    result = CliRunner().invoke(
+        main, ["validate", QUICKSTART, *root, "--set", f"workspace.{key}=~/dl"]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        f"error: --set workspace.{key}=~/dl: workspace.{key}: {NO_HOME} {os.getuid()} has no "
+        f"passwd entry): give the full path; found '~/dl'"
+    )
+
+
+def test_a_tilde_path_under_a_home_that_is_not_there_is_one_line_wherever_it_is_read(no_home):
+    # before: RuntimeError from Path.expanduser, a traceback
+    from types import SimpleNamespace
+
+    from pipeline.commands.trained import checkpoint_of
+    from pipeline.data.fetch import cache_dir
+    from pipeline.errors import PipelineError
+
+    spec = SimpleNamespace(
+        workspace=SimpleNamespace(cache="~/dl", root="runs"), workspace_dir=Path("runs/x"),
+        stages=["train"],
+    )  # fmt: skip
+    why = f"{NO_HOME} {os.getuid()} has no passwd entry): give the full path"
+    with pytest.raises(PipelineError) as refused:
+        cache_dir(spec)
+    assert str(refused.value) == f"~/dl: {why}"
+    with pytest.raises(PipelineError) as refused:
+        checkpoint_of(spec, "~/ckpt/step-00000010", print)
+    assert str(refused.value) == f"--checkpoint ~/ckpt/step-00000010: {why}"
+
+
+def test_a_home_of_a_user_that_does_not_exist_is_one_line(tmp_path):
+    result = CliRunner().invoke(
+        main, ["validate", QUICKSTART, "--set", "workspace.root=~no-such-user-x/runs"]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        "error: --set workspace.root=~no-such-user-x/runs: workspace.root: `~no-such-user-x` "
+        "stands for the home directory of the user no-such-user-x, and there is no such user: "
+        "give the full path; found '~no-such-user-x/runs'"
+    )

@@ -18,6 +18,7 @@ import torch
 from pipeline.data.algorithmic import binary_case, check_length, generate, vocab_size
 from pipeline.errors import PipelineError
 from pipeline.spec import SpecError, load_spec
+from pipeline.spec.validation import INERT_WAY_OUT
 from pipeline.training.checkpoints import (
     damage,
     load_model_weights,
@@ -360,6 +361,36 @@ def test_task_pipeline_needs_no_steps_and_refuses_what_it_ignores(tmp_path):
     msg = spec_error(tmp_path, "dataset=python_docs", "stages=[download, preprocess, train]")
     assert f"{path}:4: train.steps: required key is missing" in msg
     assert f"{path}:4: train.seq_len: required key is missing" in msg
+
+
+ENGINE_WHY = (
+    "does nothing here (the curriculum stage trains in one process on a float32 engine "
+    f"without ZeRO); {INERT_WAY_OUT}"
+)
+
+
+def test_a_key_under_a_section_that_does_nothing_is_refused_where_the_user_wrote_it(tmp_path):
+    """The defect: only the section's own path was looked at, so `--set
+    train.deepspeed.bf16=true` on a curriculum was accepted, and did nothing."""
+    assert spec_error(tmp_path, "train.deepspeed.bf16=true") == (
+        f"--set train.deepspeed.bf16=true: train.deepspeed.bf16: {ENGINE_WHY}"
+    )
+    assert spec_error(tmp_path, "train.deepspeed.bf16=true", "train.launcher.procs_per_node=2") == (
+        f"--set train.deepspeed.bf16=true: train.deepspeed.bf16: {ENGINE_WHY}\n"
+        f"--set train.launcher.procs_per_node=2: train.launcher.procs_per_node: {ENGINE_WHY}"
+    )
+    # from a base the config extends, the section and the keys under it are accepted; a key
+    # the user writes under it is not
+    (tmp_path / "engine.yaml").write_text("train: {deepspeed: {zero_stage: 2, bf16: true}}\n")
+    path, _ = task_spec(tmp_path)
+    path.write_text(path.read_text().replace("toy_model.yaml]", "toy_model.yaml, engine.yaml]"))
+    assert load_spec(path).train.deepspeed.zero_stage == 2
+    with pytest.raises(SpecError) as refused:
+        load_spec(path, ["train.deepspeed.gradient_accumulation_steps=2"])
+    assert str(refused.value) == (
+        "--set train.deepspeed.gradient_accumulation_steps=2: "
+        f"train.deepspeed.gradient_accumulation_steps: {ENGINE_WHY}"
+    )
 
 
 # ---------------------------------------------------------------- the CLI

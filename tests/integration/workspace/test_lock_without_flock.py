@@ -23,21 +23,9 @@ from click.testing import CliRunner
 
 from pipeline.commands.cli import main
 from pipeline.errors import PipelineError
-from pipeline.workspace.lock import SOFT_LOCK, WorkspaceLock, filesystem_type, holder
-
-REAL_FLOCK = fcntl.flock
-# Lustre `noflock`, FUSE without locks, NFS without its lock manager
-NO_FLOCK_ERRORS = [errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK]
-
-
-def failing_flock(under: str, code: int):
-    def flock(fd, operation):
-        number = fd if isinstance(fd, int) else fd.fileno()
-        if os.readlink(f"/proc/self/fd/{number}").startswith(under):
-            raise OSError(code, os.strerror(code))
-        return REAL_FLOCK(fd, operation)
-
-    return flock
+from pipeline.locks import filesystem_type
+from pipeline.workspace.lock import SOFT_LOCK, WorkspaceLock, holder
+from tests.fixtures.no_flock import NO_FLOCK_ERRORS, failing_flock
 
 
 @pytest.fixture(params=NO_FLOCK_ERRORS, ids=errno.errorcode.get)
@@ -137,3 +125,35 @@ def test_the_file_system_is_named_from_the_mount_table(tmp_path):
     with open("/proc/self/mountinfo") as f:
         root = next(line.split() for line in f if line.split()[4] == "/")
     assert filesystem_type(tmp_path.anchor) == root[root.index("-") + 1]
+
+
+def test_a_run_tracking_to_the_default_store_works_without_flock(tmp_path, monkeypatch, calls, cfg):
+    """The sqlite store's own lock took flock alone: a traceback on such a file system. One
+    store for the three errnos (a new one costs seconds): each run opens it under its lock."""
+    for code in NO_FLOCK_ERRORS:
+        monkeypatch.setattr(fcntl, "flock", failing_flock(str(tmp_path), code))
+        name = f"pipe-{errno.errorcode[code]}"
+        result = CliRunner().invoke(main, ["run", str(cfg), "--set", f"name={name}"])
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / "runs" / name / "evaluate" / "stage.json").is_file()
+        assert not (tmp_path / "runs" / ".mlflow.db.lock.soft").exists()
+    assert calls == ["download", "preprocess", "train", "finetune", "evaluate"] * 3
+    assert (tmp_path / "runs" / "mlflow.db").is_file()
+
+
+def test_a_default_store_without_any_file_locks_is_one_line(tmp_path, monkeypatch, calls, cfg):
+    """Lustre `noflock` and NFS without its lock manager have no POSIX locks either, which
+    sqlite keeps the store whole with: refused before anything runs, naming the file system."""
+    monkeypatch.setattr(fcntl, "flock", failing_flock(str(tmp_path), errno.ENOSYS))
+    monkeypatch.setattr(fcntl, "lockf", failing_flock(str(tmp_path), errno.ENOSYS, fcntl.lockf))
+    result = CliRunner().invoke(main, ["run", str(cfg)])
+    assert result.exit_code == 2, result.output
+    store = tmp_path / "runs" / "mlflow.db"
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: tracking store {store}: its file system ({filesystem_type(tmp_path)}) has no "
+        f"file locks, which sqlite needs to keep the store whole; point tracking.uri at a "
+        f"tracking server or at a store on a local disk (sqlite:////tmp/me/mlflow.db), or set "
+        f"tracking.enabled: false"
+    )
+    assert calls == [] and not store.exists()
+    assert not (tmp_path / "runs" / ".mlflow.db.lock.soft").exists()

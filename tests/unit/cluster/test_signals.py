@@ -4,6 +4,8 @@ preemption delivered twice (a SIGTERM again within a few seconds) does not."""
 from __future__ import annotations
 
 import signal
+import time
+import weakref
 
 import pytest
 
@@ -144,3 +146,50 @@ def test_interrupted_is_no_exception_a_handler_of_failures_takes():
     # it arrives between any two lines: an `except Exception` around a request or a parse
     # (MLflow's own, a replay's) took it for a failed request and carried on
     assert not issubclass(Interrupted, Exception)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(sig, code):
+    """Python runs the handler wherever the main thread is, a weakref callback included, where
+    a raised exception is printed and dropped: `show --estimate` exited 0 after a SIGHUP so
+    (the signal fuzzer). The signal is raised again once the finalizer has returned."""
+
+    class Held:
+        pass
+
+    start = time.monotonic()
+    with pytest.raises(Interrupted) as stopped, RaiseOnSignal():
+        held = Held()
+        weakref.finalize(held, signal.raise_signal, sig)
+        del held  # the finalizer runs here, and the handler inside it
+        while time.monotonic() < start + 10:  # the command going on
+            pass
+    assert stopped.value.exit_code == code
+    assert time.monotonic() - start < 1
+
+
+def test_a_signal_dropped_by_a_finalizer_at_the_commands_end_is_raised_as_it_returns():
+    class Held:
+        pass
+
+    with pytest.raises(Interrupted) as stopped, RaiseOnSignal():
+        held = Held()
+        weakref.finalize(held, signal.raise_signal, signal.SIGTERM)
+        del held  # the last line of the command: no time for the signal to come back
+    assert stopped.value.exit_code == 143
+
+
+def test_a_redelivery_that_comes_after_the_command_ended_does_nothing():
+    """The dropped signal was raised as the block ended; the redelivery already on its way
+    reaches a process whose handlers are restored (ctrl-C's included) and must do nothing."""
+
+    class Held:
+        pass
+
+    with pytest.raises(Interrupted), RaiseOnSignal():
+        held = Held()
+        weakref.finalize(held, signal.raise_signal, signal.SIGINT)
+        del held
+    deadline = time.monotonic() + 0.2
+    while time.monotonic() < deadline:  # where a late redelivery lands
+        pass
