@@ -99,24 +99,41 @@ def environment_tags() -> dict[str, str]:
             tags[f"version.{dist}"] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
+    tags.update(source_commit(PROJECT_ROOT))
+    return tags
+
+
+# a file of this package, as it sits in the project's own checkout
+OWN_SOURCE = "pipeline/spec/sources.py"
+
+
+def source_commit(root: Path) -> dict[str, str]:
+    """{git_commit, git_dirty} of the code running, when `root` (the package's source tree)
+    is itself the top of a git checkout of this project; {} otherwise. Git looks for a
+    repository in every parent directory, and GIT_DIR names one from anywhere: a package
+    installed in a virtual environment inside the user's own repository was tagged with that
+    repository's commit, which is not the code that ran."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, env=env
+        )
+
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(PROJECT_ROOT), "status", "--porcelain"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if commit.returncode == 0:
-            tags["git_commit"] = commit.stdout.strip()
-            tags["git_dirty"] = str(bool(dirty.stdout.strip())).lower()
-    except (OSError, subprocess.SubprocessError):
-        pass
+        found = git("rev-parse", "--show-toplevel", "HEAD")
+        if found.returncode != 0:
+            return {}
+        top, commit = found.stdout.splitlines()
+        own = Path(top).resolve() == Path(root).resolve()
+        if not own or git("ls-files", "--error-unmatch", "--", OWN_SOURCE).returncode != 0:
+            return {}
+        status = git("status", "--porcelain")
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {}
+    tags = {"git_commit": commit}
+    if status.returncode == 0:  # else unknown, not said to be clean
+        tags["git_dirty"] = str(bool(status.stdout.strip())).lower()
     return tags
 
 
