@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.cluster.signals import stop_words
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.fsutil import read_bytes
 from pipeline.redact import mask
@@ -231,6 +232,16 @@ def sync_command(spec) -> str:
     return f"allattn-pipe sync {spec.source}"
 
 
+def replaying(spec) -> str:
+    """What a signal that stops the replay of the workspace's backlog left (`Interrupted`):
+    what was sent is marked sent in the file (pipeline.tracking.sender.replay), the rest
+    waits there."""
+    return (
+        f"it was sending the tracking records an earlier run left; those not sent stay in "
+        f"{shown(backlog_path(spec))} for the next `{shown(sync_command(spec))}` or run"
+    )
+
+
 class MlflowTracker:
     """The parent run of one pipeline invocation, and a nested run per executed stage.
 
@@ -325,7 +336,8 @@ class MlflowTracker:
         if not backlog.exists():
             return
         try:
-            sent, left = replay(backlog, Delivery(self.client), self.warn_server)
+            with stop_words(f"no stage had started, {replaying(spec)}"):
+                sent, left = replay(backlog, Delivery(self.client), self.warn_server)
         except PipelineError as e:  # not a file we may read (a planted FIFO, a link)
             self.warn(f"the tracking backlog was left unread: {e}")
             return
@@ -468,7 +480,8 @@ def sync(spec, log=print) -> None:
             return
         tracker = MlflowTracker(tracking_uri(spec))
         tracker.check(spec)
-        sent, left = replay(path, Delivery(tracker.client), tracker.warn_server)
+        with stop_words(replaying(spec)):
+            sent, left = replay(path, Delivery(tracker.client), tracker.warn_server)
     if left:
         raise PipelineError(
             f"tracking server {mask(tracker.uri)} stopped answering: {sent} records "
