@@ -44,6 +44,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 from pipeline.errors import Interrupted
 
@@ -120,6 +121,23 @@ class RaiseOnSignal(SignalHandler):
         if _dropped is not None and exc_type is None:  # not yet raised again: now
             dropped, _dropped = _dropped, None
             raise dropped
+
+
+@contextmanager
+def stop_words(after: str):
+    """Within, a signal that ends the command says `after` of what it left (`Interrupted`),
+    in place of the words of the handler in place: a part of a command those do not describe
+    (the runner's are about a stage; a run's start sends an earlier backlog before any stage).
+    Installs no handler: where none raises, there is nothing to word."""
+    handler = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    if not isinstance(handler, SignalHandler):
+        yield
+        return
+    before, handler.after = handler.after, after
+    try:
+        yield
+    finally:
+        handler.after = before
 
 
 # Python runs a signal's handler wherever the main thread is, a finalizer included (a weakref

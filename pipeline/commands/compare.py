@@ -2,11 +2,13 @@
 
 One row per workspace: its pipeline runs (MLflow runs tagged `spec`, one per `run` that ran
 at least one stage: a first attempt, its resumption, ...) merged. Its numbers come from
-their stage runs: steps from train / finetune's loss history, the final metrics from
-evaluate. Rows that differ only in `train.seed` (and in the run name, which a sweep derives
-from the seed) form one group: each metric is the mean ± sample standard deviation over the
-group, with n. A config with a `paper:` section logged its published row as parameters;
-the group gets that row beneath it, with our mean minus the published value.
+their stage runs and describe the weights the row shows, its latest training run's: steps
+from that run's loss history, its size, the spec and wall time of the pipeline runs that
+trained them, the final metrics from evaluate (`_row`). Rows that differ only in
+`train.seed` (and in the run name, which a sweep derives from the seed) form one group: each
+metric is the mean ± sample standard deviation over the group, with n. A config with a
+`paper:` section logged its published row as parameters; the group gets that row beneath
+it, with our mean minus the published value.
 
 Columns equal in every row are folded into one header line, so the table shows what differs;
 `csv` and `json` keep every column (they are for programs, not eyes).
@@ -43,6 +45,7 @@ SEED = "train.seed"
 TOKENIZER = "dataset.tokenizer.kind"
 # the metrics shown by default, in this order, when a run logged them
 METRICS = ("valid_bpc", "test_bpc", "valid_ppl", "test_ppl")
+TRAINING = ("train", "finetune", "curriculum")  # the stages whose runs make weights
 STATUS = {
     "FINISHED": "finished",
     "KILLED": "killed",
@@ -60,11 +63,11 @@ class RunRow:
     run_ids: list[str]  # all of them, oldest first
     name: str
     status: str
-    params: dict[str, str]  # the resolved spec, flattened (the parent run's params)
+    params: dict[str, str]  # the resolved spec that trained the weights shown, flattened
     metrics: dict[str, float]  # evaluate's (and the tasks') final numbers
-    steps: int | None  # the last optimizer step train / finetune logged
-    parameters: int | None  # the model's size, as train logged it
-    wall_s: float
+    steps: int | None  # the last optimizer step the latest training run logged
+    parameters: int | None  # the model's size, as that run (or the train before it) logged it
+    wall_s: float  # the pipeline runs' since that training run began
     sweep: str | None  # the run of the sweep it belongs to, if any
     stale: str | None = None  # why `metrics` are not the scores of the weights shown, if not
 
@@ -230,8 +233,13 @@ def _names(spec, overrides):
 
 def _row(client, invocations, children: dict[str, list]) -> RunRow:
     """One workspace's pipeline runs (a first run, its resumption after a kill, ...) as one
-    row: the latest one's status and spec, the steps and the final metrics of the latest
-    runs that logged them, the wall time of them all."""
+    row that describes the weights it shows, those of its latest training run
+    (`_made_by`): their steps and size from that run and the attempts it resumed, the spec
+    of the pipeline run that trained them (evaluate's settings from the one that scored),
+    the wall time of the pipeline runs since their training began. Before, the steps were the
+    largest of every training run and the wall time that of them all: a model trained again
+    with fewer steps showed the older one's. The status is the latest pipeline run's; the
+    final metrics are those of the latest evaluate run that finished."""
     from pipeline.tracking.tracker import last_activity
 
     invocations = sorted(invocations, key=lambda r: r.info.start_time or 0)
@@ -239,45 +247,108 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
     status = STATUS.get(latest.info.status, latest.info.status.lower())
     if status == "running" and _died(latest):
         status = "killed"
-    metrics: dict[str, float] = {}
-    evaluated = None  # the evaluate run whose numbers `metrics` are
-    trained: dict[str, Any] = {}  # training stage -> its latest run
-    steps = parameters = None
+    parent_of = {}  # stage run id -> its pipeline run
+    stage_runs = []
+    for parent in invocations:
+        for child in children.get(parent.info.run_id, []):
+            parent_of[child.info.run_id] = parent
+            stage_runs.append(child)
+    stage_runs.sort(key=lambda c: c.info.start_time or 0)
+    trained = {}  # training stage -> its latest run
+    evaluated = None  # the evaluate run whose numbers the row shows
+    for child in stage_runs:
+        stage = child.data.tags.get("stage")
+        if stage in TRAINING:
+            trained[stage] = child
+        elif stage == "evaluate" and child.data.metrics and child.info.status == "FINISHED":
+            # a killed or failed evaluate's numbers are a part of the splits, never published
+            evaluated = child
+    made = _made_by(stage_runs, trained)
+    steps = parameters = since = None
+    params = dict(latest.data.params)
+    if made:
+        since = parent_of[made[0].info.run_id].info.start_time or 0
+        params = dict(parent_of[made[-1].info.run_id].data.params)
+        for run in made:
+            if made[-1].data.tags.get("stage") == run.data.tags.get("stage"):
+                history = client.get_metric_history(run.info.run_id, "loss")
+                if history:
+                    steps = max(steps or 0, max(m.step for m in history))
+        # the size: as the run logged it, or (finetune) as the train run it went on from did
+        parameters = next(
+            (
+                int(r.data.params["parameters"])
+                for r in reversed(made)
+                if "parameters" in r.data.params
+            ),
+            None,
+        )
+    if evaluated is not None:
+        scoring = parent_of[evaluated.info.run_id].data.params
+        params = {k: v for k, v in params.items() if not k.startswith("evaluate.")}
+        params |= {k: v for k, v in scoring.items() if k.startswith("evaluate.")}
     wall = 0.0
     for parent in invocations:
         info = parent.info
+        if since is not None and (info.start_time or 0) < since:
+            continue  # a pipeline run before these weights' training began
         end = info.end_time
         if end is None and (parent is not latest or status == "killed"):
             # killed without a word (kill -9): its time ended with its last record
             end = last_activity(client, parent, children.get(info.run_id, []))
         wall += ((end or int(time.time() * 1000)) - info.start_time) / 1000
-        for child in sorted(children.get(info.run_id, []), key=lambda c: c.info.start_time or 0):
-            stage = child.data.tags.get("stage")
-            if stage == "evaluate" and child.data.metrics:
-                metrics, evaluated = dict(child.data.metrics), child
-            elif stage == "curriculum":
-                trained[stage] = child
-            elif stage in ("train", "finetune"):
-                trained[stage] = child
-                history = client.get_metric_history(child.info.run_id, "loss")
-                if history:
-                    steps = max(steps or 0, max(m.step for m in history))
-                if "parameters" in child.data.params:
-                    parameters = int(child.data.params["parameters"])
     info = latest.info
     return RunRow(
         run_id=info.run_id,
         run_ids=[r.info.run_id for r in invocations],
         name=latest.data.tags.get("mlflow.runName", info.run_id),
         status=status,
-        params=dict(latest.data.params),
-        metrics=metrics,
+        params=params,
+        metrics=dict(evaluated.data.metrics) if evaluated else {},
         steps=steps,
         parameters=parameters,
         wall_s=wall,
         sweep=latest.data.tags.get("mlflow.parentRunId"),
-        stale=_stale(evaluated, trained, latest.data.params) if evaluated else None,
+        stale=_stale(evaluated, trained, params) if evaluated else None,
     )
+
+
+def _made_by(stage_runs: list, trained: dict[str, Any]) -> list:
+    """The training runs behind the weights a row shows, oldest first (none without a
+    training run). The weights are the latest
+    training run's; it made them with the attempts it resumed (its `series`) and, for
+    finetune, from the weights of the latest train run before its first attempt (and that
+    run's attempts)."""
+    if not trained:
+        return []
+    last = max(trained.values(), key=lambda r: r.info.start_time or 0)
+    made = _attempts(stage_runs, last)
+    if last.data.tags.get("stage") == "finetune":
+        began = made[0].info.start_time or 0
+        before = [
+            r
+            for r in stage_runs
+            if r.data.tags.get("stage") == "train" and (r.info.start_time or 0) < began
+        ]
+        if before:
+            made = _attempts(stage_runs, before[-1]) + made
+    return made
+
+
+def _attempts(stage_runs: list, run) -> list:
+    """`run` and the earlier attempts of its stage's output that it resumed (the runs of its
+    `series`, oldest first); `run` alone where it names none (an older allattn-pipe)."""
+    tags = run.data.tags
+    series = tags.get("series")
+    if series is None:
+        return [run]
+    return [
+        r
+        for r in stage_runs
+        if r.data.tags.get("series") == series
+        and r.data.tags.get("stage") == tags.get("stage")
+        and (r.info.start_time or 0) <= (run.info.start_time or 0)
+    ]
 
 
 def _stale(evaluated, trained: dict[str, Any], params: dict[str, str]) -> str | None:

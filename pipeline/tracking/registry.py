@@ -57,7 +57,7 @@ def check_name(name: str) -> None:
 def check_registrable(spec, name: str):
     """Before exporting: the name is valid, tracking is on, and the store answers and holds
     a model registry. Returns the MLflow client to register with."""
-    from pipeline.tracking.store import bound_requests, open_store
+    from pipeline.tracking.store import bound_requests, open_store, registry_uri
     from pipeline.tracking.tracker import tracking_uri
 
     check_name(name)
@@ -68,7 +68,7 @@ def check_registrable(spec, name: str):
             f"(--set tracking.enabled=true) to register in its store"
         )
     uri = tracking_uri(spec)
-    registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
+    registry = registry_uri(uri)
     bound_requests(uri)  # a tracking variable MLflow cannot read: named, not the store blamed
     try:
         # every request to a server, here and in `register`, is bounded (`bound_requests`)

@@ -393,8 +393,6 @@ def open_store(uri: str, warn=None, make_parent: bool = False):
     its refusals are one line (`_on_local_store`). A server is not asked anything here: the
     caller decides when `check_server` runs; every request it gets is bounded
     (`bound_requests`)."""
-    from mlflow.tracking import MlflowClient
-
     warn = warn or _warn_on_stderr
     _quiet_mlflow()
     bound_requests(uri)
@@ -407,8 +405,42 @@ def open_store(uri: str, warn=None, make_parent: bool = False):
                 f"tracking store {shown(path)}: cannot make its directory: {e.strerror or e}"
             ) from None
     with store_lock(uri, warn):
-        client = _on_local_store(lambda: MlflowClient(tracking_uri=mlflow_uri(uri)), uri, warn)
+        client = _on_local_store(lambda: _client(uri), uri, warn)
     return _bounded(client, uri)
+
+
+def registry_uri(uri: str) -> str:
+    """The model registry of the tracking store at `uri`: MLFLOW_REGISTRY_URI's, else the
+    store's own."""
+    return os.environ.get("MLFLOW_REGISTRY_URI") or uri
+
+
+def _client(uri: str):
+    """An MlflowClient of the store at `uri` and of its registry (`registry_uri`), both named,
+    with the store made MLflow's default for the rest of the process (`_as_default`)."""
+    from mlflow.tracking import MlflowClient
+
+    _as_default(uri)
+    return MlflowClient(tracking_uri=mlflow_uri(uri), registry_uri=mlflow_uri(registry_uri(uri)))
+
+
+def _as_default(uri: str) -> None:
+    """Make the store at `uri` the one MLflow opens for a client that names none, and with it
+    (unless MLFLOW_REGISTRY_URI names another) the default registry. MLflow makes such
+    clients inside its own calls: its file-store registry in every `create_model_version`,
+    its database registry for a model's id; and their default is a store in the working
+    directory (`./mlflow.db`, `./mlruns`), which `export --register` against a `file:` store
+    created there. MLflow's setter also exports MLFLOW_TRACKING_URI, which a config without
+    `tracking.uri` and every process started from here would read as the user's choice: it
+    is put back as it was."""
+    import mlflow
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(mlflow_uri(uri))
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
@@ -416,8 +448,6 @@ def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
     it would create an empty one), and so is a file that is not a sound MLflow store; a
     server must answer (`check_server`, `hint`: what to do when it does not). No lock file
     is made: a store in a directory this user cannot write is still read."""
-    from mlflow.tracking import MlflowClient
-
     warn = warn or _warn_on_stderr
     _quiet_mlflow()
     bound_requests(uri)
@@ -429,9 +459,7 @@ def open_existing_store(uri: str, hint: str = SERVER_HINT, warn=None):
                 f"(name a CONFIG, or set MLFLOW_TRACKING_URI)"
             )
         _check_mlflow_database(path)
-    client = _bounded(
-        _on_local_store(lambda: MlflowClient(tracking_uri=mlflow_uri(uri)), uri, warn), uri
-    )
+    client = _bounded(_on_local_store(lambda: _client(uri), uri, warn), uri)
     check_server(client, uri, hint)
     return _Answering(client, uri, hint) if is_remote(uri) else client
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.cluster.signals import stop_words
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.fsutil import read_bytes
 from pipeline.redact import mask
@@ -99,24 +100,41 @@ def environment_tags() -> dict[str, str]:
             tags[f"version.{dist}"] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
+    tags.update(source_commit(PROJECT_ROOT))
+    return tags
+
+
+# a file of this package, as it sits in the project's own checkout
+OWN_SOURCE = "pipeline/spec/sources.py"
+
+
+def source_commit(root: Path) -> dict[str, str]:
+    """{git_commit, git_dirty} of the code running, when `root` (the package's source tree)
+    is itself the top of a git checkout of this project; {} otherwise. Git looks for a
+    repository in every parent directory, and GIT_DIR names one from anywhere: a package
+    installed in a virtual environment inside the user's own repository was tagged with that
+    repository's commit, which is not the code that ran."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, env=env
+        )
+
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(PROJECT_ROOT), "status", "--porcelain"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if commit.returncode == 0:
-            tags["git_commit"] = commit.stdout.strip()
-            tags["git_dirty"] = str(bool(dirty.stdout.strip())).lower()
-    except (OSError, subprocess.SubprocessError):
-        pass
+        found = git("rev-parse", "--show-toplevel", "HEAD")
+        if found.returncode != 0:
+            return {}
+        top, commit = found.stdout.splitlines()
+        own = Path(top).resolve() == Path(root).resolve()
+        if not own or git("ls-files", "--error-unmatch", "--", OWN_SOURCE).returncode != 0:
+            return {}
+        status = git("status", "--porcelain")
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {}
+    tags = {"git_commit": commit}
+    if status.returncode == 0:  # else unknown, not said to be clean
+        tags["git_dirty"] = str(bool(status.stdout.strip())).lower()
     return tags
 
 
@@ -214,6 +232,16 @@ def sync_command(spec) -> str:
     return f"allattn-pipe sync {spec.source}"
 
 
+def replaying(spec) -> str:
+    """What a signal that stops the replay of the workspace's backlog left (`Interrupted`):
+    what was sent is marked sent in the file (pipeline.tracking.sender.replay), the rest
+    waits there."""
+    return (
+        f"it was sending the tracking records an earlier run left; those not sent stay in "
+        f"{shown(backlog_path(spec))} for the next `{shown(sync_command(spec))}` or run"
+    )
+
+
 class MlflowTracker:
     """The parent run of one pipeline invocation, and a nested run per executed stage.
 
@@ -308,7 +336,8 @@ class MlflowTracker:
         if not backlog.exists():
             return
         try:
-            sent, left = replay(backlog, Delivery(self.client), self.warn_server)
+            with stop_words(f"no stage had started, {replaying(spec)}"):
+                sent, left = replay(backlog, Delivery(self.client), self.warn_server)
         except PipelineError as e:  # not a file we may read (a planted FIFO, a link)
             self.warn(f"the tracking backlog was left unread: {e}")
             return
@@ -451,7 +480,8 @@ def sync(spec, log=print) -> None:
             return
         tracker = MlflowTracker(tracking_uri(spec))
         tracker.check(spec)
-        sent, left = replay(path, Delivery(tracker.client), tracker.warn_server)
+        with stop_words(replaying(spec)):
+            sent, left = replay(path, Delivery(tracker.client), tracker.warn_server)
     if left:
         raise PipelineError(
             f"tracking server {mask(tracker.uri)} stopped answering: {sent} records "

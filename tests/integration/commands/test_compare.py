@@ -46,10 +46,14 @@ def weights(spec, stage: str) -> str:
 @pytest.fixture
 def stand_ins(monkeypatch):
     """train logs its loss at steps 1..train.steps and `parameters`, finetune continues the
-    steps, evaluate logs valid/test bpc computed from the seed and the lr; each names the
-    weights it ended with or scored (`weights`, and train its best's) as the real ones do; a
-    stage named in `fail` raises (RuntimeError, or KeyboardInterrupt for 'kill')."""
+    steps; each names the weights it ended with (`weights`, and train its best's) as the real
+    ones do, and leaves their id in its output. evaluate, as the real one, scores what its
+    input holds (finetune's last, or train's best): it names those weights and logs valid/test
+    bpc computed from the seed and the lr that trained them. A stage named in `fail` raises
+    (RuntimeError, or KeyboardInterrupt for 'kill'); 'evaluate:test', evaluate between its
+    valid and test splits."""
     fail: dict[str, BaseException] = {}
+    trained_with: dict[str, tuple[int, float]] = {}  # weights id -> (seed, lr) behind them
 
     def make(name):
         def run(ctx):
@@ -57,14 +61,18 @@ def stand_ins(monkeypatch):
             if name in fail:
                 raise fail[name]
             if name in ("train", "finetune"):
-                ctx.tracker.set_tags({"weights": weights(spec, name)})
-            if name == "train":  # finetune never beats train's best here
-                ctx.tracker.set_tags({"weights.best": weights(spec, "train-best")})
-            if name == "evaluate":  # the weights it scored: finetune's last, or train's best
+                made = {"weights": weights(spec, name)}
+                if name == "train":  # finetune never beats train's best here
+                    made["weights.best"] = weights(spec, "train-best")
+                ctx.tracker.set_tags(made)
+                for file, value in made.items():
+                    (ctx.out_dir / file).write_text(value)
+                    trained_with[value] = (spec.train.seed, spec.train.optimizer.lr)
+            if name == "evaluate":  # the weights it scores: finetune's last, or train's best
                 best = spec.evaluate.checkpoint == "best"
-                ctx.tracker.set_tags(
-                    {"weights": weights(spec, "train-best" if best else "finetune")}
-                )
+                source = ctx.inputs["train"] / "weights.best" if best else ctx.inputs["finetune"]
+                scored = (source if best else source / "weights").read_text()
+                ctx.tracker.set_tags({"weights": scored})
             if name == "train":
                 ctx.tracker.log_params({"parameters": 12345})
                 for step in range(1, spec.train.steps + 1):
@@ -76,8 +84,11 @@ def stand_ins(monkeypatch):
                 for step in range(first, first + spec.finetune.steps):
                     ctx.tracker.log_metrics({"loss": 0.5}, step=step)
             if name == "evaluate":
-                bpc = test_bpc(spec.train.seed, spec.train.optimizer.lr)
-                ctx.tracker.log_metrics({"valid_bpc": bpc - 0.1, "test_bpc": bpc}, step=0)
+                bpc = test_bpc(*trained_with[scored])
+                ctx.tracker.log_metrics({"valid_bpc": bpc - 0.1}, step=0)
+                if "evaluate:test" in fail:  # stopped between the splits
+                    raise fail["evaluate:test"]
+                ctx.tracker.log_metrics({"test_bpc": bpc}, step=0)
             return {}
 
         return run
@@ -335,6 +346,90 @@ def test_scores_of_other_weights_read_stale_and_are_never_averaged_in(
         "1.05",
     ]
     assert table[8:] == [f"stale: {g['name']}: {g['stale']}" for g in groups[1:]]
+
+
+def _selected(cfg, *overrides, only, force=()):
+    """`allattn-pipe run CFG --only ONLY --force FORCE --set ...` on the workspace that
+    `pipeline(cfg, *overrides)` runs in."""
+    spec = load_spec(cfg, [*overrides, f"name=pipe-seed{_seed(overrides)}-lr0.001"])
+    tracker = MlflowTracker(spec.tracking.uri, flush_s=5.0, warn=lambda m: None)
+    Runner(spec, only=list(only), force=list(force), log=lambda m: None).run(tracker)
+
+
+def _seed(overrides) -> str:
+    return next((o.split("=")[1] for o in overrides if o.startswith("train.seed=")), "1")
+
+
+def test_a_row_describes_the_weights_it_shows_not_the_largest_of_its_history(
+    cfg, stand_ins, tmp_path, monkeypatch
+):
+    """A model trained again with fewer steps (`run --set train.steps=3 --only train`): the
+    row's steps, tokens, spec and wall time are of the 3-step model its stale scores sit
+    beside, not of the 6 + 2-step one before; finetune and evaluate run on it then: steps
+    3 + 2, the wall time of the runs since it began. Evaluate run alone under another lr
+    (`--only evaluate --force evaluate --set train.optimizer.lr=0.005`) scores the weights
+    trained with 0.001: the row says 0.001 beside their scores."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
+    client = MlflowClient((tmp_path / "store").as_uri())
+
+    def row(seed: int) -> dict:
+        [group] = [
+            g
+            for g in json.loads(compare(["compare", "--format", "json"]))
+            if g["runs"][0]["seed"] == str(seed)
+        ]
+        return group["runs"][0] | {"params": group["params"], "stale": group.get("stale")}
+
+    def wall(run_ids) -> float:  # the pipeline runs' own durations, as MLflow has them
+        runs = [client.get_run(r).info for r in run_ids]
+        return sum((r.end_time - r.start_time) / 1000 for r in runs)
+
+    pipeline(cfg, "train.seed=1")
+    first = row(1)
+    assert (first["steps"], first["tokens"], first["stale"]) == (8, 8 * 2 * 8, None)
+    _selected(cfg, "train.seed=1", "train.steps=3", only=["train"])
+    retrained = row(1)
+    assert len(retrained["run_ids"]) == 2 and wall(retrained["run_ids"][:1]) > 0
+    assert (
+        retrained["steps"],
+        retrained["tokens"],
+        retrained["params"]["train.steps"],
+        retrained["parameters"],
+        retrained["metrics"],
+    ) == (3, 3 * 2 * 8, "3", 12345, {})
+    assert retrained["stale"].startswith("evaluate scored other weights than train's latest")
+    assert retrained["wall_s"] == pytest.approx(wall(retrained["run_ids"][1:]), abs=1e-6)
+    pipeline(cfg, "train.seed=1", "train.steps=3")  # finetune and evaluate on the new train
+    again = row(1)
+    assert (again["steps"], again["stale"], again["metrics"]["test_bpc"]) == (
+        5,
+        None,
+        test_bpc(1, 0.001),
+    )
+    assert again["wall_s"] == pytest.approx(wall(again["run_ids"][1:]), abs=1e-6)
+
+    pipeline(cfg, "train.seed=2")
+    _selected(
+        cfg, "train.seed=2", "train.optimizer.lr=0.005", only=["evaluate"], force=["evaluate"]
+    )
+    scored = row(2)
+    assert (
+        scored["params"]["train.optimizer.lr"],
+        scored["steps"],
+        scored["stale"],
+        scored["metrics"]["test_bpc"],
+    ) == ("0.001", 8, None, test_bpc(2, 0.001))
+    assert scored["wall_s"] == pytest.approx(wall(scored["run_ids"]), abs=1e-6)
+    # evaluate again, stopped after the valid split: the row keeps the numbers of the one
+    # that finished (its results are the workspace's), not the half the killed one logged
+    stand_ins["evaluate:test"] = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        _selected(cfg, "train.seed=2", only=["evaluate"], force=["evaluate"])
+    killed = row(2)
+    assert (killed["metrics"], killed["stale"]) == (scored["metrics"], None)
+    assert set(scored["metrics"]) == {"valid_bpc", "test_bpc"}
 
 
 def test_a_config_names_its_runs_and_a_missing_store_is_one_line(cfg, stand_ins, tmp_path):

@@ -118,7 +118,8 @@ def test_a_sync_stopped_by_sigterm_leaves_what_it_sent_marked_and_the_next_sends
     _, stderr = proc[0].communicate(timeout=300)
     assert proc[0].returncode == 143, stderr
     assert stderr.splitlines() == [
-        "error: stopped by SIGTERM: the command did not finish; run it again"
+        f"error: stopped by SIGTERM: it was sending the tracking records an earlier run left; "
+        f"those not sent stay in {backlog} for the next `allattn-pipe sync {cfg}` or run"
     ]
     wait_for_runs(server, "sig-sync", 2)  # the second run, made for a client that is gone
 
@@ -146,9 +147,11 @@ def test_a_sigterm_while_run_sends_an_earlier_backlog_stops_the_run(tmp_path, se
     proc.append(subprocess.Popen([*CLI, "run", cfg], stderr=subprocess.PIPE, text=True))
     _, stderr = proc[0].communicate(timeout=300)
     assert proc[0].returncode == 143, stderr
+    # before, it said "the stage that was running is left unfinished": no stage had started
     assert stderr.splitlines()[-1] == (
-        "error: stopped by SIGTERM: the stage that was running is left unfinished; run the "
-        "pipeline again to redo it"
+        f"error: stopped by SIGTERM: no stage had started, it was sending the tracking records "
+        f"an earlier run left; those not sent stay in {workspace / BACKLOG} for the next "
+        f"`allattn-pipe sync {cfg}` or run"
     )
     assert "Traceback" not in stderr
     assert not (workspace / "download").exists()  # no stage ran after the signal

@@ -9,7 +9,13 @@ import weakref
 
 import pytest
 
-from pipeline.cluster.signals import DUPLICATE_WINDOW_S, HoldSignals, RaiseOnSignal, StopSignal
+from pipeline.cluster.signals import (
+    DUPLICATE_WINDOW_S,
+    HoldSignals,
+    RaiseOnSignal,
+    StopSignal,
+    stop_words,
+)
 from pipeline.errors import Interrupted
 
 
@@ -193,3 +199,17 @@ def test_a_redelivery_that_comes_after_the_command_ended_does_nothing():
     deadline = time.monotonic() + 0.2
     while time.monotonic() < deadline:  # where a late redelivery lands
         pass
+
+
+def test_a_part_of_a_command_says_what_its_stop_left_and_the_handler_words_its_own_after():
+    with RaiseOnSignal(after="the stage is left unfinished") as handler:
+        with pytest.raises(Interrupted) as stopped, stop_words("the backlog waits"):
+            signal.raise_signal(signal.SIGTERM)
+        assert str(stopped.value) == "stopped by SIGTERM: the backlog waits"
+        assert handler.after == "the stage is left unfinished"
+
+
+def test_words_for_a_stop_install_no_handler_where_none_raises():
+    before = signal.getsignal(signal.SIGTERM)
+    with stop_words("the backlog waits"):
+        assert signal.getsignal(signal.SIGTERM) is before
