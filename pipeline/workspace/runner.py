@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from typing import cast
 
 from pipeline.cluster import distributed
-from pipeline.cluster.signals import RaiseOnSignal
+from pipeline.cluster.signals import RaiseOnSignal, stop_words
 from pipeline.errors import Interrupted, PipelineError, Preempted, shown
 from pipeline.redact import mask
 from pipeline.spec.schema import Spec
@@ -38,6 +38,9 @@ from pipeline.workspace.layout import (
 from pipeline.workspace.lock import WorkspaceLock
 from stages import STAGES, StageContext, resolve_inputs
 from stages.base import NullStageTracker
+
+# what a signal before the first stage began says (the handler's words are a running stage's)
+NOT_STARTED = "no stage had started; run the pipeline again"
 
 
 @dataclass
@@ -348,9 +351,10 @@ class Runner:
             return {}
         records: dict[str, dict | None] = {}  # None: a held stage not done yet
         with WorkspaceLock(self.ws.path), RaiseOnSignal():
-            for name in self.spec.stages:
-                self.ws.finish_publish(name)  # one a crash interrupted
-            steps = self.plan()
+            with stop_words(NOT_STARTED):
+                for name in self.spec.stages:
+                    self.ws.finish_publish(name)  # one a crash interrupted
+                steps = self.plan()
             if not any(s.action == "run" for s in steps):
                 # a parent run with no stage under it would only be noise in MLflow
                 distributed.broadcast_object(None)  # nothing for the other ranks
@@ -360,7 +364,8 @@ class Runner:
                 return records
             together = [s for s in steps if s.action == "run" and STAGES[s.stage].distributed]
             try:
-                tracker.start(self.spec, plan=steps)
+                with stop_words(NOT_STARTED):
+                    tracker.start(self.spec, plan=steps)
                 if not together:
                     distributed.broadcast_object(None)  # nothing for the other ranks
                 for step in steps:

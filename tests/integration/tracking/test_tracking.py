@@ -273,6 +273,28 @@ def test_a_signal_outside_training_ends_the_runs_killed_with_one_line(
     assert signal.getsignal(signal.SIGINT) is sigint_before  # the run's handler is gone
 
 
+def test_a_signal_before_any_stage_began_says_so(tmp_path, server, monkeypatch):
+    """A SIGTERM while the run opens its tracking (the pipeline run being created): no stage
+    was running, and the line does not say one was left unfinished."""
+    import pipeline.tracking.tracker as tracker
+
+    def signalled():
+        signal.raise_signal(signal.SIGTERM)
+        return {}
+
+    monkeypatch.setattr(tracker, "environment_tags", signalled)
+    previous = signal.signal(signal.SIGTERM, lambda *a: pytest.fail("SIGTERM not handled"))
+    try:
+        result = CliRunner().invoke(main, ["run", str(config(tmp_path, server.url, "early"))])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert result.exit_code == 143, result.output
+    assert result.stderr == (
+        "error: stopped by SIGTERM: no stage had started; run the pipeline again\n"
+    )
+    assert not (tmp_path / "runs" / "early" / "download").exists()
+
+
 def test_a_record_mlflow_refuses_is_reported_and_dropped_and_the_rest_goes_on(
     tmp_path, server, stand_ins
 ):
