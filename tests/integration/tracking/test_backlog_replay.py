@@ -15,44 +15,17 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 
 import pytest
 
 from pipeline.cluster.signals import RaiseOnSignal
 from pipeline.errors import Interrupted
-from pipeline.tracking.backlog import append_records, read_backlog
+from pipeline.tracking.backlog import read_backlog
 from pipeline.tracking.sender import RUN_KEY_TAG, Delivery, replay
 from pipeline.tracking.store import open_store
 from pipeline.tracking.tracker import BACKLOG
+from tests.fixtures.backlogs import RUNS, STEPS, backlog_of_runs
 from tests.fixtures.stalling_server import serve
-
-RUNS, STEPS = 3, 3
-
-
-def backlog_of_runs(path, experiment: str) -> list[str]:
-    """RUNS runs, each made, given a loss at STEPS steps (a batch each) and ended; their keys."""
-    keys = [uuid.uuid4().hex for _ in range(RUNS)]
-    records: list[dict] = []
-    for i, key in enumerate(keys):
-        records.append(
-            {
-                "op": "create",
-                "key": key,
-                "experiment": experiment,
-                "artifact_location": None,
-                "tags": {"mlflow.runName": f"run{i}"},
-                "parent": None,
-                "time": 1000 + i,
-            }
-        )
-        records += [
-            {"op": "batch", "key": key, "metrics": [["loss", 1.0 / s + i, 2000 + s, s]]}
-            for s in range(1, STEPS + 1)
-        ]
-        records.append({"op": "end", "key": key, "status": "FINISHED", "time": 3000 + i})
-    append_records(path, records)
-    return keys
 
 
 def assert_each_record_once(client, experiment: str, keys: list[str]) -> None:

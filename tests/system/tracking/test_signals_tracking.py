@@ -17,16 +17,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
 from pipeline.spec import load_spec
-from pipeline.tracking.backlog import append_records, read_backlog
+from pipeline.tracking.backlog import read_backlog
 from pipeline.tracking.tracker import BACKLOG
+from tests.fixtures.backlogs import RUNS, STEPS, backlog_of_runs
 from tests.fixtures.stalling_server import serve
 
-RUNS, STEPS = 3, 3
 CLI = [sys.executable, "-m", "pipeline.commands.cli"]
 
 
@@ -52,32 +51,6 @@ workspace: {{root: {tmp_path / "runs"}}}
 stages: [download]
 """)
     return str(path)
-
-
-def backlog_of_runs(path, experiment: str) -> None:
-    """What an earlier run of the workspace left: RUNS runs, each made, given a loss at STEPS
-    steps and ended."""
-    records: list[dict] = []
-    for i in range(RUNS):
-        key = uuid.uuid4().hex
-        records.append(
-            {
-                "op": "create",
-                "key": key,
-                "experiment": experiment,
-                "artifact_location": None,
-                "tags": {"mlflow.runName": f"run{i}"},
-                "parent": None,
-                "time": 1000 + i,
-            }
-        )
-        records += [
-            {"op": "batch", "key": key, "metrics": [["loss", 1.0 / s + i, 2000 + s, s]]}
-            for s in range(1, STEPS + 1)
-        ]
-        records.append({"op": "end", "key": key, "status": "FINISHED", "time": 3000 + i})
-    path.parent.mkdir(parents=True)
-    append_records(path, records)
 
 
 def sigterm_at_the_second_create(server, proc_of) -> None:
