@@ -309,7 +309,7 @@ def _row(client, invocations, children: dict[str, list]) -> RunRow:
         parameters=parameters,
         wall_s=wall,
         sweep=latest.data.tags.get("mlflow.parentRunId"),
-        stale=_stale(evaluated, trained, params) if evaluated else None,
+        stale=(_stale(evaluated, trained, params) or _unsent(latest)) if evaluated else None,
     )
 
 
@@ -382,6 +382,41 @@ def _stale(evaluated, trained: dict[str, Any], params: dict[str, str]) -> str | 
     if current != scored:
         return f"evaluate scored other weights than {stage}'s latest run ended with"
     return None
+
+
+# the end of a stale reason that says what to do itself (in place of RERUN)
+SYNC = "send them with `allattn-pipe sync` its config"
+
+
+def _unsent(latest) -> str | None:
+    """Why the store's view of a workspace (on this host) is behind it, or None: a training
+    stage or evaluate ran there since with the server away, its runs still waiting in the
+    workspace's tracking backlog, so the store's latest weights and scores are no longer the
+    workspace's. A file that cannot be read as a backlog (a FIFO, another's) says nothing."""
+    from pipeline.tracking.backlog import read_backlog
+    from pipeline.tracking.tracker import BACKLOG
+
+    tags = latest.data.tags
+    if tags.get("host") != socket.gethostname() or "workspace" not in tags:
+        return None
+    path = Path(tags["workspace"]) / BACKLOG
+    try:
+        if not path.is_file():
+            return None
+        waiting = read_backlog(path).waiting
+    except (PipelineError, OSError):
+        return None
+    ran = {
+        str(record.get("tags", {}).get("stage"))
+        for _, record in waiting
+        if record["op"] == "create" and isinstance(record.get("tags"), dict)
+    } & {*TRAINING, "evaluate"}
+    if not ran:
+        return None
+    return (
+        f"{' and '.join(sorted(ran))} ran since with the tracking server away: their runs "
+        f"wait in {shown(path)}, not yet in this store; {SYNC}"
+    )
 
 
 def _died(run) -> bool:
@@ -577,7 +612,11 @@ def _fold(
 
 def stale_lines(groups: list[Group]) -> list[str]:
     """One line for each group whose score cells read `stale`: why, and what to re-run."""
-    return [f"{STALE}: {g.name}: {g.stale}; {RERUN}" for g in groups if g.stale]
+    return [f"{STALE}: {g.name}: {_with_remedy(g.stale)}" for g in groups if g.stale]
+
+
+def _with_remedy(reason: str) -> str:
+    return reason if reason.endswith(SYNC) else f"{reason}; {RERUN}"
 
 
 def render(groups: list[Group], metrics: list[str], fmt: str) -> str:
@@ -645,7 +684,7 @@ def _as_json(g: Group, metrics: list[str]) -> dict:
         "metrics": {},
     }
     if g.stale:
-        out["stale"] = f"{g.stale}; {RERUN}"
+        out["stale"] = _with_remedy(g.stale)
     for m in metrics:
         stat = g.metric(m)
         if stat is not None:

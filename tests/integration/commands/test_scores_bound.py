@@ -169,6 +169,29 @@ def test_compare_shows_stale_not_the_old_models_score_beside_the_new_training(cf
     assert cells(cli("compare", cfg))["valid_bpc"] == f"{results(cfg)['valid']['bpc']:.4g}"
 
 
+def test_compare_says_stale_while_a_training_run_waits_in_the_workspaces_backlog(cfg):
+    """The stateful fuzzer's case: train and evaluate re-run while the tracking server was
+    away, their runs kept in the workspace's backlog; the store still has the older weights'
+    training and scores, which are no longer the workspace's."""
+    from pipeline.tracking.backlog import append_records
+    from pipeline.tracking.tracker import BACKLOG
+
+    cli("run", cfg)
+    backlog = load_spec(cfg, []).workspace_dir / BACKLOG
+    create = {"op": "create", "key": "k", "experiment": "bound", "parent": None, "time": 1}
+    append_records(backlog, [{**create, "tags": {"stage": "download"}}])
+    assert "stale" not in json.loads(cli("compare", cfg, "--format", "json"))[0]
+    append_records(backlog, [{**create, "key": "t", "tags": {"stage": "train"}}])
+    table = cli("compare", cfg)
+    assert cells(table)["valid_bpc"] == "stale"
+    assert table.splitlines()[2:] == [
+        f"stale: bound: train ran since with the tracking server away: their runs wait in "
+        f"{backlog}, not yet in this store; send them with `allattn-pipe sync` its config"
+    ]
+    [row] = json.loads(cli("compare", cfg, "--format", "json"))
+    assert row["metrics"] == {} and row["stale"].startswith("train ran since")
+
+
 def test_register_attaches_no_score_of_other_weights_at_the_same_checkpoint_path(
     retrained_cfg, tmp_path
 ):
