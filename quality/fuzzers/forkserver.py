@@ -99,18 +99,28 @@ class Zygote:
             text=True,
             bufsize=1,
         )
+        self._pending = b""  # what was read of the answers past the last whole line
         started = self.read(600)
         if started != {"started": True}:
             raise RuntimeError(f"the fork server did not start: {started}")
 
     def read(self, timeout: float) -> dict | None:
+        """The zygote's next answer, or None after `timeout` seconds. Read from the pipe's
+        descriptor with a buffer of our own: a buffered reader's `readline` may take two
+        answers that came together (a child's `ending` and its status) and leave the second
+        where `select` cannot see it, which lost a command and then misread every answer."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the fork server exited ({self.proc.wait()})")
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the fork server exited ({self.proc.wait()})")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
     def start(self, args: list[str], cwd: Path, out_dir: Path) -> Command:
