@@ -370,14 +370,17 @@ NAME_MAX = 255
 
 
 def path_problem(text: str) -> str | None:
-    """What makes `text` a path that no file system can hold, in words ("it holds a NUL
-    byte"), or None: checked when a config is validated, before anything is written."""
+    """What makes `text` a path that no file system can hold, or none given on purpose (only
+    whitespace: `blank_problem`), in words ("it holds a NUL byte"), or None: checked when a
+    config is validated, before anything is written."""
     import sys
 
     from pipeline.errors import shown
 
     if "\x00" in text:
         return "it holds a NUL byte, which no path can hold"
+    if problem := blank_problem(text):
+        return problem
     try:
         raw = os.fsencode(text)
     except UnicodeEncodeError as e:
@@ -394,6 +397,24 @@ def path_problem(text: str) -> str | None:
             f"its part '{start}...' is {len(part):,} bytes long; a file or folder name has "
             f"at most {NAME_MAX}"
         )
+    return None
+
+
+def blank_problem(text: str) -> str | None:
+    """Why `text` is no path given on purpose, in words, or None: it, or a part of it between
+    slashes, is only whitespace and control characters (`--out "$DIR"` where DIR held a
+    newline), which a file system would take as a name no one can see or type. A name that
+    holds such characters among others (`hosts\\nnewline`) is odd, but taken."""
+    from pipeline.errors import shown
+
+    for part in text.split("/"):
+        if part and all(c.isspace() or not c.isprintable() for c in part):
+            which = "it is" if part == text else f"its part '{shown(part)}' is"
+            whole = f" ('{shown(part)}')" if part == text else ""
+            return (
+                f"{which} only whitespace or control characters{whole}, no name a file is "
+                f"given on purpose"
+            )
     return None
 
 

@@ -15,10 +15,25 @@ from pipeline.errors import Interrupted, PipelineError, did_not_fit, write_cause
 from pipeline.redact import mask
 
 
+def refuse_unusable_name(kind: click.ParamType, value, param, ctx) -> None:
+    """The rule of every option or argument that names a file, a folder or a name a path is
+    made of (--out, --plot, --output, --checkpoint, --point, CONFIG): a NUL byte, or a value
+    (or a part of it between slashes) of only whitespace and control characters, which is a
+    shell variable gone wrong rather than a name (`fsutil.blank_problem`, as the spec's path
+    fields), is a usage error naming the option, before anything is made."""
+    from pipeline.fsutil import blank_problem
+
+    if "\x00" in str(value):
+        kind.fail("a file name cannot hold a NUL byte", param, ctx)
+    if problem := blank_problem(str(value)):
+        kind.fail(problem, param, ctx)
+
+
 class FilePath(click.Path):
     """click.Path, refusing as a usage error a name no file can have (a NUL byte, a name
-    longer than the filesystem allows) instead of failing wherever it is first used; `~` is
-    expanded, as in every path the project reads (`fsutil.user_path`)."""
+    longer than the filesystem allows) or none given on purpose (`refuse_unusable_name`)
+    instead of failing wherever it is first used; `~` is expanded, as in every path the
+    project reads (`fsutil.user_path`)."""
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and value.startswith("~"):
@@ -27,14 +42,25 @@ class FilePath(click.Path):
             self.fail("the file name is empty", param, ctx)
         if str(value) == "-":  # click's standard stream; ours are files and directories
             self.fail("'-' (a standard stream) is not supported here: give a path", param, ctx)
-        if "\x00" in str(value):
-            self.fail("a file name cannot hold a NUL byte", param, ctx)
+        refuse_unusable_name(self, value, param, ctx)
         try:
             os.stat(value)
         except OSError as e:
             if e.errno == errno.ENAMETOOLONG:
                 self.fail(f"{e.strerror}", param, ctx)
         return super().convert(value, param, ctx)
+
+
+class PathText(click.ParamType):
+    """A value that is a path or a name a path is made of, but not only one (`--checkpoint
+    latest|best|PATH`, `--point NAME`): text, under the rule of `refuse_unusable_name`. An
+    empty value is left to the command, which says what to give instead."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        refuse_unusable_name(self, value, param, ctx)
+        return value
 
 
 class ConfigArgument(FilePath):
