@@ -7,6 +7,7 @@ temporary name in the same directory and renamed into place, which POSIX makes a
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -295,6 +296,34 @@ def temporary_beside(path: Path, suffix: str = ".tmp") -> Iterator[tuple[int, Pa
         if tmp is not None:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+
+
+def temporary_dir_failure(error: BaseException) -> OSError | None:
+    """Why no temporary directory could be used, when `error` is tempfile's "No usable
+    temporary directory found" (gettempdir, which torch, dill and MLflow call, some at import,
+    writes a few bytes in each candidate and keeps no reason): the first candidate's own
+    failure, found by writing there again, as an OSError naming it (EFBIG past `ulimit -f`,
+    ENOSPC on a full /tmp). None for any other error, or where a candidate takes a write
+    now."""
+    if not isinstance(error, FileNotFoundError) or "No usable temporary directory" not in str(
+        error
+    ):
+        return None
+    candidates = [os.environ.get(v) for v in ("TMPDIR", "TEMP", "TMP")]
+    candidates += ["/tmp", "/var/tmp", "/usr/tmp", os.getcwd()]  # as tempfile tries them
+    first: OSError | None = None
+    for directory in filter(None, candidates):
+        try:
+            with tempfile.TemporaryFile(dir=directory) as f:  # no name: nothing left behind
+                f.write(b"blat")
+                f.flush()
+            return None
+        except OSError as e:
+            failure = OSError(e.errno, e.strerror, directory)
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR):  # a candidate that exists
+                return failure
+            first = first or failure
+    return first
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = False) -> None:

@@ -124,6 +124,24 @@ class OneLineErrors(_Mixin):
             raise _one_line(e) from None
 
 
+def _temporary_dir_line(error: OSError) -> str | None:
+    """The one line for tempfile finding no temporary directory it can write, with the
+    cause (`fsutil.temporary_dir_failure`): torch and the libraries it imports ask for one
+    before a run has written anything, so a run past `ulimit -f` or on a full /tmp ended in
+    tempfile's traceback there. None for any other error."""
+    from pipeline.fsutil import temporary_dir_failure
+
+    if (failure := temporary_dir_failure(error)) is None:
+        return None
+    where = f"a temporary file in {failure.filename} (nor in any other temporary directory)"
+    if write_cause(failure):
+        return str(did_not_fit(failure, where))
+    return (
+        f"cannot write {where}: {failure.strerror}; set TMPDIR to a directory you can write "
+        f"and run again"
+    )
+
+
 def _one_line(error: click.UsageError) -> click.UsageError:
     return error if isinstance(error, OneLineUsageError) else OneLineUsageError(error)
 
@@ -174,9 +192,11 @@ class Main(Group):
         except OSError as e:
             # a write that did not fit (disk full, quota, past `ulimit -f`) wherever it was
             # made: one line naming the file; any other OSError is a bug with its traceback
-            if ctx.params.get("debug") or write_cause(e) is None:
+            if ctx.params.get("debug"):
                 raise
-            click.echo(f"error: {mask(str(did_not_fit(e)))}", err=True)
+            if (line := _temporary_dir_line(e)) is None and write_cause(e) is None:
+                raise
+            click.echo(f"error: {mask(line or str(did_not_fit(e)))}", err=True)
             sys.exit(PipelineError.exit_code)
         except KeyboardInterrupt:  # a ctrl-C in a thread of its own (a test's), or a handler's
             if ctx.params.get("debug"):
