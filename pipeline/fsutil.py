@@ -7,6 +7,7 @@ temporary name in the same directory and renamed into place, which POSIX makes a
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -297,6 +298,34 @@ def temporary_beside(path: Path, suffix: str = ".tmp") -> Iterator[tuple[int, Pa
                 tmp.unlink(missing_ok=True)
 
 
+def temporary_dir_failure(error: BaseException) -> OSError | None:
+    """Why no temporary directory could be used, when `error` is tempfile's "No usable
+    temporary directory found" (gettempdir, which torch, dill and MLflow call, some at import,
+    writes a few bytes in each candidate and keeps no reason): the first candidate's own
+    failure, found by writing there again, as an OSError naming it (EFBIG past `ulimit -f`,
+    ENOSPC on a full /tmp). None for any other error, or where a candidate takes a write
+    now."""
+    if not isinstance(error, FileNotFoundError) or "No usable temporary directory" not in str(
+        error
+    ):
+        return None
+    candidates = [os.environ.get(v) for v in ("TMPDIR", "TEMP", "TMP")]
+    candidates += ["/tmp", "/var/tmp", "/usr/tmp", os.getcwd()]  # as tempfile tries them
+    first: OSError | None = None
+    for directory in filter(None, candidates):
+        try:
+            with tempfile.TemporaryFile(dir=directory) as f:  # no name: nothing left behind
+                f.write(b"blat")
+                f.flush()
+            return None
+        except OSError as e:
+            failure = OSError(e.errno, e.strerror, directory)
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR):  # a candidate that exists
+                return failure
+            first = first or failure
+    return first
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, private: bool = False) -> None:
     """`data` published at `path`: written to an unguessable name beside it (never reopened
     by name, so nothing can be swapped in), given the umask's mode unless `private`, and
@@ -370,14 +399,17 @@ NAME_MAX = 255
 
 
 def path_problem(text: str) -> str | None:
-    """What makes `text` a path that no file system can hold, in words ("it holds a NUL
-    byte"), or None: checked when a config is validated, before anything is written."""
+    """What makes `text` a path that no file system can hold, or none given on purpose (only
+    whitespace: `blank_problem`), in words ("it holds a NUL byte"), or None: checked when a
+    config is validated, before anything is written."""
     import sys
 
     from pipeline.errors import shown
 
     if "\x00" in text:
         return "it holds a NUL byte, which no path can hold"
+    if problem := blank_problem(text):
+        return problem
     try:
         raw = os.fsencode(text)
     except UnicodeEncodeError as e:
@@ -394,6 +426,24 @@ def path_problem(text: str) -> str | None:
             f"its part '{start}...' is {len(part):,} bytes long; a file or folder name has "
             f"at most {NAME_MAX}"
         )
+    return None
+
+
+def blank_problem(text: str) -> str | None:
+    """Why `text` is no path given on purpose, in words, or None: it, or a part of it between
+    slashes, is only whitespace and control characters (`--out "$DIR"` where DIR held a
+    newline), which a file system would take as a name no one can see or type. A name that
+    holds such characters among others (`hosts\\nnewline`) is odd, but taken."""
+    from pipeline.errors import shown
+
+    for part in text.split("/"):
+        if part and all(c.isspace() or not c.isprintable() for c in part):
+            which = "it is" if part == text else f"its part '{shown(part)}' is"
+            whole = f" ('{shown(part)}')" if part == text else ""
+            return (
+                f"{which} only whitespace or control characters{whole}, no name a file is "
+                f"given on purpose"
+            )
     return None
 
 

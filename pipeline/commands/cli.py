@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from pipeline.commands.catalog_commands import copy, list_
-from pipeline.commands.click_types import FilePath, Main
+from pipeline.commands.click_types import FilePath, Main, PathText
 from pipeline.commands.cluster_commands import launch, sweep
 from pipeline.commands.options import CONFIG, POINT, SET, SMOKE, about_option, echo, point_sets
 from pipeline.errors import PipelineError
@@ -212,6 +212,7 @@ def show(config, overrides, smoke, estimate):
 @click.option(
     "--point",
     "points",
+    type=PathText(),
     multiple=True,
     metavar="NAME",
     help="Only this point of a sweep of the CONFIG given, named as the sweep printed it "
@@ -281,6 +282,7 @@ def compare(targets, overrides, metrics, filter_string, fmt, plot, points):
 
 CHECKPOINT = click.option(
     "--checkpoint",
+    type=PathText(),
     default="latest",
     show_default=True,
     metavar="latest|best|PATH",

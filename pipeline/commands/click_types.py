@@ -15,10 +15,25 @@ from pipeline.errors import Interrupted, PipelineError, did_not_fit, write_cause
 from pipeline.redact import mask
 
 
+def refuse_unusable_name(kind: click.ParamType, value, param, ctx) -> None:
+    """The rule of every option or argument that names a file, a folder or a name a path is
+    made of (--out, --plot, --output, --checkpoint, --point, CONFIG): a NUL byte, or a value
+    (or a part of it between slashes) of only whitespace and control characters, which is a
+    shell variable gone wrong rather than a name (`fsutil.blank_problem`, as the spec's path
+    fields), is a usage error naming the option, before anything is made."""
+    from pipeline.fsutil import blank_problem
+
+    if "\x00" in str(value):
+        kind.fail("a file name cannot hold a NUL byte", param, ctx)
+    if problem := blank_problem(str(value)):
+        kind.fail(problem, param, ctx)
+
+
 class FilePath(click.Path):
     """click.Path, refusing as a usage error a name no file can have (a NUL byte, a name
-    longer than the filesystem allows) instead of failing wherever it is first used; `~` is
-    expanded, as in every path the project reads (`fsutil.user_path`)."""
+    longer than the filesystem allows) or none given on purpose (`refuse_unusable_name`)
+    instead of failing wherever it is first used; `~` is expanded, as in every path the
+    project reads (`fsutil.user_path`)."""
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and value.startswith("~"):
@@ -27,14 +42,25 @@ class FilePath(click.Path):
             self.fail("the file name is empty", param, ctx)
         if str(value) == "-":  # click's standard stream; ours are files and directories
             self.fail("'-' (a standard stream) is not supported here: give a path", param, ctx)
-        if "\x00" in str(value):
-            self.fail("a file name cannot hold a NUL byte", param, ctx)
+        refuse_unusable_name(self, value, param, ctx)
         try:
             os.stat(value)
         except OSError as e:
             if e.errno == errno.ENAMETOOLONG:
                 self.fail(f"{e.strerror}", param, ctx)
         return super().convert(value, param, ctx)
+
+
+class PathText(click.ParamType):
+    """A value that is a path or a name a path is made of, but not only one (`--checkpoint
+    latest|best|PATH`, `--point NAME`): text, under the rule of `refuse_unusable_name`. An
+    empty value is left to the command, which says what to give instead."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        refuse_unusable_name(self, value, param, ctx)
+        return value
 
 
 class ConfigArgument(FilePath):
@@ -98,6 +124,24 @@ class OneLineErrors(_Mixin):
             raise _one_line(e) from None
 
 
+def _temporary_dir_line(error: OSError) -> str | None:
+    """The one line for tempfile finding no temporary directory it can write, with the
+    cause (`fsutil.temporary_dir_failure`): torch and the libraries it imports ask for one
+    before a run has written anything, so a run past `ulimit -f` or on a full /tmp ended in
+    tempfile's traceback there. None for any other error."""
+    from pipeline.fsutil import temporary_dir_failure
+
+    if (failure := temporary_dir_failure(error)) is None:
+        return None
+    where = f"a temporary file in {failure.filename} (nor in any other temporary directory)"
+    if write_cause(failure):
+        return str(did_not_fit(failure, where))
+    return (
+        f"cannot write {where}: {failure.strerror}; set TMPDIR to a directory you can write "
+        f"and run again"
+    )
+
+
 def _one_line(error: click.UsageError) -> click.UsageError:
     return error if isinstance(error, OneLineUsageError) else OneLineUsageError(error)
 
@@ -148,9 +192,11 @@ class Main(Group):
         except OSError as e:
             # a write that did not fit (disk full, quota, past `ulimit -f`) wherever it was
             # made: one line naming the file; any other OSError is a bug with its traceback
-            if ctx.params.get("debug") or write_cause(e) is None:
+            if ctx.params.get("debug"):
                 raise
-            click.echo(f"error: {mask(str(did_not_fit(e)))}", err=True)
+            if (line := _temporary_dir_line(e)) is None and write_cause(e) is None:
+                raise
+            click.echo(f"error: {mask(line or str(did_not_fit(e)))}", err=True)
             sys.exit(PipelineError.exit_code)
         except KeyboardInterrupt:  # a ctrl-C in a thread of its own (a test's), or a handler's
             if ctx.params.get("debug"):

@@ -7,7 +7,7 @@ import contextlib
 
 import click
 
-from pipeline.commands.click_types import ConfigArgument
+from pipeline.commands.click_types import ConfigArgument, PathText
 from pipeline.errors import PipelineError
 
 # a config's path, or the name of one the package ships (`allattn-pipe list`)
@@ -30,6 +30,7 @@ SMOKE = click.option(
 
 POINT = click.option(
     "--point",
+    type=PathText(),
     metavar="NAME",
     help="A point of a sweep of CONFIG, named as the sweep printed it (or by the end of "
     "that name, e.g. mixerconv): its --set and --smoke, which the sweep recorded in the "

@@ -68,3 +68,50 @@ def test_a_shard_past_the_limit_leaves_the_earlier_shards_and_no_partial_one(tmp
     assert e.value.errno == errno.EFBIG and e.value.filename == str(tmp_path / "train-000000.tar")
     assert [p.name for p in tmp_path.iterdir()] == [earlier[0]["name"]]
     assert (tmp_path / "train-000000.tar").read_bytes() == before
+
+
+def test_no_temporary_directory_past_the_limit_is_one_line_with_its_cause(monkeypatch):
+    """Found by the write fuzzer in CI: under `ulimit -f 0` the import of torch (dill, which
+    lm-eval brings, asks tempfile for a directory at import; torch._dynamo and MLflow ask
+    later) ended in tempfile's traceback "No usable temporary directory found", which says
+    nothing of why. The command here asks as they do, through the CLI's Main."""
+    import tempfile
+
+    import click
+    from click.testing import CliRunner
+
+    from pipeline.commands.click_types import Main
+
+    @click.group(cls=Main)
+    def cli():
+        pass
+
+    @cli.command()
+    def work():
+        with tempfile.TemporaryDirectory():
+            pass
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # asked again, as in a new process
+    monkeypatch.delenv("TMPDIR", raising=False)
+    with file_size_limit(0):
+        result = CliRunner().invoke(cli, ["work"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (
+        "error: cannot write a temporary file in /tmp (nor in any other temporary directory): "
+        "file larger than this filesystem or ulimit -f allows (File too large); nothing "
+        "already written was replaced: raise `ulimit -f` or use a filesystem that takes larger "
+        "files and run again\n"
+    )
+
+
+def test_a_temporary_directory_failure_is_only_tempfiles_and_only_while_it_lasts(monkeypatch):
+    from pipeline.fsutil import temporary_dir_failure
+
+    monkeypatch.delenv("TMPDIR", raising=False)
+    none_usable = FileNotFoundError(errno.ENOENT, "No usable temporary directory found in [...]")
+    with file_size_limit(0):
+        failure = temporary_dir_failure(none_usable)
+    assert failure is not None
+    assert (failure.errno, failure.filename) == (errno.EFBIG, "/tmp")
+    assert temporary_dir_failure(none_usable) is None  # /tmp takes a write again
+    assert temporary_dir_failure(FileNotFoundError(errno.ENOENT, "No such file", "x")) is None

@@ -150,3 +150,40 @@ def test_a_script_that_cannot_be_written_leaves_no_log_directory_behind(tmp_path
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, (result.exception, result.output)
     assert (tmp_path / "runs" / "quickstart" / "slurm" / "logs").is_dir()
+
+
+BLANK = "is only whitespace or control characters"
+SLURM = ["launch", "slurm", QUICKSTART, "--nodes", "1", "--gpus-per-node", "1"]
+
+
+@pytest.mark.parametrize(
+    "args, flag, problem",
+    [
+        (["export", QUICKSTART, "--out", "\n"], "--out", f"it {BLANK} ('\\n')"),
+        (["export", QUICKSTART, "--out", " "], "--out", f"it {BLANK} (' ')"),
+        (["export", QUICKSTART, "--out", "exports/\t/x"], "--out", f"its part '\\t' {BLANK}"),
+        (["export", QUICKSTART, "--out", "x", "--checkpoint", "\r\n"], "--checkpoint",
+         f"it {BLANK} ('\\r\\n')"),
+        (["sample", QUICKSTART, "--prompt", "x", "--checkpoint", "\n"], "--checkpoint",
+         f"it {BLANK} ('\\n')"),
+        (["export", QUICKSTART, "--out", "x", "--point", "\n"], "--point", f"it {BLANK} ('\\n')"),
+        (["compare", QUICKSTART, "--point", "\x1b"], "--point", f"it {BLANK} ('\\x1b')"),
+        (["compare", QUICKSTART, "--plot", "\n"], "--plot", f"it {BLANK} ('\\n')"),
+        ([*SLURM, "--output", "\n"], "--output", f"it {BLANK} ('\\n')"),
+        (["copy", "quickstart", "\n"], "[DEST]", f"it {BLANK} ('\\n')"),
+    ],
+)  # fmt: skip
+def test_a_path_option_of_only_whitespace_is_refused_naming_it_and_makes_nothing(
+    args, flag, problem, tmp_path, monkeypatch
+):
+    """Found by the CLI fuzzer: `export --out '\\n'` (a shell variable gone wrong) exited 0
+    and wrote an export into a directory named by a newline in the current directory."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    command = " ".join(args[:2] if args[0] == "launch" else args[:1])
+    assert result.stderr == (
+        f"error: Invalid value for '{flag}': {problem}, no name a file is given on purpose "
+        f"(see main {command} --help)\n"  # CliRunner's program name
+    )
+    assert list(tmp_path.iterdir()) == []

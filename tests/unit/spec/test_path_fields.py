@@ -18,6 +18,8 @@ LONG_NAME = f"its part '{'x' * 20}...' is 300 bytes long; a file or folder name 
 LONG_PATH = "it is 4,505 bytes long; a path has fewer than 4,096"
 SAVED_AS = "the file name it is saved as: "
 SURROGATE = "it holds '\\ud800', which no path can hold in this system's encoding (utf-8)"
+BLANK = "only whitespace or control characters"
+ON_PURPOSE = "no name a file is given on purpose"
 
 
 def refusal(key: str, value: str) -> str:
@@ -37,6 +39,10 @@ def refusal(key: str, value: str) -> str:
         ("workspace.cache", "cache\x00", NUL),
         ("workspace.cache", "/tmp/" + "ab/" * 1500, LONG_PATH),
         ("workspace.root", "runs/a\ud800", SURROGATE),
+        # a shell variable gone wrong: a folder named by a newline made in the current one
+        ("workspace.root", "\n", f"it is {BLANK} ('\\n'), {ON_PURPOSE}"),
+        ("workspace.cache", "cache/ /x", f"its part ' ' is {BLANK}, {ON_PURPOSE}"),
+        ("train.launcher.hostfile", "\t", f"it is {BLANK} ('\\t'), {ON_PURPOSE}"),
         ("train.launcher.hostfile", "hosts\x00", NUL),
         ("train.launcher.hostfile", "x" * 300, LONG_NAME),
         ("dataset.files.all.path", "corpus\x00.txt", NUL),
