@@ -123,6 +123,24 @@ class RaiseOnSignal(SignalHandler):
             raise dropped
 
 
+def unheeded_once_decided() -> None:
+    """Make SIGTERM, SIGINT and SIGHUP do nothing (unless ignored already: nohup), for a
+    program whose handler, put in place next, will put this back as it ends. A signal that
+    comes after the command has decided its exit code, while the interpreter runs its exit
+    handlers (torch's, MLflow's: a few hundred milliseconds on a busy machine), would
+    otherwise kill it by the default action (exit 129 after `export` had finished and said
+    so) or raise KeyboardInterrupt inside one of them (a traceback after one error line)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, _unheeded)
+
+
+def _unheeded(signum, frame) -> None:
+    """The exit is decided: the signal has nothing left to stop."""
+
+
 @contextmanager
 def stop_words(after: str):
     """Within, a signal that ends the command says `after` of what it left (`Interrupted`),

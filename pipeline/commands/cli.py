@@ -411,15 +411,17 @@ def entry() -> None:
     """The console script: `main`, then `distributed.exit_process` with its exit code (tests
     call `main` in-process, where exiting the interpreter is not ours to do). A signal is
     handled from here on, not only once `Main.invoke` has begun: one that came while click
-    read the arguments ended the command without a word."""
+    read the arguments ended the command without a word. Once the exit is decided, a signal
+    changes nothing (`unheeded_once_decided`)."""
     import sys
 
     from pipeline.cluster import distributed
-    from pipeline.cluster.signals import RaiseOnSignal
+    from pipeline.cluster.signals import RaiseOnSignal, unheeded_once_decided
     from pipeline.commands.click_types import STOPPED
     from pipeline.errors import Interrupted
 
     code: object = 0
+    unheeded_once_decided()  # what the handler below leaves in place as it ends
     try:
         with RaiseOnSignal(after=STOPPED):
             main()

@@ -89,3 +89,42 @@ def test_a_signal_before_the_command_starts_is_one_line_and_128_plus_its_number(
     assert done.stderr == (
         f"error: stopped by {sig.name}: the command did not finish; run it again\n"
     )
+
+
+# A signal while the interpreter runs its exit handlers, after the command decided its exit:
+# it changes nothing (it killed the command by the default action, exit 129 after `export`
+# had said it was done, or raised KeyboardInterrupt in torch's handler: a traceback)
+SIGNAL_WHILE_EXITING = """
+import atexit, os, signal, sys, time
+from pipeline.commands import cli
+
+for s in (signal.SIGTERM, signal.SIGHUP):  # as a fresh shell's child has them
+    signal.signal(s, signal.SIG_DFL)
+
+def exiting():
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        os.kill(os.getpid(), s)
+    time.sleep(0.05)
+    print("the exit handlers ran to their end")
+
+atexit.register(exiting)
+sys.argv = ["allattn-pipe", "list"]
+cli.entry()
+"""
+
+
+def test_a_signal_after_the_command_decided_its_exit_changes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_WHILE_EXITING],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.endswith("\nthe exit handlers ran to their end\n")
+    assert "quickstart" in done.stdout
