@@ -294,8 +294,8 @@ def temporary_beside(path: Path, suffix: str = ".tmp") -> Iterator[tuple[int, Pa
         yield fd, tmp
     finally:
         if tmp is not None:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # FileNotFoundError: renamed into place
+                os.unlink(tmp)
 
 
 def temporary_dir_failure(error: BaseException) -> OSError | None:
