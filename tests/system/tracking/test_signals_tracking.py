@@ -14,6 +14,7 @@ Cost: three processes, about 20 s on 2 idle cores.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -27,6 +28,10 @@ from tests.fixtures.backlogs import RUNS, STEPS, backlog_of_runs
 from tests.fixtures.stalling_server import serve
 
 CLI = [sys.executable, "-m", "pipeline.commands.cli"]
+# A request's deadline far beyond what a busy CI machine takes to answer: these tests stop a
+# request with a signal, and a create cut by its 5 s deadline (then made again: a second
+# create of the same run) is another case (test_request_deadline.py), not this one
+PATIENT = {**os.environ, "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +92,8 @@ def test_a_sync_stopped_by_sigterm_leaves_what_it_sent_marked_and_the_next_sends
     backlog_of_runs(backlog, "sig-sync")
     proc: list[subprocess.Popen] = []
     sigterm_at_the_second_create(server, proc)
-    proc.append(subprocess.Popen([*CLI, "sync", cfg], stderr=subprocess.PIPE, text=True))
+    started = subprocess.Popen([*CLI, "sync", cfg], stderr=subprocess.PIPE, text=True, env=PATIENT)
+    proc.append(started)
     _, stderr = proc[0].communicate(timeout=300)
     assert proc[0].returncode == 143, stderr
     assert stderr.splitlines() == [
@@ -97,7 +103,9 @@ def test_a_sync_stopped_by_sigterm_leaves_what_it_sent_marked_and_the_next_sends
     wait_for_runs(server, "sig-sync", 2)  # the second run, made for a client that is gone
 
     server.on_request = None
-    again = subprocess.run([*CLI, "sync", cfg], capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [*CLI, "sync", cfg], capture_output=True, text=True, timeout=300, env=PATIENT
+    )
     assert again.returncode == 0, again.stderr
     assert again.stdout.endswith(f"10 tracking records sent to {server.url}\n")
     runs = runs_by_name(server, "sig-sync")
@@ -117,7 +125,8 @@ def test_a_sigterm_while_run_sends_an_earlier_backlog_stops_the_run(tmp_path, se
     backlog_of_runs(workspace / BACKLOG, "sig-run")
     proc: list[subprocess.Popen] = []
     sigterm_at_the_second_create(server, proc)
-    proc.append(subprocess.Popen([*CLI, "run", cfg], stderr=subprocess.PIPE, text=True))
+    started = subprocess.Popen([*CLI, "run", cfg], stderr=subprocess.PIPE, text=True, env=PATIENT)
+    proc.append(started)
     _, stderr = proc[0].communicate(timeout=300)
     assert proc[0].returncode == 143, stderr
     # before, it said "the stage that was running is left unfinished": no stage had started
