@@ -55,6 +55,12 @@ DUPLICATE_WINDOW_S = 5.0
 WAKE_S = 0.1
 
 
+def _handler_of(installed) -> SignalHandler | None:
+    """The SignalHandler whose method `installed` (a signal's disposition) is, if any."""
+    owner = getattr(installed, "__self__", None)
+    return owner if isinstance(owner, SignalHandler) else None
+
+
 class SignalHandler:
     """Installs `_first` / `_again` for SIGTERM, SIGINT and SIGHUP (main thread only) and restores
     the previous handlers on exit."""
@@ -90,8 +96,8 @@ class SignalHandler:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        outer = getattr(self._previous.get(signal.SIGTERM), "__self__", None)
-        if self.received and isinstance(outer, SignalHandler) and outer.received is None:
+        outer = _handler_of(self._previous.get(signal.SIGTERM))
+        if self.received and outer is not None and outer.received is None:
             outer.received, outer._first_at = self.received, self._first_at
 
 
@@ -147,8 +153,8 @@ def stop_words(after: str):
     in place of the words of the handler in place: a part of a command those do not describe
     (the runner's are about a stage; a run's start sends an earlier backlog before any stage).
     Installs no handler: where none raises, there is nothing to word."""
-    handler = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
-    if not isinstance(handler, SignalHandler):
+    handler = _handler_of(signal.getsignal(signal.SIGTERM))
+    if handler is None:
         yield
         return
     before, handler.after = handler.after, after
@@ -213,8 +219,8 @@ class HoldSignals(SignalHandler):
     which acts on it as it would have; a second one within stops at once, as anywhere."""
 
     def __enter__(self):
-        outer = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
-        self.after = outer.after if isinstance(outer, SignalHandler) else None
+        outer = _handler_of(signal.getsignal(signal.SIGTERM))
+        self.after = outer.after if outer is not None else None
         return super().__enter__()
 
     def _first(self, signum) -> None:
