@@ -9,6 +9,9 @@ handler of its own in place that fails it instead."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from click.testing import CliRunner
@@ -53,37 +56,40 @@ def test_a_signal_in_any_command_ends_it_with_128_plus_its_number_and_one_line(
     )
 
 
+def console_script(setup: str, cwd) -> subprocess.CompletedProcess:
+    """`allattn-pipe list` through the console script's `entry`, in a process of its own
+    whose SIGTERM and SIGHUP are a fresh shell's child's, after `setup` (Python) ran."""
+    script = "\n".join(
+        [
+            "import atexit, os, signal, sys, time",
+            "from pipeline.commands import cli",
+            "for s in (signal.SIGTERM, signal.SIGHUP):",
+            "    signal.signal(s, signal.SIG_DFL)",
+            textwrap.dedent(setup),
+            'sys.argv = ["allattn-pipe", "list"]',
+            "cli.entry()",
+        ]
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
 # A signal while click is still reading the arguments, before any command's code runs: the
 # console script handles it from its first line (it had the interpreter's default, and the
 # command ended killed by the signal without a word)
 SIGNAL_WHILE_PARSING = """
-import os, signal, sys
-from pipeline.commands import cli
-
-for s in (signal.SIGTERM, signal.SIGHUP):  # as a fresh shell's child has them
-    signal.signal(s, signal.SIG_DFL)
 parse = cli.main.make_context
 def signalled(*args, **kwargs):
     os.kill(os.getpid(), signal.{name})
     return parse(*args, **kwargs)
 cli.main.make_context = signalled
-sys.argv = ["allattn-pipe", "list"]
-cli.entry()
 """
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_before_the_command_starts_is_one_line_and_128_plus_its_number(sig, tmp_path):
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-c", SIGNAL_WHILE_PARSING.format(name=sig.name)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    done = console_script(SIGNAL_WHILE_PARSING.format(name=sig.name), tmp_path)
     assert done.returncode == 128 + sig, done.stderr
     assert done.stdout == ""
     assert done.stderr == (
@@ -95,35 +101,17 @@ def test_a_signal_before_the_command_starts_is_one_line_and_128_plus_its_number(
 # it changes nothing (it killed the command by the default action, exit 129 after `export`
 # had said it was done, or raised KeyboardInterrupt in torch's handler: a traceback)
 SIGNAL_WHILE_EXITING = """
-import atexit, os, signal, sys, time
-from pipeline.commands import cli
-
-for s in (signal.SIGTERM, signal.SIGHUP):  # as a fresh shell's child has them
-    signal.signal(s, signal.SIG_DFL)
-
 def exiting():
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         os.kill(os.getpid(), s)
     time.sleep(0.05)
     print("the exit handlers ran to their end")
-
 atexit.register(exiting)
-sys.argv = ["allattn-pipe", "list"]
-cli.entry()
 """
 
 
 def test_a_signal_after_the_command_decided_its_exit_changes_nothing(tmp_path):
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-c", SIGNAL_WHILE_EXITING],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    done = console_script(SIGNAL_WHILE_EXITING, tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert done.stdout.endswith("\nthe exit handlers ran to their end\n")
