@@ -80,7 +80,9 @@ def runs_by_name(server, experiment: str) -> dict:
 def wait_for_runs(server, experiment: str, count: int) -> None:
     deadline = time.monotonic() + 60
     while len(runs_by_name(server, experiment)) < count:
-        assert time.monotonic() < deadline, f"the server never made {count} runs"
+        assert time.monotonic() < deadline, (
+            f"the server never made {count} runs; its answers: {server.answers}"
+        )
         time.sleep(0.1)
 
 
