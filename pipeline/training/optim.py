@@ -33,7 +33,7 @@ class Layout:
 
     params: list[torch.Tensor]  # the model parameters flattened together, same on all ranks
     runs: list[Run]  # cover the stepped tensor, in order
-    group: object | None  # process group holding the other pieces; None: whole tensors
+    group: dist.ProcessGroup | None  # the group holding the other pieces; None: whole tensors
 
 
 def whole(master: torch.Tensor, param: torch.Tensor) -> Layout:
