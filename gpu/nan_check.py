@@ -84,7 +84,8 @@ from pipeline.models.allattn.layers import AllAttention, planned_span_len
 from pipeline.ops import adaptive_span_mask, get_attention_impl
 from pipeline.ops.triton_attention import TILES, forced_tile, tiles_in_use
 from pipeline.spec import load_spec
-from pipeline.training.optim import build_optimizer, scheduled_lr
+from pipeline.training.optim import build_optimizer
+from stages import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("triton", "reference")
@@ -430,6 +431,7 @@ class HandTraining:
         self.batches = StreamBatches(tokens, train.batch_size, train.seq_len, seed=train.seed)
         self.state = self.model.init_state(train.batch_size, device=device)
         self.spec, self.device, self.move_spans, self.done = spec, device, False, 0
+        self.lr_at = STAGES["train"].plan(spec).lr  # the run's schedule, as its trainer sets it
 
     @torch.no_grad()
     def copy_to_params(self) -> None:
@@ -442,9 +444,9 @@ class HandTraining:
 
     def update(self) -> Update:
         """One update: forward, backward, and, if everything came out finite, the step."""
-        model, opt = self.model, self.spec.train.optimizer
+        model = self.model
         k = self.done = self.done + 1
-        lr = scheduled_lr(opt.lr, opt.warmup_steps, k, opt.schedule, self.spec.train.steps)
+        lr = self.lr_at(k)
         x, y = (t.to(self.device) for t in self.batches.batch(k - 1))
         self.copy_to_params()
         with model.planned_update():

@@ -37,7 +37,7 @@ import torch
 from pipeline.data import StreamBatches
 from pipeline.models import AllAttnConfig, AllAttnLM, count_parameters
 from pipeline.training.evaluation import LN2, evaluate_nll
-from pipeline.training.optim import ClippedAdagrad, scheduled_lr
+from pipeline.training.optim import ClippedAdagrad, LrSchedule
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,6 +112,7 @@ def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, 
         opt = ClippedAdagrad(model.parameters(), lr=args.lr, clip_norm=args.clip)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    schedule = LrSchedule(args.lr, args.warmup, "linear_warmup")  # the pipeline's, from --lr
     bsz, m = args.batch, args.seq_len
     batches = StreamBatches(train, bsz, m)
     state = model.init_state(bsz)
@@ -126,7 +127,7 @@ def train_curve(name, cfg, train, valid, vocab, args) -> list[tuple[int, float, 
         loss = out.nll.mean()
         (loss + model.aux_loss()).backward()
         for group in opt.param_groups:
-            group["lr"] = scheduled_lr(args.lr, args.warmup, step)
+            group["lr"] = schedule(step)
         if args.optimizer == "adam":
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()

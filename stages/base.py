@@ -10,10 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.redact import mask
 from pipeline.training.settings import with_values
+
+if TYPE_CHECKING:
+    from pipeline.training.plan import TrainingPlan
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class Stage:
     # The spec section `config` is (finetune, evaluate), or None where config's keys are
     # spec paths themselves (train.*, model.*): how the spec's inert keys are found in it.
     config_section: str | None = None
+    # A stage that trains: how, read off the spec (pipeline.training.plan.TrainingPlan); its
+    # `run` hands it to stages.training, and `show --estimate` counts and times it
+    plan: Callable[[Any], TrainingPlan] | None = None
 
     def fingerprinted(self, spec) -> dict:
         """The config less its runtime-only keys, and less the added keys that hold their

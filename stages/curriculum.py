@@ -28,11 +28,16 @@ evaluate's do: a re-run curriculum makes them stale).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from pipeline.fsutil import atomic_write_json, read_json
 from pipeline.spec.training_schema import CURRICULUM_ENGINE_TRAIN, CURRICULUM_UNUSED_TRAIN
 from pipeline.training.settings import trains_with
 from stages.base import Stage, StageContext, without
-from stages.train import RUNTIME_ONLY, record_resolved, tag_weights
+from stages.training import TRAINER_RUNTIME_ONLY, finish, log_params, start
+
+if TYPE_CHECKING:
+    from pipeline.training.curriculum import LengthCurriculum
 
 CHECKPOINTS = "checkpoints"
 RESULT = "curriculum.json"
@@ -41,52 +46,61 @@ EVAL_CASES = 512  # generated cases scored at each length by evaluate
 EVAL_BATCH = 128
 
 
-def run(ctx: StageContext) -> dict:
-    from pipeline.training.checkpoints import step_dirs
+def plan(spec):
+    """epochs x steps_per_epoch updates on generated cases, train.optimizer's schedule over
+    them all; the lengths, checks and promotions are a hook (LengthCurriculum); no reports
+    or validation (the epochs' checks are), a checkpoint at every epoch's end."""
     from pipeline.training.curriculum import LengthCurriculum
-    from pipeline.training.micro_batch import read_record
-    from pipeline.training.trainer import Cadence, Trainer
+    from pipeline.training.optim import LrSchedule
+    from pipeline.training.plan import Cadence, Tokens, TrainingPlan
 
+    cur, batch = spec.dataset.generator.algorithmic.curriculum, spec.train.batch_size
+    updates = cur.epochs * cur.steps_per_epoch
+    how = (
+        f"{cur.epochs} epochs x {cur.steps_per_epoch} updates x {batch} cases x at "
+        f"least {cur.start_length} tokens (start_length; the length grows as the "
+        f"cases are solved)"
+    )
+    return TrainingPlan(
+        name="curriculum",
+        updates=updates,
+        lr=LrSchedule.of(spec.train.optimizer, updates),
+        cadence=Cadence(
+            log_every=0, eval_every=0, checkpoint_every=cur.steps_per_epoch, keep_checkpoints=KEEP
+        ),
+        tokens=Tokens(updates, updates * batch * cur.start_length, how, at_least=True),
+        data=lambda inputs: LengthCurriculum(spec),
+        timing_data=lambda vocab_size, origin: LengthCurriculum(spec),  # its own vocabulary
+        hooks=lambda curriculum: [cast(LengthCurriculum, curriculum)],
+    )
+
+
+def run(ctx: StageContext) -> dict:
     spec, train = ctx.spec, ctx.spec.train
     cur = spec.dataset.generator.algorithmic.curriculum
-    root = ctx.out_dir / CHECKPOINTS
-    resuming = bool(step_dirs(root))
-    curriculum = LengthCurriculum(spec)
-    trainer = Trainer(
-        spec,
-        curriculum,
-        ctx.tracker,
-        ctx.log,
-        recorded=read_record(ctx.out_dir) if resuming else None,
-        stage="curriculum",
-        hooks=[curriculum],
-    )
-    record_resolved(ctx, trainer)
-    if resuming:  # the newest intact one, or a refusal if none is
-        step = trainer.load(root)
+    started = start(ctx, plan(spec))
+    trainer, curriculum = started.trainer, cast("LengthCurriculum", started.trainer.data)
+    if started.resumed:
         ctx.log(
-            f"resuming after epoch {curriculum.epoch} at length {curriculum.length} (update {step})"
+            f"resuming after epoch {curriculum.epoch} at length {curriculum.length} "
+            f"(update {trainer.step})"
         )
-    ctx.tracker.log_params(
-        {
-            "parameters": trainer.params,
-            "vocab_size": trainer.vocab_size,
-            "length_step": curriculum.step_by,
-        }
-    )
+    log_params(ctx, trainer, {"length_step": curriculum.step_by})
     ctx.log(
         f"{curriculum.problem}: {trainer.params:,} parameters ({trainer.model.describe()}), "
         f"vocabulary {trainer.vocab_size}, {cur.epochs} epochs of {cur.steps_per_epoch} "
         f"steps x {train.batch_size} cases on {trainer.device}, from length "
         f"{cur.start_length} by {curriculum.step_by}"
     )
-    # reports and validation are the epochs' checks; a checkpoint ends every epoch
-    epochs = Cadence(
-        log_every=0, eval_every=0, checkpoint_every=cur.steps_per_epoch, keep_checkpoints=KEEP
-    )
-    summary = trainer.fit(curriculum.updates, root, cadence=epochs)
-    tag_weights(ctx, trainer, summary)
-    result = curriculum.result(trainer.params)
+    summary = finish(ctx, started, head_tables=False)
+    result = record_result(ctx, curriculum.result(trainer.params))
+    # the trainer's count of skipped updates (train.nonfinite: skip) goes on the record too
+    skipped = {k: v for k, v in summary.items() if k == "nonfinite_skipped"}
+    return {key: value for key, value in result.items() if key != "history"} | skipped
+
+
+def record_result(ctx: StageContext, result: dict) -> dict:
+    """curriculum.json, the score and next length as metrics, and the line saying them."""
     atomic_write_json(ctx.out_dir / RESULT, result)
     ctx.tracker.log_artifact(ctx.out_dir / RESULT)
     ctx.tracker.log_metrics(
@@ -96,9 +110,7 @@ def run(ctx: StageContext) -> dict:
         f"score {result['score']} (the longest length solved in {result['epochs']} epochs); "
         f"next length {result['next_length']} (the authors' script's reading)"
     )
-    # the trainer's count of skipped updates (train.nonfinite: skip) goes on the record too
-    skipped = {k: v for k, v in summary.items() if k == "nonfinite_skipped"}
-    return {key: value for key, value in result.items() if key != "history"} | skipped
+    return result
 
 
 def evaluate_task(ctx: StageContext) -> dict:
@@ -190,7 +202,8 @@ STAGE = Stage(
     section_key="train",
     config=config,
     run=run,
-    runtime_only={"train.compile": RUNTIME_ONLY["train.compile"]},
+    plan=plan,
+    runtime_only={"train.compile": TRAINER_RUNTIME_ONLY["train.compile"]},
     # nonfinite stop: a run it lets finish is the run before the key existed
     added_keys={"train.nonfinite": "stop", "train.nonfinite_limit": 100},
 )

@@ -10,50 +10,47 @@ from train's, in the checkpoints and in MLflow.
 from __future__ import annotations
 
 from stages.base import Stage, StageContext
-from stages.train import log_head_tables, record_resolved, resolved_summary, tag_weights
+from stages.training import (
+    finish,
+    preprocessed_data,
+    preprocessed_timing_data,
+    preprocessed_tokens,
+    resolved_summary,
+    start,
+)
+
+
+def plan(spec):
+    """finetune.steps updates from train's newest intact checkpoint, its optimizer state
+    kept, at train.optimizer.lr / finetune.lr_divisor throughout (checked after the first)."""
+    from pipeline.training.optim import LrSchedule
+    from pipeline.training.plan import Cadence, TrainingPlan
+
+    ft, train = spec.finetune, spec.train
+    return TrainingPlan(
+        name="finetune",
+        updates=ft.steps,
+        lr=LrSchedule(train.optimizer.lr / ft.lr_divisor),
+        cadence=Cadence.of(train),
+        tokens=preprocessed_tokens(spec, ft.steps, "finetune.steps"),
+        data=preprocessed_data(spec),
+        timing_data=preprocessed_timing_data(spec),
+        continues="train",
+        check_lr=True,
+    )
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.training.checkpoints import newest_intact, step_dirs, step_of
-    from pipeline.training.micro_batch import read_record
-    from pipeline.training.sources import PreprocessedData
-    from pipeline.training.trainer import Trainer
-
-    ft = ctx.spec.finetune
-    ckpt_root = ctx.out_dir / "checkpoints"
-    train_root = ctx.inputs["train"] / "checkpoints"
-    # train's checkpoint continues at train's micro-batch and precision, never searched again
-    recorded = (step_dirs(ckpt_root) and read_record(ctx.out_dir)) or read_record(
-        ctx.inputs["train"]
-    )
-    trainer = Trainer(
-        ctx.spec,
-        PreprocessedData(ctx.inputs["preprocess"], ctx.spec.train.seq_len),
-        ctx.tracker,
-        ctx.log,
-        recorded=recorded,
-        stage="finetune",
-    )
-    record_resolved(ctx, trainer)
-    if step_dirs(ckpt_root):  # an interrupted finetune resumes from its own
-        ctx.log(f"resuming the LR-drop phase at step {trainer.load(ckpt_root)}")
-        # where the first attempt began: train's newest intact checkpoint, as trainer.load
-        # chose it (not `latest`, which may name a damaged one)
-        newest = newest_intact(train_root, ctx.log)
-        assert newest is not None  # train finished: it left an intact checkpoint
-        begin = step_of(newest)
-    else:
-        begin = trainer.load(train_root)
-    lr = trainer.lr_at(begin + 1)  # train.optimizer.lr / finetune.lr_divisor, constant
+    started = start(ctx, plan(ctx.spec))
+    trainer, ft, begin = started.trainer, ctx.spec.finetune, started.begin
+    if started.resumed:  # an interrupted finetune resumes from its own checkpoint
+        ctx.log(f"resuming the LR-drop phase at step {trainer.step}")
+    lr = trainer.lr_at(begin + 1)
     ctx.log(
         f"from step {begin}: lr {ctx.spec.train.optimizer.lr:g} / {ft.lr_divisor:g} "
         f"= {lr:g} for {ft.steps} steps"
     )
-    summary = trainer.fit(
-        begin + ft.steps, ckpt_root, expect_lr=lr if trainer.step == begin else None
-    )
-    tag_weights(ctx, trainer, summary)
-    log_head_tables(ctx, trainer, "finetune")
+    summary = finish(ctx, started)
     return summary | {"lr": lr, "from_step": begin} | resolved_summary(trainer)
 
 
@@ -68,5 +65,6 @@ STAGE = Stage(
     config=lambda spec: spec.finetune.model_dump(mode="json"),
     config_section="finetune",
     run=run,
+    plan=plan,
     distributed=True,
 )

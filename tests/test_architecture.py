@@ -128,7 +128,7 @@ def test_the_layer_rule_sees_a_wrong_import():
     assert layer("stages.train") == "stages" and layer("pipeline.data") == "data"
     assert (
         "stages" in g["pipeline.workspace.runner"]
-        and "pipeline.training.trainer" in g["stages.train"]
+        and "pipeline.training.trainer" in g["stages.training"]
     )
 
 

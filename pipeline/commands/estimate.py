@@ -30,41 +30,15 @@ class StageTokens:
 
 
 def training_tokens(spec) -> list[StageTokens]:
-    """Tokens each training stage of the spec feeds the model: updates x sequences per
-    update (train.batch_size: every process's micro-batches and accumulation together) x
-    tokens per sequence."""
+    """Tokens each stage of the spec that trains feeds the model, as its plan counts them
+    (pipeline.training.plan.Tokens: updates x sequences per update x tokens per sequence)."""
+    from stages import STAGES
+
     out = []
-    for stage in spec.stages:
-        if stage in ("train", "finetune"):
-            train = spec.train
-            steps = train.steps if stage == "train" else spec.finetune.steps
-            key = "train.steps" if stage == "train" else "finetune.steps"
-            generator = spec.dataset.generator
-            if generator is not None and (task := generator.frequency_sort) is not None:
-                # an update reads whole documents, in segments of seq_len with the memory
-                # carried: the input, the separator and the sorted vocabulary
-                per_row = task.length + 1 + task.vocab
-                what = (
-                    f"{per_row:,} tokens (a whole document: {task.length:,} "
-                    f"(frequency_sort.length) + the separator + {task.vocab} sorted symbols)"
-                )
-            else:
-                per_row, what = train.seq_len, f"{train.seq_len} tokens (train.seq_len)"
-            how = (
-                f"{steps:,} updates ({key}) x {train.batch_size} sequences (train.batch_size, "
-                f"all processes) x {what}"
-            )
-            out.append(StageTokens(stage, steps, steps * train.batch_size * per_row, how))
-        elif stage == "curriculum":
-            cur = spec.dataset.generator.algorithmic.curriculum
-            updates = cur.epochs * cur.steps_per_epoch
-            batch = spec.train.batch_size
-            how = (
-                f"{cur.epochs} epochs x {cur.steps_per_epoch} updates x {batch} cases x at "
-                f"least {cur.start_length} tokens (start_length; the length grows as the "
-                f"cases are solved)"
-            )
-            out.append(StageTokens(stage, updates, updates * batch * cur.start_length, how, True))
+    for name in spec.stages:
+        if (stage := STAGES.get(name)) is not None and stage.plan is not None:
+            t = stage.plan(spec).tokens
+            out.append(StageTokens(name, t.updates, t.tokens, t.how, t.at_least))
     return out
 
 

@@ -1,9 +1,10 @@
 """The update time `show --estimate` prints: the run's own update, timed here.
 
-A real `Trainer` (pipeline.training.trainer) is built from the spec, so the micro-batch,
-gradient accumulation, precision and DeepSpeed engine are the ones the run resolves, and its
-`update()` is what is timed; only the data differs: random tokens of the run's shape (the
-estimate runs before preprocess), or the curriculum's own generated cases. Timing one
+A real `Trainer` (pipeline.training.trainer) is built from the spec and the plan of its first
+stage that trains, so the micro-batch, gradient accumulation, precision and DeepSpeed engine
+are the ones the run resolves, and its `advance()` is what is timed; only the data differs:
+the plan's `timing_data` (random tokens of the run's shape, as the estimate runs before
+preprocess, or the curriculum's own generated cases). Timing one
 micro-batch row and multiplying by the batch, as this did before, overstated a small
 model's update 6 to 13 times (its fixed costs were paid once per row).
 
@@ -43,61 +44,15 @@ class UpdateTime:
     measured: str  # how
 
 
-class RandomStreams:
-    """TrainingData of token streams: random rows of the run's shape, one stream."""
+def first_plan(spec):
+    """The plan of the run's first stage that trains (pipeline.training.plan): its update is
+    the one timed."""
+    from stages import STAGES
 
-    documents = None
-
-    def __init__(self, vocab_size: int, block_len: int, origin: str):
-        self.vocab_size, self.block_len, self.origin = vocab_size, block_len, origin
-        self.rows = 0
-        self.generator = torch.Generator().manual_seed(0)
-
-    def train_batches(self, rows: int, rank: int, world_size: int, seed: int):
-        self.rows = rows
-        return self
-
-    def starts_epoch(self, step: int) -> bool:
-        return False
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.rows, self.block_len)
-        x = torch.randint(self.vocab_size, shape, generator=self.generator)
-        return x, torch.randint(self.vocab_size, shape, generator=self.generator)
-
-    def valid_split(self):
-        raise PipelineError("the update timing does not validate")
-
-
-class RandomDocuments(RandomStreams):
-    """TrainingData of whole documents (the frequency-sort task's layout), random tokens."""
-
-    def __init__(self, vocab_size: int, layout: dict, origin: str):
-        super().__init__(vocab_size, layout["length"] - 1, origin)
-        self.documents = layout  # type: ignore[assignment]
-
-    def batch(self, step: int) -> torch.Tensor:  # type: ignore[override]
-        shape = (self.rows, self.block_len + 1)
-        return torch.randint(self.vocab_size, shape, generator=self.generator)
-
-
-def training_data(spec):
-    """What the run's first training stage trains on, in its shape, without preprocess."""
-    if "curriculum" in spec.stages:
-        from pipeline.training.curriculum import LengthCurriculum
-
-        return LengthCurriculum(spec)  # generated cases: the real data, at start_length
-    vocab, origin = vocab_size_for(spec)
-    if vocab is None:
-        raise PipelineError(f"{spec.source}: the vocabulary size is unknown until preprocess")
-    generator = spec.dataset.generator
-    if generator is not None and (task := generator.frequency_sort) is not None:
-        from pipeline.data.frequency_sort import document_length
-
-        # preprocess's layout (stages/preprocess.py): input, separator, sorted vocabulary
-        layout = {"length": document_length(task.vocab, task.length), "input_length": task.length}
-        return RandomDocuments(vocab, layout, origin)
-    return RandomStreams(vocab, spec.train.seq_len, origin)
+    for name in spec.stages:
+        if (stage := STAGES.get(name)) is not None and stage.plan is not None:
+            return stage.plan(spec)
+    raise PipelineError(f"{spec.source}: no stage of {', '.join(spec.stages)} trains")
 
 
 def out_of_memory(error: BaseException) -> bool:
@@ -127,27 +82,27 @@ class UpdateTimer:
         from stages.base import NullStageTracker
 
         self.clock = clock
-        data = training_data(spec)
-        curriculum = "curriculum" in spec.stages
-        stage = "curriculum" if curriculum else "train"
-        hooks = [data] if curriculum else []
-        self.trainer = Trainer(spec, data, NullStageTracker(), log, stage=stage, hooks=hooks)
-        if curriculum:
-            data.before_update(self.trainer, 1)  # the epoch's stream of cases
+        plan = first_plan(spec)
+        vocab, origin = vocab_size_for(spec)
+        if vocab is None:
+            raise PipelineError(f"{spec.source}: the vocabulary size is unknown until preprocess")
+        self.trainer = Trainer(spec, plan, plan.timing_data(vocab, origin), NullStageTracker(), log)
 
     def time(self, n: int) -> list[float]:
         """Seconds of each of the next `n` updates, each waited for; `Diverged` at an
         update whose loss, gradients or new weights are not finite (the next would fail on
         them, the all-attention spans' plan first)."""
+        from pipeline.training.trainer import mean_nll
+
         device, out = self.trainer.device, []
         for _ in range(n):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            # the run's learning rate at this update (its warm-up): at a larger one the
-            # adaptive spans would grow faster than the run's, and the updates with them
-            self.trainer.set_lr(self.trainer.lr_at(self.trainer.step + 1))
             start = self.clock()
-            loss = float(self.trainer.train_step())  # waits for the update
+            # the run's update as its loop runs it: at the run's learning rate (its warm-up:
+            # at a larger one the adaptive spans would grow faster than the run's, and the
+            # updates with them), after the hooks that prepare it (the curriculum's cases)
+            loss = float(mean_nll(self.trainer.advance()))  # waits for the update
             out.append(self.clock() - start)
             self.check_finite(loss)
         return out

@@ -260,35 +260,26 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
 
 @dataclass(frozen=True)
 class LrSchedule:
-    """The learning rate of every update of one stage: train.optimizer's schedule over the
-    stage's updates, or one constant rate (the LR-drop phase). The trainer sets it on the
-    optimizer before each update; nothing else writes the optimizer's lr."""
+    """The learning rate of every update of one stage (its plan's, pipeline.training.plan):
+    train.optimizer's schedule over the stage's updates, or one constant rate (the LR-drop
+    phase). The trainer sets it on the optimizer before each update; nothing else in the
+    pipeline writes the optimizer's lr."""
 
     lr: float
     warmup_steps: int = 0
     schedule: str = "constant"  # or a train.optimizer.schedule
     total_steps: int | None = None  # the updates cosine decays over
 
+    @classmethod
+    def of(cls, optimizer, total_steps: int) -> LrSchedule:
+        """train.optimizer's schedule (`optimizer`: that section) over `total_steps` updates."""
+        return cls(optimizer.lr, optimizer.warmup_steps, optimizer.schedule, total_steps)
+
     def __call__(self, update: int) -> float:
         """The lr of update number `update` (1-based)."""
         if self.schedule == "constant":
             return self.lr
         return scheduled_lr(self.lr, self.warmup_steps, update, self.schedule, self.total_steps)
-
-
-def lr_schedule(spec, stage: str) -> LrSchedule:
-    """The schedule of `stage` (train, finetune or curriculum) under the spec: train and the
-    curriculum run train.optimizer's over all their updates; finetune continues at
-    train.optimizer.lr / finetune.lr_divisor, constant (the paper's LR drop)."""
-    opt = spec.train.optimizer
-    if stage == "finetune":
-        return LrSchedule(opt.lr / spec.finetune.lr_divisor)
-    if stage == "curriculum":
-        cur = spec.dataset.generator.algorithmic.curriculum
-        total = cur.epochs * cur.steps_per_epoch
-    else:
-        total = spec.train.steps
-    return LrSchedule(opt.lr, opt.warmup_steps, opt.schedule, total)
 
 
 def scheduled_lr(

@@ -1,11 +1,15 @@
 """What a `Trainer` trains on (`TrainingData`): the preprocess stage's shards
-(`PreprocessedData`), or the curriculum's generated task
-(pipeline.training.curriculum.LengthCurriculum)."""
+(`PreprocessedData`), the curriculum's generated task
+(pipeline.training.curriculum.LengthCurriculum), or random tokens of the shards' shape
+(`RandomStreams`, `RandomDocuments`: what the estimate times an update on, before
+preprocess has run)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 from pipeline.data.documents import DocumentBatches, as_documents
 from pipeline.data.manifest import load_manifest, load_split
@@ -74,3 +78,41 @@ class PreprocessedData:
         if self.documents is None:
             return tokens
         return as_documents(tokens, self.documents, f"{self.dir}, valid split")
+
+
+class RandomStreams:
+    """TrainingData of token streams: random rows of the run's shape, one stream."""
+
+    documents = None
+
+    def __init__(self, vocab_size: int, block_len: int, origin: str):
+        self.vocab_size, self.block_len, self.origin = vocab_size, block_len, origin
+        self.rows = 0
+        self.generator = torch.Generator().manual_seed(0)
+
+    def train_batches(self, rows: int, rank: int, world_size: int, seed: int):
+        self.rows = rows
+        return self
+
+    def starts_epoch(self, step: int) -> bool:
+        return False
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.rows, self.block_len)
+        x = torch.randint(self.vocab_size, shape, generator=self.generator)
+        return x, torch.randint(self.vocab_size, shape, generator=self.generator)
+
+    def valid_split(self):
+        raise PipelineError("the update timing does not validate")
+
+
+class RandomDocuments(RandomStreams):
+    """TrainingData of whole documents (the frequency-sort task's layout), random tokens."""
+
+    def __init__(self, vocab_size: int, layout: dict, origin: str):
+        super().__init__(vocab_size, layout["length"] - 1, origin)
+        self.documents = layout  # type: ignore[assignment]
+
+    def batch(self, step: int) -> torch.Tensor:  # type: ignore[override]
+        shape = (self.rows, self.block_len + 1)
+        return torch.randint(self.vocab_size, shape, generator=self.generator)

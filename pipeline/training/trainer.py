@@ -1,12 +1,12 @@
-"""The one training loop, behind the train, finetune and curriculum stages, on a DeepSpeed
-engine.
+"""The one training loop, behind every stage that trains, on a DeepSpeed engine.
 
 One `Trainer` owns the model (any pipeline.models.SequenceModel, used only through that
-protocol), the engine, the data streams, the learning rate (optim.lr_schedule) and the
-model's state for each micro-batch. Its state is a step number: the data position and the
-learning rate follow from it, so a checkpoint (model, optimizer, model states, RNG, step,
-its hooks' states) resumes exactly where the run stopped. A stage adds what is its own as a
-`TrainingHook` (the curriculum's lengths: pipeline.training.curriculum), never a loop.
+protocol), the engine, the data streams, the learning rate (the stage's plan's schedule,
+pipeline.training.plan) and the model's state for each micro-batch. Its state is a step
+number: the data position and the learning rate follow from it, so a checkpoint (model,
+optimizer, model states, RNG, step, its hooks' states) resumes exactly where the run
+stopped. A stage adds what is its own as a `TrainingHook` in its plan (the curriculum's
+lengths: pipeline.training.curriculum), never a loop.
 
 A dataset of documents (the manifest's `documents`, pipeline.data.documents) trains document
 by document instead: each update reads a batch of whole documents through
@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 import torch
@@ -51,7 +50,8 @@ from pipeline.training.engine import (
 from pipeline.training.evaluation import LN2, evaluate_nll
 from pipeline.training.micro_batch import resolve
 from pipeline.training.nonfinite import NonfiniteGuard
-from pipeline.training.optim import build_optimizer, lr_schedule
+from pipeline.training.optim import build_optimizer
+from pipeline.training.plan import TrainingPlan
 from pipeline.training.progress import LossWindow, Progress, gpu_memory_text
 from pipeline.training.settings import as_trained
 
@@ -72,45 +72,6 @@ class MicroBatchLoss(NamedTuple):
 def mean_nll(losses: list[MicroBatchLoss]) -> torch.Tensor:
     """An update's mean token nll over its micro-batches, on the device."""
     return torch.stack([loss.nll for loss in losses]).mean()
-
-
-class TrainingHook(Protocol):
-    """What a stage adds to the loop without a loop of its own (the curriculum's lengths and
-    promotions): called around every update, its state carried by every checkpoint."""
-
-    name: str  # its key in a checkpoint's trainer state
-
-    def before_update(self, trainer: Trainer, update: int) -> None:
-        """Before update number `update` (1-based) draws its batch."""
-
-    def after_update(
-        self, trainer: Trainer, losses: list[MicroBatchLoss], log: Callable[[str], None]
-    ):
-        """After the update (trainer.step is its number; `losses`, its micro-batches'),
-        before the loop reports, validates or checkpoints it; `log` prints above the
-        progress bar."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """How often the loop reports the loss, validates and checkpoints, in updates (0: never;
-    the last update is checkpointed regardless), and how many checkpoints it keeps."""
-
-    log_every: int
-    eval_every: int
-    checkpoint_every: int
-    keep_checkpoints: int
-
-    @classmethod
-    def of(cls, train) -> Cadence:
-        """The spec's train.* settings."""
-        return cls(
-            train.log_every, train.eval_every, train.checkpoint_every, train.keep_checkpoints
-        )
 
 
 class EngineUpdates:
@@ -155,8 +116,9 @@ class EngineUpdates:
 
 
 class Trainer:
-    """The one training loop: train, finetune and the curriculum each build one, from the
-    spec, the data (pipeline.training.sources) and their hooks. It reads the spec as trained
+    """The one training loop: every training stage builds one from the spec, its plan
+    (pipeline.training.plan: the learning rates, hooks and cadences) and its data
+    (pipeline.training.sources). It reads the spec as trained
     (pipeline.training.settings.as_trained): a key that does nothing under the other settings
     (a curriculum's train.deepspeed from a base) at its default, as every fingerprint counts
     it."""
@@ -164,29 +126,29 @@ class Trainer:
     def __init__(
         self,
         spec,
+        plan: TrainingPlan,
         data: TrainingData,
         tracker,
         log: Callable[[str], None],
         recorded: dict | None = None,
-        stage: str = "train",
-        hooks: Sequence[TrainingHook] = (),
     ):
-        self.spec, self.tracker, self.log, self.stage = as_trained(spec), tracker, log, stage
-        self.data, self.hooks, train = data, list(hooks), self.spec.train
+        self.spec, self.tracker, self.log, self.stage = as_trained(spec), tracker, log, plan.name
+        self.plan, self.data, self.hooks = plan, data, list(plan.hooks(data))
+        train = self.spec.train
         self.rank, self.world_size = distributed.init_process_group()
         self.device = build_device(train)
         self.vocab_size, self.documents = data.vocab_size, data.documents
         self.block_len = data.block_len  # the tokens of one training row
         # what the lines call bits per token: bpc for characters and bytes only
         self.bits = bits_name(getattr(getattr(self.spec.dataset, "tokenizer", None), "kind", None))
-        self.lr_at = lr_schedule(self.spec, stage)  # the lr of update k; the only writer of lr
+        self.lr_at = plan.lr  # the lr of update k; set by `advance`, the only writer of lr
         model = build_model(self.spec, self.vocab_size, data.origin, self.device, self.rank)
         self.resolved, self.ds_config = build_ds_config(self, model, recorded)
         self.peak_tflops = dense_peak_tflops(self.device, matmul_dtype(self.ds_config))
         bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
         self.engine = build_engine(model.to(self.device), self.ds_config, train, self.world_size)
         self.model = self.engine.module
-        self.guard = build_guard(train, stage, self.device, self.engine, tracker, self.rank)
+        self.guard = build_guard(train, plan.name, self.device, self.engine, tracker, self.rank)
         self.compiled = compile_model(self.model, train.compile, self.device, log)
         self.updates = EngineUpdates(self.engine, self.guard, bounded_init)
         self.micro_batch, self.accum = micro_batches(self.ds_config)
@@ -213,72 +175,36 @@ class Trainer:
 
     # ------------------------------------------------------------ the loop
 
-    def fit(
-        self,
-        until: int,
-        ckpt_root: Path,
-        expect_lr: float | None = None,
-        patience: int | None = None,
-        cadence: Cadence | None = None,
-    ) -> dict:
-        """Train from the current step to `until`, checkpointing into `ckpt_root`.
-
-        The lr of update k is `self.lr_at(k)`. `expect_lr`: after the first update, fail
-        loudly unless the optimizer really ran with this lr (the LR-drop check).
-        `patience`: stop early once validation has not improved for that many evaluations.
-        `cadence`: when to report, validate and checkpoint; default the spec's train.*.
+    def fit(self, until: int, ckpt_root: Path) -> dict:
+        """Train from the current step to `until`, checkpointing into `ckpt_root`, as the
+        plan says: its learning rates, hooks and cadences; with `patience`, stop once
+        validation has not improved in that many evaluations; with `check_lr`, fail loudly
+        after the stage's first update unless the optimizer ran at its lr.
         SIGTERM or SIGINT (a Slurm preemption, ctrl-C) on any rank finishes the current
         update, saves a checkpoint and raises `Preempted`: running the pipeline again
         resumes from there."""
-        every = cadence or Cadence.of(self.spec.train)
-        keep = every.keep_checkpoints
-        first = self.step + 1
+        every, keep = self.plan.cadence, self.plan.cadence.keep_checkpoints
+        check_lr = self.plan.check_lr and self.step == until - self.plan.updates
         window = LossWindow(self.spec.train.batch_size * self.block_len)
         progress = Progress(self.step, until, enabled=self.rank == 0)
         self.guard.start(self.step)
         stopped_early = False
         with StopSignal() as stop, progress:
             while self.step < until:
-                self.set_lr(self.lr_at(self.step + 1))
-                for hook in self.hooks:
-                    hook.before_update(self, self.step + 1)
-                try:
-                    losses = self.update()
-                except PipelineError:
-                    raise
-                except Exception:
-                    # a model that reads its weights on the host (its spans) fails on a
-                    # non-finite one: name the update that made it instead (this rank's
-                    # view: the others are not here to agree)
-                    self.guard.read_and_check(self.model.parameters(), self.step, agree=False)
-                    raise
+                losses = self.advance()
                 window.add(mean_nll(losses))
                 progress.advance()
-                if (
-                    expect_lr is not None
-                    and self.step == first
-                    and not math.isclose(self.current_lr(), expect_lr, rel_tol=1e-9)
-                ):
-                    raise PipelineError(
-                        f"the learning rate in effect is "
-                        f"{self.current_lr():g}, expected {expect_lr:g}: "
-                        f"the LR drop did not take"
-                    )
+                if check_lr:
+                    self._check_lr()
+                    check_lr = False
                 for hook in self.hooks:
                     hook.after_update(self, losses, lambda line: progress.log(self.log, line))
-                if every.log_every and (self.step % every.log_every == 0 or self.step == until):
+                if due(every.log_every, self.step) or (every.log_every and self.step == until):
                     self._report(window, until, progress)
-                if every.eval_every and self.step % every.eval_every == 0:
-                    if self._track_validation(progress):
-                        self.save(ckpt_root, keep, best=True)
+                if due(every.eval_every, self.step):
+                    stopped_early = self._validate(ckpt_root, keep, progress)
                     window.restart_clock()
-                    if patience and self.evals_since_best >= patience:
-                        progress.log(
-                            self.log,
-                            f"step {self.step}: validation has not "
-                            f"improved for {patience} evaluations, stopping",
-                        )
-                        stopped_early = True
+                    if stopped_early:
                         break
                 if distributed.any_rank(stop.received is not None):
                     path = self.save(ckpt_root, keep)
@@ -287,11 +213,7 @@ class Trainer:
                         f"{self.step}: checkpoint {path} saved; run the pipeline "
                         f"again to resume from it"
                     )
-                if (
-                    every.checkpoint_every
-                    and self.step % every.checkpoint_every == 0
-                    and self.step < until
-                ):
+                if due(every.checkpoint_every, self.step) and self.step < until:
                     self.save(ckpt_root, keep)
                     window.restart_clock()
             # under StopSignal: a signal during the last write lets it complete, then stops
@@ -311,6 +233,46 @@ class Trainer:
             best: self.best_valid,
             "parameters": self.params,
         } | skipped
+
+    def advance(self) -> list[MicroBatchLoss]:
+        """The next update as the loop runs it: its learning rate, the hooks' before_update,
+        the update (`update`); what `fit` and the estimate's timing both run."""
+        self.set_lr(self.lr_at(self.step + 1))
+        for hook in self.hooks:
+            hook.before_update(self, self.step + 1)
+        try:
+            return self.update()
+        except PipelineError:
+            raise
+        except Exception:
+            # a model that reads its weights on the host (its spans) fails on a non-finite
+            # one: name the update that made it instead (this rank's view: the others are
+            # not here to agree)
+            self.guard.read_and_check(self.model.parameters(), self.step, agree=False)
+            raise
+
+    def _check_lr(self) -> None:
+        """The LR-drop check: the rate the optimizer ran the update at is the plan's."""
+        expected = self.lr_at(self.step)
+        if not math.isclose(self.current_lr(), expected, rel_tol=1e-9):
+            raise PipelineError(
+                f"the learning rate in effect is {self.current_lr():g}, expected "
+                f"{expected:g}: the LR drop did not take"
+            )
+
+    def _validate(self, ckpt_root: Path, keep: int, progress: Progress) -> bool:
+        """Validate; a new best is checkpointed as `best`. True when the plan's patience has
+        run out (validation has not improved in that many evaluations)."""
+        if self._track_validation(progress):
+            self.save(ckpt_root, keep, best=True)
+        patience = self.plan.patience
+        if not (patience and self.evals_since_best >= patience):
+            return False
+        progress.log(
+            self.log,
+            f"step {self.step}: validation has not improved for {patience} evaluations, stopping",
+        )
+        return True
 
     def train_step(self) -> torch.Tensor:
         """One optimizer update over all micro-batches; returns this rank's mean token nll
@@ -560,6 +522,11 @@ class Trainer:
                 )
             hook.load_state_dict(loop.hooks[hook.name])
         return self.step
+
+
+def due(every: int, step: int) -> bool:
+    """Whether a cadence of `every` updates (0: never) falls on `step`."""
+    return bool(every) and step % every == 0
 
 
 # ------------------------------------------------------------ what a Trainer is built from

@@ -19,8 +19,7 @@ from pydantic import BaseModel
 
 import stages
 import stages.base
-import stages.finetune
-import stages.train
+import stages.training
 from pipeline.spec import load_spec
 from pipeline.training.checkpoints import read_checkpoint_file, step_dirs
 from pipeline.workspace.layout import fingerprint
@@ -183,8 +182,7 @@ AWAY_FROM_DEFAULTS = [
 
 def test_every_setting_train_and_finetune_read_is_in_a_fingerprint(tmp_path, recorded, monkeypatch):
     # the spans' heat maps (matplotlib, seconds) read the run's name alone
-    monkeypatch.setattr(stages.train, "log_head_tables", lambda *args: None)
-    monkeypatch.setattr(stages.finetune, "log_head_tables", lambda *args: None)
+    monkeypatch.setattr(stages.training, "log_head_tables", lambda *args: None)
     cfg, pre = tiny_corpus(tmp_path)
     spec = load_spec(cfg, AWAY_FROM_DEFAULTS)
     train_out = tmp_path / "train.partial"

@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.diagnostics.host_syncs import HostSyncCounter
 from stages.base import NullStageTracker
+from stages.train import plan as train_plan
 from tests.fixtures.tiny_corpus import tiny_corpus
 
 WARMUP, LOG_EVERY = 3, 3
@@ -25,7 +26,8 @@ def trainer(tmp_path_factory):
     cfg, pre = tiny_corpus(tmp)
     spec = load_spec(cfg, [f"train.log_every={LOG_EVERY}", "train.checkpoint_every=0"])
     assert spec.model["adaptive_span"] and spec.model["attn_dropout"] > 0
-    t = Trainer(spec, PreprocessedData(pre, spec.train.seq_len), NullStageTracker(), lambda _: None)
+    data = PreprocessedData(pre, spec.train.seq_len)
+    t = Trainer(spec, train_plan(spec), data, NullStageTracker(), lambda _: None)
     assert t.accum == 2
     for _ in range(WARMUP):
         t.train_step()
@@ -69,7 +71,8 @@ def test_a_compiled_step_makes_no_host_sync(tmp_path, monkeypatch):
     )
     cfg, pre = tiny_corpus(tmp_path)
     spec = load_spec(cfg, ["train.compile=true"])
-    t = Trainer(spec, PreprocessedData(pre, spec.train.seq_len), NullStageTracker(), lambda _: None)
+    data = PreprocessedData(pre, spec.train.seq_len)
+    t = Trainer(spec, train_plan(spec), data, NullStageTracker(), lambda _: None)
     assert t.compiled and "compiled" in t.model.describe()
     for _ in range(WARMUP):
         t.train_step()

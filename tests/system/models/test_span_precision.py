@@ -19,6 +19,7 @@ from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.models.allattn.layers import AdaptiveSpan
 from pipeline.ops import adaptive_span_mask
 from stages.base import NullStageTracker
+from stages.train import plan as train_plan
 
 MAX_SPAN, RAMP = 8192, 32
 SPANS = [2990.37, 3001.5, 3013.25, 2999.875]  # tokens, near 3000
@@ -131,7 +132,7 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
             ],
         )
         data = PreprocessedData(preprocess_dir, spec.train.seq_len)
-        return Trainer(spec, data, tracker=NullStageTracker(), log=print)
+        return Trainer(spec, train_plan(spec), data, tracker=NullStageTracker(), log=print)
 
     def fracs(t: Trainer) -> list[list[float]]:
         return [layer.attn.adaptive_span.frac.tolist() for layer in t.model.layers]

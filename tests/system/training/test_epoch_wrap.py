@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from stages.base import NullStageTracker
+from stages.train import plan as train_plan
 from tests.fixtures.runs import run_worker
 from tests.fixtures.tiny_corpus import ROWS, SEQ_LEN, STEPS, tiny_corpus
 
@@ -34,7 +35,7 @@ def _worker(cfg: Path, preprocess_dir: Path, ckpt: Path, resume: bool, out: Path
 
     spec = load_spec(cfg)
     data = PreprocessedData(preprocess_dir, spec.train.seq_len)
-    trainer = Trainer(spec, data, tracker=NullStageTracker(), log=print)
+    trainer = Trainer(spec, train_plan(spec), data, tracker=NullStageTracker(), log=print)
     seen: list[tuple[bool, list[int]]] = []
 
     def record(module, args):

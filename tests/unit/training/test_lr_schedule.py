@@ -119,10 +119,13 @@ def test_the_lr_drop_refuses_a_decaying_schedule():
 
 
 def test_each_stage_takes_its_learning_rates_from_the_one_schedule():
-    """lr_schedule(spec, stage): train's warm-up over train.steps, finetune's lr /
-    lr_divisor at every update, the curriculum's cosine over all its epochs' updates, each
-    written out here from the schedules' definitions."""
-    from pipeline.training.optim import lr_schedule
+    """Each stage's plan's lr: train's warm-up over train.steps, finetune's lr / lr_divisor
+    at every update, the curriculum's cosine over all its epochs' updates, each written out
+    here from the schedules' definitions."""
+    from stages import STAGES
+
+    def lr_schedule(spec, stage: str):
+        return STAGES[stage].plan(spec).lr
 
     train = load_spec(
         ROOT / "configs" / "quickstart.yaml",
