@@ -21,29 +21,25 @@ resumes from the newest intact checkpoint and ends exactly as an uninterrupted r
 
 Outputs: `checkpoints/`, `resolved.json` (the precision it trains in) and `curriculum.json`
 (score, next_length, final_length: the last epoch's length, the per-epoch history).
-`evaluate_task` is the evaluate stage for these pipelines: token accuracy at the final
-length and longer ones, its results naming the weights they are of by content (`weights`, as
-evaluate's do: a re-run curriculum makes them stale).
+The evaluate stage scores these pipelines by stages/task_evaluation.py: token accuracy at the
+final length and longer ones.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from pipeline.fsutil import atomic_write_json, read_json
+from pipeline.fsutil import atomic_write_json
 from pipeline.spec.training_schema import CURRICULUM_ENGINE_TRAIN, CURRICULUM_UNUSED_TRAIN
 from pipeline.training.settings import trains_with
 from stages.base import Stage, StageContext, without
+from stages.task_evaluation import RESULT
 from stages.training import TRAINER_RUNTIME_ONLY, finish, log_params, start
 
 if TYPE_CHECKING:
     from pipeline.training.curriculum import LengthCurriculum
 
-CHECKPOINTS = "checkpoints"
-RESULT = "curriculum.json"
 KEEP = 2  # checkpoints kept: the newest may be damaged on disk
-EVAL_CASES = 512  # generated cases scored at each length by evaluate
-EVAL_BATCH = 128
 
 
 def plan(spec):
@@ -69,8 +65,9 @@ def plan(spec):
             log_every=0, eval_every=0, checkpoint_every=cur.steps_per_epoch, keep_checkpoints=KEEP
         ),
         tokens=Tokens(updates, updates * batch * cur.start_length, how, at_least=True),
-        data=lambda inputs: LengthCurriculum(spec),
-        timing_data=lambda vocab_size, origin: LengthCurriculum(spec),  # its own vocabulary
+        data=lambda inputs: LengthCurriculum(spec, "curriculum"),
+        # its own vocabulary
+        timing_data=lambda vocab_size, origin: LengthCurriculum(spec, "curriculum"),
         hooks=lambda curriculum: [cast(LengthCurriculum, curriculum)],
     )
 
@@ -111,77 +108,6 @@ def record_result(ctx: StageContext, result: dict) -> dict:
         f"next length {result['next_length']} (the authors' script's reading)"
     )
     return result
-
-
-def evaluate_task(ctx: StageContext) -> dict:
-    """The evaluate stage of a curriculum pipeline: the score, and token and whole-case
-    accuracy of the final checkpoint on EVAL_CASES fresh cases at the final length (the
-    last epoch's) and at the lengths of the curriculum's grid (start + k * step) nearest
-    above final + 2, + 5, + 10 and 2 x final (generalisation)."""
-    import torch
-
-    from pipeline.cluster.device import resolve_device
-    from pipeline.data.algorithmic import length_step, vocab_size
-    from pipeline.training.checkpoints import WEIGHTS, load_model_weights, weights_id
-    from pipeline.training.curriculum import score, stream_seed
-
-    spec = ctx.spec
-    task, data_seed = spec.dataset.generator.algorithmic, spec.dataset.generator.seed
-    source = ctx.inputs["curriculum"]
-    trained = read_json(source / RESULT)
-    device = resolve_device(spec.train.device)
-    model = _build(spec, vocab_size(task.problem, task.vocab), device)
-    tag = load_model_weights(model, source / CHECKPOINTS, ctx.log)
-    final, start = trained["final_length"], task.curriculum.start_length
-    step_by = length_step(task.problem, task.curriculum.length_step)
-
-    def on_grid(n: int) -> int:  # the curriculum's nearest length at or above n
-        return start + -(-(n - start) // step_by) * step_by
-
-    lengths = sorted({final, *(on_grid(n) for n in (final + 2, final + 5, final + 10, 2 * final))})
-    results = {
-        "checkpoint": f"curriculum/{tag}",
-        WEIGHTS: weights_id(source / CHECKPOINTS / tag),
-        "problem": task.problem,
-        "score": trained["score"],
-        "final_length": final,
-        "cases": EVAL_CASES,
-        "lengths": {},
-    }
-    # as evaluate tags its run (stages.evaluate.tag_scored), before the scores
-    ctx.tracker.set_tags(
-        {"checkpoint": results["checkpoint"]}
-        | ({WEIGHTS: results[WEIGHTS]} if results[WEIGHTS] else {})
-    )
-    for length in lengths:
-        cases = torch.Generator().manual_seed(stream_seed(data_seed, "evaluate", length))
-        correct, total, exact = score(
-            model, task.problem, length, EVAL_CASES, cases, task.vocab, device, EVAL_BATCH
-        )
-        results["lengths"][str(length)] = {
-            "accuracy": correct / total,
-            "sequence_accuracy": exact / EVAL_CASES,
-        }
-        ctx.tracker.log_metrics(
-            {"accuracy": correct / total, "sequence_accuracy": exact / EVAL_CASES}, step=length
-        )
-        ctx.log(
-            f"length {length:>3}{' (final)' if length == final else '':<8}  token "
-            f"accuracy {correct / total:.4f}  cases all right {exact / EVAL_CASES:.4f}"
-        )
-    ctx.tracker.log_metrics({"score": trained["score"]}, step=0)
-    atomic_write_json(ctx.out_dir / "results.json", results)
-    ctx.tracker.log_artifact(ctx.out_dir / "results.json")
-    ctx.log(f"score {trained['score']} ({task.problem}, checkpoint curriculum/{tag})")
-    return results
-
-
-def _build(spec, vocab: int, device):
-    """The spec's model, initialised from train.seed, on `device`."""
-    import torch
-
-    torch.manual_seed(spec.train.seed)
-    return spec.build_model(vocab, f"dataset {spec.dataset.name}").to(device)
 
 
 def config(spec) -> dict:

@@ -31,7 +31,7 @@ FEW_TOKENS = 1000
 
 def run(ctx: StageContext) -> dict:
     if "curriculum" in ctx.inputs:  # an algorithmic task: scored by its lengths
-        from stages.curriculum import evaluate_task
+        from stages.task_evaluation import evaluate_task
 
         return evaluate_task(ctx)
     import torch
@@ -111,7 +111,7 @@ def result_lines(results: dict) -> list[str]:
     """The lines evaluate prints of its results (results.json): the checkpoint, then each
     split's bpc and perplexity, or, for documents, loss and accuracies. A no-op re-run
     reprints a recorded one with these (pipeline.workspace.runner)."""
-    if "score" in results:  # an algorithmic task's (stages.curriculum.evaluate_task): its last line
+    if "score" in results:  # an algorithmic task's (stages/task_evaluation.py): its last line
         return [
             f"score {results['score']} ({results['problem']}, checkpoint {results['checkpoint']})"
         ]
@@ -249,7 +249,7 @@ def _eos_id(ctx: StageContext) -> int:
 def tag_scored(ctx: StageContext, results: dict) -> None:
     """Tag the stage's MLflow run with the checkpoint scored and its weights' id, before the
     scores: `compare` shows a score only beside the weights it names (an algorithmic task's
-    evaluation, stages.curriculum.evaluate_task, tags its run so too)."""
+    evaluation, stages.task_evaluation.evaluate_task, tags its run so too)."""
     ctx.tracker.set_tags(
         {"checkpoint": results["checkpoint"]}
         | ({WEIGHTS: results[WEIGHTS]} if results[WEIGHTS] else {})

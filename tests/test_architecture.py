@@ -334,6 +334,108 @@ def test_the_loop_rule_sees_each_kind_of_finding():
 
 
 # --------------------------------------------------------------------------------------
+# how a stage trains is its plan (pipeline/training/plan.py), asked of no stage by name
+# --------------------------------------------------------------------------------------
+
+STAGE_BLIND = [
+    *sorted((ROOT / "pipeline" / "training").glob("*.py")),
+    ROOT / "pipeline" / "commands" / "update_timing.py",
+]
+# also the data split and the spec section of that name (load_split(dir, "train"), the
+# spec's train.*): a bare "train" is no stage, a comparison with it is
+ALSO_A_SECTION = {"train"}
+
+
+def stage_name_findings(source: str, name: str, stages: set[str], bare: bool) -> list[str]:
+    """Where a module asks which stage it is in: a comparison (==, !=, in, not in) with a
+    string that names a stage, or with a tuple, list or set holding one; with `bare`, any
+    other string naming a stage too (docstrings aside), "train" excepted (ALSO_A_SECTION)."""
+    tree = ast.parse(source, name)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    compared: set[int] = set()
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in [node.left, *node.comparators]:
+            items = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+            for item in items:
+                if isinstance(item, ast.Constant) and item.value in stages:
+                    compared.add(id(item))
+                    found.append((node.lineno, f"compares with the stage name {item.value!r}"))
+    if bare:
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and node.value in stages - ALSO_A_SECTION
+                and id(node) not in compared | docstrings
+            ):
+                found.append((node.lineno, f"names the stage {node.value!r}"))
+    return [f"{name}:{line}: {what}" for line, what in sorted(found)]
+
+
+def test_no_training_module_nor_the_estimate_asks_which_stage_it_runs():
+    """A stage plugin that trains is trained, estimated and timed as the built-ins are: the
+    trainer and the estimate read its plan, never its name."""
+    from stages import STAGES
+
+    names = set(STAGES)
+    assert {"train", "finetune", "curriculum", "evaluate"} <= names
+    found = []
+    for path in STAGE_BLIND:
+        name = str(path.relative_to(ROOT))
+        found += stage_name_findings(
+            path.read_text(), name, names, name.startswith("pipeline/training")
+        )
+    assert found == []
+
+
+def test_the_stage_name_rule_sees_each_kind_of_finding():
+    source = (
+        '"""The finetune stage\'s helpers (a docstring may say so)."""\n'
+        "def f(spec, stage):\n"
+        "    if stage == 'finetune':\n"
+        "        return 1\n"
+        "    if 'curriculum' in spec.stages:\n"
+        "        return 2\n"
+        "    if stage in ('train', 'evaluate'):\n"
+        "        return spec.train, load_split(spec, 'train')\n"
+        "    return {'finetune': 3}\n"
+    )
+    stages = {"train", "finetune", "curriculum", "evaluate"}
+    assert stage_name_findings(source, "m.py", stages, bare=False) == [
+        "m.py:3: compares with the stage name 'finetune'",
+        "m.py:5: compares with the stage name 'curriculum'",
+        "m.py:7: compares with the stage name 'evaluate'",
+        "m.py:7: compares with the stage name 'train'",
+    ]
+    assert stage_name_findings(source, "m.py", stages, bare=True)[-1] == (
+        "m.py:9: names the stage 'finetune'"
+    )
+
+
+def test_no_stage_module_imports_another():
+    """Each stage kind stands alone (what they share is stages/base.py and
+    stages/training.py, which define no STAGE): a plugin's stage is built the same way."""
+    stage_modules = {
+        module_name(path)
+        for path in ROOT.glob("stages/*.py")
+        if "\nSTAGE = " in path.read_text() or "\nSTAGE: " in path.read_text()
+    }
+    assert {"stages.train", "stages.finetune", "stages.curriculum"} <= stage_modules
+    g = graph()
+    found = [f"{m} imports {t}" for m in sorted(stage_modules) for t in g[m] & stage_modules]
+    assert found == []
+
+
+# --------------------------------------------------------------------------------------
 # the tests' own layout (tests/conftest.py: the tiers)
 # --------------------------------------------------------------------------------------
 

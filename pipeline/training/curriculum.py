@@ -66,10 +66,10 @@ class LengthCurriculum:
     """The trainer's data (TrainingData: generated cases at the current length) and its
     hook (TrainingHook: the check, the promotion and the history after each epoch)."""
 
-    name = "curriculum"
     documents = None  # cases, not documents of a manifest
 
-    def __init__(self, spec):
+    def __init__(self, spec, name: str):
+        self.name = name  # its key in a checkpoint's trainer state: the stage's
         task = spec.dataset.generator.algorithmic
         self.problem, self.task_vocab, self.cur = task.problem, task.vocab, task.curriculum
         self.data_seed, self.dropout_seed = spec.dataset.generator.seed, spec.train.seed

@@ -214,7 +214,9 @@ def planner(
     generator = spec.dataset.generator
     documents = generator is not None and generator.frequency_sort is not None
     block = train.seq_len if train.seq_len else 1
-    if "curriculum" in spec.stages:  # generated cases at the curriculum's start length
+    if generator is not None and generator.algorithmic is not None:
+        # generated cases, from the length curriculum's start length (the data's kind
+        # decides the rows, not the stage that trains on them)
         block = generator.algorithmic.curriculum.start_length
     return Planner(model, states, block, dtype, device_type, rows, documents, uniform_tokens)
 

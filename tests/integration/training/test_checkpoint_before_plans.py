@@ -1,6 +1,6 @@
 """A checkpoint written before the training plans (issue 53) resumes with today's code to
 the weights of an uninterrupted run, bit for bit: the loop's state a checkpoint carries did
-not change with the plans (tests/data/train_checkpoint_before_plans/README.md says how it was
+not change with the plans (tests/fixtures/train_checkpoint_before_plans/README.md says how it was
 made). Two train stages of 4 steps on the tiny corpus, in this process: about 10 s."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from stages import STAGES, StageContext
 from stages.base import NullStageTracker
 from tests.fixtures.tiny_corpus import tiny_corpus
 
-KEPT = Path(__file__).resolve().parents[2] / "data" / "train_checkpoint_before_plans"
+KEPT = Path(__file__).resolve().parents[2] / "fixtures" / "train_checkpoint_before_plans"
 EDITS = [
     "train.steps=4",
     "train.checkpoint_every=2",
