@@ -59,7 +59,7 @@ def start(ctx: StageContext, plan: TrainingPlan) -> Started:
         trainer.load(root)
     begin = 0
     if continued is not None and not resuming:
-        begin = trainer.load(continued / CHECKPOINTS)
+        begin = trainer.load(continued / CHECKPOINTS, continued=True)
     elif continued is not None:
         # where the first attempt began: the continued stage's newest intact checkpoint,
         # as trainer.load chose it (not `latest`, which may name a damaged one)

@@ -508,13 +508,15 @@ class Trainer:
         checkpoint, which reads them anyway."""
         self.guard.read_and_check(self.model.parameters(), self.step)
 
-    def load(self, root: Path) -> int:
-        """Restore the newest intact checkpoint under `root`; returns its step."""
+    def load(self, root: Path, continued: bool = False) -> int:
+        """Restore the newest intact checkpoint under `root`; returns its step. `continued`:
+        another stage's checkpoint, whose hooks' states are that stage's: this stage's
+        hooks start afresh."""
         loop = self.checkpoints.load(root, self.accum, self.device)
         self.step, self.states = loop.step, loop.states
         self.best_valid, self.evals_since_best = loop.best_valid, loop.evals_since_best
         self.model.load_plan_state(loop.plan)
-        for hook in self.hooks:
+        for hook in [] if continued else self.hooks:
             if hook.name not in loop.hooks:
                 raise PipelineError(
                     f"the checkpoint under {root} at step {self.step} holds no {hook.name} "
