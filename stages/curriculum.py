@@ -30,11 +30,11 @@ from __future__ import annotations
 
 from pipeline.fsutil import atomic_write_json, read_json
 from pipeline.spec.training_schema import CURRICULUM_ENGINE_TRAIN, CURRICULUM_UNUSED_TRAIN
+from pipeline.training.checkpoints import CHECKPOINTS
 from pipeline.training.settings import trains_with
 from stages.base import Stage, StageContext, without
 from stages.train import RUNTIME_ONLY, record_resolved, tag_weights
 
-CHECKPOINTS = "checkpoints"
 RESULT = "curriculum.json"
 KEEP = 2  # checkpoints kept: the newest may be damaged on disk
 EVAL_CASES = 512  # generated cases scored at each length by evaluate

@@ -9,6 +9,7 @@ from train's, in the checkpoints and in MLflow.
 
 from __future__ import annotations
 
+from pipeline.training.checkpoints import CHECKPOINTS
 from stages.base import Stage, StageContext
 from stages.train import log_head_tables, record_resolved, resolved_summary, tag_weights
 
@@ -20,8 +21,8 @@ def run(ctx: StageContext) -> dict:
     from pipeline.training.trainer import Trainer
 
     ft = ctx.spec.finetune
-    ckpt_root = ctx.out_dir / "checkpoints"
-    train_root = ctx.inputs["train"] / "checkpoints"
+    ckpt_root = ctx.out_dir / CHECKPOINTS
+    train_root = ctx.inputs["train"] / CHECKPOINTS
     # train's checkpoint continues at train's micro-batch and precision, never searched again
     recorded = (step_dirs(ckpt_root) and read_record(ctx.out_dir)) or read_record(
         ctx.inputs["train"]

@@ -13,6 +13,7 @@ stage takes over from there.
 from __future__ import annotations
 
 from pipeline.fsutil import atomic_write_json
+from pipeline.training.checkpoints import CHECKPOINTS
 from pipeline.training.settings import trains_with
 from stages.base import Stage, StageContext
 
@@ -28,7 +29,7 @@ def run(ctx: StageContext) -> dict:
     from pipeline.training.trainer import Trainer
 
     train = ctx.spec.train
-    ckpt_root = ctx.out_dir / "checkpoints"
+    ckpt_root = ctx.out_dir / CHECKPOINTS
     resuming = bool(step_dirs(ckpt_root))
     trainer = Trainer(
         ctx.spec,
