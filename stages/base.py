@@ -40,6 +40,11 @@ class Stage:
     # The spec section `config` is (finetune, evaluate), or None where config's keys are
     # spec paths themselves (train.*, model.*): how the spec's inert keys are found in it.
     config_section: str | None = None
+    # What a `run` that finds the stage up to date prints of its record (each line after
+    # "[name] "): (spec, the summary `run` returned, as stage.json keeps it: keys sorted) ->
+    # lines. None, or no lines: nothing. Where they are evaluate's scores of weights it would
+    # not score now, one stale line is printed instead (pipeline.workspace.scores).
+    result_lines: Callable[[Any, dict], list[str]] | None = None
 
     def fingerprinted(self, spec) -> dict:
         """The config less its runtime-only keys, and less the added keys that hold their

@@ -275,6 +275,16 @@ def checkpoint_source(spec, inputs: dict) -> tuple[str, str | None]:
     )
 
 
+def recorded_lines(spec, summary: dict) -> list[str]:
+    """What a `run` that finds evaluate up to date reprints of its recorded results: the
+    lines it printed (result_lines), the splits in the order it scored them (stage.json keeps
+    keys sorted); none for a record that names no checkpoint."""
+    if "checkpoint" not in summary:
+        return []
+    splits = spec.evaluate.splits
+    return result_lines({**{k: summary[k] for k in splits if k in summary}, **summary})
+
+
 STAGE = Stage(
     name="evaluate",
     summary="Score every token of valid/test with the cache: bpc, perplexity (a task: accuracy "
@@ -294,4 +304,5 @@ STAGE = Stage(
     config_section="evaluate",
     run=run,
     added_keys={"line_losses": False},
+    result_lines=recorded_lines,
 )

@@ -10,6 +10,7 @@ from train's, in the checkpoints and in MLflow.
 from __future__ import annotations
 
 from pipeline.training.checkpoints import CHECKPOINTS
+from pipeline.training.progress import training_result_lines
 from stages.base import Stage, StageContext
 from stages.train import log_head_tables, record_resolved, resolved_summary, tag_weights
 
@@ -70,4 +71,5 @@ STAGE = Stage(
     config_section="finetune",
     run=run,
     distributed=True,
+    result_lines=training_result_lines,
 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pipeline.fsutil import atomic_write_json
 from pipeline.training.checkpoints import CHECKPOINTS
+from pipeline.training.progress import training_result_lines
 from pipeline.training.settings import trains_with
 from stages.base import Stage, StageContext
 
@@ -184,4 +185,5 @@ STAGE = Stage(
         "train.nonfinite": "stop",
         "train.nonfinite_limit": 100,
     },
+    result_lines=training_result_lines,
 )

@@ -65,9 +65,12 @@ def scored_now(spec, ws: Path) -> tuple[str, str | None]:
     return f"{source}/{tag}", weights_id(root / tag)
 
 
-def reprint_stale(spec, ws: Path, results: dict) -> str | None:
-    """The line a re-run prints in place of evaluate's recorded `results` when they are not
-    the scores of the weights evaluate would score now; None when they are."""
+def reprint_stale(spec, ws: Path, stage: str, results: dict) -> str | None:
+    """The line a re-run prints in place of `stage`'s recorded `results` when they are
+    evaluate's and not the scores of the weights evaluate would score now; None when they
+    are, and for any other stage's."""
+    if stage != "evaluate" or "checkpoint" not in results:
+        return None
     label, weights = scored_now(spec, ws)
     why = stale_reason(results, weights, label)
     return None if why is None else f"stale: {why}; {rerun(spec)}"
