@@ -46,6 +46,11 @@ class Stage:
     # A stage that trains: how, read off the spec (pipeline.training.plan.TrainingPlan); its
     # `run` hands it to stages.training, and `show --estimate` counts and times it
     plan: Callable[[Any], TrainingPlan] | None = None
+    # What a `run` that finds the stage up to date prints of its record (each line after
+    # "[name] "): (spec, the summary `run` returned, as stage.json keeps it: keys sorted) ->
+    # lines. None, or no lines: nothing. Where they are evaluate's scores of weights it would
+    # not score now, one stale line is printed instead (pipeline.workspace.scores).
+    result_lines: Callable[[Any, dict], list[str]] | None = None
 
     def fingerprinted(self, spec) -> dict:
         """The config less its runtime-only keys, and less the added keys that hold their

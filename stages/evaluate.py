@@ -21,8 +21,9 @@ import math
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
-from pipeline.training.checkpoints import WEIGHTS
+from pipeline.training.checkpoints import CHECKPOINTS, WEIGHTS
 from stages.base import Stage, StageContext
+from stages.trained_checkpoint import trained_checkpoint, trained_stages
 
 # below this many tokens a split's bpc is too noisy to compare runs on (its standard error
 # is roughly 1/sqrt(n) of the per-token spread), so evaluate says so
@@ -49,13 +50,13 @@ def run(ctx: StageContext) -> dict:
     source, tag = checkpoint_source(spec, ctx.inputs)
     device = resolve_device(spec.train.device if spec.train else "auto")
     model = spec.build_model(manifest["vocab_size"], f"{ctx.inputs['preprocess']}/manifest.json")
-    tag = load_model_weights(model, ctx.inputs[source] / "checkpoints", ctx.log, tag)
+    tag = load_model_weights(model, ctx.inputs[source] / CHECKPOINTS, ctx.log, tag)
     model.to(device)
     eos_id = _eos_id(ctx) if ev.line_losses else None
     seq_len = ev.seq_len or spec.train.seq_len
     results = {
         "checkpoint": f"{source}/{tag}",
-        WEIGHTS: weights_id(ctx.inputs[source] / "checkpoints" / tag),
+        WEIGHTS: weights_id(ctx.inputs[source] / CHECKPOINTS / tag),
         "unigram_entropy_bits": manifest["unigram_entropy_bits"],
         "tokenizer": manifest.get("tokenizer"),  # what result_lines calls the bits per token
     }
@@ -258,32 +259,39 @@ def tag_scored(ctx: StageContext, results: dict) -> None:
 
 def checkpoint_source(spec, inputs: dict) -> tuple[str, str | None]:
     """The stage whose checkpoint is scored, and its tag (None: the newest intact one), with
-    `inputs` the directories of evaluate's inputs. `best`: finetune starts from train's best
-    validation and points its own `best` only at a checkpoint that beats it, so finetune's
-    pointer if it has one, else train's. An algorithmic task: the curriculum's newest."""
-    from pipeline.training.checkpoints import read_pointer
-
+    `inputs` the directories of evaluate's inputs: the checkpoint `evaluate.checkpoint` names,
+    as sample and export choose one (stages.trained_checkpoint). An algorithmic task: the
+    curriculum's newest (evaluate's keys do nothing there)."""
     if "curriculum" in inputs:
         return "curriculum", None
-    if spec.evaluate.checkpoint == "latest":
-        return ("finetune" if "finetune" in inputs else "train"), None
-    for source in ("finetune", "train"):
-        if source in inputs and (tag := read_pointer(inputs[source] / "checkpoints" / "best")):
-            return source, tag
-    searched = ", ".join(
-        str(inputs[s] / "checkpoints") for s in ("finetune", "train") if s in inputs
-    )
+    trained = {s: inputs[s] for s in trained_stages(spec.stages) if s in inputs}
+    if found := trained_checkpoint(spec.evaluate.checkpoint, trained):
+        source, _, tag = found
+        return source, tag
+    searched = ", ".join(str(folder / CHECKPOINTS) for folder in trained.values())
     raise PipelineError(
         f"evaluate.checkpoint is best, but no checkpoint is marked best under "
         f"{searched} (it is set by train.eval_every's validations)"
     )
 
 
+def recorded_lines(spec, summary: dict) -> list[str]:
+    """What a `run` that finds evaluate up to date reprints of its recorded results: the
+    lines it printed (result_lines), the splits in the order it scored them (stage.json keeps
+    keys sorted); none for a record that names no checkpoint."""
+    if "checkpoint" not in summary:
+        return []
+    splits = spec.evaluate.splits
+    return result_lines({**{k: summary[k] for k in splits if k in summary}, **summary})
+
+
 STAGE = Stage(
     name="evaluate",
     summary="Score every token of valid/test with the cache: bpc, perplexity (a task: accuracy "
     "by length).",
-    # train too: with evaluate.checkpoint best, the best may be train's
+    # the data it scores, then the stages whose checkpoints hold the model
+    # (stages.trained_checkpoint): train too, as with evaluate.checkpoint best the best may be
+    # train's
     inputs=(
         ("preprocess", "curriculum"),
         ("train", "finetune", "curriculum"),
@@ -296,4 +304,5 @@ STAGE = Stage(
     config_section="evaluate",
     run=run,
     added_keys={"line_losses": False},
+    result_lines=recorded_lines,
 )

@@ -9,6 +9,7 @@ from train's, in the checkpoints and in MLflow.
 
 from __future__ import annotations
 
+from pipeline.training.progress import training_result_lines
 from stages.base import Stage, StageContext
 from stages.training import (
     finish,
@@ -67,4 +68,5 @@ STAGE = Stage(
     run=run,
     plan=plan,
     distributed=True,
+    result_lines=training_result_lines,
 )

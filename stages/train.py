@@ -13,6 +13,7 @@ stage takes over from there.
 from __future__ import annotations
 
 from pipeline.fsutil import atomic_write_json
+from pipeline.training.progress import training_result_lines
 from pipeline.training.settings import trains_with
 from stages.base import Stage, StageContext
 from stages.training import (
@@ -108,4 +109,5 @@ STAGE = Stage(
         "train.nonfinite": "stop",
         "train.nonfinite_limit": 100,
     },
+    result_lines=training_result_lines,
 )

@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.fsutil import atomic_write_json
+from pipeline.training.checkpoints import CHECKPOINTS
 from stages.base import StageContext
 
 if TYPE_CHECKING:
     from pipeline.training.plan import Tokens, TrainingPlan
     from pipeline.training.sources import TrainingData
     from pipeline.training.trainer import Trainer
-
-CHECKPOINTS = "checkpoints"
 
 
 @dataclass

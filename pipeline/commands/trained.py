@@ -17,30 +17,29 @@ from pipeline.fsutil import home_problem
 def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
     """(checkpoints root, tag or None for the newest intact one, a description) for
     `--checkpoint latest|best|PATH`: latest is finetune's if it ran, else train's; best is
-    the checkpoint the validations marked best (finetune's pointer first, as evaluate
-    reads it); PATH is a checkpoint directory (step-N) or a checkpoints directory."""
-    from pipeline.training.checkpoints import read_pointer
+    the checkpoint the validations marked best (finetune's pointer first), as evaluate chooses
+    (stages.trained_checkpoint); PATH is a checkpoint directory (step-N) or a checkpoints
+    directory."""
+    from pipeline.training.checkpoints import CHECKPOINTS
+    from stages.trained_checkpoint import trained_checkpoint, trained_stages
 
-    ws = spec.workspace_dir
-    trained = [
-        s for s in ("finetune", "train") if s in spec.stages and (ws / s / "stage.json").is_file()
-    ]
     if which in ("latest", "best"):
+        ws = spec.workspace_dir
+        trained = {
+            s: ws / s for s in trained_stages(spec.stages) if (ws / s / "stage.json").is_file()
+        }
         if not trained:
             raise PipelineError(
                 f"{spec.source}: no finished train stage in {ws}; run "
                 f"`allattn-pipe run {spec.source}` first, or name a "
                 f"checkpoint directory with --checkpoint PATH"
             )
-        if which == "latest":
-            return ws / trained[0] / "checkpoints", None, f"{trained[0]} (latest)"
-        for stage in trained:
-            root = ws / stage / "checkpoints"
-            if tag := read_pointer(root / "best"):
-                return root, tag, f"{stage}/{tag} (best)"
+        if found := trained_checkpoint(which, trained):
+            stage, root, tag = found
+            return root, tag, (f"{stage} (latest)" if tag is None else f"{stage}/{tag} (best)")
         raise PipelineError(
             f"--checkpoint best: no checkpoint is marked best under "
-            f"{', '.join(str(ws / s / 'checkpoints') for s in trained)} "
+            f"{', '.join(str(folder / CHECKPOINTS) for folder in trained.values())} "
             f"(train.eval_every's validations mark it)"
         )
     if not which.strip():  # Path("") is the current directory

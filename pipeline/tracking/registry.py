@@ -113,6 +113,7 @@ def evaluation(spec, checkpoint: str) -> tuple[Path | None, dict[str, float], st
     the scores of the weights in `checkpoint` (a checkpoint directory), bound by their
     content (pipeline.workspace.scores); (None, {}, why not) otherwise: stale scores are
     never attached, and the note says `stale` and to re-run evaluate."""
+    from pipeline.training.checkpoints import CHECKPOINTS
     from pipeline.workspace.scores import rerun, scores_of
 
     found = scores_of(spec, Path(checkpoint))
@@ -130,7 +131,7 @@ def evaluation(spec, checkpoint: str) -> tuple[Path | None, dict[str, float], st
             {},
             (
                 f"evaluate scored {found.scored}, not the checkpoint exported: registered "
-                f"without metrics (--checkpoint {spec.workspace_dir / stage / 'checkpoints' / tag} "
+                f"without metrics (--checkpoint {spec.workspace_dir / stage / CHECKPOINTS / tag} "
                 f"exports the one it scored)"
             ),
         )

@@ -34,6 +34,9 @@ from pipeline.fsutil import (
     refuse_special,
 )
 
+CHECKPOINTS = "checkpoints"
+"""The folder of a training stage's outputs that holds its checkpoints: `<stage>/checkpoints/`
+is the <root> above (train, finetune, curriculum; what evaluate, sample and export read)."""
 CHECKSUMS = "checksums.json"
 WEIGHTS = "weights"
 """The key of evaluate's results.json, and the tag of its MLflow run, that holds the id of the

@@ -1,5 +1,6 @@
 """What a training run shows while it runs: a progress bar on a terminal, and the loss and
-throughput between two reports."""
+throughput between two reports; and what a re-run shows of a finished run
+(`training_result_lines`)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,24 @@ class Progress:
 
     def __exit__(self, *exc):
         self.bar.close()
+
+
+def training_result_lines(spec, summary: dict) -> list[str]:
+    """What a `run` that finds a training stage up to date reprints of the summary its
+    record holds (Trainer.fit's): the last step and, if it validated, the best validation;
+    none for a summary without a step."""
+    if "step" not in summary:
+        return []
+    from pipeline.data.vocab import bits_name
+
+    bits = bits_name(getattr(getattr(spec.dataset, "tokenizer", None), "kind", None))
+    for key, what, digits in (
+        ("best_valid_bpc_estimate", f"best valid {bits} estimate", 3),
+        ("best_valid_loss", "best valid loss", 4),
+    ):
+        if summary.get(key) is not None:
+            return [f"step {summary['step']}, {what} {summary[key]:.{digits}f}"]
+    return [f"step {summary['step']}"]
 
 
 def gpu_memory_text(device: torch.device) -> str:

@@ -48,11 +48,10 @@ from pipeline.fsutil import (
     read_text,
     refuse_link,
 )
-from pipeline.training.checkpoints import CHECKSUMS, step_dirs, step_of
+from pipeline.training.checkpoints import CHECKPOINTS, CHECKSUMS, step_dirs, step_of
 
 RECORD = "stage.json"
 PARTIAL_RECORD = "partial.json"
-CHECKPOINTS = "checkpoints"  # where train and finetune keep theirs in their output
 READ_AT_EVERY_PLAN = 16 << 20  # bytes: output files up to this size are hashed at every plan
 
 

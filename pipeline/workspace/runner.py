@@ -89,18 +89,6 @@ def _differences(kept: dict, config: dict, input_builds: dict) -> list[str]:
     ]
 
 
-def _best_validation(summary: dict, bits: str = "bpc") -> str:
-    """ ", best valid bpc estimate 2.246" from a training stage's summary, if it has one;
-    `bits`: what the bits per token are called (pipeline.data.vocab.bits_name)."""
-    for key, what, digits in (
-        ("best_valid_bpc_estimate", f"best valid {bits} estimate", 3),
-        ("best_valid_loss", "best valid loss", 4),
-    ):
-        if summary.get(key) is not None:
-            return f", {what} {summary[key]:.{digits}f}"
-    return ""
-
-
 def _checkpointed_stop(error: BaseException) -> Preempted | None:
     """The training loop's stop (`Preempted`, a checkpoint saved) that `error` is, or that
     it interrupted: a second signal raised while the stop's bookkeeping ran (the stage's
@@ -389,12 +377,11 @@ class Runner:
 
     def _reprint_results(self, steps: list[Step], records: dict[str, dict | None]) -> None:
         """Nothing ran: say that nothing was recorded, and print the results the records
-        hold (training's last step and best validation, evaluate's lines as it printed them).
-        evaluate's are printed only while they are the scores of the weights it would score
-        now (pipeline.workspace.scores); else one line says they are stale."""
-        from pipeline.data.vocab import bits_name
+        hold, as each stage formats its summary (Stage.result_lines: training's last step
+        and best validation, evaluate's lines as it printed them, a plugin's own). evaluate's
+        are printed only while they are the scores of the weights it would score now
+        (pipeline.workspace.scores); else one line says they are stale."""
         from pipeline.workspace.scores import reprint_stale
-        from stages.evaluate import result_lines
 
         done = (
             "every stage is up to date"
@@ -404,22 +391,12 @@ class Runner:
         self.log(f"nothing to run: {done}; no MLflow run recorded")
         for name, record in records.items():
             summary = (record or {}).get("summary") or {}
-            if name in ("train", "finetune") and "step" in summary:
-                tokenizer = getattr(getattr(self.spec.dataset, "tokenizer", None), "kind", None)
-                best = _best_validation(summary, bits_name(tokenizer))
-                lines = [f"step {summary['step']}{best}"]
-            elif name == "evaluate" and "checkpoint" in summary:
-                stale = reprint_stale(self.spec, self.ws.path, summary)
-                # stage.json keeps keys sorted: the splits in the order evaluate scores them
-                splits = self.spec.evaluate.splits
-                lines = (
-                    [stale]
-                    if stale
-                    else result_lines(
-                        {**{k: summary[k] for k in splits if k in summary}, **summary}
-                    )
-                )
-            else:
+            result_lines = STAGES[name].result_lines
+            if result_lines is None or not summary:
+                continue
+            stale = reprint_stale(self.spec, self.ws.path, name, summary)
+            lines = [stale] if stale else result_lines(self.spec, summary)
+            if not lines:
                 continue
             assert record is not None  # a summary came from it
             run = record.get("mlflow_run_id")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError, shown
-from pipeline.training.checkpoints import WEIGHTS, step_dirs, weights_id
+from pipeline.training.checkpoints import CHECKPOINTS, WEIGHTS, step_dirs, weights_id
 from stages import STAGES, resolve_inputs
 from stages.evaluate import checkpoint_source
 
@@ -56,7 +56,7 @@ def scored_now(spec, ws: Path) -> tuple[str, str | None]:
         source, tag = checkpoint_source(spec, inputs)
     except PipelineError:  # evaluate.checkpoint best, and none marked: nothing to score
         return "no checkpoint marked best", None
-    root = inputs[source] / "checkpoints"
+    root = inputs[source] / CHECKPOINTS
     if tag is None:
         newest = step_dirs(root)
         if not newest:
@@ -65,9 +65,12 @@ def scored_now(spec, ws: Path) -> tuple[str, str | None]:
     return f"{source}/{tag}", weights_id(root / tag)
 
 
-def reprint_stale(spec, ws: Path, results: dict) -> str | None:
-    """The line a re-run prints in place of evaluate's recorded `results` when they are not
-    the scores of the weights evaluate would score now; None when they are."""
+def reprint_stale(spec, ws: Path, stage: str, results: dict) -> str | None:
+    """The line a re-run prints in place of `stage`'s recorded `results` when they are
+    evaluate's and not the scores of the weights evaluate would score now; None when they
+    are, and for any other stage's."""
+    if stage != "evaluate" or "checkpoint" not in results:
+        return None
     label, weights = scored_now(spec, ws)
     why = stale_reason(results, weights, label)
     return None if why is None else f"stale: {why}; {rerun(spec)}"
@@ -110,7 +113,7 @@ def scores_of(spec, checkpoint: Path) -> Scores:
     if why is None:
         return Scores(results, path, scored)
     stage, _, tag = scored.partition("/")
-    there = ws / stage / "checkpoints" / tag
+    there = ws / stage / CHECKPOINTS / tag
     if results.get(WEIGHTS) and weights_id(there) == results[WEIGHTS]:
         return Scores(None, None, scored, f"evaluate scored {scored}, not the checkpoint exported")
     return Scores(None, None, scored, why, stale=True)

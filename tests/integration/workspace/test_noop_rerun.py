@@ -14,10 +14,11 @@ from click.testing import CliRunner
 import stages
 from pipeline.commands.cli import main
 from pipeline.spec import load_spec
-from pipeline.tracking.tracker import experiment_name, tracking_uri
+from pipeline.tracking.tracker import NullTracker, experiment_name, tracking_uri
 from pipeline.training.checkpoints import weights_id, write_checksums
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
+NOTHING_TO_RUN = "nothing to run: every stage is up to date; no MLflow run recorded"
 RESULTS = {
     "checkpoint": "finetune/step-00000003",
     "unigram_entropy_bits": 4.5,
@@ -89,3 +90,30 @@ def test_a_dry_run_is_unchanged_and_records_nothing(cfg, stand_ins):
     assert "recorded results" not in dry.stdout
     assert all(" skip " in line for line in dry.stdout.splitlines()[1:])
     assert len(mlflow_runs(cfg)) == runs
+
+
+def test_a_rerun_reprints_a_plugin_stages_results_as_it_formats_them(cfg, calls, monkeypatch):
+    """A stage kind from an installed plugin's entry point formats its own result lines
+    (Stage.result_lines): a re-run with nothing to do reprints them, as it does train's and
+    evaluate's, with no edit to the runner."""
+    from pipeline.workspace.layout import Workspace
+    from pipeline.workspace.runner import Runner
+    from tests.fixtures.plugin_stages import register_plugin_stages
+
+    register_plugin_stages(monkeypatch, {"tally": "tests.fixtures.plugin_stages:TALLY"})
+    cfg.write_text(
+        cfg.read_text().replace("[download, preprocess,", "[download, preprocess, tally,")
+    )
+    spec = load_spec(cfg, [])
+    Runner(spec, log=lambda m: None).run(NullTracker())
+    assert calls == ["download", "preprocess", "train", "finetune", "evaluate"]  # tally: real
+
+    lines: list[str] = []
+    Runner(load_spec(cfg, []), log=lines.append).run(NullTracker())
+    finished = Workspace(spec.workspace_dir).record("tally")["finished_at"]
+    assert lines[lines.index(NOTHING_TO_RUN) :] == [
+        NOTHING_TO_RUN,
+        f"recorded results of tally (finished {finished}):",
+        "[tally] 2 files in preprocess's output",
+        "[tally] named output.txt, stage.json (pipe)",
+    ]
