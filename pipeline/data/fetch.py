@@ -69,11 +69,6 @@ def cache_dir(spec) -> Path:
     return fsutil.user_path(ws.cache) if ws.cache else Path(ws.root) / "cache"
 
 
-def cache_path(cache: str | os.PathLike, sha256: str) -> Path:
-    """Where a file with this sha256 lives once fetched (`<cache>/downloads/<sha256>`)."""
-    return Path(cache) / "downloads" / check_hex(sha256, SHA256_HEX, "sha256", "sha256")
-
-
 def file_name(url: str, archive: str = "none") -> str:
     """The name a downloaded file gets when the dataset does not name it: the URL's last
     path component, without `.gz` for a gzip archive ('data' when there is none)."""

@@ -1,12 +1,14 @@
-"""The one module that reaches into DeepSpeed (tests/test_architecture.py holds the rule).
+"""The one module that reaches into DeepSpeed's engine (tests/test_architecture.py holds the
+rule; pipeline/cluster/distributed.py also imports deepspeed, for the process group and its
+comm op, before any engine exists).
 
-Everything that imports deepspeed or reads its engine's internals is here: building the
-engine, the tensors its optimizer wrapper really steps and which parameter each element of
-them belongs to (for ClippedAdagrad's per-parameter clipping and for the bounded
-parameters' clamp), the fixes its checkpoints need, the ZeRO 1/2 partitions of a resharded
-resume, its checkpoint files' types and its logger. The rest of the training code holds an
-engine and calls only its public methods (forward, backward, step, save_checkpoint,
-load_checkpoint, module) and the functions here.
+Everything that builds the engine or reads its internals is here: the tensors its optimizer
+wrapper really steps and which parameter each element of them belongs to (for
+ClippedAdagrad's per-parameter clipping and for the bounded parameters' clamp), the fixes
+its checkpoints need, the ZeRO 1/2 partitions of a resharded resume, its checkpoint files'
+types and its logger. The rest of the training code holds an engine and calls only its
+public methods (forward, backward, step, save_checkpoint, load_checkpoint, module) and the
+functions here.
 """
 
 from __future__ import annotations

@@ -39,10 +39,6 @@ def divisors_largest_first(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.cuda.OutOfMemoryError)
-
-
 def largest_that_fits(
     candidates: Iterable[int],
     try_step: Callable[[int], None],

@@ -29,12 +29,9 @@ def cfg(tracked_cfg):
     return tracked_cfg
 
 
-def test_bpc(seed: int, lr: float) -> float:
+def logged_test_bpc(seed: int, lr: float) -> float:
     """What the stand-in evaluate logs as test_bpc for a run (valid_bpc is this - 0.1)."""
     return round(1.0 + lr * 100 + seed / 100, 6)
-
-
-test_bpc.__test__ = False  # a helper, not a test
 
 
 def weights(spec, stage: str) -> str:
@@ -84,7 +81,7 @@ def stand_ins(monkeypatch):
                 for step in range(first, first + spec.finetune.steps):
                     ctx.tracker.log_metrics({"loss": 0.5}, step=step)
             if name == "evaluate":
-                bpc = test_bpc(*trained_with[scored])
+                bpc = logged_test_bpc(*trained_with[scored])
                 ctx.tracker.log_metrics({"valid_bpc": bpc - 0.1}, step=0)
                 if "evaluate:test" in fail:  # stopped between the splits
                     raise fail["evaluate:test"]
@@ -123,7 +120,7 @@ def test_json_rows_values_and_groups(three_seeds_two_lrs, tmp_path, monkeypatch)
     ]
     for g in groups:
         lr = float(g["params"]["train.optimizer.lr"])
-        values = [test_bpc(s, lr) for s in (1, 2, 3)]
+        values = [logged_test_bpc(s, lr) for s in (1, 2, 3)]
         assert g["metrics"]["test_bpc"] == {
             "mean": pytest.approx(statistics.fmean(values)),
             "std": pytest.approx(statistics.stdev(values)),
@@ -156,8 +153,8 @@ def test_table_folds_equal_columns_and_prints_the_paper_row(
     )
     header = lines[1].split()
     assert header == ["name", "train.optimizer.lr", "test_bpc"]
-    mean = statistics.fmean(test_bpc(s, 0.002) for s in (1, 2, 3))
-    std = statistics.stdev(test_bpc(s, 0.002) for s in (1, 2, 3))
+    mean = statistics.fmean(logged_test_bpc(s, 0.002) for s in (1, 2, 3))
+    std = statistics.stdev(logged_test_bpc(s, 0.002) for s in (1, 2, 3))
     row = lines[4].split()
     assert row[:2] == ["pipe-lr0.002", "0.002"]
     assert row[2:] == [f"{mean:.4g}", "±", f"{std:.2g}"]
@@ -244,8 +241,8 @@ def test_csv_keeps_every_column_and_filter_uses_mlflow_syntax(
     rows = list(csv.DictReader(io.StringIO(out)))
     runs = [r for r in rows if r["status"] != "published"]
     assert [(r["train.optimizer.lr"], r["seeds"], r["n"], r["test_bpc"]) for r in runs] == [
-        ("0.001", "2", "1", f"{test_bpc(2, 0.001):.4g}"),
-        ("0.002", "2", "1", f"{test_bpc(2, 0.002):.4g}"),
+        ("0.001", "2", "1", f"{logged_test_bpc(2, 0.001):.4g}"),
+        ("0.002", "2", "1", f"{logged_test_bpc(2, 0.002):.4g}"),
     ]
 
 
@@ -262,7 +259,7 @@ def test_failed_and_killed_runs_show_as_such(cfg, stand_ins, tmp_path, monkeypat
     assert [
         (g["name"], g["status"], g["metrics"].get("test_bpc", {}).get("mean")) for g in groups
     ] == [
-        ("pipe-seed1-lr0.001", "finished", test_bpc(1, 0.001)),
+        ("pipe-seed1-lr0.001", "finished", logged_test_bpc(1, 0.001)),
         ("pipe-seed2-lr0.001", "failed", None),
         ("pipe-seed3-lr0.001", "killed", None),
     ]
@@ -275,7 +272,7 @@ def test_failed_and_killed_runs_show_as_such(cfg, stand_ins, tmp_path, monkeypat
     assert [
         (g["status"], len(g["runs"][0]["run_ids"]), g["metrics"]["test_bpc"]["mean"])
         for g in groups
-    ] == [("finished", 2, test_bpc(3, 0.001))]
+    ] == [("finished", 2, logged_test_bpc(3, 0.001))]
 
 
 BEST = ("evaluate.checkpoint=best", "train.eval_every=3")
@@ -313,8 +310,8 @@ def test_scores_of_other_weights_read_stale_and_are_never_averaged_in(
             {
                 m: dict(mean=pytest.approx(v), std=None, n=1)
                 for m, v in (
-                    ("test_bpc", test_bpc(1, 0.001)),
-                    ("valid_bpc", test_bpc(1, 0.001) - 0.1),
+                    ("test_bpc", logged_test_bpc(1, 0.001)),
+                    ("valid_bpc", logged_test_bpc(1, 0.001) - 0.1),
                 )
             },
             None,
@@ -338,8 +335,8 @@ def test_scores_of_other_weights_read_stale_and_are_never_averaged_in(
     table = compare(["compare", "--metric", "test_bpc"]).splitlines()
     # each row's score cell, the paper's row beneath it comparing ours only where it is not
     assert [line.rsplit("  ", 1)[-1].strip() for line in table[2:8]] == [
-        f"{test_bpc(1, 0.001):.4g}",
-        f"1.05 ({test_bpc(1, 0.001) - 1.05:+.3g})",
+        f"{logged_test_bpc(1, 0.001):.4g}",
+        f"1.05 ({logged_test_bpc(1, 0.001) - 1.05:+.3g})",
         "stale",
         "1.05",
         "stale",
@@ -406,7 +403,7 @@ def test_a_row_describes_the_weights_it_shows_not_the_largest_of_its_history(
     assert (again["steps"], again["stale"], again["metrics"]["test_bpc"]) == (
         5,
         None,
-        test_bpc(1, 0.001),
+        logged_test_bpc(1, 0.001),
     )
     assert again["wall_s"] == pytest.approx(wall(again["run_ids"][1:]), abs=1e-6)
 
@@ -420,7 +417,7 @@ def test_a_row_describes_the_weights_it_shows_not_the_largest_of_its_history(
         scored["steps"],
         scored["stale"],
         scored["metrics"]["test_bpc"],
-    ) == ("0.001", 8, None, test_bpc(2, 0.001))
+    ) == ("0.001", 8, None, logged_test_bpc(2, 0.001))
     assert scored["wall_s"] == pytest.approx(wall(scored["run_ids"]), abs=1e-6)
     # evaluate again, stopped after the valid split: the row keeps the numbers of the one
     # that finished (its results are the workspace's), not the half the killed one logged
@@ -553,8 +550,8 @@ def test_json_is_strict_json_with_null_for_a_nan_metric(cfg, stand_ins, tmp_path
     """A run whose evaluate logged NaN (what evaluate did before issue 35) and one that
     logged nothing: the JSON parses without NaN or Infinity, the values null."""
     pipeline(cfg, "train.seed=1")
-    finite = test_bpc(1, 0.001)
-    monkeypatch.setitem(globals(), "test_bpc", lambda seed, lr: float("nan"))
+    finite = logged_test_bpc(1, 0.001)
+    monkeypatch.setitem(globals(), "logged_test_bpc", lambda seed, lr: float("nan"))
     pipeline(cfg, "train.seed=2")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "store").as_uri())
     text = compare(["compare", "--format", "json"])

@@ -49,9 +49,23 @@ def test_export_takes_a_point_by_the_name_the_sweep_printed(swept, tmp_path):
     assert "sa+conv" in (tmp_path / "x" / "config.json").read_text()
 
 
+def point_sample(cfg: Path, name: str, tokens: int) -> str:
+    """What `sample --prompt The` prints for the point `name`, its spec loaded here from the
+    record the sweep left (not through --point)."""
+    from pipeline.commands.sample import sample
+
+    record = json.loads((cfg.parent / "runs" / name / "sweep-point.json").read_text())
+    spec = load_spec(cfg, record["overrides"], smoke=record["smoke"])
+    return "".join(sample(spec, "latest", "The", tokens, 1.0, None, 0, log=lambda m: None)) + "\n"
+
+
 def test_sample_takes_a_point_by_the_end_of_its_name(swept):
-    result = invoke("sample", swept, "--point", "mixerconv", "--prompt", "The", "--tokens", 3)
+    result = invoke("sample", swept, "--point", "mixerconv", "--prompt", "The", "--tokens", 8)
     assert result.exit_code == 0, result.output
+    # the point's recorded --smoke applied (sample has no --smoke of its own)
+    assert result.stderr.startswith("--smoke: dataset wikitext103_bpe replaced by the built-in")
+    assert result.stdout == point_sample(swept, NAMES[0], 8)
+    assert result.stdout != point_sample(swept, NAMES[1], 8)  # the other point's model
 
 
 def test_run_takes_a_point_by_one_of_its_sets(swept):

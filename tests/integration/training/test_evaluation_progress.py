@@ -10,9 +10,10 @@ import torch
 
 from pipeline.data import eval_batches, eval_num_batches
 from pipeline.diagnostics.host_syncs import HostSyncCounter
-from pipeline.models.allattn import AllAttnConfig, AllAttnLM
+from pipeline.models.allattn import AllAttnLM
 from pipeline.training.evaluation import evaluate_nll, targets_scored
 from pipeline.training.progress import EtaEstimate, LossWindow, ScoringProgress, gpu_memory_text
+from tests.fixtures.tiny_models import tiny_allattn
 
 VOCAB = 50
 CPU = torch.device("cpu")
@@ -20,11 +21,9 @@ CPU = torch.device("cpu")
 
 def fixed_span_model() -> AllAttnLM:
     """A model whose forward reads nothing on the host (no adaptive span to plan from)."""
-    torch.manual_seed(0)
-    cfg = AllAttnConfig(
-        d_model=16, n_layers=2, n_heads=2, n_persistent=4, max_span=32, adaptive_span=False
+    return tiny_allattn(  # the ramp and dropout: AllAttnConfig's defaults
+        VOCAB, n_persistent=4, max_span=32, adaptive_span=False, span_ramp=32, attn_dropout=0.3
     )
-    return AllAttnLM(cfg, VOCAB)
 
 
 def split(n: int) -> np.ndarray:

@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 
 from pipeline.models.allattn import AllAttnLM
-from pipeline.models.allattn.config import AllAttnConfig
 from pipeline.models.protocol import ModelOutput, SequenceModel
 from pipeline.ops.attention import attend_reference
 from pipeline.training.head_maps import HEAT_MAP_KEY, head_heat_map, save_head_tables
+from tests.fixtures.tiny_models import tiny_allattn
 from tests.fixtures.tracked_pipeline import pipeline
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -24,20 +24,7 @@ FRACS = [[0.1, 0.25], [0.4, 0.75]]  # per layer and head: spans 6.4, 16, 25.6, 4
 
 def tiny_model(**overrides) -> AllAttnLM:
     """Two layers of two heads, float64, spans that cut into the 64 context columns."""
-    torch.manual_seed(0)
-    config = (
-        dict(
-            d_model=16,
-            n_layers=2,
-            n_heads=2,
-            n_persistent=3,
-            max_span=64,
-            span_ramp=8,
-            attn_dropout=0.0,
-        )
-        | overrides
-    )
-    model = AllAttnLM(AllAttnConfig(**config), vocab_size=11).double().eval()
+    model = tiny_allattn(11, **(dict(n_persistent=3, max_span=64) | overrides)).double().eval()
     if model.cfg.adaptive_span:
         with torch.no_grad():
             for layer, fracs in zip(model.layers, FRACS, strict=False):

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.models.allattn.layers import AdaptiveSpan
 from pipeline.ops import adaptive_span_mask
 from stages.base import NullStageTracker
 from stages.train import plan as train_plan
+from tests.fixtures.tiny_models import tiny_allattn
 
 MAX_SPAN, RAMP = 8192, 32
 SPANS = [2990.37, 3001.5, 3013.25, 2999.875]  # tokens, near 3000
@@ -83,18 +83,7 @@ def test_mask_of_a_bf16_span_is_computed_in_float32():
 def test_bf16_model_trains_with_float32_spans():
     """A whole model cast to bf16: the spans stay float32, a forward and backward run on the
     reference backend, and the span fractions get a float32 gradient."""
-    cfg = AllAttnConfig(
-        d_model=16,
-        n_layers=2,
-        n_heads=2,
-        n_persistent=4,
-        max_span=128,
-        span_ramp=8,
-        span_init=0.3,
-        attn_dropout=0.0,
-    )
-    torch.manual_seed(0)
-    model = AllAttnLM(cfg, 11).to(torch.bfloat16)
+    model = tiny_allattn(n_persistent=4, span_init=0.3).to(torch.bfloat16)
     model.set_attention_impl("reference")
     fracs = [layer.attn.adaptive_span.frac for layer in model.layers]
     assert all(f.dtype == torch.float32 for f in fracs)

@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.spec import SpecError, load_spec
+from pipeline.training.ds_config import deepspeed_config
+from pipeline.training.optim import build_optimizer
 from tests.fixtures.local_corpus import config as local_corpus_config
 from tests.fixtures.runs import cli as run_cli
 
@@ -47,21 +50,33 @@ def test_refused_before_anything_runs(sets, needle):
 
 
 def test_keys_that_act_are_accepted():
-    load_spec(
+    """Accepted, and each reaches what it acts on: the optimizer built from the spec and
+    DeepSpeed's gradient clipping."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    adam = load_spec(
         QUICKSTART,
         [
             "train.optimizer.weight_decay=0.01",  # adam's
             "train.optimizer.betas=[0.9, 0.98]",
         ],
-    )
-    load_spec(
+    ).train
+    optimizer = build_optimizer([param], adam.optimizer)
+    assert type(optimizer) is torch.optim.Adam
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.98)
+    adagrad = load_spec(
         QUICKSTART,
         [
             "train.optimizer.type=adagrad",
             "train.optimizer.clip=global",
             "train.optimizer.weight_decay=0.01",
         ],
-    )  # torch Adagrad's
+    ).train
+    optimizer = build_optimizer([param], adagrad.optimizer)
+    assert type(optimizer) is torch.optim.Adagrad  # torch's, which has a weight decay
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01
+    # the quickstart's clip_norm 1.0, applied by DeepSpeed to the whole gradient
+    assert deepspeed_config(adagrad, 1, 1, bf16=False)["gradient_clipping"] == 1.0
 
 
 def config(tmp: Path, corpus: bytes) -> Path:

@@ -12,7 +12,7 @@ import pytest
 from pipeline.data.fetch import fetch, url_problem
 from pipeline.errors import PipelineError
 from pipeline.spec.dataset_schema import DatasetSpec
-from pipeline.spec.schema import TrackingSpec
+from pipeline.spec.schema import TrackingSpec, store_path
 
 MALFORMED = [
     ("http://h:abc/x", "port 'abc' is not a number from 1 to 65535"),
@@ -91,10 +91,22 @@ def test_a_malformed_tracking_server_uri_is_refused(uri, problem):
 
 
 @pytest.mark.parametrize(
-    "uri", ["sqlite:///runs/mlflow.db", "file:///tmp/store", "databricks", "runs/store", None]
+    ("uri", "path"),
+    [
+        ("sqlite:///runs/mlflow.db", "/runs/mlflow.db"),
+        ("file:///tmp/store", "/tmp/store"),
+        ("runs/store", "runs/store"),
+    ],
 )
-def test_a_tracking_store_is_not_an_http_server_to_check(uri):
-    TrackingSpec(uri=uri)
+def test_a_tracking_store_is_not_an_http_server_to_check(uri, path):
+    """A store is kept as written, and what is checked of it is its path."""
+    assert TrackingSpec(uri=uri).uri == uri
+    assert store_path(uri) == path
+
+
+@pytest.mark.parametrize("uri", ["databricks", "https://u:p@h:8443/x", None])
+def test_a_tracking_uri_that_passes_is_kept_as_written(uri):
+    assert TrackingSpec(uri=uri).uri == uri
 
 
 @pytest.mark.parametrize(("url", "problem"), MALFORMED, ids=[u for u, _ in MALFORMED])

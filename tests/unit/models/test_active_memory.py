@@ -13,15 +13,14 @@ from click.testing import CliRunner
 from pipeline.commands.cli import main
 from pipeline.models import build_model
 from pipeline.models.active_memory import MIXERS
+from tests.fixtures.tiny_models import float64_model
 
 TINY = dict(d_model=6, n_layers=2, ff_dim=8, kernel_size=4, n_heads=2, head_dim=3)
 VOCAB = 11
 
 
 def tiny_model(mixer: str, causal: bool, **options):
-    torch.manual_seed(0)
-    model = build_model("active_memory", dict(TINY, mixer=mixer, causal=causal, **options), VOCAB)
-    return model.double().eval()
+    return float64_model("active_memory", dict(TINY, mixer=mixer, causal=causal, **options), VOCAB)
 
 
 # ---- the definitions, one position at a time -------------------------------------------

@@ -13,26 +13,19 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from pipeline.models import AllAttnConfig, AllAttnLM
+from pipeline.models import AllAttnLM
 from pipeline.ops.fused import flex_bucket
+from tests.fixtures.tiny_models import tiny_allattn
 
 V, B, M = 13, 2, 8
 
 
 def model(seed: int = 0, **kw) -> AllAttnLM:
-    base = dict(
-        d_model=16,
-        n_layers=3,
-        n_heads=2,
-        n_persistent=3,
-        max_span=512,
-        span_ramp=8,
-        span_init=0.02,
-        span_loss_coef=0.0,
+    three_layers = dict(
+        n_layers=3, n_persistent=3, max_span=512, span_init=0.02, span_loss_coef=0.0,
         attn_dropout=0.1,
-    )
-    torch.manual_seed(seed)
-    return AllAttnLM(AllAttnConfig(**(base | kw)), V).train()
+    )  # fmt: skip
+    return tiny_allattn(V, seed, **(three_layers | kw)).train()
 
 
 def blocks(n: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ import math
 import pytest
 import torch
 
-from pipeline.models import build_model
+from tests.fixtures.tiny_models import float64_model
 
 VOCAB = 11
 CFG = dict(
@@ -104,8 +104,7 @@ def short_term_attention(history, start, block_len, mem_len, p, n_heads):
 
 def random_model(**over):
     """A float64 model with every parameter random (the attention's biases start at zero)."""
-    torch.manual_seed(0)
-    model = build_model("infinity_former", {**CFG, **over}, VOCAB).double().eval()
+    model = float64_model("infinity_former", {**CFG, **over}, VOCAB)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.4)

@@ -25,6 +25,7 @@ from pipeline.models.infinity_former.model import (
     sticky_positions,
 )
 from pipeline.spec import SpecError, load_spec
+from tests.fixtures.tiny_models import float64_model
 
 TINY = dict(
     d_model=8,
@@ -40,8 +41,7 @@ TINY = dict(
 
 
 def tiny_model(**over) -> InfinityFormerLM:
-    torch.manual_seed(0)
-    return build_model("infinity_former", {**TINY, **over}, 13).double().eval()
+    return float64_model("infinity_former", {**TINY, **over}, 13)
 
 
 def smooth(t: torch.Tensor) -> torch.Tensor:

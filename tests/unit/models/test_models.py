@@ -22,29 +22,14 @@ from pipeline.models import (
     count_parameters,
 )
 from pipeline.models.allattn.layers import attn_span_len, cache_len
+from tests.fixtures.tiny_models import tiny_allattn, tiny_allattn_config
 
 DT = torch.float64
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def tiny_cfg(**kw) -> AllAttnConfig:
-    base = dict(
-        d_model=16,
-        n_layers=2,
-        n_heads=2,
-        n_persistent=5,
-        max_span=128,
-        span_ramp=8,
-        span_init=0.0,
-        attn_dropout=0.0,
-    )
-    base.update(kw)
-    return AllAttnConfig(**base)
-
-
 def tiny_model(vocab=11, seed=0, **kw) -> AllAttnLM:
-    torch.manual_seed(seed)
-    model = AllAttnLM(tiny_cfg(**kw), vocab).to(DT)
+    model = tiny_allattn(vocab, seed, **kw).to(DT)
     # LayerNorm affine params start at 1/0; perturb them so the test sees them at work
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -123,13 +108,13 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 
 def test_registry():
     assert MODELS["allattn"] == (AllAttnConfig, AllAttnLM)
-    m = build_model("allattn", tiny_cfg(), 7)
+    m = build_model("allattn", tiny_allattn_config(), 7)
     assert isinstance(m, AllAttnLM) and m.out.out_features == 7
     assert count_parameters(
-        build_model("allattn", dataclasses.asdict(tiny_cfg()), 7)
+        build_model("allattn", dataclasses.asdict(tiny_allattn_config()), 7)
     ) == count_parameters(m)
     with pytest.raises(ValueError, match="allattn"):
-        build_model("transformer-xl", tiny_cfg(), 7)
+        build_model("transformer-xl", tiny_allattn_config(), 7)
 
 
 def test_models_and_ops_import_only_plain_torch():
@@ -478,20 +463,11 @@ def test_backward_reaches_spans_through_mask_and_loss():
 
 
 def test_tiny_model_overfits_a_repeated_sequence():
-    torch.manual_seed(0)
     vocab = 12
-    cfg = AllAttnConfig(
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_persistent=16,
-        max_span=64,
-        span_ramp=8,
-        span_init=0.25,
-        attn_dropout=0.0,
+    model = tiny_allattn(
+        vocab, d_model=32, n_heads=4, n_persistent=16, max_span=64, span_init=0.25,
         span_loss_coef=1e-4,
-    )
-    model = AllAttnLM(cfg, vocab)
+    )  # fmt: skip
     pattern = torch.randint(0, vocab, (13,))
     data = pattern.repeat(20)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -736,8 +712,9 @@ def test_bad_combinations_are_refused_naming_the_field(kw, needle):
 
 
 def _adaptive_model(tied=True, seed=0):
-    torch.manual_seed(seed)
-    cfg = tiny_cfg(
+    model = tiny_allattn(
+        50,
+        seed,
         d_model=64,
         n_heads=4,
         max_span=32,
@@ -746,7 +723,7 @@ def _adaptive_model(tied=True, seed=0):
         adaptive_div=4,
         adaptive_tied=tied,
     )
-    return AllAttnLM(cfg, 50).to(DT).eval()
+    return model.to(DT).eval()
 
 
 def test_adaptive_input_has_four_bands_at_the_right_dims_and_equals_its_definition():
@@ -857,7 +834,9 @@ def test_adaptive_lm_returns_nll_without_logits():
     torch.testing.assert_close(out.nll, want, rtol=0, atol=1e-12)
     assert model(tokens).nll is None
     with pytest.raises(ValueError, match="adaptive_cutoffs"):
-        AllAttnLM(tiny_cfg(d_model=64, adaptive_io=True, adaptive_cutoffs=[5, 12, 30]), 30)
+        AllAttnLM(
+            tiny_allattn_config(d_model=64, adaptive_io=True, adaptive_cutoffs=[5, 12, 30]), 30
+        )
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients_with_dropout():
@@ -906,7 +885,7 @@ def test_attention_impl_config_and_description():
     assert AllAttnConfig().attention.impl == "reference"
     with pytest.raises(ValueError, match="attention.impl"):
         AllAttnConfig(attention={"impl": "fast"})
-    model = AllAttnLM(tiny_cfg(attention={"impl": "auto"}, attn_dropout=0.3), 11)
+    model = AllAttnLM(tiny_allattn_config(attention={"impl": "auto"}, attn_dropout=0.3), 11)
     assert model.describe() == (
         "attention impl auto on cpu float32 (attention dropout 0.3): "
         "reference for training, flex for evaluation"

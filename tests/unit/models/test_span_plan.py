@@ -12,26 +12,16 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.models.allattn.layers import attn_span_len, planned_span_len
 from pipeline.models.allattn.span_planner import SpanPlanner
+from tests.fixtures.tiny_models import tiny_allattn
 
 V, B, M, MAX_SPAN, RAMP = 13, 2, 8, 256, 8
 
 
-def cfg(**kw) -> AllAttnConfig:
-    base = dict(
-        d_model=16,
-        n_layers=2,
-        n_heads=2,
-        n_persistent=3,
-        max_span=MAX_SPAN,
-        span_ramp=RAMP,
-        span_init=0.05,
-        span_loss_coef=0.0,
-        attn_dropout=0.0,
-    )
-    return AllAttnConfig(**(base | kw))
+PLANNED = dict(
+    n_persistent=3, max_span=MAX_SPAN, span_ramp=RAMP, span_init=0.05, span_loss_coef=0.0
+)
 
 
 def data(steps: int) -> torch.Tensor:
@@ -43,8 +33,7 @@ class Run:
     """A model and an Adam optimizer trained one update per block, the trainer's way."""
 
     def __init__(self, planned: bool, grow: float = 0.02, dtype=torch.float64, **kw):
-        torch.manual_seed(0)
-        self.model = AllAttnLM(cfg(**kw), V).to(dtype).train()
+        self.model = tiny_allattn(V, **(PLANNED | kw)).to(dtype).train()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         self.planned, self.grow = planned, grow
         self.state = self.model.init_state(B)

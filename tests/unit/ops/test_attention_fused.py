@@ -16,7 +16,6 @@ import torch
 
 import pipeline.ops.attention as attention_mod
 import pipeline.ops.fused as fused_mod
-from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.ops import (
     adaptive_span_mask,
     attend_reference,
@@ -36,6 +35,7 @@ from tests.fixtures.attention import (
     reference_with_mask,
     run_op,
 )
+from tests.fixtures.tiny_models import tiny_allattn
 
 CUDA = torch.cuda.is_available()
 NO_CUDA = "needs CUDA (FlexAttention backward and its compiled dropout are CUDA-only in torch 2.13)"
@@ -218,26 +218,10 @@ def test_auto_picks_by_device_dtype_and_dropout():
     assert pick_attention_impl("cpu", DT, dropout=False, grad=True) == "reference"
 
 
-def _tiny_lm(**kw) -> AllAttnLM:
-    cfg = dict(
-        d_model=16,
-        n_layers=2,
-        n_heads=2,
-        n_persistent=5,
-        max_span=128,
-        span_ramp=8,
-        span_init=0.2,
-        attn_dropout=0.0,
-    )
-    cfg.update(kw)
-    torch.manual_seed(0)
-    return AllAttnLM(AllAttnConfig(**cfg), 11)
-
-
 def test_flex_model_forward_equals_reference_and_training_compiles_a_bounded_number_of_times():
     """50 training steps (spans learned, changing every step) with an eval forward through
     flex after each: flex equals the reference and compiles at most once (one bucket)."""
-    model = _tiny_lm()
+    model = tiny_allattn(span_init=0.2)
     model.set_attention_impl("auto")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
@@ -272,7 +256,7 @@ def test_model_backends_equal_reference_loss_and_gradients():
     loss and every gradient, including the spans, position table and persistent vectors."""
 
     def run(impl):
-        model = _tiny_lm(attn_dropout=0.0).to(DT)
+        model = tiny_allattn(span_init=0.2, attn_dropout=0.0).to(DT)
         model.set_attention_impl(impl)
         model.train()
         g = torch.Generator().manual_seed(0)

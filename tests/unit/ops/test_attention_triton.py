@@ -33,7 +33,6 @@ import torch
 
 import pipeline.ops.attention as attention_mod
 import pipeline.ops.triton_attention as triton_attention
-from pipeline.models import AllAttnConfig, AllAttnLM
 from pipeline.ops import get_attention_impl
 from tests.fixtures.attention import (
     NAMES,
@@ -45,6 +44,7 @@ from tests.fixtures.attention import (
 )
 from tests.fixtures.attention import check_against_reference as _check_against_reference
 from tests.fixtures.attention import close as _close
+from tests.fixtures.tiny_models import tiny_allattn
 
 CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[3]
@@ -310,12 +310,7 @@ def test_triton_in_the_model_equals_the_reference_loss_and_gradients(device, dty
     (the second attends to the first's cache): the loss and every parameter's gradient."""
 
     def run(impl):
-        torch.manual_seed(0)
-        cfg = AllAttnConfig(
-            d_model=16, n_layers=2, n_heads=2, n_persistent=5, max_span=64, span_ramp=8,
-            span_init=0.3, attn_dropout=0.0,
-        )  # fmt: skip
-        model = AllAttnLM(cfg, 11).to(device)
+        model = tiny_allattn(max_span=64, span_init=0.3).to(device)
         if impl == "reference":
             model = model.double()
         else:

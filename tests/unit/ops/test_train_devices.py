@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models.allattn.config import ATTENTION_IMPL_NAMES, AllAttnConfig, AttentionConfig
+from pipeline.models.allattn.config import ATTENTION_IMPL_NAMES, AttentionConfig
 from pipeline.models.allattn.model import AllAttnLM
 from pipeline.ops import (
     ATTENTION_IMPLS,
@@ -19,6 +19,7 @@ from pipeline.ops import (
     backends_that_train_on,
 )
 from pipeline.spec import SpecError, load_spec
+from tests.fixtures.tiny_models import tiny_allattn
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
 
@@ -49,9 +50,10 @@ def test_what_to_use_instead_is_what_the_table_lets_train():
 
 
 def tiny_model(impl: str) -> AllAttnLM:
-    cfg = AllAttnConfig(d_model=16, n_layers=1, n_heads=2, n_persistent=2, max_span=16, span_ramp=4)
-    cfg.attention = AttentionConfig(impl=impl)
-    return AllAttnLM(cfg, 11)
+    return tiny_allattn(
+        11, None, n_layers=1, n_persistent=2, max_span=16, span_ramp=4, attn_dropout=0.3,
+        attention=AttentionConfig(impl=impl),
+    )  # fmt: skip
 
 
 def validation_error(impl: str, device: str) -> str | None:
