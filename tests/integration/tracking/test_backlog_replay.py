@@ -25,7 +25,7 @@ from pipeline.tracking.sender import RUN_KEY_TAG, Delivery, replay
 from pipeline.tracking.store import open_store
 from pipeline.tracking.tracker import BACKLOG
 from tests.fixtures.backlogs import RUNS, STEPS, backlog_of_runs
-from tests.fixtures.stalling_server import serve
+from tests.fixtures.stalling_server import received_whole, serve
 
 
 def assert_each_record_once(client, experiment: str, keys: list[str]) -> None:
@@ -63,6 +63,7 @@ def test_a_sigterm_during_a_request_stops_the_replay_and_the_next_sends_the_rest
             if environ["PATH_INFO"].endswith("/runs/create"):
                 creates.append(environ["PATH_INFO"])
                 if len(creates) == 2:  # the second run's: the server makes it, all the same
+                    received_whole(environ)
                     os.kill(os.getpid(), signal.SIGTERM)
                     time.sleep(0.5)
 

@@ -15,7 +15,6 @@ Cost: three processes, about 20 s on 2 idle cores.
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pipeline.spec import load_spec
 from pipeline.tracking.backlog import read_backlog
 from pipeline.tracking.tracker import BACKLOG
 from tests.fixtures.backlogs import RUNS, STEPS, backlog_of_runs
-from tests.fixtures.stalling_server import serve
+from tests.fixtures.stalling_server import received_whole, serve
 
 CLI = [sys.executable, "-m", "pipeline.commands.cli"]
 # A request's deadline far beyond what a busy CI machine takes to answer: these tests stop a
@@ -69,12 +68,9 @@ def sigterm_at_the_second_create(server, proc_of) -> None:
         if environ["PATH_INFO"].endswith("/runs/create"):
             creates.append(1)
             if len(creates) == 2:
-                # the whole request first: the client sends the body after the headers,
-                # and on a busy machine a signal at the headers could stop it before the
-                # body left (no run made: the CI failure of the sync test, where the
-                # server answered that create 400)
-                body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
-                environ["wsgi.input"] = io.BytesIO(body)
+                # on a busy machine a signal at the headers stopped the client before the
+                # body left: no run was made (the CI failure of the sync test)
+                received_whole(environ)
                 proc_of[0].send_signal(15)
                 time.sleep(0.5)  # the signal lands while the request is in flight
 
