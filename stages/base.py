@@ -46,6 +46,9 @@ class Stage:
     # A stage that trains: how, read off the spec (pipeline.training.plan.TrainingPlan); its
     # `run` hands it to stages.training, and `show --estimate` counts and times it
     plan: Callable[[Any], TrainingPlan] | None = None
+    # What a stage costs beyond a plan's tokens, as lines of `show --estimate` read off the
+    # spec (evaluate's tokens per split); None: nothing to say
+    estimate_lines: Callable[[Any], list[str]] | None = None
 
     def fingerprinted(self, spec) -> dict:
         """The config less its runtime-only keys, and less the added keys that hold their
