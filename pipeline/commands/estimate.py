@@ -74,17 +74,15 @@ def meta_model(spec):
         return spec.build_model(vocab, origin)
 
 
-def adaptive_span(model) -> bool:
-    planner = getattr(model, "span_planner", None)
-    return bool(planner is not None and planner.adaptive)
-
-
 def flops_per_token(model, span_frac: float) -> tuple[float, str]:
-    """Training FLOPs per token (the model's ``train_flops_per_token()``) with its shapes
-    held at ``span_frac`` (``hold_shapes_at``: every layer's span at that fraction of
-    max_span, L' planned as the trainer plans it), and what that set ("L' 8192", or "")."""
-    held = model.hold_shapes_at(span_frac)
-    return model.train_flops_per_token(), held
+    """Training FLOPs per token (the model's ``train_flops_per_token()``) and, for a model
+    with attention spans, with every span at ``span_frac`` of its longest
+    (``AttentionSpans.train_flops_per_token_at``) and what that span is ("L' 8192", or "")."""
+    from pipeline.models.capabilities import AttentionSpans
+
+    if isinstance(model, AttentionSpans):
+        return model.train_flops_per_token_at(span_frac)
+    return model.train_flops_per_token(), ""
 
 
 def counts_weights_only(model) -> bool:
@@ -130,14 +128,17 @@ def gpu_estimates(spec, stages: list[StageTokens] | None = None) -> list[GpuEsti
     (an upper bound for an adaptive span, which starts at span_init and grows) and, for an
     adaptive span, at 1/16 of it with the MFU recorded there."""
     stages = training_tokens(spec) if stages is None else stages
+    from pipeline.models.capabilities import AttentionSpans
+
     model = meta_model(spec)
-    fracs = [1.0, SHORT_SPAN] if adaptive_span(model) else [1.0]
+    spans = isinstance(model, AttentionSpans)
+    fracs = [1.0, SHORT_SPAN] if spans and model.spans_grow() else [1.0]
     out = []
     for frac in fracs:
         record = recorded_gpu.estimate_record(frac)
         flops, span_len = flops_per_token(model, frac)
         label = ""
-        if getattr(model, "span_planner", None) is not None:
+        if spans:
             label = "the full span" if frac == 1.0 else "span 1/16"
         hours = {s.stage: gpu_hours(s.tokens, flops, record["mfu"]) for s in stages}
         out.append(GpuEstimate(label, flops, span_len, record, hours, counts_weights_only(model)))
