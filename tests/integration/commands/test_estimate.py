@@ -130,17 +130,23 @@ def stage_names_switched_on(source: str) -> set[str]:
     return found
 
 
-def test_the_estimate_and_the_timing_switch_on_no_stages_name():
+def test_the_estimate_switches_on_no_stages_name():
     """What a stage costs is the stage's to say (Stage.plan, Stage.estimate_lines): the
-    estimate and the update timing hold no stage's name to switch on."""
+    estimate, the update timing and the memory plan hold no stage's name to switch on (the
+    memory plan reads an update's rows off the data)."""
     assert stage_names_switched_on('x = ("train", "finetune")\nif "evaluate" in s: pass') == {
         "train",
         "finetune",
         "evaluate",
     }
     assert stage_names_switched_on('spec.model_copy(update={"train": smaller})') == set()
-    for module in ("estimate", "update_timing"):
-        path = PROJECT_ROOT / "pipeline" / "commands" / f"{module}.py"
+    for module in (
+        "commands/estimate.py",
+        "commands/update_timing.py",
+        "commands/memory_report.py",
+        "training/memory_plan.py",
+    ):
+        path = PROJECT_ROOT / "pipeline" / module
         assert stage_names_switched_on(path.read_text()) == set(), module
 
 
