@@ -127,9 +127,9 @@ def gpu_estimates(spec, stages: list[StageTokens] | None = None) -> list[GpuEsti
     """H100 hours of the training stages: at the full span with the MFU recorded at span 1
     (an upper bound for an adaptive span, which starts at span_init and grows) and, for an
     adaptive span, at 1/16 of it with the MFU recorded there."""
-    stages = training_tokens(spec) if stages is None else stages
     from pipeline.models.capabilities import AttentionSpans
 
+    stages = training_tokens(spec) if stages is None else stages
     model = meta_model(spec)
     spans = isinstance(model, AttentionSpans)
     fracs = [1.0, SHORT_SPAN] if spans and model.spans_grow() else [1.0]
