@@ -51,6 +51,9 @@ class Stage:
     # lines. None, or no lines: nothing. Where they are evaluate's scores of weights it would
     # not score now, one stale line is printed instead (pipeline.workspace.scores).
     result_lines: Callable[[Any, dict], list[str]] | None = None
+    # What a stage costs beyond a plan's tokens, as lines of `show --estimate` read off the
+    # spec (evaluate's tokens per split); None: nothing to say
+    estimate_lines: Callable[[Any], list[str]] | None = None
 
     def fingerprinted(self, spec) -> dict:
         """The config less its runtime-only keys, and less the added keys that hold their

@@ -285,6 +285,48 @@ def recorded_lines(spec, summary: dict) -> list[str]:
     return result_lines({**{k: summary[k] for k in splits if k in summary}, **summary})
 
 
+def estimate_lines(spec) -> list[str]:
+    """What `show --estimate` says evaluate reads: its tokens per split and their source (the
+    preprocess manifest, else the dataset card), or that an algorithmic task's generated
+    cases are not counted."""
+    if "curriculum" in spec.stages:
+        return ["evaluate: generated cases at the curriculum's lengths (not counted)"]
+    from pipeline.data.frequency_sort import document_length
+    from pipeline.data.manifest import MANIFEST, load_manifest
+
+    preprocess = spec.workspace_dir / "preprocess"
+    if (preprocess / MANIFEST).is_file():
+        splits = load_manifest(preprocess)["splits"]
+        sizes = {s: splits[s]["tokens"] for s in spec.evaluate.splits}
+        return [f"evaluate: {_splits(sizes)} (from {preprocess / MANIFEST})"]
+    card = spec.dataset
+    task = card.generator.frequency_sort if card.generator else None
+    if task is not None:
+        per_doc = document_length(task.vocab, task.length)
+        sizes = {s: getattr(task.sequences, s) * per_doc for s in spec.evaluate.splits}
+        return [
+            f"evaluate: {_splits(sizes)} read (dataset card '{card.name}': sequences x "
+            f"{per_doc} tokens a document; its {task.vocab} sorted symbols scored)"
+        ]
+    counts = {s: getattr(card.split, s) for s in spec.evaluate.splits}
+    if (
+        card.generator is None
+        and card.split.kind == "tail"
+        and card.tokenizer.kind in ("byte", "char")
+        and all(v >= 1 for v in counts.values())
+    ):
+        sizes = {s: int(v) for s, v in counts.items()}
+        return [
+            f"evaluate: {_splits(sizes)} (dataset card '{card.name}': split sizes in "
+            f"{card.tokenizer.kind}s, one token each)"
+        ]
+    return ["evaluate: tokens unknown until preprocess has run (the manifest counts them)"]
+
+
+def _splits(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{split} {n:,} tokens" for split, n in sizes.items())
+
+
 STAGE = Stage(
     name="evaluate",
     summary="Score every token of valid/test with the cache: bpc, perplexity (a task: accuracy "
@@ -305,4 +347,5 @@ STAGE = Stage(
     run=run,
     added_keys={"line_losses": False},
     result_lines=recorded_lines,
+    estimate_lines=estimate_lines,
 )

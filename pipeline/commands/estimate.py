@@ -1,5 +1,6 @@
 """`allattn-pipe show CFG --estimate`: what a config costs before it runs. Tokens to train
-per stage (arithmetic on the spec), evaluate's tokens, the memory plan per GPU
+per stage (each training stage's plan counts them: Stage.plan), what the other stages say
+they cost (Stage.estimate_lines: evaluate's tokens), the memory plan per GPU
 (pipeline/commands/memory_report.py), the run's update timed on this machine
 (pipeline/commands/update_timing.py; fewer of its rows where the whole update would take
 more than half of this machine's memory), and H100 / H200 time from the model's FLOPs per
@@ -12,11 +13,8 @@ from dataclasses import dataclass
 
 from pipeline.commands import recorded_gpu
 from pipeline.commands.report import vocab_size_for
-from pipeline.data.manifest import MANIFEST, load_manifest
 from pipeline.errors import PipelineError
 
-TRAINING_STAGES = ("train", "finetune", "curriculum")
-NON_TRAINING_STAGES = ("download", "preprocess", "evaluate")
 SHORT_SPAN = 1 / 16  # the recorded step's other span fraction
 
 
@@ -42,52 +40,24 @@ def training_tokens(spec) -> list[StageTokens]:
     return out
 
 
-def unknown_stages(spec) -> list[str]:
-    """Stages the estimator cannot cost (a plugin's), each as a line."""
+def stage_lines(spec) -> list[str]:
+    """What the stages of the spec say they cost beyond a plan's tokens (Stage.estimate_lines:
+    evaluate's tokens per split), in the spec's order."""
+    from stages import STAGES
+
     return [
-        f"stage '{s}': not estimated (the estimator knows {', '.join(TRAINING_STAGES)})"
-        for s in spec.stages
-        if s not in TRAINING_STAGES + NON_TRAINING_STAGES
+        line
+        for name in spec.stages
+        if (stage := STAGES.get(name)) is not None and stage.estimate_lines is not None
+        for line in stage.estimate_lines(spec)
     ]
 
 
-def evaluate_tokens(spec) -> str | None:
-    """The evaluate stage's tokens per split and their source, as a line; None without it."""
-    if "evaluate" not in spec.stages:
-        return None
-    if "curriculum" in spec.stages:
-        return "evaluate: generated cases at the curriculum's lengths (not counted)"
-    preprocess = spec.workspace_dir / "preprocess"
-    if (preprocess / MANIFEST).is_file():
-        splits = load_manifest(preprocess)["splits"]
-        sizes = {s: splits[s]["tokens"] for s in spec.evaluate.splits}
-        return f"evaluate: {_splits(sizes)} (from {preprocess / MANIFEST})"
-    card = spec.dataset
-    task = card.generator.frequency_sort if card.generator else None
-    if task is not None:
-        per_doc = task.length + 1 + task.vocab
-        sizes = {s: getattr(task.sequences, s) * per_doc for s in spec.evaluate.splits}
-        return (
-            f"evaluate: {_splits(sizes)} read (dataset card '{card.name}': sequences x "
-            f"{per_doc} tokens a document; its {task.vocab} sorted symbols scored)"
-        )
-    counts = {s: getattr(card.split, s) for s in spec.evaluate.splits}
-    if (
-        card.generator is None
-        and card.split.kind == "tail"
-        and card.tokenizer.kind in ("byte", "char")
-        and all(v >= 1 for v in counts.values())
-    ):
-        sizes = {s: int(v) for s, v in counts.items()}
-        return (
-            f"evaluate: {_splits(sizes)} (dataset card '{card.name}': split sizes in "
-            f"{card.tokenizer.kind}s, one token each)"
-        )
-    return "evaluate: tokens unknown until preprocess has run (the manifest counts them)"
+def stages_that_train() -> list[str]:
+    """The stage kinds installed that declare a training plan, built-in or a plugin's."""
+    from stages import STAGES
 
-
-def _splits(sizes: dict[str, int]) -> str:
-    return ", ".join(f"{split} {n:,} tokens" for split, n in sizes.items())
+    return [name for name, stage in STAGES.items() if stage.plan is not None]
 
 
 def meta_model(spec):
@@ -104,17 +74,15 @@ def meta_model(spec):
         return spec.build_model(vocab, origin)
 
 
-def adaptive_span(model) -> bool:
-    planner = getattr(model, "span_planner", None)
-    return bool(planner is not None and planner.adaptive)
-
-
 def flops_per_token(model, span_frac: float) -> tuple[float, str]:
-    """Training FLOPs per token (the model's ``train_flops_per_token()``) with its shapes
-    held at ``span_frac`` (``hold_shapes_at``: every layer's span at that fraction of
-    max_span, L' planned as the trainer plans it), and what that set ("L' 8192", or "")."""
-    held = model.hold_shapes_at(span_frac)
-    return model.train_flops_per_token(), held
+    """Training FLOPs per token (the model's ``train_flops_per_token()``) and, for a model
+    with attention spans, with every span at ``span_frac`` of its longest
+    (``AttentionSpans.train_flops_per_token_at``) and what that span is ("L' 8192", or "")."""
+    from pipeline.models.capabilities import AttentionSpans
+
+    if isinstance(model, AttentionSpans):
+        return model.train_flops_per_token_at(span_frac)
+    return model.train_flops_per_token(), ""
 
 
 def counts_weights_only(model) -> bool:
@@ -159,15 +127,18 @@ def gpu_estimates(spec, stages: list[StageTokens] | None = None) -> list[GpuEsti
     """H100 hours of the training stages: at the full span with the MFU recorded at span 1
     (an upper bound for an adaptive span, which starts at span_init and grows) and, for an
     adaptive span, at 1/16 of it with the MFU recorded there."""
+    from pipeline.models.capabilities import AttentionSpans
+
     stages = training_tokens(spec) if stages is None else stages
     model = meta_model(spec)
-    fracs = [1.0, SHORT_SPAN] if adaptive_span(model) else [1.0]
+    spans = isinstance(model, AttentionSpans)
+    fracs = [1.0, SHORT_SPAN] if spans and model.spans_grow() else [1.0]
     out = []
     for frac in fracs:
         record = recorded_gpu.estimate_record(frac)
         flops, span_len = flops_per_token(model, frac)
         label = ""
-        if getattr(model, "span_planner", None) is not None:
+        if spans:
             label = "the full span" if frac == 1.0 else "span 1/16"
         hours = {s.stage: gpu_hours(s.tokens, flops, record["mfu"]) for s in stages}
         out.append(GpuEstimate(label, flops, span_len, record, hours, counts_weights_only(model)))
@@ -178,19 +149,18 @@ def estimate_report(spec, measure: bool = True, progress=None) -> str:
     """The lines `show --estimate` prints."""
     stages = training_tokens(spec)
     lines = ["estimate:"]
-    lines += [f"  {line}" for line in unknown_stages(spec)]
     if not stages:
+        lines += [f"  {line}" for line in stage_lines(spec)]
         lines.append(
             f"  no stage trains (stages: {', '.join(spec.stages)}): no tokens or hours to "
-            f"estimate (the estimator costs {', '.join(TRAINING_STAGES)})"
+            f"estimate (the stages that train: {', '.join(stages_that_train())})"
         )
         return "\n".join(lines)
     lines.append("  tokens to train:")
     for s in stages:
         n = f">= {s.tokens:,}" if s.at_least else f"{s.tokens:,}"
         lines.append(f"    {s.stage:<10} {n} tokens = {s.how}")
-    if (evaluate := evaluate_tokens(spec)) is not None:
-        lines.append(f"  {evaluate}")
+    lines += [f"  {line}" for line in stage_lines(spec)]
     estimates = gpu_estimates(spec, stages)
     for est in estimates:
         where = f" at {est.span} ({est.span_len})" if est.span else ""

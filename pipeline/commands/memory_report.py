@@ -15,6 +15,7 @@ from pipeline.training.memory_plan import (
     available_memory,
     dtype_name,
     gib,
+    growing_cases,
     planner,
     resident_memory,
 )
@@ -42,7 +43,7 @@ def gpu_plan_lines(spec, model) -> list[str]:
     plan = planner(spec, model, "cuda", world, rows)
     s = plan.states
     where = f" at the full span ({span})" if span else ""
-    if "curriculum" in spec.stages:
+    if growing_cases(spec) is not None:
         where += " at the curriculum's start length (longer cases take more)"
     lines = [
         f"  memory plan per GPU ({world} process{'es' if world > 1 else ''}, {rows} rows each "

@@ -129,14 +129,16 @@ class UpdateTimer:
             )
 
     def describe(self) -> str:
+        from pipeline.models.capabilities import AttentionSpans
+
         t = self.trainer
         bf16 = "bf16" if t.resolved["bf16"] else "float32"
         what = (
             f"{t.device.type}, {bf16}, one process: updates of {t.accum} micro-batch(es) of "
             f"{t.micro_batch} x {t.block_len} tokens ({t.micro_batch * t.accum} rows)"
         )
-        if spans := getattr(t.model, "span_lens", None):
-            what += f"; the initial spans (L' up to {max(spans())})"
+        if isinstance(t.model, AttentionSpans):
+            what += f"; the initial spans ({t.model.describe_spans()})"
         return what
 
     def close(self) -> None:

@@ -13,6 +13,11 @@ capability overrides the group's hooks. Which built-in family implements which g
 - `HeadReports`: all-attention (learned spans, the persistent vectors' share of attention).
 - `MemoryCounts`: every built-in family (what a training step keeps for backward, counted
   from the shapes, for the memory plan of `show --estimate`).
+
+`AttentionSpans` is opt in: `SequenceModel` does not inherit it. A family that has attention
+spans lists it among its bases (all-attention does), and a caller asks
+``isinstance(model, AttentionSpans)`` before it calls its hooks: a model without spans has no
+answer to give, not a default one.
 """
 
 from __future__ import annotations
@@ -171,3 +176,24 @@ class MemoryCounts:
         the FLOP and memory counts of the estimate, whatever the device holds; returns what
         that sets, in words ("L' 8192"), or "" for a model without such shapes."""
         return ""
+
+
+class AttentionSpans:
+    """Attention spans, learned in training (adaptive span) or fixed: what `show --estimate`
+    costs a run at and names, asked through these hooks alone (never the model's planner).
+    Opt in (see the module doc): a family implements every hook."""
+
+    def spans_grow(self) -> bool:
+        """Whether training learns the spans (they start at span_init and grow): the estimate
+        then costs the run at the full span and at a short one, else at the full span."""
+        raise NotImplementedError
+
+    def train_flops_per_token_at(self, fraction: float) -> tuple[float, str]:
+        """``train_flops_per_token()`` with every span at ``fraction`` of the longest, its L'
+        planned as training plans it, and that span in words ("L' 8192"); the shapes in force
+        are left as they were."""
+        raise NotImplementedError
+
+    def describe_spans(self) -> str:
+        """The spans in force, in words ("L' up to 128"), for a line saying what was timed."""
+        raise NotImplementedError

@@ -1,10 +1,13 @@
 """What the trainer, the evaluate stage, checkpoints and `show` know of a model.
 
 Every registered model family subclasses `SequenceModel` (a plain `nn.Module`) and nothing
-outside `pipeline/models` looks further into it: no parameter is found by name, no state is
-taken apart. Adding a family is a config dataclass, a module, and a `ModelFamily` pairing them
-named by an entry point in the group `allattn_pipe.models` (pipeline/plugins.py; the built-ins
-are in pipeline/models/builtin.py, declared in pyproject.toml; docs/extending.md).
+of the pipeline outside `pipeline/models` (the trainer, the stages, the commands) looks
+further into it: no parameter is found by name, no state is taken apart, no attribute of a
+family is read; what a caller needs of a model it asks through a hook. (The GPU checks and
+benches of one family, gpu/ and bench/, read that family's own methods.) Adding a family
+is a config dataclass, a module, and a `ModelFamily` pairing them named by an entry point in
+the group `allattn_pipe.models` (pipeline/plugins.py; the built-ins are in
+pipeline/models/builtin.py, declared in pyproject.toml; docs/extending.md).
 
 A model maps a block of tokens [B, M] (with the state the previous block left) to a per-token
 loss [B, M] and the next state:
@@ -26,8 +29,11 @@ The protocol is a small core, which every family provides (``forward``; ``init_s
 a model with a state; the rest has defaults that fit most models), and optional
 capabilities in small groups (pipeline.models.capabilities: bounded parameters, shapes
 planned ahead, training backends, training metrics, per-head reports, memory counts), whose
-hooks do nothing by default. `SequenceModel` inherits every capability, so a caller calls any
-hook on any model; a family that has one overrides its hooks.
+hooks do nothing by default. `SequenceModel` inherits those capabilities, so a caller calls
+any of their hooks on any model; a family that has one overrides its hooks. A capability
+that has no answer for a model without it is opt in (`AttentionSpans`, what the estimate
+costs a run's spans at): a family declares it among its bases and a caller asks
+``isinstance(model, AttentionSpans)`` first.
 """
 
 from __future__ import annotations

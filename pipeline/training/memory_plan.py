@@ -214,11 +214,17 @@ def planner(
     generator = spec.dataset.generator
     documents = generator is not None and generator.frequency_sort is not None
     block = train.seq_len if train.seq_len else 1
-    if generator is not None and generator.algorithmic is not None:
-        # generated cases, from the length curriculum's start length (the data's kind
-        # decides the rows, not the stage that trains on them)
-        block = generator.algorithmic.curriculum.start_length
+    if (cases := growing_cases(spec)) is not None:  # generated at the start length
+        block = cases.start_length
     return Planner(model, states, block, dtype, device_type, rows, documents, uniform_tokens)
+
+
+def growing_cases(spec):
+    """The length curriculum of an algorithmic task (its cases generated at start_length and
+    longer as they are solved), or None for data of a fixed shape: an update's rows are read
+    off the data the spec trains on, whichever stage trains on it."""
+    generator = spec.dataset.generator
+    return generator.algorithmic.curriculum if generator and generator.algorithmic else None
 
 
 # ---------------------------------------------------------------- this machine's memory

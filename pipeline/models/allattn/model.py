@@ -75,7 +75,7 @@ from pipeline.models.allattn.layers import (
     planned_span_len,
 )
 from pipeline.models.allattn.span_planner import SpanPlanner
-from pipeline.models.capabilities import ActivationMemory
+from pipeline.models.capabilities import ActivationMemory, AttentionSpans
 from pipeline.models.protocol import ModelOutput, SequenceModel, State, count_elements
 from pipeline.ops import (
     AttendFn,
@@ -92,7 +92,7 @@ from pipeline.ops.triton_attention import RECOMPUTED_PRODUCTS
 # --------------------------------------------------------------------------------------
 
 
-class AllAttnLM(SequenceModel):
+class AllAttnLM(SequenceModel, AttentionSpans):
     """Embedding -> n_layers all-attention layers -> linear output over the vocabulary
     (or, with ``adaptive_io``, adaptive input -> layers -> tied adaptive softmax).
 
@@ -316,6 +316,22 @@ class AllAttnLM(SequenceModel):
             span = planned_span_len(frac, self.cfg.max_span, self.cfg.span_ramp)
         planner.planned = [span] * self.cfg.n_layers
         return f"L' {span}"
+
+    # ---- attention spans (pipeline.models.capabilities.AttentionSpans) ------------------
+
+    def spans_grow(self) -> bool:
+        return self.cfg.adaptive_span
+
+    def train_flops_per_token_at(self, fraction: float) -> tuple[float, str]:
+        kept = self.span_planner.planned
+        try:
+            held = self.hold_shapes_at(fraction)
+            return self.train_flops_per_token(), held
+        finally:
+            self.span_planner.planned = kept
+
+    def describe_spans(self) -> str:
+        return f"L' up to {max(self.span_lens())}"
 
     def activation_memory(
         self,

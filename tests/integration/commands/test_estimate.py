@@ -3,20 +3,17 @@ recorded step, and what the command prints (a real step timed on this machine)."
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import ast
+import dataclasses
 
 import pytest
 from click.testing import CliRunner
 
 from pipeline.commands import recorded_gpu
 from pipeline.commands.cli import main
-from pipeline.commands.estimate import (
-    evaluate_tokens,
-    gpu_estimates,
-    training_tokens,
-    unknown_stages,
-)
+from pipeline.commands.estimate import estimate_report, gpu_estimates, stage_lines, training_tokens
 from pipeline.spec import PROJECT_ROOT, load_spec
+from stages import STAGES
 
 CONFIGS = PROJECT_ROOT / "configs"
 SMALL = [
@@ -77,19 +74,80 @@ def test_h100_hours_of_the_measured_config_give_back_its_recorded_tokens_per_sec
 def test_evaluate_tokens_come_from_the_card_or_are_unknown_until_preprocess(tmp_path):
     where = f"workspace.root={tmp_path}"
     enwik8 = load_spec(CONFIGS / "enwik8_small.yaml", [where])
-    assert evaluate_tokens(enwik8) == (
+    assert stage_lines(enwik8) == [
         "evaluate: valid 5,000,000 tokens, test 5,000,000 tokens (dataset card 'enwik8': "
         "split sizes in bytes, one token each)"
-    )
-    wt103 = load_spec(CONFIGS / "wt103.yaml", [where])
-    assert "unknown until preprocess" in evaluate_tokens(wt103)
-
-
-def test_a_stage_the_estimator_does_not_know_is_named():
-    spec = SimpleNamespace(stages=["download", "preprocess", "my_stage", "train"])
-    assert unknown_stages(spec) == [
-        "stage 'my_stage': not estimated (the estimator knows train, finetune, curriculum)"
     ]
+    wt103 = load_spec(CONFIGS / "wt103.yaml", [where])
+    assert "unknown until preprocess" in stage_lines(wt103)[0]
+
+
+def test_a_plugins_stages_say_what_they_cost_with_no_edit_to_the_estimate(tmp_path, monkeypatch):
+    """A training stage the estimate has never heard of is costed by its plan: its tokens and
+    GPU time; a stage that does not train prints its own lines (Stage.estimate_lines), and
+    one that says nothing costs nothing."""
+    distil = dataclasses.replace(STAGES["train"], name="distil")
+    monkeypatch.setitem(STAGES, "distil", distil)
+    lines = ["corpus_stats: reads the preprocessed splits once"]
+    stats = dataclasses.replace(
+        STAGES["download"], name="corpus_stats", estimate_lines=lambda spec: lines
+    )
+    monkeypatch.setitem(STAGES, "corpus_stats", stats)
+    monkeypatch.setitem(STAGES, "silent", dataclasses.replace(STAGES["download"], name="silent"))
+    spec = load_spec(
+        CONFIGS / "quickstart.yaml",
+        [
+            *SMALL,
+            f"workspace.root={tmp_path}",
+            "stages=[download, preprocess, silent, distil, corpus_stats]",
+        ],
+    )
+    out = estimate_report(spec).splitlines()
+    assert (
+        "    distil     1,280 tokens = 10 updates (train.steps) x 4 sequences (train.batch_size, "
+        "all processes) x 32 tokens (train.seq_len)"
+    ) in out
+    assert "  corpus_stats: reads the preprocessed splits once" in out
+    assert not [line for line in out if "silent" in line or "not estimated" in line]
+    # its update timed here (the Trainer built from its plan) and its GPU time
+    assert any(line.startswith("  update time here: ") for line in out)
+    assert any(line.startswith("  time here: distil ") for line in out)
+    assert any(line.startswith("  H100 time at the full span: distil ") for line in out)
+
+
+def stage_names_switched_on(source: str) -> set[str]:
+    """Stage names `source` compares with (`"evaluate" in spec.stages`) or lists (a tuple of
+    the stages it knows); a spec section's key ({"train": ...}) is no stage's name."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Tuple | ast.List | ast.Set):
+            operands = node.elts
+        else:
+            continue
+        found |= {o.value for o in operands if isinstance(o, ast.Constant) and o.value in STAGES}
+    return found
+
+
+def test_the_estimate_switches_on_no_stages_name():
+    """What a stage costs is the stage's to say (Stage.plan, Stage.estimate_lines): the
+    estimate, the update timing and the memory plan hold no stage's name to switch on (the
+    memory plan reads an update's rows off the data)."""
+    assert stage_names_switched_on('x = ("train", "finetune")\nif "evaluate" in s: pass') == {
+        "train",
+        "finetune",
+        "evaluate",
+    }
+    assert stage_names_switched_on('spec.model_copy(update={"train": smaller})') == set()
+    for module in (
+        "commands/estimate.py",
+        "commands/update_timing.py",
+        "commands/memory_report.py",
+        "training/memory_plan.py",
+    ):
+        path = PROJECT_ROOT / "pipeline" / module
+        assert stage_names_switched_on(path.read_text()) == set(), module
 
 
 def test_show_estimate_without_a_training_stage_says_so(tmp_path):

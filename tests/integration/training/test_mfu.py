@@ -38,6 +38,24 @@ def allattn_flops(span: int, adaptive: bool) -> float:
     return 6.0 * weights + LAYERS * 6 * (2 * D * N + 3 * D * span)
 
 
+def test_the_flops_at_a_span_fraction_are_planned_there_and_keep_the_plan_in_force():
+    """The estimate's hook (AttentionSpans.train_flops_per_token_at): every span at the
+    fraction, its L' planned as training plans it, and the plan in force left as it was."""
+    model = tiny_allattn(max_span=1024, span_init=0.0)
+    with model.planned_update():  # the first plan: L' 128 (as above)
+        pass
+    in_force = model.train_flops_per_token()
+    assert model.spans_grow() and in_force == allattn_flops(128, adaptive=True)
+    # 1/16 of 1024: span 64 + ramp 32 + 64 tokens of room = 160, the bucket above it 192
+    # (buckets 64 x 2^i and 96 x 2^i); the full span: max_span
+    assert model.train_flops_per_token_at(1 / 16) == (allattn_flops(192, adaptive=True), "L' 192")
+    assert model.train_flops_per_token_at(1.0) == (allattn_flops(1024, adaptive=True), "L' 1024")
+    assert model.train_flops_per_token() == in_force
+    fixed = tiny_allattn(max_span=64, adaptive_span=False)
+    assert not fixed.spans_grow()
+    assert fixed.train_flops_per_token_at(1 / 16) == (allattn_flops(64, adaptive=False), "L' 64")
+
+
 def test_a_fixed_span_counts_max_span():
     model = allattn(max_span=64, adaptive_span=False)
     assert model.train_flops_per_token() == allattn_flops(64, adaptive=False)
