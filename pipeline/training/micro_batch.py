@@ -129,6 +129,7 @@ def probe(
     of the run can take. The model itself, its weights and every random generator are left
     as they were. And the `reset` that drops the copy's gradients."""
     from pipeline.training.document_passes import run_documents
+    from pipeline.training.tasks import objective
 
     trial = copy.deepcopy(model).to(device)
     if bf16:
@@ -143,13 +144,13 @@ def probe(
             if documents is not None:
                 docs = torch.randint(vocab_size, (size, documents["length"]), device=device)
                 out = run_documents(trial, docs, seq_len, documents["input_length"], train=True)
-                loss = out.nll.float().mean() + out.aux
+                _, loss = objective(out.nll, out.aux)
             else:
                 x = torch.randint(vocab_size, (size, seq_len), device=device)
                 with torch.no_grad():
                     state = trial(x, x, trial.init_state(size, device=device)).state
                 out = trial(x, x, state)
-                loss = out.nll.float().mean() + trial.aux_loss()
+                _, loss = objective(out.nll, trial.aux_loss())
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # an asynchronous failure surfaces here
