@@ -66,6 +66,12 @@ class Task(Protocol):
     def forward(self, model, inputs: Any, state: State) -> Forward:
         """One micro-batch through `model` (a DeepSpeed engine or the model), from `state`."""
 
+    def trial_forward(
+        self, model, vocab_size: int, rows: int, seq_len: int, device: torch.device
+    ) -> Forward:
+        """`rows` random rows through `model` from the fullest state a micro-batch starts
+        from: what the micro-batch search tries (pipeline.training.micro_batch.probe)."""
+
     def validate(self, model, split: Any, train, device: torch.device) -> dict[str, float]:
         """The valid split's metrics with train's validation settings."""
 
@@ -101,6 +107,14 @@ class TokenStreams:
         out = model(*inputs, state)
         return Forward(out.nll, model.aux_loss(), out.state)
 
+    def trial_forward(
+        self, model, vocab_size: int, rows: int, seq_len: int, device: torch.device
+    ) -> Forward:
+        x = torch.randint(vocab_size, (rows, seq_len), device=device)
+        with torch.no_grad():  # the state a block leaves: the carried one at its fullest
+            state = model(x, x, model.init_state(rows, device=device)).state
+        return self.forward(model, (x, x), state)
+
     def validate(self, model, split: Any, train, device: torch.device) -> dict[str, float]:
         total, count = evaluate_nll(
             model,
@@ -130,7 +144,8 @@ class Documents:
     reports_bits = False  # the loss is over the sorted targets, not bits of a text
 
     def __init__(self, layout: dict, seq_len: int):
-        self.input_length, self.seq_len = layout["input_length"], seq_len
+        self.length, self.input_length = layout["length"], layout["input_length"]
+        self.seq_len = seq_len
 
     def initial_state(self, model, rows: int, device: torch.device) -> State:
         # each document starts from init_state in run_documents: [] as a stateless model's,
@@ -147,6 +162,12 @@ class Documents:
     def forward(self, model, inputs: Any, state: State) -> Forward:
         out = run_documents(model, inputs, self.seq_len, self.input_length, train=True)
         return Forward(out.nll, out.aux, [])
+
+    def trial_forward(
+        self, model, vocab_size: int, rows: int, seq_len: int, device: torch.device
+    ) -> Forward:
+        docs = torch.randint(vocab_size, (rows, self.length), device=device)
+        return self.forward(model, docs, [])
 
     def validate(self, model, split: Any, train, device: torch.device) -> dict[str, float]:
         scores = score_documents(

@@ -160,7 +160,7 @@ class Trainer:
 
     @property
     def documents(self) -> dict | None:
-        """The data's documents (None: not documents), for the micro-batch search's probe."""
+        """The data's documents (None: not documents), for the stage's lines."""
         return self.data.documents
 
     def _initial_states(self) -> list[State]:
@@ -497,7 +497,7 @@ def build_ds_config(trainer: Trainer, model: SequenceModel, recorded: dict | Non
         trainer.spec,
         model,
         trainer.vocab_size,
-        trainer.documents,
+        trainer.task,
         trainer.device,
         trainer.world_size,
         recorded,
