@@ -40,6 +40,7 @@ import torch
 
 from pipeline.diagnostics.host_syncs import HostSyncCounter
 from pipeline.diagnostics.step_audit import OpCounter
+from pipeline.training.tasks import objective
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +80,8 @@ class Engine:
     def step(self, x, y, state):
         with self.model.planned_update():  # as Trainer.train_step drives the model
             out = self.engine(x, y, state)
-            self.engine.backward(out.nll.float().mean() + self.model.aux_loss())
+            _, loss = objective(out.nll, self.model.aux_loss())
+            self.engine.backward(loss)
             self.engine.step()
         self.model.request_plan()
         return out.state
@@ -107,7 +109,8 @@ class Plain:
         with self.model.planned_update():  # the model driven as the engine's is
             with torch.autocast(x.device.type, torch.bfloat16, enabled=BF16):
                 out = self.model(x, y, state)
-            (out.nll.float().mean() + self.model.aux_loss()).backward()
+            _, loss = objective(out.nll, self.model.aux_loss())
+            loss.backward()
             if self.clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
             self.optimizer.step()

@@ -43,6 +43,7 @@ from pipeline.commands.report import vocab_size_for
 from pipeline.models import build_model
 from pipeline.spec import load_spec
 from pipeline.training.optim import build_optimizer
+from pipeline.training.tasks import objective
 
 DTYPES = {
     "fp32": torch.float32,
@@ -108,7 +109,7 @@ class Ours:
             # reading the device; request_plan() once the values it plans from are final
             with model.planned_update():
                 out = model(x, y, state[0])
-                loss = out.nll.float().mean() + model.aux_loss()
+                _, loss = objective(out.nll, model.aux_loss())
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

@@ -85,6 +85,7 @@ from pipeline.ops import adaptive_span_mask, get_attention_impl
 from pipeline.ops.triton_attention import TILES, forced_tile, tiles_in_use
 from pipeline.spec import load_spec
 from pipeline.training.optim import build_optimizer
+from pipeline.training.tasks import objective
 from stages import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -451,8 +452,8 @@ class HandTraining:
         self.copy_to_params()
         with model.planned_update():
             out = model(x, y, self.state)
-            nll = out.nll.float().mean()
-            (nll + model.aux_loss()).backward()
+            nll, minimised = objective(out.nll, model.aux_loss())  # the trainer's
+            minimised.backward()
             span_lens = list(model.span_lens())
         self.state = out.state
         grads = {kind: largest(p.grad for p in ps) for kind, ps in self.kinds.items()}

@@ -20,6 +20,7 @@ import torch
 
 from pipeline.data.algorithmic import generate, length_step, vocab_size
 from pipeline.errors import PipelineError
+from pipeline.training.tasks import Task, TokenStreams
 
 
 def stream_seed(seed: int, purpose: str, epoch: int) -> int:
@@ -113,6 +114,10 @@ class LengthCurriculum:
 
     def valid_split(self):
         raise PipelineError("the curriculum has no valid split: its check is after each epoch")
+
+    def task(self, train) -> Task:
+        # fed as streams that never restart; its check is the hook's, after each epoch
+        return TokenStreams()
 
     # ---------------------------------------------------------------- as TrainingHook
 

@@ -29,6 +29,7 @@ import torch
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import read_json
+from pipeline.training.tasks import Task, objective
 
 RECORD = "resolved.json"
 """In the train (and finetune) stage's output: {"micro_batch_size", "bf16", "device"}."""
@@ -117,15 +118,14 @@ def read_record(directory: Path | None) -> dict | None:
 
 
 def probe(
-    model, vocab_size: int, seq_len: int, device: torch.device, bf16: bool, documents: dict | None
+    model, vocab_size: int, seq_len: int, device: torch.device, bf16: bool, task: Task
 ) -> tuple[Callable[[int], None], Callable[[], None]]:
     """`try_step(size)`: one forward and backward of a copy of `model` on `device` in the
     training precision, on `size` random rows, its bounded parameters (the adaptive spans)
-    at their upper bounds and the carried state from a block before: the most memory a step
-    of the run can take. The model itself, its weights and every random generator are left
-    as they were. And the `reset` that drops the copy's gradients."""
-    from pipeline.training.document_passes import run_documents
-
+    at their upper bounds and the fullest state a micro-batch of the run's `task` starts
+    from: the most memory a step of the run can take. The model itself, its weights and
+    every random generator are left as they were. And the `reset` that drops the copy's
+    gradients."""
     trial = copy.deepcopy(model).to(device)
     if bf16:
         trial = trial.to(torch.bfloat16)
@@ -136,16 +136,8 @@ def probe(
 
     def try_step(size: int) -> None:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            if documents is not None:
-                docs = torch.randint(vocab_size, (size, documents["length"]), device=device)
-                out = run_documents(trial, docs, seq_len, documents["input_length"], train=True)
-                loss = out.nll.float().mean() + out.aux
-            else:
-                x = torch.randint(vocab_size, (size, seq_len), device=device)
-                with torch.no_grad():
-                    state = trial(x, x, trial.init_state(size, device=device)).state
-                out = trial(x, x, state)
-                loss = out.nll.float().mean() + trial.aux_loss()
+            out = task.trial_forward(trial, vocab_size, size, seq_len, device)
+            _, loss = objective(out.nll, out.aux)
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # an asynchronous failure surfaces here
@@ -160,7 +152,7 @@ def resolve(
     spec,
     model,
     vocab_size: int,
-    documents: dict | None,
+    task: Task,
     device: torch.device,
     world_size: int,
     recorded: dict | None,
@@ -224,7 +216,7 @@ def resolve(
                 f"out-of-memory signal on {device.type} to search on)"
             )
         else:
-            try_step, reset = probe(model, vocab_size, train.seq_len, device, bf16, documents)
+            try_step, reset = probe(model, vocab_size, train.seq_len, device, bf16, task)
             size = largest_that_fits(divisors_largest_first(rows), try_step, log, reset)
             del try_step, reset
             gc.collect()

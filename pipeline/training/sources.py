@@ -14,6 +14,7 @@ import torch
 from pipeline.data.documents import DocumentBatches, as_documents
 from pipeline.data.manifest import load_manifest, load_split
 from pipeline.errors import PipelineError
+from pipeline.training.tasks import Documents, Task, TokenStreams
 
 
 class TrainingData(Protocol):
@@ -38,6 +39,10 @@ class TrainingData(Protocol):
 
     def valid_split(self) -> Any:
         """What validation reads: tokens, or documents."""
+
+    def task(self, train) -> Task:
+        """What the Trainer does with these batches and this split
+        (pipeline.training.tasks), under the spec's train settings."""
 
 
 class PreprocessedData:
@@ -79,6 +84,11 @@ class PreprocessedData:
             return tokens
         return as_documents(tokens, self.documents, f"{self.dir}, valid split")
 
+    def task(self, train) -> Task:
+        if self.documents is None:
+            return TokenStreams()
+        return Documents(self.documents, train.seq_len)
+
 
 class RandomStreams:
     """TrainingData of token streams: random rows of the run's shape, one stream."""
@@ -105,6 +115,9 @@ class RandomStreams:
     def valid_split(self):
         raise PipelineError("the update timing does not validate")
 
+    def task(self, train) -> Task:
+        return TokenStreams()
+
 
 class RandomDocuments(RandomStreams):
     """TrainingData of whole documents (the frequency-sort task's layout), random tokens."""
@@ -112,7 +125,11 @@ class RandomDocuments(RandomStreams):
     def __init__(self, vocab_size: int, layout: dict, origin: str):
         super().__init__(vocab_size, layout["length"] - 1, origin)
         self.documents = layout  # type: ignore[assignment]
+        self.layout = layout
 
     def batch(self, step: int) -> torch.Tensor:  # type: ignore[override]
         shape = (self.rows, self.block_len + 1)
         return torch.randint(self.vocab_size, shape, generator=self.generator)
+
+    def task(self, train) -> Task:
+        return Documents(self.layout, train.seq_len)

@@ -8,12 +8,10 @@ optimizer, model states, RNG, step, its hooks' states) resumes exactly where the
 stopped. A stage adds what is its own as a `TrainingHook` in its plan (the curriculum's
 lengths: pipeline.training.curriculum), never a loop.
 
-A dataset of documents (the manifest's `documents`, pipeline.data.documents) trains document
-by document instead: each update reads a batch of whole documents through
-pipeline.training.document_passes.run_documents, every document from the model's initial
-state, and is scored on the targets after each separator. Nothing carries across updates, so
-its state is the step alone; validation reports the loss per scored target, token accuracy
-and exact match.
+What the loop does with its kind of data (token streams, whole documents) is the data's
+`Task` (pipeline.training.tasks): its micro-batches and their forward, the states they carry,
+its validation and its metrics' names. The update body around any task's forward is one:
+`EngineUpdates.micro_batch`.
 """
 
 from __future__ import annotations
@@ -21,8 +19,9 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -30,13 +29,11 @@ import torch
 from pipeline.cluster import distributed
 from pipeline.cluster.device import dense_peak_tflops, peak_memory_mb, resolve_device
 from pipeline.cluster.signals import StopSignal
-from pipeline.data.documents import DocumentBatches
 from pipeline.data.vocab import bits_name
 from pipeline.errors import PipelineError, Preempted
 from pipeline.models.protocol import SequenceModel, State
 from pipeline.ops import compile_count
 from pipeline.training.checkpoint_io import CheckpointIO, LoopState
-from pipeline.training.document_passes import run_documents, score_documents
 from pipeline.training.ds_config import deepspeed_config
 from pipeline.training.engine import (
     Float32Masters,
@@ -47,16 +44,16 @@ from pipeline.training.engine import (
     skip_single_process_allreduce,
     stepped_optimizer,
 )
-from pipeline.training.evaluation import LN2, evaluate_nll
+from pipeline.training.evaluation import LN2
 from pipeline.training.micro_batch import resolve
 from pipeline.training.nonfinite import NonfiniteGuard
 from pipeline.training.optim import build_optimizer
 from pipeline.training.plan import TrainingPlan
 from pipeline.training.progress import LossWindow, Progress, gpu_memory_text
 from pipeline.training.settings import as_trained
+from pipeline.training.tasks import Forward, objective
 
-if TYPE_CHECKING:  # the two kinds of batches the sources give
-    from pipeline.data import StreamBatches
+if TYPE_CHECKING:
     from pipeline.training.sources import TrainingData
 
 
@@ -65,7 +62,7 @@ Losses = TypeVar("Losses")
 
 class MicroBatchLoss(NamedTuple):
     nll: torch.Tensor  # the mean token nll, detached, float32
-    objective: torch.Tensor  # what was minimised: nll + the model's aux_loss(), detached
+    objective: torch.Tensor  # what was minimised (tasks.objective), detached
     state: State  # the model's state after the micro-batch
 
 
@@ -80,9 +77,9 @@ class EngineUpdates:
     Around each update (`run`) the model's bounded parameters are read in float32 from the
     fp32 masters DeepSpeed steps and clamped on them (engine.MasterClamp, Float32Masters),
     and the model plans its shapes (planned_update, request_plan); each micro-batch
-    (`micro_batch`) goes forward, backward and through the non-finite guard to the engine's
-    step. `bounded_init`: the bounded parameters' float32 values from before DeepSpeed's
-    cast. Build it after the guard is attached and the model compiled."""
+    (`micro_batch`) goes forward (its task's), backward and through the non-finite guard to
+    the engine's step. `bounded_init`: the bounded parameters' float32 values from before
+    DeepSpeed's cast. Build it after the guard is attached and the model compiled."""
 
     def __init__(self, engine, guard: NonfiniteGuard, bounded_init: list[torch.Tensor]):
         self.engine, self.guard, self.model = engine, guard, engine.module
@@ -101,18 +98,16 @@ class EngineUpdates:
         self.model.request_plan()
         return losses
 
-    def micro_batch(
-        self, x: torch.Tensor, y: torch.Tensor, state: State | None = None
-    ) -> MicroBatchLoss:
-        """Forward and backward on one micro-batch, then the engine's step (which updates
-        at the update's last micro-batch)."""
-        out = self.engine(x, y, state)
-        nll = out.nll.float().mean()
-        objective = nll + self.model.aux_loss()
-        self.engine.backward(objective)
+    def micro_batch(self, forward: Callable[[], Forward]) -> MicroBatchLoss:
+        """One micro-batch: `forward()` (a task's, pipeline.training.tasks, through the
+        engine), backward on its objective, the non-finite guard, then the engine's step
+        (which updates at the update's last micro-batch): every task's update body."""
+        out = forward()
+        nll, minimised = objective(out.nll, out.aux)
+        self.engine.backward(minimised)
         self.guard.loss(nll)
         self.engine.step()
-        return MicroBatchLoss(nll.detach(), objective.detach(), out.state)
+        return MicroBatchLoss(nll.detach(), minimised.detach(), out.state)
 
 
 class Trainer:
@@ -137,7 +132,7 @@ class Trainer:
         train = self.spec.train
         self.rank, self.world_size = distributed.init_process_group()
         self.device = build_device(train)
-        self.vocab_size, self.documents = data.vocab_size, data.documents
+        self.vocab_size, self.task = data.vocab_size, data.task(self.spec.train)
         self.block_len = data.block_len  # the tokens of one training row
         # what the lines call bits per token: bpc for characters and bytes only
         self.bits = bits_name(getattr(getattr(self.spec.dataset, "tokenizer", None), "kind", None))
@@ -152,7 +147,7 @@ class Trainer:
         self.compiled = compile_model(self.model, train.compile, self.device, log)
         self.updates = EngineUpdates(self.engine, self.guard, bounded_init)
         self.micro_batch, self.accum = micro_batches(self.ds_config)
-        self.valid_split: Any = None  # read when first validating (tokens or documents)
+        self.valid_split: Any = None  # read when first validating (the task's split)
         self.batches = data.train_batches(
             self.micro_batch * self.accum, self.rank, self.world_size, train.seed
         )
@@ -163,14 +158,17 @@ class Trainer:
         self.params = sum(p.numel() for p in self.model.parameters())
         self.checkpoints = CheckpointIO(self.engine, self.rank, self.world_size, self.params, log)
 
+    @property
+    def documents(self) -> dict | None:
+        """The data's documents (None: not documents), for the stage's lines."""
+        return self.data.documents
+
     def _initial_states(self) -> list[State]:
-        """The model's state before a stream's first block, one per micro-batch. Documents
-        carry none across updates (each starts from init_state in run_documents): [] as a
-        stateless model's, which checkpoints and resharding already handle."""
-        if self.documents is not None:
-            return [[] for _ in range(self.accum)]
+        """The model's state before its rows' first token, one per micro-batch (the task's:
+        none for documents, which carry nothing across updates)."""
         return [
-            self.model.init_state(self.micro_batch, device=self.device) for _ in range(self.accum)
+            self.task.initial_state(self.model, self.micro_batch, self.device)
+            for _ in range(self.accum)
         ]
 
     # ------------------------------------------------------------ the loop
@@ -224,7 +222,7 @@ class Trainer:
                     f"last checkpoint, step {self.step}: {path} saved; run the "
                     f"pipeline again to finish the stage"
                 )
-        best = "best_valid_loss" if self.documents else "best_valid_bpc_estimate"
+        best = self.task.best_key
         skipped = {"nonfinite_skipped": self.guard.skipped} if self.guard.mode == "skip" else {}
         return {
             "step": self.step,
@@ -286,9 +284,7 @@ class Trainer:
 
     def update(self) -> list[MicroBatchLoss]:
         """train_step, returning each micro-batch's losses (on the device)."""
-        losses = self.updates.run(
-            self._stream_updates if self.documents is None else self._document_updates
-        )
+        losses = self.updates.run(self._micro_batches)
         self.step += 1
         return losses
 
@@ -299,50 +295,22 @@ class Trainer:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _stream_updates(self) -> list[MicroBatchLoss]:
-        """Each micro-batch's rows continue their streams from the carried states."""
-        batches = cast("StreamBatches", self.batches)  # this path is for token streams
-        if self.step > 0 and batches.starts_epoch(self.step):
-            # The streams restart at a new offset: the carried states are no longer the
-            # rows' left context, so start from the initial ones, as the authors' trainer
-            # does at the wrap.
+    def _micro_batches(self) -> list[MicroBatchLoss]:
+        """The update's micro-batches (the task's), each from its carried state."""
+        if self.task.restarts(self.batches, self.step):
             self.states = self._initial_states()
-        x, y = batches.batch(self.step)
-        x, y = self._to_device(x), self._to_device(y)
-        mb = self.micro_batch
+        micro_batches = self.task.micro_batches(
+            self.batches, self.step, self.micro_batch, self._to_device
+        )
         losses = []
-        for i in range(self.accum):
-            rows = slice(i * mb, (i + 1) * mb)
-            step = self.updates.micro_batch(x[rows], y[rows], self.states[i])
-            self.states[i] = step.state
-            losses.append(step)
+        for i, inputs in enumerate(micro_batches):
+            forward = partial(self.task.forward, self.engine, inputs, self.states[i])
+            losses.append(self.updates.micro_batch(forward))
+            self.states[i] = losses[-1].state
         if self.guard.skipped_last:
             # the skipped update's forward left its (non-finite) activations in the carried
             # states: the next update starts the streams from the initial ones
             self.states = self._initial_states()
-        return losses
-
-    def _document_updates(self) -> list[MicroBatchLoss]:
-        """Each micro-batch is whole documents, read from the initial state and scored after
-        their separators (pipeline.training.document_passes.run_documents)."""
-        docs = self._to_device(cast(DocumentBatches, self.batches).batch(self.step))
-        assert self.documents is not None  # this path is for documents only
-        mb = self.micro_batch
-        losses = []
-        for i in range(self.accum):
-            out = run_documents(
-                self.engine,
-                docs[i * mb : (i + 1) * mb],
-                self.spec.train.seq_len,
-                self.documents["input_length"],
-                train=True,
-            )
-            nll = out.nll.mean()
-            objective = nll + out.aux
-            self.engine.backward(objective)
-            self.guard.loss(nll)
-            self.engine.step()
-            losses.append(MicroBatchLoss(nll.detach().float(), objective.detach(), []))
         return losses
 
     def set_lr(self, lr: float) -> None:
@@ -353,46 +321,20 @@ class Trainer:
         return param_groups(self.engine)[0]["lr"]
 
     def validate(self) -> dict[str, float]:
-        """Validation over the first `train.eval_batches` batches of the valid split (or all
-        of it) with train's own validation settings: {"bpc", "tokens"} it covered, or for
-        documents DocumentScores.metrics() (loss per scored target first); rank 0's values
-        on every rank so that decisions taken on them agree."""
-        train = self.spec.train
+        """The task's validation over the first `train.eval_batches` batches of the valid
+        split (or all of it) with train's own validation settings; rank 0's values on every
+        rank so that decisions taken on them agree."""
         if self.valid_split is None:  # read (and checksum) only if validating
             self.valid_split = self.data.valid_split()
-        max_batches = None if train.eval_batches == "all" else train.eval_batches
-        if self.documents is not None:
-            scores = score_documents(
-                self.model,
-                self.valid_split,
-                train.eval_batch_size,
-                train.eval_seq_len or train.seq_len,
-                self.documents["input_length"],
-                self.device,
-                max_batches,
-            )
-            return distributed.broadcast_object(scores.metrics())
-        total, count = evaluate_nll(
-            self.model,
-            self.valid_split,
-            train.eval_batch_size,
-            train.eval_seq_len or train.seq_len,
-            self.device,
-            max_batches=max_batches,
-        )
-        if count == 0:
-            raise PipelineError(
-                f"the valid split has {len(self.valid_split)} token(s): "
-                f"nothing to validate on; make dataset.split.valid larger"
-            )
-        return distributed.broadcast_object({"bpc": total / count / LN2, "tokens": count})
+        metrics = self.task.validate(self.model, self.valid_split, self.spec.train, self.device)
+        return distributed.broadcast_object(metrics)
 
     def _track_validation(self, progress: Progress) -> bool:
-        """Validate, log, and count evaluations since the best (by bpc, or by loss per
-        scored target for documents); True on a new best."""
+        """Validate, log, and count evaluations since the best (by the task's metric); True
+        on a new best."""
         self.guard.read_and_check()  # names the first non-finite update, if one ran
         metrics = self.validate()
-        valid = metrics["loss" if self.documents else "bpc"]
+        valid = metrics[self.task.metric]
         if not math.isfinite(valid):  # never the best, never saved
             raise PipelineError(
                 f"{self.stage}: the validation at step {self.step} is not finite ({valid}): "
@@ -406,15 +348,7 @@ class Trainer:
         if self.rank == 0:
             self.tracker.log_metrics({f"valid_{k}": v for k, v in metrics.items()}, step=self.step)
             scope = "the whole split" if self.spec.train.eval_batches == "all" else "an estimate"
-            if self.documents:
-                line = (
-                    f"valid loss {valid:.4f}  token accuracy "
-                    f"{metrics['token_accuracy']:.3f}  exact match "
-                    f"{metrics['exact_match']:.3f} ({scope}, {metrics['documents']:,} "
-                    f"documents)"
-                )
-            else:
-                line = f"valid {self.bits} {valid:.3f} ({scope}, {metrics['tokens']:,} tokens)"
+            line = self.task.valid_line(metrics, self.bits, scope)
             progress.log(self.log, f"step {self.step:>6}  {line}{'  (best)' if improved else ''}")
         return improved
 
@@ -452,8 +386,7 @@ class Trainer:
             "peak_memory_mb": peak_memory_mb(self.device),
             "attention_compiles": compile_count(),
         }
-        # documents: the loss is over the sorted targets, not bits per character of a text
-        if not self.documents:
+        if self.task.reports_bits:
             metrics["bpc"] = mean / LN2
         bpc = f"{self.bits} {metrics['bpc']:.3f}  " if "bpc" in metrics else ""
         mfu = ""
@@ -566,7 +499,7 @@ def build_ds_config(trainer: Trainer, model: SequenceModel, recorded: dict | Non
         trainer.spec,
         model,
         trainer.vocab_size,
-        trainer.documents,
+        trainer.task,
         trainer.device,
         trainer.world_size,
         recorded,

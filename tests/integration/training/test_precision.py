@@ -169,6 +169,7 @@ def test_the_span_fractions_stay_at_one_address_holding_their_fp32_masters(zero_
     (the first tensor is kept alive, so a new buffer could not reuse its memory), holding
     the fp32 masters' values."""
     from pipeline.training.nonfinite import NonfiniteGuard
+    from pipeline.training.tasks import TokenStreams
     from pipeline.training.trainer import EngineUpdates
 
     engine, bounded_init = tiny_engine(True, zero_stage)
@@ -185,7 +186,9 @@ def test_the_span_fractions_stay_at_one_address_holding_their_fp32_masters(zero_
     state = model.init_state(4)
     moved = []
     for _ in range(4):
-        out = updates.run(partial(updates.micro_batch, tokens[:, :-1], tokens[:, 1:], state))
+        rows = (tokens[:, :-1], tokens[:, 1:])
+        forward = partial(TokenStreams().forward, engine, rows, state)
+        out = updates.run(partial(updates.micro_batch, forward))
         state = out.state
         assert [p.data_ptr() for p in fracs] == addresses
         for p in fracs:

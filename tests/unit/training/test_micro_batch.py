@@ -139,6 +139,7 @@ def test_the_probe_leaves_the_model_and_the_random_generators_as_they_were():
     """On a GPU the search runs the probe; it must not change what training then does."""
     from pipeline.models import build_model
     from pipeline.training.micro_batch import probe
+    from pipeline.training.tasks import TokenStreams
 
     torch.manual_seed(0)
     model = build_model(
@@ -156,7 +157,7 @@ def test_the_probe_leaves_the_model_and_the_random_generators_as_they_were():
     )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    try_step, reset = probe(model, 11, 8, torch.device("cpu"), bf16=False, documents=None)
+    try_step, reset = probe(model, 11, 8, torch.device("cpu"), bf16=False, task=TokenStreams())
     assert largest_that_fits([4, 2], try_step, reset=reset) == 4
     assert torch.equal(torch.get_rng_state(), rng)
     for key, value in model.state_dict().items():
