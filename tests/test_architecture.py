@@ -345,7 +345,8 @@ def test_the_loop_rule_sees_each_kind_of_finding():
 
 STAGE_BLIND = [
     *sorted((ROOT / "pipeline" / "training").glob("*.py")),
-    ROOT / "pipeline" / "commands" / "update_timing.py",
+    *(ROOT / "pipeline" / "commands" / m for m in ("estimate.py", "update_timing.py")),
+    ROOT / "pipeline" / "commands" / "memory_report.py",
 ]
 # also the data split and the spec section of that name (load_split(dir, "train"), the
 # spec's train.*): a bare "train" is no stage, a comparison with it is
@@ -354,8 +355,9 @@ ALSO_A_SECTION = {"train"}
 
 def stage_name_findings(source: str, name: str, stages: set[str], bare: bool) -> list[str]:
     """Where a module asks which stage it is in: a comparison (==, !=, in, not in) with a
-    string that names a stage, or with a tuple, list or set holding one; with `bare`, any
-    other string naming a stage too (docstrings aside), "train" excepted (ALSO_A_SECTION)."""
+    string that names a stage, or a tuple, list or set listing one (the stages it knows);
+    with `bare`, any other string naming a stage too (docstrings aside), "train" excepted
+    (ALSO_A_SECTION: a spec section's key, {"train": ...}, is no stage's name)."""
     tree = ast.parse(source, name)
     docstrings = {
         id(node.body[0].value)
@@ -368,14 +370,19 @@ def stage_name_findings(source: str, name: str, stages: set[str], bare: bool) ->
     compared: set[int] = set()
     found = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Compare):
+        if isinstance(node, ast.Compare):
+            sides, what = [node.left, *node.comparators], "compares with the stage name"
+        elif isinstance(node, ast.Tuple | ast.List | ast.Set):
+            sides, what = [node], "lists the stage name"
+        else:
             continue
-        for side in [node.left, *node.comparators]:
+        for side in sides:
             items = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
             for item in items:
                 if isinstance(item, ast.Constant) and item.value in stages:
+                    if id(item) not in compared:
+                        found.append((node.lineno, f"{what} {item.value!r}"))
                     compared.add(id(item))
-                    found.append((node.lineno, f"compares with the stage name {item.value!r}"))
     if bare:
         for node in ast.walk(tree):
             if (
@@ -414,6 +421,8 @@ def test_the_stage_name_rule_sees_each_kind_of_finding():
         "    if stage in ('train', 'evaluate'):\n"
         "        return spec.train, load_split(spec, 'train')\n"
         "    return {'finetune': 3}\n"
+        "KNOWN = ('curriculum', 'finetune')\n"
+        "spec.model_copy(update={'train': spec.train})\n"
     )
     stages = {"train", "finetune", "curriculum", "evaluate"}
     assert stage_name_findings(source, "m.py", stages, bare=False) == [
@@ -421,9 +430,11 @@ def test_the_stage_name_rule_sees_each_kind_of_finding():
         "m.py:5: compares with the stage name 'curriculum'",
         "m.py:7: compares with the stage name 'evaluate'",
         "m.py:7: compares with the stage name 'train'",
+        "m.py:10: lists the stage name 'curriculum'",
+        "m.py:10: lists the stage name 'finetune'",
     ]
-    assert stage_name_findings(source, "m.py", stages, bare=True)[-1] == (
-        "m.py:9: names the stage 'finetune'"
+    assert "m.py:9: names the stage 'finetune'" in stage_name_findings(
+        source, "m.py", stages, bare=True
     )
 
 

@@ -3,7 +3,6 @@ recorded step, and what the command prints (a real step timed on this machine)."
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 
 import pytest
@@ -113,41 +112,6 @@ def test_a_plugins_stages_say_what_they_cost_with_no_edit_to_the_estimate(tmp_pa
     assert any(line.startswith("  update time here: ") for line in out)
     assert any(line.startswith("  time here: distil ") for line in out)
     assert any(line.startswith("  H100 time at the full span: distil ") for line in out)
-
-
-def stage_names_switched_on(source: str) -> set[str]:
-    """Stage names `source` compares with (`"evaluate" in spec.stages`) or lists (a tuple of
-    the stages it knows); a spec section's key ({"train": ...}) is no stage's name."""
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare):
-            operands = [node.left, *node.comparators]
-        elif isinstance(node, ast.Tuple | ast.List | ast.Set):
-            operands = node.elts
-        else:
-            continue
-        found |= {o.value for o in operands if isinstance(o, ast.Constant) and o.value in STAGES}
-    return found
-
-
-def test_the_estimate_switches_on_no_stages_name():
-    """What a stage costs is the stage's to say (Stage.plan, Stage.estimate_lines): the
-    estimate, the update timing and the memory plan hold no stage's name to switch on (the
-    memory plan reads an update's rows off the data)."""
-    assert stage_names_switched_on('x = ("train", "finetune")\nif "evaluate" in s: pass') == {
-        "train",
-        "finetune",
-        "evaluate",
-    }
-    assert stage_names_switched_on('spec.model_copy(update={"train": smaller})') == set()
-    for module in (
-        "commands/estimate.py",
-        "commands/update_timing.py",
-        "commands/memory_report.py",
-        "training/memory_plan.py",
-    ):
-        path = PROJECT_ROOT / "pipeline" / module
-        assert stage_names_switched_on(path.read_text()) == set(), module
 
 
 def test_show_estimate_without_a_training_stage_says_so(tmp_path):
