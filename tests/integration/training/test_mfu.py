@@ -41,7 +41,7 @@ def allattn_flops(span: int, adaptive: bool) -> float:
 def test_the_flops_at_a_span_fraction_are_planned_there_and_keep_the_plan_in_force():
     """The estimate's hook (AttentionSpans.train_flops_per_token_at): every span at the
     fraction, its L' planned as training plans it, and the plan in force left as it was."""
-    model = tiny_allattn(max_span=1024, span_init=0.0)
+    model = allattn(max_span=1024, span_init=0.0)
     with model.planned_update():  # the first plan: L' 128 (as above)
         pass
     in_force = model.train_flops_per_token()
@@ -51,7 +51,7 @@ def test_the_flops_at_a_span_fraction_are_planned_there_and_keep_the_plan_in_for
     assert model.train_flops_per_token_at(1 / 16) == (allattn_flops(192, adaptive=True), "L' 192")
     assert model.train_flops_per_token_at(1.0) == (allattn_flops(1024, adaptive=True), "L' 1024")
     assert model.train_flops_per_token() == in_force
-    fixed = tiny_allattn(max_span=64, adaptive_span=False)
+    fixed = allattn(max_span=64, adaptive_span=False)
     assert not fixed.spans_grow()
     assert fixed.train_flops_per_token_at(1 / 16) == (allattn_flops(64, adaptive=False), "L' 64")
 
