@@ -61,7 +61,7 @@ def run(ctx: StageContext) -> dict:
         atomic_write_json(ctx.out_dir / "deepspeed_config.json", trainer.ds_config)
         ctx.tracker.log_artifact(ctx.out_dir / "deepspeed_config.json")
     log_params(ctx, trainer, {"world_size": trainer.world_size})
-    docs = trainer.documents
+    docs = trainer.data.documents
     batch = (
         f"{train.batch_size} documents of {docs['length']:,} tokens in segments of {train.seq_len}"
         if docs

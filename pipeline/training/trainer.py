@@ -158,11 +158,6 @@ class Trainer:
         self.params = sum(p.numel() for p in self.model.parameters())
         self.checkpoints = CheckpointIO(self.engine, self.rank, self.world_size, self.params, log)
 
-    @property
-    def documents(self) -> dict | None:
-        """The data's documents (None: not documents), for the stage's lines."""
-        return self.data.documents
-
     def _initial_states(self) -> list[State]:
         """The model's state before its rows' first token, one per micro-batch (the task's:
         none for documents, which carry nothing across updates)."""
