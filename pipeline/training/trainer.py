@@ -33,7 +33,6 @@ from pipeline.data.vocab import bits_name
 from pipeline.errors import PipelineError, Preempted
 from pipeline.models.protocol import SequenceModel, State
 from pipeline.ops import compile_count
-from pipeline.training.checkpoint_io import CheckpointIO, LoopState
 from pipeline.training.ds_config import deepspeed_config
 from pipeline.training.engine import (
     Float32Masters,
@@ -44,6 +43,7 @@ from pipeline.training.engine import (
     skip_single_process_allreduce,
     stepped_optimizer,
 )
+from pipeline.training.engine_checkpoints import CheckpointIO, LoopState
 from pipeline.training.evaluation import LN2
 from pipeline.training.micro_batch import resolve
 from pipeline.training.nonfinite import NonfiniteGuard
@@ -416,10 +416,10 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def save(self, root: Path, keep: int, best: bool = False) -> Path:
-        """Checkpoint this step under `root` (pipeline.training.checkpoint_io.CheckpointIO.save),
-        once the metrics logged up to it are durable: a run resumed from it logs none of
-        them again. Refuses (PipelineError) to save a non-finite state: the last checkpoint
-        stays the last finite one."""
+        """Checkpoint this step under `root`
+        (pipeline.training.engine_checkpoints.CheckpointIO.save), once the metrics logged up to
+        it are durable: a run resumed from it logs none of them again. Refuses (PipelineError) to
+        save a non-finite state: the last checkpoint stays the last finite one."""
         self._check_finite()
         self.tracker.make_durable()
         return self.checkpoints.save(

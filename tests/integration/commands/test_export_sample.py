@@ -24,7 +24,7 @@ def cli(*args) -> str:
 def test_an_export_loads_with_one_call_and_gives_the_checkpoints_logits(trained, tmp_path):
     from pipeline.commands.export import load_exported
     from pipeline.data.manifest import load_manifest, load_split
-    from pipeline.training.checkpoints import load_model_weights
+    from pipeline.training.checkpoint_dirs import load_model_weights
 
     out = tmp_path / "export"
     cli("export", trained, "--out", out)
@@ -109,7 +109,7 @@ class Planted:
 
 @pytest.mark.parametrize("command", ["sample", "export"])
 def test_a_checkpoint_whose_pickle_would_run_code_is_refused(trained, tmp_path, command):
-    from pipeline.training.checkpoints import write_checksums
+    from pipeline.training.checkpoint_dirs import write_checksums
 
     planted = tmp_path / "planted"
     ckpt = tmp_path / "shared" / "step-00000030"
@@ -226,7 +226,7 @@ def test_a_checkpoint_that_does_not_fit_the_config_names_the_difference(trained)
 
 
 def test_another_stage_kinds_checkpoint_is_one_line(trained, tmp_path):
-    from pipeline.training.checkpoints import write_checksums
+    from pipeline.training.checkpoint_dirs import write_checksums
 
     def sample_from(ckpt) -> str:
         write_checksums(ckpt)
