@@ -21,8 +21,8 @@ from stages.base import StageContext
 
 if TYPE_CHECKING:
     from pipeline.training.plan import Tokens, TrainingPlan
-    from pipeline.training.sources import TrainingData
     from pipeline.training.trainer import Trainer
+    from pipeline.training.training_data import TrainingData
 
 
 @dataclass
@@ -154,7 +154,7 @@ def preprocessed_data(spec) -> Callable[[Mapping[str, Path]], TrainingData]:
     """The preprocess stage's shards (its output among the stage's inputs)."""
 
     def data(inputs: Mapping[str, Path]) -> TrainingData:
-        from pipeline.training.sources import PreprocessedData
+        from pipeline.training.training_data import PreprocessedData
 
         return PreprocessedData(inputs["preprocess"], spec.train.seq_len)
 
@@ -172,7 +172,7 @@ def preprocessed_timing_data(spec) -> Callable[[int, str], TrainingData]:
     frequency-sort task's documents), for a vocabulary: what the estimate times on."""
 
     def data(vocab_size: int, origin: str) -> TrainingData:
-        from pipeline.training.sources import RandomDocuments, RandomStreams
+        from pipeline.training.training_data import RandomDocuments, RandomStreams
 
         if (task := document_task(spec)) is not None:
             from pipeline.data.frequency_sort import document_length

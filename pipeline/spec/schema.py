@@ -6,7 +6,7 @@ training_schema.py, and what every section shares in sections.py. Every section 
 unknown keys and wrong types (strict: a quoted "4" is not an int). The `model:` section is
 the exception: it is checked against the registered model's own config dataclass
 (pipeline/models), so models stay plain torch. Loading, merging and error reporting are in
-loading.py, sources.py and validation.py.
+loading.py, yaml_reading.py and validation.py.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ from pipeline.training.settings import as_trained
 from pipeline.training.tasks import Forward, objective
 
 if TYPE_CHECKING:
-    from pipeline.training.sources import TrainingData
+    from pipeline.training.training_data import TrainingData
 
 
 Losses = TypeVar("Losses")
@@ -113,7 +113,7 @@ class EngineUpdates:
 class Trainer:
     """The one training loop: every training stage builds one from the spec, its plan
     (pipeline.training.plan: the learning rates, hooks and cadences) and its data
-    (pipeline.training.sources). It reads the spec as trained
+    (pipeline.training.training_data). It reads the spec as trained
     (pipeline.training.settings.as_trained): a key that does nothing under the other settings
     (a curriculum's train.deepspeed from a base) at its default, as every fingerprint counts
     it."""
