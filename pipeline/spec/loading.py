@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline.errors import shown
-from pipeline.spec.bases import base_config_problem
+from pipeline.spec.base_configs import base_config_problem
 from pipeline.spec.schema import Spec
 from pipeline.spec.smoke import BUILTIN_CARD, smoke_data
 from pipeline.spec.validation import InertKeysError, refuse_inert_keys, validate_spec

@@ -20,7 +20,7 @@ from pipeline.errors import shown as _shown
 from pipeline.models import MODELS
 from pipeline.ops import backend_cannot_train_on, backends_that_train_on
 from pipeline.spec.schema import Spec
-from pipeline.spec.sections import VOCAB_LIMIT
+from pipeline.spec.section_base import VOCAB_LIMIT
 from pipeline.spec.yaml_reading import SpecError, dotted_path, short_repr, type_in_words
 
 
