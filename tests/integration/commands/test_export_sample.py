@@ -178,13 +178,13 @@ def test_tokens_come_out_as_they_are_generated():
     ],
 )
 def test_sample_refuses_what_it_cannot_do_in_one_line(trained, option, value, error, monkeypatch):
-    import pipeline.commands.trained
+    import pipeline.commands.trained_weights
 
     def loaded_too_soon(*args):
         raise AssertionError("the model was loaded for a sample that cannot be made")
 
     if option == "--tokens":
-        monkeypatch.setattr(pipeline.commands.trained, "trained_model", loaded_too_soon)
+        monkeypatch.setattr(pipeline.commands.trained_weights, "trained_model", loaded_too_soon)
     result = CliRunner().invoke(main, ["sample", str(trained), "--prompt", "def ", option, value])
     assert result.exit_code == 2, result.output
     assert result.output == f"error: {error}\n"
