@@ -14,7 +14,7 @@ torch's tensors instead of the allocator's free lists. Planned = the plan of tha
 the CPU in float32 at the initial spans (what the estimate plans before it times), without
 the estimate's margin.
 
-The GPU rows are enwik8_large's step as bench/train_step.py measured it (recorded_gpu.py,
+The GPU rows are enwik8_large's step as bench/train_step.py measured it (gpu_records.py,
 docs/benchmarks.md): the model cast to bf16 whole, torch's Adagrad (its state bf16 too), no
 DeepSpeed, the state carried from the previous step, spans held at a fraction; planned =
 that setting's plan (weights, Adagrad's sum and the gradients 2 bytes a weight each).
@@ -144,11 +144,11 @@ def gpu_plan(code: str, micro_batch: int, span_frac: float) -> int:
 
 
 def gpu_table() -> None:
-    from pipeline.commands import recorded_gpu
+    from pipeline.commands import gpu_records
 
     rows = [
         ("H100", r["code"], r["micro_batch"], r["span_frac"], r["peak_mb"])
-        for r in recorded_gpu.records()
+        for r in gpu_records.records()
         if "eager" in r["code"]
     ]
     print("| GPU | code | micro-batch | span | measured MiB | planned MiB | planned / measured |")

@@ -14,7 +14,7 @@ which is what the authors' script prints as "Maximum Sequence Size". Metrics per
 The lengths, promotions and history are a hook of the trainer
 (pipeline.training.curriculum.LengthCurriculum); the updates (train.optimizer, its clipping,
 train.nonfinite), the learning-rate schedule over all the epochs' updates, the checkpoints
-(pipeline.training.checkpoint_io, one `checkpoints/step-N` per epoch's last update N, the
+(pipeline.training.engine_checkpoints, one `checkpoints/step-N` per epoch's last update N, the
 newest KEEP kept) and the stop on SIGTERM or SIGINT (the update ends, a checkpoint is saved)
 are the trainer's (pipeline.training.trainer), as for the train stage. An interrupted run
 resumes from the newest intact checkpoint and ends exactly as an uninterrupted run would.

@@ -10,7 +10,7 @@ targets after each separator: loss per scored target, token accuracy and exact m
 (pipeline.training.document_passes).
 
 The results name the weights they are of by content, not by path: `weights` is the scored
-checkpoint's id (pipeline.training.checkpoints.weights_id), in results.json and as a tag of
+checkpoint's id (pipeline.training.checkpoint_dirs.weights_id), in results.json and as a tag of
 the stage's MLflow run, so that whatever shows them later shows them beside those weights only
 (pipeline.workspace.scores, `compare`).
 """
@@ -21,7 +21,7 @@ import math
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
-from pipeline.training.checkpoints import CHECKPOINTS, WEIGHTS
+from pipeline.training.checkpoint_dirs import CHECKPOINTS, WEIGHTS
 from stages.base import Stage, StageContext
 from stages.trained_checkpoint import trained_checkpoint, trained_stages
 
@@ -40,7 +40,7 @@ def run(ctx: StageContext) -> dict:
     from pipeline.cluster.device import resolve_device
     from pipeline.data.manifest import load_manifest, load_split
     from pipeline.data.vocab import bits_name
-    from pipeline.training.checkpoints import load_model_weights, weights_id
+    from pipeline.training.checkpoint_dirs import load_model_weights, weights_id
     from pipeline.training.evaluation import LN2, evaluate_nll
     from pipeline.training.paper_loss import line_losses
     from pipeline.training.progress import ScoringProgress

@@ -24,7 +24,7 @@ def evaluate_task(ctx: StageContext) -> dict:
 
     from pipeline.cluster.device import resolve_device
     from pipeline.data.algorithmic import length_step, vocab_size
-    from pipeline.training.checkpoints import WEIGHTS, load_model_weights, weights_id
+    from pipeline.training.checkpoint_dirs import WEIGHTS, load_model_weights, weights_id
     from pipeline.training.curriculum import score, stream_seed
 
     spec = ctx.spec

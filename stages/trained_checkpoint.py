@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.training.checkpoints import CHECKPOINTS, read_pointer
+from pipeline.training.checkpoint_dirs import CHECKPOINTS, read_pointer
 from stages.base import resolve_inputs
 
 

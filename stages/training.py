@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.fsutil import atomic_write_json
-from pipeline.training.checkpoints import CHECKPOINTS
+from pipeline.training.checkpoint_dirs import CHECKPOINTS
 from stages.base import StageContext
 
 if TYPE_CHECKING:
     from pipeline.training.plan import Tokens, TrainingPlan
-    from pipeline.training.sources import TrainingData
     from pipeline.training.trainer import Trainer
+    from pipeline.training.training_data import TrainingData
 
 
 @dataclass
@@ -40,7 +40,7 @@ def start(ctx: StageContext, plan: TrainingPlan) -> Started:
     """The stage's Trainer, at the newest intact checkpoint of its own (a resume), else of
     the stage it continues (`plan.continues`), else at the initial weights; what it
     resolved (micro-batch, precision) recorded before its first update."""
-    from pipeline.training.checkpoints import newest_intact, step_dirs, step_of
+    from pipeline.training.checkpoint_dirs import newest_intact, step_dirs, step_of
     from pipeline.training.micro_batch import read_record
     from pipeline.training.trainer import Trainer
 
@@ -103,9 +103,9 @@ def record_resolved(ctx: StageContext, trainer: Trainer) -> None:
 def tag_weights(ctx: StageContext, trainer: Trainer, summary: dict) -> None:
     """Tag the stage's MLflow run with the checkpoint it ended with, and the ids of its
     weights and of the checkpoint its validations marked best
-    (pipeline.training.checkpoints.weights_id): what `compare` binds evaluate's scores to, by
+    (pipeline.training.checkpoint_dirs.weights_id): what `compare` binds evaluate's scores to, by
     content. Rank 0 only."""
-    from pipeline.training.checkpoints import BEST_WEIGHTS, WEIGHTS, read_pointer, weights_id
+    from pipeline.training.checkpoint_dirs import BEST_WEIGHTS, WEIGHTS, read_pointer, weights_id
 
     if trainer.rank != 0:
         return
@@ -154,7 +154,7 @@ def preprocessed_data(spec) -> Callable[[Mapping[str, Path]], TrainingData]:
     """The preprocess stage's shards (its output among the stage's inputs)."""
 
     def data(inputs: Mapping[str, Path]) -> TrainingData:
-        from pipeline.training.sources import PreprocessedData
+        from pipeline.training.training_data import PreprocessedData
 
         return PreprocessedData(inputs["preprocess"], spec.train.seq_len)
 
@@ -172,7 +172,7 @@ def preprocessed_timing_data(spec) -> Callable[[int, str], TrainingData]:
     frequency-sort task's documents), for a vocabulary: what the estimate times on."""
 
     def data(vocab_size: int, origin: str) -> TrainingData:
-        from pipeline.training.sources import RandomDocuments, RandomStreams
+        from pipeline.training.training_data import RandomDocuments, RandomStreams
 
         if (task := document_task(spec)) is not None:
             from pipeline.data.frequency_sort import document_length

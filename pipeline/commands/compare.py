@@ -357,7 +357,7 @@ def _stale(evaluated, trained: dict[str, Any], params: dict[str, str]) -> str | 
     weights evaluate would score, the latest training run's last or its best (finetune's
     best, else train's), must have the id evaluate's run names. With no training run in the
     row (a sweep's point that reused another's), nothing it shows is other weights."""
-    from pipeline.training.checkpoints import BEST_WEIGHTS, WEIGHTS
+    from pipeline.training.checkpoint_dirs import BEST_WEIGHTS, WEIGHTS
 
     scored = evaluated.data.tags.get(WEIGHTS)
     if not scored:

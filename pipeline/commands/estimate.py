@@ -4,14 +4,14 @@ they cost (Stage.estimate_lines: evaluate's tokens), the memory plan per GPU
 (pipeline/commands/memory_report.py), the run's update timed on this machine
 (pipeline/commands/update_timing.py; fewer of its rows where the whole update would take
 more than half of this machine's memory), and H100 / H200 time from the model's FLOPs per
-token and the MFU the GPU check recorded (pipeline/commands/recorded_gpu.py). Every number is
+token and the MFU the GPU check recorded (pipeline/commands/gpu_records.py). Every number is
 printed with where it came from, in the unit its size reads best in."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.commands import recorded_gpu
+from pipeline.commands import gpu_records
 from pipeline.commands.report import vocab_size_for
 from pipeline.errors import PipelineError
 
@@ -95,7 +95,7 @@ def counts_weights_only(model) -> bool:
 
 def gpu_hours(tokens: int, flops: float, mfu: float) -> float:
     """Hours to train `tokens` at `flops` per token and `mfu` of an H100's dense bf16 peak."""
-    return tokens * flops / (mfu * recorded_gpu.H100_BF16_PEAK_TFLOPS * 1e12) / 3600
+    return tokens * flops / (mfu * gpu_records.H100_BF16_PEAK_TFLOPS * 1e12) / 3600
 
 
 def format_hours(hours: float) -> str:
@@ -135,7 +135,7 @@ def gpu_estimates(spec, stages: list[StageTokens] | None = None) -> list[GpuEsti
     fracs = [1.0, SHORT_SPAN] if spans and model.spans_grow() else [1.0]
     out = []
     for frac in fracs:
-        record = recorded_gpu.estimate_record(frac)
+        record = gpu_records.estimate_record(frac)
         flops, span_len = flops_per_token(model, frac)
         label = ""
         if spans:
@@ -177,10 +177,10 @@ def estimate_report(spec, measure: bool = True, progress=None) -> str:
         where = f" at {est.span}" if est.span else ""
         lines.append(
             f"  H100 time{where}: {_times_line(est.hours)} (tokens x FLOPs per token / "
-            f"(MFU {est.record['mfu']:.1%} x {recorded_gpu.H100_BF16_PEAK_TFLOPS:.0f} "
+            f"(MFU {est.record['mfu']:.1%} x {gpu_records.H100_BF16_PEAK_TFLOPS:.0f} "
             f"TFLOP/s); {mfu_source(spec, est.record)})"
         )
-    peak = recorded_gpu.H100_BF16_PEAK_TFLOPS
+    peak = gpu_records.H100_BF16_PEAK_TFLOPS
     for est in estimates:
         where = f" at {est.span}" if est.span else ""
         lines.append(

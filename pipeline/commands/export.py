@@ -33,7 +33,7 @@ from pipeline.commands.export_dirs import (
     remove_abandoned,
     take_abandoned,
 )
-from pipeline.commands.trained import trained_model
+from pipeline.commands.trained_weights import trained_model
 from pipeline.errors import PipelineError, shown, write_cause, write_hint
 
 WEIGHTS, CONFIG, VOCAB, SP_MODEL = (

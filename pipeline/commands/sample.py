@@ -121,7 +121,7 @@ def sample(
 ) -> Iterator[str]:
     """The prompt and its continuation, as pieces of text that join to it, yielded as the
     tokens are generated."""
-    from pipeline.commands.trained import trained_model
+    from pipeline.commands.trained_weights import trained_model
     from pipeline.data.manifest import load_tokenizer
 
     if tokens > MAX_TOKENS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.spec.sources import PROJECT_ROOT, SpecError, parse_override
+from pipeline.spec.yaml_reading import PROJECT_ROOT, SpecError, parse_override
 
 if TYPE_CHECKING:
     from pipeline.spec.loading import ALL, inert_on_its_own, load_spec

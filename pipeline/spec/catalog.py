@@ -21,7 +21,7 @@ import yaml
 
 from pipeline.errors import shown
 from pipeline.resources import project_dir
-from pipeline.spec.sources import SpecError, load_with_extends
+from pipeline.spec.yaml_reading import SpecError, load_with_extends
 
 SUFFIXES = (".yaml", ".yml")
 NEAR = 3  # near names an unknown one is told

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from pipeline.spec.sections import (
+from pipeline.spec.section_base import (
     MAX_STEPS,
     VOCAB_LIMIT,
     Section,

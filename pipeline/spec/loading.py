@@ -7,10 +7,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline.errors import shown
-from pipeline.spec.bases import base_config_problem
+from pipeline.spec.base_configs import base_config_problem
 from pipeline.spec.schema import Spec
 from pipeline.spec.smoke import BUILTIN_CARD, smoke_data
-from pipeline.spec.sources import (
+from pipeline.spec.validation import InertKeysError, refuse_inert_keys, validate_spec
+from pipeline.spec.yaml_reading import (
     SpecError,
     Where,
     apply_override,
@@ -18,7 +19,6 @@ from pipeline.spec.sources import (
     parse_override,
     resolve_dataset_card,
 )
-from pipeline.spec.validation import InertKeysError, refuse_inert_keys, validate_spec
 
 
 def load_spec(

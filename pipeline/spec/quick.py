@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.spec.names import smoke_name
-from pipeline.spec.sources import load_with_extends, parse_override
+from pipeline.spec.yaml_reading import load_with_extends, parse_override
 
 DEFAULT_ROOT = "runs"  # WorkspaceSpec.root's default (tests/unit/spec/test_quick.py holds it)
 NAMING_KEYS = {("name",), ("workspace",), ("workspace", "root")}

@@ -44,7 +44,7 @@ from pipeline.models.infinity_former import InfinityFormerConfig
 from pipeline.plugins import MODEL_GROUP, PROJECT, STAGE_GROUP, providers
 from pipeline.spec import PROJECT_ROOT, load_spec
 from pipeline.spec.schema import Spec
-from pipeline.spec.sections import TASK_SYMBOLS_LIMIT, check_task_symbols
+from pipeline.spec.section_base import TASK_SYMBOLS_LIMIT, check_task_symbols
 from pipeline.spec.validation import MODEL_LIMITS
 
 # how this module is run, for the messages that say how to regenerate the page

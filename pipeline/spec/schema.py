@@ -2,11 +2,11 @@
 
 This module holds the whole `Spec` and its small blocks (tracking, workspace, paper); the
 dataset card's sections are in dataset_schema.py, train's, finetune's and evaluate's in
-training_schema.py, and what every section shares in sections.py. Every section refuses
+training_schema.py, and what every section shares in section_base.py. Every section refuses
 unknown keys and wrong types (strict: a quoted "4" is not an int). The `model:` section is
 the exception: it is checked against the registered model's own config dataclass
 (pipeline/models), so models stay plain torch. Loading, merging and error reporting are in
-loading.py, sources.py and validation.py.
+loading.py, yaml_reading.py and validation.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_valid
 from pipeline.fsutil import path_problem
 from pipeline.redact import mask
 from pipeline.spec.dataset_schema import DatasetSpec
-from pipeline.spec.sections import Section, check_path
+from pipeline.spec.section_base import Section, check_path
 from pipeline.spec.training_schema import (
     CURRICULUM_ENGINE_TRAIN,
     CURRICULUM_UNUSED_TRAIN,

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.spec.sections import MAX_ROWS, MAX_SEQ_LEN, MAX_STEPS, Section, check_path
+from pipeline.spec.section_base import MAX_ROWS, MAX_SEQ_LEN, MAX_STEPS, Section, check_path
 
 
 class OptimizerSpec(Section):

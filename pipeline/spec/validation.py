@@ -20,8 +20,8 @@ from pipeline.errors import shown as _shown
 from pipeline.models import MODELS
 from pipeline.ops import backend_cannot_train_on, backends_that_train_on
 from pipeline.spec.schema import Spec
-from pipeline.spec.sections import VOCAB_LIMIT
-from pipeline.spec.sources import SpecError, dotted_path, short_repr, type_in_words
+from pipeline.spec.section_base import VOCAB_LIMIT
+from pipeline.spec.yaml_reading import SpecError, dotted_path, short_repr, type_in_words
 
 
 def _locate(where: dict, loc: tuple, fallback: str) -> str:

@@ -113,7 +113,7 @@ def evaluation(spec, checkpoint: str) -> tuple[Path | None, dict[str, float], st
     the scores of the weights in `checkpoint` (a checkpoint directory), bound by their
     content (pipeline.workspace.scores); (None, {}, why not) otherwise: stale scores are
     never attached, and the note says `stale` and to re-run evaluate."""
-    from pipeline.training.checkpoints import CHECKPOINTS
+    from pipeline.training.checkpoint_dirs import CHECKPOINTS
     from pipeline.workspace.scores import rerun, scores_of
 
     found = scores_of(spec, Path(checkpoint))

@@ -105,7 +105,7 @@ def environment_tags() -> dict[str, str]:
 
 
 # a file of this package, as it sits in the project's own checkout
-OWN_SOURCE = "pipeline/spec/sources.py"
+OWN_SOURCE = "pipeline/spec/yaml_reading.py"
 
 
 def source_commit(root: Path) -> dict[str, str]:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.errors import PipelineError
-from pipeline.training.optim import ClippedAdagrad, Layout, Run, whole
+from pipeline.training.optim import ClippedAdagrad
+from pipeline.training.partitions import Layout, Run, whole
 
 
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict):

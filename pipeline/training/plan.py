@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pipeline.training.optim import LrSchedule
 
 if TYPE_CHECKING:
-    from pipeline.training.sources import TrainingData
+    from pipeline.training.training_data import TrainingData
 
 
 class TrainingHook(Protocol):

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import PipelineError
-from pipeline.training.checkpoints import read_checkpoint_file
+from pipeline.training.checkpoint_dirs import read_checkpoint_file
 
 
 def message(writers: int, world_size: int) -> str:
@@ -75,7 +75,7 @@ def load_engine(engine, root: Path, tag: str, writers: int) -> None:
 def trainer_state(old: list[dict], rank: int, world_size: int, accum: int, ckpt: Path) -> dict:
     """This rank's trainer state at `world_size` processes of `accum` micro-batches, from the
     old ranks' ones (`old[r]`: rank r's `trainer-rank<r>.pt`, read by
-    pipeline.training.checkpoint_io.read_trainer_file) of checkpoint `ckpt`: the same step and
+    pipeline.training.engine_checkpoints.read_trainer_file) of checkpoint `ckpt`: the same step and
     validation record and span plan, the model states cut for the new rows, and old rank
     `rank`'s random state (None for a rank that did not exist)."""
     # per state tensor: the global batch's rows in order

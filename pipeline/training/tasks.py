@@ -1,5 +1,5 @@
 """What the `Trainer` does with one kind of data: a `Task` per kind, chosen by the data
-(pipeline.training.sources.TrainingData.task), so that the loop asks nothing about it.
+(pipeline.training.training_data.TrainingData.task), so that the loop asks nothing about it.
 
 A task says the model's state before a row's first token, when the carried states stop being
 the rows' left context, an update's micro-batches and the forward of one (its per-token nll,

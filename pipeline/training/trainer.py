@@ -33,7 +33,6 @@ from pipeline.data.vocab import bits_name
 from pipeline.errors import PipelineError, Preempted
 from pipeline.models.protocol import SequenceModel, State
 from pipeline.ops import compile_count
-from pipeline.training.checkpoint_io import CheckpointIO, LoopState
 from pipeline.training.ds_config import deepspeed_config
 from pipeline.training.engine import (
     Float32Masters,
@@ -44,6 +43,7 @@ from pipeline.training.engine import (
     skip_single_process_allreduce,
     stepped_optimizer,
 )
+from pipeline.training.engine_checkpoints import CheckpointIO, LoopState
 from pipeline.training.evaluation import LN2
 from pipeline.training.micro_batch import resolve
 from pipeline.training.nonfinite import NonfiniteGuard
@@ -54,7 +54,7 @@ from pipeline.training.settings import as_trained
 from pipeline.training.tasks import Forward, objective
 
 if TYPE_CHECKING:
-    from pipeline.training.sources import TrainingData
+    from pipeline.training.training_data import TrainingData
 
 
 Losses = TypeVar("Losses")
@@ -113,7 +113,7 @@ class EngineUpdates:
 class Trainer:
     """The one training loop: every training stage builds one from the spec, its plan
     (pipeline.training.plan: the learning rates, hooks and cadences) and its data
-    (pipeline.training.sources). It reads the spec as trained
+    (pipeline.training.training_data). It reads the spec as trained
     (pipeline.training.settings.as_trained): a key that does nothing under the other settings
     (a curriculum's train.deepspeed from a base) at its default, as every fingerprint counts
     it."""
@@ -411,10 +411,10 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def save(self, root: Path, keep: int, best: bool = False) -> Path:
-        """Checkpoint this step under `root` (pipeline.training.checkpoint_io.CheckpointIO.save),
-        once the metrics logged up to it are durable: a run resumed from it logs none of
-        them again. Refuses (PipelineError) to save a non-finite state: the last checkpoint
-        stays the last finite one."""
+        """Checkpoint this step under `root`
+        (pipeline.training.engine_checkpoints.CheckpointIO.save), once the metrics logged up to
+        it are durable: a run resumed from it logs none of them again. Refuses (PipelineError) to
+        save a non-finite state: the last checkpoint stays the last finite one."""
         self._check_finite()
         self.tracker.make_durable()
         return self.checkpoints.save(

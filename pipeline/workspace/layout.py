@@ -48,7 +48,7 @@ from pipeline.fsutil import (
     read_text,
     refuse_link,
 )
-from pipeline.training.checkpoints import CHECKPOINTS, CHECKSUMS, step_dirs, step_of
+from pipeline.training.checkpoint_dirs import CHECKPOINTS, CHECKSUMS, step_dirs, step_of
 
 RECORD = "stage.json"
 PARTIAL_RECORD = "partial.json"

@@ -1,7 +1,7 @@
 """evaluate's scores, bound to the weights they scored.
 
 evaluate names the checkpoint it scored by its content (`weights` in results.json: the id
-pipeline.training.checkpoints.weights_id reads from the checkpoint's checksums), never by its
+pipeline.training.checkpoint_dirs.weights_id reads from the checkpoint's checksums), never by its
 path alone: train re-run with another learning rate writes other weights under the same
 `train/checkpoints/step-N`. Whatever shows or publishes the scores later (a re-run's reprint,
 `export --register`, an export's model card; `compare` reads the same ids from MLflow's tags)
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError, shown
-from pipeline.training.checkpoints import CHECKPOINTS, WEIGHTS, step_dirs, weights_id
+from pipeline.training.checkpoint_dirs import CHECKPOINTS, WEIGHTS, step_dirs, weights_id
 from stages import STAGES, resolve_inputs
 from stages.evaluate import checkpoint_source
 

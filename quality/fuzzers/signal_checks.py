@@ -101,7 +101,7 @@ def leftovers(places: list[Path]) -> list[str]:
     """What is left half-done under `places` (the workspace root, the exports): see the
     module's docstring. Each problem once, as `leftover: ...` or `half-published: ...`."""
     from pipeline.fsutil import file_mismatch
-    from pipeline.training.checkpoints import damage
+    from pipeline.training.checkpoint_dirs import damage
 
     found = []
     for top in places:

@@ -87,7 +87,7 @@ class Scorer:
         return self.cache[digest]
 
     def _checkpoint_weights(self, path: Path) -> None:
-        from pipeline.training.checkpoints import read_checkpoint_file
+        from pipeline.training.checkpoint_dirs import read_checkpoint_file
 
         self.model.load_state_dict(read_checkpoint_file(path)["module"])
 

@@ -162,8 +162,8 @@ def owned(name: str, command: str) -> bool:
 def damage(world: Path, before: dict[str, str], command: str) -> str | None:
     """What the failed (or finished) run left wrong in `world`, or None."""
     from pipeline.fsutil import file_mismatch, read_json
-    from pipeline.training.checkpoints import CHECKSUMS
-    from pipeline.training.checkpoints import damage as checkpoint_damage
+    from pipeline.training.checkpoint_dirs import CHECKSUMS
+    from pipeline.training.checkpoint_dirs import damage as checkpoint_damage
 
     after = snapshot(world)
     changed = [k for k in before if not owned(k, command) and after.get(k) != before[k]]

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from click.testing import CliRunner
 
-from pipeline.commands import recorded_gpu
+from pipeline.commands import gpu_records
 from pipeline.commands.cli import main
 from pipeline.commands.estimate import estimate_report, gpu_estimates, stage_lines, training_tokens
 from pipeline.spec import PROJECT_ROOT, load_spec
@@ -66,7 +66,7 @@ def test_h100_hours_of_the_measured_config_give_back_its_recorded_tokens_per_sec
     stages = training_tokens(spec)
     est = next(e for e in gpu_estimates(spec, stages) if e.record["span_frac"] == frac)
     tokens_s = stages[0].tokens / (est.hours["train"] * 3600)
-    recorded = recorded_gpu.estimate_record(frac)["tokens_s"]
+    recorded = gpu_records.estimate_record(frac)["tokens_s"]
     assert tokens_s == pytest.approx(recorded, rel=0.01)
 
 

@@ -24,7 +24,7 @@ def cli(*args) -> str:
 def test_an_export_loads_with_one_call_and_gives_the_checkpoints_logits(trained, tmp_path):
     from pipeline.commands.export import load_exported
     from pipeline.data.manifest import load_manifest, load_split
-    from pipeline.training.checkpoints import load_model_weights
+    from pipeline.training.checkpoint_dirs import load_model_weights
 
     out = tmp_path / "export"
     cli("export", trained, "--out", out)
@@ -109,7 +109,7 @@ class Planted:
 
 @pytest.mark.parametrize("command", ["sample", "export"])
 def test_a_checkpoint_whose_pickle_would_run_code_is_refused(trained, tmp_path, command):
-    from pipeline.training.checkpoints import write_checksums
+    from pipeline.training.checkpoint_dirs import write_checksums
 
     planted = tmp_path / "planted"
     ckpt = tmp_path / "shared" / "step-00000030"
@@ -178,13 +178,13 @@ def test_tokens_come_out_as_they_are_generated():
     ],
 )
 def test_sample_refuses_what_it_cannot_do_in_one_line(trained, option, value, error, monkeypatch):
-    import pipeline.commands.trained
+    import pipeline.commands.trained_weights
 
     def loaded_too_soon(*args):
         raise AssertionError("the model was loaded for a sample that cannot be made")
 
     if option == "--tokens":
-        monkeypatch.setattr(pipeline.commands.trained, "trained_model", loaded_too_soon)
+        monkeypatch.setattr(pipeline.commands.trained_weights, "trained_model", loaded_too_soon)
     result = CliRunner().invoke(main, ["sample", str(trained), "--prompt", "def ", option, value])
     assert result.exit_code == 2, result.output
     assert result.output == f"error: {error}\n"
@@ -226,7 +226,7 @@ def test_a_checkpoint_that_does_not_fit_the_config_names_the_difference(trained)
 
 
 def test_another_stage_kinds_checkpoint_is_one_line(trained, tmp_path):
-    from pipeline.training.checkpoints import write_checksums
+    from pipeline.training.checkpoint_dirs import write_checksums
 
     def sample_from(ckpt) -> str:
         write_checksums(ckpt)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from pipeline.commands.cli import main
 from pipeline.spec import load_spec
-from pipeline.spec.sources import PROJECT_ROOT
+from pipeline.spec.yaml_reading import PROJECT_ROOT
 from stages import STAGES
 from tests.fixtures.docs_pages import PAGES, PLACEHOLDER, commands
 from tests.fixtures.runs import own_mixer_config

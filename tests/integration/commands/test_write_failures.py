@@ -122,7 +122,7 @@ def test_a_checkpoint_past_the_file_size_limit_keeps_the_previous_one(tmp_path, 
     """torch's writer says only that its stream failed: the file at the limit tells why."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from pipeline.training.checkpoints import damage, step_dirs
+    from pipeline.training.checkpoint_dirs import damage, step_dirs
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes((ROOT / "README.md").read_bytes() * 3)

@@ -141,7 +141,7 @@ def test_a_tilde_path_under_a_home_that_is_not_there_is_one_line_wherever_it_is_
     # before: RuntimeError from Path.expanduser, a traceback
     from types import SimpleNamespace
 
-    from pipeline.commands.trained import checkpoint_of
+    from pipeline.commands.trained_weights import checkpoint_of
     from pipeline.data.fetch import cache_dir
     from pipeline.errors import PipelineError
 

@@ -19,7 +19,7 @@ from pipeline.data.algorithmic import binary_case, check_length, generate, vocab
 from pipeline.errors import PipelineError
 from pipeline.spec import SpecError, load_spec
 from pipeline.spec.validation import INERT_WAY_OUT
-from pipeline.training.checkpoints import (
+from pipeline.training.checkpoint_dirs import (
     damage,
     load_model_weights,
     read_checkpoint_file,
@@ -191,7 +191,7 @@ def test_a_curriculum_stopped_inside_an_epoch_resumes_to_the_uninterrupted_one(
 def test_a_checkpoint_of_the_old_curriculum_format_is_refused_in_one_line(tmp_path):
     """Before the curriculum trained through the trainer it saved `state.pt` checkpoints of
     its own: a run that finds one says what to do instead of failing inside DeepSpeed."""
-    from pipeline.training.checkpoints import write_checksums
+    from pipeline.training.checkpoint_dirs import write_checksums
 
     _, spec = task_spec(tmp_path)
     ckpt = tmp_path / "old" / "checkpoints" / "step-00000002"

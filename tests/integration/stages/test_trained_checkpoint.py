@@ -1,6 +1,6 @@
 """The one rule for which checkpoint holds the trained model (stages.trained_checkpoint), as
 its two users read it: evaluate's `evaluate.checkpoint` (checkpoint_source) and sample's and
-export's `--checkpoint latest|best` (pipeline.commands.trained.checkpoint_of). Checkpoints
+export's `--checkpoint latest|best` (pipeline.commands.trained_weights.checkpoint_of). Checkpoints
 here are bare step directories and pointers: the choice reads nothing else."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.commands.trained import checkpoint_of
+from pipeline.commands.trained_weights import checkpoint_of
 from pipeline.errors import PipelineError
 from pipeline.spec import load_spec
 from stages import STAGES, resolve_inputs

@@ -21,7 +21,7 @@ import stages
 import stages.base
 import stages.training
 from pipeline.spec import load_spec
-from pipeline.training.checkpoints import read_checkpoint_file, step_dirs
+from pipeline.training.checkpoint_dirs import read_checkpoint_file, step_dirs
 from pipeline.workspace.layout import fingerprint
 from stages.base import NullStageTracker, StageContext
 from tests.fixtures.curriculum import ROOT, StopAt, history

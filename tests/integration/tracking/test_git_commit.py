@@ -47,14 +47,14 @@ def test_a_package_installed_inside_the_users_repository_has_no_commit(tmp_path,
     repository(user, {"train.py": "", ".gitignore": ".venv/\n"})
     installed = user / ".venv" / "lib" / "python3" / "site-packages"
     (installed / "pipeline" / "spec").mkdir(parents=True)
-    (installed / "pipeline" / "spec" / "sources.py").write_text("")
+    (installed / "pipeline" / "spec" / "yaml_reading.py").write_text("")
     monkeypatch.chdir(user)
     assert tags_with_root(monkeypatch, installed) == {}
 
 
 def test_the_projects_own_checkout_is_tagged_with_its_commit_not_git_dirs(tmp_path, monkeypatch):
     project = tmp_path / "allattn-pipe"
-    commit = repository(project, {"pipeline/spec/sources.py": "", "README.md": "a\n"})
+    commit = repository(project, {"pipeline/spec/yaml_reading.py": "", "README.md": "a\n"})
     user = tmp_path / "user-repo"
     repository(user, {"train.py": ""})
     monkeypatch.chdir(user)
@@ -69,5 +69,5 @@ def test_another_projects_checkout_holding_a_copy_of_the_package_has_no_commit(
     tmp_path, monkeypatch
 ):
     other = tmp_path / "vendored"
-    repository(other, {"third_party/pipeline/spec/sources.py": ""})
+    repository(other, {"third_party/pipeline/spec/yaml_reading.py": ""})
     assert tags_with_root(monkeypatch, other / "third_party") == {}

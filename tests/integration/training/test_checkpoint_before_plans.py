@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from pipeline.spec import load_spec
-from pipeline.training.checkpoints import read_checkpoint_file
+from pipeline.training.checkpoint_dirs import read_checkpoint_file
 from stages import STAGES, StageContext
 from stages.base import NullStageTracker
 from tests.fixtures.tiny_corpus import tiny_corpus

@@ -21,7 +21,7 @@ import stages
 from pipeline.errors import PipelineError
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import NullTracker, make_tracker
-from pipeline.training.checkpoints import (
+from pipeline.training.checkpoint_dirs import (
     CHECKSUMS,
     damage,
     read_checkpoint_file,

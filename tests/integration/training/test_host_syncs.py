@@ -19,8 +19,8 @@ WARMUP, LOG_EVERY = 3, 3
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     from pipeline.spec import load_spec
-    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
+    from pipeline.training.training_data import PreprocessedData
 
     tmp = tmp_path_factory.mktemp("syncs")
     cfg, pre = tiny_corpus(tmp)
@@ -60,8 +60,8 @@ def test_a_compiled_step_makes_no_host_sync(tmp_path, monkeypatch):
     """train.compile: true (aot_eager here: inductor takes minutes per graph on this CPU)."""
     from pipeline.models.allattn import AllAttnLM
     from pipeline.spec import load_spec
-    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
+    from pipeline.training.training_data import PreprocessedData
 
     compile_for_training = AllAttnLM.compile_for_training
     monkeypatch.setattr(

@@ -21,7 +21,7 @@ from pipeline.commands.cli import main
 from pipeline.errors import PipelineError
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import NullTracker, make_tracker
-from pipeline.training.checkpoints import read_checkpoint_file, read_pointer, step_dirs
+from pipeline.training.checkpoint_dirs import read_checkpoint_file, read_pointer, step_dirs
 from pipeline.workspace.runner import Runner
 
 MODEL = "mp_rank_00_model_states.pt"

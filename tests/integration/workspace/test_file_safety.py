@@ -217,7 +217,7 @@ def test_a_fifo_as_the_manifest_is_refused_not_waited_on(tmp_path):
 
 
 def test_a_fifo_in_a_checkpoint_is_refused_not_waited_on(tmp_path):
-    from pipeline.training.checkpoints import read_checkpoint_file, read_pointer
+    from pipeline.training.checkpoint_dirs import read_checkpoint_file, read_pointer
 
     ckpt = tmp_path / "checkpoints" / "step-00000004"
     ckpt.mkdir(parents=True)

@@ -15,7 +15,7 @@ import stages
 from pipeline.commands.cli import main
 from pipeline.spec import load_spec
 from pipeline.tracking.tracker import NullTracker, experiment_name, tracking_uri
-from pipeline.training.checkpoints import weights_id, write_checksums
+from pipeline.training.checkpoint_dirs import weights_id, write_checksums
 
 ORDER = ["download", "preprocess", "train", "finetune", "evaluate"]
 NOTHING_TO_RUN = "nothing to run: every stage is up to date; no MLflow run recorded"

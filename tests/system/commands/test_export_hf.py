@@ -97,7 +97,7 @@ def export_hf(config, out) -> None:
 def test_the_hf_folder_loads_without_the_package_and_generates_what_sample_does(trained, tmp_path):
     need_transformers()
     from pipeline.commands.sample import generate
-    from pipeline.commands.trained import trained_model
+    from pipeline.commands.trained_weights import trained_model
     from pipeline.data.manifest import load_manifest, load_split
 
     out = tmp_path / "hf"
@@ -151,7 +151,7 @@ def test_the_hf_folder_s_tokenizer_and_pipeline_work_without_the_package(
     continues a prompt as `sample --temperature 0` does."""
     need_transformers()
     from pipeline.commands.sample import decode, encode_prompt, generate
-    from pipeline.commands.trained import trained_model
+    from pipeline.commands.trained_weights import trained_model
     from pipeline.data.manifest import load_tokenizer
     from pipeline.data.sentencepiece_tokenizer import UNK_ID
     from pipeline.errors import PipelineError

@@ -107,8 +107,8 @@ def _ds_worker(cfg: Path, preprocess_dir: Path, ckpt: Path, out: Path) -> None:
     """bf16 Trainers (one process) under ZeRO 0, 1 and 2: what the forward sees of the spans,
     the losses; under ZeRO 1 also a save after 2 steps and a fresh Trainer resumed from it."""
     from pipeline.spec import load_spec
-    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
+    from pipeline.training.training_data import PreprocessedData
 
     def trainer(stage: int) -> Trainer:
         spec = load_spec(

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.training.checkpoints import read_checkpoint_file
+from pipeline.training.checkpoint_dirs import read_checkpoint_file
 from tests.fixtures.quickstart import EVAL_EVERY, FT_STEPS, LOG_EVERY, LR, STEPS, tiny_config
 from tests.fixtures.runs import cli
 

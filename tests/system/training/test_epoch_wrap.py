@@ -30,8 +30,8 @@ def _worker(cfg: Path, preprocess_dir: Path, ckpt: Path, resume: bool, out: Path
     import torch
 
     from pipeline.spec import load_spec
-    from pipeline.training.sources import PreprocessedData
     from pipeline.training.trainer import Trainer
+    from pipeline.training.training_data import PreprocessedData
 
     spec = load_spec(cfg)
     data = PreprocessedData(preprocess_dir, spec.train.seq_len)

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from pipeline.cluster.distributed import free_port
-from pipeline.training.checkpoint_io import read_trainer_file
+from pipeline.training.engine_checkpoints import read_trainer_file
 from pipeline.training.reshard import trainer_state
 from quality.tiny_training import cli, tiny_config
 from tests.fixtures.runs import ROOT, metric_history

@@ -37,17 +37,17 @@ def test_sigterm_during_the_last_checkpoint_write_lets_it_complete(tmp_path, mon
     # before: the signal arrived after the loop's handler was gone, so it cut the write
     # short and the re-run resumed from step 8, contradicting docs/running.md
     from pipeline.tracking.tracker import NullTracker
-    from pipeline.training import checkpoint_io
+    from pipeline.training import engine_checkpoints
     from pipeline.workspace.runner import Runner
 
-    write = checkpoint_io.CheckpointIO._write
+    write = engine_checkpoints.CheckpointIO._write
 
     def signalled(self, root, tag, loop):
         if loop.step == 12:
             signal.raise_signal(signal.SIGTERM)
         return write(self, root, tag, loop)
 
-    monkeypatch.setattr(checkpoint_io.CheckpointIO, "_write", signalled)
+    monkeypatch.setattr(engine_checkpoints.CheckpointIO, "_write", signalled)
     spec = load_spec(_config(tmp_path), [])
     logs = []
     with pytest.raises(Preempted) as stopped:
@@ -59,7 +59,7 @@ def test_sigterm_during_the_last_checkpoint_write_lets_it_complete(tmp_path, mon
     assert (checkpoints / "latest").read_text().strip() == "step-00000012"
     assert (checkpoints / "step-00000012" / "checksums.json").is_file()
 
-    monkeypatch.setattr(checkpoint_io.CheckpointIO, "_write", write)
+    monkeypatch.setattr(engine_checkpoints.CheckpointIO, "_write", write)
     logs.clear()
     Runner(spec, log=logs.append).run(NullTracker())
     assert "[train] resuming from step 12" in logs, logs

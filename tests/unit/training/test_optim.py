@@ -15,7 +15,7 @@ from pipeline.diagnostics.step_audit import OpCounter
 from pipeline.errors import PipelineError
 from pipeline.training.engine import _flat_layout, bind_to_engine
 from pipeline.training.optim import ClippedAdagrad
-from pipeline.training.optim import whole as whole_layout
+from pipeline.training.partitions import whole as whole_layout
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -1,4 +1,4 @@
-"""The id a score names its weights by (pipeline.training.checkpoints.weights_id): the sha256
+"""The id a score names its weights by (pipeline.training.checkpoint_dirs.weights_id): the sha256
 of every file's sha256 by name, computed here with hashlib on the files themselves."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import hashlib
 import json
 import shutil
 
-from pipeline.training.checkpoints import CHECKSUMS, weights_id, write_checksums
+from pipeline.training.checkpoint_dirs import CHECKSUMS, weights_id, write_checksums
 
 
 def expected(path) -> str:

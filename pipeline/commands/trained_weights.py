@@ -20,7 +20,7 @@ def checkpoint_of(spec, which: str, log) -> tuple[Path, str | None, str]:
     the checkpoint the validations marked best (finetune's pointer first), as evaluate chooses
     (stages.trained_checkpoint); PATH is a checkpoint directory (step-N) or a checkpoints
     directory."""
-    from pipeline.training.checkpoints import CHECKPOINTS
+    from pipeline.training.checkpoint_dirs import CHECKPOINTS
     from stages.trained_checkpoint import trained_checkpoint, trained_stages
 
     if which in ("latest", "best"):
@@ -114,7 +114,7 @@ def trained_model(spec, which: str, log):
     """The spec's model with the weights of checkpoint `which`, in eval mode, and the
     preprocess stage's directory (its vocabulary, its manifest)."""
     from pipeline.data.manifest import load_manifest
-    from pipeline.training.checkpoints import load_model_weights
+    from pipeline.training.checkpoint_dirs import load_model_weights
     from stages import STAGES
 
     if "train" not in spec.stages or "preprocess" not in spec.stages:

@@ -16,7 +16,7 @@ import os
 from collections import deque
 from pathlib import Path
 
-from pipeline.spec.sources import SpecError, read_yaml
+from pipeline.spec.yaml_reading import SpecError, read_yaml
 
 BASE_FOLDER = "base"
 SCAN_DEPTH = 2  # folders below the scanned one: configs/active_memory/add.yaml from configs/

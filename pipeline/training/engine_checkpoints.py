@@ -1,8 +1,8 @@
 """A training run's checkpoints, written and restored through its DeepSpeed engine.
 
-A checkpoint `step-N` (the directory's conventions: pipeline.training.checkpoints) holds DeepSpeed's
-files and one `trainer-rank<r>.pt` per rank with what the training loop needs to continue
-exactly: the step, the model's state for each of the rank's micro-batches, the validation
+A checkpoint `step-N` (the directory's conventions: pipeline.training.checkpoint_dirs) holds
+DeepSpeed's files and one `trainer-rank<r>.pt` per rank with what the training loop needs to
+continue exactly: the step, the model's state for each of the rank's micro-batches, the validation
 record, the rank's random state, the model's plan (shapes planned ahead) and the state of the
 loop's hooks (the curriculum's lengths and history).
 """
@@ -22,7 +22,7 @@ from pipeline.errors import PipelineError, did_not_fit, write_cause
 from pipeline.fsutil import atomic_write_text, refuse_link
 from pipeline.models.protocol import State
 from pipeline.training import reshard
-from pipeline.training.checkpoints import (
+from pipeline.training.checkpoint_dirs import (
     CHECKSUMS,
     checkpoint_bytes,
     disk_full,

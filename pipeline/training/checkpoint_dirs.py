@@ -112,7 +112,7 @@ def step_of(tag: str) -> int:
 
 def not_a_trainer_checkpoint(ckpt: Path) -> str:
     """Why checkpoint directory `ckpt` cannot be resumed or read: it was not written by the
-    trainer (pipeline.training.checkpoint_io): the curriculum stage's own format from before
+    trainer (pipeline.training.engine_checkpoints): the curriculum stage's own format from before
     it trained through the trainer, or another program's."""
     if (ckpt / "state.pt").exists():
         return (
