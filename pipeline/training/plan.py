@@ -1,7 +1,7 @@
 """How a training stage trains: its `TrainingPlan`, read off the spec alone.
 
 A stage that trains declares `Stage.plan(spec)`. One body runs any plan
-(stages/training_body.py), `show --estimate` counts its tokens and times its update by it
+(stages/training.py), `show --estimate` counts its tokens and times its update by it
 (pipeline/commands/estimate.py, update_timing.py), and the `Trainer` takes from it the
 learning rate of every update, the hooks around the updates and the cadences of its reports,
 validations and checkpoints. Nothing under pipeline/training asks which stage it runs: a
