@@ -22,6 +22,7 @@ answer to give, not a default one.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -178,22 +179,23 @@ class MemoryCounts:
         return ""
 
 
-class AttentionSpans:
+class AttentionSpans(ABC):
     """Attention spans, learned in training (adaptive span) or fixed: what `show --estimate`
     costs a run at and names, asked through these hooks alone (never the model's planner).
-    Opt in (see the module doc): a family implements every hook."""
+    Opt in (see the module doc): a family implements every hook (abstract: a family that
+    declares it without one cannot be built)."""
 
+    @abstractmethod
     def spans_grow(self) -> bool:
         """Whether training learns the spans (they start at span_init and grow): the estimate
         then costs the run at the full span and at a short one, else at the full span."""
-        raise NotImplementedError
 
+    @abstractmethod
     def train_flops_per_token_at(self, fraction: float) -> tuple[float, str]:
         """``train_flops_per_token()`` with every span at ``fraction`` of the longest, its L'
         planned as training plans it, and that span in words ("L' 8192"); the shapes in force
         are left as they were."""
-        raise NotImplementedError
 
+    @abstractmethod
     def describe_spans(self) -> str:
         """The spans in force, in words ("L' up to 128"), for a line saying what was timed."""
-        raise NotImplementedError
