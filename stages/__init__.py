@@ -40,4 +40,15 @@ def _in_reading_order(stages: dict[str, Stage]) -> dict[str, Stage]:
 
 STAGES: dict[str, Stage] = _in_reading_order(load(STAGE_GROUP, "stage kind", _not_a_stage))  # type: ignore[arg-type]
 
-__all__ = ["STAGES", "Stage", "StageContext", "resolve_inputs", "without"]
+
+def training_plans(spec) -> list:
+    """(name, TrainingPlan) of each stage of `spec` that trains, in the spec's order: what
+    the estimate counts and times."""
+    return [
+        (name, stage.plan(spec))
+        for name in spec.stages
+        if (stage := STAGES.get(name)) is not None and stage.plan is not None
+    ]
+
+
+__all__ = ["STAGES", "Stage", "StageContext", "resolve_inputs", "training_plans", "without"]

@@ -197,7 +197,9 @@ def preprocessed_tokens(spec, updates: int, key: str) -> Tokens:
     if (task := document_task(spec)) is not None:
         # an update reads whole documents, in segments of seq_len with the memory carried:
         # the input, the separator and the sorted vocabulary
-        per_row = task.length + 1 + task.vocab
+        from pipeline.data.frequency_sort import document_length
+
+        per_row = document_length(task.vocab, task.length)
         what = (
             f"{per_row:,} tokens (a whole document: {task.length:,} "
             f"(frequency_sort.length) + the separator + {task.vocab} sorted symbols)"

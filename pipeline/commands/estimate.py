@@ -30,14 +30,13 @@ class StageTokens:
 def training_tokens(spec) -> list[StageTokens]:
     """Tokens each stage of the spec that trains feeds the model, as its plan counts them
     (pipeline.training.plan.Tokens: updates x sequences per update x tokens per sequence)."""
-    from stages import STAGES
+    from stages import training_plans
 
-    out = []
-    for name in spec.stages:
-        if (stage := STAGES.get(name)) is not None and stage.plan is not None:
-            t = stage.plan(spec).tokens
-            out.append(StageTokens(name, t.updates, t.tokens, t.how, t.at_least))
-    return out
+    return [
+        StageTokens(name, plan.tokens.updates, plan.tokens.tokens, plan.tokens.how,
+                    plan.tokens.at_least)
+        for name, plan in training_plans(spec)
+    ]  # fmt: skip
 
 
 def stage_lines(spec) -> list[str]:

@@ -47,12 +47,11 @@ class UpdateTime:
 def first_plan(spec):
     """The plan of the run's first stage that trains (pipeline.training.plan): its update is
     the one timed."""
-    from stages import STAGES
+    from stages import training_plans
 
-    for name in spec.stages:
-        if (stage := STAGES.get(name)) is not None and stage.plan is not None:
-            return stage.plan(spec)
-    raise PipelineError(f"{spec.source}: no stage of {', '.join(spec.stages)} trains")
+    if not (plans := training_plans(spec)):
+        raise PipelineError(f"{spec.source}: no stage of {', '.join(spec.stages)} trains")
+    return plans[0][1]
 
 
 def out_of_memory(error: BaseException) -> bool:
