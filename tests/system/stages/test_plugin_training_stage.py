@@ -2,7 +2,7 @@
 (tests/fixtures/polish_stage.py), is estimated, timed, trained, resumed and reprinted as the
 built-in ones are, and nothing under pipeline/commands names it: each reads the stage's plan
 (pipeline/training/plan.py). The CLI in child processes (the entry point is read at start):
-four runs of a tiny pipeline, about 40 s on 2 cores."""
+four runs of a tiny pipeline, about 40 s on 2 cores: the slow tier, as it starts processes."""
 
 from __future__ import annotations
 
