@@ -18,12 +18,16 @@ the stage's MLflow run, so that whatever shows them later shows them beside thos
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import atomic_write_json
 from pipeline.training.checkpoint_dirs import CHECKPOINTS, WEIGHTS
 from stages.base import Stage, StageContext
 from stages.trained_checkpoint import trained_checkpoint, trained_stages
+
+if TYPE_CHECKING:
+    from pipeline.models.protocol import SequenceModel
 
 # below this many tokens a split's bpc is too noisy to compare runs on (its standard error
 # is roughly 1/sqrt(n) of the per-token spread), so evaluate says so
@@ -155,16 +159,21 @@ evaluate.batch_size x seq_len (streamed with the cache, as scoring does): a per-
 over thousands of query rows, at a fraction of a full pass's cost."""
 
 
-def _persistent_share(ctx: StageContext, model, seq_len: int, device, valid=None) -> dict:
+def _persistent_share(
+    ctx: StageContext, model: SequenceModel, seq_len: int, device, valid=None
+) -> dict:
     """{"persistent_share": [[...]]} (per layer x head, the mean attention weight on the
     persistent vectors on the valid split) and its heat map `persistent_share.png`, logged
-    as an artifact; {} for a model that reports none (SequenceModel.measure_persistent_share).
+    as an artifact; {} for a model that reports none (HeadReports.measure_persistent_share).
     Every query row of the batches run counts, the padded tail of a short split's last
     batch included. `valid`: the split's tokens if scoring already read them."""
     from pipeline.data.manifest import load_split
+    from pipeline.models.capabilities import HeadReports
     from pipeline.training.evaluation import evaluate_nll
     from pipeline.training.head_maps import head_heat_map
 
+    if not isinstance(model, HeadReports):
+        return {}
     batch_size = ctx.spec.evaluate.batch_size
     with model.measure_persistent_share() as tables:
         if tables is not None:

@@ -134,10 +134,12 @@ def resolved_summary(trainer: Trainer) -> dict:
 
 def log_head_tables(ctx: StageContext, trainer: Trainer) -> None:
     """What the model reports per layer and head at the end of the stage (its learned spans:
-    `spans.json`, `spans.png`) into out_dir, logged as artifacts; rank 0 only."""
+    `spans.json`, `spans.png`) into out_dir, logged as artifacts; rank 0 only. Nothing for
+    a model without HeadReports."""
+    from pipeline.models.capabilities import HeadReports
     from pipeline.training.head_maps import save_head_tables
 
-    if trainer.rank != 0:
+    if trainer.rank != 0 or not isinstance(trainer.model, HeadReports):
         return
     for path in save_head_tables(
         trainer.model.head_tables(),

@@ -16,6 +16,7 @@ from pipeline.training.memory_plan import (
     dtype_name,
     gib,
     growing_cases,
+    hold_shapes_at,
     planner,
     resident_memory,
 )
@@ -39,7 +40,7 @@ def gpu_plan_lines(spec, model) -> list[str]:
     train = spec.train
     world = train.launcher.world_size
     rows = train.batch_size // world
-    span = model.hold_shapes_at(1.0)
+    span = hold_shapes_at(model, 1.0)
     plan = planner(spec, model, "cuda", world, rows)
     s = plan.states
     where = f" at the full span ({span})" if span else ""
@@ -58,7 +59,7 @@ def gpu_plan_lines(spec, model) -> list[str]:
         fixed = s.weights.bytes + s.optimizer.bytes + s.bucket.bytes + s.gradients.bytes
         return [
             *lines,
-            f"    activations: not counted ({spec.model_kind} has no activation_memory()): "
+            f"    activations: not counted ({spec.model_kind} declares no MemoryCounts): "
             f"{gib(fixed)} per GPU before them",
         ]
     chosen = {}
@@ -66,7 +67,7 @@ def gpu_plan_lines(spec, model) -> list[str]:
         mb, how = _micro_batch(train, world, plan, gpu)
         chosen[gpu.name] = mb
         lines.append(_gpu_line(gpu, plan, mb, how))
-    if span and model.hold_shapes_at(1 / 16) != span:
+    if span and hold_shapes_at(model, 1 / 16) != span:
         short = planner(spec, model, "cuda", world, rows)
         parts = [
             f"{gpu.name} {gib(p.peak)} (micro-batch {mb})"
@@ -75,7 +76,7 @@ def gpu_plan_lines(spec, model) -> list[str]:
         ]
         if parts:
             lines.append(
-                f"    at span 1/16 ({model.hold_shapes_at(1 / 16)}), where an adaptive span "
+                f"    at span 1/16 ({hold_shapes_at(model, 1 / 16)}), where an adaptive span "
                 f"starts growing: peak {', '.join(parts)}"
             )
     return lines
@@ -130,7 +131,7 @@ def timing_shape(spec, model) -> TimedShape:
     SHARE of the memory available, else the most rows in one micro-batch that do, else
     none."""
     rows = spec.train.batch_size  # the estimate times the whole batch in one process
-    model.hold_shapes_at(None)
+    hold_shapes_at(model, None)
     room, source = available_memory()
     rss = resident_memory()
     budget = int(SHARE * (room + rss)) - rss  # the process under half of what was available

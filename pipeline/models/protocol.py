@@ -12,12 +12,13 @@ pipeline/models/builtin.py, declared in pyproject.toml; docs/extending.md).
 A model maps a block of tokens [B, M] (with the state the previous block left) to a per-token
 loss [B, M] and the next state:
 
-    with model.planned_update():             # training: shapes fixed ahead (PlannedShapes)
-        out = model(tokens, targets, state)  # ModelOutput(logits, nll, state)
-        loss = out.nll.mean() + model.aux_loss()
-        ... backward, optimizer step ...
-    model.after_step()                       # BoundedParameters: the clamp
-    model.request_plan()
+    out = model(tokens, targets, state)      # ModelOutput(logits, nll, state)
+    loss = out.nll.mean() + model.aux_loss()
+    ... backward, optimizer step ...
+
+(a model that is `PlannedShapes` runs that inside ``model.planned_update()`` and is asked
+``request_plan()`` after the step; one that is `BoundedParameters` is clamped by
+``after_step()``.)
 
 The state is what a model carries from one block of a stream to the next (the
 Transformer-XL cache, the ∞-former's long-term memory); a model without one returns [].
@@ -28,12 +29,10 @@ resumes on another number of processes, without knowing what it holds.
 The protocol is a small core, which every family provides (``forward``; ``init_state`` for
 a model with a state; the rest has defaults that fit most models), and optional
 capabilities in small groups (pipeline.models.capabilities: bounded parameters, shapes
-planned ahead, training backends, training metrics, per-head reports, memory counts), whose
-hooks do nothing by default. `SequenceModel` inherits those capabilities, so a caller calls
-any of their hooks on any model; a family that has one overrides its hooks. A capability
-that has no answer for a model without it is opt in (`AttentionSpans`, what the estimate
-costs a run's spans at): a family declares it among its bases and a caller asks
-``isinstance(model, AttentionSpans)`` first.
+planned ahead, training backends, training metrics, per-head reports, memory counts,
+attention spans). A capability is opt in: a family that has one lists it among its bases
+and implements its hooks; a caller asks ``isinstance(model, Group)`` before it calls them
+and does without where the model is not one. `SequenceModel` inherits none.
 """
 
 from __future__ import annotations
@@ -43,15 +42,6 @@ from typing import NamedTuple
 
 import torch.nn as nn
 from torch import Tensor
-
-from pipeline.models.capabilities import (
-    BoundedParameters,
-    HeadReports,
-    MemoryCounts,
-    PlannedShapes,
-    TrainingBackends,
-    TrainingMetrics,
-)
 
 State = list[Tensor]
 """Tensors carried from block to block, each [B, ...] (batch first), detached."""
@@ -67,20 +57,12 @@ class ModelOutput(NamedTuple):
     """The state for the next block (see the module doc)."""
 
 
-class SequenceModel(
-    BoundedParameters,
-    PlannedShapes,
-    TrainingBackends,
-    TrainingMetrics,
-    HeadReports,
-    MemoryCounts,
-    nn.Module,
-):
+class SequenceModel(nn.Module):
     """Base class of every model family: the core of the protocol. Subclasses implement
     ``forward(tokens, targets=None, state=None) -> ModelOutput`` (tokens, targets: [B, M]
     int64; state: the previous block's ``ModelOutput.state``, None for ``init_state``'s) and,
     if they carry a state, ``init_state``; the rest has defaults for a model with nothing more
-    to say. The optional capabilities' hooks come from the base classes
+    to say. A family declares its optional capabilities as further bases
     (pipeline.models.capabilities)."""
 
     activation_checkpointing: bool = False
@@ -106,6 +88,15 @@ class SequenceModel(
             id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
         }
         return 6.0 * count_elements(p for p in self.parameters() if id(p) not in embedded)
+
+    def train_hardware_flops_per_token(self, block_len: int) -> float:
+        """Training FLOPs per token that the hardware executes, for the hardware FLOPs
+        utilisation (HFU) reported beside the MFU: ``train_flops_per_token()`` plus what the
+        computation does twice. Default: with ``activation_checkpointing``, the forward again
+        (a third more: 2 of the 6 per weight element). A family adds what it recomputes of
+        its own; ``block_len``: the tokens of one training block (``train.seq_len``)."""
+        flops = self.train_flops_per_token()
+        return flops * 4 / 3 if self.activation_checkpointing else flops
 
     def describe(self) -> str:
         """One line for the training log: how this model computes (backends and the like)."""

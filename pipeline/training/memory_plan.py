@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.models.capabilities import ActivationMemory
+from pipeline.models.capabilities import ActivationMemory, MemoryCounts
 
 GIB = 2**30
 BUCKET_ELEMENTS = 500_000_000
@@ -167,7 +167,9 @@ class Planner:
     def at(self, micro_batch: int, rows: int | None = None) -> StepPlan | None:
         """The plan at `micro_batch` rows, of an update of `rows` (default: the process's);
         None: the model does not count its memory."""
-        counts = self.model.activation_memory(  # type: ignore[attr-defined]
+        if not isinstance(self.model, MemoryCounts):
+            return None
+        counts = self.model.activation_memory(
             micro_batch, self.block_len, self.dtype, self.device_type, self.uniform_tokens
         )
         if counts is None:
@@ -217,6 +219,12 @@ def planner(
     if (cases := growing_cases(spec)) is not None:  # generated at the start length
         block = cases.start_length
     return Planner(model, states, block, dtype, device_type, rows, documents, uniform_tokens)
+
+
+def hold_shapes_at(model, fraction: float | None) -> str:
+    """`MemoryCounts.hold_shapes_at` for a model that counts its memory: the shapes the plan
+    counts, in words ("" for a model whose shapes learn nothing, or that counts none)."""
+    return model.hold_shapes_at(fraction) if isinstance(model, MemoryCounts) else ""
 
 
 def growing_cases(spec):

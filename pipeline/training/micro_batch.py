@@ -29,6 +29,7 @@ import torch
 
 from pipeline.errors import PipelineError
 from pipeline.fsutil import read_json
+from pipeline.models.capabilities import bounded_parameters
 from pipeline.training.tasks import Task, objective
 
 RECORD = "resolved.json"
@@ -130,7 +131,7 @@ def probe(
     if bf16:
         trial = trial.to(torch.bfloat16)
     with torch.no_grad():
-        for p, _, hi in trial.bounded_parameters():
+        for p, _, hi in bounded_parameters(trial):
             p.fill_(hi)
     trial.train()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -31,6 +32,13 @@ from pipeline.cluster.device import dense_peak_tflops, peak_memory_mb, resolve_d
 from pipeline.cluster.signals import StopSignal
 from pipeline.data.vocab import bits_name
 from pipeline.errors import PipelineError, Preempted
+from pipeline.models.capabilities import (
+    BoundedParameters,
+    PlannedShapes,
+    TrainingBackends,
+    TrainingMetrics,
+    bounded_parameters,
+)
 from pipeline.models.protocol import SequenceModel, State
 from pipeline.ops import compile_count
 from pipeline.training.ds_config import deepspeed_config
@@ -76,26 +84,30 @@ class EngineUpdates:
 
     Around each update (`run`) the model's bounded parameters are read in float32 from the
     fp32 masters DeepSpeed steps and clamped on them (engine.MasterClamp, Float32Masters),
-    and the model plans its shapes (planned_update, request_plan); each micro-batch
+    and a model with planned shapes plans them (planned_update, request_plan; the
+    capabilities are asked once, here); each micro-batch
     (`micro_batch`) goes forward (its task's), backward and through the non-finite guard to
     the engine's step. `bounded_init`: the bounded parameters' float32 values from before
     DeepSpeed's cast. Build it after the guard is attached and the model compiled."""
 
     def __init__(self, engine, guard: NonfiniteGuard, bounded_init: list[torch.Tensor]):
         self.engine, self.guard, self.model = engine, guard, engine.module
-        bounded = self.model.bounded_parameters()
+        bounded = bounded_parameters(self.model)
+        self.plans = self.model if isinstance(self.model, PlannedShapes) else None
         self.master_clamp = MasterClamp(engine, bounded)
         self.float32_masters = Float32Masters(engine, [p for p, _, _ in bounded], bounded_init)
 
     def run(self, micro_batches: Callable[[], Losses]) -> Losses:
         """One update: `micro_batches()` runs its micro-batches; returns what it returns."""
         self.float32_masters.copy_to_params()  # after a resume, too: the masters were loaded
-        with self.model.planned_update():
+        with self.plans.planned_update() if self.plans else nullcontext():
             losses = micro_batches()
         self.master_clamp.clamp()  # the fp32 masters DeepSpeed steps, and the model's copies
-        self.model.after_step()  # the model's own hook (the base clamps as above)
+        if isinstance(self.model, BoundedParameters):
+            self.model.after_step()  # the model's own hook (the base clamps as above)
         self.float32_masters.copy_to_params()
-        self.model.request_plan()
+        if self.plans:
+            self.plans.request_plan()
         return losses
 
     def micro_batch(self, forward: Callable[[], Forward]) -> MicroBatchLoss:
@@ -140,7 +152,7 @@ class Trainer:
         model = build_model(self.spec, self.vocab_size, data.origin, self.device, self.rank)
         self.resolved, self.ds_config = build_ds_config(self, model, recorded)
         self.peak_tflops = dense_peak_tflops(self.device, matmul_dtype(self.ds_config))
-        bounded_init = [p.detach().clone() for p, _, _ in model.bounded_parameters()]
+        bounded_init = [p.detach().clone() for p, _, _ in bounded_parameters(model)]
         self.engine = build_engine(model.to(self.device), self.ds_config, train, self.world_size)
         self.model = self.engine.module
         self.guard = build_guard(train, plan.name, self.device, self.engine, tracker, self.rank)
@@ -365,12 +377,12 @@ class Trainer:
         metrics since the last report, all read from the device at once. Called on every
         rank: the loss is averaged with a collective."""
         mean, seconds_per_step, tokens_per_s = window.take()
-        values = self._read_once(
-            {"loss": mean} | self.model.metric_tensors() | self.guard.tensors()
-        )
+        metered = self.model if isinstance(self.model, TrainingMetrics) else None
+        own: dict[str, torch.Tensor] = metered.metric_tensors() if metered else {}
+        values = self._read_once({"loss": torch.as_tensor(mean)} | own | self.guard.tensors())
         self.guard.check(values)  # in the same read: a non-finite update stops here
         mean = distributed.mean_over_ranks(values.pop("loss"))
-        warnings = self.model.metric_warnings(values)
+        warnings = metered.metric_warnings(values) if metered else []
         if self.rank != 0:
             return
         metrics = {
@@ -425,7 +437,7 @@ class Trainer:
                 self.states,
                 self.best_valid,
                 self.evals_since_best,
-                self.model.plan_state(),
+                self.model.plan_state() if isinstance(self.model, PlannedShapes) else None,
                 {hook.name: hook.state_dict() for hook in self.hooks},
             ),
             best=best,
@@ -443,7 +455,8 @@ class Trainer:
         loop = self.checkpoints.load(root, self.accum, self.device)
         self.step, self.states = loop.step, loop.states
         self.best_valid, self.evals_since_best = loop.best_valid, loop.evals_since_best
-        self.model.load_plan_state(loop.plan)
+        if isinstance(self.model, PlannedShapes):
+            self.model.load_plan_state(loop.plan)
         for hook in [] if continued else self.hooks:
             if hook.name not in loop.hooks:
                 raise PipelineError(
@@ -478,7 +491,7 @@ def build_model(spec, vocab_size: int, origin: str, device, rank: int) -> Sequen
     seed = spec.train.seed
     torch.manual_seed(seed)
     model = spec.build_model(vocab_size, origin)
-    if why := model.cannot_train_on(device):
+    if isinstance(model, TrainingBackends) and (why := model.cannot_train_on(device)):
         raise PipelineError(why)
     torch.manual_seed(seed + rank)
     np.random.seed(seed + rank)
@@ -549,7 +562,7 @@ def compile_model(model: SequenceModel, compile_mode, device, log) -> bool:
     graphs = compile_mode == "graphs" and device.type == "cuda"
     if compile_mode == "graphs" and not graphs:
         log(f"train.compile: graphs needs CUDA; compiling without them on {device}")
-    compiled = model.compile_for_training(graphs=graphs)
+    compiled = isinstance(model, TrainingBackends) and model.compile_for_training(graphs=graphs)
     if not compiled and compile_mode in (True, "graphs"):
         log(f"train.compile: {type(model).__name__} has no compiled path; training eagerly")
     return compiled

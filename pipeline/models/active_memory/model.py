@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.models.capabilities import ActivationMemory
+from pipeline.models.capabilities import ActivationMemory, MemoryCounts
 from pipeline.models.checks import check_at_least, check_scalar_types
 from pipeline.models.protocol import ModelOutput, SequenceModel, State
 
@@ -325,7 +325,7 @@ class PersistentPadding(nn.Module):
             _glorot_uniform_(p, p.shape[0], cfg.d_model)
 
 
-class ActiveMemoryModel(SequenceModel):
+class ActiveMemoryModel(SequenceModel, MemoryCounts):
     """Embedding -> n_layers pre-norm blocks -> LayerNorm -> Linear(d, V) (see module doc)."""
 
     def __init__(self, cfg: ActiveMemoryConfig, vocab_size: int):

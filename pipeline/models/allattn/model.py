@@ -75,7 +75,16 @@ from pipeline.models.allattn.layers import (
     planned_span_len,
 )
 from pipeline.models.allattn.span_planner import SpanPlanner
-from pipeline.models.capabilities import ActivationMemory, AttentionSpans
+from pipeline.models.capabilities import (
+    ActivationMemory,
+    AttentionSpans,
+    BoundedParameters,
+    HeadReports,
+    MemoryCounts,
+    PlannedShapes,
+    TrainingBackends,
+    TrainingMetrics,
+)
 from pipeline.models.protocol import ModelOutput, SequenceModel, State, count_elements
 from pipeline.ops import (
     AttendFn,
@@ -92,7 +101,16 @@ from pipeline.ops.triton_attention import RECOMPUTED_PRODUCTS
 # --------------------------------------------------------------------------------------
 
 
-class AllAttnLM(SequenceModel, AttentionSpans):
+class AllAttnLM(
+    SequenceModel,
+    BoundedParameters,
+    PlannedShapes,
+    TrainingBackends,
+    TrainingMetrics,
+    HeadReports,
+    MemoryCounts,
+    AttentionSpans,
+):
     """Embedding -> n_layers all-attention layers -> linear output over the vocabulary
     (or, with ``adaptive_io``, adaptive input -> layers -> tied adaptive softmax).
 

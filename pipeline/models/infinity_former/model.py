@@ -60,7 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.models.capabilities import ActivationMemory
+from pipeline.models.capabilities import ActivationMemory, MemoryCounts, TrainingMetrics
 from pipeline.models.checks import check_at_least, check_scalar_types
 from pipeline.models.protocol import ModelOutput, SequenceModel, State
 
@@ -505,7 +505,7 @@ class XLLayer(nn.Module):
         return x, read
 
 
-class InfinityFormerLM(SequenceModel):
+class InfinityFormerLM(SequenceModel, TrainingMetrics, MemoryCounts):
     """The ∞-former language model (``ltm: false``: Transformer-XL); see the module doc."""
 
     def __init__(self, cfg: InfinityFormerConfig, vocab_size: int) -> None:

@@ -136,5 +136,10 @@ def test_a_model_without_counts_says_so():
         def forward(self, tokens, targets=None, state=None):
             return ModelOutput(None, None, [])
 
-    assert Plain().activation_memory(2, 8, torch.float32, "cpu") is None
-    assert Plain().hold_shapes_at(1.0) == ""
+    from pipeline.models.capabilities import MemoryCounts
+    from pipeline.training.memory_plan import Planner, hold_shapes_at, model_states
+
+    assert not isinstance(Plain(), MemoryCounts)  # opt in: not declared, not counted
+    states = model_states(6, 0, 1, torch.float32, "adam", "cpu")
+    assert Planner(Plain(), states, 8, torch.float32, "cpu", 2, documents=False).at(1) is None
+    assert hold_shapes_at(Plain(), 1.0) == ""

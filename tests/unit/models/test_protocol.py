@@ -1,6 +1,5 @@
 """The model protocol (pipeline/models/protocol.py, capabilities.py): a small core every
-family provides, and optional capabilities whose hooks every model answers, doing nothing
-unless the family overrides them."""
+family provides, and optional capabilities that a family declares (opt in), never inherits."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import ast
 import inspect
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -17,13 +17,23 @@ from pipeline.models.capabilities import (
     AttentionSpans,
     BoundedParameters,
     HeadReports,
+    MemoryCounts,
     PlannedShapes,
     TrainingBackends,
     TrainingMetrics,
+    bounded_parameters,
 )
 from pipeline.models.protocol import ModelOutput, SequenceModel
 
-CAPABILITIES = (BoundedParameters, PlannedShapes, TrainingBackends, TrainingMetrics, HeadReports)
+CAPABILITIES = (
+    BoundedParameters,
+    PlannedShapes,
+    TrainingBackends,
+    TrainingMetrics,
+    HeadReports,
+    MemoryCounts,
+    AttentionSpans,
+)
 
 
 def hooks(cls: type) -> set[str]:
@@ -52,59 +62,76 @@ def test_the_core_is_small_and_the_capabilities_are_apart():
         "init_state",
         "aux_loss",
         "train_flops_per_token",
+        "train_hardware_flops_per_token",
         "describe",
         "parameter_groups",
     }
     groups = [hooks(c) for c in CAPABILITIES]
-    assert sum(map(len, groups)) == len(set().union(*groups)) == 14  # no hook in two groups
-    assert all(issubclass(SequenceModel, c) for c in CAPABILITIES)
+    assert sum(map(len, groups)) == len(set().union(*groups)) == 18  # no hook in two groups
+    assert not set().union(*groups) & hooks(SequenceModel)
+    assert not any(issubclass(SequenceModel, c) for c in CAPABILITIES)
 
 
-def test_a_model_with_only_forward_answers_every_hook():
+def test_a_model_with_only_forward_answers_the_core_and_has_no_capability():
     model = Unigram()
     tokens = torch.zeros(2, 3, dtype=torch.long)
-    with model.planned_update():
-        out = model(tokens, tokens, model.init_state(2))
+    out = model(tokens, tokens, model.init_state(2))
     assert out.nll.shape == (2, 3) and out.state == []
     assert float(model.aux_loss()) == 0.0 and model.describe() == "Unigram"
     assert model.parameter_groups() == {"logits": 5} and model.train_flops_per_token() == 30.0
-    model.after_step()
-    model.request_plan()
-    model.load_plan_state(None)
-    assert model.bounded_parameters() == [] and model.plan_state() is None
-    assert not model.compile_for_training() and model.cannot_train_on(torch.device("cpu")) is None
-    assert model.metrics() == {} and model.metric_tensors() == {}
-    assert model.metric_warnings({}) == [] and model.head_tables() == {}
-    with model.measure_persistent_share() as tables:
-        assert tables is None
+    assert model.train_hardware_flops_per_token(3) == 30.0
+    model.activation_checkpointing = True  # the forward again: 2 of the 6 per element
+    assert model.train_hardware_flops_per_token(3) == 40.0
+    assert [c.__name__ for c in CAPABILITIES if isinstance(model, c)] == []
+    assert bounded_parameters(model) == []
+    assert not hasattr(model, "planned_update") and not hasattr(model, "head_tables")
 
 
-def test_a_family_plans_shapes_with_all_four_hooks_or_none():
-    """plan_state must save what planned_update plans from: the group goes together."""
-    for kind, (_, model) in MODELS.items():
-        overridden = {
-            name
-            for name in hooks(PlannedShapes)
-            if getattr(model, name) is not getattr(PlannedShapes, name)
-        }
-        assert overridden in (set(), hooks(PlannedShapes)), (kind, overridden)
+@pytest.mark.parametrize("capability", CAPABILITIES, ids=lambda c: c.__name__)
+def test_a_family_that_declares_a_capability_without_its_hooks_cannot_be_built(capability):
+    """Abstract hooks: a declared capability is answered in full or the model is refused at
+    construction, never when a caller first asks (the four planning hooks go together:
+    plan_state must save what planned_update plans from)."""
+    declared = type("Declared", (Unigram, capability), {})
+    with pytest.raises(TypeError, match="abstract"):
+        declared()
+    assert capability.__abstractmethods__  # each group has a hook a family must write
 
 
-def test_attention_spans_are_declared_by_the_family_that_has_them_not_inherited():
-    """An opt-in capability: the estimate asks isinstance(model, AttentionSpans) and a model
-    without spans is not one; a family that declares it answers every hook."""
-    assert not issubclass(SequenceModel, AttentionSpans)
-    assert not isinstance(Unigram(), AttentionSpans)
-    declared = {kind for kind, (_, model) in MODELS.items() if issubclass(model, AttentionSpans)}
-    assert declared == {"allattn"}
+FAMILY_CAPABILITIES = {
+    "allattn": set(CAPABILITIES),
+    "infinity_former": {TrainingMetrics, MemoryCounts},
+    "active_memory": {MemoryCounts},
+}
+"""What each built-in family declares (capabilities.py's module doc lists the same)."""
+
+
+def test_each_family_declares_the_capabilities_it_has_and_answers_their_hooks():
+    declared = {
+        kind: {c for c in CAPABILITIES if issubclass(model, c)}
+        for kind, (_, model) in MODELS.items()
+        if kind in FAMILY_CAPABILITIES
+    }
+    assert declared == FAMILY_CAPABILITIES
     for kind in declared:
-        model = MODELS[kind].model
-        unanswered = {
-            name
-            for name in hooks(AttentionSpans)
-            if getattr(model, name) is getattr(AttentionSpans, name)
-        }
-        assert unanswered == set(), kind
+        assert MODELS[kind].model.__abstractmethods__ == frozenset(), kind
+
+
+def test_the_capability_table_in_the_module_doc_is_the_families_declarations():
+    import pipeline.models.capabilities as capabilities
+
+    names = {"allattn": "all-attention", "infinity_former": "∞-former"}
+    for capability in CAPABILITIES:
+        line = next(
+            line
+            for line in capabilities.__doc__.splitlines()
+            if line.startswith(f"- `{capability.__name__}`")
+        )
+        holders = {k for k, caps in FAMILY_CAPABILITIES.items() if capability in caps}
+        if holders == set(FAMILY_CAPABILITIES):
+            assert "every built-in family" in line, line
+        else:
+            assert {k for k, word in names.items() if word in line} == holders, line
 
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -116,7 +143,7 @@ SHARED_NAMES = {"key", "update", "value", "vocab_size"}
 def family_names() -> set[str]:
     """The public names a registered family defines beyond the protocol: its methods and the
     attributes its modules assign (``self.span_planner = ...``)."""
-    protocol = set(dir(SequenceModel)) | set(dir(AttentionSpans))
+    protocol = set(dir(SequenceModel)).union(*(dir(c) for c in CAPABILITIES))
     names = set()
     for _, model in MODELS.values():
         names |= {n for n in dir(model) if not n.startswith("_")}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.models.capabilities import ActivationMemory
+from pipeline.models.capabilities import ActivationMemory, MemoryCounts
 from pipeline.training import memory_plan
 from pipeline.training.memory_plan import Planner, StepPlan, model_states
 
@@ -51,7 +51,7 @@ def test_the_peak_is_the_backward_or_the_optimizer_step_whichever_is_larger():
     assert small.peak == 4000 + 8000 + 8000  # the step: the gradients and the temporary
 
 
-class Linear:
+class Linear(MemoryCounts):
     """A stand-in model whose activations grow by `per_row` bytes a row."""
 
     def __init__(self, per_row: int):
