@@ -24,7 +24,7 @@ class StageTokens:
     updates: int
     tokens: int
     how: str
-    at_least: bool = False  # the curriculum's lengths grow from start_length
+    at_least: bool = False  # a lower bound: the rows grow as the stage runs
 
 
 def training_tokens(spec) -> list[StageTokens]:
@@ -187,7 +187,7 @@ def estimate_report(spec, measure: bool = True, progress=None) -> str:
             f"assumed: the same {peak:.0f} TFLOP/s dense bf16 peak, its faster memory not counted)"
         )
     if any(s.at_least for s in stages):
-        lines.append("  (>=: at the curriculum's start length; longer cases cost more)")
+        lines.append("  (>=: a lower bound: the stage's rows grow as it runs; its count says how)")
     if spec.model_kind != "allattn":
         lines.append(
             f"  assumed: the recorded MFU (an allattn model's) for this {spec.model_kind} model"

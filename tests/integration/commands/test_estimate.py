@@ -114,6 +114,29 @@ def test_a_plugins_stages_say_what_they_cost_with_no_edit_to_the_estimate(tmp_pa
     assert any(line.startswith("  H100 time at the full span: distil ") for line in out)
 
 
+def test_a_lower_bound_is_marked_as_one_whichever_stage_counts_it(tmp_path, monkeypatch):
+    """A plugin stage whose rows grow as it runs counts its tokens at least: the report marks
+    them ">=" and its footnote names no curriculum (the stage's own count says how)."""
+    from pipeline.training.plan import Tokens
+
+    def grow_plan(spec):
+        plan = STAGES["train"].plan(spec)
+        tokens = Tokens(10, 640, "10 updates x 4 rows x at least 16 tokens (rows grow)", True)
+        return dataclasses.replace(plan, name="grow", tokens=tokens)
+
+    grow = dataclasses.replace(STAGES["train"], name="grow", plan=grow_plan)
+    monkeypatch.setitem(STAGES, "grow", grow)
+    spec = load_spec(
+        CONFIGS / "quickstart.yaml",
+        [*SMALL, f"workspace.root={tmp_path}", "stages=[download, preprocess, grow]"],
+    )
+    out = estimate_report(spec, measure=False).splitlines()
+    count = "10 updates x 4 rows x at least 16 tokens (rows grow)"
+    assert f"    grow       >= 640 tokens = {count}" in out
+    assert out[-1] == "  (>=: a lower bound: the stage's rows grow as it runs; its count says how)"
+    assert not [line for line in out if "curriculum" in line]
+
+
 def test_show_estimate_without_a_training_stage_says_so(tmp_path):
     result = CliRunner().invoke(
         main,
