@@ -84,8 +84,8 @@ class EngineUpdates:
 
     Around each update (`run`) the model's bounded parameters are read in float32 from the
     fp32 masters DeepSpeed steps and clamped on them (engine.MasterClamp, Float32Masters),
-    and a model with planned shapes plans them (planned_update, request_plan; the
-    capabilities are asked once, here); each micro-batch
+    and a model with planned shapes plans them (planned_update, request_plan); each
+    micro-batch
     (`micro_batch`) goes forward (its task's), backward and through the non-finite guard to
     the engine's step. `bounded_init`: the bounded parameters' float32 values from before
     DeepSpeed's cast. Build it after the guard is attached and the model compiled."""
@@ -93,20 +93,22 @@ class EngineUpdates:
     def __init__(self, engine, guard: NonfiniteGuard, bounded_init: list[torch.Tensor]):
         self.engine, self.guard, self.model = engine, guard, engine.module
         bounded = bounded_parameters(self.model)
+        # the model's capabilities (pipeline.models.capabilities), asked once
         self.plans = self.model if isinstance(self.model, PlannedShapes) else None
+        self.bounds = self.model if isinstance(self.model, BoundedParameters) else None
         self.master_clamp = MasterClamp(engine, bounded)
         self.float32_masters = Float32Masters(engine, [p for p, _, _ in bounded], bounded_init)
 
     def run(self, micro_batches: Callable[[], Losses]) -> Losses:
         """One update: `micro_batches()` runs its micro-batches; returns what it returns."""
         self.float32_masters.copy_to_params()  # after a resume, too: the masters were loaded
-        with self.plans.planned_update() if self.plans else nullcontext():
+        with self.plans.planned_update() if self.plans is not None else nullcontext():
             losses = micro_batches()
         self.master_clamp.clamp()  # the fp32 masters DeepSpeed steps, and the model's copies
-        if isinstance(self.model, BoundedParameters):
-            self.model.after_step()  # the model's own hook (the base clamps as above)
+        if self.bounds is not None:
+            self.bounds.after_step()  # the model's own hook (by default the clamp above)
         self.float32_masters.copy_to_params()
-        if self.plans:
+        if self.plans is not None:
             self.plans.request_plan()
         return losses
 
@@ -378,11 +380,11 @@ class Trainer:
         rank: the loss is averaged with a collective."""
         mean, seconds_per_step, tokens_per_s = window.take()
         metered = self.model if isinstance(self.model, TrainingMetrics) else None
-        own: dict[str, torch.Tensor] = metered.metric_tensors() if metered else {}
+        own: dict[str, torch.Tensor] = metered.metric_tensors() if metered is not None else {}
         values = self._read_once({"loss": torch.as_tensor(mean)} | own | self.guard.tensors())
         self.guard.check(values)  # in the same read: a non-finite update stops here
         mean = distributed.mean_over_ranks(values.pop("loss"))
-        warnings = metered.metric_warnings(values) if metered else []
+        warnings = metered.metric_warnings(values) if metered is not None else []
         if self.rank != 0:
             return
         metrics = {
