@@ -1,8 +1,8 @@
 """What the trainer, the evaluate stage, checkpoints and `show` know of a model.
 
 Every registered model family subclasses `SequenceModel` (a plain `nn.Module`) and nothing
-of the pipeline outside `pipeline/models` (the trainer, the stages, the commands) looks
-further into it: no parameter is found by name, no state is taken apart, no attribute of a
+of the pipeline outside `pipeline/models` (the trainer, the stages, the commands, the
+workspace; tests/unit/models/test_protocol.py reads them for it) looks further into it: no parameter is found by name, no state is taken apart, no attribute of a
 family is read; what a caller needs of a model it asks through a hook. (The GPU checks and
 benches of one family, gpu/ and bench/, read that family's own methods.) Adding a family
 is a config dataclass, a module, and a `ModelFamily` pairing them named by an entry point in
