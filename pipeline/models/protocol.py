@@ -2,9 +2,10 @@
 
 Every registered model family subclasses `SequenceModel` (a plain `nn.Module`) and nothing
 of the pipeline outside `pipeline/models` (the trainer, the stages, the commands, the
-workspace; tests/unit/models/test_protocol.py reads them for it) looks further into it: no parameter is found by name, no state is taken apart, no attribute of a
-family is read; what a caller needs of a model it asks through a hook. (The GPU checks and
-benches of one family, gpu/ and bench/, read that family's own methods.) Adding a family
+workspace; tests/unit/models/test_protocol.py reads them for it) looks further into it: no
+parameter is found by name, no state is taken apart, no attribute of a family is read; what
+a caller needs of a model it asks through a hook. (The GPU checks and benches of one
+family, gpu/ and bench/, read that family's own methods.) Adding a family
 is a config dataclass, a module, and a `ModelFamily` pairing them named by an entry point in
 the group `allattn_pipe.models` (pipeline/plugins.py; the built-ins are in
 pipeline/models/builtin.py, declared in pyproject.toml; docs/extending.md).
