@@ -12,6 +12,7 @@ intact one and says in one line which newer ones it passed over and why.
 
 from __future__ import annotations
 
+import enum
 import errno
 import hashlib
 import json
@@ -51,11 +52,25 @@ HASH_BLOCK = 4 << 20  # bytes read at a time: a 114M-parameter model's checkpoin
 CHECKPOINT_TYPES = [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
+class NotAnEnumMember(pickle.UnpicklingError):
+    """A pickle's getattr asked for something other than an allowed enum's member."""
+
+
+def enum_member(cls, name: str):
+    """What a pickle's ``getattr(cls, name)`` is allowed to build: a member of an enum the
+    reader allows (CPython 3.11.0-3.11.4 pickle an enum member so, by name: DeepSpeed's
+    ZeroStageEnum in the optimizer files written there; other versions pickle it by value,
+    which needs no getattr). Anything else, a method or an attribute, is refused."""
+    if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise NotAnEnumMember(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
+
+
 def read_checkpoint_file(path: Path, **load_args):
     """A checkpoint file, unpickled by torch's weights-only reader with only CHECKPOINT_TYPES
-    (and DeepSpeed's optimizer types, in its optimizer files) allowed besides: a file whose
-    pickle would build anything else (run code) is refused in one line naming it, before
-    anything in it is built."""
+    (and DeepSpeed's optimizer types, in its optimizer files) allowed besides, and getattr
+    only as `enum_member`: a file whose pickle would build anything else (run code) is
+    refused in one line naming it, before anything in it is built."""
     from pipeline.training.engine import optimizer_file_types
 
     allowed = CHECKPOINT_TYPES + (
@@ -63,11 +78,15 @@ def read_checkpoint_file(path: Path, **load_args):
     )
     refuse_special(path, "checkpoint file")  # torch.load would block on a FIFO
     try:
-        with torch.serialization.safe_globals(allowed):
+        with torch.serialization.safe_globals([*allowed, (enum_member, "builtins.getattr")]):
             return torch.load(path, map_location="cpu", weights_only=True, **load_args)
     except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        what = f"it would build {found.group(1)}" if found else "its pickle is not one"
+        found = re.search(r"Unsupported global: GLOBAL (\S+)|(getattr\(.*?\))", str(e))
+        what = (
+            f"it would build {found.group(1) or found.group(2)}"
+            if found
+            else "its pickle is not one"
+        )
         raise PipelineError(
             f"{path}: refused, not a checkpoint this pipeline writes ({what}); "
             f"a checkpoint can run code when loaded, so only tensors and plain "
