@@ -84,8 +84,15 @@ _NO_ANSWER = "failed with exception"
 
 
 def _answered_status(error: BaseException) -> int | None:
+    """The server's 5xx answer: urllib3's when it gave up retrying ("too many 500 error
+    responses"), or MLflow's own error for a 500 it was handed back unretried
+    (INTERNAL_ERROR), so that both say "HTTP 500"; a 4xx keeps MLflow's words."""
     m = re.search(r"too many (\d{3}) error responses", str(error))
-    return int(m.group(1)) if m else None
+    if m:
+        return int(m.group(1))
+    if getattr(error, "error_code", None) == "INTERNAL_ERROR" and hasattr(error, "json"):
+        return 500  # a RestException: the server answered 500
+    return None
 
 
 # The tag that carries a run's key (the name tracking records give it before MLflow has made

@@ -492,3 +492,24 @@ def test_a_store_mlflow_refuses_is_one_line(tmp_path, monkeypatch):
     assert result.output.rstrip().endswith("(its opt-out: MLFLOW_ALLOW_FILE_STORE=true)")
     assert len(result.output.strip().splitlines()) == 1
     assert not list((tmp_path / "runs").glob("*/download*"))  # no stage started
+
+
+def test_a_500_reads_http_500_whether_or_not_it_was_retried():
+    """urllib3's "too many 500 error responses" (MLflow retried) and MLflow's INTERNAL_ERROR
+    (the 500 handed back unretried, as a loaded CI machine saw) are one reason; a 4xx keeps
+    MLflow's own words."""
+    from mlflow.exceptions import RestException
+
+    from pipeline.tracking.sender import reason
+
+    retried = Exception(
+        "Max retries exceeded (Caused by ResponseError('too many 500 error responses'))"
+    )
+    unretried = RestException(
+        {"error_code": "INTERNAL_ERROR", "message": "Changing param values is not allowed"}
+    )
+    missing = RestException(
+        {"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "Run 'x' not found"}
+    )
+    assert reason(retried) == reason(unretried) == "HTTP 500"
+    assert reason(missing) == "RESOURCE_DOES_NOT_EXIST: Run 'x' not found"
