@@ -52,10 +52,6 @@ HASH_BLOCK = 4 << 20  # bytes read at a time: a 114M-parameter model's checkpoin
 CHECKPOINT_TYPES = [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-class NotAnEnumMember(pickle.UnpicklingError):
-    """A pickle's getattr asked for something other than an allowed enum's member."""
-
-
 def enum_member(cls, name: str):
     """What a pickle's ``getattr(cls, name)`` is allowed to build: a member of an enum the
     reader allows (CPython 3.11.0-3.11.4 pickle an enum member so, by name: DeepSpeed's
@@ -63,7 +59,9 @@ def enum_member(cls, name: str):
     which needs no getattr). Anything else, a method or an attribute, is refused."""
     if isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__:
         return cls[name]
-    raise NotAnEnumMember(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
+    raise pickle.UnpicklingError(
+        f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})"
+    )
 
 
 def read_checkpoint_file(path: Path, **load_args):
