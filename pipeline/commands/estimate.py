@@ -32,11 +32,11 @@ def training_tokens(spec) -> list[StageTokens]:
     (pipeline.training.plan.Tokens: updates x sequences per update x tokens per sequence)."""
     from stages import training_plans
 
-    return [
-        StageTokens(name, plan.tokens.updates, plan.tokens.tokens, plan.tokens.how,
-                    plan.tokens.at_least)
-        for name, plan in training_plans(spec)
-    ]  # fmt: skip
+    out = []
+    for name, plan in training_plans(spec):
+        t = plan.tokens
+        out.append(StageTokens(name, t.updates, t.tokens, t.how, t.at_least))
+    return out
 
 
 def stage_lines(spec) -> list[str]:
